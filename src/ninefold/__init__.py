@@ -1,0 +1,26 @@
+"""ninefold: one AI system stack for CPUs and GPUs.
+
+Layers (imports point down only): ``ninefold.llm`` -> ``ninefold.ops`` / ``ninefold.comm`` ->
+``ninefold.runtime``; ``ninefold.ops`` -> ``ninefold.dsl``. The engine's user surface is exported
+lazily here so that ``import ninefold.dsl`` stays light.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "ninefold.llm.api",
+    "SamplingParams": "ninefold.llm.sampling",
+    "RequestOutput": "ninefold.llm.outputs",
+    "CompletionOutput": "ninefold.llm.outputs",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ninefold' has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_LAZY]

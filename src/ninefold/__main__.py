@@ -1,0 +1,5 @@
+import sys
+
+from ninefold.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``ninefold`` command line: wires subcommands to the packages, nothing more."""

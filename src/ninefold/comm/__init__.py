@@ -1,0 +1,1 @@
+"""ninefold.comm"""
