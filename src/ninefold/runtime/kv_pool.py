@@ -407,7 +407,7 @@ def _bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_si
         _check_int(arg, value, minimum=1)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def _check_int(arg: str, value, *, minimum: int) -> None:
