@@ -1,0 +1,343 @@
+"""Load a GGUF checkpoint as a Hugging Face-style config, state dict and tokenizer.
+
+`load_gguf(path)` returns a `GGUFCheckpoint` whose `config` has `config.json` keys, whose
+`tensors` carry HF names (`model.layers.0.self_attn.q_proj.weight`, ...) dequantized to one
+dtype, and whose tokenizer is a `tokenizers.Tokenizer` built from the metadata; so the one
+model definition that reads HF checkpoints reads GGUF files too.
+
+llama.cpp's converter reorders the rows of the q and k projections of Llama-style models (so
+its rotary embedding can rotate adjacent pairs); we put them back in HF order. Anything the
+loader does not understand (architecture, tensor type, an unexpected or missing tensor, a shape
+that disagrees with the metadata) raises `GGUFError` naming it, rather than building a wrong model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from ninefold.llm.gguf_dequant import SUPPORTED_TYPES, dequantize
+from ninefold.llm.gguf_reader import GGUFError, GGUFFile, read_gguf
+from ninefold.llm.gguf_tokenizer import build_tokenizer
+
+__all__ = ["GGUFCheckpoint", "GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf", "read_gguf"]
+
+# GGUF `general.architecture` -> (HF architecture, q/k rows permuted by llama.cpp's converter)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in Hugging Face terms."""
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    tokenizer_config: dict
+    generation_config: dict
+    name: str = ""
+    metadata: dict = field(default_factory=dict, repr=False)
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool | None = None) -> GGUFCheckpoint:
+    """Read a GGUF file: config, dequantized HF-named tensors (`dtype`), tokenizer and its config.
+
+    `progress` shows a tqdm bar while dequantizing (default: when stderr is a terminal).
+    Raises GGUFError (a ValueError) for unsupported architectures or tensor types, truncated or
+    corrupt files and tensors that disagree with the metadata.
+    """
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype: got {dtype!r}; supported: torch.float32, torch.float16, torch.bfloat16")
+    file = read_gguf(path)
+    meta = file.metadata
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"GGUF file {file.path} has architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    config = gguf_config(file)
+    tensors = _load_tensors(file, config, dtype, progress)
+    try:
+        tokenizer = build_tokenizer(meta, source=f"GGUF file {file.path}")
+    except ValueError as error:
+        raise GGUFError(str(error)) from None
+    return GGUFCheckpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        tokenizer_config=_tokenizer_config(meta),
+        generation_config=_generation_config(meta),
+        name=str(meta.get("general.name") or file.path.stem),
+        metadata={k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
+    )
+
+
+def gguf_config(file: GGUFFile) -> dict:
+    """The HF `config.json` dict that a GGUF file's metadata and tensor table describe."""
+    meta = file.metadata
+    arch = meta["general.architecture"]
+
+    def get(key: str, default=None, required: bool = False):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None and required:
+            raise GGUFError(f"GGUF file {file.path} lacks metadata {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    kv_heads = get("attention.head_count_kv", heads)
+    for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
+        if not isinstance(value, int):
+            raise GGUFError(f"GGUF file {file.path}: {arch}.{key} is {value!r}; per-layer head counts are not supported")
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if get("attention.value_length", head_dim) != head_dim:
+        raise GGUFError(f"GGUF file {file.path}: key and value head sizes differ, which is not supported")
+    rope_dim = get("rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise GGUFError(f"GGUF file {file.path}: rotary dimension {rope_dim} != head size {head_dim} (partial rotary) is not supported")
+    if "rope_freqs.weight" in file.tensors:
+        raise GGUFError(
+            f"GGUF file {file.path} holds rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1 scaling); "
+            "not supported from GGUF"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embed = file.tensors.get("token_embd.weight")
+    vocab = get("vocab_size") or (len(tokens) if tokens is not None else None) or (embed.shape[0] if embed else None)
+    config = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch][0]],
+        "model_type": SUPPORTED_ARCHITECTURES[arch][0].removesuffix("ForCausalLM").lower(),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "num_hidden_layers": int(get("block_count", required=True)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(get),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    if get("attention.sliding_window") is not None:
+        config["sliding_window"] = int(get("attention.sliding_window"))
+    return config
+
+
+def _rope_scaling(get) -> dict | None:
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
+    if get("rope.scaling.original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    return scaling
+
+
+def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, d = config["hidden_size"], config["head_dim"]
+    q, kv, ff = config["num_attention_heads"] * d, config["num_key_value_heads"] * d, config["intermediate_size"]
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (ff, h),
+        "mlp.up_proj.weight": (ff, h),
+        "mlp.down_proj.weight": (h, ff),
+    }
+    optional = {
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+    }
+    if config["architectures"][0] == "Qwen2ForCausalLM":
+        per_layer |= {k: v for k, v in optional.items() if k.endswith("bias")}
+    elif config["architectures"][0] == "Qwen3ForCausalLM":
+        per_layer |= {k: v for k, v in optional.items() if "norm" in k}
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    for i in range(config["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{k}": v for k, v in per_layer.items()}
+    # Optional extras a file may carry (e.g. q/k/v biases on a Llama); checked when present.
+    extras = {f"model.layers.{i}.{k}": v for i in range(config["num_hidden_layers"]) for k, v in optional.items()}
+    return shapes, extras
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor name, or None when it has none."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bool | None) -> dict[str, torch.Tensor]:
+    required, extras = _expected_shapes(config)
+    permuted = SUPPORTED_ARCHITECTURES[file.metadata["general.architecture"]][1]
+    names = {}
+    for name, info in file.tensors.items():
+        target = hf_name(name)
+        if target is None or (target not in required and target not in extras):
+            raise GGUFError(
+                f"GGUF file {file.path} holds tensor {name!r}, which a {config['architectures'][0]} "
+                f"with {config['num_hidden_layers']} layers does not have"
+            )
+        if info.type_name not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"GGUF file {file.path}: tensor {name!r} has type {info.type_name}; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        expected = required.get(target, extras.get(target))
+        if tuple(info.shape) != expected:
+            raise GGUFError(
+                f"GGUF file {file.path}: tensor {name!r} has shape {tuple(info.shape)}, the metadata implies {expected}"
+            )
+        names[name] = target
+    missing = sorted(set(required) - set(names.values()), key=_natural)
+    if missing:
+        raise GGUFError(f"GGUF file {file.path} lacks tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+    if progress is None:
+        progress = _stderr_is_tty()
+    tensors: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=sum(i.nbytes for i in file.tensors.values()), unit="B", unit_scale=True,
+               desc=f"loading {file.path.name}", disable=not progress, leave=False)
+    with bar:
+        for name, target in names.items():
+            info = file.tensors[name]
+            tensor = dequantize(file.tensor_bytes(info), info.ggml_type, info.shape, dtype)
+            if permuted and target.endswith(("q_proj.weight", "q_proj.bias")):
+                tensor = unpermute_rows(tensor, config["num_attention_heads"])
+            elif permuted and target.endswith(("k_proj.weight", "k_proj.bias")):
+                tensor = unpermute_rows(tensor, config["num_key_value_heads"])
+            tensors[target] = tensor
+            bar.update(info.nbytes)
+    return dict(sorted(tensors.items(), key=lambda kv: _natural(kv[0])))
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: within each head, rows (0, 2, 4, ..., 1, 3, 5, ...) of HF
+    become interleaved pairs in GGUF; this restores the HF order."""
+    rows = weight.shape[0]
+    head = rows // num_heads
+    return weight.reshape(num_heads, head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _tokenizer_config(meta: dict) -> dict:
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+
+    def token(key: str):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    kind = meta.get("tokenizer.ggml.model")
+    config = {
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    }
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+def _generation_config(meta: dict) -> dict:
+    """Stop ids and sampling defaults: the end-of-sequence and end-of-turn tokens, and llama.cpp's
+    optional `general.sampling.*` keys."""
+    stops = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and int(token_id) not in stops:
+            stops.append(int(token_id))
+    config: dict = {}
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    if stops:
+        config["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    if meta.get("tokenizer.ggml.padding_token_id") is not None:
+        config["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
+    for key, name in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
+        if meta.get(f"general.sampling.{key}") is not None:
+            config[name] = meta[f"general.sampling.{key}"]
+    if any(k in config for k in ("temperature", "top_k", "top_p", "min_p")):
+        config["do_sample"] = True
+    return config
+
+
+def _natural(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _stderr_is_tty() -> bool:
+    import sys
+
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """A short summary of a GGUF file without dequantizing it: name, architecture, parameter
+    count, tensor types and size."""
+    file = read_gguf(path)
+    types: dict[str, int] = {}
+    params = 0
+    for info in file.tensors.values():
+        types[info.type_name] = types.get(info.type_name, 0) + 1
+        n = 1
+        for s in info.shape:
+            n *= s
+        params += n
+    return {
+        "name": str(file.metadata.get("general.name") or Path(path).stem),
+        "architecture": file.metadata.get("general.architecture"),
+        "parameters": params,
+        "tensor_types": types,
+        "bytes": Path(path).stat().st_size,
+    }

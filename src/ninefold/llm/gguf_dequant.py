@@ -1,0 +1,133 @@
+"""Dequantize GGUF tensor bytes into float tensors with vectorised torch code.
+
+Each ggml block format is decoded for all blocks of a tensor at once: the raw bytes are viewed as
+`[n_blocks, block_bytes]`, the fields are sliced out as columns, and the values come from a few
+shifts, masks and multiplies. Layouts follow ggml's `block_*` structs (little-endian).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+T = GGMLQuantizationType
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 stored at byte `start` of every block, as float32 `[n, 1]`."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 `[..., m]` -> `[..., 2, m]`: low nibbles first, then high nibbles."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-2)
+
+
+def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins packed in the 12 bytes of a Q4_K/Q5_K block -> float32 `[n, 8]` each."""
+    s = scales.to(torch.int32)
+    lo_sc, lo_m, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((lo_sc & 63, (hi & 0x0F) | ((lo_sc >> 6) << 4)), dim=1)
+    mn = torch.cat((lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)), dim=1)
+    return sc.float(), mn.float()
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * b[:, 2:34].contiguous().view(torch.int8).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:18]).reshape(-1, 32).float()
+    return _f16(b, 0) * (q - 8.0)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 4:20]).reshape(-1, 32).float()
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    # 4 chunks of 32 bytes; each chunk's low nibbles are sub-block 2i, its high nibbles sub-block 2i+1.
+    q = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
+    return (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    qh = b[:, 16:48]
+    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    bit = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = (qh.unsqueeze(1) >> bit) & 1
+    q = (low | (high << 4)).float()
+    return (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)  # [n, half, ql offset 0/32, l]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, -, l]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()  # one per 16 values
+    d = _f16(b, 208)
+    # Within a half of 128 values, quarter j (32 values) takes nibble j // 2 of ql[l + 32 * (j % 2)]
+    # and bits 2j, 2j+1 of qh[l].
+    low = torch.stack((ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4), dim=2)
+    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = (qh >> shift) & 3
+    q = ((low | (high << 4)).to(torch.int16) - 32).float().reshape(-1, 16, 16)
+    return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(-1, 256)
+
+
+_DECODERS = {
+    T.Q8_0: _q8_0,
+    T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
+}
+_PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_PLAIN, *_DECODERS))
+
+# Blocks decoded per step, so the float32 temporaries of a large tensor stay small.
+_CHUNK_BLOCKS = 1 << 16
+
+
+def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode the bytes of one GGUF tensor into a `dtype` tensor of `shape` (PyTorch order).
+
+    `raw` is the tensor's uint8 bytes; supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    Q4_K, Q5_K and Q6_K (`SUPPORTED_TYPES`). Anything else raises ValueError naming the type.
+    """
+    try:
+        qtype = T(ggml_type)
+    except ValueError:
+        raise ValueError(f"ggml_type {ggml_type!r} is not a ggml type; supported: {', '.join(SUPPORTED_TYPES)}") from None
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+    raw = raw.reshape(-1)
+    n = int(np.prod(shape)) if shape else 1
+    if qtype in _PLAIN:
+        values = raw.view(_PLAIN[qtype])
+        if values.numel() != n:
+            raise ValueError(f"raw holds {values.numel()} {qtype.name} values, shape {tuple(shape)} needs {n}")
+        return values.reshape(shape).to(dtype)
+    if qtype not in _DECODERS:
+        raise ValueError(f"ggml_type {qtype.name} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    if n % block or raw.numel() != n // block * block_bytes:
+        raise ValueError(
+            f"raw has {raw.numel()} bytes; shape {tuple(shape)} in {qtype.name} needs "
+            f"{n // block * block_bytes} bytes and a multiple of {block} elements"
+        )
+    blocks = raw.view(-1, block_bytes)
+    out = torch.empty(n, dtype=dtype)
+    decode = _DECODERS[qtype]
+    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+        part = blocks[start : start + _CHUNK_BLOCKS]
+        out[start * block : (start + part.shape[0]) * block] = decode(part).reshape(-1)
+    return out.reshape(shape)

@@ -1,0 +1,154 @@
+"""Build a `tokenizers.Tokenizer` from the tokenizer a GGUF file describes in its metadata.
+
+GGUF files carry no `tokenizer.json`: llama.cpp stores the vocabulary (`tokenizer.ggml.tokens`),
+the BPE merges, each token's type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
+6 byte) and the special token ids. We rebuild the tokenizer transformers builds from the same
+file, so both encode a text to the same ids:
+
+- `gpt2` (byte-level BPE: SmolLM2, Llama 3, Qwen 2/3): the GPT-2 byte alphabet, a pre-tokenizer
+  split chosen by `tokenizer.ggml.pre`, ByteLevel decoding.
+- `llama` (sentencepiece BPE: Llama 2, Mistral): `▁` for spaces and a prefix space, byte fallback,
+  merges from the file or, when absent, derived from the token scores.
+
+Control tokens become special added tokens (matched whole, skipped when decoding with
+`skip_special_tokens`); user-defined tokens become plain added tokens.
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+CONTROL, USER_DEFINED = 3, 4
+
+# Pre-tokenizer splits for byte-level vocabularies, by `tokenizer.ggml.pre`. Names not listed use
+# GPT-2's own split (the ByteLevel pre-tokenizer's regex).
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+}
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_tokenizer(metadata: dict, source: str = "GGUF file") -> Tokenizer:
+    """The `tokenizers.Tokenizer` described by GGUF `metadata` (keys `tokenizer.ggml.*`).
+
+    Raises ValueError naming the tokenizer model when it is not one of `SUPPORTED_MODELS`, or
+    when the vocabulary is missing.
+    """
+    kind = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None or kind is None:
+        raise ValueError(f"{source} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = metadata.get("tokenizer.ggml.merges")
+    if kind == "gpt2":
+        tokenizer, spelled = _byte_level(tokens, merges, metadata.get("tokenizer.ggml.pre"))
+    elif kind == "llama":
+        tokenizer, spelled = _sentencepiece(tokens, merges, metadata.get("tokenizer.ggml.scores"), metadata)
+    else:
+        raise ValueError(
+            f"{source} describes a tokenizer of model {kind!r}; supported: {', '.join(SUPPORTED_MODELS)}"
+        )
+    control = [
+        AddedToken(tok, normalized=False, special=True)
+        for tok, typ in zip(tokens, types)
+        if typ == CONTROL and spelled(tok)
+    ]
+    user = [AddedToken(tok, normalized=False, special=False) for tok, typ in zip(tokens, types) if typ == USER_DEFINED]
+    tokenizer.add_special_tokens(control)
+    tokenizer.add_tokens(user)
+    _set_post_processor(tokenizer, metadata, tokens)
+    return tokenizer
+
+
+def _byte_level(tokens: list[str], merges: list[str] | None, pre: str | None):
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+
+    def spell(tok: str) -> str:
+        return tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8", "surrogateescape"))
+
+    vocab = {spell(tok): i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else _merges_from_order(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    split = PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    tokenizer.decoder = decoders.ByteLevel()
+    # llama.cpp marks a few tokens control that a byte-level vocabulary cannot spell (mislabels); skip them.
+    return tokenizer, lambda tok: set(tok) <= letters
+
+
+def _sentencepiece(tokens: list[str], merges: list[str] | None, scores, metadata: dict):
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        rank = {tok: float(s) for tok, s in zip(tokens, scores)} if scores is not None else {t: -i for t, i in vocab.items()}
+        pairs = _merges_from_scores(vocab, rank)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tokenizer, lambda tok: True
+
+
+def _merges_from_scores(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a vocabulary token into two vocabulary tokens, best merged token first."""
+    found = []
+    for tok in vocab:
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                found.append((-rank[tok], vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def _merges_from_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    return _merges_from_scores(vocab, {tok: -i for tok, i in vocab.items()})
+
+
+def _set_post_processor(tokenizer: Tokenizer, metadata: dict, tokens: list[str]) -> None:
+    """Add BOS / EOS around every encoded text when the file asks for it."""
+    single = "$A"
+    special = []
+    for flag, key, where in (("add_bos_token", "bos_token_id", "pre"), ("add_eos_token", "eos_token_id", "post")):
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        default = flag == "add_bos_token" and metadata.get("tokenizer.ggml.model") == "llama"
+        if metadata.get(f"tokenizer.ggml.{flag}", default) and token_id is not None and 0 <= token_id < len(tokens):
+            text = tokens[token_id]
+            single = f"{text} {single}" if where == "pre" else f"{single} {text}"
+            special.append((text, int(token_id)))
+    tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=special)

@@ -1,0 +1,379 @@
+"""GGUF loading on tiny files written here with gguf.GGUFWriter: every supported tensor type
+round-trips within its quantization error, q/k rows come back in HF order, the tokenizer and
+config come from the metadata, and every kind of bad file raises an error naming what it found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter, quants
+
+from ninefold.llm.gguf import GGUFError, load_gguf
+from ninefold.llm.gguf_dequant import dequantize
+
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 256, 4, 2, 64, 2
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGED = {"Ġ t": "Ġt", "h e": "he", "Ġt he": "Ġthe", "i n": "in"}
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _byte_chars() -> list[str]:
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+TOKENS = CONTROL + _byte_chars() + list(MERGED.values())
+VOCAB = len(TOKENS)
+
+
+# ----------------------------------------------------------------------------- quantizers
+# gguf's quants module quantizes F16, BF16, Q8_0, Q4_0, Q4_1; the K-quants are packed here.
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _quant_q4_k(x: np.ndarray, five_bits: bool = False) -> np.ndarray:
+    levels = 31 if five_bits else 15
+    sub = x.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - lo) / levels
+    d = np.maximum(scale.max(-1, keepdims=True) / 63, 1e-8)
+    dmin = np.maximum(-lo.min(-1, keepdims=True) / 63, 1e-8)
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / dmin), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmin * mn)[..., None]) / (d * sc)[..., None]), 0, levels).astype(np.uint8)
+    packed = np.zeros((sub.shape[0], 12), np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    low = (q & 15).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), packed]
+    if five_bits:
+        high = (q >> 4).reshape(-1, 8, 32)
+        qh = np.zeros((sub.shape[0], 32), np.uint8)
+        for s in range(8):
+            qh |= high[:, s] << s
+        parts.append(qh)
+    parts.append(qs)
+    return np.concatenate(parts, axis=1)
+
+
+def _quant_q6_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 31
+    d = np.maximum(scale.max(-1, keepdims=True) / 127, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 127).astype(np.int8)
+    q = (np.clip(np.round(sub / (d * sc)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    ql = np.concatenate([q[:, :, 0] & 15 | ((q[:, :, 2] & 15) << 4), q[:, :, 1] & 15 | ((q[:, :, 3] & 15) << 4)], axis=2)
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+
+
+def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
+    """Bytes (or values for F32/F16) of `x` [rows, cols] in `qtype`."""
+    if qtype == T.F32:
+        return x.astype(np.float32)
+    if qtype == T.F16:
+        return x.astype(np.float16)
+    rows = x.shape[0]
+    if qtype == T.Q4_K:
+        return _quant_q4_k(x).reshape(rows, -1)
+    if qtype == T.Q5_K:
+        return _quant_q4_k(x, five_bits=True).reshape(rows, -1)
+    if qtype == T.Q6_K:
+        return _quant_q6_k(x).reshape(rows, -1)
+    return quants.quantize(x, qtype)
+
+
+# Relative RMS error each type must stay within (4-bit: 1/15 of a block's range per step).
+REL_ERROR = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.01, T.Q6_K: 0.03, T.Q5_K: 0.05,
+             T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1}
+ALL_TYPES = list(REL_ERROR)
+
+
+# ----------------------------------------------------------------------------- writing files
+
+def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (HF halves -> interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(arch: str = "llama", seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, HIDDEN)), "model.norm.weight": 1 + 0.1 * rng.standard_normal(HIDDEN)}
+    if not tied:
+        w["lm_head.weight"] = rng.standard_normal((VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + 0.1 * rng.standard_normal(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.standard_normal(HIDDEN)
+        w[p + "self_attn.q_proj.weight"] = rng.standard_normal((HEADS * HEAD_DIM, HIDDEN))
+        w[p + "self_attn.k_proj.weight"] = rng.standard_normal((KV_HEADS * HEAD_DIM, HIDDEN))
+        w[p + "self_attn.v_proj.weight"] = rng.standard_normal((KV_HEADS * HEAD_DIM, HIDDEN))
+        w[p + "self_attn.o_proj.weight"] = rng.standard_normal((HIDDEN, HEADS * HEAD_DIM))
+        w[p + "mlp.gate_proj.weight"] = rng.standard_normal((FFN, HIDDEN))
+        w[p + "mlp.up_proj.weight"] = rng.standard_normal((FFN, HIDDEN))
+        w[p + "mlp.down_proj.weight"] = rng.standard_normal((HIDDEN, FFN))
+        if arch == "qwen2":
+            for proj, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                w[p + f"self_attn.{proj}_proj.bias"] = rng.standard_normal(n * HEAD_DIM)
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = 1 + 0.1 * rng.standard_normal(HEAD_DIM)
+            w[p + "self_attn.k_norm.weight"] = 1 + 0.1 * rng.standard_normal(HEAD_DIM)
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+
+
+def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype: T = T.F32, arch: str = "llama",
+               metadata_overrides: dict | None = None, skip: tuple[str, ...] = (), extra: dict | None = None) -> Path:
+    """A GGUF file of `weights`: matrices in `qtype`, vectors in F32, llama.cpp's naming and q/k order."""
+    writer = GGUFWriter(str(path), arch)
+    meta = {
+        "block_count": LAYERS, "context_length": 512, "embedding_length": HIDDEN, "feed_forward_length": FFN,
+        "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS,
+        "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "vocab_size": VOCAB,
+    }
+    meta.update(metadata_overrides or {})
+    for key, value in meta.items():
+        if isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(CONTROL) + [1] * (VOCAB - len(CONTROL)))
+    writer.add_token_merges(list(MERGED))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TEMPLATE)
+    writer.add_name("tiny-test")
+    for name, value in weights.items():
+        if gguf_name(name) in skip:
+            continue
+        if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):
+            value = llama_permute(value, HEADS)
+        elif arch in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):
+            value = llama_permute(value, KV_HEADS)
+        if value.ndim == 2 and qtype != T.F32:
+            data = quantize(value, qtype)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=None if data.dtype != np.uint8 else qtype)
+        else:
+            writer.add_tensor(gguf_name(name), value)
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def reference_dequant(value: np.ndarray, qtype: T) -> np.ndarray:
+    """What the gguf package's numpy dequantizer reads back from our bytes."""
+    if qtype in (T.F32, T.F16):
+        return value.astype(np.float32)
+    return quants.dequantize(value, qtype)
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_round_trip_within_quantization_error(tmp_path, qtype):
+    weights = hf_weights(tied=False)
+    ckpt = load_gguf(write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", weights, qtype))
+    assert set(ckpt.tensors) == set(weights)
+    for name, original in weights.items():
+        got = ckpt.tensors[name]
+        assert got.dtype == torch.float32 and tuple(got.shape) == original.shape, name
+        expected = torch.from_numpy(original).double()
+        if original.ndim == 1 or qtype == T.F32:
+            torch.testing.assert_close(got.double(), expected, rtol=0, atol=0)
+            continue
+        rel = ((got.double() - expected).norm() / expected.norm()).item()
+        assert rel <= REL_ERROR[qtype], (name, rel)
+        # bit-for-bit what the gguf package's own numpy dequantizer reads from the same bytes
+        heads = HEADS if "q_proj" in name else KV_HEADS if "k_proj" in name else None
+        stored = llama_permute(original, heads) if heads else original
+        ref = reference_dequant(quantize(stored, qtype), qtype)
+        ref = llama_unpermute(ref, heads) if heads else ref
+        torch.testing.assert_close(got, torch.from_numpy(ref), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
+    """Random bytes are valid blocks for every type (with finite float16 scales): decode like gguf-py."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(5 * 3, nbytes), dtype=np.uint8)
+    scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.BF16: []}[qtype]
+    for at in scale_at:
+        raw[:, at : at + 2] = _f16_bytes(rng.standard_normal(raw.shape[0]).astype(np.float32))
+    if qtype == T.BF16:
+        raw = rng.standard_normal((5, 3 * block)).astype(np.float32)
+        raw = quants.quantize(raw, T.BF16)
+    raw = raw.reshape(5, -1)
+    cols = raw.shape[1] // nbytes * block
+    got = dequantize(raw, int(qtype), (5, cols))
+    ref = quants.dequantize(raw, qtype)
+    np.testing.assert_array_equal(got.numpy(), ref)
+
+
+def test_qk_rows_back_in_hf_order(tmp_path):
+    weights = hf_weights()
+    ckpt = load_gguf(write_gguf(tmp_path / "f32.gguf", weights, T.F32))
+    for i in range(LAYERS):
+        for proj in ("q", "k"):
+            name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+            assert torch.equal(ckpt.tensors[name], torch.from_numpy(weights[name]))
+    # and the rows really were stored permuted: loading without the fix would differ
+    stored = llama_permute(weights["model.layers.0.self_attn.q_proj.weight"], HEADS)
+    assert not np.array_equal(stored, weights["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("arch,hf_arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                                          ("mistral", "MistralForCausalLM")])
+def test_other_architectures(tmp_path, arch, hf_arch):
+    weights = hf_weights(arch)
+    ckpt = load_gguf(write_gguf(tmp_path / f"{arch}.gguf", weights, T.F16, arch=arch))
+    assert ckpt.config["architectures"] == [hf_arch]
+    assert set(ckpt.tensors) == set(weights)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    torch.testing.assert_close(ckpt.tensors[q], torch.from_numpy(weights[q].astype(np.float16).astype(np.float32)), rtol=0, atol=0)
+    if arch == "qwen2":
+        b = "model.layers.0.self_attn.k_proj.bias"
+        torch.testing.assert_close(ckpt.tensors[b], torch.from_numpy(weights[b]), rtol=0, atol=0)
+
+
+def test_config_tokenizer_and_generation_config(tmp_path):
+    ckpt = load_gguf(write_gguf(tmp_path / "t.gguf", hf_weights(), T.Q8_0))
+    c = ckpt.config
+    assert c["architectures"] == ["LlamaForCausalLM"]
+    assert (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]) == (HIDDEN, FFN, HEADS, KV_HEADS)
+    assert (c["num_hidden_layers"], c["head_dim"], c["vocab_size"], c["max_position_embeddings"]) == (LAYERS, HEAD_DIM, VOCAB, 512)
+    assert c["tie_word_embeddings"] is True and "lm_head.weight" not in ckpt.tensors
+    assert c["rms_norm_eps"] == pytest.approx(1e-6) and c["rope_theta"] == 10000.0 and c["rope_scaling"] is None
+    assert (c["bos_token_id"], c["eos_token_id"]) == (1, 2)
+    assert ckpt.generation_config["eos_token_id"] == 2
+    assert ckpt.tokenizer_config["chat_template"] == TEMPLATE
+    assert (ckpt.tokenizer_config["bos_token"], ckpt.tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert ckpt.name == "tiny-test"
+    tok = ckpt.tokenizer
+    assert tok.encode(" the").ids == [TOKENS.index("Ġthe")]
+    assert tok.encode("<|im_end|>in").ids == [2, TOKENS.index("in")]
+    text = "héllo\n  wörld 中 🎉"
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_bfloat16_output_dtype(tmp_path):
+    weights = hf_weights()
+    ckpt = load_gguf(write_gguf(tmp_path / "t.gguf", weights, T.Q4_1), dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in ckpt.tensors.values())
+    with pytest.raises(ValueError, match="dtype"):
+        load_gguf(tmp_path / "t.gguf", dtype=torch.int8)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = write_gguf(tmp_path / "q5_0.gguf", hf_weights(), T.Q5_0)
+    with pytest.raises(GGUFError, match="Q5_0"):
+        load_gguf(path)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_gguf(tmp_path / "phi.gguf", hf_weights(), T.F32, arch="phi3")
+    with pytest.raises(GGUFError, match="'phi3'"):
+        load_gguf(path)
+
+
+def test_truncated_file(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", hf_weights(), T.Q4_0)
+    data = path.read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 2000, 30, 10):
+        short = tmp_path / f"short{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match="truncated"):
+            load_gguf(short)
+
+
+def test_not_gguf_and_corrupt_header(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        load_gguf(bad)
+    good = write_gguf(tmp_path / "t.gguf", hf_weights(), T.F16).read_bytes()
+    wrong_version = bytearray(good)
+    wrong_version[4:8] = (7).to_bytes(4, "little")
+    bad.write_bytes(bytes(wrong_version))
+    with pytest.raises(GGUFError, match="version 7"):
+        load_gguf(bad)
+    huge_count = bytearray(good)
+    huge_count[8:16] = (1 << 60).to_bytes(8, "little")
+    bad.write_bytes(bytes(huge_count))
+    with pytest.raises(GGUFError, match="corrupt"):
+        load_gguf(bad)
+    with pytest.raises(GGUFError, match="does not exist"):
+        load_gguf(tmp_path / "missing.gguf")
+
+
+def test_missing_unexpected_and_misshapen_tensors(tmp_path):
+    weights = hf_weights()
+    path = write_gguf(tmp_path / "m.gguf", weights, T.F32, skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(GGUFError, match=r"lacks tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_gguf(path)
+    path = write_gguf(tmp_path / "u.gguf", weights, T.F32, extra={"blk.0.mystery.weight": np.zeros(4, np.float32)})
+    with pytest.raises(GGUFError, match="blk.0.mystery.weight"):
+        load_gguf(path)
+    path = write_gguf(tmp_path / "s.gguf", weights, T.F32, metadata_overrides={"feed_forward_length": 512})
+    with pytest.raises(GGUFError, match="shape"):
+        load_gguf(path)
+    path = write_gguf(tmp_path / "r.gguf", weights, T.F32, extra={"rope_freqs.weight": np.ones(32, np.float32)})
+    with pytest.raises(GGUFError, match="rope_freqs"):
+        load_gguf(path)
+
+
+def test_dequantize_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="Q5_1"):
+        dequantize(np.zeros(24, np.uint8), int(T.Q5_1), (32,))
+    with pytest.raises(ValueError, match="needs"):
+        dequantize(np.zeros(33, np.uint8), int(T.Q8_0), (32,))
+    with pytest.raises(ValueError, match="not a ggml type"):
+        dequantize(np.zeros(4, np.uint8), 999, (1,))
