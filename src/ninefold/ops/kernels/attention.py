@@ -1,0 +1,83 @@
+"""Scaled dot-product attention, flash-attention style (online softmax in base 2), optionally causal.
+
+``q``/``o`` are ``[B, H, Sq, D]`` and ``k``/``v`` ``[B, H, Sk, D]``. A program owns ``BLOCK_M``
+query rows of one head and walks every ``BLOCK_N``-row tile of that head's keys and values. The
+causal mask is aligned to the bottom right: query ``i`` sees keys ``j <= i + Sk - Sq``.
+"""
+
+import math
+
+import torch
+
+import ninefold.dsl as nd
+import ninefold.dsl.language as nl
+from ninefold.dsl import Symbol, Tensor
+from ninefold.ops.kernels._checks import check_same, check_tensor
+
+BLOCK_M = Symbol("BLOCK_M", meta=True, lower_bound=64, upper_bound=128)
+BLOCK_N = Symbol("BLOCK_N", meta=True, lower_bound=32, upper_bound=128)
+
+
+def arrangement(q, k, v, scale, is_causal, o, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N):
+    def query_rows(t):  # programs (B, H, Sq / BLOCK_M, 1), each a (BLOCK_M, D) tile
+        t = t.tile((1, 1, BLOCK_M, -1))
+        t.dtype = t.dtype.squeeze((0, 1))
+        return t
+
+    def key_tiles(t):  # every query program sees all (BLOCK_N, D) tiles of its head
+        t = t.tile((1, 1, BLOCK_N, -1)).tile((1, 1, -1, -1)).expand((-1, -1, q_rows.shape[2], -1))
+        t.dtype = t.dtype.squeeze((0, 1, 3))
+        t.dtype.dtype = t.dtype.dtype.squeeze((0, 1))
+        return t
+
+    q_rows = query_rows(q)
+    return q_rows, key_tiles(k), key_tiles(v), scale, is_causal, query_rows(o)
+
+
+def application(q, k, v, scale, is_causal, o):
+    q_scaled = (q * (scale * 1.4426950408889634)).to(q.dtype)  # log2(e): softmax in base 2
+    shift = k.source.shape[-2] - q.source.shape[-2]
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(q_scaled, nl.trans(k[j]))
+        keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
+        if is_causal:
+            keep = keep & (k[j].offsets(-2)[None, :] <= q.offsets(-2)[:, None] + shift)
+        scores = nl.where(keep, scores, float("-inf"))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), v[j])
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
+_head_dim = {"constexpr": True, "upper_bound": 256}
+kernel = nd.make(
+    arrangement,
+    application,
+    (
+        *(Tensor(4, shape_options=(None, None, None, _head_dim)) for _ in range(3)),
+        Tensor(0),
+        Tensor(0, constexpr=True),
+        Tensor(4, shape_options=(None, None, None, _head_dim)),
+    ),
+)
+
+
+def scaled_dot_product_attention(q, k, v, is_causal=False, scale=None, **blocks):
+    """``softmax(q k^T * scale [+ causal mask]) v`` for ``[B, H, S, D]`` tensors (one dtype)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, 4, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    check_same(("q", "k", "v"), (q, k, v))
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k/v: shapes {tuple(k.shape)}/{tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if is_causal and q.shape[2] > k.shape[2]:
+        raise ValueError(f"is_causal: needs Sq <= Sk (bottom-right aligned), got {q.shape[2]} > {k.shape[2]}")
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kernel(q, k, v, scale, bool(is_causal), o, **blocks)
+    return o
