@@ -1,0 +1,91 @@
+"""``LLM``: offline batched generation (mirrors vLLM's ``LLM`` class)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from ninefold.llm.engine import LLMEngine
+from ninefold.llm.outputs import RequestOutput
+from ninefold.llm.sampling import SamplingParams
+
+
+class LLM:
+    """Load a model and generate for many prompts at once.
+
+    ``model``: a Hugging Face directory, a ``.gguf`` file, a known model name or None (the
+    default model); with ``load_format="dummy"`` also a shape name such as ``"llama-3.1-8b"``.
+    Other keywords are ``EngineConfig`` fields (``max_num_seqs``, ``block_size``, ...).
+    """
+
+    def __init__(self, model=None, dtype="auto", device=None, **engine_args):
+        self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_args)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts=None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: list[list[int]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a str, a list of str, or token-id lists); outputs in prompt order."""
+        items = _prompt_list(prompts, prompt_token_ids)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(items):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(items)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(items)
+        engine = self.engine
+        requests = [engine.build_request(p, sp) for p, sp in zip(items, params)]  # all checked first
+        for request in requests:
+            engine.add_request(request)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        engine.stream_outputs = False
+        try:
+            with tqdm(total=len(requests), disable=not use_tqdm, desc="generating") as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        finally:
+            engine.stream_outputs = True
+            for request in requests:
+                engine.abort_request(request.request_id)
+        return results
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             **kwargs) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, **kwargs)
+               for c in conversations]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
+
+
+def _prompt_list(prompts, prompt_token_ids) -> list:
+    if prompts is not None and prompt_token_ids is not None:
+        raise ValueError("prompts: give either prompts or prompt_token_ids, not both")
+    if prompt_token_ids is not None:
+        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+            raise TypeError("prompt_token_ids: expected a non-empty list of token-id lists")
+        if all(isinstance(t, int) for t in prompt_token_ids):
+            return [prompt_token_ids]
+        return list(prompt_token_ids)
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and not isinstance(prompts, (bytes, bytearray)):
+        if all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise TypeError(f"prompts: expected a str, a list of str or token-id lists, got {type(prompts).__name__}")

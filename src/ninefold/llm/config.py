@@ -1,0 +1,237 @@
+"""Model and engine configuration: a Hugging Face ``config.json`` dict becomes a ``ModelConfig``.
+
+One decoder definition (``models/llama.py``) serves every supported architecture; the
+differences between them are the fields below (q/k/v bias, q/k RMSNorm, tied embeddings,
+rope scaling), read from the config dict that both the HF loader and the GGUF loader return.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# Shapes for ``load_format="dummy"`` (random weights, used by benchmarks).
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, rms_norm_eps=1e-5,
+        rope_theta=500000.0, vocab_size=128256, max_position_embeddings=131072,
+        tie_word_embeddings=False, head_dim=128, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+        num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=16, rms_norm_eps=1e-5,
+        rope_theta=500000.0, vocab_size=128256, max_position_embeddings=131072,
+        tie_word_embeddings=True, head_dim=64, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
+        num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, vocab_size=152064, max_position_embeddings=32768,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
+        num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=False, head_dim=128, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, rms_norm_eps=1e-5,
+        rope_theta=100000.0, vocab_size=49152, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """Turn ``"bfloat16"``, ``torch.float16``, ``"auto"`` or None into a torch dtype."""
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype: got {dtype!r}; supported: float32, float16, bfloat16 or 'auto'")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and variant switches of a Llama-family decoder."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, config: dict) -> ModelConfig:
+        """Read a HF ``config.json`` dict; raises ValueError for unsupported architectures."""
+        if not isinstance(config, dict):
+            raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+        archs = config.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"architectures: got {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: got {act!r}; supported: 'silu'")
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+            if key not in config:
+                raise ValueError(f"config.json: missing required key {key!r}")
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_key_value_heads: got {kv_heads}, must divide num_attention_heads={heads}")
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        rope_params = config.get("rope_parameters") or {}
+        rope_theta = float(config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        scaling = config.get("rope_scaling") or (rope_params if rope_params else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3'")
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        sliding = config.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=dict(config),
+        )
+
+
+def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
+    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest."""
+    dim = config.head_dim
+    # float32 throughout, rounding the way the reference implementation (transformers) does
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs; every field can be passed to ``LLM(...)`` / ``LLMEngine(...)`` as a keyword."""
+
+    dtype: str | torch.dtype | None = "auto"
+    device: str | torch.device | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
+    load_format: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "cuda_graph_max_batch")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: got {value!r}; expected a positive integer")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}: got {value!r}; expected a positive integer or None")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction: got {self.kv_cache_memory_fraction!r}; expected (0, 1]")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: got {self.load_format!r}; supported: 'auto', 'dummy'")
+        resolve_dtype(self.dtype)
+
+
+def split_engine_args(kwargs: dict) -> EngineConfig:
+    """Build an EngineConfig from keyword arguments; unknown keywords raise TypeError naming them."""
+    known = set(EngineConfig.__dataclass_fields__)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; accepted: {sorted(known)}")
+    config = EngineConfig(**kwargs)
+    config.validate()
+    return config

@@ -1,0 +1,92 @@
+"""Incremental detokenization and stop strings for one output sequence.
+
+Each new token decodes a short window of recent ids twice (with and without the new ones) and
+appends the difference, so the cost per token is constant. Text ending in an incomplete UTF-8
+character (decoded as U+FFFD) is held back until the character completes, bounded by
+``MAX_HELD_TOKENS`` so a model that emits invalid bytes cannot make the window grow. Stop
+strings are searched only in the tail the new text can reach; while running, the last
+``len(longest stop) - 1`` characters are held back so a stop string is never streamed out.
+"""
+
+from __future__ import annotations
+
+from ninefold.llm.tokenizer import Tokenizer
+
+# Tokens of prompt context decoded before the first new token (leading-space rules of
+# SentencePiece-style decoders depend on it).
+PREFIX_WINDOW = 5
+# A UTF-8 character spans at most 4 bytes, hence at most 4 byte-level tokens.
+MAX_HELD_TOKENS = 8
+
+
+class IncrementalDetokenizer:
+    """Turns the token ids of one sequence into text as they arrive."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_ids[-PREFIX_WINDOW:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+        self.stopped_by: str | None = None
+
+    def add(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append new token ids; returns the stop string if one now ends the text, else None.
+
+        With ``check_stop=False`` (before ``min_tokens``) stop strings are not looked for.
+        """
+        for token_id in token_ids:
+            self._ids.append(token_id)
+            before = len(self.text)
+            self.text += self._delta()
+            if self.stop and check_stop:
+                found = self._find_stop(before)
+                if found is not None:
+                    return found
+            if self._prefix > 64:  # drop ids that no window can reach any more
+                del self._ids[: self._prefix]
+                self._read -= self._prefix
+                self._prefix = 0
+        return None
+
+    def visible_text(self, finished: bool) -> str:
+        """The text to show: all of it once finished, else without a possible stop-string start."""
+        if finished or not self.hold:
+            return self.text
+        return self.text[: max(len(self.text) - self.hold, 0)]
+
+    def _delta(self) -> str:
+        decode = self.tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read], self.skip_special_tokens)
+        new_text = decode(self._ids[self._prefix :], self.skip_special_tokens)
+        complete = len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")
+        if complete or len(self._ids) - self._read >= MAX_HELD_TOKENS:
+            self._prefix, self._read = self._read, len(self._ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def _find_stop(self, before: int) -> str | None:
+        best = None
+        for stop in self.stop:
+            start = max(before - len(stop) + 1, 0)
+            index = self.text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        self.text = self.text[: index + len(stop) if self.include_stop else index]
+        self.stopped_by = stop
+        return stop

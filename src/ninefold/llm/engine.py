@@ -1,0 +1,251 @@
+"""``LLMEngine``: requests in, ``RequestOutput``s out, one ``step()`` at a time.
+
+A step schedules sequences (``Scheduler``), runs them (``ModelRunner``) and appends the sampled
+tokens, checking stop conditions and detokenizing incrementally. Bad requests are refused in
+``build_request`` with a ValueError naming what is wrong, before they touch engine state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from ninefold.llm.config import ModelConfig, resolve_dtype, split_engine_args
+from ninefold.llm.detokenizer import IncrementalDetokenizer
+from ninefold.llm.kv_cache import BlockManager
+from ninefold.llm.loader import load_checkpoint
+from ninefold.llm.models import model_class
+from ninefold.llm.outputs import CompletionOutput, RequestOutput
+from ninefold.llm.runner import ModelRunner
+from ninefold.llm.sampler import Sampler
+from ninefold.llm.sampling import SamplingParams
+from ninefold.llm.scheduler import Scheduler
+from ninefold.llm.sequence import Request, Sequence
+from ninefold.llm.tokenizer import Tokenizer
+from ninefold.runtime import KVCachePool
+
+CPU_KV_BYTES = 1 << 30  # default KV budget on CPUs, where "free memory" is shared with everything
+
+
+class LLMEngine:
+    """The serving engine for one model on one device. Keyword arguments: ``EngineConfig`` fields."""
+
+    def __init__(self, model=None, **engine_args):
+        self.config = cfg = split_engine_args(engine_args)
+        self.model_name = str(model) if model is not None and not isinstance(model, dict) else "default"
+        ckpt = load_checkpoint(model, cfg.load_format)
+        self.model_config = mc = ModelConfig.from_dict(ckpt.config)
+        self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(cfg.dtype, default=_default_dtype(ckpt.config, self.device))
+        self.tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config) if ckpt.tokenizer is not None else None
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay exact
+        if cfg.max_model_len is not None and cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len: got {cfg.max_model_len}; this model supports at most {limit}")
+        max_len = cfg.max_model_len or limit
+        self.model = model_class(mc.architecture)(
+            mc, ckpt.tensors, dtype=self.dtype, device=self.device, max_positions=max_len, seed=cfg.seed)
+        ckpt.tensors = None
+        self.pool = self._make_pool(max_len)
+        self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size)
+        self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)
+        self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            self.model, self.pool, Sampler(self.device, mc.vocab_size, self.eos_token_ids),
+            max_model_len=self.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+        )
+        self.requests: dict[str, Request] = {}
+        self.stream_outputs = True
+        self._auto_ids = itertools.count()
+
+    def _make_pool(self, max_len: int) -> KVCachePool:
+        cfg, mc = self.config, self.model_config
+        args = (mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size, self.dtype, self.device)
+        if cfg.num_kv_blocks is not None:
+            return KVCachePool(*args, cfg.num_kv_blocks)
+        if self.device.type == "cpu":
+            per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+            wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
+            return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
+        return KVCachePool.from_memory(*args, memory_fraction=cfg.kv_cache_memory_fraction,
+                                       profile_fn=self._profile_forward, reserved_bytes=1 << 30)
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """The activation peak: the largest prefill step plus the largest batch of logits."""
+        from ninefold.llm.models.llama import AttentionMetadata
+
+        mc, cfg, dev = self.model_config, self.config, self.device
+        scratch = torch.zeros((1, cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=dev)
+        self.model.kv_caches = [(scratch, scratch)] * mc.num_layers
+        T = cfg.max_num_batched_tokens
+        cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
+                                 cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False)
+        ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        hidden = self.model.forward(ids, torch.arange(T, device=dev), meta)
+        self.model.compute_logits(hidden[: cfg.max_num_seqs])
+        self.model.kv_caches = []
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def build_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Check and tokenize one request (touches no engine state). Raises ValueError/TypeError."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._auto_ids)) if request_id is None else str(request_id)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids (a list of int)")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise TypeError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt: empty (0 tokens); at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id(s) {bad[:5]} out of the vocabulary range [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens; max_model_len is {self.max_model_len}, which leaves "
+                             "no room for output")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} out of the vocabulary range [0, {vocab})")
+        total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if self.blocks.blocks_for(total) > self.pool.num_blocks:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens needs {self.blocks.blocks_for(total)} KV "
+                             f"blocks, the cache has {self.pool.num_blocks}")
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(request_id, i, list(ids), len(ids), params)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1_000_003 * i)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
+            seqs.append(seq)
+        return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic())
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request from ``build_request``; its id must be new."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks now; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that changed (only finished ones when
+        ``stream_outputs`` is False)."""
+        step = self.scheduler.schedule()
+        if not step:
+            return []
+        samples = [s.samples for s in step]
+        sampled = self.runner.execute(step)
+        touched: dict[str, Request] = {}
+        j = 0
+        for s, samples_now in zip(step, samples):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.commit(seq)
+            if samples_now:
+                self._append(seq, sampled.token_ids[j], sampled.logprobs[j])
+                j += 1
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+                outputs.append(self._output(request))
+            elif self.stream_outputs:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        p = seq.params
+        if logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= p.min_tokens
+        stop_string = seq.detokenizer.add([token], check_stop=may_stop) if seq.detokenizer else None
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif stop_string is not None:
+            self.scheduler.finish(seq, "stop", stop_string)
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, request: Request) -> RequestOutput:
+        outs = []
+        for seq in request.seqs:
+            text = seq.detokenizer.visible_text(seq.finished) if seq.detokenizer else ""
+            outs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
+                             finished=request.finished,
+                             num_cached_tokens=max(s.num_cached_tokens for s in request.seqs))
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache figures for metrics."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": 1.0 - self.blocks.num_available / self.pool.num_blocks,
+            "num_free_blocks": self.blocks.num_available,
+            "num_blocks": self.pool.num_blocks,
+            "block_size": self.config.block_size,
+            "prefix_cache_hit_rate": self.blocks.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _default_dtype(config: dict, device: torch.device) -> torch.dtype:
+    if device.type == "cpu":
+        return torch.float32
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def _eos_ids(mc: ModelConfig, generation_config: dict, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    ids = list(mc.eos_token_ids)
+    eos = generation_config.get("eos_token_id")
+    ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,0 +1,138 @@
+"""``BlockManager``: which KV-cache blocks each sequence holds, with prefix caching.
+
+Blocks come from a ``KVCachePool``. A block whose tokens are all computed is registered under
+a hash chained over every token before it (so equal hashes mean equal prefixes); a later
+sequence with the same prefix reuses it instead of recomputing. The cache keeps one reference
+of its own on each registered block: when no sequence holds it any more (ref-count 1) it stays
+cached and becomes *evictable*, and is evicted least-recently-used first when free blocks run
+out. With ``enable_prefix_caching=False`` nothing is registered.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ninefold.llm.sequence import Sequence
+
+
+class BlockManager:
+    """Allocates blocks for sequences over ``pool`` and keeps the prefix cache."""
+
+    def __init__(self, pool, *, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._by_hash: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, its tokens)
+        self._hash_of: dict[int, int] = {}  # block id -> hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that an allocation can get: free ones plus evictable cached ones."""
+        return self.pool.num_free + len(self._evictable)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served from the prefix cache."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """``(block id, hash)`` of the cached blocks that start ``seq``.
+
+        At least one token is always left to compute, so the last position has logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], None
+        bs = self.block_size
+        for b in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
+            h = hash((parent, tokens))
+            entry = self._by_hash.get(h)
+            if entry is None or entry[1] != tokens:
+                break
+            hits.append((entry[0], h))
+            parent = h
+        return hits
+
+    def can_admit(self, seq: Sequence, hits: list[tuple[int, int]], num_new_tokens: int) -> bool:
+        """Whether ``seq`` can start with ``hits`` reused and ``num_new_tokens`` more tokens."""
+        reclaimed = sum(1 for block, _ in hits if block in self._evictable)
+        needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        return needed <= self.num_available - reclaimed
+
+    def admit(self, seq: Sequence, hits: list[tuple[int, int]]) -> None:
+        """Give ``seq`` the cached blocks ``hits``; its computation starts after them."""
+        blocks = [block for block, _ in hits]
+        for block in blocks:
+            self._evictable.pop(block, None)
+        if blocks:
+            self.pool.incref(blocks)
+        seq.block_table = blocks
+        seq.block_hashes = [h for _, h in hits]
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_computed_tokens
+
+    # -- growth -----------------------------------------------------------------------------------
+
+    def ensure(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq`` hold blocks for its first ``num_tokens`` tokens; False if they can't be had."""
+        needed = self.blocks_for(num_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > self.num_available:
+            return False
+        shortfall = needed - self.pool.num_free
+        for _ in range(max(shortfall, 0)):
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            self.pool.free([block])
+        seq.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            b = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
+            h = hash((parent, tokens))
+            seq.block_hashes.append(h)
+            block = seq.block_table[b]
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h] = (block, tokens)
+                self._hash_of[block] = h
+                self.pool.incref([block])
+
+    # -- release ----------------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks (at once); cached ones stay, evictable, tail blocks first in line."""
+        blocks = seq.block_table
+        if blocks:
+            self.pool.free(blocks)
+        for block in reversed(blocks):
+            if block in self._hash_of and self.pool.ref_count(block) == 1:
+                self._evictable[block] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every evictable cached block (blocks in use stay registered)."""
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            self.pool.free([block])

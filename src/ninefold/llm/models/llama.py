@@ -1,0 +1,225 @@
+"""The Llama-family decoder, read top to bottom: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3.
+
+Variants are switches of ``ModelConfig``: q/k/v bias (Qwen2), RMSNorm on q and k per head
+(Qwen3), tied embeddings, grouped-query attention, llama3 rope scaling. Every layer calls
+``ninefold.ops``; the paged KV cache comes from a ``KVCachePool``. q/k/v and gate/up weights are
+concatenated at load time so each is one matmul.
+
+Shapes: T tokens of a step packed together (no padding), D hidden size, Hq / Hk query / key-value
+heads of dim Dh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ninefold import ops
+from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
+from ninefold.runtime.memory import WeightStore
+
+
+@dataclass
+class AttentionMetadata:
+    """How the tokens of one step map to sequences and cache slots.
+
+    ``slot_mapping`` [T] int64: the cache slot each new token's key/value is written to.
+    Decode steps (one token per sequence) set ``context_lens`` [B] int32. Other steps set
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` [B+1] int32; ``use_cache`` says whether earlier tokens
+    are read from the paged cache (some sequence has context computed in an earlier step).
+    ``block_tables`` [B, max_blocks] int32 in both cases.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    use_cache: bool = True
+
+    @property
+    def is_decode(self) -> bool:
+        """True for a pure decode step (one new token per sequence)."""
+        return self.context_lens is not None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hk) Dh, D]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [D, Hq Dh]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, D]
+    down: torch.Tensor  # [D, I]
+
+
+class LlamaForCausalLM:
+    """A Llama-family causal LM over a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor] | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        seed: int = 0,
+    ):
+        self.config = config
+        self.dtype, self.device = dtype, device
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        if tensors is None:
+            tensors = random_weights(config, dtype, device, seed)
+        take = _WeightReader(tensors)
+        fused = {"embed": take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size)),
+                 "norm": take("model.norm.weight", (config.hidden_size,))}
+        if config.tie_word_embeddings:
+            fused["lm_head"] = fused["embed"]
+        elif "lm_head.weight" in tensors:
+            fused["lm_head"] = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+        else:
+            raise ValueError("checkpoint: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+        for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", leave=False):
+            fused.update(self._fused_layer(take, i))
+        self.weights = WeightStore(fused, device, dtype=dtype)
+        w = self.weights
+        self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
+        self.layers = [
+            LayerWeights(*(w.get(f"{i}.{name}") for name in LayerWeights.__dataclass_fields__))
+            for i in range(config.num_layers)
+        ]
+        self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _fused_layer(self, take, i: int) -> dict[str, torch.Tensor]:
+        c, p = self.config, f"model.layers.{i}."
+        D, Dh = c.hidden_size, c.head_dim
+        q = take(p + "self_attn.q_proj.weight", (self.q_size, D))
+        k = take(p + "self_attn.k_proj.weight", (self.kv_size, D))
+        v = take(p + "self_attn.v_proj.weight", (self.kv_size, D))
+        out = {
+            "input_norm": take(p + "input_layernorm.weight", (D,)),
+            "qkv": torch.cat([q, k, v]),
+            "o": take(p + "self_attn.o_proj.weight", (D, self.q_size)),
+            "post_norm": take(p + "post_attention_layernorm.weight", (D,)),
+            "gate_up": torch.cat([take(p + "mlp.gate_proj.weight", (c.intermediate_size, D)),
+                                  take(p + "mlp.up_proj.weight", (c.intermediate_size, D))]),
+            "down": take(p + "mlp.down_proj.weight", (D, c.intermediate_size)),
+        }
+        if c.attention_bias:
+            out["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (size,))
+                                         for n, size in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size))])
+        if c.qk_norm:
+            out["q_norm"] = take(p + "self_attn.q_norm.weight", (Dh,))
+            out["k_norm"] = take(p + "self_attn.k_norm.weight", (Dh,))
+        return {f"{i}.{name}": t for name, t in out.items()}
+
+    def bind_kv_cache(self, pool) -> None:
+        """Use ``pool`` (a ``KVCachePool``) as this model's paged key/value storage."""
+        self.kv_caches = [(pool.k_cache(i), pool.v_cache(i)) for i in range(self.config.num_layers)]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights (tied embeddings counted once)."""
+        return self.weights.nbytes
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``."""
+        eps = self.config.rms_norm_eps
+        hidden = ops.embedding(input_ids, self.embed)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
+            x = self._attention(i, layer, x, positions, meta)
+            x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+        out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
+        return out
+
+    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, positions, meta: AttentionMetadata):
+        c = self.config
+        T = x.shape[0]
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, c.num_heads, c.head_dim)
+        k = k.reshape(T, c.num_kv_heads, c.head_dim)
+        v = v.reshape(T, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q, k = ops.rope(q, k, positions, self.cos_sin, is_neox=True)
+        k_cache, v_cache = self.kv_caches[i]
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = ops.attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale=self.scale)
+        elif meta.use_cache:
+            o = ops.attention_prefill(q, None, None, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale,
+                                      k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables)
+        else:
+            o = ops.attention_prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale)
+        return ops.linear(o.reshape(T, self.q_size), layer.o)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[B, V]`` for hidden states ``[B, D]``."""
+        return ops.linear(hidden, self.lm_head).float()
+
+
+class _WeightReader:
+    """Takes HF-named tensors out of a state dict, checking that each is there with its shape."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint: tensor {name!r} is missing")
+        tensor = self.tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor
+
+
+def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
+    """HF-named random weights of ``config``'s shape, made on ``device`` (for ``load_format='dummy'``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = config
+    D, inter = c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def normal(*shape):
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    tensors = {"model.embed_tokens.weight": normal(c.vocab_size, D), "model.norm.weight": ones(D)}
+    if not c.tie_word_embeddings:
+        tensors["lm_head.weight"] = normal(c.vocab_size, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": ones(D), p + "post_attention_layernorm.weight": ones(D),
+            p + "self_attn.q_proj.weight": normal(q, D), p + "self_attn.k_proj.weight": normal(kv, D),
+            p + "self_attn.v_proj.weight": normal(kv, D), p + "self_attn.o_proj.weight": normal(D, q),
+            p + "mlp.gate_proj.weight": normal(inter, D), p + "mlp.up_proj.weight": normal(inter, D),
+            p + "mlp.down_proj.weight": normal(D, inter),
+        })
+        if c.attention_bias:
+            for n, size in (("q", q), ("k", kv), ("v", kv)):
+                tensors[p + f"self_attn.{n}_proj.bias"] = normal(size)
+        if c.qk_norm:
+            tensors[p + "self_attn.q_norm.weight"] = ones(c.head_dim)
+            tensors[p + "self_attn.k_norm.weight"] = ones(c.head_dim)
+    return tensors

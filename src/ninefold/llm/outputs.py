@@ -1,0 +1,40 @@
+"""Result types of ``LLM.generate`` and ``AsyncEngine.generate`` (mirror vLLM's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (``n`` of them per request).
+
+    ``logprobs``, when requested, holds one dict per generated token mapping token id to its
+    log-probability (the top-N tokens plus the sampled one). ``finish_reason`` is None while
+    running, then ``"stop"`` (EOS, stop token or stop string), ``"length"`` or ``"abort"``;
+    ``stop_reason`` is the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once the sequence has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its ``CompletionOutput`` list (cumulative)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0

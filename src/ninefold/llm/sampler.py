@@ -1,0 +1,115 @@
+"""Turns the logits of one step into next tokens: penalties, EOS suppression, ``ops.sample``, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninefold import ops
+from ninefold.llm.sequence import Sequence
+
+
+@dataclass
+class SampledTokens:
+    """Host-side results of one step: a token per row, and top logprobs where asked for."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Applies each row's ``SamplingParams`` and draws one token per row."""
+
+    def __init__(self, device: torch.device, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        """Sample one token for each row of ``logits`` ``[B, V]`` (float32), row b for ``seqs[b]``."""
+        params = [s.params for s in seqs]
+        logits = logits[:, : self.vocab_size]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw = logits if any(want_logprobs) else None
+        if any(p.has_penalties for p in params):
+            logits = self._penalize(logits.clone(), seqs)
+        if any(p.logit_bias for p in params):
+            logits = logits.clone() if logits is raw else logits
+            for row, p in enumerate(params):
+                if p.logit_bias:
+                    ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device)
+                    values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
+                    logits[row].index_add_(0, ids, values)
+        banned = [self._banned(s) for s in seqs]
+        if any(banned):
+            logits = logits.clone() if logits is raw else logits
+            for row, ids in enumerate(banned):
+                if ids:
+                    logits[row, ids] = float("-inf")
+        if all(p.greedy for p in params):
+            tokens = ops.argmax(logits, dim=-1)
+        else:
+            tokens = self._sample(logits, seqs)
+        token_list = tokens.tolist()  # the one host synchronisation of a step
+        top: list[dict[int, float] | None] = [None] * len(seqs)
+        if raw is not None:
+            top = self._logprobs(raw, tokens, params, want_logprobs)
+        return SampledTokens(token_list, top)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        temperature = column([p.temperature for p in params], torch.float32)
+        top_k = column([p.top_k for p in params], torch.int32) if any(p.top_k > 0 for p in params) else None
+        top_p = column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None
+        min_p = column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
+        generators = [s.generator for s in seqs] if any(s.generator is not None for s in seqs) else None
+        return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """Token ids that may not end the sequence yet (``min_tokens``)."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        ids = list(p.stop_token_ids or [])
+        if not p.ignore_eos:
+            ids += list(self.eos_token_ids)
+        return [i for i in ids if i < self.vocab_size]
+
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [b for b, s in enumerate(seqs) if s.params.has_penalties]
+        V = self.vocab_size
+        for b in rows:
+            seq, p = seqs[b], seqs[b].params
+            row = logits[b]
+            if p.repetition_penalty != 1:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long).to(self.device)
+                seen = seen[seen < V]
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = torch.tensor(seq.output_ids, dtype=torch.long).to(self.device)
+                counts = torch.zeros(V, dtype=torch.float32, device=self.device)
+                counts.scatter_add_(0, out[out < V], torch.ones(out.numel(), device=self.device)[out < V])
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _logprobs(self, raw, tokens, params, want) -> list[dict[int, float] | None]:
+        rows = [b for b, w in enumerate(want) if w]
+        logp = torch.log_softmax(raw[rows].float(), dim=-1)
+        k = max(params[b].logprobs for b in rows)
+        top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        chosen = logp.gather(1, tokens[rows].view(-1, 1)).squeeze(1)
+        top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen.tolist()
+        token_list = tokens.tolist()
+        result: list[dict[int, float] | None] = [None] * len(params)
+        for j, b in enumerate(rows):
+            n = params[b].logprobs
+            entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
+            entry[token_list[b]] = chosen[j]
+            result[b] = entry
+        return result

@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
+arrival order: one token each when decoding, the rest of their prompt (up to the budget) when
+their prefill was chunked. Waiting sequences are then admitted first-come-first-served while
+the budget, ``max_num_seqs`` and the KV cache allow; a prompt longer than what is left of the
+budget is prefilled in chunks over several steps, so decode and prefill tokens share a step.
+When a running sequence needs a block and none is left, the latest-arrived running sequence
+is preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ninefold.llm.kv_cache import BlockManager
+from ninefold.llm.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence and the number of its tokens computed in this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's sequences and token counts, allocating their blocks."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.ensure(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            hits = self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
+            if not self.blocks.can_admit(seq, hits, n):
+                break
+            self.waiting.popleft()
+            self.blocks.admit(seq, hits)
+            if not self.blocks.ensure(seq, seq.num_computed_tokens + n):
+                raise RuntimeError("BlockManager.can_admit and ensure disagree")  # a bug, not bad input
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """End ``seq`` (wherever it is) and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        if seq.status is not Status.FINISHED:
+            self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

@@ -1,0 +1,73 @@
+"""Per-sequence and per-request state shared by the scheduler, the runner and the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninefold.llm.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output sequence: its tokens (prompt then output), KV blocks and decoding state."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    generator: Any = None
+    detokenizer: Any = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted prompt and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
