@@ -1,0 +1,1 @@
+"""Backends: ``cpu`` (torch, batched over programs), ``triton`` (generated Triton) and ``interpret``."""
