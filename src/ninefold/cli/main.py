@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("bench",)
 
 
 def build_parser() -> argparse.ArgumentParser:

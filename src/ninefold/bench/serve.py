@@ -1,0 +1,376 @@
+"""Serving benchmark against any OpenAI-compatible server: TTFT, ITL, TPOT, throughput, goodput.
+
+Run it as ``ninefold bench serve --base-url http://127.0.0.1:8000 --num-prompts 100 --output r.json``
+(or ``python -m ninefold.bench.serve ...``). Requests arrive by a gamma process (``--request-rate``,
+``--burstiness``) under an optional concurrency cap, each is streamed and every chunk timed, and the
+report (a table on the terminal, JSON in ``--output``, plots in ``--plot``) gives the latency
+distributions, throughput, and goodput under ``--slo``. ``--sweep-rates`` repeats the run at several
+rates and reports the highest whose SLO attainment stays at or above 90% (DistServe's goodput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from ninefold.bench.serve_arrivals import arrival_times
+from ninefold.bench.serve_client import ENDPOINTS, ServerTokenizer, StreamClient, api_root, list_models
+from ninefold.bench.serve_datasets import (
+    BenchRequest,
+    TokenCounter,
+    WordCounter,
+    jsonl_requests,
+    parse_length_range,
+    random_requests,
+)
+from ninefold.bench.serve_metrics import LATENCY_KEYS, SLO, RequestResult, compute_report
+
+ATTAINMENT_TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """How requests are offered: rate (req/s, ``inf`` = all at once), burstiness, concurrency cap."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class RunOutcome:
+    """One benchmark run: the per-request results, generated texts and wall time."""
+
+    results: list[RequestResult]
+    texts: list[str]
+    duration_s: float
+    report: dict = field(default_factory=dict)
+
+
+async def send_all(client: StreamClient, requests: list[BenchRequest], load: LoadShape,
+                   progress: bool = True) -> RunOutcome:
+    """Send every request at its arrival time (at most ``max_concurrency`` in flight) and time them."""
+    arrivals = arrival_times(len(requests), load.request_rate, load.burstiness, load.seed)
+    gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=load.max_concurrency)
+    timeout = httpx.Timeout(load.timeout_s, pool=None)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, file=sys.stderr)
+    failed = 0
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        t0 = time.perf_counter()
+
+        async def one(request: BenchRequest, at: float) -> tuple[RequestResult, str]:
+            nonlocal failed
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate is None:
+                outcome = await client.send(http, request, t0)
+            else:
+                async with gate:
+                    outcome = await client.send(http, request, t0)
+            failed += not outcome[0].success
+            bar.set_postfix(failed=failed, refresh=False)
+            bar.update(1)
+            return outcome
+
+        outcomes = await asyncio.gather(*(one(r, float(at)) for r, at in zip(requests, arrivals)))
+        duration = time.perf_counter() - t0
+    bar.close()
+    return RunOutcome([o[0] for o in outcomes], [o[1] for o in outcomes], duration)
+
+
+def benchmark(client: StreamClient, requests: list[BenchRequest], load: LoadShape, slo: SLO,
+              counter: TokenCounter | None = None, progress: bool = True) -> RunOutcome:
+    """One run: send the requests, fill in token counts the server did not report, build the report.
+
+    Output lengths come from the server's usage; without it, from ``counter`` applied to the
+    generated text when that is the server's own tokenizer, else from the number of chunks.
+    """
+    outcome = asyncio.run(send_all(client, requests, load, progress))
+    if isinstance(counter, ServerTokenizer):
+        for result, text in zip(outcome.results, outcome.texts):
+            if result.success and result.token_source == "chunks" and text:
+                try:
+                    result.output_tokens, result.token_source = counter.count(text), "tokenizer"
+                except httpx.HTTPError:
+                    pass
+    report = compute_report(outcome.results, outcome.duration_s, slo)
+    report["config"] = {
+        "base_url": client.root, "model": client.model, "endpoint": client.endpoint,
+        "num_prompts": len(requests), "request_rate": _rate_json(load.request_rate),
+        "burstiness": load.burstiness, "max_concurrency": load.max_concurrency, "seed": load.seed,
+        "ignore_eos": client.ignore_eos,
+        "token_counter": counter.name if counter is not None else None,
+        "token_sources": dict(Counter(r.token_source for r in outcome.results if r.success)),
+    }
+    report["errors"] = dict(Counter(r.error for r in outcome.results if not r.success).most_common(10))
+    report["requests"] = [_record(r) for r in outcome.results]
+    outcome.report = report
+    return outcome
+
+
+def best_rate(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
+    """The highest request rate among ``runs`` whose SLO attainment is at least ``target``."""
+    passing = [run["config"]["request_rate"] for run in runs if (run["slo_attainment"] or 0) >= target]
+    return max(passing, default=None)
+
+
+def format_report(report: dict) -> str:
+    """The terminal table of one run."""
+    config = report["config"]
+    attainment = report["slo_attainment"]
+    slo = ", ".join(f"{k[:-3]}<={v:g}ms" for k, v in report["slo"].items() if v is not None) or "none"
+    rows = [
+        ("Model / endpoint", f"{config['model']} / {ENDPOINTS[config['endpoint']]}"),
+        ("Request rate (req/s)", config["request_rate"]),
+        ("Burstiness / max concurrency", f"{config['burstiness']:g} / {config['max_concurrency'] or 'none'}"),
+        ("Completed / failed", f"{report['completed']} / {report['failed']}"),
+        ("Duration (s)", f"{report['duration_s']:.2f}"),
+        ("Input / output tokens", f"{report['total_input_tokens']} / {report['total_output_tokens']}"),
+        ("Request throughput (req/s)", f"{report['request_throughput']:.3f}"),
+        ("Output token throughput (tok/s)", f"{report['output_token_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
+        ("SLO", slo),
+        ("Goodput (req/s)", f"{report['goodput']:.3f}"),
+        ("SLO attainment", "-" if attainment is None else f"{100 * attainment:.1f}%"),
+    ]
+    lines = ["=" * 60, f"{'ninefold bench serve':^60}", "=" * 60]
+    lines += [f"{name:<36}{value}" for name, value in rows]
+    lines += ["-" * 60, f"{'latency (ms)':<16}" + "".join(f"{k:>11}" for k in ("mean", "median", "p90", "p99"))]
+    for key in LATENCY_KEYS:
+        stats = report[key]
+        lines.append(f"{key[:-3].upper():<16}" + "".join(f"{_ms(stats[s]):>11}" for s in ("mean", "median", "p90", "p99")))
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def format_sweep(sweep: dict) -> str:
+    """The terminal table of a rate sweep."""
+    head = f"{'rate':>8}{'done':>7}{'fail':>6}{'req/s':>9}{'goodput':>9}{'attain':>8}{'p90 TTFT':>10}{'p90 TPOT':>10}"
+    lines = ["=" * len(head), head, "-" * len(head)]
+    for run in sweep["runs"]:
+        att = run["slo_attainment"]
+        lines.append(
+            f"{run['config']['request_rate']:>8g}{run['completed']:>7}{run['failed']:>6}"
+            f"{run['request_throughput']:>9.3f}{run['goodput']:>9.3f}{'-' if att is None else f'{100 * att:.1f}%':>8}"
+            f"{_ms(run['ttft_ms']['p90']):>10}{_ms(run['tpot_ms']['p90']):>10}"
+        )
+    best = sweep["goodput_rate"]
+    lines += ["-" * len(head),
+              f"highest rate with SLO attainment >= {100 * sweep['attainment_target']:.0f}%: "
+              + ("none of the rates tried" if best is None else f"{best:g} req/s"),
+              "=" * len(head)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``bench serve`` to ``parser``."""
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
+                        help="/v1/completions or /v1/chat/completions (default: completions)")
+    parser.add_argument("--dataset", nargs="+", default=["random"], metavar=("KIND", "FILE"),
+                        help="'random' (prompts of --input-len tokens) or 'jsonl FILE' (lines with 'prompt' and "
+                             "optional 'output_len'); default random")
+    parser.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=100, help="requests per run (default 100)")
+    parser.add_argument("--input-len", type=_length_range("--input-len"), default=(256, 256), metavar="A:B",
+                        help="prompt tokens, uniform in [A, B] (random dataset; default 256)")
+    parser.add_argument("--output-len", type=_length_range("--output-len"), default=(128, 128), metavar="A:B",
+                        help="max_tokens per request, uniform in [A, B] (default 128)")
+    parser.add_argument("--request-rate", type=_rate, default=math.inf, metavar="R|inf",
+                        help="mean requests per second, or inf to send all at once (default inf)")
+    parser.add_argument("--burstiness", type=_positive_float("--burstiness"), default=1.0,
+                        help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 steadier (default 1)")
+    parser.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=None, help="cap on requests in flight")
+    parser.add_argument("--slo", type=_slo, default=SLO(), metavar="ttft=500ms,itl=50ms,tpot=..,e2e=..",
+                        help="latency bounds for goodput; itl bounds a request's largest inter-token gap")
+    parser.add_argument("--sweep-rates", type=_rates, default=None, metavar="r1,r2,...",
+                        help="run at each rate and report the highest with SLO attainment >= 90%% (needs --slo)")
+    parser.add_argument("--output", required=True, type=Path, help="where to write the JSON report")
+    parser.add_argument("--plot", type=Path, default=None, help="where to write the plots (PNG, SVG or PDF)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (default 0)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token (default: $OPENAI_API_KEY)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="send ignore_eos=true (vLLM/ninefold extension) so outputs run to max_tokens")
+    parser.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0,
+                        help="seconds before one request is given up as failed (default 600)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run ``bench serve`` from parsed arguments; returns the exit code."""
+    try:
+        return _run(args)
+    except ValueError as error:
+        print(f"ninefold bench serve: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    kind, files = args.dataset[0], args.dataset[1:]
+    if kind not in ("random", "jsonl"):
+        raise ValueError(f"--dataset must be 'random' or 'jsonl FILE', got {' '.join(args.dataset)!r}")
+    if (kind == "random") != (not files) or len(files) > 1:
+        raise ValueError(f"--dataset random takes no file and jsonl takes exactly one, got {' '.join(args.dataset)!r}")
+    if args.sweep_rates is not None and args.slo.empty:
+        raise ValueError("--sweep-rates needs --slo (attainment is measured against it)")
+    if args.sweep_rates is not None and not math.isinf(args.request_rate):
+        raise ValueError("give either --request-rate or --sweep-rates, not both")
+    for path, what in ((args.output, "--output"), (args.plot, "--plot")):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise ValueError(f"{what} {str(path)!r}: directory {str(path.resolve().parent)!r} does not exist")
+    progress = not args.no_progress
+    root = api_root(args.base_url)
+    model = args.model or _first_model(root, args.api_key)
+    if model is None:
+        return 1
+    counter: TokenCounter | None = ServerTokenizer.probe(root, model, args.api_key)
+    if counter is None:
+        counter = WordCounter()
+        print("note: the server has no usable /tokenize; prompt lengths are counted in words", file=sys.stderr)
+    client = StreamClient(root, model, args.endpoint, args.api_key, args.ignore_eos)
+
+    def make_requests(seed: int) -> list[BenchRequest]:
+        if kind == "jsonl":
+            return jsonl_requests(files[0], args.num_prompts, args.output_len, counter, seed)
+        return random_requests(args.num_prompts, args.input_len, args.output_len, counter, seed, progress)
+
+    rates = args.sweep_rates or [args.request_rate]
+    runs = []
+    for i, rate in enumerate(rates):
+        # Fresh random prompts per rate, so a prefix cache cannot serve one run from the last.
+        load = LoadShape(rate, args.burstiness, args.max_concurrency, args.seed + i, args.timeout)
+        outcome = benchmark(client, make_requests(args.seed + i), load, args.slo, counter, progress)
+        runs.append(outcome)
+        print(format_report(outcome.report))
+        for error, count in list(outcome.report["errors"].items())[:3]:
+            print(f"  {count} failed with: {error}", file=sys.stderr)
+
+    if args.sweep_rates is None:
+        document = runs[0].report
+    else:
+        reports = [o.report for o in runs]
+        document = {"attainment_target": ATTAINMENT_TARGET, "goodput_rate": best_rate(reports), "runs": reports}
+        print(format_sweep(document))
+    args.output.write_text(json.dumps(document, indent=1, allow_nan=False))
+    print(f"report written to {args.output}")
+    if args.plot is not None:
+        from ninefold.bench.serve_plots import plot_run, plot_sweep
+
+        if args.sweep_rates is None:
+            plot_run(runs[0].results, runs[0].report, args.plot)
+        else:
+            plot_sweep(document, args.plot)
+        print(f"plots written to {args.plot}")
+    return 0 if any(o.report["completed"] for o in runs) else 1
+
+
+def _first_model(root: str, api_key: str | None) -> str | None:
+    try:
+        models = list_models(root, api_key)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+        print(f"ninefold bench serve: cannot list models at {root}/v1/models ({error}); "
+              f"is the server up? Pass --model to skip this.", file=sys.stderr)
+        return None
+    if not models:
+        print(f"ninefold bench serve: {root}/v1/models lists no model; pass --model", file=sys.stderr)
+        return None
+    return models[0]
+
+
+def _record(r: RequestResult) -> dict:
+    return {
+        "success": r.success, "error": r.error, "start_s": r.start, "end_s": r.end,
+        "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "token_source": r.token_source,
+        "ttft_ms": None if r.ttft is None else r.ttft * 1e3, "tpot_ms": None if r.tpot is None else r.tpot * 1e3,
+        "e2e_ms": r.e2e * 1e3, "chunk_times_s": r.chunk_times,
+    }
+
+
+def _rate_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _checked(name: str, parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = name  # argparse names the type in its "invalid ... value" message
+    return convert
+
+
+def _positive_number(name: str, text: str, kind=float):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive {kind.__name__}, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive {kind.__name__}, got {text!r}")
+    return value
+
+
+def _positive_float(name: str):
+    return _checked(name, lambda text: _positive_number(name, text))
+
+
+def _positive_int(name: str):
+    return _checked(name, lambda text: _positive_number(name, text, int))
+
+
+def _parse_rate(text: str) -> float:
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    return _positive_number("--request-rate", text)
+
+
+def _parse_rates(text: str) -> list[float]:
+    rates = [_positive_number("--sweep-rates", item) for item in text.split(",")]
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"--sweep-rates repeats a rate: {text!r}")
+    return sorted(rates)
+
+
+def _length_range(name: str):
+    return _checked(name, lambda text: parse_length_range(text, name))
+
+
+_rate = _checked("rate", _parse_rate)
+_rates = _checked("rates", _parse_rates)
+_slo = _checked("slo", SLO.parse)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ninefold.bench.serve``: the same as ``ninefold bench serve``."""
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.serve", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
