@@ -1,0 +1,278 @@
+"""Measured hardware profiles: compute, memory bandwidth, memory capacity and interconnect.
+
+``profile_device(device)`` measures the four in a few seconds and caches the result under
+``$NINEFOLD_CACHE_DIR/profiles`` keyed by the device's name, its type and the torch version (capacity
+is re-read on every call: free memory changes). All figures are plain SI numbers: FLOP/s, bytes/s
+(bytes read plus bytes written for copies), bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ninefold.runtime.device import Device
+
+__all__ = ["HardwareProfile", "profile_device", "cache_dir"]
+
+UNITS = {"compute": "FLOP/s (dense matmul)", "bandwidth": "bytes/s (read + written)",
+         "capacity": "bytes", "interconnect": "bytes/s (moved one way)"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclasses.dataclass
+class HardwareProfile:
+    """What one device can do, as measured.
+
+    ``compute``: dtype name -> FLOP/s of a large matmul. ``bandwidth``: ``{"copy": bytes/s}`` of a
+    large on-device copy. ``capacity``: ``{"total", "free"}`` bytes. ``interconnect``:
+    ``"loopback_tcp"`` always; on accelerators ``"host_to_device"`` and ``"device_to_host"`` (pinned
+    memory) and ``"device_to_device"`` (peer device string -> bytes/s). ``measured`` says how.
+    """
+
+    device: str
+    name: str
+    compute: dict[str, float]
+    bandwidth: dict[str, float]
+    capacity: dict[str, int]
+    interconnect: dict
+    measured: dict
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict, with ``units``."""
+        return dataclasses.asdict(self) | {"units": UNITS}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HardwareProfile:
+        """The inverse of ``to_dict``."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    def roofline_seconds(self, flop: float, nbytes: float, dtype: torch.dtype | str) -> float:
+        """The least time ``flop`` operations on ``nbytes`` of memory traffic can take on this device."""
+        key = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        if key not in self.compute:
+            raise ValueError(f"dtype: no measured compute rate for {dtype!r}; measured: {sorted(self.compute)}")
+        return max(flop / self.compute[key], nbytes / self.bandwidth["copy"])
+
+
+def cache_dir() -> Path:
+    """``$NINEFOLD_CACHE_DIR/profiles`` (default ``~/.cache/ninefold/profiles``)."""
+    root = os.environ.get("NINEFOLD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ninefold")
+    return Path(root) / "profiles"
+
+
+def profile_device(device: str | torch.device | Device = "cpu", *, refresh: bool = False,
+                   progress: bool = True, min_time: float | None = None) -> HardwareProfile:
+    """The device's profile: from the cache when there is one (unless ``refresh``), else measured.
+
+    ``min_time`` is the seconds spent timing each figure (default 0.15 on the CPU, 0.5 on
+    accelerators); ``progress`` shows a progress bar on stderr.
+    """
+    dev = Device(device)
+    path = cache_dir() / f"{_slug(dev.name)}-{_cache_key(dev)}.json"
+    if not refresh and path.is_file():
+        try:
+            profile = HardwareProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            profile = None  # a damaged cache file is measured again
+        if profile is not None:
+            profile.device = str(dev.torch)
+            profile.capacity = _capacity(dev)
+            return profile
+    profile = measure(dev, progress=progress, min_time=min_time)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    os.replace(tmp, path)
+    return profile
+
+
+def measure(device: Device, *, progress: bool = True, min_time: float | None = None) -> HardwareProfile:
+    """Measure ``device``'s profile now (no cache)."""
+    from tqdm import tqdm
+
+    dev = Device(device)
+    if min_time is None:
+        min_time = 0.5 if dev.is_accelerator else 0.15
+    peers = [d for d in Device.all() if d.type == dev.type and d != dev] if dev.is_accelerator else []
+    steps: list[tuple[str, Callable[[], None]]] = []
+    compute: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+    interconnect: dict = {}
+    bandwidth: dict[str, float] = {}
+    copy_bytes = _copy_bytes(dev)
+
+    def add_matmul(name: str, dtype: torch.dtype):
+        def run():
+            compute[name], sizes[name] = _matmul_rate(dev, dtype, min_time)
+        steps.append((f"matmul {name}", run))
+
+    for name, dtype in DTYPES.items():
+        add_matmul(name, dtype)
+    steps.append(("device copy", lambda: bandwidth.__setitem__("copy", _copy_rate(dev, copy_bytes, min_time))))
+    if dev.is_accelerator:
+        steps.append(("host to device", lambda: interconnect.__setitem__(
+            "host_to_device", _transfer_rate(dev, "h2d", copy_bytes // 2, min_time))))
+        steps.append(("device to host", lambda: interconnect.__setitem__(
+            "device_to_host", _transfer_rate(dev, "d2h", copy_bytes // 2, min_time))))
+        interconnect["device_to_device"] = {}
+        for peer in peers:
+            steps.append((f"to {peer.torch}", lambda peer=peer: interconnect["device_to_device"].__setitem__(
+                str(peer.torch), _peer_rate(dev, peer, copy_bytes // 2, min_time))))
+    steps.append(("loopback tcp", lambda: interconnect.__setitem__("loopback_tcp", _tcp_rate(min_time))))
+
+    start = time.perf_counter()
+    with tqdm(steps, desc=f"profile {dev.torch}", unit="step", disable=not progress, leave=False) as bar:
+        for label, run in bar:
+            bar.set_postfix_str(label)
+            run()
+    measured = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - start, 2),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "matmul_n": sizes,
+        "copy_bytes": copy_bytes,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    return HardwareProfile(str(dev.torch), dev.name, compute, bandwidth, _capacity(dev), interconnect, measured)
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+def _time_per_call(fn: Callable[[], object], dev: Device, min_time: float) -> float:
+    """The best seconds per call of ``fn`` over groups of calls filling about ``min_time``."""
+    fn()
+    dev.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    dev.synchronize()
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = max(1, int(min_time / 4 / once))
+    best, spent, groups = math.inf, 0.0, 0
+    while (spent < min_time or groups < 3) and groups < 100:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        dev.synchronize()
+        elapsed = time.perf_counter() - t0
+        best, spent, groups = min(best, elapsed / reps), spent + elapsed, groups + 1
+    return best
+
+
+def _matmul_rate(dev: Device, dtype: torch.dtype, min_time: float) -> tuple[float, int]:
+    """FLOP/s of an n x n x n matmul: on accelerators the best of n = 4096 and 8192, on the CPU the
+    largest n (from 128, doubling, at most 1024) whose call takes under about 30 ms."""
+    if dev.is_accelerator:
+        best = (0.0, 0)
+        for n in (4096, 8192):
+            a = torch.randn(n, n, device=dev.torch).to(dtype)
+            b = torch.randn(n, n, device=dev.torch).to(dtype)
+            seconds = _time_per_call(lambda a=a, b=b: torch.mm(a, b), dev, min_time / 2)
+            best = max(best, (2 * n**3 / seconds, n))
+        return best
+    n = 128
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if time.perf_counter() - t0 > 0.03 or n >= 1024:
+            break
+        n *= 2
+    seconds = _time_per_call(lambda: torch.mm(a, b), dev, min_time)
+    return 2 * n**3 / seconds, n
+
+
+def _copy_bytes(dev: Device) -> int:
+    if dev.is_accelerator:
+        free, _ = dev.memory_info()
+        return min(2 * 2**30, free // 8)
+    return 256 * 2**20
+
+
+def _copy_rate(dev: Device, nbytes: int, min_time: float) -> float:
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev.torch)
+    dst = torch.empty_like(src)
+    seconds = _time_per_call(lambda: dst.copy_(src), dev, min_time)
+    return 2 * nbytes / seconds
+
+
+def _transfer_rate(dev: Device, direction: str, nbytes: int, min_time: float) -> float:
+    host = dev.pin(torch.ones(nbytes, dtype=torch.uint8))
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=dev.torch)
+    src, dst = (host, on_device) if direction == "h2d" else (on_device, host)
+    return nbytes / _time_per_call(lambda: dst.copy_(src, non_blocking=True), dev, min_time)
+
+
+def _peer_rate(dev: Device, peer: Device, nbytes: int, min_time: float) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev.torch)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=peer.torch)
+
+    def copy():
+        dst.copy_(src, non_blocking=True)
+        peer.synchronize()
+
+    return nbytes / _time_per_call(copy, dev, min_time)
+
+
+def _tcp_rate(min_time: float, chunk: int = 2**20) -> float:
+    """Bytes/s sent through a TCP connection on 127.0.0.1 (sender and receiver in this process)."""
+    total = 64 * chunk
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def receive():
+            conn, _ = server.accept()
+            with conn:
+                buffer = bytearray(chunk)
+                while True:
+                    got = 0
+                    while got < total:
+                        n = conn.recv_into(buffer, chunk)
+                        if n == 0:
+                            return
+                        got += n
+                    conn.sendall(b"k")
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            payload = memoryview(bytes(chunk))
+
+            def send():
+                for _ in range(total // chunk):
+                    client.sendall(payload)
+                if client.recv(1) != b"k":
+                    raise ConnectionError("loopback receiver closed early")
+
+            seconds = _time_per_call(send, Device("cpu"), min_time)
+        thread.join(timeout=10)
+    return total / seconds
+
+
+def _capacity(dev: Device) -> dict[str, int]:
+    free, total = dev.memory_info()
+    return {"total": total, "free": free}
+
+
+def _cache_key(dev: Device) -> str:
+    parts = [dev.type, dev.name, torch.__version__, str(Device.count(dev.type))]
+    if not dev.is_accelerator:
+        parts.append(str(torch.get_num_threads()))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()[:60] or "device"
