@@ -1,0 +1,134 @@
+"""The FastAPI application: routes of the OpenAI-compatible API, health, tokenizer and metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ninefold.llm.server import handlers
+from ninefold.llm.server.admission import Admission
+from ninefold.llm.server.errors import APIError, install_error_handlers
+from ninefold.llm.server.logprobs import TokenTexts
+from ninefold.llm.server.metrics import CONTENT_TYPE, ServerMetrics
+from ninefold.llm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from ninefold.llm.server.preprocess import render_chat
+from ninefold.llm.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    dump,
+)
+from ninefold.llm.server.state import ServerState, engine_limits
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
+}
+
+
+def build_app(
+    engine: Any,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_num_seqs: int | None = None,
+    max_queue: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    retry_after_s: int = 1,
+) -> FastAPI:
+    """The server's ASGI app around a started ``AsyncEngine``.
+
+    At most ``max_num_seqs + max_queue`` sequences are admitted at once (both given), the rest get
+    429 with Retry-After; with ``api_key`` the API routes need ``Authorization: Bearer <key>``.
+    """
+    if not isinstance(served_model_name, str) or not served_model_name:
+        raise ValueError(f"served_model_name: got {served_model_name!r}; expected a non-empty string")
+    capacity = None
+    if max_queue is not None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue: got {max_queue}; expected an integer >= 0")
+        running = max_num_seqs or _engine_max_num_seqs(engine)
+        if running is None:
+            raise ValueError("max_queue needs max_num_seqs (or an engine with a max_num_seqs attribute)")
+        capacity = running + max_queue
+    limits = engine_limits(engine, capacity)
+    metrics = ServerMetrics(engine.stats, served_model_name)
+    state = ServerState(
+        engine=engine,
+        served_model_name=served_model_name,
+        limits=limits,
+        metrics=metrics,
+        admission=Admission(capacity, retry_after_s),
+        texts=TokenTexts(engine.tokenizer),
+    )
+    app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)
+    app.state.server = state
+    install_error_handlers(app, on_error=metrics.reject)
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await handlers.create_completion(state, body, request.receive)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await handlers.create_chat_completion(state, body, request.receive)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        card = ModelCard(id=served_model_name, created=state.created, root=str(getattr(engine, "model_name", "")),
+                         max_model_len=limits.max_model_len)
+        return dump(ModelList(data=[card]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.admission.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": str(retry_after_s)})
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        state.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            tokens = render_chat(body.messages, engine.tokenizer, body.add_generation_prompt)
+        else:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": list(tokens)}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        bad = [t for t in body.tokens if t >= limits.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
+                           param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _engine_max_num_seqs(engine: Any) -> int | None:
+    """The engine's batch limit: ``engine.max_num_seqs``, else its config's."""
+    value = getattr(engine, "max_num_seqs", None)
+    if value is None:
+        config = getattr(getattr(engine, "engine", None), "config", None)
+        value = getattr(config, "max_num_seqs", None)
+    return value

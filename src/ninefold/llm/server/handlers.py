@@ -1,0 +1,213 @@
+"""The completions and chat-completions endpoints: sequences in, OpenAI responses and chunks out."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from ninefold.llm.server import preprocess
+from ninefold.llm.server.deltas import DeltaStream
+from ninefold.llm.server.errors import APIError
+from ninefold.llm.server.event_stream import EventStreamResponse
+from ninefold.llm.server.generation import Generation, Sequence, until_disconnect
+from ninefold.llm.server.logprobs import chat_logprobs, completion_logprobs
+from ninefold.llm.server.protocol import ChatCompletionRequest, CompletionRequest
+from ninefold.llm.server.sse import DONE, sse_data, sse_error
+from ninefold.llm.server.state import ServerState
+
+logger = logging.getLogger("ninefold.server")
+
+Receive = Callable[[], Awaitable[dict]]
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, receive: Receive) -> Response:
+    """``POST /v1/completions``."""
+    state.check_model(req.model)
+    prompts = preprocess.completion_prompts(req, state.tokenizer)
+    return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, receive: Receive) -> Response:
+    """``POST /v1/chat/completions``."""
+    state.check_model(req.model)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    prompts = [preprocess.chat_prompt(req, state.tokenizer)]
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, param = req.max_tokens, "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive)
+
+
+async def _serve(
+    state: ServerState,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[preprocess.Prompt],
+    kind: str,
+    requested_max_tokens: int | None,
+    max_tokens_param: str,
+    logprobs: int | None,
+    receive: Receive,
+) -> Response:
+    arrival = time.perf_counter()
+    limits = state.limits
+    prompt_param = "prompt" if kind == "cmpl" else "messages"
+    for prompt in prompts:
+        preprocess.check_prompt(prompt, limits, prompt_param)
+    preprocess.check_admissible(len(prompts) * req.n, limits)
+    request_id = f"{kind}-{uuid.uuid4().hex}"
+    sequences = []
+    for p, prompt in enumerate(prompts):
+        max_tokens = preprocess.resolve_max_tokens(requested_max_tokens, len(prompt.token_ids), limits,
+                                                   max_tokens_param)
+        for i in range(req.n):
+            params = preprocess.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, limits=limits,
+                                                child=i)
+            sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
+    for prompt in prompts:
+        state.metrics.count_prompt(len(prompt.token_ids))
+    for seq in sequences:
+        seq.timer = state.metrics.sequence(arrival)
+    gen = Generation(state.engine, sequences)
+    view = _View(state, req, kind, request_id, prompts, logprobs)
+    state.admission.acquire(len(sequences))
+    state.active.add(gen)
+
+    def release() -> None:
+        state.admission.release(len(sequences))
+        state.active.discard(gen)
+
+    if req.stream:
+        return EventStreamResponse(_stream(view, gen, release))
+    try:
+        finished, body = await until_disconnect(receive, view.collect(gen))
+    finally:
+        release()
+    if not finished:
+        return Response(status_code=499)  # nobody is listening; the sequences were aborted
+    return JSONResponse(body)
+
+
+async def _stream(view: _View, gen: Generation, release: Callable[[], None]) -> AsyncIterator[str]:
+    try:
+        try:
+            for chunk in view.opening_chunks(gen):
+                yield sse_data(chunk)
+            async for seq in gen.events():
+                chunk = view.chunk(seq)
+                if chunk is not None:
+                    yield sse_data(chunk)
+            if view.include_usage:
+                yield sse_data(view.usage_chunk(gen))
+        except APIError as err:
+            yield sse_error(err.body())
+        except Exception as exc:
+            logger.exception("streaming failed")
+            yield sse_error(APIError(500, f"internal server error ({type(exc).__name__})").body())
+        yield DONE
+    finally:
+        release()
+
+
+class _View:
+    """How one request's sequences look in the OpenAI format (completions or chat)."""
+
+    def __init__(self, state: ServerState, req: Any, kind: str, request_id: str,
+                 prompts: list[preprocess.Prompt], logprobs: int | None) -> None:
+        self.state = state
+        self.chat = kind == "chatcmpl"
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.logprobs = logprobs
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.deltas: dict[int, DeltaStream] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.stops = req.stop or []
+
+    def _envelope(self, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.state.served_model_name,
+            "choices": choices,
+        }
+
+    def usage(self, gen: Generation) -> dict[str, int]:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(s.output.token_ids) for s in gen.sequences if s.output is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _logprobs(self, seq: Sequence, start: int, end: int, text_offset: int) -> dict | None:
+        out = seq.output
+        if self.logprobs is None or out is None or out.logprobs is None:
+            return None
+        ids, steps = out.token_ids[start:end], out.logprobs[start:end]
+        if self.chat:
+            return chat_logprobs(ids, steps, self.logprobs, self.state.texts)
+        return completion_logprobs(ids, steps, self.logprobs, self.state.texts, text_offset)
+
+    async def collect(self, gen: Generation) -> dict[str, Any]:
+        """Run to the end and build the whole (non-streaming) response."""
+        async for _ in gen.events():
+            pass
+        choices = []
+        for seq in sorted(gen.sequences, key=lambda s: s.index):
+            text = seq.output.text if seq.output is not None else ""
+            count = len(seq.output.token_ids) if seq.output is not None else 0
+            choice: dict[str, Any] = {"index": seq.index, "logprobs": self._logprobs(seq, 0, count, 0),
+                                      "finish_reason": seq.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        body = self._envelope(choices)
+        body["object"] = "chat.completion" if self.chat else "text_completion"
+        body["usage"] = self.usage(gen)
+        return body
+
+    def opening_chunks(self, gen: Generation) -> list[dict]:
+        """Chat streams announce the assistant role of every choice first."""
+        if not self.chat:
+            return []
+        return [
+            self._envelope([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+            for s in sorted(gen.sequences, key=lambda s: s.index)
+        ]
+
+    def chunk(self, seq: Sequence) -> dict[str, Any] | None:
+        """The chunk for what ``seq`` added since the last one (None when there is nothing to send)."""
+        out = seq.output
+        finished = seq.done
+        deltas = self.deltas.setdefault(seq.index, DeltaStream(self.stops))
+        offset = deltas.sent
+        text = deltas.delta(out.text if out is not None else "", finished)
+        start = self.sent_tokens.get(seq.index, 0)
+        end = len(out.token_ids) if out is not None else start
+        if not text and not finished and (self.logprobs is None or end == start):
+            return None
+        self.sent_tokens[seq.index] = end
+        logprobs = self._logprobs(seq, start, end, offset)
+        reason = seq.finish_reason if finished else None
+        if self.chat:
+            delta = {"content": text} if text or not finished else {}
+            choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return self._envelope([choice])
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
+        """The last chunk of a stream with ``include_usage``: no choices, the token counts."""
+        body = self._envelope([])
+        body["usage"] = self.usage(gen)
+        return body

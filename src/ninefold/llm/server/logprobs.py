@@ -1,0 +1,90 @@
+"""Per-token log-probabilities in the completions and chat formats.
+
+The engine reports, for every generated token, a dict ``token id -> logprob`` holding the sampled
+token and the top-N alternatives.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenTexts:
+    """Token id -> (display text, UTF-8 bytes), cached per tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._lookup = lru_cache(maxsize=65536)(self._compute)
+
+    def _compute(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        piece = self.tokenizer.id_to_token(token_id) if hasattr(self.tokenizer, "id_to_token") else None
+        if piece is not None and all(ch in _BYTE_DECODER for ch in piece):
+            raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+        else:
+            raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return raw.decode("utf-8", errors="replace"), tuple(raw)
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self._lookup(token_id)[1])
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0
+
+
+def _ranked(step: dict[int, float], top: int) -> list[tuple[int, float]]:
+    return sorted(step.items(), key=lambda kv: -kv[1])[:top]
+
+
+def completion_logprobs(
+    token_ids: list[int], steps: list[dict[int, float]], top: int, texts: TokenTexts, offset: int
+) -> dict:
+    """The ``logprobs`` object of a completions choice for ``token_ids`` (text offsets from ``offset``)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, step in zip(token_ids, steps):
+        text = texts.text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_finite(step.get(token_id, -math.inf)))
+        out["top_logprobs"].append({texts.text(t): _finite(lp) for t, lp in _ranked(step, top)} if top else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], steps: list[dict[int, float]], top: int, texts: TokenTexts) -> dict:
+    """The ``logprobs`` object of a chat choice for ``token_ids``."""
+    content = []
+    for token_id, step in zip(token_ids, steps):
+        content.append(
+            {
+                "token": texts.text(token_id),
+                "logprob": _finite(step.get(token_id, -math.inf)),
+                "bytes": texts.bytes(token_id),
+                "top_logprobs": [
+                    {"token": texts.text(t), "logprob": _finite(lp), "bytes": texts.bytes(t)}
+                    for t, lp in _ranked(step, top)
+                ],
+            }
+        )
+    return {"content": content}

@@ -1,0 +1,188 @@
+"""From a validated request body to engine inputs: prompt token ids and SamplingParams.
+
+Everything here that fails is a client mistake and raises :class:`APIError` (400) naming the
+parameter, so the engine only ever sees requests it can finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ninefold.llm.sampling import SamplingParams
+from ninefold.llm.server.errors import bad_request
+from ninefold.llm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model and engine can take."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int | None = None  # KV-cache blocks x block size, when the engine says
+    max_sequences: int | None = None  # sequences the server admits at once (running + queued)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine gets it."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
+    """The prompts of a completions request (a string, strings, token ids or lists of token ids)."""
+    if req.echo:
+        raise bad_request("'echo' is not supported", "echo")
+    if req.suffix:
+        raise bad_request("'suffix' is not supported", "suffix")
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list = [raw]
+    elif len(raw) == 0:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    elif isinstance(raw[0], int):
+        items = [raw]
+    else:
+        items = list(raw)
+    if len(items) > 64:
+        raise bad_request(f"at most 64 prompts per request are supported, got {len(items)}", "prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append(Prompt(tokenizer.encode(item), item))
+        else:
+            prompts.append(Prompt(list(item)))
+    return prompts
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer) -> Prompt:
+    """The chat messages rendered through the model's chat template."""
+    return Prompt(render_chat(req.messages, tokenizer, req.add_generation_prompt))
+
+
+def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` under the chat template; template failures are the client's 400."""
+    plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"cannot render the messages with the chat template: {exc}", "messages") from exc
+    except Exception as exc:  # jinja2 TemplateError and friends: raised by the template on these messages
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
+    return list(ids)
+
+
+def check_prompt(prompt: Prompt, limits: Limits, param: str) -> None:
+    """Reject an empty prompt, token ids outside the vocabulary, and a prompt at or over the context."""
+    ids = prompt.token_ids
+    if not ids:
+        raise bad_request(f"'{param}' must contain at least one token", param)
+    worst = max(ids)
+    if worst >= limits.vocab_size:
+        raise bad_request(
+            f"'{param}' holds token id {worst}, outside the vocabulary [0, {limits.vocab_size})", param
+        )
+    if len(ids) >= limits.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens, and the prompt has "
+            f"{len(ids)} tokens, which leaves no room to generate. Please shorten the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, limits: Limits, param: str) -> int:
+    """Tokens to generate: the request's limit, or what the context leaves; 400 when it cannot fit."""
+    room = limits.max_model_len - prompt_len
+    max_tokens = room if requested is None else requested
+    if max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+            f"Please reduce the prompt or '{param}'.",
+            param,
+            code="context_length_exceeded",
+        )
+    cap = limits.kv_capacity_tokens
+    if cap is not None and prompt_len + max_tokens > cap:
+        raise bad_request(
+            f"The request needs up to {prompt_len + max_tokens} tokens of KV cache ({prompt_len} prompt + "
+            f"{max_tokens} completion) but the whole KV cache holds {cap} tokens, so it can never be "
+            f"scheduled. Please reduce the prompt or '{param}'.",
+            param,
+            code="kv_cache_too_small",
+        )
+    return max_tokens
+
+
+def check_admissible(num_sequences: int, limits: Limits) -> None:
+    """Reject a request whose sequences (prompts x n) can never be admitted at once."""
+    if limits.max_sequences is not None and num_sequences > limits.max_sequences:
+        raise bad_request(
+            f"the request asks for {num_sequences} sequences (prompts x n) but the server admits at most "
+            f"{limits.max_sequences} at a time",
+            "n",
+        )
+
+
+def logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float] | None:
+    """``logit_bias`` with integer keys, each checked against the vocabulary."""
+    if not raw:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        token = int(key)
+        if token >= limits.vocab_size:
+            raise bad_request(
+                f"logit_bias names token id {token}, outside the vocabulary [0, {limits.vocab_size})",
+                "logit_bias",
+            )
+        bias[token] = float(value)
+    return bias
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    limits: Limits,
+    child: int,
+) -> SamplingParams:
+    """SamplingParams of child ``child`` (0 <= child < n) of the request."""
+    if req.stop_token_ids and max(req.stop_token_ids) >= limits.vocab_size:
+        raise bad_request(
+            f"stop_token_ids holds {max(req.stop_token_ids)}, outside the vocabulary [0, {limits.vocab_size})",
+            "stop_token_ids",
+        )
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    seed = None if req.seed is None else (req.seed + child) % 2**63
+    kwargs = dict(
+        n=1,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    bias = logit_bias(req.logit_bias, limits)
+    if bias:
+        kwargs["logit_bias"] = bias
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc)) from exc
+

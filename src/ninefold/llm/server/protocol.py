@@ -1,0 +1,281 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Ranges that do not depend on the model (temperature, top_p, n, penalties, ...) are checked here, so
+FastAPI rejects them with a 400 before any work starts; checks that need the tokenizer or the
+engine's limits live in :mod:`ninefold.llm.server.requests`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+# Token ids are non-negative 32-bit integers; anything larger is rejected before it reaches a tensor.
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+Stop = StrictStr | list[StrictStr] | None
+
+
+def _number_only(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {type(value).__name__}")
+    return value
+
+
+# A JSON number (int or float), never a string or a boolean, never NaN or infinity.
+Number = Annotated[float, BeforeValidator(_number_only), Field(allow_inf_nan=False)]
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = Field(None, description="Served model name; omitted means the only model.")
+    n: StrictInt = Field(1, ge=1, le=MAX_N, description="Completions per prompt.")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = Field(None, description="Up to 16 non-empty strings that end generation.")
+    temperature: Number | None = Field(None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Number] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    user: StrictStr | None = None
+    # vLLM's extra sampling fields.
+    top_k: StrictInt | None = Field(None, ge=-1, le=2**31 - 1, description="-1 or 0: off.")
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Number | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: StrictInt = Field(0, ge=0, le=2**31 - 1)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: Stop) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else list(value)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        if any(len(s) == 0 for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if any(len(s) > 1000 for s in stops):
+            raise ValueError("stop strings must be at most 1000 characters")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > 1024:
+            raise ValueError(f"at most 1024 logit_bias entries are supported, got {len(value)}")
+        for key, bias in value.items():
+            if not (key.strip().isascii() and key.strip().isdigit()):
+                raise ValueError(f"keys must be token ids written as non-negative integers, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must lie in [-100, 100], got {bias} for token {key}")
+        return value
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
+        ..., description="A string, a list of strings, a list of token ids, or a list of lists of token ids."
+    )
+    max_tokens: StrictInt | None = Field(16, ge=1, description="Tokens to generate (default 16).")
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+
+
+class TextPart(BaseModel):
+    """A text content part of a chat message."""
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        """The message's content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with chat messages (rendered through the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ninefold"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A response model as a JSON-ready dict."""
+    return model.model_dump(mode="json")

@@ -1,0 +1,132 @@
+"""Live servers for the server tests: real ``ninefold serve`` processes on 127.0.0.1 with a tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_model import TinyModel, build_tiny_model  # noqa: E402
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``python -m ninefold serve`` child process."""
+
+    def __init__(self, model: TinyModel, log_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "ninefold", "serve", "--model", str(model.path), "--port", str(self.port),
+               "--served-model-name", "tiny", "--log-level", "warning", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """``GET /metrics`` as ``{"name{labels}": value}`` plus ``{"name": value}`` for unlabelled sums."""
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+            bare = re.sub(r"\{.*\}", "", key)
+            if bare != key:
+                values[bare] = values.get(bare, 0.0) + float(value)
+        return values
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and every KV block is free; returns the last metrics."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = (m["ninefold:num_requests_running"] == 0 and m["ninefold:num_requests_waiting"] == 0
+                    and m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"])
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> TinyModel:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """The main server: context 4096, up to 256 sequences at once."""
+    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("logs"), "--max-model-len", "4096",
+                         "--max-num-seqs", "256", "--num-kv-blocks", "1024")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def strict_server(tiny_model, tmp_path_factory):
+    """A server with an API key, room for 2 sequences, and a KV cache of 3 blocks (48 tokens)."""
+    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("logs"), "--api-key", "sekret", "--max-model-len",
+                         "4096", "--max-num-seqs", "1", "--max-queue", "1", "--num-kv-blocks", "3",
+                         "--max-body-bytes", "65536")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def async_client(server):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
