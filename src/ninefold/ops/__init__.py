@@ -1,1 +1,25 @@
-"""ninefold.ops"""
+"""ninefold.ops: one call per operator; the fastest supporting implementation runs.
+
+``import ninefold.ops as ops`` then ``ops.rms_norm(x, w, eps)`` on any device. Each operator has
+a vendor implementation (torch and the libraries behind it, CPU and CUDA) and, where they beat
+it, hand-written Triton kernels (``ninefold.ops.triton``) and ``ninefold.dsl`` kernels.
+``ops.use(rms_norm="dsl")`` or ``NINEFOLD_OPS=rms_norm=dsl`` pins one; ``ops.choose(...)`` says
+which would run. See ``docs/architecture.md`` for the contract of every operator.
+"""
+
+from ninefold.ops.attention import attention_decode, attention_prefill, reshape_and_cache
+from ninefold.ops.dispatch import candidates, choose, operators, reload_environment, run, use
+from ninefold.ops.elementwise import add, gelu_and_mul, mul, silu_and_mul
+from ninefold.ops.linear import embedding, linear
+from ninefold.ops.norm import add_rms_norm, rms_norm, softmax
+from ninefold.ops.registry import Impl, register
+from ninefold.ops.rope import rope
+from ninefold.ops.sampling import argmax, sample
+from ninefold.ops.spec import OpError, UnsupportedError
+
+__all__ = [
+    "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
+    "linear", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",
+    "Impl", "OpError", "UnsupportedError", "candidates", "choose", "operators", "register",
+    "reload_environment", "run", "use",
+]

@@ -1,0 +1,240 @@
+"""Paged attention: ``reshape_and_cache``, ``attention_prefill`` and ``attention_decode``.
+
+KV caches are ``[num_blocks, block_size, Hk, D]``; token ``p`` of a sequence lives in block
+``block_tables[b, p // block_size]`` at offset ``p % block_size``. Query heads map onto KV heads
+in groups (GQA): query head ``h`` reads KV head ``h // (Hq // Hk)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ninefold.ops import spec
+from ninefold.ops.dispatch import Operator
+from ninefold.ops.registry import register
+
+
+def _cache_checks(op: str, ref_name: str, ref, k_cache, v_cache) -> None:
+    spec.tensor(op, "k_cache", k_cache, ndim=4)
+    spec.tensor(op, "v_cache", v_cache, ndim=4)
+    if v_cache.shape != k_cache.shape:
+        raise spec.OpError(f"{op}: v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    spec.same_device(op, ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+    spec.same_dtype(op, ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+
+
+def _scale(op: str, scale) -> None:
+    if scale is not None:
+        spec.positive_float(op, "scale", scale)
+
+
+def _gqa(op: str, hq: int, hk: int) -> None:
+    if hk == 0 or hq % hk:
+        raise spec.OpError(f"{op}: query heads ({hq}) must be a multiple of KV heads ({hk})")
+
+
+def _reshape_and_cache_key(key, value, k_cache, v_cache, slot_mapping):
+    op = "reshape_and_cache"
+    spec.tensor(op, "key", key, ndim=3)
+    spec.tensor(op, "value", value, ndim=3)
+    if value.shape != key.shape:
+        raise spec.OpError(f"{op}: value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    spec.same_dtype(op, "key", key, value=value)
+    _cache_checks(op, "key", key, k_cache, v_cache)
+    t, hk, d = key.shape
+    if k_cache.shape[2:] != key.shape[1:]:
+        raise spec.OpError(f"{op}: k_cache must be [num_blocks, block_size, {hk}, {d}] to match key, "
+                           f"got {tuple(k_cache.shape)}")
+    spec.tensor(op, "slot_mapping", slot_mapping, ndim=1)
+    spec.integer(op, "slot_mapping", slot_mapping)
+    spec.shape(op, "slot_mapping", slot_mapping, (t,), " (one slot per token)")
+    spec.same_device(op, "key", key, value=value, slot_mapping=slot_mapping)
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1
+    return key.device, key.dtype, (spec.pow2(t), hk, d, k_cache.shape[1]), contiguous
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value ``[T, Hk, D]`` into the paged caches in place.
+
+    ``slot_mapping[t] = block * block_size + offset`` (int64 ``[T]``); ``-1`` skips token ``t``.
+    Slots must be distinct and inside the cache (not checked on the host).
+    """
+    _RESHAPE_AND_CACHE.call(_reshape_and_cache_key(key, value, k_cache, v_cache, slot_mapping),
+                            key, value, k_cache, v_cache, slot_mapping)
+
+
+def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
+    op = "attention_decode"
+    spec.tensor(op, "q", q, ndim=3)
+    _cache_checks(op, "q", q, k_cache, v_cache)
+    b, hq, d = q.shape
+    _, bs, hk, dk = k_cache.shape
+    if dk != d:
+        raise spec.OpError(f"{op}: k_cache head size {dk} differs from q's {d}")
+    _gqa(op, hq, hk)
+    spec.tensor(op, "block_tables", block_tables, ndim=2)
+    spec.integer(op, "block_tables", block_tables)
+    spec.shape(op, "block_tables", block_tables, (b, None), " ([batch, max_blocks])")
+    spec.tensor(op, "context_lens", context_lens, ndim=1)
+    spec.integer(op, "context_lens", context_lens)
+    spec.shape(op, "context_lens", context_lens, (b,), " (one length per sequence)")
+    spec.same_device(op, "q", q, block_tables=block_tables, context_lens=context_lens)
+    _scale(op, scale)
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    capacity = spec.pow2(block_tables.shape[1] * bs)
+    return q.device, q.dtype, (spec.pow2(b), hq, hk, d, bs, capacity), contiguous
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """One query token per sequence over the paged KV cache.
+
+    q ``[B, Hq, D]``; block_tables int32 ``[B, max_blocks]``; context_lens int32 ``[B]``: keys
+    per sequence, the current token included (already written by ``reshape_and_cache``), >= 1.
+    ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, D]`` in q's dtype.
+    """
+    return _DECODE.call(_decode_key(q, k_cache, v_cache, block_tables, context_lens, scale),
+                        q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None):
+    op = "attention_prefill"
+    spec.tensor(op, "q", q, ndim=3)
+    tq, hq, d = q.shape
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        spec.tensor(op, name, cu, ndim=1)
+        spec.integer(op, name, cu)
+        spec.same_device(op, "q", q, **{name: cu})
+    if cu_seqlens_q.shape[0] < 2 or cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise spec.OpError(f"{op}: cu_seqlens_q and cu_seqlens_k must both be [B + 1] with B >= 1, got "
+                           f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    _scale(op, scale)
+    if block_tables is None:
+        if k_cache is not None or v_cache is not None:
+            raise spec.OpError(f"{op}: k_cache/v_cache need block_tables (pass block_tables to read the paged cache)")
+        spec.tensor(op, "k", k, ndim=3)
+        spec.tensor(op, "v", v, ndim=3)
+        if v.shape != k.shape:
+            raise spec.OpError(f"{op}: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        if k.shape[2] != d:
+            raise spec.OpError(f"{op}: k head size {k.shape[2]} differs from q's {d}")
+        spec.same_device(op, "q", q, k=k, v=v)
+        spec.same_dtype(op, "q", q, k=k, v=v)
+        hk, bs = k.shape[1], 0
+        contiguous = q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    else:
+        if k_cache is None or v_cache is None:
+            raise spec.OpError(f"{op}: block_tables needs k_cache and v_cache")
+        _cache_checks(op, "q", q, k_cache, v_cache)
+        _, bs, hk, dk = k_cache.shape
+        if dk != d:
+            raise spec.OpError(f"{op}: k_cache head size {dk} differs from q's {d}")
+        spec.tensor(op, "block_tables", block_tables, ndim=2)
+        spec.integer(op, "block_tables", block_tables)
+        spec.shape(op, "block_tables", block_tables, (batch, None), " ([batch, max_blocks])")
+        spec.same_device(op, "q", q, block_tables=block_tables)
+        contiguous = q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    _gqa(op, hq, hk)
+    return q.device, q.dtype, (spec.pow2(tq), hq, hk, d, bs), contiguous
+
+
+def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, *, scale: float | None = None, k_cache: torch.Tensor | None = None,
+                      v_cache: torch.Tensor | None = None, block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over packed variable-length sequences.
+
+    Sequence ``b`` has queries ``q[cu_q[b]:cu_q[b+1]]`` and ``Lk_b = cu_k[b+1] - cu_k[b]`` keys;
+    its queries are its last ``Lq_b`` tokens, so query ``i`` sees keys ``j <= Lk_b - Lq_b + i``.
+    Keys/values come from packed k/v ``[Tk, Hk, D]`` or, with ``block_tables``, from the paged
+    caches (a cached prefix plus the new tokens, already written by ``reshape_and_cache``).
+    Returns ``[Tq, Hq, D]``. The vendor implementation reads ``cu_seqlens`` on the host.
+    """
+    return _PREFILL.call(_prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables),
+                         q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables)
+
+
+_RESHAPE_AND_CACHE = Operator("reshape_and_cache", reshape_and_cache, _reshape_and_cache_key)
+_DECODE = Operator("attention_decode", attention_decode, _decode_key)
+_PREFILL = Operator("attention_prefill", attention_prefill, _prefill_key)
+
+
+@register("reshape_and_cache", "vendor")
+def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
+    bs = k_cache.shape[1]
+    slots = slot_mapping.long()
+    if key.device.type == "cpu":
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        k_cache[slots // bs, slots % bs] = key
+        v_cache[slots // bs, slots % bs] = value
+        return
+    # Without a host sync: skipped tokens write to slot 0 the value slot 0 ends up with anyway.
+    valid = slots >= 0
+    target = torch.where(valid, slots, 0)
+    writes_zero = valid & (slots == 0)
+    first = writes_zero.to(torch.int32).argmax()
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        row0 = torch.where(writes_zero.any(), src[first], cache[0, 0])
+        cache[target // bs, target % bs] = torch.where(valid[:, None, None], src, row0)
+
+
+def _gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` block ids -> ``[B, n * block_size, Hk, D]`` tokens."""
+    b, n = tables.shape
+    pages = cache.index_select(0, tables.reshape(-1))
+    return pages.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+@register("attention_decode", "vendor")
+def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale):
+    b, hq, d = q.shape
+    num_blocks, bs, hk, _ = k_cache.shape
+    n = block_tables.shape[1]
+    if q.device.type == "cpu":  # reading lengths is free on the CPU: gather only the used blocks
+        n = max(1, min(n, -(-int(context_lens.max()) // bs)))
+    tables = block_tables[:, :n].long().clamp(0, num_blocks - 1)
+    k = _gather_pages(k_cache, tables).transpose(1, 2)  # [B, Hk, L, D]
+    v = _gather_pages(v_cache, tables).transpose(1, 2)
+    group = hq // hk
+    qg = q.view(b, hk, group, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (scale or 1.0 / math.sqrt(d))  # [B, Hk, G, L]
+    length = torch.arange(k.shape[2], device=q.device)
+    scores.masked_fill_((length[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, d)
+
+
+@register("attention_prefill", "vendor")
+def _attention_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables):
+    tq, hq, d = q.shape
+    scale = scale or 1.0 / math.sqrt(d)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = q.new_empty(tq, hq, d)
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if lq > lk or lq < 0:
+            raise spec.OpError(f"attention_prefill: sequence {b} has {lq} queries but {lk} keys "
+                               "(cu_seqlens must be non-decreasing with Lq <= Lk)")
+        if lq == 0:
+            continue
+        if block_tables is None:
+            kb, vb = k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        else:
+            bs = k_cache.shape[1]
+            tables = block_tables[b:b + 1, : -(-lk // bs)].long()
+            kb, vb = _gather_pages(k_cache, tables)[0, :lk], _gather_pages(v_cache, tables)[0, :lk]
+        qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]  # [1, Hq, Lq, D]
+        mask = None
+        if lq != lk:  # queries are the last lq tokens: bottom-right aligned causal mask
+            rows = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+            mask = torch.arange(lk, device=q.device)[None, :] <= rows
+        ob = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=hq != kb.shape[1])
+        out[cu_q[b]:cu_q[b + 1]] = ob[0].transpose(0, 1)
+    return out

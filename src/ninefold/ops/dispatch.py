@@ -1,0 +1,244 @@
+"""Dispatch: from a validated call to the implementation that runs it.
+
+Each public operator computes a *key* from its arguments, ``(device, dtype, bucket, *features)``:
+the device and primary dtype, the shape bucket used by tuning, and whatever else an
+implementation's ``supports`` looks at. The first call with a key resolves it:
+
+1. keep the implementations that run on the device, take the dtype and say yes to ``supports``;
+2. choose by the user's pin (``NINEFOLD_OPS=rms_norm=dsl,linear=vendor`` or
+   ``with ops.use(rms_norm="dsl"):``), else the tuned choice for (operator, device model, dtype,
+   bucket), else the highest default priority.
+
+The choice is cached per key, so the warm path is one dict lookup. A pinned implementation
+that cannot run the inputs falls back to the normal order with a warning (once per key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import warnings
+
+import torch
+
+from ninefold.ops import registry, tuning
+from ninefold.ops.registry import Impl
+from ninefold.ops.spec import OpError, UnsupportedError, dtype_name, dtype_names
+
+_OPERATORS: dict[str, Operator] = {}
+_pin_stack: list[dict[str, str]] = []
+_env_pins: dict[str, str] | None = None
+
+
+class Operator:
+    """A public operator: its validated calls are routed through a per-key cache of choices."""
+
+    __slots__ = ("name", "public", "keyfn", "cache")
+
+    def __init__(self, name: str, public, keyfn):
+        self.name = name
+        self.public = public
+        self.keyfn = keyfn
+        self.cache: dict = {}
+        _OPERATORS[name] = self
+
+    def call(self, key, *args):
+        """Run the implementation chosen for ``key`` on ``args``."""
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache[key] = resolve(self.name, key, args).fn
+        return fn(*args)
+
+    def bind(self, *args, **kwargs) -> tuple:
+        """Normalise a public call to the positional argument tuple the implementations take."""
+        bound = inspect.signature(self.public).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+
+def operator(name: str) -> Operator:
+    """The operator called ``name`` (``ValueError`` listing the known ones otherwise)."""
+    try:
+        return _OPERATORS[name]
+    except KeyError:
+        raise OpError(f"unknown operator {name!r}; known: {', '.join(sorted(_OPERATORS))}") from None
+
+
+def operators() -> list[str]:
+    """Names of every public operator."""
+    return sorted(_OPERATORS)
+
+
+def clear_caches() -> None:
+    """Forget every cached choice (after pins, tables, builds or the registry change)."""
+    for op in _OPERATORS.values():
+        op.cache.clear()
+
+
+registry.on_change(clear_caches)
+
+
+@functools.cache
+def device_model(device: torch.device) -> str:
+    """The model name of a device, the unit tuning results are stored under."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type == "cpu":
+        return _cpu_model()
+    return device.type
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def parse_pins(text: str, source: str = "NINEFOLD_OPS") -> dict[str, str]:
+    """Parse ``"rms_norm=dsl,linear=vendor"`` into ``{"rms_norm": "dsl", "linear": "vendor"}``."""
+    pins = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op, sep, impl = item.partition("=")
+        if not sep or not op.strip() or not impl.strip():
+            raise OpError(f"{source}: expected entries like 'rms_norm=dsl', got {item!r}")
+        pins[op.strip()] = impl.strip()
+    return pins
+
+
+def _check_pins(pins: dict[str, str], source: str) -> None:
+    for op, impl in pins.items():
+        operator(op)
+        names = sorted({i.name for i in registry.all_implementations(op)})
+        if impl not in names:
+            raise OpError(f"{source}: {op} has no implementation {impl!r}; it has: {', '.join(names)}")
+
+
+def _pins() -> dict[str, str]:
+    global _env_pins
+    if _env_pins is None:
+        parsed = parse_pins(os.environ.get("NINEFOLD_OPS", ""))
+        _check_pins(parsed, "NINEFOLD_OPS")
+        _env_pins = parsed
+    pins = dict(_env_pins)
+    for layer in _pin_stack:
+        pins.update(layer)
+    return pins
+
+
+def reload_environment() -> None:
+    """Re-read ``NINEFOLD_OPS`` (it is otherwise read once, on the first dispatch)."""
+    global _env_pins
+    _env_pins = None
+    clear_caches()
+
+
+@contextlib.contextmanager
+def use(**pins: str):
+    """Pin implementations inside a ``with`` block: ``with ops.use(rms_norm="dsl"): ...``.
+
+    Pins apply process-wide (not per thread) while the block runs; blocks nest.
+    """
+    _check_pins(pins, "ops.use")
+    _pin_stack.append(dict(pins))
+    clear_caches()
+    try:
+        yield
+    finally:
+        _pin_stack.remove(pins) if pins in _pin_stack else None
+        clear_caches()
+
+
+_warned: set = set()
+
+
+def resolve(op: str, key: tuple, args: tuple) -> Impl:
+    """Choose the implementation of ``op`` for a call with ``key`` and ``args`` (see module doc)."""
+    device, dtype = key[0], key[1]
+    candidates = supporting(op, device, dtype, args)
+    pinned = _pins().get(op)
+    if pinned is not None:
+        for impl in candidates:
+            if impl.name == pinned:
+                return impl
+        if (op, pinned, key) not in _warned:
+            _warned.add((op, pinned, key))
+            reason = next((i.reason(args) for i in registry.implementations(op) if i.name == pinned), None)
+            warnings.warn(f"{op}: pinned implementation {pinned!r} cannot run these inputs "
+                          f"({reason or 'not available on ' + device.type + ' for ' + dtype_name(dtype)}); "
+                          f"using {candidates[0].name!r} instead", stacklevel=4)
+    tuned = tuning.lookup(op, device_model(device), dtype, key[2])
+    if tuned is not None:
+        for impl in candidates:
+            if impl.name == tuned:
+                return impl
+    return candidates[0]
+
+
+def supporting(op: str, device: torch.device, dtype: torch.dtype, args: tuple) -> list[Impl]:
+    """Implementations able to run ``args``, in default order; ``UnsupportedError`` when none is."""
+    impls = registry.implementations(op)
+    on_device = [i for i in impls if device.type in i.devices]
+    if not on_device:
+        raise UnsupportedError(f"{op}: no implementation runs on {device.type}"
+                               f"{_build_note(op)}; available on: "
+                               f"{', '.join(sorted({d for i in impls for d in i.devices})) or 'nothing'}")
+    with_dtype = [i for i in on_device if dtype in i.dtypes]
+    if not with_dtype:
+        supported = dtype_names(d for i in on_device for d in i.dtypes)
+        raise UnsupportedError(f"{op}: {dtype_name(dtype)} is not supported on {device.type}; "
+                               f"supported: {supported}")
+    ok, reasons = [], []
+    for impl in with_dtype:
+        reason = impl.reason(args)
+        if reason is None:
+            ok.append(impl)
+        else:
+            reasons.append(f"{impl.name}: {reason}")
+    if not ok:
+        raise UnsupportedError(f"{op}: no implementation supports these inputs on {device.type} "
+                               f"({'; '.join(reasons)})")
+    return sorted(ok, key=lambda i: -i.rank(device.type))
+
+
+def _build_note(op: str) -> str:
+    from ninefold.ops import build
+
+    active = build.active()
+    return "" if active is None else f" in the trimmed build at {active.path}"
+
+
+def choose(op: str, *args, **kwargs) -> str:
+    """The name of the implementation dispatch would run for ``ops.<op>(*args, **kwargs)``."""
+    operator_ = operator(op)
+    bound = operator_.bind(*args, **kwargs)
+    key = operator_.keyfn(*bound)
+    return resolve(op, key, bound).name
+
+
+def candidates(op: str, *args, **kwargs) -> list[Impl]:
+    """Every implementation able to run ``ops.<op>(*args, **kwargs)``, in default order."""
+    operator_ = operator(op)
+    bound = operator_.bind(*args, **kwargs)
+    key = operator_.keyfn(*bound)
+    return supporting(op, key[0], key[1], bound)
+
+
+def run(op: str, impl: str, *args, **kwargs):
+    """Call implementation ``impl`` of ``op`` directly (validated, no dispatch)."""
+    operator_ = operator(op)
+    bound = operator_.bind(*args, **kwargs)
+    key = operator_.keyfn(*bound)
+    for candidate in supporting(op, key[0], key[1], bound):
+        if candidate.name == impl:
+            return candidate.fn(*bound)
+    names = [i.name for i in registry.implementations(op)]
+    raise UnsupportedError(f"{op}: implementation {impl!r} cannot run these inputs (implementations: {names})")

@@ -1,0 +1,53 @@
+"""Dense layers: ``embedding`` (row gather) and ``linear`` (``x @ weight.T + bias``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninefold.ops import spec
+from ninefold.ops.dispatch import Operator
+from ninefold.ops.registry import register
+
+
+def _embedding_key(ids, weight):
+    spec.tensor("embedding", "ids", ids)
+    spec.integer("embedding", "ids", ids)
+    spec.tensor("embedding", "weight", weight, ndim=2)
+    spec.same_device("embedding", "weight", weight, ids=ids)
+    return weight.device, weight.dtype, (spec.pow2(ids.numel()), weight.shape[1])
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of ``weight`` ``[V, D]`` at ``ids`` (int32/int64 ``[...]``) -> ``[..., D]``.
+
+    Ids must lie in ``[0, V)``; they are not range-checked on the host (that would synchronise).
+    """
+    return _EMBEDDING.call(_embedding_key(ids, weight), ids, weight)
+
+
+def _linear_key(x, weight, bias=None):
+    spec.tensor("linear", "x", x, min_ndim=1)
+    spec.tensor("linear", "weight", weight, ndim=2)
+    if weight.shape[1] != x.shape[-1]:
+        raise spec.OpError(f"linear: weight must be [N, {x.shape[-1]}] (x's last dimension is K), "
+                           f"got {tuple(weight.shape)}")
+    spec.same_device("linear", "x", x, weight=weight, bias=bias)
+    spec.same_dtype("linear", "x", x, weight=weight, bias=bias)
+    if bias is not None:
+        spec.tensor("linear", "bias", bias)
+        spec.shape("linear", "bias", bias, (weight.shape[0],), " (weight's N)")
+    m = x.numel() // max(x.shape[-1], 1)
+    return x.device, x.dtype, (spec.pow2(m), weight.shape[0], weight.shape[1]), bias is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]``."""
+    return _LINEAR.call(_linear_key(x, weight, bias), x, weight, bias)
+
+
+_EMBEDDING = Operator("embedding", embedding, _embedding_key)
+_LINEAR = Operator("linear", linear, _linear_key)
+
+register("embedding", "vendor")(F.embedding)
+register("linear", "vendor")(F.linear)

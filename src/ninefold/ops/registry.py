@@ -1,0 +1,107 @@
+"""The registry of operator implementations.
+
+An implementation registers under an operator name and an implementation name ("vendor" for
+torch and the libraries behind it, "triton" for the hand-written Triton kernels, "dsl" for
+``ninefold.dsl`` kernels), with the device types and dtypes it covers, a ``supports(*args)``
+check that returns ``None`` when it can run the arguments or a short reason when it cannot,
+and a priority per device type (the default order when nothing is pinned or tuned).
+
+Implementations take the operator's arguments positionally, in the public function's order,
+after the public function has validated and normalised them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ninefold.ops.spec import FLOAT_DTYPES
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of one operator."""
+
+    op: str
+    name: str
+    fn: Callable
+    devices: tuple[str, ...]
+    dtypes: frozenset
+    supports: Callable | None = None
+    priority: dict = field(default_factory=dict)
+
+    def rank(self, device_type: str) -> int:
+        """Default-order rank on a device type (higher runs first)."""
+        return self.priority.get(device_type, 0)
+
+    def reason(self, args: tuple) -> str | None:
+        """Why this implementation cannot run ``args`` (``None`` when it can)."""
+        return None if self.supports is None else self.supports(*args)
+
+
+_IMPLS: dict[str, list[Impl]] = {}
+_listeners: list[Callable[[], None]] = []
+
+
+def register(op: str, name: str, *, devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, supports=None,
+             priority: dict | None = None):
+    """Decorator registering ``fn`` as implementation ``name`` of operator ``op``.
+
+    ``devices``: torch device types it runs on; ``dtypes``: dtypes of the operator's primary
+    tensor it accepts; ``supports(*args) -> str | None``: any further restriction (a reason
+    string when it says no); ``priority``: ``{device_type: int}``, higher first by default.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        impl = Impl(op, name, fn, tuple(devices), frozenset(dtypes), supports, dict(priority or {}))
+        impls = _IMPLS.setdefault(op, [])
+        impls[:] = [i for i in impls if i.name != name] + [impl]
+        changed()
+        return fn
+
+    return decorate
+
+
+def unregister(op: str, name: str) -> None:
+    """Remove implementation ``name`` of ``op`` (used by tests and trimmed builds)."""
+    _IMPLS[op] = [i for i in _IMPLS.get(op, []) if i.name != name]
+    changed()
+
+
+def all_implementations(op: str) -> list[Impl]:
+    """Every registered implementation of ``op``, whatever the active build holds."""
+    return list(_IMPLS.get(op, []))
+
+
+def implementations(op: str) -> list[Impl]:
+    """The implementations of ``op`` that exist in this process (restricted by a trimmed build)."""
+    from ninefold.ops import build
+
+    impls = _IMPLS.get(op, [])
+    active = build.active()
+    if active is None:
+        return list(impls)
+    return [r for r in (active.restrict(i) for i in impls) if r is not None]
+
+
+def operators() -> list[str]:
+    """Names of every operator with at least one registered implementation."""
+    return sorted(op for op, impls in _IMPLS.items() if impls)
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` whenever the registry changes (dispatch clears its caches)."""
+    _listeners.append(listener)
+
+
+def changed() -> None:
+    """Tell listeners that implementations, pins, tables or builds changed."""
+    for listener in _listeners:
+        listener()
+
+
+def dtype_of(dtypes) -> frozenset:
+    """Normalise an iterable of dtypes to a frozenset (helper for registrations)."""
+    return frozenset(d if isinstance(d, torch.dtype) else getattr(torch, d) for d in dtypes)

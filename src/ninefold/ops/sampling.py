@@ -1,0 +1,132 @@
+"""Token selection: ``argmax`` and ``sample`` (temperature, top-k, top-p, min-p, seeded rows).
+
+``sample`` never synchronises with the host on GPUs: it draws with the exponential race
+(``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` picks ``i`` with probability ``p_i``), using each
+row's own generator where one is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninefold.ops import spec
+from ninefold.ops.dispatch import Operator
+from ninefold.ops.registry import register
+
+
+def _argmax_key(x, dim=-1):
+    spec.tensor("argmax", "x", x, min_ndim=1)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise spec.OpError(f"argmax: dim must be an int in [{-x.dim()}, {x.dim() - 1}], got {dim!r}")
+    n = x.shape[dim]
+    if n == 0:
+        raise spec.OpError(f"argmax: dimension {dim} of x is empty (shape {tuple(x.shape)})")
+    return x.device, x.dtype, (spec.pow2(x.numel() // n), n)
+
+
+def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Index of the largest value along ``dim`` (int64; the first one on ties)."""
+    return _ARGMAX.call(_argmax_key(x, dim), x, dim)
+
+
+def _row_param(name, value, b, device, floating: bool) -> None:
+    op = "sample"
+    if value is None:
+        return
+    spec.tensor(op, name, value, ndim=1)
+    if floating:
+        spec.floating(op, name, value)
+    else:
+        spec.integer(op, name, value)
+    spec.shape(op, name, value, (b,), " (one value per row)")
+    if value.device != device:
+        raise spec.OpError(f"{op}: {name} is on {value.device} but logits is on {device}")
+
+
+def _sample_key(logits, temperature, top_k=None, top_p=None, min_p=None, generators=None):
+    op = "sample"
+    spec.tensor(op, "logits", logits, ndim=2)
+    b, v = logits.shape
+    if v == 0:
+        raise spec.OpError("sample: logits has an empty vocabulary dimension")
+    spec.tensor(op, "temperature", temperature)
+    _row_param("temperature", temperature, b, logits.device, True)
+    _row_param("top_k", top_k, b, logits.device, False)
+    _row_param("top_p", top_p, b, logits.device, True)
+    _row_param("min_p", min_p, b, logits.device, True)
+    if generators is not None:
+        if not isinstance(generators, (list, tuple)) or len(generators) != b:
+            raise spec.OpError(f"sample: generators must be None or a list of {b} torch.Generator | None, "
+                               f"got {type(generators).__name__} of length {len(generators) if hasattr(generators, '__len__') else '?'}")
+        for i, g in enumerate(generators):
+            if g is not None and not isinstance(g, torch.Generator):
+                raise TypeError(f"sample: generators[{i}] must be a torch.Generator or None, got {type(g).__name__}")
+            if g is not None and g.device.type != logits.device.type:
+                raise spec.OpError(f"sample: generators[{i}] is a {g.device} generator but logits is on {logits.device}")
+    filters = (top_k is not None, top_p is not None, min_p is not None, generators is not None)
+    return logits.device, logits.dtype, (spec.pow2(b), v), filters
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tensor | None = None,
+           top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+           generators: list | None = None) -> torch.Tensor:
+    """Draw one token per row of logits ``[B, V]``; returns int64 ``[B]``.
+
+    Per row: ``temperature`` (0 = greedy, the argmax of the logits), then ``top_k`` (keep the
+    k most likely; <= 0 = off), then ``top_p`` (keep the smallest most-likely set whose mass,
+    renormalised after top-k, reaches p; 1 = off), then ``min_p`` (drop tokens whose probability
+    is below ``min_p`` times the largest; 0 = off). ``generators[i]`` makes row ``i`` reproducible.
+    """
+    return _SAMPLE.call(_sample_key(logits, temperature, top_k, top_p, min_p, generators),
+                        logits, temperature, top_k, top_p, min_p, generators)
+
+
+_ARGMAX = Operator("argmax", argmax, _argmax_key)
+_SAMPLE = Operator("sample", sample, _sample_key)
+
+register("argmax", "vendor")(torch.argmax)
+
+
+def _filter_top_k_top_p(x: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    v = x.shape[1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = top_k.long()
+        k = torch.where(k <= 0, v, k.clamp(max=v))
+        ranks = torch.arange(v, device=x.device)
+        sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    if top_p is not None:
+        p = top_p.float()
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove = (mass_before >= p[:, None]) & (p < 1)[:, None]
+        remove[:, 0] = False
+        sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def _exponential(shape, device, generators) -> torch.Tensor:
+    noise = torch.empty(shape, device=device, dtype=torch.float32).exponential_()
+    if generators is not None:
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+@register("sample", "vendor")
+def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
+    temp = temperature.float()
+    greedy = temp <= 0
+    x = logits.float() / torch.where(greedy, 1.0, temp)[:, None]
+    if x.device.type == "cpu":  # skipping idle filters costs a host read, free only on the CPU
+        top_k = None if top_k is None or not bool((top_k > 0).any()) else top_k
+        top_p = None if top_p is None or not bool((top_p < 1).any()) else top_p
+        min_p = None if min_p is None or not bool((min_p > 0).any()) else min_p
+    if top_k is not None or top_p is not None:
+        x = _filter_top_k_top_p(x, top_k, top_p)
+    if min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    drawn = (x - _exponential(x.shape, x.device, generators).log_()).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)

@@ -1,0 +1,51 @@
+"""Shared helpers for the operator tests: devices, per-dtype tolerances, implementation lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ninefold.ops as ops
+from ninefold.ops import registry
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+# (atol, rtol) against float64 references, for elementwise/normalisation outputs.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+CUDA = torch.cuda.is_available()
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))]
+
+
+def impl_params(op: str) -> list:
+    """``(device, impl)`` pairs for every implementation of ``op`` (cuda ones skip without CUDA)."""
+    params = []
+    for impl in registry.all_implementations(op):
+        for device in ("cpu", "cuda"):
+            if device in impl.devices:
+                marks = [pytest.mark.skipif(not CUDA, reason="needs CUDA")] if device == "cuda" else []
+                params.append(pytest.param(device, impl.name, id=f"{device}-{impl.name}", marks=marks))
+    return params
+
+
+def call(op: str, impl: str, *args, **kwargs):
+    """Run ``ops.<op>`` pinned to ``impl``, checking that dispatch really picks it."""
+    with ops.use(**{op: impl}):
+        assert ops.choose(op, *args, **kwargs) == impl
+        return getattr(ops, op)(*args, **kwargs)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    """Compare an implementation's output to a float64 reference with ``dtype``'s tolerance."""
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.dtype == dtype, f"output dtype {actual.dtype}, expected {dtype}"
+    torch.testing.assert_close(actual.detach().cpu().double(), expected, atol=atol * scale, rtol=rtol * scale)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", strided: bool = False, seed: int = 0) -> torch.Tensor:
+    """A random tensor; ``strided=True`` returns a non-contiguous view with the same values layout."""
+    g = torch.Generator().manual_seed(seed)
+    if not strided:
+        return torch.randn(tuple(shape), generator=g).to(device=device, dtype=dtype)
+    wide = torch.randn((*shape[:-1], shape[-1] * 2), generator=g).to(device=device, dtype=dtype)
+    return wide[..., ::2]

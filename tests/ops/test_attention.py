@@ -1,0 +1,113 @@
+import pytest
+import torch
+
+from ninefold.ops import references as ref
+
+from .helpers import DTYPE_IDS, DTYPES, assert_close, call, impl_params
+
+# Attention sums many rounded products: looser than the elementwise tolerances.
+ATTENTION_SCALE = 2.0
+
+
+def paged_cache(lengths, hk, d, block_size, dtype, device, seed, spare_blocks=3):
+    """Random caches with each sequence's blocks scattered at random; returns caches and tables."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_seq) + 1  # one padding column
+    tables = torch.zeros(len(lengths), max_blocks, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = torch.tensor(perm[start:start + n], dtype=torch.int32)
+        tables[b, n:] = perm[-1]  # padding points at an unused block
+        start += n
+    k_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, hk, d, generator=g).to(device, dtype)
+    return k_cache, v_cache, tables.to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("attention_decode"))
+@pytest.mark.parametrize("lengths,hq,hk,d,block_size", [([1], 1, 1, 8, 4), ([5, 17, 1, 32], 6, 2, 16, 8),
+                                                        ([33, 70], 8, 1, 64, 16)])
+def test_attention_decode_matches_reference(device, impl, dtype, lengths, hq, hk, d, block_size):
+    k_cache, v_cache, tables = paged_cache(lengths, hk, d, block_size, dtype, device, seed=len(lengths))
+    q = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(9)).to(device, dtype)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out = call("attention_decode", impl, q, k_cache, v_cache, tables, context_lens)
+    assert out.shape == q.shape
+    want = ref.attention_decode(q, k_cache, v_cache, tables, context_lens)
+    assert_close(out, want, dtype, scale=ATTENTION_SCALE)
+
+
+@pytest.mark.parametrize("device,impl", impl_params("attention_decode"))
+def test_attention_decode_with_strided_query_and_scale(device, impl):
+    k_cache, v_cache, tables = paged_cache([9, 3], 2, 32, 4, torch.float32, device, seed=4)
+    q = torch.randn(2, 32, 4, generator=torch.Generator().manual_seed(1)).to(device).transpose(1, 2)
+    lens = torch.tensor([9, 3], dtype=torch.int32, device=device)
+    out = call("attention_decode", impl, q, k_cache, v_cache, tables, lens, scale=0.3)
+    assert_close(out, ref.attention_decode(q, k_cache, v_cache, tables, lens, scale=0.3), torch.float32)
+
+
+def packed(lengths, h, d, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(lengths), h, d, generator=g).to(device, dtype)
+
+
+def cu(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("attention_prefill"))
+@pytest.mark.parametrize("q_lens,k_lens,hq,hk,d", [([1], [1], 1, 1, 8), ([7, 1, 20], [7, 1, 20], 4, 2, 16),
+                                                   ([3, 5], [10, 5], 6, 3, 32)])
+def test_attention_prefill_packed_matches_reference(device, impl, dtype, q_lens, k_lens, hq, hk, d):
+    q = packed(q_lens, hq, d, dtype, device, 1)
+    k, v = packed(k_lens, hk, d, dtype, device, 2), packed(k_lens, hk, d, dtype, device, 3)
+    out = call("attention_prefill", impl, q, k, v, cu(q_lens, device), cu(k_lens, device))
+    want = ref.attention_prefill(q, k, v, cu(q_lens, device), cu(k_lens, device))
+    assert_close(out, want, dtype, scale=ATTENTION_SCALE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("attention_prefill"))
+def test_attention_prefill_reads_cached_prefix_from_paged_cache(device, impl, dtype):
+    # Three sequences: a cached prefix of 0, 13 and 30 tokens plus 6, 4 and 1 new tokens.
+    prefix, new = [0, 13, 30], [6, 4, 1]
+    totals = [p + n for p, n in zip(prefix, new)]
+    hq, hk, d, bs = 4, 2, 16, 8
+    k_cache, v_cache, tables = paged_cache(totals, hk, d, bs, dtype, device, seed=7)
+    q = packed(new, hq, d, dtype, device, 8)
+    out = call("attention_prefill", impl, q, None, None, cu(new, device), cu(totals, device), scale=0.2,
+               k_cache=k_cache, v_cache=v_cache, block_tables=tables)
+    want = ref.attention_prefill(q, None, None, cu(new, device), cu(totals, device), scale=0.2,
+                                 k_cache=k_cache, v_cache=v_cache, block_tables=tables)
+    assert_close(out, want, dtype, scale=ATTENTION_SCALE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("reshape_and_cache"))
+def test_reshape_and_cache_writes_slots_and_skips_minus_one(device, impl, dtype):
+    g = torch.Generator().manual_seed(0)
+    num_blocks, bs, hk, d = 5, 4, 2, 8
+    k_cache = torch.randn(num_blocks, bs, hk, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, bs, hk, d, generator=g).to(device, dtype)
+    slots = torch.tensor([0, 7, -1, 19, 2, -1, 11], dtype=torch.int64, device=device)
+    key = torch.randn(7, hk, d, generator=g).to(device, dtype)
+    value = torch.randn(7, hk, d, generator=g).to(device, dtype)
+    want_k, want_v = ref.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert call("reshape_and_cache", impl, key, value, k_cache, v_cache, slots) is None
+    assert torch.equal(k_cache.cpu().double(), want_k)
+    assert torch.equal(v_cache.cpu().double(), want_v)
+
+
+@pytest.mark.parametrize("device,impl", impl_params("reshape_and_cache"))
+def test_reshape_and_cache_skipped_tokens_leave_slot_zero_alone(device, impl):
+    k_cache = torch.zeros(2, 2, 1, 4, device=device)
+    v_cache = torch.zeros(2, 2, 1, 4, device=device)
+    key = torch.ones(3, 1, 4, device=device)
+    slots = torch.tensor([-1, 3, -1], device=device)
+    call("reshape_and_cache", impl, key, key * 2, k_cache, v_cache, slots)
+    assert k_cache[0, 0].abs().sum() == 0 and k_cache[1, 1].sum() == 4 and v_cache[1, 1].sum() == 8

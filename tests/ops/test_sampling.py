@@ -1,0 +1,111 @@
+import pytest
+import torch
+
+from ninefold.ops import references as ref
+
+from .helpers import DTYPE_IDS, DTYPES, call, impl_params
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("argmax"))
+def test_argmax_matches_reference(device, impl, dtype):
+    x = torch.randn(7, 1001, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    out = call("argmax", impl, x, -1)
+    assert out.dtype == torch.int64
+    # Compare values (rounding to dtype can create ties; the max value is what must match).
+    assert torch.equal(x.cpu()[torch.arange(7), out.cpu()], x.cpu().max(-1).values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_temperature_zero_is_greedy(device, impl, dtype):
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    temperature = torch.zeros(16, device=device)
+    out = call("sample", impl, logits, temperature, top_k=torch.full((16,), 5, device=device))
+    assert torch.equal(out.cpu(), logits.cpu().argmax(-1))
+
+
+CASES = {
+    "plain": dict(temperature=1.0),
+    "hot": dict(temperature=2.0),
+    "top_k": dict(temperature=1.0, top_k=3),
+    "top_p": dict(temperature=1.0, top_p=0.7),
+    "top_k_top_p": dict(temperature=0.7, top_k=5, top_p=0.8),
+    "min_p": dict(temperature=1.0, min_p=0.2),
+    "all": dict(temperature=1.3, top_k=6, top_p=0.9, min_p=0.1),
+}
+
+
+def _row_args(case: dict, n: int, device):
+    temperature = torch.full((n,), case["temperature"], device=device)
+    top_k = torch.full((n,), case.get("top_k", 0), dtype=torch.int32, device=device)
+    top_p = torch.full((n,), case.get("top_p", 1.0), device=device)
+    min_p = torch.full((n,), case.get("min_p", 0.0), device=device)
+    return temperature, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_sample_frequencies_match_the_filtered_distribution(device, impl, case):
+    n = 6000
+    temperature, top_k, top_p, min_p = _row_args(CASES[case], n, device)
+    logits = LOGITS.to(device).expand(n, -1)
+    torch.manual_seed(1234)
+    if device == "cuda":
+        torch.cuda.manual_seed(1234)
+    out = call("sample", impl, logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    freq = torch.bincount(out.cpu(), minlength=LOGITS.numel()).double() / n
+    want = ref.sample_distribution(LOGITS[None], temperature[:1].cpu(), top_k[:1], top_p[:1], min_p[:1])[0]
+    assert torch.all(freq[want == 0] == 0), f"drew filtered tokens: {freq} vs {want}"
+    sigma = (want * (1 - want) / n).sqrt()
+    assert torch.all((freq - want).abs() <= 5 * sigma + 1e-3), f"{freq} vs {want}"
+
+
+def test_reference_top_p_keeps_smallest_set_reaching_p():
+    want = ref.sample_distribution(LOGITS[None], torch.ones(1), None, torch.tensor([0.7]), None)[0]
+    probs = torch.softmax(LOGITS.double(), -1)
+    kept = (want > 0).sum().item()
+    assert probs[:kept].sum() >= 0.7 > probs[:kept - 1].sum()
+
+
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_seeded_rows_reproduce_and_unseeded_rows_vary(device, impl):
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2)).to(device)
+    temperature = torch.full((4,), 1.5, device=device)
+
+    def draw(seed_offset):
+        gens = [torch.Generator(device=device).manual_seed(10 + i) if i % 2 == 0 else None for i in range(4)]
+        torch.manual_seed(seed_offset)
+        if device == "cuda":
+            torch.cuda.manual_seed(seed_offset)
+        return call("sample", impl, logits, temperature, generators=gens)
+
+    first, second = draw(0), draw(1)
+    assert torch.equal(first[0::2], second[0::2])
+    many = [draw(s)[1].item() for s in range(8)]
+    assert len(set(many)) > 1
+
+
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_different_seeds_give_different_streams(device, impl):
+    logits = torch.zeros(1, 50000, device=device)
+    temperature = torch.ones(1, device=device)
+    a = call("sample", impl, logits, temperature, generators=[torch.Generator(device=device).manual_seed(1)])
+    b = call("sample", impl, logits, temperature, generators=[torch.Generator(device=device).manual_seed(2)])
+    assert a.item() != b.item()
+
+
+@pytest.mark.parametrize("device,impl", [p for p in impl_params("sample") if p.values[0] == "cuda"])
+def test_sample_does_not_synchronise_on_cuda(device, impl):
+    n = 8
+    logits = torch.randn(n, 5000, device=device)
+    temperature, top_k, top_p, min_p = _row_args(CASES["all"], n, device)
+    gens = [torch.Generator(device=device).manual_seed(i) for i in range(n)]
+    call("sample", impl, logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens)  # warm
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call("sample", impl, logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
