@@ -1,0 +1,86 @@
+"""``bench serve`` against a live ``ninefold serve`` process with a tiny model on 127.0.0.1.
+
+The server process and the tiny checkpoint come from the server tests (tests/server), imported
+from there so both areas exercise the same live server.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninefold.bench.serve import LoadShape, benchmark
+from ninefold.bench.serve_client import ServerTokenizer, StreamClient
+from ninefold.bench.serve_datasets import random_requests
+from ninefold.bench.serve_metrics import SLO
+
+from .test_serve_cli import PNG_MAGIC, check_report
+
+SERVER_TESTS = Path(__file__).parents[1] / "server" / "conftest.py"
+
+
+def _server_fixtures():
+    """tests/server/conftest.py as a plain module (it holds ``ServerProcess`` and ``build_tiny_model``)."""
+    if not SERVER_TESTS.is_file():
+        pytest.skip("tests/server (the live-server fixtures of the server tests) is not in this checkout")
+    spec = importlib.util.spec_from_file_location("bench_live_server_fixtures", SERVER_TESTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ninefold_server(tmp_path_factory):
+    fixtures = _server_fixtures()
+    model = fixtures.build_tiny_model(tmp_path_factory.mktemp("bench-tiny-model"))
+    server = fixtures.ServerProcess(model, tmp_path_factory.mktemp("bench-server-logs"), "--max-model-len", "1024",
+                                    "--max-num-seqs", "16", "--num-kv-blocks", "256")
+    yield server
+    server.stop()
+
+
+def test_report_and_plot_from_the_command(ninefold_server, tmp_path):
+    out, plot = tmp_path / "result.json", tmp_path / "result.png"
+    command = [sys.executable, "-m", "ninefold", "bench", "serve", "--base-url", ninefold_server.base,
+               "--num-prompts", "12", "--input-len", "16:48", "--output-len", "6:16", "--request-rate", "12",
+               "--max-concurrency", "8", "--slo", "ttft=10s,itl=5s,e2e=60s", "--ignore-eos",
+               "--output", str(out), "--plot", str(plot)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    check_report(report, 12)
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["config"]["token_counter"] == "server /tokenize"
+    assert report["config"]["token_sources"] == {"usage": 12}
+    assert all(16 <= r["prompt_tokens"] <= 48 and 6 <= r["output_tokens"] <= 16 for r in report["requests"])
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert "SLO attainment" in done.stdout
+
+
+def test_chat_run_counts_what_was_asked(ninefold_server):
+    tokenizer = ServerTokenizer.probe(ninefold_server.base, "tiny", None)
+    assert tokenizer is not None
+    requests = random_requests(8, (10, 40), (4, 12), tokenizer, seed=1)
+    client = StreamClient(ninefold_server.base, "tiny", endpoint="chat", ignore_eos=True)
+    run = benchmark(client, requests, LoadShape(request_rate=20.0, seed=1), SLO.parse("e2e=60s"), tokenizer,
+                    progress=False)
+    assert run.report["completed"] == 8, run.report["errors"]
+    for result, request in zip(run.results, requests):
+        # ignore_eos makes every request run to its max_tokens, and the server's usage says so.
+        assert result.token_source == "usage" and result.output_tokens == request.output_len
+        assert 1 <= len(result.chunk_times) <= result.output_tokens and result.ttft > 0
+    # Completion prompts were sized with the server's tokenizer; chat wraps them in a template, so longer.
+    assert all(r.prompt_tokens > q.prompt_len for r, q in zip(run.results, requests))
+    assert run.report["slo_attainment"] == 1.0
+
+
+def test_completion_prompts_have_the_sized_length(ninefold_server):
+    tokenizer = ServerTokenizer.probe(ninefold_server.base, "tiny", None)
+    requests = random_requests(6, (20, 20), (2, 2), tokenizer, seed=2)
+    run = benchmark(StreamClient(ninefold_server.base, "tiny", ignore_eos=True), requests, LoadShape(), SLO(),
+                    tokenizer, progress=False)
+    assert [r.prompt_tokens for r in run.results] == [q.prompt_len for q in requests]
+    assert sum(q.prompt_len == 20 for q in requests) >= 5
