@@ -245,16 +245,27 @@ def binary(op, a, b) -> Expr:
     ca, cb = const_value(a), const_value(b)
     if ca is not None and cb is not None:
         return Const(_apply(op, ca, cb))
+    if op in ("+", "-") and cb is not None and isinstance(cb, int) and isinstance(a, BinOp) and a.op in ("+", "-"):
+        inner = const_value(a.b)
+        if isinstance(inner, int) and not isinstance(inner, bool):
+            total = (inner if a.op == "+" else -inner) + (cb if op == "+" else -cb)
+            return a.a if total == 0 else BinOp("+" if total > 0 else "-", a.a, Const(abs(total)))
     if op == "+":
         if ca == 0:
             return b
         if cb == 0:
             return a
+        if isinstance(b, BinOp) and b.op == "-" and b.b == a:
+            return b.a
+        if isinstance(a, BinOp) and a.op == "-" and a.b == b:
+            return a.a
     elif op == "-":
         if cb == 0:
             return a
         if a == b:
             return Const(0)
+        if isinstance(a, BinOp) and a.op == "+" and a.b == b:
+            return a.a
     elif op == "*":
         if ca == 0 or cb == 0:
             return Const(0)

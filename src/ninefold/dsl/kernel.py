@@ -136,9 +136,9 @@ class Kernel:
     @property
     def source(self) -> str:
         """Generated Triton source for a generic specialization (every mask kept)."""
-        from ninefold.dsl.backends.triton_codegen import generate
+        from ninefold.dsl.backends.triton_codegen import generate, specialize
 
-        return generate(self, None).source
+        return generate(self, specialize(self, None)).source
 
     def bind(self, args, kwargs, backend=None) -> Bound:
         """Check the arguments against the parameters; raises TypeError/ValueError naming the culprit."""

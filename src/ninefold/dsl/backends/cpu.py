@@ -50,20 +50,26 @@ def run(kernel, bound):
         language.BATCH.ndim, language.BATCH.shape = previous
 
 
-def choose_meta(kernel, bound) -> dict:
-    """Meta symbols not given by the caller: the configuration touching the fewest elements."""
+def choose_meta(kernel, bound, gpu=False) -> dict:
+    """Meta symbols not given by the caller: the configuration touching the fewest elements.
+
+    With ``gpu``, only configurations whose tiles hold at most 16384 elements (a default for
+    compiling without timing, as AOT does).
+    """
     free = [s for s in kernel.meta_symbols if s not in bound.env]
     if not free:
         return {}
-    key = ("cpu_meta", tuple(sorted((kernel.leaf_name(k), v) for k, v in bound.env.items() if not isinstance(k, StrideOf))))
+    key = ("meta", gpu, tuple(sorted((kernel.leaf_name(k), v) for k, v in bound.env.items() if not isinstance(k, StrideOf))))
     if key not in kernel._cache:
-        kernel._cache[key] = _choose_meta(kernel, bound, free)
+        kernel._cache[key] = _choose_meta(kernel, bound, free, gpu)
     return kernel._cache[key]
 
 
-def _choose_meta(kernel, bound, free):
+def _choose_meta(kernel, bound, free, gpu):
     best, best_cost = None, None
     choices = [list(reversed(s.candidates())) for s in free]
+    if gpu:
+        choices = [[c for c in cs if c <= 128] or cs[-1:] for cs in choices]
     for values in itertools.islice(itertools.product(*choices), MAX_CONFIGS):
         env = dict(bound.env)
         env.update(zip(free, values))

@@ -1,0 +1,35 @@
+"""Shared by the triton and interpret backends: generate (cached) and load a specialization."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ninefold.dsl.backends.triton_codegen import argument_values, generate, specialize
+from ninefold.dsl.cache import load_module
+
+
+def prepare(kernel, bound):
+    """Generated code and loaded ``triton.jit`` function for this call's specialization."""
+    spec = specialize(kernel, bound.env)
+    wide = any(
+        isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**31 for v in bound.values.values()
+    )
+    key = ("triton", spec, wide)
+    if key not in kernel._cache:
+        generated = generate(kernel, spec, wide=wide)
+        module = load_module(generated.source, generated.key)
+        kernel._cache[key] = (generated, getattr(module, generated.function_name))
+    return kernel._cache[key]
+
+
+def _span(tensor):
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+
+
+def grid_size(bound) -> int:
+    return max(math.prod(bound.grid), 1) if bound.grid else 1
+
+
+__all__ = ["prepare", "grid_size", "argument_values"]

@@ -1,0 +1,111 @@
+"""The ``triton`` backend: generated Triton code launched on the tensors' device."""
+
+from __future__ import annotations
+
+import torch
+
+from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
+
+DTYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
+
+
+def check(kernel, bound):
+    """The tensors must be on a device Triton drives and of a dtype it supports."""
+    for p in bound.tensor_params():
+        value = bound.values[p.name]
+        if value.dtype not in DTYPES:
+            accepted = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+            raise TypeError(f"kernel {kernel.name}: argument {p.name} has dtype {value.dtype}; the triton backend runs {accepted}")
+        if value.device.type == "cpu":
+            raise ValueError(
+                f"kernel {kernel.name}: backend 'triton' needs GPU tensors; {p.name} is on cpu "
+                "(use backend='cpu' or backend='interpret')"
+            )
+
+
+def run(kernel, bound):
+    """Tune (or take the cached tuning), then launch."""
+    check(kernel, bound)
+    free = [s for s in kernel.meta_symbols if s not in bound.env]
+    if free or kernel.num_warps is None or kernel.num_stages is None:
+        from ninefold.dsl.tuning import tune
+
+        config = tune(kernel, bound)
+    else:
+        config = {"meta": {}, "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}
+    launch(kernel, bound, config)
+
+
+def launch(kernel, bound, config):
+    """Launch with ``config`` (``meta`` values by symbol name, ``num_warps``, ``num_stages``)."""
+    names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
+    meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
+    finished = kernel.finish(bound, meta)
+    generated, function = prepare(kernel, finished)
+    num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
+    num_stages = kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES
+    with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
+        function[(grid_size(finished),)](*argument_values(generated, finished), num_warps=num_warps, num_stages=num_stages)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def signature(generated, finished) -> tuple[dict, dict]:
+    """Triton ``ASTSource`` signature and constexprs for a call (for ``triton.compile``)."""
+    sig, constexprs = {}, {}
+    for (name, kind, _, constexpr), value in zip(generated.arguments, argument_values(generated, finished)):
+        if constexpr:
+            sig[name] = "constexpr"
+            constexprs[name] = value
+        elif kind == "pointer":
+            sig[name] = "*" + DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            sig[name] = "fp32"
+    return sig, constexprs
+
+
+def compile_for_target(kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES):
+    """Compile the kernel for ``args`` (example tensors, any device) to ``target`` without a GPU.
+
+    Returns ``(compiled, generated, finished_bound)``; ``compiled.asm`` holds ``cubin``/``ptx``.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bound = kernel.bind(tuple(args), dict(kwargs or {}), backend="triton")
+    from ninefold.dsl.backends.cpu import choose_meta
+
+    finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
+    generated, function = prepare(kernel, finished)
+    backend, arch = target.split(":")
+    sig, constexprs = signature(generated, finished)
+    source = ASTSource(function, sig, constexprs)
+    compiled = triton.compile(source, target=GPUTarget(backend, int(arch), 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    return compiled, generated, finished
+
+
+__all__ = ["run", "launch", "compile_for_target", "signature", "grid_size"]

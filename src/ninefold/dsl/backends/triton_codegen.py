@@ -1,0 +1,390 @@
+"""Generate Triton source from a kernel: the application's tree, lowered, printed once.
+
+Each program decomposes ``tl.program_id(0)`` into the indices of the outermost level. A read of
+a parameter becomes ``tl.load(ptr + offsets, mask=..., other=...)`` with the offsets and the mask
+printed from the arrangement's index expressions; the tile's dimensions are ``tl.arange`` vectors
+(padded to a power of two, which adds a mask term). Mask terms that the call's sizes prove always
+true are left out, so the source depends on a *specialization* (which terms are live); it is
+generated once per specialization and cached.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+from dataclasses import dataclass, field
+
+from ninefold.dsl import language
+from ninefold.dsl.compiler.access import Middle, analyze
+from ninefold.dsl.compiler.frontend import NF, is_nf_call
+from ninefold.dsl.expr import Const, Expr, Index, SizeOf, StrideOf, binary, const_value, evaluate, interval
+from ninefold.dsl.symbol import Symbol
+
+TL = "tl"
+RENAMED = {"tanh": "libdevice.tanh", "pow": "libdevice.pow", "erf": "libdevice.erf"}
+DTYPE_NAMES = set(language.DTYPES)
+
+
+@dataclass
+class Generated:
+    """Generated Triton module text and how to call its kernel."""
+
+    source: str
+    function_name: str
+    arguments: list  # (name, kind, payload, constexpr)
+    key: str = ""
+    padded: list = field(default_factory=list)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def accesses(kernel):
+    """Every (parameter, number of indices) the application touches, in order."""
+    out = []
+    for node in ast.walk(kernel.app.tree):
+        if is_nf_call(node) and node.func.attr in ("load", "store", "offsets"):
+            key = (node.args[0].value, len(node.args[1].elts))
+            if key not in out:
+                out.append(key)
+    return out
+
+
+BIG = 1 << 62
+
+
+def specialize(kernel, env) -> tuple:
+    """Which mask terms are live for the sizes in ``env``.
+
+    Without sizes (``env`` None) only the terms that hold for all non-negative sizes are dropped.
+    """
+    live = []
+    for name, n in accesses(kernel):
+        access = analyze(kernel.param(name).arranged, n, name)
+        if env is None:
+            terms = _mask_terms(access)
+            ranges = {leaf: (0, BIG) for t in terms for leaf in t.leaves()}
+            live.append(tuple(interval(t, ranges) != (1, 1) for t in terms))
+            continue
+        ranges = {leaf: (v, v) for leaf, v in env.items() if isinstance(v, int)}
+        for v in access.grid_vars:
+            ranges[v] = (0, int(evaluate(v.level._shape[v.dim], env)) - 1)
+        if access.middle_level is not None:
+            for m, size in zip(access.middle_vars, access.middle_level._shape):
+                ranges[m] = (0, max(int(evaluate(size, env)) - 1, 0))
+        for v in access.tile_vars:
+            size = int(evaluate(v.level._shape[v.dim], env))
+            ranges[v] = (0, _next_power_of_two(size) - 1)
+        terms = _mask_terms(access)
+        live.append(tuple(interval(t, ranges) != (1, 1) for t in terms))
+    return tuple(live)
+
+
+def _mask_terms(access):
+    padded = tuple(binary("<", v, v.level._shape[v.dim]) for v in access.tile_vars if not _is_power_of_two(v.level._shape[v.dim]))
+    return padded + access.conditions
+
+
+def _is_power_of_two(size) -> bool:
+    c = const_value(size)
+    if c is not None:
+        return c >= 1 and _next_power_of_two(int(c)) == c
+    return isinstance(size, Symbol) and size.meta and size.power_of_two
+
+
+class _Namer:
+    """Names of leaves in the generated code; records which ones are used."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.used: dict = {}
+        self.padded: dict = {}
+
+    def leaf(self, leaf) -> str:
+        name = self.kernel.leaf_name(leaf)
+        self.used[name] = leaf
+        return name
+
+    def padded_size(self, size: Expr) -> ast.expr:
+        """A power-of-two constexpr at least ``size`` (named when it needs computing at launch)."""
+        c = const_value(size)
+        if c is not None:
+            return ast.Constant(_next_power_of_two(int(c)))
+        if isinstance(size, Symbol) and size.meta and size.power_of_two:
+            return ast.Name(self.leaf(size), ast.Load())
+        if size not in self.padded:
+            self.padded[size] = f"BLOCK_P2_{len(self.padded)}"
+        return ast.Name(self.padded[size], ast.Load())
+
+
+def _name(id_):
+    return ast.Name(id_, ast.Load())
+
+
+def _attr(value, *attrs):
+    node = value if isinstance(value, ast.AST) else _name(value)
+    for a in attrs:
+        node = ast.Attribute(node, a, ast.Load())
+    return node
+
+
+def _call(func, *args, **kwargs):
+    func = _name(func) if isinstance(func, str) else func
+    return ast.Call(func, list(args), [ast.keyword(k, v) for k, v in kwargs.items()])
+
+
+def _broadcast(node, dim, rank):
+    if rank <= 1:
+        return node
+    index = [ast.Constant(None)] * rank
+    index[dim] = ast.Slice()
+    return ast.Subscript(node, ast.Tuple(index, ast.Load()), ast.Load())
+
+
+class _Lowering(ast.NodeTransformer):
+    """Replace ``_nf`` calls and language references by Triton code."""
+
+    def __init__(self, kernel, spec, namer):
+        self.kernel = kernel
+        self.spec = spec
+        self.namer = namer
+        self.order = accesses(kernel)
+        self.uses_libdevice = False
+        self.namespace = kernel.app.namespace
+        self.locals = {a.arg for a in kernel.app.tree.args.args}
+        for node in ast.walk(kernel.app.tree):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                self.locals.add(node.id)
+
+    # ----------------------------------------------------------------- expressions of accesses
+    def render(self, expr, access, index_nodes, flat_tile=False):
+        keep = None
+        if flat_tile:
+            keep = [v for v in access.tile_vars if v in expr.leaves()]
+        rank = len(access.tile_vars) if keep is None or len(keep) != 1 else 1
+
+        def leaf(node):
+            if isinstance(node, Index):
+                if node in access.grid_vars:
+                    return _name(f"program_{node.dim}")
+                arange = _call(_attr(TL, "arange"), ast.Constant(0), self.namer.padded_size(node.level._shape[node.dim]))
+                return arange if rank == 1 and keep else _broadcast(arange, node.dim, rank)
+            if isinstance(node, Middle):
+                return copy.deepcopy(index_nodes[node.position])
+            return _name(self.namer.leaf(node))
+
+        return as_expr_ast(expr, leaf)
+
+    def pointer_and_mask(self, name, index_nodes):
+        n = len(index_nodes)
+        access = analyze(self.kernel.param(name).arranged, n, name)
+        offsets = Const(0)
+        for d, e in enumerate(access.source_index):
+            offsets = offsets + e * StrideOf(access.top.source, d)
+        pointer = ast.BinOp(_name(f"{name}_ptr"), ast.Add(), self.render(offsets, access, index_nodes))
+        terms = _mask_terms(access)
+        live = self.spec[self.order.index((name, n))]
+        kept = [t for t, keep in zip(terms, live) if keep]
+        mask = None
+        for t in kept:
+            node = self.render(t, access, index_nodes)
+            mask = node if mask is None else ast.BinOp(mask, ast.BitAnd(), node)
+        return pointer, mask, access
+
+    def visit_Call(self, node):
+        if not is_nf_call(node):
+            self.generic_visit(node)
+            return node
+        method, name = node.func.attr, node.args[0].value
+        index_nodes = [self.visit(e) for e in node.args[1].elts] if len(node.args) > 1 else []
+        if method == "load":
+            pointer, mask, access = self.pointer_and_mask(name, index_nodes)
+            kwargs = {}
+            if mask is not None:
+                kwargs["mask"] = mask
+                other = access.top.source.other
+                kwargs["other"] = ast.Constant(0 if other is None else other)
+            return _call(_attr(TL, "load"), pointer, **kwargs)
+        if method == "store":
+            pointer, mask, _ = self.pointer_and_mask(name, index_nodes)
+            value = self.visit(node.args[2])
+            return _call(_attr(TL, "store"), pointer, value, **({"mask": mask} if mask is not None else {}))
+        if method == "shape":
+            levels = self.kernel.param(name).arranged.levels()
+            depth = 2 if index_nodes else 1
+            if depth >= len(levels):
+                return ast.Tuple([], ast.Load())
+            level = levels[depth]
+            is_tile = depth == len(levels) - 1
+            sizes = [
+                self.namer.padded_size(s) if is_tile else as_expr_ast(s, lambda leaf: _name(self.namer.leaf(leaf)))
+                for s in level._shape
+            ]
+            return ast.Tuple(sizes, ast.Load())
+        if method == "source_shape":
+            source = self.kernel.param(name).source
+            return ast.Tuple([as_expr_ast(s, lambda leaf: _name(self.namer.leaf(leaf))) for s in source._shape], ast.Load())
+        if method == "dtype":
+            return _attr(f"{name}_ptr", "dtype", "element_ty")
+        if method == "offsets":
+            access = analyze(self.kernel.param(name).arranged, len(index_nodes), name)
+            dim = node.args[2].value if isinstance(node.args[2], ast.Constant) else None
+            if dim is None:
+                total = Const(0)
+                for d, e in enumerate(access.source_index):
+                    total = total + e * StrideOf(access.top.source, d)
+                return self.render(total, access, index_nodes)
+            return self.render(access.source_index[dim], access, index_nodes, flat_tile=True)
+        raise AssertionError(method)
+
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        if isinstance(node.value, ast.Tuple) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
+            try:
+                return node.value.elts[node.slice.value]
+            except IndexError:
+                return node
+        return node
+
+    # ----------------------------------------------------------------- language and globals
+    def visit_Attribute(self, node):
+        base = node.value
+        if isinstance(base, ast.Name) and base.id not in self.locals and base.id in self.namespace:
+            if self.namespace[base.id] is language or getattr(self.namespace[base.id], "__name__", "") in (
+                "ninetoothed.language",
+            ):
+                return self.language_name(node.attr)
+        self.generic_visit(node)
+        return node
+
+    def language_name(self, attr):
+        if attr in RENAMED:
+            self.uses_libdevice = True
+            module, name = RENAMED[attr].split(".")
+            return _attr(module, name)
+        if attr not in language.FUNCTIONS and attr not in DTYPE_NAMES:
+            raise NotImplementedError(f"language.{attr} is not available in the triton backend")
+        return _attr(TL, attr)
+
+    def visit_Name(self, node):
+        if not isinstance(node.ctx, ast.Load) or node.id in self.locals or node.id == NF:
+            return node
+        value = self.namespace.get(node.id)
+        if value is None:
+            return node
+        if getattr(value, "__module__", None) == language.__name__ and callable(value):
+            return self.language_name(node.id)
+        if isinstance(value, (bool, int, float)):
+            return ast.Constant(value)
+        if isinstance(value, Symbol):
+            return _name(self.namer.leaf(value))
+        return node
+
+
+def as_expr_ast(expr, leaf_fn) -> ast.expr:
+    return expr.to_ast(leaf_fn) if isinstance(expr, Expr) else ast.Constant(expr)
+
+
+def generate(kernel, spec, wide=False) -> Generated:
+    """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
+
+    ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
+    """
+    namer = _Namer(kernel)
+    lowering = _Lowering(kernel, spec, namer)
+    tree = lowering.visit(copy.deepcopy(kernel.app.tree))
+    body = []
+    first = next((p for p in kernel.params if not p.is_scalar), None)
+    grid_shape = first.arranged._shape if first is not None else ()
+    if grid_shape:
+        program = _call(_attr(TL, "program_id"), ast.Constant(0))
+        if wide:
+            program = _call(ast.Attribute(program, "to", ast.Load()), _attr(TL, "int64"))
+        body.append(ast.Assign([ast.Name("program", ast.Store())], program, lineno=0))
+        for d in reversed(range(len(grid_shape))):
+            size = as_expr_ast(grid_shape[d], lambda leaf: _name(namer.leaf(leaf)))
+            if d == 0:
+                value = _name("program")
+            else:
+                value = ast.BinOp(_name("program"), ast.Mod(), size)
+            body.append(ast.Assign([ast.Name(f"program_{d}", ast.Store())], value, lineno=0))
+            if d:
+                body.append(
+                    ast.Assign([ast.Name("program", ast.Store())], ast.BinOp(_name("program"), ast.FloorDiv(), copy.deepcopy(size)), lineno=0)
+                )
+    body += _strip_nf(tree.body)
+    arguments = []
+    for p in kernel.params:
+        if p.is_scalar:
+            if p.passed:
+                arguments.append((p.name, "scalar", p.name, p.source.constexpr))
+            else:
+                body.insert(0, ast.Assign([ast.Name(p.name, ast.Store())], ast.Constant(p.source.value), lineno=0))
+        else:
+            arguments.append((f"{p.name}_ptr", "pointer", p.name, False))
+    leaves = dict(namer.used)
+    for name in sorted(leaves, key=_leaf_order(kernel)):
+        leaf = leaves[name]
+        constexpr = isinstance(leaf, Symbol) and leaf.constexpr
+        if type(leaf) is SizeOf:
+            constexpr = bool(leaf.options.get("constexpr"))
+        arguments.append((name, "leaf", leaf, constexpr))
+    for size, name in namer.padded.items():
+        arguments.append((name, "padded", size, True))
+    args = [
+        ast.arg(name, ast.Attribute(_name(TL), "constexpr", ast.Load()) if constexpr else None)
+        for name, _, _, constexpr in arguments
+    ]
+    function_name = f"{kernel.name}_kernel"
+    func = ast.FunctionDef(
+        name=function_name,
+        args=ast.arguments(posonlyargs=[], args=args, kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=body or [ast.Pass()],
+        decorator_list=[_attr("triton", "jit")],
+        returns=None,
+    )
+    func.type_params = []
+    imports = [ast.Import([ast.alias("triton")]), ast.Import([ast.alias("triton.language", TL)])]
+    if lowering.uses_libdevice:
+        imports.append(ast.ImportFrom("triton.language.extra", [ast.alias("libdevice")], 0))
+    module = ast.Module(imports + [func], type_ignores=[])
+    ast.fix_missing_locations(module)
+    header = f'"""Generated by ninefold.dsl from {kernel.name}; do not edit."""\n\n'
+    source = header + ast.unparse(module) + "\n"
+    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    return Generated(source, function_name, arguments, key, list(namer.padded))
+
+
+def _leaf_order(kernel):
+    params = [p.name for p in kernel.params]
+
+    def order(name):
+        for i, p in enumerate(params):
+            if name.startswith(p + "_size_") or name.startswith(p + "_stride_"):
+                kind = 0 if "_size_" in name[len(p) :] else 1
+                return (0, i, kind, int(name.rsplit("_", 1)[1]))
+        return (1, 0, 0, name)
+
+    return order
+
+
+def _strip_nf(stmts):
+    """``x = tl.store(...)`` never occurs; statements are already plain; drop ``pass`` duplicates."""
+    return stmts
+
+
+def argument_values(generated: Generated, bound) -> list:
+    """Launch arguments in signature order for a bound call."""
+    values = []
+    for _, kind, payload, _ in generated.arguments:
+        if kind == "pointer":
+            values.append(bound.values[payload])
+        elif kind == "scalar":
+            values.append(bound.values[payload])
+        elif kind == "leaf":
+            values.append(bound.env[payload])
+        else:
+            values.append(_next_power_of_two(int(evaluate(payload, bound.env))))
+    return values
