@@ -55,13 +55,17 @@ def register(op: str, name: str, *, devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES
     """
 
     def decorate(fn: Callable) -> Callable:
-        impl = Impl(op, name, fn, tuple(devices), frozenset(dtypes), supports, dict(priority or {}))
-        impls = _IMPLS.setdefault(op, [])
-        impls[:] = [i for i in impls if i.name != name] + [impl]
-        changed()
+        add(Impl(op, name, fn, tuple(devices), frozenset(dtypes), supports, dict(priority or {})))
         return fn
 
     return decorate
+
+
+def add(impl: Impl) -> None:
+    """Register an ``Impl`` (replacing one of the same operator and name)."""
+    impls = _IMPLS.setdefault(impl.op, [])
+    impls[:] = [i for i in impls if i.name != impl.name] + [impl]
+    changed()
 
 
 def unregister(op: str, name: str) -> None:

@@ -107,7 +107,7 @@ def lookup(op: str, device: str, dtype: torch.dtype, bucket) -> str | None:
 
 def record(results: list[dict], path: Path | None = None) -> Path:
     """Merge new entries (dicts shaped like the file's) into the user's cache and reload."""
-    path = path or cache_file()
+    path = Path(path) if path else cache_file()
     entries = read_table(path) if path.exists() else {}
     for e in results:
         entries[_entry_key(e["op"], e["device"], e["dtype"], e["bucket"])] = e

@@ -1,0 +1,72 @@
+"""``ninefold ops``: list the operator library, tune it, build trimmed subsets."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    """Add ``ops list|tune|build`` to the top-level parser."""
+    parser = subparsers.add_parser("ops", help="operator library: list, tune, build trimmed subsets")
+    commands = parser.add_subparsers(dest="ops_command", metavar="ACTION", required=True)
+
+    listing = commands.add_parser("list", help="operators and their implementations (devices, dtypes)")
+    listing.set_defaults(func=_list)
+
+    tune = commands.add_parser("tune", help="benchmark candidates and store the fastest in the tuning cache")
+    tune.add_argument("--ops", nargs="+", metavar="OP", help="operators to tune (default: all)")
+    tune.add_argument("--shapes", default="llama-8b", help="shape set: llama-8b, smollm2, tiny (default llama-8b)")
+    tune.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
+    tune.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16", "float32"])
+    tune.add_argument("--out", default=None, help="tuning file to write (default: the user's tuning cache)")
+    tune.set_defaults(func=_tune)
+
+    build = commands.add_parser("build", help="build a trimmed, ahead-of-time compiled subset from a manifest")
+    build.add_argument("--manifest", required=True, help="ops.toml listing operators, dtypes and implementations")
+    build.add_argument("--target", default=None, help="compile target, e.g. cuda:90 or cpu (default: the manifest's)")
+    build.add_argument("--out", required=True, help="output directory (use it with NINEFOLD_OPS_BUILD=DIR)")
+    build.set_defaults(func=_build)
+
+
+def _list(args: argparse.Namespace) -> int:
+    import ninefold.ops  # noqa: F401  (registers every implementation)
+    from ninefold.ops import build, registry
+    from ninefold.ops.spec import dtype_names
+
+    active = build.active()
+    if active is not None:
+        print(f"trimmed build: {active.path}")
+    for op in registry.operators():
+        impls = registry.implementations(op)
+        described = "; ".join(f"{i.name} [{', '.join(i.devices)}: {dtype_names(i.dtypes)}]" for i in impls)
+        print(f"{op:18s} {described or '(none in this build)'}")
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from ninefold.ops.tune import tune
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        entries = tune(args.ops, args.shapes, device, [getattr(torch, d) for d in args.dtype], path=args.out)
+    except ValueError as error:
+        print(f"ninefold ops tune: error: {error}", file=sys.stderr)
+        return 2
+    for e in entries:
+        times = ", ".join(f"{k} {v:.1f}" for k, v in sorted(e["times_us"].items(), key=lambda kv: kv[1]))
+        print(f"{e['op']:18s} {e['dtype']:9s} {e['case']:34s} -> {e['impl']:7s} ({times} us)")
+    from ninefold.ops import tuning
+
+    print(f"stored {len(entries)} choices in {args.out or tuning.cache_file()}")
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from ninefold.ops import build
+
+    report = build.build(args.manifest, args.out, target=args.target)
+    print(report.summary())
+    return 0

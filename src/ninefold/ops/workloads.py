@@ -1,0 +1,220 @@
+"""Representative calls of every operator at a model's shapes, for tuning and benchmarks.
+
+``cases(op, shapes, device, dtype)`` yields ``Case``s: the call's arguments plus the bytes it
+must move and the floating-point operations it must do (what rooflines are computed from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A model's operator shapes and the token counts / KV contexts to try."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tokens: tuple[int, ...]
+    decode: tuple[tuple[int, int], ...]  # (batch, context)
+    prefill: tuple[tuple[int, int, int], ...]  # (sequences, new tokens each, cached prefix each)
+    block_size: int = 16
+    softmax_width: int = 8192
+
+
+SHAPES = {
+    "llama-8b": Shapes(4096, 14336, 32, 8, 128, 128256, tokens=(1, 16, 256, 2048, 16384),
+                       decode=((1, 4096), (1, 32768), (16, 4096), (64, 4096), (8, 32768)),
+                       prefill=((1, 4096, 0), (4, 1024, 0), (1, 16384, 0), (2, 512, 3584))),
+    "smollm2": Shapes(576, 1536, 9, 3, 64, 49152, tokens=(1, 8, 64, 512),
+                      decode=((1, 512), (8, 512), (8, 2048)), prefill=((1, 512, 0), (4, 64, 256))),
+    "tiny": Shapes(64, 96, 4, 2, 16, 512, tokens=(1, 9), decode=((3, 40),), prefill=((2, 5, 7),), softmax_width=300),
+}
+
+
+@dataclass
+class Case:
+    """One call: ``ops.<op>(*args, **kwargs)`` moving ``bytes`` and doing ``flops``."""
+
+    op: str
+    label: str
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    bytes: int = 0
+    flops: int = 0
+
+
+def shapes(name: str) -> Shapes:
+    """The shape set called ``name`` (``ValueError`` listing the known ones)."""
+    try:
+        return SHAPES[name]
+    except KeyError:
+        raise ValueError(f"--shapes: unknown shape set {name!r}; known: {', '.join(SHAPES)}") from None
+
+
+def cases(op: str, s: Shapes, device, dtype: torch.dtype, seed: int = 0) -> Iterator[Case]:
+    """Representative calls of ``op`` at the shapes ``s``."""
+    yield from _BUILDERS[op](s, torch.device(device), dtype, torch.Generator().manual_seed(seed))
+
+
+def _randn(gen, *shape, device, dtype, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _embedding(s, dev, dt, g):
+    weight = _randn(g, s.vocab, s.hidden, device=dev, dtype=dt)
+    for t in s.tokens:
+        ids = torch.randint(0, s.vocab, (t,), generator=g).to(dev)
+        yield Case("embedding", f"T={t} D={s.hidden}", (ids, weight), bytes=2 * t * s.hidden * dt.itemsize)
+
+
+def _linear(s, dev, dt, g):
+    qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+    for n, k, what in ((qkv, s.hidden, "qkv"), (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down")):
+        weight = _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5)
+        for t in s.tokens:
+            x = _randn(g, t, k, device=dev, dtype=dt)
+            yield Case("linear", f"{what} T={t} N={n} K={k}", (x, weight),
+                       bytes=(t * k + n * k + t * n) * dt.itemsize, flops=2 * t * n * k)
+
+
+def _binary(op):
+    def build(s, dev, dt, g):
+        for t in s.tokens:
+            a, b = _randn(g, t, s.hidden, device=dev, dtype=dt), _randn(g, t, s.hidden, device=dev, dtype=dt)
+            yield Case(op, f"T={t} D={s.hidden}", (a, b), bytes=3 * t * s.hidden * dt.itemsize)
+
+    return build
+
+
+def _rms_norm(s, dev, dt, g):
+    weight = _randn(g, s.hidden, device=dev, dtype=dt)
+    for t in s.tokens:
+        x = _randn(g, t, s.hidden, device=dev, dtype=dt)
+        yield Case("rms_norm", f"T={t} D={s.hidden}", (x, weight, 1e-5), bytes=2 * t * s.hidden * dt.itemsize)
+
+
+def _add_rms_norm(s, dev, dt, g):
+    weight = _randn(g, s.hidden, device=dev, dtype=dt)
+    for t in s.tokens:
+        x, r = _randn(g, t, s.hidden, device=dev, dtype=dt), _randn(g, t, s.hidden, device=dev, dtype=dt)
+        yield Case("add_rms_norm", f"T={t} D={s.hidden}", (x, r, weight, 1e-5), bytes=4 * t * s.hidden * dt.itemsize)
+
+
+def _gated(op):
+    def build(s, dev, dt, g):
+        for t in s.tokens:
+            x = _randn(g, t, 2 * s.intermediate, device=dev, dtype=dt)
+            yield Case(op, f"T={t} d={s.intermediate}", (x,), bytes=3 * t * s.intermediate * dt.itemsize)
+
+    return build
+
+
+def _softmax(s, dev, dt, g):
+    for t in s.tokens:
+        x = _randn(g, t, s.softmax_width, device=dev, dtype=dt, scale=3)
+        yield Case("softmax", f"T={t} N={s.softmax_width}", (x,), bytes=2 * t * s.softmax_width * dt.itemsize)
+
+
+def cos_sin_cache(max_pos: int, rotary: int, base: float = 500000.0, device="cpu") -> torch.Tensor:
+    """A float32 ``[max_pos, rotary]`` cache: cos in the first half of the columns, sin in the rest."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device)
+
+
+def _rope(s, dev, dt, g):
+    cache = cos_sin_cache(8192, s.head_dim, device=dev)
+    for t in s.tokens:
+        q = _randn(g, t, s.heads, s.head_dim, device=dev, dtype=dt)
+        k = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        positions = torch.randint(0, 8192, (t,), generator=g).to(dev)
+        moved = 2 * t * (s.heads + s.kv_heads) * s.head_dim * dt.itemsize + t * s.head_dim * 4
+        yield Case("rope", f"T={t} H={s.heads}/{s.kv_heads}", (q, k, positions, cache), bytes=moved)
+
+
+def paged(s: Shapes, lengths, dev, dt, g, extra_blocks: int = 0):
+    """Caches holding ``lengths`` tokens per sequence in randomly placed blocks, and the tables."""
+    bs = s.block_size
+    per_seq = [-(-n // bs) for n in lengths]
+    num_blocks = sum(per_seq) + extra_blocks + 1
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    k_cache = _randn(g, num_blocks, bs, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+    v_cache = _randn(g, num_blocks, bs, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+    return k_cache, v_cache, tables.to(dev)
+
+
+def _reshape_and_cache(s, dev, dt, g):
+    for t in s.tokens:
+        k_cache, v_cache, _ = paged(s, [t], dev, dt, g)
+        slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=g)[:t].to(dev)
+        key = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        value = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        yield Case("reshape_and_cache", f"T={t}", (key, value, k_cache, v_cache, slots),
+                   bytes=4 * t * s.kv_heads * s.head_dim * dt.itemsize)
+
+
+def _decode(s, dev, dt, g):
+    for batch, context in s.decode:
+        k_cache, v_cache, tables = paged(s, [context] * batch, dev, dt, g)
+        q = _randn(g, batch, s.heads, s.head_dim, device=dev, dtype=dt)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * dt.itemsize
+        yield Case("attention_decode", f"B={batch} ctx={context}", (q, k_cache, v_cache, tables, lens),
+                   bytes=kv_bytes, flops=4 * batch * s.heads * context * s.head_dim)
+
+
+def _prefill(s, dev, dt, g):
+    for seqs, new, prefix in s.prefill:
+        q = _randn(g, seqs * new, s.heads, s.head_dim, device=dev, dtype=dt)
+        cu_q = torch.arange(0, seqs + 1, dtype=torch.int32, device=dev) * new
+        cu_k = torch.arange(0, seqs + 1, dtype=torch.int32, device=dev) * (new + prefix)
+        # Causal pairs per head: new queries over prefix + a triangle.
+        pairs = seqs * (new * prefix + new * (new + 1) // 2)
+        flops = 4 * pairs * s.heads * s.head_dim
+        if prefix == 0:
+            k = _randn(g, seqs * new, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+            v = _randn(g, seqs * new, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+            yield Case("attention_prefill", f"B={seqs} L={new}", (q, k, v, cu_q, cu_k), flops=flops)
+        else:
+            k_cache, v_cache, tables = paged(s, [new + prefix] * seqs, dev, dt, g)
+            yield Case("attention_prefill", f"B={seqs} L={new} prefix={prefix}", (q, None, None, cu_q, cu_k),
+                       dict(k_cache=k_cache, v_cache=v_cache, block_tables=tables), flops=flops)
+
+
+def _argmax(s, dev, dt, g):
+    for t in (t for t in s.tokens if t <= 256):
+        x = _randn(g, t, s.vocab, device=dev, dtype=dt)
+        yield Case("argmax", f"B={t} V={s.vocab}", (x,), bytes=t * s.vocab * dt.itemsize)
+
+
+def _sample(s, dev, dt, g):
+    for t in (t for t in s.tokens if t <= 256):
+        x = _randn(g, t, s.vocab, device=dev, dtype=dt, scale=3)
+        temperature = torch.full((t,), 0.8, device=dev)
+        top_k = torch.full((t,), 50, dtype=torch.int32, device=dev)
+        top_p = torch.full((t,), 0.9, device=dev)
+        yield Case("sample", f"B={t} V={s.vocab} top-k/top-p", (x, temperature), dict(top_k=top_k, top_p=top_p),
+                   bytes=t * s.vocab * dt.itemsize)
+
+
+_BUILDERS = {
+    "embedding": _embedding, "linear": _linear, "add": _binary("add"), "mul": _binary("mul"),
+    "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "silu_and_mul": _gated("silu_and_mul"),
+    "gelu_and_mul": _gated("gelu_and_mul"), "softmax": _softmax, "rope": _rope,
+    "reshape_and_cache": _reshape_and_cache, "attention_decode": _decode, "attention_prefill": _prefill,
+    "argmax": _argmax, "sample": _sample,
+}
+OPS = tuple(_BUILDERS)

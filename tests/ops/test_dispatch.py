@@ -1,0 +1,125 @@
+"""Dispatch: supports() filtering, pins (environment and ops.use), tuned choices, default order."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import ninefold.ops as ops
+from ninefold.ops import UnsupportedError, registry, tuning
+from ninefold.ops.dispatch import device_model
+
+x = torch.randn(3, 8)
+w = torch.ones(8)
+
+
+def _doubling(x, weight, eps):
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype) * 2
+
+
+def _small_only(x, weight, eps):
+    return None if x.shape[-1] <= 8 else f"last dimension {x.shape[-1]} > 8"
+
+
+@pytest.fixture
+def probe():
+    """A second rms_norm implementation (doubles the output) that only takes rows of <= 8."""
+    registry.register("rms_norm", "probe", devices=("cpu",), dtypes=(torch.float32,), supports=_small_only)(_doubling)
+    yield "probe"
+    registry.unregister("rms_norm", "probe")
+
+
+def test_default_order_prefers_vendor_until_a_higher_priority_registers(probe):
+    assert ops.choose("rms_norm", x, w) == "vendor"
+    registry.register("rms_norm", "probe", devices=("cpu",), dtypes=(torch.float32,), supports=_small_only,
+                      priority={"cpu": 5})(_doubling)
+    assert ops.choose("rms_norm", x, w) == "probe"
+    torch.testing.assert_close(ops.rms_norm(x, w), 2 * ops.run("rms_norm", "vendor", x, w))
+    # The probe says no to wide rows and to float16: dispatch skips it there.
+    assert ops.choose("rms_norm", torch.randn(2, 9), torch.ones(9)) == "vendor"
+    assert ops.choose("rms_norm", x.half(), w) == "vendor"
+
+
+def test_use_pins_inside_the_block_only_and_nests(probe):
+    with ops.use(rms_norm="probe"):
+        torch.testing.assert_close(ops.rms_norm(x, w), 2 * ops.run("rms_norm", "vendor", x, w))
+        with ops.use(rms_norm="vendor"):
+            assert ops.choose("rms_norm", x, w) == "vendor"
+        assert ops.choose("rms_norm", x, w) == "probe"
+    assert ops.choose("rms_norm", x, w) == "vendor"
+
+
+def test_pin_that_cannot_run_falls_back_with_a_warning_naming_the_reason(probe):
+    wide, wide_w = torch.randn(2, 9), torch.ones(9)
+    with ops.use(rms_norm="probe"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ops.rms_norm(wide, wide_w)
+    assert "last dimension 9 > 8" in str(caught[0].message) and "using 'vendor'" in str(caught[0].message)
+    torch.testing.assert_close(out, ops.run("rms_norm", "vendor", wide, wide_w))
+
+
+def test_when_no_implementation_supports_the_inputs_every_reason_is_listed(probe):
+    (vendor,) = [i for i in registry.all_implementations("rms_norm") if i.name == "vendor"]
+    registry.unregister("rms_norm", "vendor")
+    try:
+        with pytest.raises(UnsupportedError, match=r"rms_norm: no implementation supports these inputs on cpu "
+                                                   r"\(probe: last dimension 9 > 8\)"):
+            ops.rms_norm(torch.randn(2, 9), torch.ones(9))
+    finally:
+        registry.add(vendor)
+
+
+def test_environment_pins_are_read_in_a_fresh_process(tmp_path):
+    code = (
+        "import torch, ninefold.ops as ops\n"
+        "from ninefold.ops import registry\n"
+        "registry.register('rms_norm', 'probe', devices=('cpu',))(lambda x, w, e: x * 0)\n"
+        "print(ops.choose('rms_norm', torch.randn(2, 4), torch.ones(4)), ops.choose('softmax', torch.randn(2, 4)))\n"
+    )
+    env = {**os.environ, "NINEFOLD_OPS": "rms_norm=probe, softmax=vendor", "NINEFOLD_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["probe", "vendor"]
+    env["NINEFOLD_OPS"] = "rms_norm"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "NINEFOLD_OPS: expected entries like 'rms_norm=dsl', got 'rms_norm'" in bad.stderr
+
+
+def test_tuned_choice_wins_over_default_order_and_loses_to_a_pin(probe, tmp_path, monkeypatch):
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    tuning.reload()
+    try:
+        entry = {"op": "rms_norm", "device": device_model(x.device), "dtype": "float32", "bucket": [4, 8],
+                 "impl": "probe", "times_us": {"probe": 1.0, "vendor": 2.0}}
+        path = tuning.record([entry])
+        assert path.parent == tmp_path / "ops"
+        assert ops.choose("rms_norm", x, w) == "probe"  # 3 rows -> bucket (4, 8)
+        assert ops.choose("rms_norm", torch.randn(5, 8), w) == "vendor"  # bucket (8, 8): not tuned
+        with ops.use(rms_norm="vendor"):
+            assert ops.choose("rms_norm", x, w) == "vendor"
+    finally:
+        monkeypatch.delenv("NINEFOLD_CACHE_DIR")
+        tuning.reload()
+
+
+def test_tuning_cache_round_trip(tmp_path):
+    entries = [{"op": "softmax", "device": "Card", "dtype": "bfloat16", "bucket": [16, 4096], "impl": "triton",
+                "times_us": {"triton": 3.5, "vendor": 9.0}},
+               {"op": "linear", "device": "Card", "dtype": "float16", "bucket": [1, 4096, 4096], "impl": "vendor",
+                "times_us": {"vendor": 20.0}}]
+    path = tmp_path / "t.json"
+    tuning.record(entries[:1], path)
+    tuning.record(entries[1:], path)
+    table = tuning.read_table(path)
+    assert {k: v["impl"] for k, v in table.items()} == {("softmax", "Card", "bfloat16", (16, 4096)): "triton",
+                                                        ("linear", "Card", "float16", (1, 4096, 4096)): "vendor"}
+    body = json.loads(path.read_text())
+    assert body["format"] == tuning.FORMAT and body["versions"]["torch"] == torch.__version__
+
+
+def test_shipped_tables_load():
+    for path in tuning.TABLES_DIR.glob("*.json"):
+        assert tuning.read_table(path) is not None
