@@ -29,7 +29,7 @@ def tune(ops=None, shape_set: str = "llama-8b", device="cuda", dtypes=(torch.bfl
         operator = dispatch.operator(case.op)
         bound = operator.bind(*case.args, **case.kwargs)
         key = operator.keyfn(*bound)
-        times = {impl.name: timing.measure(lambda impl=impl: impl.fn(*bound), device, repeats=repeats)
+        times = {impl.name: timing.measure(lambda impl=impl, bound=bound: impl.fn(*bound), device, repeats=repeats)
                  for impl in dispatch.supporting(case.op, key[0], key[1], bound)}
         entries.append({"op": case.op, "device": model, "dtype": dtype_name(key[1]), "bucket": list(key[2]),
                         "impl": min(times, key=times.get), "times_us": {k: round(v, 3) for k, v in times.items()},
