@@ -2,10 +2,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import VARIANTS, build_model_dir  # noqa: E402
+
+# Tiny matmuls: one thread each is far faster than two fighting over a shared, busy CPU.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
