@@ -1,0 +1,511 @@
+"""Benchmark of the DSL example kernels: ``python -m ninefold.bench.dsl`` (GPU) or ``--cpu``.
+
+GPU mode, in one run: the card's ceilings (device copy bandwidth, cuBLAS fp16/bf16 matmul rate),
+then every workload at NineToothed's paper shapes (fp16) and at large bf16 shapes with ninefold,
+torch and NineToothed 0.26 (the same kernel sources with ``ninefold.dsl`` renamed to
+``ninetoothed``; "n/a" when it does not import). Outputs are checked against torch before any
+timing. Times are medians of ``triton.testing.do_bench``. The first call of every ninefold kernel
+runs on empty caches (compile + tune), a second process then measures the first call again
+(cache hits). A table goes to stdout; JSON and a PNG plot to ``$OUT`` (or ``--out``).
+
+CPU mode: the ``cpu`` backend against torch CPU ops for add, softmax, rms_norm and mm.
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+KERNEL_MODULES = ("add", "activation", "mm", "conv2d", "softmax", "rms_norm", "rope", "attention", "pool")
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Workload:
+    """One benchmark row: how to build inputs, call ninefold/NineToothed (``run(kernels, *x)``) and torch."""
+
+    name: str
+    group: str  # "paper", "large" or "cpu"
+    dtype: torch.dtype
+    shape: str
+    make: object  # (device) -> tuple of inputs
+    run: object  # (kernel namespace, *inputs) -> output
+    torch: object  # (*inputs) -> output
+    bytes: float = 0.0  # bytes read + written (memory-bound rows)
+    flops: float = 0.0  # floating-point operations (compute-bound rows)
+    results: dict = field(default_factory=dict)
+
+
+def _randn(shape, dtype, device):
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def _rope_tables(t, half, dtype, device):
+    angles = torch.rand((t, half), device=device, dtype=torch.float32) * 6.3
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rope_torch(x, cos, sin):
+    half = cos.shape[1]
+    a, b = x[..., :half], x[..., half : 2 * half]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([a * c - b * s, b * c + a * s, x[..., 2 * half :]], dim=-1)
+
+
+def _elementwise(name, group, dtype, n_rows, n_cols, elem):
+    shape = (n_rows, n_cols)
+    size = n_rows * n_cols * elem
+    if name == "add":
+        return Workload(
+            "add",
+            group,
+            dtype,
+            "x".join(map(str, shape)),
+            lambda d: (_randn(shape, dtype, d), _randn(shape, dtype, d)),
+            lambda k, x, y: k.add.add(x, y),
+            torch.add,
+            bytes=3 * size,
+        )
+    if name == "silu":
+        return Workload(
+            "silu",
+            group,
+            dtype,
+            "x".join(map(str, shape)),
+            lambda d: (_randn(shape, dtype, d),),
+            lambda k, x: k.activation.silu(x),
+            torch.nn.functional.silu,
+            bytes=2 * size,
+        )
+    if name == "softmax":
+        return Workload(
+            "softmax",
+            group,
+            dtype,
+            "x".join(map(str, shape)),
+            lambda d: (_randn(shape, dtype, d),),
+            lambda k, x: k.softmax.softmax(x),
+            lambda x: torch.softmax(x, -1),
+            bytes=2 * size,
+        )
+    if name == "rms_norm":
+        return Workload(
+            "rms_norm",
+            group,
+            dtype,
+            "x".join(map(str, shape)),
+            lambda d: (_randn(shape, dtype, d), _randn((n_cols,), dtype, d)),
+            lambda k, x, w: k.rms_norm.rms_norm(x, w, 1e-6),
+            lambda x, w: torch.nn.functional.rms_norm(x, (n_cols,), w, 1e-6),
+            bytes=2 * size,
+        )
+    raise ValueError(name)
+
+
+def _mm(group, dtype, m, n, k):
+    return Workload(
+        "mm",
+        group,
+        dtype,
+        f"{m}x{k}x{n}",
+        lambda d: (_randn((m, k), dtype, d), _randn((k, n), dtype, d)),
+        lambda kk, a, b: kk.mm.mm(a, b),
+        torch.mm,
+        flops=2.0 * m * n * k,
+    )
+
+
+def _sdpa(group, dtype, b, h, s, d, causal):
+    flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return Workload(
+        "sdpa_causal" if causal else "sdpa",
+        group,
+        dtype,
+        f"B{b} H{h} S{s} D{d}",
+        lambda dev: tuple(_randn((b, h, s, d), dtype, dev) for _ in range(3)),
+        lambda k, q, kk, v: k.attention.scaled_dot_product_attention(q, kk, v, is_causal=causal),
+        lambda q, kk, v: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal),
+        flops=flops,
+    )
+
+
+def gpu_workloads():
+    """NineToothed's paper shapes in float16, then the large bfloat16 shapes."""
+    h, b16 = torch.float16, torch.bfloat16
+    rope_shape = (4 * 1024, 48, 64)  # (batch 4 x seq 1024) tokens, 48 heads, head dim 64
+    conv_x, conv_w = (4, 512, 14, 14), (512, 512, 3, 3)
+    return [
+        _elementwise("add", "paper", h, 4096, 4096, 2),
+        _mm("paper", h, 4096, 4096, 4096),
+        Workload(
+            "bmm",
+            "paper",
+            h,
+            "4x2048x2048x2048",
+            lambda d: (_randn((4, 2048, 2048), h, d), _randn((4, 2048, 2048), h, d)),
+            lambda k, a, b: k.mm.bmm(a, b),
+            torch.bmm,
+            flops=2.0 * 4 * 2048**3,
+        ),
+        Workload(
+            "conv2d",
+            "paper",
+            h,
+            "(4,512,14,14)*(512,512,3,3)",
+            lambda d: (_randn(conv_x, h, d), _randn(conv_w, h, d)),
+            lambda k, x, w: k.conv2d.conv2d(x, w),
+            torch.nn.functional.conv2d,
+            flops=2.0 * 4 * 512 * 12 * 12 * 512 * 9,
+        ),
+        _elementwise("rms_norm", "paper", h, 4096, 4096, 2),
+        _elementwise("softmax", "paper", h, 4096, 4096, 2),
+        Workload(
+            "rope",
+            "paper",
+            h,
+            "(4,1024,48,64)",
+            lambda d: (_randn(rope_shape, h, d), *_rope_tables(rope_shape[0], 32, h, d)),
+            lambda k, x, c, s: k.rope.rotate(x, c, s),
+            _rope_torch,
+            bytes=2 * math.prod(rope_shape) * 2 + 2 * rope_shape[0] * 32 * 2,
+        ),
+        _sdpa("paper", h, 4, 48, 1024, 64, causal=False),
+        _elementwise("silu", "paper", h, 4096, 4096, 2),
+        _elementwise("add", "large", b16, 2**14, 2**14, 2),
+        _elementwise("softmax", "large", b16, 16384, 8192, 2),
+        _elementwise("rms_norm", "large", b16, 16384, 8192, 2),
+        _mm("large", b16, 8192, 8192, 8192),
+        _sdpa("large", b16, 4, 32, 4096, 128, causal=True),
+    ]
+
+
+def cpu_workloads():
+    """Moderate sizes for the 2-core development machine."""
+    f = torch.float32
+    return [
+        _elementwise("add", "cpu", f, 2048, 2048, 4),
+        _elementwise("softmax", "cpu", f, 2048, 2048, 4),
+        _elementwise("rms_norm", "cpu", f, 2048, 2048, 4),
+        _mm("cpu", f, 1024, 1024, 1024),
+        _mm("cpu", torch.bfloat16, 1024, 1024, 1024),
+    ]
+
+
+def ninefold_kernels():
+    """The kernel modules as a namespace: ``ns.mm.mm(a, b)``."""
+    return _namespace("ninefold.ops.kernels")
+
+
+def ninetoothed_kernels(workdir):
+    """The same kernel sources compiled by NineToothed (imports renamed), or an error string."""
+    try:
+        importlib.import_module("ninetoothed")
+    except Exception as error:  # any import failure means the column is "n/a"
+        return f"n/a ({type(error).__name__}: {error})"
+    source_dir = pathlib.Path(importlib.import_module("ninefold.ops.kernels").__file__).parent
+    package = pathlib.Path(workdir) / "ninetoothed_kernels"
+    package.mkdir(parents=True, exist_ok=True)
+    for path in source_dir.glob("*.py"):
+        text = path.read_text()
+        for old, new in (
+            ("ninefold.dsl.language", "ninetoothed.language"),
+            ("ninefold.dsl", "ninetoothed"),
+            ("ninefold.ops.kernels", "ninetoothed_kernels"),
+        ):
+            text = text.replace(old, new)
+        (package / path.name).write_text(text)
+    sys.path.insert(0, str(workdir))
+    try:
+        return _namespace("ninetoothed_kernels")
+    except Exception as error:
+        return f"n/a ({type(error).__name__}: {error})"
+
+
+def _namespace(package):
+    class Kernels:
+        pass
+
+    ns = Kernels()
+    for name in KERNEL_MODULES:
+        setattr(ns, name, importlib.import_module(f"{package}.{name}"))
+    return ns
+
+
+def relative_error(got, want):
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _gpu_time(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+
+
+def _cpu_time(fn, reps=5):
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _first_call(fn, sync):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - start, out
+
+
+def measure_ceilings(device):
+    """Copy bandwidth (bytes read + written per second) and torch.mm rate per dtype."""
+    if device == "cuda":
+        src = torch.empty(2**30, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() * 2 / _gpu_time(lambda: dst.copy_(src))
+        del src, dst
+        rates = {}
+        for dtype in (torch.float16, torch.bfloat16):
+            a, b = (torch.randn(8192, 8192, dtype=dtype, device=device) for _ in range(2))
+            rates[str(dtype)] = 2 * 8192**3 / _gpu_time(lambda a=a, b=b: torch.mm(a, b))
+        return {"copy_bytes_per_s": copy, "mm_flops_per_s": rates}
+    src = torch.empty(2**26, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() * 4 / _cpu_time(lambda: dst.copy_(src))
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(1024, 1024, dtype=dtype) for _ in range(2))
+        rates[str(dtype)] = 2 * 1024**3 / _cpu_time(lambda a=a, b=b: torch.mm(a, b))
+    return {"copy_bytes_per_s": copy, "mm_flops_per_s": rates}
+
+
+def _fraction(w, seconds, ceilings):
+    if seconds is None:
+        return None
+    if w.flops:
+        return w.flops / seconds / ceilings["mm_flops_per_s"].get(str(w.dtype), float("nan"))
+    return w.bytes / seconds / ceilings["copy_bytes_per_s"]
+
+
+def run_impl(w, impl, fn, inputs, reference, device, sync):
+    """First call (compile + tune), check against torch, then time. Fills ``w.results[impl]``."""
+    res = {}
+    try:
+        first, out = _first_call(lambda: fn(*inputs), sync)
+        res["first_call_s"] = first
+        err = relative_error(out, reference)
+        res["rel_error"] = err
+        res["ok"] = err <= TOLERANCE[w.dtype]
+        if res["ok"]:
+            res["seconds"] = (
+                _gpu_time(lambda: fn(*inputs)) if device == "cuda" else _cpu_time(lambda: fn(*inputs))
+            )
+    except Exception as error:  # a failing implementation is a result, not a crash of the run
+        res["error"] = f"{type(error).__name__}: {error}"[:300]
+        res["ok"] = False
+    w.results[impl] = res
+
+
+def probe_cache(names, device):
+    """Second process: first-call time of each ninefold kernel with warm caches (JSON to stdout)."""
+    workloads = {f"{w.name}/{w.group}": w for w in (gpu_workloads() if device == "cuda" else cpu_workloads())}
+    kernels = ninefold_kernels()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {}
+    for name in names:
+        w = workloads[name]
+        inputs = w.make(device)
+        sync()
+        try:
+            times[name], _ = _first_call(lambda w=w, inputs=inputs: w.run(kernels, *inputs), sync)
+        except Exception as error:
+            times[name] = f"{type(error).__name__}: {error}"[:200]
+        del inputs
+    print("PROBE " + json.dumps(times))
+
+
+def run(device, out_dir, deadline_s):
+    start = time.perf_counter()
+    workloads = gpu_workloads() if device == "cuda" else cpu_workloads()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ceilings = measure_ceilings(device)
+    kernels = ninefold_kernels()
+    with tempfile.TemporaryDirectory() as scratch:
+        nt = ninetoothed_kernels(scratch) if device == "cuda" else "n/a (GPU only)"
+        for w in tqdm(workloads, desc="ninefold + torch", file=sys.stderr):
+            torch.manual_seed(0)
+            inputs = w.make(device)
+            reference = w.torch(*inputs)
+            run_impl(w, "torch", w.torch, inputs, reference, device, sync)
+            run_impl(w, "ninefold", lambda *x, w=w: w.run(kernels, *x), inputs, reference, device, sync)
+            del inputs, reference
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        for w in tqdm(workloads, desc="NineToothed", file=sys.stderr):
+            if isinstance(nt, str):
+                w.results["ninetoothed"] = {"error": nt, "ok": False}
+                continue
+            if time.perf_counter() - start > deadline_s:
+                w.results["ninetoothed"] = {"error": "skipped: time budget spent", "ok": False}
+                continue
+            torch.manual_seed(0)
+            inputs = w.make(device)
+            reference = w.torch(*inputs)
+            run_impl(w, "ninetoothed", lambda *x, w=w: w.run(nt, *x), inputs, reference, device, sync)
+            del inputs, reference
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    cached = _second_process(workloads, device)
+    for w in workloads:
+        w.results["ninefold"]["cached_first_call_s"] = cached.get(f"{w.name}/{w.group}")
+        for res in w.results.values():
+            res["fraction_of_ceiling"] = _fraction(w, res.get("seconds"), ceilings)
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "ninetoothed": _version("ninetoothed"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "ceilings": ceilings,
+        "wall_s": time.perf_counter() - start,
+        "workloads": [
+            {
+                k: (str(v) if k == "dtype" else v)
+                for k, v in vars(w).items()
+                if k not in ("make", "run", "torch")
+            }
+            for w in workloads
+        ],
+    }
+    print(table(workloads, ceilings))
+    if out_dir:
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        name = "dsl_bench_cpu" if device == "cpu" else "dsl_bench"
+        (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
+        plot(workloads, out / f"{name}.png", report["device"])
+        print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
+    return report
+
+
+def _second_process(workloads, device):
+    names = [f"{w.name}/{w.group}" for w in workloads]
+    cmd = [sys.executable, "-m", "ninefold.bench.dsl", "--probe-cache", ",".join(names)]
+    if device == "cpu":
+        cmd.append("--cpu")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return {}
+    for line in done.stdout.splitlines():
+        if line.startswith("PROBE "):
+            return json.loads(line[len("PROBE ") :])
+    return {"error": done.stderr[-300:]}
+
+
+def _version(module):
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:
+        return None
+
+
+def _cell(res):
+    if not res.get("ok"):
+        return "n/a" if "error" in res else "FAIL"
+    frac = res.get("fraction_of_ceiling")
+    return f"{res['seconds'] * 1e3:8.3f} ms {frac * 100:5.1f}%"
+
+
+def table(workloads, ceilings):
+    """A short text table: time and fraction of the ceiling per implementation."""
+    rates = ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in ceilings["mm_flops_per_s"].items())
+    lines = [
+        f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s; torch.mm {rates}",
+        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'1st call':>10}{'cached':>9}",
+    ]
+    for w in workloads:
+        nf = w.results.get("ninefold", {})
+        first = nf.get("first_call_s")
+        cached = nf.get("cached_first_call_s")
+        lines.append(
+            f"{w.name + '/' + w.group:<22}{str(w.dtype).replace('torch.', ''):<10}"
+            + "".join(f"{_cell(w.results.get(i, {})):>20}" for i in ("ninefold", "torch", "ninetoothed"))
+            + (f"{first:>9.2f}s" if isinstance(first, float) else f"{'-':>10}")
+            + (f"{cached:>8.2f}s" if isinstance(cached, float) else f"{'-':>9}")
+        )
+    for w in workloads:
+        for impl, res in w.results.items():
+            if "error" in res or not res.get("ok", True):
+                why = res.get("error") or f"relative error {res.get('rel_error'):.3g}"
+                lines.append(f"  {w.name}/{w.group} {impl}: {why}")
+    return "\n".join(lines)
+
+
+def plot(workloads, path, device_name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = ("ninefold", "torch", "ninetoothed")
+    labels = [f"{w.name}\n{w.group}" for w in workloads]
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(workloads)), 4.5))
+    width = 0.27
+    for i, impl in enumerate(impls):
+        values = [w.results.get(impl, {}).get("fraction_of_ceiling") or 0.0 for w in workloads]
+        ax.bar([x + (i - 1) * width for x in range(len(workloads))], values, width, label=impl)
+    ax.set_xticks(range(len(workloads)), labels, fontsize=7)
+    ax.set_ylabel("fraction of measured ceiling")
+    ax.set_title(f"DSL kernels on {device_name} (copy bandwidth or torch.mm rate = 1)")
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.dsl", description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="the cpu backend against torch CPU ops")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT"), help="directory for JSON and PNG (default $OUT)"
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=150.0, help="seconds after which NineToothed is skipped"
+    )
+    parser.add_argument("--warm", action="store_true", help="keep the existing caches (default: empty ones)")
+    parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device; use --cpu for the cpu backend")
+    if args.probe_cache:
+        probe_cache(args.probe_cache.split(","), device)
+        return
+    if device == "cpu":
+        os.environ["NINEFOLD_DSL_BACKEND"] = "cpu"
+    if args.warm:
+        run(device, args.out, args.deadline)
+        return
+    with tempfile.TemporaryDirectory() as caches:  # cold caches, shared with the probe process
+        os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
+        run(device, args.out, args.deadline)
+
+
+if __name__ == "__main__":
+    main()
