@@ -96,7 +96,9 @@ def arange(start, end):
 
 def dot(input, other, acc=None, out_dtype=float32, **_):
     """Matrix product of the last two dims, accumulated and returned in ``out_dtype`` for floats."""
-    if input.dtype == torch.bfloat16 and other.dtype == torch.bfloat16:
+    if input.dtype == torch.float64 or other.dtype == torch.float64:
+        out = torch.matmul(input.to(torch.float64), other.to(torch.float64))
+    elif input.dtype == torch.bfloat16 and other.dtype == torch.bfloat16:
         out = torch.matmul(input, other).to(out_dtype)
     elif input.is_floating_point():
         out = torch.matmul(input.to(out_dtype), other.to(out_dtype))

@@ -177,7 +177,9 @@ class Tensor:
             for name, v in (("tile size", t), ("stride", s), ("dilation", d)):
                 if const_value(v) is not None and const_value(v) <= 0:
                     raise ValueError(f"tile: {name} must be positive (or -1), got {const_value(v)}")
-            if const_value(d) == 1 and s == t:
+            if t == size and s == t:
+                n = Const(1)
+            elif const_value(d) == 1 and s == t:
                 n = size // t if floor_mode else (size + t - 1) // t
             else:
                 span = size - d * (t - 1) - 1

@@ -94,7 +94,8 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
     return out[:limit]
 
 
-def _written(kernel):
+def written_params(kernel) -> set:
+    """Names of the parameters the application stores to."""
     names = set()
     for node in ast.walk(kernel.app.tree):
         if is_nf_call(node, "store"):
@@ -131,7 +132,7 @@ def _time(kernel, bound, configs, launch):
     import triton.testing
     from tqdm import tqdm
 
-    saved = {n: bound.values[n].clone() for n in _written(kernel)}
+    saved = {n: bound.values[n].clone() for n in written_params(kernel)}
     timings = []
     for config in tqdm(configs, desc=f"ninefold.dsl: tuning {kernel.name}", leave=False):
         try:

@@ -95,9 +95,15 @@ def _compiled(kernel):
         ast.fix_missing_locations(tree)
         module = ast.Module([tree], type_ignores=[])
         namespace = dict(kernel.app.namespace)
+        namespace["range"] = _range
         exec(compile(module, f"<ninefold cpu: {kernel.name}>", "exec"), namespace)
         kernel._cache["cpu"] = namespace[tree.name]
     return kernel._cache["cpu"]
+
+
+def _range(*args):
+    """``range`` whose bounds may be per-program tensors (then the loop runs to their maximum)."""
+    return range(*[int(a.max().item()) if isinstance(a, torch.Tensor) else int(a) for a in args])
 
 
 def _copy(tree):

@@ -19,6 +19,7 @@ import torch
 from ninefold.dsl.backends import cpu
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
 from ninefold.dsl.cache import cache_dir
+from ninefold.dsl.tuning import written_params as _written
 
 DTYPES = (torch.float32, torch.float16, torch.int32, torch.int64, torch.int8, torch.int16, torch.uint8, torch.bool)
 _lock = threading.Lock()
@@ -57,8 +58,9 @@ def run(kernel, bound):
     if status != "ok":
         error = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
         raise error(f"kernel {kernel.name} under the Triton interpreter: {kind}: {payload}")
-    for original, returned in zip(args, payload):
-        if isinstance(original, torch.Tensor):
+    written = _written(kernel)
+    for (_, kind, name, _), original, returned in zip(generated.arguments, args, payload):
+        if kind == "pointer" and name in written:
             original.copy_(returned)
 
 

@@ -18,7 +18,19 @@ from dataclasses import dataclass, field
 from ninefold.dsl import language
 from ninefold.dsl.compiler.access import Middle, analyze
 from ninefold.dsl.compiler.frontend import NF, is_nf_call
-from ninefold.dsl.expr import Const, Expr, Index, SizeOf, StrideOf, binary, const_value, evaluate, interval
+from ninefold.dsl.expr import (
+    BinOp,
+    Const,
+    Expr,
+    Index,
+    SizeOf,
+    StrideOf,
+    binary,
+    const_value,
+    evaluate,
+    interval,
+    substitute,
+)
 from ninefold.dsl.symbol import Symbol
 
 TL = "tl"
@@ -84,7 +96,15 @@ def specialize(kernel, env) -> tuple:
 
 def _mask_terms(access):
     padded = tuple(binary("<", v, v.level._shape[v.dim]) for v in access.tile_vars if not _is_power_of_two(v.level._shape[v.dim]))
-    return padded + access.conditions
+    return padded + tuple(c for c in access.conditions if not _unpadded_bound(c))
+
+
+def _unpadded_bound(condition) -> bool:
+    """``i < n`` for an index whose extent is ``n`` and is not padded: always true."""
+    if not (isinstance(condition, BinOp) and condition.op == "<" and isinstance(condition.a, Index)):
+        return False
+    extent = condition.a.level._shape[condition.a.dim]
+    return condition.b == extent and _is_power_of_two(extent)
 
 
 def _is_power_of_two(size) -> bool:
@@ -160,6 +180,7 @@ class _Lowering(ast.NodeTransformer):
 
     # ----------------------------------------------------------------- expressions of accesses
     def render(self, expr, access, index_nodes, flat_tile=False):
+        expr = substitute(expr, {v: 0 for v in access.grid_vars if const_value(v.level._shape[v.dim]) == 1})
         keep = None
         if flat_tile:
             keep = [v for v in access.tile_vars if v in expr.leaves()]
@@ -187,9 +208,12 @@ class _Lowering(ast.NodeTransformer):
         terms = _mask_terms(access)
         live = self.spec[self.order.index((name, n))]
         kept = [t for t, keep in zip(terms, live) if keep]
-        mask = None
+        mask, seen = None, set()
         for t in kept:
             node = self.render(t, access, index_nodes)
+            if ast.dump(node) in seen:
+                continue
+            seen.add(ast.dump(node))
             mask = node if mask is None else ast.BinOp(mask, ast.BitAnd(), node)
         return pointer, mask, access
 
@@ -230,22 +254,27 @@ class _Lowering(ast.NodeTransformer):
             return _attr(f"{name}_ptr", "dtype", "element_ty")
         if method == "offsets":
             access = analyze(self.kernel.param(name).arranged, len(index_nodes), name)
-            dim = node.args[2].value if isinstance(node.args[2], ast.Constant) else None
+            try:
+                dim = ast.literal_eval(node.args[2])
+            except ValueError:
+                raise SyntaxError(f"{name}.offsets(dim): dim must be a constant int") from None
             if dim is None:
                 total = Const(0)
                 for d, e in enumerate(access.source_index):
                     total = total + e * StrideOf(access.top.source, d)
                 return self.render(total, access, index_nodes)
-            return self.render(access.source_index[dim], access, index_nodes, flat_tile=True)
+            return self.render(access.source_index[dim % len(access.source_index)], access, index_nodes, flat_tile=True)
         raise AssertionError(method)
 
     def visit_Subscript(self, node):
         self.generic_visit(node)
-        if isinstance(node.value, ast.Tuple) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
+        if isinstance(node.value, ast.Tuple):
             try:
-                return node.value.elts[node.slice.value]
-            except IndexError:
+                index = ast.literal_eval(node.slice)
+            except ValueError:
                 return node
+            if isinstance(index, int) and -len(node.value.elts) <= index < len(node.value.elts):
+                return node.value.elts[index]
         return node
 
     # ----------------------------------------------------------------- language and globals
@@ -305,6 +334,8 @@ def generate(kernel, spec, wide=False) -> Generated:
         body.append(ast.Assign([ast.Name("program", ast.Store())], program, lineno=0))
         for d in reversed(range(len(grid_shape))):
             size = as_expr_ast(grid_shape[d], lambda leaf: _name(namer.leaf(leaf)))
+            if const_value(grid_shape[d]) == 1:
+                continue
             if d == 0:
                 value = _name("program")
             else:
