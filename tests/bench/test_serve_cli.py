@@ -49,6 +49,8 @@ def test_command_writes_report_table_and_plot(standin, tmp_path):
     for label in ("TTFT", "ITL", "TPOT", "E2E", "Goodput (req/s)", "SLO attainment"):
         assert label in done.stdout
     assert "requests: 100%" in done.stderr  # the progress bar
+    assert len(server.state.bodies) == 12 + 1  # one warm-up request, left out of the report
+    assert "warm-up request: ok" in done.stderr
 
 
 def test_sweep_reports_the_highest_rate_meeting_the_target(standin, tmp_path, capsys):

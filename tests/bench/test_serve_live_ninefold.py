@@ -6,6 +6,7 @@ from there so both areas exercise the same live server.
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +34,19 @@ def _server_fixtures():
 
 
 @pytest.fixture(scope="module")
-def ninefold_server(tmp_path_factory):
-    fixtures = _server_fixtures()
-    model = fixtures.build_tiny_model(tmp_path_factory.mktemp("bench-tiny-model"))
-    server = fixtures.ServerProcess(model, tmp_path_factory.mktemp("bench-server-logs"), "--max-model-len", "1024",
-                                    "--max-num-seqs", "16", "--num-kv-blocks", "256")
+def server_fixtures():
+    return _server_fixtures()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(server_fixtures, tmp_path_factory):
+    return server_fixtures.build_tiny_model(tmp_path_factory.mktemp("bench-tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def ninefold_server(server_fixtures, tiny_model, tmp_path_factory):
+    server = server_fixtures.ServerProcess(tiny_model, tmp_path_factory.mktemp("bench-server-logs"), "--max-model-len",
+                                           "1024", "--max-num-seqs", "16", "--num-kv-blocks", "256")
     yield server
     server.stop()
 
@@ -84,3 +93,19 @@ def test_completion_prompts_have_the_sized_length(ninefold_server):
                     tokenizer, progress=False)
     assert [r.prompt_tokens for r in run.results] == [q.prompt_len for q in requests]
     assert sum(q.prompt_len == 20 for q in requests) >= 5
+
+
+def test_one_command_gpu_path_on_the_cpu(tiny_model, tmp_path):
+    """``python -m ninefold.bench.serve_local`` (the command the lead runs on the GPU) on the CPU."""
+    command = [sys.executable, "-m", "ninefold.bench.serve_local", "--model", str(tiny_model.path), "--device", "cpu",
+               "--rates", "8,32", "--num-prompts", "4", "--input-len", "8:16", "--output-len", "4",
+               "--server-arg=--max-model-len=512"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(os.environ, OUT=str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "streamed text == non-streamed text: ok" in done.stdout
+    check_report(json.loads((tmp_path / "serve_inf.json").read_text()), 4)
+    sweep = json.loads((tmp_path / "serve_sweep.json").read_text())
+    assert [run["config"]["request_rate"] for run in sweep["runs"]] == [8.0, 32.0]
+    for name in ("serve_inf.png", "serve_sweep.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "server.log").is_file()

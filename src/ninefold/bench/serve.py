@@ -124,6 +124,22 @@ def benchmark(client: StreamClient, requests: list[BenchRequest], load: LoadShap
     return outcome
 
 
+def warm_up(client: StreamClient, counter: TokenCounter, timeout_s: float = 600.0) -> RequestResult:
+    """Send one short request outside the measurement (first-call costs, a check that serving works).
+
+    Its prompt shares no prefix with the benchmark's; a failure is printed, not raised.
+    """
+    request = random_requests(1, (16, 16), (8, 8), counter, seed=2**32 - 1)[0]
+    load = LoadShape(timeout_s=timeout_s)
+    result = asyncio.run(send_all(client, [request], load, progress=False)).results[0]
+    if result.success:
+        print(f"warm-up request: ok, TTFT {1e3 * (result.ttft or 0):.1f} ms, E2E {1e3 * result.e2e:.1f} ms",
+              file=sys.stderr)
+    else:
+        print(f"warm-up request failed: {result.error}", file=sys.stderr)
+    return result
+
+
 def best_rate(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
     """The highest request rate among ``runs`` whose SLO attainment is at least ``target``."""
     passing = [run["config"]["request_rate"] for run in runs if (run["slo_attainment"] or 0) >= target]
@@ -248,6 +264,7 @@ def _run(args: argparse.Namespace) -> int:
         counter = WordCounter()
         print("note: the server has no usable /tokenize; prompt lengths are counted in words", file=sys.stderr)
     client = StreamClient(root, model, args.endpoint, args.api_key, args.ignore_eos)
+    warm_up(client, counter, args.timeout)
 
     def make_requests(seed: int) -> list[BenchRequest]:
         if kind == "jsonl":
