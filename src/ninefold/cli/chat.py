@@ -1,0 +1,172 @@
+"""``ninefold chat``: an interactive terminal chat with a model, answers streamed as they come.
+
+The conversation is kept as a list of messages and rendered with the model's chat template on
+every turn. ``/reset`` starts over, ``/exit`` (or Ctrl-D) quits; Ctrl-C while an answer streams
+stops that answer and keeps the program (and what was said so far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+HELP = "Type a message; /reset starts a new conversation, /exit quits, Ctrl-C stops an answer."
+
+
+def register(subparsers) -> None:
+    """Add the ``chat`` subcommand."""
+    p = subparsers.add_parser("chat", help="chat with a model in the terminal",
+                              description="Interactive chat. " + HELP)
+    p.add_argument("--model", default=None, help="HF directory, .gguf file or known name (default model if omitted)")
+    p.add_argument("--system", default=None, help="system message (default: the chat template's own, if any)")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the checkpoint's, else 0 = greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the best available)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, then read messages and stream answers until /exit or end of input."""
+    try:
+        engine, name, seconds = _load(args)
+        tokenizer = engine.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError(f"model: {name} has no chat template; use `ninefold generate --raw` for plain completion")
+        params = _sampling_params(args, getattr(engine, "generation_config", None) or {})
+    except (ValueError, TypeError) as error:
+        print(f"ninefold chat: error: {error}", file=sys.stderr)
+        return 2
+    print(f"ninefold chat: {name} ({engine.dtype}, {engine.device}) loaded in {seconds:.1f} s. {HELP}",
+          file=sys.stderr, flush=True)
+    session = ChatSession(engine, params, args.system)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print("\n(use /exit or Ctrl-D to quit)")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            return 0
+        if text == "/reset":
+            session.reset()
+            print("(conversation cleared)")
+            continue
+        if text.startswith("/") and text.split()[0] in ("/help", "/?"):
+            print(HELP)
+            continue
+        session.ask(line, sys.stdout)
+
+
+class ChatSession:
+    """One conversation with an engine: messages in, answers streamed out."""
+
+    def __init__(self, engine, params, system: str | None = None):
+        self.engine, self.params, self.system = engine, params, system
+        self.messages: list[dict] = []
+        self._turn = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def ask(self, text: str, out) -> str:
+        """Send one user message; write the answer to `out` as it streams; return it."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = self._prompt_ids()
+        except ValueError as error:
+            self.messages.pop()
+            print(f"(error: {error})", file=out, flush=True)
+            return ""
+        self._turn += 1
+        request_id = f"chat-{self._turn}"
+        engine = self.engine
+        engine.add_request(engine.build_request(ids, self.params, request_id))
+        stopped = False
+
+        def on_interrupt(signum, frame):
+            nonlocal stopped
+            stopped = True
+
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+        shown, answer = 0, ""
+        try:
+            while engine.has_unfinished_requests() and not stopped:
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    answer = output.outputs[0].text
+                    out.write(answer[shown:])
+                    out.flush()
+                    shown = len(answer)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            if stopped:
+                engine.abort_request(request_id)
+        out.write("\n[stopped]\n" if stopped else "\n")
+        out.flush()
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+    def _prompt_ids(self) -> list[int]:
+        """The conversation rendered and tokenized; the oldest turns are dropped when it does not fit."""
+        tokenizer, limit = self.engine.tokenizer, self.engine.max_model_len
+        budget = limit - min(self.params.max_tokens or 1, limit // 2)
+        while True:
+            ids = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+            if len(ids) <= budget:
+                return ids
+            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            if len(self.messages) - first <= 1:
+                raise ValueError(f"message: {len(ids)} tokens with the template; at most {budget} fit the context")
+            del self.messages[first : first + 2]
+
+
+def _load(args: argparse.Namespace):
+    from ninefold.llm import hub
+    from ninefold.llm.engine import LLMEngine
+
+    known = hub.find_known(args.model) if args.model is not None else None
+    if args.model is None:
+        name = hub.DEFAULT_MODEL
+    else:
+        name = known.name if known is not None and not Path(args.model).exists() else args.model
+    print(f"ninefold chat: loading {name} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    model = str(hub.resolve_model(args.model))
+    engine = LLMEngine(model, dtype=args.dtype, device=args.device)
+    return engine, name, time.perf_counter() - start
+
+
+def _sampling_params(args: argparse.Namespace, generation_config: dict):
+    from ninefold.llm.sampling import SamplingParams
+
+    sampled = bool(generation_config.get("do_sample", True))
+
+    def pick(value, key, default):
+        if value is not None:
+            return value
+        return generation_config.get(key, default) if sampled else default
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=float(pick(args.temperature, "temperature", 0.0)),
+        top_p=float(pick(args.top_p, "top_p", 1.0)),
+        top_k=int(pick(args.top_k, "top_k", 0)),
+        seed=args.seed,
+    )
