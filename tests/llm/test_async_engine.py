@@ -1,0 +1,93 @@
+"""AsyncEngine: streaming, abort, bad requests, stats."""
+
+import asyncio
+
+import pytest
+
+from ninefold.llm.async_engine import AsyncEngine
+from ninefold.llm.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    eng = AsyncEngine(str(llama_dir), block_size=4, num_kv_blocks=64)
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine, prompt, params, rid):
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+def test_streams_cumulative_outputs_concurrently(engine):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"Hello number {i}", params, f"s{i}") for i in range(3)))
+
+    for outs in asyncio.run(main()):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 13))
+        texts = [o.outputs[0].text for o in outs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert engine.stats()["num_running"] == 0
+
+
+def test_abort_mid_stream_frees_blocks_and_ends_the_stream(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        seen = []
+        async for out in engine.generate([5, 6, 7, 8, 9], params, "to-abort"):
+            seen.append(out)
+            if len(seen) == 3:
+                await engine.abort("to-abort")
+        await engine.abort("never-existed")
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert len(seen[-1].outputs[0].token_ids) < 200
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"] == 64
+
+
+def test_closing_the_iterator_aborts_the_request(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = engine.generate([5, 6, 7], params, "closed")
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(100):
+            if engine.stats()["num_running"] == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_requests_raise_before_the_first_output_and_others_keep_going(engine):
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        ok = asyncio.create_task(collect(engine, "fine", good, "ok"))
+        with pytest.raises(ValueError, match="vocabulary"):
+            await collect(engine, [1, 10**6], good, "bad1")
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(engine, [3] * engine.max_model_len, good, "bad2")
+        return await ok
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
+def test_stats_and_attributes(engine):
+    stats = engine.stats()
+    for key in ("num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_blocks", "block_size",
+                "prefix_cache_hit_rate"):
+        assert key in stats
+    assert 0 <= stats["kv_usage"] <= 1 and stats["block_size"] == 4
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant\n")
+    assert engine.max_model_len == 256

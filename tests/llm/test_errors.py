@@ -1,0 +1,108 @@
+"""Each error case raises an error that names the problem; the engine stays usable."""
+
+import json
+import shutil
+
+import pytest
+
+from ninefold import LLM, SamplingParams
+from ninefold.llm.config import ModelConfig
+from ninefold.llm.loader import MissingModelFile, load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), block_size=4, num_kv_blocks=32)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture_is_named(tmp_path, llama_dir):
+    path = _copy(llama_dir, tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: LlamaForCausalLM"):
+        LLM(str(path))
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_missing_file_is_named(tmp_path, llama_dir, missing):
+    path = _copy(llama_dir, tmp_path / "m")
+    (path / missing).unlink()
+    with pytest.raises(MissingModelFile, match=missing.replace(".", r"\.")):
+        load_checkpoint(str(path))
+
+
+def test_missing_shard_of_an_index_is_named(tmp_path, llama_dir):
+    path = _copy(llama_dir, tmp_path / "m")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="model-00002.safetensors"):
+        load_checkpoint(str(path))
+
+
+def test_missing_tensor_and_bad_shape_are_named(tmp_path, llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(llama_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        LLM(str(path))
+
+
+def test_model_that_is_neither_dir_nor_gguf_nor_known(tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        LLM(str(tmp_path / "missing.gguf"))
+
+
+def test_config_errors_name_the_field():
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_dict({**base, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="rope_scaling.*yarn"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelConfig.from_dict({k: v for k, v in base.items() if k != "intermediate_size"})
+
+
+def test_engine_argument_errors(llama_dir):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(str(llama_dir), max_num_seq=4)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(llama_dir), block_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(llama_dir), dtype="int8")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(llama_dir), max_model_len=100_000)
+
+
+def test_bad_requests_fail_alone(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate(prompt_token_ids=[[1, vocab]], sampling_params=greedy)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(prompt_token_ids=[[5] * llm.engine.max_model_len], sampling_params=greedy)
+    # max_model_len shrinks to what the cache holds (32 blocks of 4), so a request always fits once alone
+    assert llm.engine.max_model_len == 128
+    (long,) = llm.generate(prompt_token_ids=[[5] * 100], sampling_params=SamplingParams(max_tokens=60, ignore_eos=True))
+    assert len(long.outputs[0].token_ids) == 28 and long.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]], sampling_params=greedy)
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate(["hi"], sampling_params={"temperature": 0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["hi"], SamplingParams(logit_bias={vocab + 5: 1.0}))
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=greedy)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.pool.num_free + len(llm.engine.blocks._evictable) == 32

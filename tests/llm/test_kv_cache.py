@@ -1,0 +1,114 @@
+"""BlockManager (prefix caching, LRU eviction) and Scheduler (budget, chunking, FCFS, preemption)."""
+
+import torch
+
+from ninefold.llm.kv_cache import BlockManager
+from ninefold.llm.sampling import SamplingParams
+from ninefold.llm.scheduler import Scheduler
+from ninefold.llm.sequence import Sequence, Status
+from ninefold.runtime import KVCachePool
+
+
+def pool(num_blocks=8, block_size=4):
+    return KVCachePool(1, 1, 4, block_size, torch.float32, "cpu", num_blocks)
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, 0, list(tokens), len(tokens), SamplingParams())
+
+
+def run_prefill(bm, s):
+    hits = bm.match_prefix(s)
+    assert bm.can_admit(s, hits, s.num_tokens - len(hits) * bm.block_size)
+    bm.admit(s, hits)
+    assert bm.ensure(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.commit(s)
+    return len(hits)
+
+
+def test_prefix_blocks_are_shared_and_survive_their_owner():
+    bm = BlockManager(pool())
+    a = seq(range(10))
+    assert run_prefill(bm, a) == 0
+    b = seq([*range(8), 99, 98, 97])  # shares two full blocks
+    assert run_prefill(bm, b) == 2
+    assert b.block_table[:2] == a.block_table[:2]
+    assert bm.pool.ref_count(a.block_table[0]) == 3  # a, b and the cache
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_available == 8 and bm.pool.num_free == 6  # the two cached full blocks stay, evictable
+    c = seq(range(9))
+    assert run_prefill(bm, c) == 2 and bm.hit_rate > 0
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(pool())
+    a = seq(range(8))
+    run_prefill(bm, a)
+    bm.free(a)
+    b = seq(range(8))
+    assert run_prefill(bm, b) == 1  # 8 tokens = 2 full blocks, but the last block is recomputed
+
+
+def test_lru_eviction_takes_tail_blocks_of_the_oldest_first():
+    bm = BlockManager(pool(num_blocks=6))
+    a, b = seq(range(12), "a"), seq(range(100, 112), "b")
+    run_prefill(bm, a)
+    bm.free(a)
+    run_prefill(bm, b)
+    bm.free(b)
+    assert bm.pool.num_free == 0 and bm.num_available == 6
+    c = seq(range(200, 205), "c")
+    run_prefill(bm, c)  # needs 2 blocks: a's last two blocks go first
+    assert len(bm.match_prefix(seq(range(13)))) == 1
+    assert len(bm.match_prefix(seq(range(100, 113)))) == 3
+
+
+def test_prefix_caching_off_registers_nothing():
+    bm = BlockManager(pool(), enable_prefix_caching=False)
+    a = seq(range(10))
+    run_prefill(bm, a)
+    bm.free(a)
+    assert bm.pool.num_free == 8 and run_prefill(bm, seq(range(10))) == 0
+
+
+def test_scheduler_budget_chunks_and_mixes_decode_with_prefill():
+    sched = Scheduler(BlockManager(pool(num_blocks=32)), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = seq(range(6), "a"), seq(range(50, 63), "b")
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens, s.samples) for s in step] == [("a", 6, True), ("b", 4, False)]
+    for s in step:
+        s.seq.num_computed_tokens += s.num_new_tokens
+    a.token_ids.append(7)  # a sampled a token: next step decodes it beside b's next chunk
+    step = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in step] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_and_fcfs():
+    sched = Scheduler(BlockManager(pool(num_blocks=32)), max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [seq(range(i, i + 3), str(i)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    assert [s.seq.request_id for s in sched.schedule()] == ["0", "1"]
+    sched.finish(seqs[0], "abort")
+    assert [s.seq.request_id for s in sched.schedule()] == ["1", "2"]
+
+
+def test_preemption_frees_the_latest_and_abort_frees_at_once():
+    bm = BlockManager(pool(num_blocks=4), enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = seq(range(8), "a"), seq(range(20, 28), "b")
+    sched.add(a)
+    sched.add(b)
+    for s in sched.schedule():
+        s.seq.num_computed_tokens += s.num_new_tokens
+    a.token_ids.append(1)
+    b.token_ids.append(1)
+    step = sched.schedule()  # a needs a third block: b (the later one) is preempted
+    assert [s.seq.request_id for s in step] == ["a"] and sched.num_preemptions == 1
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
+    sched.finish(a, "abort")
+    assert bm.pool.num_free == 4 and a.block_table == []

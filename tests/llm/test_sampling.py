@@ -1,0 +1,147 @@
+"""SamplingParams validation and sampling behaviour: seeds, n, stops, penalties, logprobs."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ninefold import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), block_size=4, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def hf(llama_dir):
+    return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float64).eval()
+
+
+PROMPT = [5, 40, 77, 12, 150, 33, 9]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("seed", 1.5),
+     ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("stop", 5), ("stop", [""]),
+     ("stop_token_ids", [-1]), ("logit_bias", {"a": 1.0}), ("temperature", float("nan"))],
+)
+def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def _ids(outs):
+    return [[c.token_ids for c in out.outputs] for out in outs]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _ids(llm.generate(prompt_token_ids=[PROMPT], sampling_params=params))
+    again = _ids(llm.generate(prompt_token_ids=[PROMPT], sampling_params=params))
+    other = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    batched = llm.generate(prompt_token_ids=[[3, 4, 5], PROMPT], sampling_params=[other, params])
+    assert alone == again == [[c.token_ids for c in batched[1].outputs]]
+    changed = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1235, max_tokens=16, ignore_eos=True)
+    assert _ids(llm.generate(prompt_token_ids=[PROMPT], sampling_params=changed)) != alone
+
+
+def test_n_returns_n_distinct_seeded_completions(llm):
+    params = SamplingParams(n=3, temperature=1.5, seed=7, max_tokens=12, ignore_eos=True)
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert _ids(llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)) == [[c.token_ids for c in out.outputs]]
+
+
+def test_greedy_n_gives_identical_completions(llm):
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(n=2, temperature=0, max_tokens=8))
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+
+
+def test_stop_string_across_token_boundaries_is_not_emitted(llm):
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    (full,) = llm.generate(["The quick brown fox"], base)
+    text = full.outputs[0].text
+    ids = full.outputs[0].token_ids
+    pieces = [llm.tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    # a stop string starting inside one token's text and ending inside a later one
+    i = next(i for i in range(3, len(ids) - 2) if len(pieces[i]) - len(pieces[i - 1]) >= 2
+             and len(pieces[i + 2]) > len(pieces[i]) + 1)
+    start = len(pieces[i - 1]) + 1
+    stop = text[start : len(pieces[i]) + 2]
+    assert text.find(stop) == start, "pick a stop string whose first occurrence is here"
+    (out,) = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                  stop=["zzz-not-there", stop]))
+    c = out.outputs[0]
+    assert c.text == text[:start]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    (kept,) = llm.generate(["The quick brown fox"], SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=True))
+    assert kept.outputs[0].text == text[: start + len(stop)]
+
+
+def test_stop_token_ids_and_eos_with_min_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = llm.generate(prompt_token_ids=[PROMPT], sampling_params=greedy)[0].outputs[0].token_ids
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0, max_tokens=20, stop_token_ids=[ids[4]], ignore_eos=True))
+    first = ids.index(ids[4])
+    assert out.outputs[0].token_ids == ids[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == ids[4]
+    eos = llm.engine.eos_token_ids[0]
+    forced = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, logit_bias={eos: 100.0})
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=forced)
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].token_ids[-1] == eos
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_penalties_match_a_float64_reference(llm, hf):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.7)
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].outputs[0].token_ids
+    plain = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
+    assert out != plain
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + out])).logits[0]
+    for t, token in enumerate(out):
+        row = logits[len(PROMPT) - 1 + t].clone()
+        seen = torch.tensor(sorted(set(PROMPT + out[:t])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / 1.3, row[seen] * 1.3)
+        counts = torch.bincount(torch.tensor(out[:t], dtype=torch.long), minlength=row.numel()).double()
+        row -= 0.7 * counts + 0.5 * (counts > 0).double()
+        top2 = row.topk(2).values
+        assert token == row.argmax().item() or top2[0] - top2[1] < 1e-5
+
+
+def test_logprobs_are_the_models_log_softmax(llm, hf):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    c = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].outputs[0]
+    assert len(c.logprobs) == 5
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([PROMPT + c.token_ids])).logits[0], dim=-1)
+    total = 0.0
+    for t, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        ref = logp[len(PROMPT) - 1 + t]
+        assert token in entry and len(entry) == 3  # greedy: the sampled token is the top one
+        assert set(entry) == set(ref.topk(3).indices.tolist())
+        for tid, value in entry.items():
+            assert abs(value - ref[tid].item()) < 1e-4
+        total += entry[token]
+    assert abs(c.cumulative_logprob - total) < 1e-6
+
+
+def test_top_k_1_is_greedy_and_min_p_1_keeps_only_the_top_token(llm):
+    greedy = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+    for params in (SamplingParams(temperature=2.0, top_k=1, max_tokens=10, ignore_eos=True, seed=5),
+                   SamplingParams(temperature=2.0, min_p=1.0, max_tokens=10, ignore_eos=True, seed=5)):
+        assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].outputs[0].token_ids == greedy
