@@ -101,7 +101,7 @@ def test_runner_on_cuda_replays_with_static_buffers():
         xb, sb = torch.randn(batch, 64, device="cuda"), torch.rand(batch, 1, device="cuda")
         out, sums = runner(xb, sb)
         ref_out, ref_sums = mlp(xb, sb)
-        torch.testing.assert_close(out, ref_out)
-        torch.testing.assert_close(sums, ref_sums)
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)  # padded batches may pick other kernels
+        torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
         assert out.shape[0] == batch
     assert runner._static[0].data_ptr() == static_ptr and sorted(runner._graphs) == [1, 2, 4, 8]

@@ -88,8 +88,7 @@ class Device:
         """The current accelerator (at its current index) if one is present, else the CPU."""
         accelerator = getattr(torch, "accelerator", None)
         if accelerator is not None and accelerator.is_available():
-            dev = accelerator.current_accelerator()
-            return Device(torch.device(dev.type, accelerator.current_device_index()))
+            return Device(accelerator.current_accelerator().type)  # no index: that type's current one
         return Device("cpu")
 
     @staticmethod

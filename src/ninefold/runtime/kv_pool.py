@@ -332,6 +332,11 @@ class KVCachePool:
         if self._last_copy is not None:
             self.device.current_stream().wait_event(self._last_copy)
 
+    @property
+    def copy_stream(self):
+        """The stream swaps run on (None on the CPU, where they are plain synchronous copies)."""
+        return self._copy_stream
+
     def host_block(self, host_id: int) -> torch.Tensor:
         """Host block ``host_id``'s data, ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (a view)."""
         if not 0 <= host_id < self.num_host_blocks:
