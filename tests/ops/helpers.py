@@ -30,6 +30,9 @@ def impl_params(op: str) -> list:
 
 def call(op: str, impl: str, *args, **kwargs):
     """Run ``ops.<op>`` pinned to ``impl``, checking that dispatch really picks it."""
+    for candidate in ops.registry.all_implementations(op):
+        if candidate.name == impl and candidate.reason(ops.dispatch.operator(op).bind(*args, **kwargs)):
+            pytest.skip(f"{impl} does not cover this case: {candidate.reason(ops.dispatch.operator(op).bind(*args, **kwargs))}")
     with ops.use(**{op: impl}):
         assert ops.choose(op, *args, **kwargs) == impl
         return getattr(ops, op)(*args, **kwargs)

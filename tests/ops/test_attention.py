@@ -111,3 +111,26 @@ def test_reshape_and_cache_skipped_tokens_leave_slot_zero_alone(device, impl):
     slots = torch.tensor([-1, 3, -1], device=device)
     call("reshape_and_cache", impl, key, key * 2, k_cache, v_cache, slots)
     assert k_cache[0, 0].abs().sum() == 0 and k_cache[1, 1].sum() == 4 and v_cache[1, 1].sum() == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_attention_kernels_at_model_sizes_cuda(dtype):
+    """Triton against the vendor implementation at Llama-3-8B head shapes and long ragged contexts."""
+    import ninefold.ops as ops
+
+    device, hq, hk, d, bs = "cuda", 32, 8, 128, 16
+    lengths = [1, 17, 1000, 4097, 300]
+    k_cache, v_cache, tables = paged_cache(lengths, hk, d, bs, dtype, device, seed=11)
+    q = torch.randn(len(lengths), hq, d, device=device, dtype=dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    got = ops.run("attention_decode", "triton", q, k_cache, v_cache, tables, lens)
+    want = ops.run("attention_decode", "vendor", q.float(), k_cache.float(), v_cache.float(), tables, lens)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    new = [5, 300, 1, 129, 64]
+    qp = torch.randn(sum(new), hq, d, device=device, dtype=dtype)
+    args = (qp, None, None, cu(new, device), cu(lengths, device))
+    got = ops.run("attention_prefill", "triton", *args, k_cache=k_cache, v_cache=v_cache, block_tables=tables)
+    want = ops.run("attention_prefill", "vendor", qp.float(), None, None, cu(new, device), cu(lengths, device),
+                   k_cache=k_cache.float(), v_cache=v_cache.float(), block_tables=tables)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -17,6 +17,22 @@ from ninefold.ops.rope import rope
 from ninefold.ops.sampling import argmax, sample
 from ninefold.ops.spec import OpError, UnsupportedError
 
+
+def _load_triton() -> None:
+    """Register the Triton kernels where they can run (CUDA, or Triton's CPU interpreter)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            import ninefold.ops.triton  # noqa: F401
+        except ImportError:  # no Triton on this machine: vendor implementations only
+            pass
+
+
+_load_triton()
+
 __all__ = [
     "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
     "linear", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",

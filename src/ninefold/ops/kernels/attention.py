@@ -2,7 +2,8 @@
 
 ``q``/``o`` are ``[B, H, Sq, D]`` and ``k``/``v`` ``[B, H, Sk, D]``. A program owns ``BLOCK_M``
 query rows of one head and walks every ``BLOCK_N``-row tile of that head's keys and values. The
-causal mask is aligned to the bottom right: query ``i`` sees keys ``j <= i + Sk - Sq``.
+causal mask is aligned to the bottom right: query ``i`` sees keys ``j <= i + Sk - Sq``; causal
+programs stop after the last key tile that one of their rows can see.
 """
 
 import math
@@ -40,7 +41,10 @@ def application(q, k, v, scale, is_causal, o):
     row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
     row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
     acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
-    for j in range(k.shape[0]):
+    n_tiles = k.shape[0]
+    if is_causal:  # key tiles wholly past this block's last row are skipped
+        n_tiles = nl.minimum(n_tiles, nl.cdiv(nl.max(q.offsets(-2)) + shift + 1, k[0].shape[0]))
+    for j in range(n_tiles):
         scores = nl.dot(q_scaled, nl.trans(k[j]))
         keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
         if is_causal:

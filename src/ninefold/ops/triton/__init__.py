@@ -1,0 +1,35 @@
+"""Hand-written Triton implementations, registered as "triton" for CUDA devices.
+
+With ``TRITON_INTERPRET=1`` they also register for the CPU in float32 (Triton's interpreter
+runs them there), which is how the CPU test suite exercises them at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ninefold.ops.registry import register
+from ninefold.ops.spec import FLOAT_DTYPES
+from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
+DTYPES = (torch.float32,) if INTERPRETED else FLOAT_DTYPES
+PRIORITY = {"cuda": 10, "cpu": -10}
+
+# (operator, function, supports)
+KERNELS = [
+    ("rms_norm", norm.rms_norm, norm.supports),
+    ("add_rms_norm", norm.add_rms_norm, norm.supports),
+    ("silu_and_mul", activation.silu_and_mul, activation.supports),
+    ("gelu_and_mul", activation.gelu_and_mul, activation.supports),
+    ("rope", rope.rope, rope.supports),
+    ("reshape_and_cache", cache.reshape_and_cache, cache.supports),
+    ("attention_decode", decode.attention_decode, decode.supports),
+    ("attention_prefill", prefill.attention_prefill, prefill.supports),
+]
+
+for _op, _fn, _supports in KERNELS:
+    register(_op, "triton", devices=DEVICES, dtypes=DTYPES, supports=_supports, priority=PRIORITY)(_fn)

@@ -1,0 +1,39 @@
+"""Triton ``reshape_and_cache``: one program per token copies its K and V rows into their slot."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, heads, d, block_size,
+                             stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_co, stride_ch,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    e = tl.arange(0, BLOCK_D)[None, :]
+    live_heads = tl.where(slot >= 0, heads, 0)  # a skipped token (slot -1) writes nothing
+    mask = (h < live_heads) & (e < d)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + e
+    tl.store(kc_ptr + dst, tl.load(key_ptr + t * stride_kt + h * stride_kh + e, mask=mask), mask=mask)
+    tl.store(vc_ptr + dst, tl.load(value_ptr + t * stride_vt + h * stride_vh + e, mask=mask), mask=mask)
+
+
+def supports(key, value, k_cache, v_cache, slot_mapping) -> str | None:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "k_cache/v_cache are not contiguous"
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "the head dimension of key/value is not contiguous"
+    return None
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    t, heads, d = key.shape
+    if t:
+        reshape_and_cache_kernel[(t,)](key, value, k_cache, v_cache, slot_mapping, heads, d, k_cache.shape[1],
+                                       key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                       BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(d),
+                                       num_warps=4)

@@ -1,0 +1,124 @@
+"""Triton paged decode attention (split-K, "flash decoding").
+
+Program ``(b, kv_head, split)`` streams its slice of sequence ``b``'s keys from the paged
+cache once, for all the query heads of that KV head (GQA rows padded to 16 for ``tl.dot``),
+with an online softmax; a second kernel merges the splits by their log-sum-exp. The number of
+splits comes from the block-table capacity and the SM count, never from the context lengths,
+so nothing is read back from the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, scale_log2e,
+                        stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, tokens_per_split,
+                        num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = tl.num_programs(1) * GROUP
+    length = tl.load(lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, length)
+    g = tl.arange(0, BLOCK_G)
+    gm = g < GROUP
+    e = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + e[None, :], mask=gm[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < end
+        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=nm, other=0).to(tl.int64)
+        offs = page * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
+        k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
+    has_keys = start < end
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=gm[:, None])
+    lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
+    tl.store(lse_ptr + row, lse, mask=gm)
+
+
+@triton.jit
+def decode_merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, stride_ob, stride_oh, heads,
+                        D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    sm = s < num_splits
+    base = (b * heads + h) * num_splits
+    lse = tl.load(lse_ptr + base + s, mask=sm, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    e = tl.arange(0, D)
+    parts = tl.load(part_ptr + (base + s)[:, None] * D + e[None, :], mask=sm[:, None], other=0.0)
+    out = tl.sum(parts * weights[:, None], 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + e, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1):
+        return f"head size {d} is not a power of two >= 16"
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "q's head dimension or the caches are not contiguous"
+    return None
+
+
+def _split(capacity: int, programs: int, sms: int, block_n: int) -> tuple[int, int]:
+    """(tokens per split, number of splits) filling about two waves of the SMs."""
+    want = max(1, min(math.ceil(2 * sms / max(programs, 1)), math.ceil(capacity / (4 * block_n))))
+    per_split = triton.cdiv(triton.cdiv(capacity, want), block_n) * block_n
+    return per_split, triton.cdiv(capacity, per_split)
+
+
+def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    b, hq, d = q.shape
+    _, page, hk, _ = k_cache.shape
+    group = hq // hk
+    scale = scale or 1.0 / math.sqrt(d)
+    block_n = 64 if q.dtype != torch.float32 else 32
+    capacity = block_tables.shape[1] * page
+    per_split, splits = _split(capacity, b * hk, _sm_count(q.device), block_n)
+    part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    decode_split_kernel[(b, hk, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
+                                 BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    return out
