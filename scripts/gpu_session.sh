@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
+# Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-test dsl-bench ops-test
+# ops-bench runtime llm-test llm-bench); logs and each step's files are packed into $OUT/results.tgz.
+set -u
+FINAL_OUT=${OUT:-/tmp/ninefold-out}
+RESULTS=/tmp/nf-results
+mkdir -p "$FINAL_OUT" "$RESULTS"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NINEFOLD_CACHE_DIR=/tmp/nf-cache
+step_command() {
+  case "$1" in
+    env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
+    dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
+    dsl-bench) echo 'python3 -m ninefold.bench.dsl' ;;
+    ops-test) echo 'python3 -m pytest tests/ops -q -n 8 -p no:cacheprovider' ;;
+    ops-bench) echo 'python3 -m ninefold.bench.ops' ;;
+    runtime) echo 'python3 -m pytest tests/runtime -q -n 4 -p no:cacheprovider && python3 -m ninefold.bench.runtime' ;;
+    llm-test) echo 'python3 -m pytest tests/llm -q -n 8 -p no:cacheprovider -k "not gguf"' ;;
+    llm-bench) echo 'python3 -m ninefold.bench.llm' ;;
+    *) echo "echo unknown step $1; false" ;;
+  esac
+}
+for arg in "$@"; do
+  name=${arg%%:*}; limit=${arg#*:}; [ "$limit" = "$arg" ] && limit=300
+  echo "=== $name (limit ${limit}s) ==="
+  start=$(date +%s)
+  mkdir -p "$RESULTS/$name"
+  OUT="$RESULTS/$name" timeout "$limit" bash -c "$(step_command "$name")" > "$RESULTS/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$RESULTS/$name.log"
+  echo "=== $name rc=$rc in $(( $(date +%s) - start ))s ==="
+done
+tar -czf "$FINAL_OUT/results.tgz" -C "$RESULTS" .
