@@ -266,10 +266,11 @@ def test_cuda_swap_round_trip_on_copy_stream():
         pool.k_cache(layer)[ids] = data[layer, 0]
         pool.v_cache(layer)[ids] = data[layer, 1]
     host = pool.swap_out(ids)
-    reused = pool.allocate(4)  # may take the swapped-out blocks: must wait for the copy first
+    reused = pool.allocate(8)  # takes the swapped-out blocks too: must wait for their copies first
     for layer in range(2):
         pool.k_cache(layer)[reused] = 0
         pool.v_cache(layer)[reused] = 0
+    pool.free(reused)  # the swap-in copy must wait for the zeroing queued on the compute stream
     back = pool.swap_in(host)
     got = torch.stack([torch.stack([pool.k_cache(i)[back], pool.v_cache(i)[back]]) for i in range(2)])
     torch.testing.assert_close(got, data, rtol=0, atol=0)

@@ -355,8 +355,9 @@ class KVCachePool:
         waited = set()
         for i in ids:
             fence = self._fence.pop(i, None)
-            # Same-stream order already covers an event recorded on the stream that takes the block.
-            if fence is not None and fence[1] != stream_is_copy and id(fence[0]) not in waited:
+            # The copy stream's own order covers its events; any other event is waited for (cheap when it
+            # was recorded on the stream that takes the block).
+            if fence is not None and not (fence[1] and stream_is_copy) and id(fence[0]) not in waited:
                 (stream or self.device.current_stream()).wait_event(fence[0])
                 waited.add(id(fence[0]))
         return ids

@@ -30,6 +30,7 @@ __all__ = ["HardwareProfile", "profile_device", "cache_dir"]
 UNITS = {"compute": "FLOP/s (dense matmul)", "bandwidth": "bytes/s (read + written)",
          "capacity": "bytes", "interconnect": "bytes/s (moved one way)"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CPU_MATMUL_N = {torch.bfloat16: 512, torch.float16: 256, torch.float32: 512}
 
 
 @dataclasses.dataclass
@@ -153,14 +154,18 @@ def measure(device: Device, *, progress: bool = True, min_time: float | None = N
 # -- measurements ---------------------------------------------------------------------------------
 
 def _time_per_call(fn: Callable[[], object], dev: Device, min_time: float) -> float:
-    """The best seconds per call of ``fn`` over groups of calls filling about ``min_time``."""
+    """The best seconds per call of ``fn``, over short groups of calls (a few ms each) for ``min_time``.
+
+    Short groups let the best one fall where nothing else competed for the machine: the figure is a
+    peak, not an average.
+    """
     fn()
     dev.synchronize()
     t0 = time.perf_counter()
     fn()
     dev.synchronize()
     once = max(time.perf_counter() - t0, 1e-7)
-    reps = max(1, int(min_time / 4 / once))
+    reps = max(1, int((0.01 if dev.is_accelerator else 0.002) / once))
     best, spent, groups = math.inf, 0.0, 0
     while (spent < min_time or groups < 3) and groups < 100:
         t0 = time.perf_counter()
@@ -173,8 +178,8 @@ def _time_per_call(fn: Callable[[], object], dev: Device, min_time: float) -> fl
 
 
 def _matmul_rate(dev: Device, dtype: torch.dtype, min_time: float) -> tuple[float, int]:
-    """FLOP/s of an n x n x n matmul: on accelerators the best of n = 4096 and 8192, on the CPU the
-    largest n (from 128, doubling, at most 1024) whose call takes under about 30 ms."""
+    """FLOP/s of an n x n x n matmul: on accelerators the best of n = 4096 and 8192, on the CPU
+    ``CPU_MATMUL_N`` (float16 smaller: CPUs without native float16 matmul are slow at it)."""
     if dev.is_accelerator:
         best = (0.0, 0)
         for n in (4096, 8192):
@@ -183,14 +188,8 @@ def _matmul_rate(dev: Device, dtype: torch.dtype, min_time: float) -> tuple[floa
             seconds = _time_per_call(lambda a=a, b=b: torch.mm(a, b), dev, min_time / 2)
             best = max(best, (2 * n**3 / seconds, n))
         return best
-    n = 128
-    while True:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        if time.perf_counter() - t0 > 0.03 or n >= 1024:
-            break
-        n *= 2
+    n = CPU_MATMUL_N[dtype]
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     seconds = _time_per_call(lambda: torch.mm(a, b), dev, min_time)
     return 2 * n**3 / seconds, n
 
