@@ -207,7 +207,7 @@ class _Normalizer:
                 return nf_call("dtype", ast.Constant(name))
             if node.attr == "source":
                 raise SyntaxError(f"line {node.lineno}: use {name}.source.shape (other source attributes are not supported)")
-            raise SyntaxError(f"line {node.lineno}: unknown attribute {name}.{node.attr} of a tensor parameter")
+            return ast.Attribute(self.load_temp(name, index, pre, cache), node.attr, ast.Load())
         if isinstance(node.value, ast.Attribute) and node.value.attr == "source":
             ref = self.param_ref(node.value.value)
             if ref is not None:

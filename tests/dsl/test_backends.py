@@ -1,0 +1,182 @@
+"""Small hand kernels on the cpu and interpret backends against float64 torch references."""
+
+import pytest
+import torch
+
+import ninefold.dsl as nd
+import ninefold.dsl.language as nl
+from ninefold.dsl import Symbol, Tensor, block_size
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+BLOCK = block_size()
+
+
+def add_arrangement(x, y, z, BLOCK=BLOCK):
+    return x.tile((BLOCK,)), y.tile((BLOCK,)), z.tile((BLOCK,))
+
+
+def add_application(x, y, z):
+    z = x + y  # noqa: F841
+
+
+add = nd.make(add_arrangement, add_application, (Tensor(1), Tensor(1), Tensor(1)))
+
+ROWS = Symbol("ROWS", meta=True, lower_bound=1, upper_bound=8)
+COLS = Symbol("COLS", meta=True, lower_bound=4, upper_bound=64)
+
+
+def row_sum_arrangement(x, out, ROWS=ROWS, COLS=COLS):
+    tiles = x.tile((ROWS, COLS)).tile((1, -1))  # programs: row blocks; middle: column tiles
+    tiles.dtype = tiles.dtype.squeeze(0)
+    return tiles.squeeze(1), out.tile((ROWS,))
+
+
+def row_sum_application(x, out):
+    acc = nl.zeros((out.shape[0],), dtype=nl.float32)
+    for j in range(x.shape[0]):
+        acc += nl.sum(x[j].to(nl.float32), axis=1)
+    out = acc  # noqa: F841
+
+
+row_sum = nd.make(row_sum_arrangement, row_sum_application, (Tensor(2), Tensor(1)))
+
+BM, BN, BK = (Symbol(n, meta=True, lower_bound=16, upper_bound=64) for n in ("BM", "BN", "BK"))
+
+
+def mm_arrangement(a, b, c, BM=BM, BN=BN, BK=BK):
+    c_tiles = c.tile((BM, BN))
+    a_tiles = a.tile((BM, BK)).tile((1, -1)).expand((-1, c_tiles.shape[1]))
+    a_tiles.dtype = a_tiles.dtype.squeeze(0)
+    b_tiles = b.tile((BK, BN)).tile((-1, 1)).expand((c_tiles.shape[0], -1))
+    b_tiles.dtype = b_tiles.dtype.squeeze(1)
+    return a_tiles, b_tiles, c_tiles
+
+
+def mm_application(a, b, c):
+    acc = nl.zeros(c.shape, dtype=nl.float32)
+    for k in range(a.shape[0]):
+        acc += nl.dot(a[k], b[k])
+    c = acc  # noqa: F841
+
+
+mm = nd.make(mm_arrangement, mm_application, (Tensor(2), Tensor(2), Tensor(2)))
+
+
+def axpy_arrangement(x, alpha, y, BLOCK=BLOCK):
+    return x.tile((BLOCK,)), alpha, y.tile((BLOCK,))
+
+
+def axpy_application(x, alpha, y):
+    y += alpha * x
+
+
+axpy = nd.make(axpy_arrangement, axpy_application, (Tensor(1), Tensor(0), Tensor(1)))
+
+
+def square_arrangement(x, y, BLOCK=BLOCK):
+    return x.tile((BLOCK,)), y.tile((BLOCK,))
+
+
+def square_application(x, y):
+    y = x * x + x  # noqa: F841
+
+
+square = nd.make(square_arrangement, square_application, (Tensor(1), Tensor(1)))
+
+WIDTH = Symbol("WIDTH", constexpr=True)
+
+
+@nd.jit
+def softmax_rows(
+    x: Tensor(2, other=float("-inf")).tile((1, WIDTH)),
+    y: Tensor(2).tile((1, WIDTH)),
+):
+    shifted = x - nl.max(x)
+    e = nl.exp(shifted)
+    y = e / nl.sum(e)  # noqa: F841
+
+
+def random(shape, dtype, seed, noncontiguous=False):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    if noncontiguous:
+        big = torch.zeros((*shape[:-1], 2 * shape[-1]), dtype=torch.float64)
+        big[..., ::2] = t
+        t = big[..., ::2]
+    return t.to(dtype)
+
+
+def close(got, want, dtype, scale=1.0):
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype] * scale, rtol=TOL[dtype] * scale)
+
+
+CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+BACKENDS = [("cpu", d) for d in CPU_DTYPES] + [("interpret", torch.float32), ("interpret", torch.float16)]
+
+
+@pytest.mark.parametrize("backend, dtype", BACKENDS)
+@pytest.mark.parametrize("blocks", [{}, {"BLOCK": 32}])
+def test_vector_add(backend, dtype, blocks):
+    n = 1000 if backend == "cpu" else 203
+    x, y = random((n,), dtype, 0, noncontiguous=True), random((n,), dtype, 1)
+    z = torch.empty(n, dtype=dtype)
+    add(x, y, z, backend=backend, **blocks)
+    close(z, x.double() + y.double(), dtype)
+
+
+@pytest.mark.parametrize("backend, dtype", BACKENDS)
+@pytest.mark.parametrize("blocks", [{}, {"ROWS": 4, "COLS": 8}])
+def test_tiled_row_reduction(backend, dtype, blocks):
+    x = random((37, 53), dtype, 2, noncontiguous=True)
+    out = torch.empty(37, dtype=dtype)
+    row_sum(x, out, backend=backend, **blocks)
+    close(out, x.double().sum(1), dtype, scale=8 if dtype != torch.float64 else 1e7)  # accumulates in float32
+
+
+@pytest.mark.parametrize("backend, dtype", BACKENDS)
+@pytest.mark.parametrize("blocks", [{}, {"BM": 16, "BN": 32, "BK": 16}])
+def test_matmul_loops_over_the_middle_level(backend, dtype, blocks):
+    a = random((45, 70), dtype, 3, noncontiguous=True)
+    b = random((70, 38), dtype, 4).t().contiguous().t()
+    c = torch.empty(45, 38, dtype=dtype)
+    mm(a, b, c, backend=backend, **blocks)
+    close(c, a.double() @ b.double(), dtype, scale=10 if dtype != torch.float64 else 1e6)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_augmented_assignment_loads_adds_and_stores(backend):
+    x, y = random((77,), torch.float32, 5), random((77,), torch.float32, 6)
+    want = y.double() + 2.5 * x.double()
+    axpy(x, 2.5, y, backend=backend, BLOCK=16)
+    close(y, want, torch.float32)
+
+
+def test_parameter_read_twice_in_a_statement_is_loaded_once():
+    source = square.source
+    assert source.count("tl.load(") == 1
+    x = random((50,), torch.float32, 7)
+    y = torch.empty(50)
+    square(x, y)
+    close(y, x.double() ** 2 + x.double(), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_jit_softmax_with_a_non_power_of_two_constexpr(backend):
+    x = random((9, 21), torch.float32, 8)
+    y = torch.empty_like(x)
+    softmax_rows(x, y, WIDTH=21, backend=backend)
+    close(y, torch.softmax(x.double(), dim=1), torch.float32)
+
+
+def test_identical_makes_generate_identical_code():
+    again = nd.make(mm_arrangement, mm_application, (Tensor(2), Tensor(2), Tensor(2)))
+    assert again.source == mm.source
+    assert "BLOCK_SIZE" not in mm.source and "BM: tl.constexpr" in mm.source
+
+
+def test_backend_from_environment(monkeypatch):
+    monkeypatch.setenv("NINEFOLD_DSL_BACKEND", "nonsense")
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="backend"):
+        add(x, x, torch.empty(4))
