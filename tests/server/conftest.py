@@ -110,9 +110,9 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def strict_server(tiny_model, tmp_path_factory):
-    """A server with an API key, room for 2 sequences, and a KV cache of 3 blocks (48 tokens)."""
+    """A server with an API key, room for 2 sequences, and a KV cache of 64 blocks (1024 tokens)."""
     proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("logs"), "--api-key", "sekret", "--max-model-len",
-                         "4096", "--max-num-seqs", "1", "--max-queue", "1", "--num-kv-blocks", "3",
+                         "4096", "--max-num-seqs", "1", "--max-queue", "1", "--num-kv-blocks", "64",
                          "--max-body-bytes", "65536")
     yield proc
     proc.stop()

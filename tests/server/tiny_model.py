@@ -56,10 +56,14 @@ def _byte_token_strings() -> dict[int, str]:
 
 
 def build_tiny_model(path: Path, vocab_size: int = 384, seed: int = 0) -> TinyModel:
-    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``."""
+    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+
+    The weights are written with safetensors directly (HF Llama names), which avoids importing
+    transformers' model code; tests/server/test_tiny_model.py checks the result with transformers.
+    """
     import torch
+    from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -84,34 +88,46 @@ def build_tiny_model(path: Path, vocab_size: int = 384, seed: int = 0) -> TinyMo
     }))
 
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    hidden, chain_dims = 64, 16
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=eos_id, pad_token_id=tokenizer.token_to_id("<|endoftext|>"),
-    )
-    config.architectures = ["LlamaForCausalLM"]
+    hidden, inter, heads, kv_heads, head_dim, chain_dims = 64, 128, 4, 2, 16, 16
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": tokenizer.token_to_id("<|endoftext|>"),
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+
     gen = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-        layer = model.model.layers[0]
-        layer.self_attn.o_proj.weight.zero_()  # attention adds nothing: a bigram model
-        layer.mlp.down_proj.weight.zero_()
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
-            norm.weight.fill_(1.0)
-        embed = model.model.embed_tokens.weight
-        head = model.lm_head.weight
-        embed.copy_(torch.randn(embed.shape, generator=gen))
-        embed[:, :chain_dims] = 0.0
-        head.copy_(torch.randn(head.shape, generator=gen) * 0.25)
-        head[:, :chain_dims] = 0.0
-        script = (trigger_id,) + chain_ids + (eos_id,)
-        for step, (current, following) in enumerate(zip(script, script[1:])):
-            embed[current] = 0.0
-            embed[current, step] = 1.0  # one-hot; rms-normalized to 8 on that dimension
-            head[following, step] = 10.0  # logit 80 for the scripted successor, 0 for every other token
-    model.save_pretrained(path)
+
+    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * scale
+
+    prefix = "model.layers.0."
+    tensors = {
+        prefix + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+        prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+        prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+        prefix + "self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim),  # attention adds nothing
+        prefix + "mlp.gate_proj.weight": rand(inter, hidden),
+        prefix + "mlp.up_proj.weight": rand(inter, hidden),
+        prefix + "mlp.down_proj.weight": torch.zeros(hidden, inter),  # nor does the MLP: a bigram model
+        prefix + "input_layernorm.weight": torch.ones(hidden),
+        prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    embed = rand(vocab, hidden, scale=1.0)
+    embed[:, :chain_dims] = 0.0
+    head = rand(vocab, hidden, scale=0.25)
+    head[:, :chain_dims] = 0.0
+    script = (trigger_id,) + chain_ids + (eos_id,)
+    for step, (current, following) in enumerate(zip(script, script[1:])):
+        embed[current] = 0.0
+        embed[current, step] = 1.0  # one-hot; rms-normalized to 8 on that dimension
+        head[following, step] = 10.0  # logit 80 for the scripted successor, 0 for every other token
+    tensors["model.embed_tokens.weight"] = embed
+    tensors["lm_head.weight"] = head
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
     return TinyModel(path, vocab, eos_id, trigger_id, chain_ids)

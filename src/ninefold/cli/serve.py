@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,7 +68,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "num_kv_blocks": args.num_kv_blocks,
     }
-    engine = start_engine(args.model, {k: v for k, v in engine_args.items() if v is not None})
+    try:
+        engine = start_engine(args.model, {k: v for k, v in engine_args.items() if v is not None})
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"ninefold serve: error: {error}", file=sys.stderr)
+        return 2
     app = build_app(
         engine,
         served_model_name=args.served_model_name or served_name(args.model),

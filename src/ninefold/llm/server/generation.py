@@ -99,6 +99,7 @@ class Generation:
             if not seq.done:
                 with contextlib.suppress(Exception):
                     await self.engine.abort(seq.request_id)
+                self._finish(seq)  # counted as "abort"
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task

@@ -86,11 +86,19 @@ def check_prompt(prompt: Prompt, limits: Limits, param: str) -> None:
         )
     if len(ids) >= limits.max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {limits.max_model_len} tokens, and the prompt has "
-            f"{len(ids)} tokens, which leaves no room to generate. Please shorten the prompt.",
+            f"This model's maximum context length is {limits.max_model_len} tokens{_kv_note(limits)}, and the "
+            f"prompt has {len(ids)} tokens, which leaves no room to generate. Please shorten the prompt.",
             param,
             code="context_length_exceeded",
         )
+
+
+def _kv_note(limits: Limits) -> str:
+    """Says so when the context is cut short by the KV cache: such requests could never be scheduled."""
+    cap = limits.kv_capacity_tokens
+    if cap is not None and cap <= limits.max_model_len:
+        return f" (the whole KV cache holds {cap} tokens, so no longer sequence can ever be scheduled)"
+    return ""
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: Limits, param: str) -> int:
@@ -99,7 +107,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, limits: Limits, p
     max_tokens = room if requested is None else requested
     if max_tokens > room:
         raise bad_request(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+            f"This model's maximum context length is {limits.max_model_len} tokens{_kv_note(limits)}. However, "
+            f"you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
             f"Please reduce the prompt or '{param}'.",
             param,
