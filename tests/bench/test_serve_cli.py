@@ -43,6 +43,7 @@ def test_command_writes_report_table_and_plot(standin, tmp_path):
     check_report(report, 12)
     assert report["completed"] == 12 and report["config"]["model"] == MODEL  # found through /v1/models
     assert report["config"]["token_counter"] == "server /tokenize"
+    assert report["config"]["input_len"] == [8, 24] and report["config"]["dataset"] == "random"
     assert all(8 <= r["prompt_tokens"] <= 24 and 4 <= r["output_tokens"] <= 8 for r in report["requests"])
     assert report["slo"] == {"ttft_ms": 2000.0, "itl_ms": 1000.0, "tpot_ms": None, "e2e_ms": 5000.0}
     assert plot.read_bytes()[:8] == PNG_MAGIC and plot.stat().st_size > 10_000

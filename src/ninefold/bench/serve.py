@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -254,6 +255,8 @@ def _run(args: argparse.Namespace) -> int:
     for path, what in ((args.output, "--output"), (args.plot, "--plot")):
         if path is not None and not path.resolve().parent.is_dir():
             raise ValueError(f"{what} {str(path)!r}: directory {str(path.resolve().parent)!r} does not exist")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
     progress = not args.no_progress
     root = api_root(args.base_url)
     model = args.model or _first_model(root, args.api_key)
@@ -277,6 +280,9 @@ def _run(args: argparse.Namespace) -> int:
         # Fresh random prompts per rate, so a prefix cache cannot serve one run from the last.
         load = LoadShape(rate, args.burstiness, args.max_concurrency, args.seed + i, args.timeout)
         outcome = benchmark(client, make_requests(args.seed + i), load, args.slo, counter, progress)
+        outcome.report["config"].update(
+            dataset=files[0] if files else "random", output_len=list(args.output_len),
+            input_len=list(args.input_len) if kind == "random" else None)
         runs.append(outcome)
         print(format_report(outcome.report))
         for error, count in list(outcome.report["errors"].items())[:3]:

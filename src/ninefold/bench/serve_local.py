@@ -1,6 +1,6 @@
 """Start ``ninefold serve`` on this machine, check it streams correctly, then benchmark it. One command.
 
-    python -m ninefold.bench.serve_local [--model M] [--device cuda] [--rates 4,16,64] [--num-prompts 64]
+    python -m ninefold.bench.serve_local [--model M] [--device cuda] [--rates 2,8,32] [--num-prompts 48]
 
 Steps: start the server as a child process and wait for ``/health``; check correctness (a greedy
 request with ``ignore_eos`` returns exactly ``max_tokens`` tokens by its usage, and streamed text
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import signal
 import socket
@@ -34,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.serve_local", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="what ninefold serve loads (default: its default model)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: the server's choice)")
-    parser.add_argument("--rates", default="4,16,64", help="request rates of the sweep (default 4,16,64)")
-    parser.add_argument("--num-prompts", default="64", help="requests per run (default 64)")
-    parser.add_argument("--input-len", default="128:512", help="prompt tokens (default 128:512)")
-    parser.add_argument("--output-len", default="64:128", help="output tokens (default 64:128)")
+    parser.add_argument("--rates", default="2,8,32", help="request rates of the sweep (default 2,8,32)")
+    parser.add_argument("--num-prompts", default="48", help="requests per run (default 48)")
+    parser.add_argument("--input-len", default="128:256", help="prompt tokens (default 128:256)")
+    parser.add_argument("--output-len", default="32:64", help="output tokens (default 32:64)")
     parser.add_argument("--slo", default="ttft=500ms,tpot=50ms", help="SLO of the sweep (default ttft=500ms,tpot=50ms)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for ninefold serve (repeatable), e.g. --server-arg=--max-num-seqs=64")
@@ -61,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         common = ["--base-url", base, "--model", "bench", "--num-prompts", args.num_prompts, "--input-len",
                   args.input_len, "--output-len", args.output_len, "--ignore-eos", "--timeout", "120"]
-        code = serve.main([*common, "--request-rate", "inf", "--slo", args.slo,
-                           "--output", str(out / "serve_inf.json"), "--plot", str(out / "serve_inf.png")])
+        plots = importlib.util.find_spec("matplotlib") is not None
+        code = serve.main([*common, "--request-rate", "inf", "--slo", args.slo, "--output", str(out / "serve_inf.json"),
+                           *(["--plot", str(out / "serve_inf.png")] if plots else [])])
         code = code or serve.main([*common, "--sweep-rates", args.rates, "--slo", args.slo,
-                                   "--output", str(out / "serve_sweep.json"), "--plot", str(out / "serve_sweep.png")])
+                                   "--output", str(out / "serve_sweep.json"),
+                                   *(["--plot", str(out / "serve_sweep.png")] if plots else [])])
         print(f"results in {out}")
         return code
     finally:
