@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "serve", "profile", "generate", "chat", "models", "ops")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "serve", "profile", "generate", "chat", "models", "ops", "dsl")
 
 
 def build_parser() -> argparse.ArgumentParser:
