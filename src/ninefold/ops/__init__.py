@@ -16,6 +16,7 @@ from ninefold.ops.registry import Impl, register
 from ninefold.ops.rope import rope
 from ninefold.ops.sampling import argmax, sample
 from ninefold.ops.spec import OpError, UnsupportedError
+from ninefold.ops.torch_library import register_torch_library
 
 
 def _load_triton() -> None:
@@ -38,5 +39,5 @@ __all__ = [
     "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
     "linear", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",
     "Impl", "OpError", "UnsupportedError", "candidates", "choose", "operators", "register",
-    "reload_environment", "run", "use",
+    "register_torch_library", "reload_environment", "run", "use",
 ]

@@ -8,8 +8,8 @@ import ninefold.dsl.language as nl
 from ninefold.dsl import Symbol, Tensor
 from ninefold.ops.kernels._checks import check_tensor
 
-WINDOW_H = Symbol("WINDOW_H", constexpr=True)
-WINDOW_W = Symbol("WINDOW_W", constexpr=True)
+WINDOW_H = Symbol("WINDOW_H", constexpr=True, upper_bound=16)
+WINDOW_W = Symbol("WINDOW_W", constexpr=True, upper_bound=16)
 STRIDE_H = Symbol("STRIDE_H", constexpr=True)
 STRIDE_W = Symbol("STRIDE_W", constexpr=True)
 PAD_TOP = Symbol("PAD_TOP", constexpr=True)

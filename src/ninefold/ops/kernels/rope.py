@@ -13,7 +13,7 @@ import ninefold.dsl as nd
 from ninefold.dsl import Symbol, Tensor
 from ninefold.ops.kernels._checks import FLOAT_DTYPES, check_same, check_tensor
 
-HALF = Symbol("HALF", constexpr=True)
+HALF = Symbol("HALF", constexpr=True, upper_bound=256)
 BLOCK_T = Symbol("BLOCK_T", meta=True, lower_bound=1, upper_bound=16)
 BLOCK_H = Symbol("BLOCK_H", meta=True, lower_bound=4, upper_bound=16)
 
