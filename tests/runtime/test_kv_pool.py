@@ -75,6 +75,19 @@ class PoolMachine(RuleBasedStateMachine):
         if self.refs[block] == 0:
             del self.refs[block], self.tags[block]
 
+    @precondition(lambda self: any(r == 1 for r in self.refs.values()))
+    @rule(data=st.data())
+    def preempt_and_recompute(self, data):
+        # Policy "preempt": the victim's block is freed, then recomputed into whatever block comes next.
+        victim = data.draw(st.sampled_from(sorted(b for b, r in self.refs.items() if r == 1)))
+        tag = self.tags.pop(victim)
+        del self.refs[victim]
+        self.pool.free([victim])
+        (block,) = self.pool.allocate(1)
+        assert block not in self.refs
+        tag_block(self.pool, block, tag)  # the recomputation writes the same keys and values again
+        self.refs[block], self.tags[block] = 1, tag
+
     @rule(block=st.integers(0, 5))
     def double_free_raises(self, block):
         if block in self.refs:

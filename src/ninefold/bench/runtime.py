@@ -248,6 +248,7 @@ def bench_swap_overlap(dev: Device, *, num_swap: int, num_layers: int) -> dict:
         outs.append(wall(swap_out))
         ins.append(wall(swap_in))
     out_alone, in_alone = statistics.median(outs), statistics.median(ins)
+    compute()  # warm-up
     one_mm = wall(compute)
     state["k"] = max(1, round(max(out_alone, in_alone) / max(one_mm, 1e-9)))
     compute_alone = statistics.median(wall(compute) for _ in range(3))
