@@ -1,16 +1,18 @@
-"""CUDA graphs for decode steps: one graph per batch size, inputs in static buffers.
+"""CUDA graphs for decode steps, through the runtime's ``CudaGraphRunner``.
 
-A decode step of B sequences replays the graph of the smallest captured size >= B, with the
-padding rows writing nowhere (slot -1) and reading one cached token. Block tables are copied
-only up to the widest one of the step; the columns past a row's context are never read.
+The captured function is the model's decode forward plus the logits, taking five batch-first
+inputs: token ids, positions, cache slots, context lengths and block tables (full width,
+``max_blocks`` columns). Rows past the batch are padded to write nowhere (slot -1) and read one
+cached token. Every batch size is run once eagerly before capture, so kernels are chosen and
+compiled outside the capture.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ninefold.llm.models.llama import AttentionMetadata
+from ninefold.runtime.cuda_graph import CudaGraphRunner
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -28,64 +30,27 @@ class DecodeGraphs:
         self.model = model
         self.sizes = capture_sizes(max_batch)
         M, dev = self.sizes[-1], model.device
-
-        def pair(shape, dtype, fill=0):
-            host = torch.full(shape, fill, dtype=dtype, pin_memory=True)
-            return host, torch.full(shape, fill, dtype=dtype, device=dev)
-
-        self.ids = pair((M,), torch.int64)
-        self.positions = pair((M,), torch.int64)
-        self.slots = pair((M,), torch.int64, -1)
-        self.context = pair((M,), torch.int32, 1)
-        self.tables = pair((M, max_blocks), torch.int32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self._capture()
+        examples = (
+            torch.zeros(M, dtype=torch.int64, device=dev),  # token ids
+            torch.zeros(M, dtype=torch.int64, device=dev),  # positions
+            torch.full((M,), -1, dtype=torch.int64, device=dev),  # cache slots
+            torch.ones(M, dtype=torch.int32, device=dev),  # context lengths
+            torch.zeros((M, max_blocks), dtype=torch.int32, device=dev),  # block tables
+        )
+        self.runner = CudaGraphRunner(self._forward, self.sizes, examples, pad_values=(0, 0, -1, 1, 0))
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                self._forward(*(x[:size] for x in examples))
+            torch.cuda.synchronize()
+            self.runner.capture()
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
 
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)  # warm-up: kernels chosen and compiled outside capture
-            torch.cuda.synchronize()
-            for size in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[size] = self._forward(size)
-                self.graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+    def _forward(self, ids, positions, slots, context_lens, block_tables) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, context_lens=context_lens)
+        return self.model.compute_logits(self.model.forward(ids, positions, meta))
 
-    def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[1][:size],
-            block_tables=self.tables[1][:size],
-            context_lens=self.context[1][:size],
-        )
-        hidden = self.model.forward(self.ids[1][:size], self.positions[1][:size], meta)
-        return self.model.compute_logits(hidden)
-
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        """Replay the graph for ``len(ids)`` sequences (``tables`` ``[B, width]``); returns logits ``[B, V]``."""
-        B = len(ids)
-        size = next(s for s in self.sizes if s >= B)
-        width = tables.shape[1]
-        for (host, dev), values, pad in (
-            (self.ids, ids, 0), (self.positions, positions, 0), (self.slots, slots, -1),
-            (self.context, positions + 1, 1),
-        ):
-            view = host.numpy()
-            view[:B] = values
-            view[B:size] = pad
-            dev[:size].copy_(host[:size], non_blocking=True)
-        host, dev = self.tables
-        host.numpy()[:B, :width] = tables[:, :width]
-        dev[:B, :width].copy_(host[:B, :width], non_blocking=True)
-        self.graphs[size].replay()
-        return self.logits[size][:B]
+    def run(self, ids, positions, slots, context_lens, block_tables) -> torch.Tensor:
+        """Logits ``[B, V]`` of one decode step (inputs batch-first; host tensors should be pinned)."""
+        return self.runner(ids, positions, slots, context_lens, block_tables)

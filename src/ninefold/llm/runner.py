@@ -25,8 +25,22 @@ class _HostBuffers:
         self._host: dict[str, torch.Tensor] = {}
         self._dev: dict[str, torch.Tensor] = {}
 
+    def pinned_host(self, name: str, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` in a reused page-locked host buffer (valid until the next step)."""
+        self._fill(name, values, dtype)
+        return self._host[name][: values.size].view(values.shape)
+
     def to_device(self, name: str, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """``values`` on the device (a view of a reused buffer, valid until the next step)."""
+        n = self._fill(name, values, dtype)
+        host = self._host[name]
+        if self.device.type == "cpu":
+            return host[:n].clone().view(values.shape)
+        dev = self._dev[name][:n]
+        dev.copy_(host[:n], non_blocking=True)
+        return dev.view(values.shape)
+
+    def _fill(self, name: str, values: np.ndarray, dtype: torch.dtype) -> int:
         n = values.size
         host = self._host.get(name)
         if host is None or host.numel() < n or host.dtype != dtype:
@@ -35,11 +49,7 @@ class _HostBuffers:
             self._host[name] = host
             self._dev[name] = torch.empty(size, dtype=dtype, device=self.device)
         host.numpy()[:n] = values.reshape(-1)
-        if self.device.type == "cpu":
-            return host[:n].clone().view(values.shape)
-        dev = self._dev[name][:n]
-        dev.copy_(host[:n], non_blocking=True)
-        return dev.view(values.shape)
+        return n
 
 
 class ModelRunner:
@@ -88,17 +98,16 @@ class ModelRunner:
         positions = np.fromiter((s.start for s in step), dtype=np.int64, count=B)
         slots = np.fromiter((s.seq.block_table[s.start // bs] * bs + s.start % bs for s in step),
                             dtype=np.int64, count=B)
-        width = max(len(s.seq.block_table) for s in step)
-        if self.graphs is not None and self.graphs.fits(B):
-            return self.graphs.run(ids, positions, slots, self._block_table_array(step, width))
-        put = self.buffers.to_device
-        meta = AttentionMetadata(
-            slot_mapping=put("slots", slots, torch.int64),
-            block_tables=put("tables", self._block_table_array(step, width), torch.int32),
-            context_lens=put("context", positions.astype(np.int32) + 1, torch.int32),
-        )
-        hidden = self.model.forward(put("ids", ids, torch.int64), put("pos", positions, torch.int64), meta)
-        return self.model.compute_logits(hidden)
+        graphs = self.graphs is not None and self.graphs.fits(B)
+        width = self.max_blocks if graphs else max(len(s.seq.block_table) for s in step)
+        put = self.buffers.to_device if not graphs else self.buffers.pinned_host
+        args = (put("ids", ids, torch.int64), put("pos", positions, torch.int64), put("slots", slots, torch.int64),
+                put("context", positions.astype(np.int32) + 1, torch.int32),
+                put("tables", self._block_table_array(step, width), torch.int32))
+        if graphs:
+            return self.graphs.run(*args)
+        meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3])
+        return self.model.compute_logits(self.model.forward(args[0], args[1], meta))
 
     def _prefill(self, step: list[ScheduledSeq]) -> torch.Tensor:
         bs = self.block_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ class Sampler:
         self.device = device
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.sync_seconds = 0.0  # time spent waiting for the device to hand back tokens (benchmarks)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Sample one token for each row of ``logits`` ``[B, V]`` (float32), row b for ``seqs[b]``."""
@@ -51,7 +53,9 @@ class Sampler:
             tokens = ops.argmax(logits, dim=-1)
         else:
             tokens = self._sample(logits, seqs)
+        waited = time.perf_counter()
         token_list = tokens.tolist()  # the one host synchronisation of a step
+        self.sync_seconds += time.perf_counter() - waited
         top: list[dict[int, float] | None] = [None] * len(seqs)
         if raw is not None:
             top = self._logprobs(raw, tokens, params, want_logprobs)

@@ -1,0 +1,350 @@
+"""LLM engine benchmark on one GPU: ``python -m ninefold.bench.llm``.
+
+Dummy (random) weights of the Llama-3.1-8B shape in bfloat16. First checks correctness on the
+device (prefill logits against an independent float32 torch forward of the same weights; CUDA-graph
+decode against eager decode), then measures:
+
+1. batch-1 decode tok/s against the bandwidth roofline (weight bytes / measured copy bandwidth);
+2. offline throughput, nano-vllm style (random prompt and output lengths in 100..1024, ignore_eos),
+   against the workload's roofline bound (max of its FLOPs at the cuBLAS rate and its weight + KV
+   reads at the copy bandwidth, with every sequence decoding at once);
+3. time to first token for 1k / 4k / 16k-token prompts against the compute roofline;
+4. host (CPU) time per decode step at batch 1, 64 and 256.
+
+Prints a short table; writes everything to ``$OUT/bench_llm.json`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+GPT_FAST_TOKS = 193.0  # DESIGN.md: gpt-fast batch-1 decode, Llama-3.1-8B bf16, same H200 (not rerun here)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b", help="dummy shape name (see ninefold.llm.config)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--offline-time-limit", type=float, default=100.0,
+                        help="seconds; past it the offline run stops and reports the tokens done so far")
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="exercise every step on the CPU with a tiny model (checks the code, measures nothing useful)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.dtype, args.num_requests, args.decode_tokens = dict(SMOKE_CONFIG), "float32", 6, 8
+        args.ttft_lengths, args.host_batches, args.max_len, device = (32, 64, 128), (1, 4, 8), 2048, "cpu"
+    elif not torch.cuda.is_available():
+        print("ninefold.bench.llm needs a CUDA device (or --smoke); nothing measured.", file=sys.stderr)
+        return 2
+    else:
+        args.ttft_lengths, args.host_batches, args.max_len, device = (1024, 4096, 16384), (1, 64, 256), 17408, "cuda"
+
+    from ninefold.llm.engine import LLMEngine
+    from ninefold.runtime.profile import profile_device
+
+    t0 = time.perf_counter()
+    results: dict = {"command": "python -m ninefold.bench.llm " + " ".join(argv or sys.argv[1:]),
+                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+                     "torch": torch.__version__, "model": str(args.model.get("name", "config") if isinstance(args.model, dict) else args.model),
+                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    profile = profile_device(device)
+    bandwidth = profile.bandwidth["copy"]
+    mm_rate = profile.compute["bfloat16" if args.dtype in ("bfloat16", "bf16") else args.dtype]
+    results["hardware"] = {"copy_bandwidth_Bps": bandwidth, "matmul_flops": mm_rate}
+    print(f"device: {results['device']}; copy {bandwidth / 1e9:.0f} GB/s, matmul {mm_rate / 1e12:.0f} TFLOP/s")
+
+    engine = LLMEngine({k: v for k, v in args.model.items() if k != "name"} if isinstance(args.model, dict) else args.model,
+                       load_format="dummy", dtype=args.dtype, device=device, max_model_len=args.max_len,
+                       max_num_seqs=256, max_num_batched_tokens=max(args.ttft_lengths), seed=args.seed)
+    mc = engine.model_config
+    weight_bytes = engine.model.weight_bytes
+    results["engine"] = {"weight_bytes": weight_bytes, "num_kv_blocks": engine.pool.num_blocks,
+                         "block_size": engine.config.block_size, "setup_s": time.perf_counter() - t0}
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {weight_bytes / 1e9:.2f} GB of weights, "
+          f"{engine.pool.num_blocks} KV blocks")
+
+    results["correctness"] = check_correctness(engine)
+    print(f"correctness: {results['correctness']}")
+
+    rng = random.Random(args.seed)
+    results["decode_batch1"] = bench_decode(engine, rng, args.decode_tokens, weight_bytes, bandwidth)
+    results["ttft"] = bench_ttft(engine, rng, mc, mm_rate, args.ttft_lengths)
+    results["host_overhead"] = bench_host(engine, rng, args.host_batches)
+    results["offline"] = bench_offline(engine, rng, args, mc, weight_bytes, bandwidth, mm_rate)
+    results["total_s"] = time.perf_counter() - t0
+    print_table(results)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "bench_llm.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+SMOKE_CONFIG = dict(name="tiny", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
+                    max_position_embeddings=4096, rope_theta=10000.0)
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- correctness ----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def reference_logits(engine, ids: list[int]) -> torch.Tensor:
+    """Last-position logits from a plain float32 torch forward of the engine's weights."""
+    model, c = engine.model, engine.model_config
+    w = model.weights
+    dev = model.device
+    x = w["embed"].float()[torch.tensor(ids, device=dev)]
+    T = len(ids)
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=dev).float() / c.head_dim))
+    cos_sin = model.cos_sin[:T].float()
+    cos, sin = cos_sin[:, : c.head_dim // 2], cos_sin[:, c.head_dim // 2 :]
+    del inv
+
+    def norm(t, weight):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * weight.float()
+
+    def rope(t):  # [T, H, D], neox halves
+        a, b = t[..., : c.head_dim // 2], t[..., c.head_dim // 2 :]
+        return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], -1)
+
+    for i in range(c.num_layers):
+        h = norm(x, w[f"{i}.input_norm"])
+        qkv = h @ w[f"{i}.qkv"].float().T
+        if w.get(f"{i}.qkv_bias") is not None:
+            qkv = qkv + w[f"{i}.qkv_bias"].float()
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q, k, v = (t.reshape(T, -1, c.head_dim) for t in (q, k, v))
+        if w.get(f"{i}.q_norm") is not None:
+            q, k = norm(q, w[f"{i}.q_norm"]), norm(k, w[f"{i}.k_norm"])
+        q, k = rope(q), rope(k)
+        rep = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                             is_causal=True)
+        x = x + o.transpose(0, 1).reshape(T, -1) @ w[f"{i}.o"].float().T
+        h = norm(x, w[f"{i}.post_norm"])
+        gate, up = (h @ w[f"{i}.gate_up"].float().T).chunk(2, -1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{i}.down"].float().T
+    return norm(x[-1], w["norm"]) @ w["lm_head"].float().T
+
+
+@torch.inference_mode()
+def check_correctness(engine) -> dict:
+    from ninefold.llm.sampling import SamplingParams
+
+    ids = [random.Random(1).randrange(engine.model_config.vocab_size) for _ in range(37)]
+    ref = reference_logits(engine, ids)
+    request = engine.build_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "check")
+    engine.add_request(request)
+    ours = engine.runner.forward_logits(engine.scheduler.schedule())[0]
+    cos = torch.nn.functional.cosine_similarity(ours.double(), ref.double(), dim=0).item()
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert cos > 0.999 and rel < 0.05, f"prefill logits disagree with the float32 reference: cos {cos}, rel {rel}"
+    engine.abort_request("check")
+    # decode: graph replay against eager on the same state
+    engine.add_request(engine.build_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "g"))
+    engine.step()
+    step = engine.scheduler.schedule()
+    graphs = engine.runner.graphs  # None on the CPU: then this compares eager with itself
+    graph_logits = engine.runner.forward_logits(step).clone()
+    engine.runner.graphs = None
+    eager_logits = engine.runner.forward_logits(step)
+    engine.runner.graphs = graphs
+    graph_rel = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
+    assert graph_rel < 0.02, f"CUDA-graph decode disagrees with eager decode: relative error {graph_rel}"
+    engine.abort_request("g")
+    return {"prefill_cosine_vs_fp32_reference": cos, "prefill_rel_error": rel,
+            "graph_vs_eager_decode_rel_error": graph_rel, "graphs": graphs is not None}
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+
+def _run_until_done(engine, limit_s: float = float("inf")) -> tuple[float, bool]:
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        if time.perf_counter() - start > limit_s:
+            return time.perf_counter() - start, False
+    return time.perf_counter() - start, True
+
+
+def _random_ids(rng, n, vocab):
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def bench_decode(engine, rng, tokens: int, weight_bytes: int, bandwidth: float) -> dict:
+    from ninefold.llm.sampling import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for rid in ("warm", "decode"):
+        engine.add_request(engine.build_request(_random_ids(rng, 128, vocab), params, rid))
+        engine.step()  # prefill
+        start = time.perf_counter()
+        steps, _ = 0, None
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+    tok_s = steps / elapsed
+    roofline = bandwidth / weight_bytes
+    print(f"batch-1 decode: {tok_s:.1f} tok/s = {tok_s / roofline:.0%} of the {roofline:.0f} tok/s roofline, "
+          f"{tok_s / GPT_FAST_TOKS:.2f}x gpt-fast's {GPT_FAST_TOKS:.0f}")
+    return {"tok_per_s": tok_s, "roofline_tok_per_s": roofline, "fraction_of_roofline": tok_s / roofline,
+            "vs_gpt_fast_193": tok_s / GPT_FAST_TOKS, "steps": steps, "prompt_tokens": 128}
+
+
+def _linear_params(mc) -> int:
+    attn = mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + mc.num_heads * mc.head_dim * mc.hidden_size
+    return mc.num_layers * (attn + 3 * mc.hidden_size * mc.intermediate_size)
+
+
+def prefill_flops(mc, L: int) -> float:
+    """Matmul FLOPs of a causal prefill of L tokens (logits for the last token only)."""
+    linear = 2 * L * _linear_params(mc) + 2 * mc.hidden_size * mc.vocab_size
+    attention = mc.num_layers * 2 * mc.num_heads * mc.head_dim * L * (L + 1)  # QK^T and PV, causal half
+    return linear + attention
+
+
+def bench_ttft(engine, rng, mc, mm_rate: float, lengths) -> list[dict]:
+    from ninefold.llm.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rows = []
+    for L in lengths:
+        times = []
+        for rep in range(3):  # the first is a warm-up for this shape
+            engine.add_request(engine.build_request(_random_ids(rng, L, mc.vocab_size), params, f"ttft{L}-{rep}"))
+            _sync(engine)
+            elapsed, _ = _run_until_done(engine)
+            times.append(elapsed)
+        ttft = min(times[1:])
+        flops = prefill_flops(mc, L)
+        roof = flops / mm_rate
+        rows.append({"prompt_tokens": L, "ttft_s": ttft, "roofline_s": roof, "fraction_of_roofline": roof / ttft,
+                     "achieved_flops": flops / ttft, "fraction_of_cublas": flops / ttft / mm_rate})
+        print(f"TTFT {L:>5}: {ttft * 1e3:8.1f} ms, compute roofline {roof * 1e3:7.1f} ms ({roof / ttft:.0%})")
+    return rows
+
+
+def bench_host(engine, rng, batches) -> list[dict]:
+    from ninefold.llm.sampling import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    rows = []
+    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    sampler = engine.runner.sampler
+    for batch in batches:
+        ids = [f"host{batch}-{i}" for i in range(batch)]
+        for rid in ids:
+            engine.add_request(engine.build_request(_random_ids(rng, 64, vocab), params, rid))
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        steps, wall, waited = 20, 0.0, 0.0
+        cpu = time.process_time()
+        for _ in range(steps):
+            sampler.sync_seconds = 0.0
+            start = time.perf_counter()
+            engine.step()
+            wall += time.perf_counter() - start
+            waited += sampler.sync_seconds
+        cpu = time.process_time() - cpu
+        for rid in ids:
+            engine.abort_request(rid)
+        host = (wall - waited) / steps
+        rows.append({"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": host * 1e3,
+                     "process_cpu_ms": cpu / steps * 1e3, "host_fraction": host / (wall / steps)})
+        print(f"batch {batch:>3}: step {wall / steps * 1e3:6.2f} ms, host (not waiting on the GPU) "
+              f"{host * 1e3:6.2f} ms = {host / (wall / steps):.0%}")
+    return rows
+
+
+def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm_rate: float) -> dict:
+    from ninefold.llm.sampling import SamplingParams
+
+    n = args.num_requests
+    prompts = [rng.randint(100, 1024) for _ in range(n)]
+    outputs = [rng.randint(100, 1024) for _ in range(n)]
+    engine.stream_outputs = False
+    requests = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+        requests.append(engine.build_request(_random_ids(rng, p, mc.vocab_size), sp, f"off{i}"))
+    for r in requests:
+        engine.add_request(r)
+    _sync(engine)
+    elapsed, complete = _run_until_done(engine, args.offline_time_limit)
+    out_tokens = sum(s.num_output_tokens for r in requests for s in r.seqs)
+    prompt_tokens = sum(min(s.num_computed_tokens, s.num_prompt_tokens) if not s.finished else s.num_prompt_tokens
+                        for r in requests for s in r.seqs)
+    for r in requests:
+        engine.abort_request(r.request_id)
+    engine.stream_outputs = True
+    # roofline bound of the whole workload
+    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.dtype.itemsize
+    flops = sum(prefill_flops(mc, p) - 2 * mc.hidden_size * mc.vocab_size for p in prompts)
+    flops += sum(o * (2 * _linear_params(mc) + 2 * mc.hidden_size * mc.vocab_size) for o in outputs)
+    flops += sum(mc.num_layers * 4 * mc.num_heads * mc.head_dim * (p * o + o * (o + 1) / 2)
+                 for p, o in zip(prompts, outputs))
+    kv_reads = sum(kv_bytes_per_token * (p * o + o * (o + 1) / 2) for p, o in zip(prompts, outputs))
+    weight_reads = weight_bytes * max(outputs) * math.ceil(n / engine.config.max_num_seqs)
+    bound_s = max(flops / mm_rate, (kv_reads + weight_reads) / bandwidth)
+    total = sum(prompts) + sum(outputs)
+    result = {"num_requests": n, "complete": complete, "elapsed_s": elapsed, "output_tokens": out_tokens,
+              "prompt_tokens": prompt_tokens, "output_tok_per_s": out_tokens / elapsed,
+              "total_tok_per_s": (out_tokens + prompt_tokens) / elapsed,
+              "roofline_bound_s": bound_s, "roofline_total_tok_per_s": total / bound_s,
+              "roofline_output_tok_per_s": sum(outputs) / bound_s,
+              "bound_terms_s": {"compute": flops / mm_rate, "weights": weight_reads / bandwidth,
+                                "kv": kv_reads / bandwidth},
+              "fraction_of_roofline": (out_tokens + prompt_tokens) / elapsed / (total / bound_s),
+              "preemptions": engine.scheduler.num_preemptions}
+    note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
+    print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
+          f"total tok/s; roofline {result['roofline_total_tok_per_s']:.0f} total tok/s "
+          f"({result['fraction_of_roofline']:.0%}){note}")
+    return result
+
+
+def print_table(r: dict) -> None:
+    d, off = r["decode_batch1"], r["offline"]
+    lines = ["", f"| {r['model']} {r['dtype']} on {r['device']} | measured | roofline | ratio |", "| --- | --- | --- | --- |",
+             f"| batch-1 decode tok/s | {d['tok_per_s']:.1f} | {d['roofline_tok_per_s']:.0f} | "
+             f"{d['fraction_of_roofline']:.0%} ({d['vs_gpt_fast_193']:.2f}x gpt-fast) |",
+             f"| offline total tok/s ({off['num_requests']} req{'' if off['complete'] else ', time-limited'}) | "
+             f"{off['total_tok_per_s']:.0f} | {off['roofline_total_tok_per_s']:.0f} | {off['fraction_of_roofline']:.0%} |",
+             f"| offline output tok/s | {off['output_tok_per_s']:.0f} | {off['roofline_output_tok_per_s']:.0f} | |"]
+    for t in r["ttft"]:
+        lines.append(f"| TTFT {t['prompt_tokens']} tokens (ms) | {t['ttft_s'] * 1e3:.1f} | {t['roofline_s'] * 1e3:.1f} | "
+                     f"{t['fraction_of_roofline']:.0%} |")
+    for h in r["host_overhead"]:
+        lines.append(f"| host ms per decode step, batch {h['batch']} | {h['host_ms']:.2f} of {h['step_ms']:.2f} | | "
+                     f"{h['host_fraction']:.0%} host |")
+    lines.append(f"\ntotal {r['total_s']:.0f} s")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
