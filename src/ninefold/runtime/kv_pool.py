@@ -358,7 +358,7 @@ class KVCachePool:
             # The copy stream's own order covers its events; any other event is waited for (cheap when it
             # was recorded on the stream that takes the block).
             if fence is not None and not (fence[1] and stream_is_copy) and id(fence[0]) not in waited:
-                (stream or self.device.current_stream()).wait_event(fence[0])
+                (stream if stream is not None else self.device.current_stream()).wait_event(fence[0])
                 waited.add(id(fence[0]))
         return ids
 
