@@ -79,6 +79,8 @@ def scaled_dot_product_attention(q, k, v, is_causal=False, scale=None, **blocks)
     check_same(("q", "k", "v"), (q, k, v))
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k/v: shapes {tuple(k.shape)}/{tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if q.shape[3] > 256:
+        raise ValueError(f"q: head dims up to 256 are supported, got {q.shape[3]}")
     if is_causal and q.shape[2] > k.shape[2]:
         raise ValueError(f"is_causal: needs Sq <= Sk (bottom-right aligned), got {q.shape[2]} > {k.shape[2]}")
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)

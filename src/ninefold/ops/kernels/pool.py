@@ -62,6 +62,8 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, **blocks
             f"kernel_size/stride/padding: need positive sizes and padding <= half the window, "
             f"got {kernel_size}, {stride}, {padding}"
         )
+    if kh > 16 or kw > 16:
+        raise ValueError(f"kernel_size: windows up to 16x16 are supported, got {kernel_size}")
     n, c, h, w = x.shape
     p = _output_size(h, kh, sh, ph, ceil_mode)
     q = _output_size(w, kw, sw, pw, ceil_mode)

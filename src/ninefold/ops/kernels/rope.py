@@ -64,6 +64,8 @@ def rotate(x, cos, sin, interleaved=False, **blocks):
         raise ValueError(
             f"cos/sin: shapes {tuple(cos.shape)}/{tuple(sin.shape)} do not fit x of shape {tuple(x.shape)}"
         )
+    if half > 256:
+        raise ValueError(f"cos: rotary dims up to 512 are supported, got {rot}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rot < x.shape[2]:
         out[..., rot:] = x[..., rot:]
