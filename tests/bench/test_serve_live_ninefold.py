@@ -1,15 +1,13 @@
 """``bench serve`` against a live ``ninefold serve`` process with a tiny model on 127.0.0.1.
 
-The server process and the tiny checkpoint come from the server tests (tests/server), imported
-from there so both areas exercise the same live server.
+The server process and the tiny checkpoint come from the server tests (tests/server, the package
+``server`` next to this one), so both areas exercise the same live server.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,36 +15,20 @@ from ninefold.bench.serve import LoadShape, benchmark
 from ninefold.bench.serve_client import ServerTokenizer, StreamClient
 from ninefold.bench.serve_datasets import random_requests
 from ninefold.bench.serve_metrics import SLO
+from server.conftest import ServerProcess, build_tiny_model
 
 from .test_serve_cli import PNG_MAGIC, check_report
 
-SERVER_TESTS = Path(__file__).parents[1] / "server" / "conftest.py"
 
-
-def _server_fixtures():
-    """tests/server/conftest.py as a plain module (it holds ``ServerProcess`` and ``build_tiny_model``)."""
-    if not SERVER_TESTS.is_file():
-        pytest.skip("tests/server (the live-server fixtures of the server tests) is not in this checkout")
-    spec = importlib.util.spec_from_file_location("bench_live_server_fixtures", SERVER_TESTS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("bench-tiny-model"))
 
 
 @pytest.fixture(scope="module")
-def server_fixtures():
-    return _server_fixtures()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(server_fixtures, tmp_path_factory):
-    return server_fixtures.build_tiny_model(tmp_path_factory.mktemp("bench-tiny-model"))
-
-
-@pytest.fixture(scope="module")
-def ninefold_server(server_fixtures, tiny_model, tmp_path_factory):
-    server = server_fixtures.ServerProcess(tiny_model, tmp_path_factory.mktemp("bench-server-logs"), "--max-model-len",
-                                           "1024", "--max-num-seqs", "16", "--num-kv-blocks", "256")
+def ninefold_server(tiny_model, tmp_path_factory):
+    server = ServerProcess(tiny_model, tmp_path_factory.mktemp("bench-server-logs"), "--max-model-len", "1024",
+                           "--max-num-seqs", "16", "--num-kv-blocks", "256")
     yield server
     server.stop()
 
