@@ -10,9 +10,12 @@ from ninefold.dsl.backends.triton_codegen import argument_values, generate, spec
 from ninefold.dsl.cache import load_module
 
 
-def prepare(kernel, bound):
-    """Generated code and loaded ``triton.jit`` function for this call's specialization."""
-    spec = specialize(kernel, bound.env)
+def prepare(kernel, bound, spec=None):
+    """Generated code and loaded ``triton.jit`` function for this call's specialization.
+
+    ``spec`` overrides the mask specialization (AOT compiles the generic one).
+    """
+    spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
         isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**31 for v in bound.values.values()
     )

@@ -87,8 +87,12 @@ def signature(generated, finished) -> tuple[dict, dict]:
     return sig, constexprs
 
 
-def compile_for_target(kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES):
+def compile_for_target(
+    kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, spec=None
+):
     """Compile the kernel for ``args`` (example tensors, any device) to ``target`` without a GPU.
+
+    ``spec`` is the mask specialization (default: the one for these sizes).
 
     Returns ``(compiled, generated, finished_bound)``; ``compiled.asm`` holds ``cubin``/``ptx``.
     """
@@ -100,7 +104,7 @@ def compile_for_target(kernel, args, kwargs=None, target="cuda:90", num_warps=DE
     from ninefold.dsl.backends.cpu import choose_meta
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
-    generated, function = prepare(kernel, finished)
+    generated, function = prepare(kernel, finished, spec)
     backend, arch = target.split(":")
     sig, constexprs = signature(generated, finished)
     source = ASTSource(function, sig, constexprs)

@@ -1,0 +1,347 @@
+"""Ahead-of-time compilation: cubins and launch metadata that load without Triton.
+
+``compile(kernel, signatures, target="cuda:90", out=DIR)`` compiles on any machine (no GPU driver:
+Triton compiles for a ``GPUTarget``) and writes, per signature, ``<name>_<i>.cubin`` and
+``<name>_<i>.json``; ``load(DIR)`` returns a callable that launches the right cubin through the
+CUDA driver API (``ctypes`` on ``libcuda``), whatever Triton version is installed (or none).
+
+The artifact is generic in sizes and strides (they are run-time arguments; masks kept wherever a
+tile could overhang for some size). What it fixes: dtypes, constexpr sizes and symbols, meta
+symbols, the padded power-of-two tile sizes; a call that disagrees is refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ninefold.dsl.expr import BinOp, Const, SizeOf, StrideOf, evaluate
+from ninefold.dsl.symbol import Symbol
+
+FORMAT = 1
+_PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr\s+\.\w+\s+\.align\s+\d+)?\s+\w+_param_(\d+)")
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+# ------------------------------------------------------------------ expressions as JSON
+def expr_to_json(expr, kernel):
+    """A JSON tree of an index expression; leaves by their generated-code names."""
+    if isinstance(expr, int):
+        return expr
+    if isinstance(expr, Const):
+        return expr.value
+    if isinstance(expr, BinOp):
+        return [expr.op, expr_to_json(expr.a, kernel), expr_to_json(expr.b, kernel)]
+    return {"leaf": kernel.leaf_name(expr)}
+
+
+def eval_json(tree, env: dict):
+    """Evaluate a tree made by :func:`expr_to_json` with ``env[name]``."""
+    if isinstance(tree, (int, float, bool)):
+        return tree
+    if isinstance(tree, dict):
+        return env[tree["leaf"]]
+    op, a, b = tree
+    return evaluate(BinOp(op, Const(eval_json(a, env)), Const(eval_json(b, env))), {})
+
+
+# ------------------------------------------------------------------ compile half
+def _normalize(signature):
+    if isinstance(signature, dict):
+        return tuple(signature.get("args", ())), dict(signature.get("kwargs", {}))
+    return tuple(signature), {}
+
+
+def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_stages=3):  # noqa: A001
+    """Compile ``kernel`` for each signature (example arguments, or ``{"args": ..., "kwargs": ...}``).
+
+    Example tensors may live on any device (``cpu``, ``meta``); only their dtypes, ndim and, for
+    constexpr dimensions, sizes matter. Writes into ``out`` and returns the list of JSON paths.
+    """
+    from ninefold.dsl.backends.triton import compile_for_target
+    from ninefold.dsl.backends.triton import signature as triton_signature
+    from ninefold.dsl.backends.triton_codegen import specialize
+
+    if out is None:
+        raise ValueError("aot.compile: out (the output directory) is required")
+    if not re.fullmatch(r"cuda:\d+", str(target)):
+        raise ValueError(f"aot.compile: target must look like 'cuda:90', got {target!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    generic = specialize(kernel, None)
+    for i, signature in enumerate(signatures):
+        args, kwargs = _normalize(signature)
+        args = tuple(a.new_empty(a.shape, device="cpu") if isinstance(a, torch.Tensor) and a.device.type == "meta" else a for a in args)
+        compiled, generated, finished = compile_for_target(
+            kernel, args, kwargs, target=target, num_warps=num_warps, num_stages=num_stages, spec=generic
+        )
+        sig, constexprs = triton_signature(generated, finished)
+        ptx = compiled.asm["ptx"]
+        ptx_params = [kind for kind, _ in sorted(((k, int(n)) for k, n in _PTX_PARAM.findall(ptx)), key=lambda kn: kn[1])]
+        stem = f"{kernel.name}_{i}"
+        (out / f"{stem}.cubin").write_bytes(compiled.asm["cubin"])
+        arguments = []
+        for name, kind, payload, constexpr in generated.arguments:
+            entry = {"name": name, "kind": kind, "constexpr": constexpr, "type": sig[name]}
+            if kind in ("pointer", "scalar"):
+                entry["param"] = payload
+            elif kind == "leaf":
+                entry["leaf"] = _leaf_json(payload, kernel)
+            else:
+                entry["expr"] = expr_to_json(payload, kernel)
+            if constexpr:
+                entry["value"] = constexprs[name]
+            arguments.append(entry)
+        first = next((p for p in kernel.params if not p.is_scalar), None)
+        meta = {
+            "format": FORMAT,
+            "kernel": kernel.name,
+            "function": compiled.metadata.name,
+            "target": target,
+            "cubin": f"{stem}.cubin",
+            "num_warps": compiled.metadata.num_warps,
+            "shared": compiled.metadata.shared,
+            "global_scratch_size": getattr(compiled.metadata, "global_scratch_size", 0),
+            "global_scratch_align": getattr(compiled.metadata, "global_scratch_align", 1),
+            "profile_scratch_size": getattr(compiled.metadata, "profile_scratch_size", 0),
+            "triton_version": compiled.metadata.triton_version,
+            "params": [
+                {"name": p.name, "scalar": p.is_scalar, "ndim": p.source.ndim, "passed": p.passed}
+                for p in kernel.params
+            ],
+            "dtypes": {p.name: str(finished.values[p.name].dtype).replace("torch.", "") for p in kernel.params if not p.is_scalar},
+            "arguments": arguments,
+            "ptx_params": ptx_params,
+            "grid": [expr_to_json(s, kernel) for s in (first.arranged._shape if first else ())],
+        }
+        path = out / f"{stem}.json"
+        path.write_text(json.dumps(meta, indent=1))
+        written.append(path)
+    return written
+
+
+def _leaf_json(leaf, kernel):
+    if isinstance(leaf, SizeOf):
+        kind = "stride" if isinstance(leaf, StrideOf) else "size"
+        name = kernel.leaf_name(leaf).rsplit(f"_{kind}_", 1)[0]
+        return {"tensor": name, "kind": kind, "dim": leaf.dim}
+    if isinstance(leaf, Symbol):
+        return {"symbol": kernel.symbol_names[leaf]}
+    raise TypeError(f"unexpected leaf {leaf!r}")
+
+
+# ------------------------------------------------------------------ load half
+class Artifact:
+    """One compiled signature: checks a call against it and builds the launch."""
+
+    def __init__(self, meta: dict, directory: Path):
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"AOT artifact format {meta.get('format')!r} is not {FORMAT}")
+        self.meta = meta
+        self.directory = directory
+        self.passed = [p for p in meta["params"] if p["passed"]]
+        self._function = None
+
+    def plan(self, args, kwargs):
+        """``(grid, [(ptx type, value)])`` for a call, or raise ValueError if it does not match."""
+        if len(args) != len(self.passed):
+            raise TypeError(f"{self.meta['kernel']} takes {len(self.passed)} arguments, got {len(args)}")
+        values = dict(zip((p["name"] for p in self.passed), args))
+        env = dict(kwargs)
+        for p in self.passed:
+            value = values[p["name"]]
+            if p["scalar"]:
+                continue
+            if not isinstance(value, torch.Tensor) or value.ndim != p["ndim"]:
+                raise ValueError(f"{self.meta['kernel']}: argument {p['name']} must be a {p['ndim']}-dim tensor")
+            if str(value.dtype).replace("torch.", "") != self.meta["dtypes"][p["name"]]:
+                raise ValueError(
+                    f"{self.meta['kernel']}: argument {p['name']} is {value.dtype}, artifact compiled for {self.meta['dtypes'][p['name']]}"
+                )
+            for d in range(value.ndim):
+                env[f"{p['name']}_size_{d}"] = int(value.shape[d])
+                env[f"{p['name']}_stride_{d}"] = int(value.stride(d))
+        for a in self.meta["arguments"]:
+            if a["kind"] == "leaf" and a["constexpr"] and "symbol" in a["leaf"]:
+                env.setdefault(a["leaf"]["symbol"], a["value"])
+        launch = []
+        for a in self.meta["arguments"]:
+            if a["kind"] == "pointer":
+                value = values[a["param"]]
+            elif a["kind"] == "scalar":
+                value = values[a["param"]]
+            elif a["kind"] == "leaf":
+                leaf = a["leaf"]
+                key = leaf.get("symbol") or f"{leaf['tensor']}_{leaf['kind']}_{leaf['dim']}"
+                if key not in env:
+                    raise ValueError(f"{self.meta['kernel']}: missing keyword {key}")
+                value = env[key]
+            else:
+                size = eval_json(a["expr"], env)
+                value = 1 if size <= 1 else 1 << (int(size) - 1).bit_length()
+            if a["constexpr"]:
+                if value != a["value"]:
+                    raise ValueError(f"{self.meta['kernel']}: {a['name']} is {value}, artifact compiled for {a['value']}")
+                continue
+            if a["type"] == "i32" and not -(2**31) <= value < 2**31:
+                raise ValueError(f"{self.meta['kernel']}: {a['name']}={value} does not fit the artifact's int32")
+            launch.append((a["type"], value))
+        grid = math.prod(int(eval_json(g, env)) for g in self.meta["grid"]) if self.meta["grid"] else 1
+        return grid, launch
+
+    def matches(self, args, kwargs) -> bool:
+        try:
+            self.plan(args, kwargs)
+            return True
+        except (ValueError, TypeError):
+            return False
+
+    def __call__(self, *args, **kwargs):
+        grid, launch = self.plan(args, kwargs)
+        if grid == 0:
+            return
+        device = next(v.device for v in args if isinstance(v, torch.Tensor))
+        _driver().launch(self, device, grid, launch)
+
+
+class AotKernel:
+    """Every artifact of one kernel in a directory; a call picks the first that matches."""
+
+    def __init__(self, artifacts):
+        self.artifacts = artifacts
+
+    def __call__(self, *args, **kwargs):
+        for artifact in self.artifacts:
+            if artifact.matches(args, kwargs):
+                return artifact(*args, **kwargs)
+        reasons = []
+        for artifact in self.artifacts:
+            try:
+                artifact.plan(args, kwargs)
+            except (ValueError, TypeError) as error:
+                reasons.append(str(error))
+        raise ValueError("no AOT artifact matches this call: " + "; ".join(reasons))
+
+
+def load(directory, kernel_name=None) -> AotKernel:
+    """Load the artifacts in ``directory`` (of ``kernel_name``, or of the only kernel there)."""
+    directory = Path(directory)
+    metas = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    names = sorted({m["kernel"] for m in metas})
+    if kernel_name is None:
+        if len(names) != 1:
+            raise ValueError(f"{directory} holds kernels {names}; pass kernel_name")
+        kernel_name = names[0]
+    artifacts = [Artifact(m, directory) for m in metas if m["kernel"] == kernel_name]
+    if not artifacts:
+        raise ValueError(f"{directory} holds no artifact of {kernel_name!r} (it has {names})")
+    return AotKernel(artifacts)
+
+
+# ------------------------------------------------------------------ CUDA driver API through ctypes
+_CTYPES = {
+    "u64": ctypes.c_uint64,
+    "b64": ctypes.c_uint64,
+    "s64": ctypes.c_int64,
+    "u32": ctypes.c_uint32,
+    "b32": ctypes.c_uint32,
+    "s32": ctypes.c_int32,
+    "u16": ctypes.c_uint16,
+    "b16": ctypes.c_uint16,
+    "u8": ctypes.c_uint8,
+    "b8": ctypes.c_uint8,
+    "f32": ctypes.c_float,
+    "f64": ctypes.c_double,
+}
+_DRIVER = {}
+
+
+def _driver():
+    if "driver" not in _DRIVER:
+        _DRIVER["driver"] = _Driver()
+    return _DRIVER["driver"]
+
+
+class _Driver:
+    SHARED_LIMIT = 49152
+    MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.functions = {}
+
+    def check(self, result, what):
+        if result != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(result, ctypes.byref(name))
+            raise RuntimeError(f"CUDA driver: {what} failed with {name.value.decode() if name.value else result}")
+
+    def function(self, artifact, device):
+        key = (str(artifact.directory / artifact.meta["cubin"]), device.index)
+        if key not in self.functions:
+            torch.cuda.init()
+            with torch.cuda.device(device):
+                torch.empty(1, device=device)  # makes torch's primary context current on this thread
+                image = (artifact.directory / artifact.meta["cubin"]).read_bytes()
+                module, function = ctypes.c_void_p(), ctypes.c_void_p()
+                self.check(self.lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+                self.check(
+                    self.lib.cuModuleGetFunction(ctypes.byref(function), module, artifact.meta["function"].encode()),
+                    "cuModuleGetFunction",
+                )
+                shared = artifact.meta["shared"]
+                if shared > self.SHARED_LIMIT:
+                    self.check(
+                        self.lib.cuFuncSetAttribute(function, self.MAX_DYNAMIC_SHARED, ctypes.c_int(shared)),
+                        "cuFuncSetAttribute",
+                    )
+            self.functions[key] = (module, function)
+        return self.functions[key][1]
+
+    def launch(self, artifact, device, grid, launch):
+        function = self.function(artifact, device)
+        meta = artifact.meta
+        ptx = meta["ptx_params"]
+        if len(ptx) < len(launch):
+            raise RuntimeError(f"{meta['kernel']}: the cubin takes {len(ptx)} parameters, the launch has {len(launch)}")
+        holders, scratch = [], []
+        for i, kind in enumerate(ptx):
+            if i < len(launch):
+                _, value = launch[i]
+                value = value.data_ptr() if isinstance(value, torch.Tensor) else value
+            else:
+                value = 0
+                extra = i - len(launch)
+                size = meta["global_scratch_size"] if extra == 0 else meta["profile_scratch_size"]
+                if size:
+                    buffer = torch.empty(size * grid, dtype=torch.uint8, device=device)
+                    scratch.append(buffer)
+                    value = buffer.data_ptr()
+            holders.append(_CTYPES[kind](value))
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with torch.cuda.device(device):
+            self.check(
+                self.lib.cuLaunchKernel(
+                    function, grid, 1, 1, 32 * meta["num_warps"], 1, 1, meta["shared"], ctypes.c_void_p(stream), params, None
+                ),
+                "cuLaunchKernel",
+            )
+        del scratch
