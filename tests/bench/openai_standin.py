@@ -5,7 +5,9 @@ format from /v1/completions and /v1/chat/completions, lists its model, tokenizes
 characters is ceil(L/4) tokens), and can leave out usage or /tokenize like some servers do.
 Output token i is the text " t{i}" (one token by its own tokenizer), one per chunk unless
 ``tokens_per_chunk`` says otherwise. A prompt holding the word ``REJECT`` gets an HTTP 400, one
-holding ``BREAK`` gets an SSE error event after its first token. It counts requests in flight.
+holding ``BREAK`` an error object in the stream after its first token, one holding ``EVENT`` an SSE
+``event: error`` there, and one holding ``PLAIN`` a non-streamed JSON answer. It counts requests
+in flight.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def build_app(options: StandInOptions, state: StandInState) -> FastAPI:
         if "REJECT" in prompt.split():
             error = {"message": "rejected on purpose", "type": "invalid_request_error", "param": "prompt", "code": 400}
             return JSONResponse({"error": error}, 400)
+        if "PLAIN" in prompt.split():  # answers as if stream=false had been asked
+            return {"id": "cmpl-1", "object": "text_completion", "model": MODEL,
+                    "choices": [{"index": 0, "text": " t0", "finish_reason": "length"}]}
         max_tokens = body["max_tokens"]
         stream_id, obj = ("chatcmpl-1", "chat.completion.chunk") if chat else ("cmpl-1", "text_completion")
 
@@ -105,6 +110,9 @@ def build_app(options: StandInOptions, state: StandInState) -> FastAPI:
                         await asyncio.sleep(options.token_delay_s)
                         if "BREAK" in prompt.split():
                             yield 'data: {"error": {"message": "broke on purpose", "code": 500}}\n\n'
+                            return
+                        if "EVENT" in prompt.split():
+                            yield 'event: error\ndata: {"message": "named error event"}\n\n'
                             return
                     last = min(first + options.tokens_per_chunk, max_tokens)
                     text = "".join(f" t{i}" for i in range(first, last))

@@ -68,16 +68,19 @@ def test_without_usage_or_tokenizer_chunks_are_counted(standin):
 
 def test_failures_are_counted_and_the_run_goes_on(standin):
     server = standin()
-    requests = make_requests(4)
-    requests[1] = BenchRequest("please REJECT this", 4, 6)
-    requests[2] = BenchRequest("please BREAK this", 4, 6)
+    requests = make_requests(6)
+    for i, word in enumerate(["REJECT", "BREAK", "EVENT", "PLAIN"], start=1):
+        requests[i] = BenchRequest(f"please {word} this", 4, 6)
     run = benchmark(StreamClient(server.url, MODEL), requests, LoadShape(), SLO(), progress=False)
-    assert [r.success for r in run.results] == [True, False, False, True]
-    assert run.results[1].error.startswith("HTTP 400") and "rejected on purpose" in run.results[1].error
-    assert run.results[2].error.startswith("error event") and "broke on purpose" in run.results[2].error
+    assert [r.success for r in run.results] == [True, False, False, False, False, True]
+    errors = [r.error for r in run.results]
+    assert errors[1].startswith("HTTP 400") and "rejected on purpose" in errors[1]
+    assert errors[2].startswith("error event") and "broke on purpose" in errors[2]
+    assert errors[3].startswith("error event") and "named error event" in errors[3]
+    assert "no server-sent events (application/json)" in errors[4]
     report = run.report
-    assert (report["completed"], report["failed"]) == (2, 2) and report["slo_attainment"] == 0.5
-    assert sum(report["errors"].values()) == 2
+    assert (report["completed"], report["failed"]) == (2, 4) and report["slo_attainment"] == pytest.approx(1 / 3)
+    assert sum(report["errors"].values()) == 4
 
 
 def test_unreachable_server_fails_every_request_without_raising():

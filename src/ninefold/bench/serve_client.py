@@ -104,22 +104,7 @@ class StreamClient:
                     detail = (await response.aread()).decode("utf-8", "replace")
                     error = f"HTTP {response.status_code}: {detail[:300]}"
                 else:
-                    async for line in response.aiter_lines():
-                        now = time.perf_counter() - t0
-                        data = line[5:].strip() if line.startswith("data:") else None
-                        if not data:
-                            continue
-                        if data == "[DONE]":
-                            break
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            error = f"error event: {json.dumps(chunk['error'])[:300]}"
-                            break
-                        usage = chunk.get("usage") or usage
-                        text = "".join(self._chunk_text(choice) for choice in chunk.get("choices") or [])
-                        if text:
-                            chunk_times.append(now)
-                            pieces.append(text)
+                    usage, error = await self._read_events(response, t0, chunk_times, pieces)
         except Exception as exc:  # every failure of one request is recorded, never raised
             error = f"{type(exc).__name__}: {exc}"[:300]
         end = time.perf_counter() - t0
@@ -131,6 +116,32 @@ class StreamClient:
             result.output_tokens = int(usage.get("completion_tokens", len(chunk_times)))
             result.token_source = "usage"
         return result, "".join(pieces)
+
+    async def _read_events(self, response: httpx.Response, t0: float, chunk_times: list[float],
+                           pieces: list[str]) -> tuple[dict | None, str]:
+        """Consume the SSE stream, timing each chunk with output text; returns ``(usage, error)``."""
+        usage, event, seen = None, "", False
+        async for line in response.aiter_lines():
+            now = time.perf_counter() - t0
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            if not line.startswith("data:") or not (data := line[5:].strip()):
+                continue
+            seen = True
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if event == "error" or (isinstance(chunk, dict) and "error" in chunk):
+                return usage, f"error event: {json.dumps(chunk.get('error', chunk))[:300]}"
+            usage = chunk.get("usage") or usage
+            text = "".join(self._chunk_text(choice) for choice in chunk.get("choices") or [])
+            if text:
+                chunk_times.append(now)
+                pieces.append(text)
+        if not seen:
+            kind = response.headers.get("content-type", "no content-type")
+            return usage, f"the response held no server-sent events ({kind}); does the server stream?"
+        return usage, ""
 
     def _chunk_text(self, choice: dict) -> str:
         if self.endpoint == "chat":
