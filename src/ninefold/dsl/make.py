@@ -101,7 +101,7 @@ def jit(func=None, *, num_warps=None, num_stages=None, max_num_configs=None):
     """Decorator form: parameters annotated with arranged tensors, the body is the application."""
 
     def wrap(func):
-        signature = inspect.signature(func)
+        signature = inspect.signature(func, eval_str=True)
         params = []
         for name, param in signature.parameters.items():
             arranged = param.annotation

@@ -23,6 +23,7 @@ from ninefold.dsl.kernel import level_shapes
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
 TORCH_OPS = {"min": torch.minimum, "max": torch.maximum}
 LOOP_COST = 100_000
+PROGRAM_COST = 256
 MAX_CONFIGS = 4096
 
 
@@ -80,6 +81,8 @@ def _choose_meta(kernel, bound, free, gpu):
                 cost += math.prod(s for shape in shapes for s in shape)
                 if len(shapes) > 2:
                     cost += LOOP_COST * math.prod(shapes[1])
+                if gpu:
+                    cost += PROGRAM_COST * math.prod(shapes[0])
         except (ZeroDivisionError, ValueError):
             continue
         if best_cost is None or cost < best_cost:
