@@ -395,3 +395,83 @@ def test_cuda_attention_large(causal):
     got = attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+BAD_CALLS = [
+    ("add dtypes", lambda: add.add(torch.ones(3), torch.ones(3, dtype=torch.float16)), TypeError, "y"),
+    ("add shapes", lambda: add.add(torch.ones(3), torch.ones(4)), ValueError, "y"),
+    ("add int", lambda: add.add(torch.ones(3, dtype=torch.int32), torch.ones(3)), TypeError, "x"),
+    ("mm inner", lambda: mm.mm(torch.ones(3, 4), torch.ones(5, 6)), ValueError, "b"),
+    ("mm ndim", lambda: mm.mm(torch.ones(3), torch.ones(3, 2)), ValueError, "a"),
+    ("bmm batch", lambda: mm.bmm(torch.ones(2, 3, 4), torch.ones(3, 4, 5)), ValueError, "b"),
+    ("addmm bias", lambda: mm.addmm(torch.ones(7), torch.ones(3, 4), torch.ones(4, 5)), ValueError, "bias"),
+    (
+        "conv channels",
+        lambda: conv2d.conv2d(torch.ones(1, 3, 8, 8), torch.ones(4, 2, 3, 3)),
+        ValueError,
+        "weight",
+    ),
+    (
+        "conv stride",
+        lambda: conv2d.conv2d(torch.ones(1, 3, 8, 8), torch.ones(4, 3, 3, 3), stride=0),
+        ValueError,
+        "stride",
+    ),
+    (
+        "conv too big",
+        lambda: conv2d.conv2d(torch.ones(1, 3, 2, 2), torch.ones(4, 3, 3, 3)),
+        ValueError,
+        "weight",
+    ),
+    ("softmax dim", lambda: softmax.softmax(torch.ones(3, 4), dim=2), ValueError, "dim"),
+    ("softmax list", lambda: softmax.softmax([1.0, 2.0]), TypeError, "x"),
+    ("rms weight", lambda: rms_norm.rms_norm(torch.ones(3, 4), torch.ones(5)), ValueError, "weight"),
+    ("rms eps", lambda: rms_norm.rms_norm(torch.ones(3, 4), torch.ones(4), eps=-1.0), ValueError, "eps"),
+    (
+        "add_rms residual",
+        lambda: rms_norm.add_rms_norm(torch.ones(3, 4), torch.ones(2, 4), torch.ones(4)),
+        ValueError,
+        "residual",
+    ),
+    ("silu_and_mul odd", lambda: activation.silu_and_mul(torch.ones(3, 5)), ValueError, "x"),
+    ("swiglu shapes", lambda: activation.swiglu(torch.ones(3, 5), torch.ones(3, 4)), ValueError, "up"),
+    (
+        "rope positions",
+        lambda: rope.rope(
+            torch.ones(4, 2, 8), torch.ones(4, 1, 8), torch.zeros(3, dtype=torch.int64), torch.ones(16, 8)
+        ),
+        ValueError,
+        "positions",
+    ),
+    (
+        "rope float positions",
+        lambda: rope.rope(torch.ones(4, 2, 8), torch.ones(4, 1, 8), torch.zeros(4), torch.ones(16, 8)),
+        TypeError,
+        "positions",
+    ),
+    (
+        "sdpa causal",
+        lambda: attention.scaled_dot_product_attention(
+            torch.ones(1, 1, 5, 8), torch.ones(1, 1, 4, 8), torch.ones(1, 1, 4, 8), is_causal=True
+        ),
+        ValueError,
+        "is_causal",
+    ),
+    (
+        "sdpa heads",
+        lambda: attention.scaled_dot_product_attention(
+            torch.ones(1, 2, 5, 8), torch.ones(1, 1, 5, 8), torch.ones(1, 1, 5, 8)
+        ),
+        ValueError,
+        "k/v",
+    ),
+    ("pool window", lambda: pool.max_pool2d(torch.ones(1, 1, 40, 40), 17), ValueError, "kernel_size"),
+    ("pool padding", lambda: pool.max_pool2d(torch.ones(1, 1, 8, 8), 2, padding=2), ValueError, "padding"),
+    ("pool type", lambda: pool.max_pool2d(torch.ones(1, 1, 8, 8), 2.5), TypeError, "kernel_size"),
+]
+
+
+@pytest.mark.parametrize("call, error, word", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_is_refused_by_name(call, error, word):
+    with pytest.raises(error, match=word):
+        call()

@@ -45,6 +45,10 @@ class Workload:
     flops: float = 0.0  # floating-point operations (compute-bound rows)
     results: dict = field(default_factory=dict)
 
+    @property
+    def key(self):
+        return f"{self.name}/{self.group}/{str(self.dtype).replace('torch.', '')}"
+
 
 def _randn(shape, dtype, device):
     return torch.randn(shape, dtype=dtype, device=device)
@@ -321,7 +325,7 @@ def run_impl(w, impl, fn, inputs, reference, device, sync):
 
 def probe_cache(names, device):
     """Second process: first-call time of each ninefold kernel with warm caches (JSON to stdout)."""
-    workloads = {f"{w.name}/{w.group}": w for w in (gpu_workloads() if device == "cuda" else cpu_workloads())}
+    workloads = {w.key: w for w in (gpu_workloads() if device == "cuda" else cpu_workloads())}
     kernels = ninefold_kernels()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = {}
@@ -370,7 +374,7 @@ def run(device, out_dir, deadline_s):
                 torch.cuda.empty_cache()
     cached = _second_process(workloads, device)
     for w in workloads:
-        w.results["ninefold"]["cached_first_call_s"] = cached.get(f"{w.name}/{w.group}")
+        w.results["ninefold"]["cached_first_call_s"] = cached.get(w.key)
         for res in w.results.values():
             res["fraction_of_ceiling"] = _fraction(w, res.get("seconds"), ceilings)
     report = {
@@ -409,7 +413,7 @@ def _ninetoothed_priority(w):
 
 
 def _second_process(workloads, device):
-    names = [f"{w.name}/{w.group}" for w in workloads]
+    names = [w.key for w in workloads]
     cmd = [sys.executable, "-m", "ninefold.bench.dsl", "--probe-cache", ",".join(names)]
     if device == "cpu":
         cmd.append("--cpu")
@@ -439,26 +443,33 @@ def _cell(res):
 
 def table(workloads, ceilings):
     """A short text table: time and fraction of the ceiling per implementation."""
-    rates = ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in ceilings["mm_flops_per_s"].items())
+    rates = ", ".join(
+        f"{k.replace('torch.', '')} {v / 1e12:.0f} TFLOP/s"
+        if v > 1e12
+        else f"{k.replace('torch.', '')} {v / 1e9:.0f} GFLOP/s"
+        for k, v in ceilings["mm_flops_per_s"].items()
+    )
     lines = [
         f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s; torch.mm {rates}",
-        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'1st call':>10}{'cached':>9}",
+        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'1st call':>10}{'cached':>9}{'NT 1st':>9}",
     ]
     for w in workloads:
         nf = w.results.get("ninefold", {})
         first = nf.get("first_call_s")
+        nt_first = w.results.get("ninetoothed", {}).get("first_call_s")
         cached = nf.get("cached_first_call_s")
         lines.append(
             f"{w.name + '/' + w.group:<22}{str(w.dtype).replace('torch.', ''):<10}"
             + "".join(f"{_cell(w.results.get(i, {})):>20}" for i in ("ninefold", "torch", "ninetoothed"))
             + (f"{first:>9.2f}s" if isinstance(first, float) else f"{'-':>10}")
             + (f"{cached:>8.2f}s" if isinstance(cached, float) else f"{'-':>9}")
+            + (f"{nt_first:>8.2f}s" if isinstance(nt_first, float) else f"{'-':>9}")
         )
     for w in workloads:
         for impl, res in w.results.items():
             if "error" in res or not res.get("ok", True):
                 why = res.get("error") or f"relative error {res.get('rel_error'):.3g}"
-                lines.append(f"  {w.name}/{w.group} {impl}: {why}")
+                lines.append(f"  {w.key} {impl}: {why}")
     return "\n".join(lines)
 
 

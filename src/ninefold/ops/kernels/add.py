@@ -38,7 +38,12 @@ def add(x, y, **blocks):
     check_tensor("x", x)
     check_tensor("y", y)
     check_same(("x", "y"), (x, y))
-    shape = torch.broadcast_shapes(x.shape, y.shape)
+    try:
+        shape = torch.broadcast_shapes(x.shape, y.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"y: shape {tuple(y.shape)} does not broadcast with x of shape {tuple(x.shape)}"
+        ) from None
     z = torch.empty(shape, dtype=x.dtype, device=x.device)
     if x.shape == shape == y.shape and x.is_contiguous() and y.is_contiguous():
         kernel_flat(x.view(-1), y.view(-1), z.view(-1), **blocks)

@@ -39,8 +39,8 @@ kernel = nd.make(
 
 
 def _pair(name, value):
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2 or not all(isinstance(v, int) for v in pair):
+    pair = (value, value) if isinstance(value, int) else value
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(v, int) for v in pair):
         raise TypeError(f"{name}: expected an int or a pair of ints, got {value!r}")
     return pair
 

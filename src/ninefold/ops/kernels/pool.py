@@ -52,8 +52,8 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, **blocks
         ("stride", stride or kernel_size),
         ("padding", padding),
     ):
-        pair = (value, value) if isinstance(value, int) else tuple(value)
-        if len(pair) != 2 or not all(isinstance(v, int) for v in pair):
+        pair = (value, value) if isinstance(value, int) else value
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(v, int) for v in pair):
             raise TypeError(f"{name}: expected an int or a pair of ints, got {value!r}")
         pairs.append(pair)
     (kh, kw), (sh, sw), (ph, pw) = pairs
