@@ -39,8 +39,9 @@ def _list(args: argparse.Namespace) -> int:
         print(f"trimmed build: {active.path}")
     for op in registry.operators():
         impls = registry.implementations(op)
-        described = "; ".join(f"{i.name} [{', '.join(i.devices)}: {dtype_names(i.dtypes)}]" for i in impls)
-        print(f"{op:18s} {described or '(none in this build)'}")
+        if impls:
+            described = "; ".join(f"{i.name} [{', '.join(i.devices)}: {dtype_names(i.dtypes)}]" for i in impls)
+            print(f"{op:18s} {described}")
     return 0
 
 
@@ -67,6 +68,10 @@ def _tune(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace) -> int:
     from ninefold.ops import build
 
-    report = build.build(args.manifest, args.out, target=args.target)
+    try:
+        report = build.build(args.manifest, args.out, target=args.target)
+    except ValueError as error:
+        print(f"ninefold ops build: error: {error}", file=sys.stderr)
+        return 2
     print(report.summary())
     return 0

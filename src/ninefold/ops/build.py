@@ -1,15 +1,27 @@
-"""Trimmed builds: a deployable subset of the operator library (see ``ninefold ops build``).
+"""Trimmed builds: a deployable subset of the operator library (``ninefold ops build``).
 
-A build directory holds ``manifest.json`` (the operators, dtypes and implementations it
-keeps, and what a call outside them does) plus ahead-of-time compiled kernels. With
-``NINEFOLD_OPS_BUILD=DIR`` only that subset is registered.
+A manifest (``ops.toml``) lists the operators to keep, with their dtypes and implementations::
+
+    target = "cuda:90"        # what to compile for ("cpu": nothing to compile)
+    fallback = "error"        # or "vendor": calls outside the build use the vendor implementation
+    shapes = "llama-8b"       # the shapes whose kernel specialisations are compiled ahead of time
+
+    [ops.rms_norm]
+    dtypes = ["bfloat16"]
+    impls = ["triton", "vendor"]
+
+``build`` writes ``DIR/manifest.json``, the Triton kernels compiled for the target
+(``DIR/kernels/triton/<op>/<dtype>/*.cubin``) and, when the target is this machine's GPU, a
+Triton cache warmed by running every kept operator once (``DIR/triton-cache``), so that the
+first call of a built kernel compiles nothing. With ``NINEFOLD_OPS_BUILD=DIR`` only that subset
+is registered and Triton reads that cache.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,11 +30,12 @@ from ninefold.ops.registry import Impl
 
 _UNSET = object()
 _active = _UNSET
+FALLBACKS = ("error", "vendor")
 
 
 @dataclass(frozen=True)
 class Build:
-    """A loaded build manifest: ``ops`` maps operator -> {"dtypes": [...], "impls": [...]}."""
+    """A loaded build: ``ops`` maps operator -> {"dtypes": [...], "impls": [...]}."""
 
     path: Path
     ops: dict
@@ -30,22 +43,25 @@ class Build:
 
     def restrict(self, impl: Impl) -> Impl | None:
         """``impl`` limited to the build's dtypes, or ``None`` when the build leaves it out."""
+        if self.fallback == "vendor" and impl.name == "vendor":
+            return impl
         entry = self.ops.get(impl.op)
-        if entry is None:
-            return impl if self.fallback == "vendor" and impl.name == "vendor" else None
-        if impl.name not in entry["impls"]:
-            return impl if self.fallback == "vendor" and impl.name == "vendor" else None
+        if entry is None or impl.name not in entry["impls"]:
+            return None
         dtypes = impl.dtypes & {getattr(torch, d) for d in entry["dtypes"]}
         return replace(impl, dtypes=frozenset(dtypes)) if dtypes else None
 
     @classmethod
     def load(cls, directory) -> Build:
-        """Read ``DIR/manifest.json``."""
+        """Read ``DIR/manifest.json`` (and point Triton at the build's warmed cache)."""
         path = Path(directory)
         manifest = path / "manifest.json"
         if not manifest.exists():
             raise ValueError(f"NINEFOLD_OPS_BUILD: {path} holds no manifest.json (build it with `ninefold ops build`)")
         data = json.loads(manifest.read_text())
+        cache = path / "triton-cache"
+        if cache.is_dir() and "TRITON_CACHE_DIR" not in os.environ:
+            os.environ["TRITON_CACHE_DIR"] = str(cache)
         return cls(path, data["ops"], data.get("fallback", "error"))
 
 
@@ -65,3 +81,138 @@ def activate(directory) -> None:
     from ninefold.ops import registry
 
     registry.changed()
+
+
+def read_manifest(path) -> dict:
+    """Parse and check an ``ops.toml``; errors name the file, the entry and what is accepted."""
+    import tomllib
+
+    import ninefold.ops  # noqa: F401  (registers every implementation)
+    from ninefold.ops import registry, workloads
+
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ValueError(f"--manifest: cannot read {path}: {error}") from None
+    where = f"manifest {path}"
+    if data.get("target", "cpu") != "cpu":
+        import ninefold.ops.triton  # noqa: F401  (the GPU kernels, registered even without a local GPU)
+    fallback = data.get("fallback", "error")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"{where}: fallback must be one of {FALLBACKS}, got {fallback!r}")
+    shapes = data.get("shapes", "llama-8b")
+    workloads.shapes(shapes)
+    ops = data.get("ops")
+    if not isinstance(ops, dict) or not ops:
+        raise ValueError(f"{where}: needs at least one [ops.<name>] table")
+    known = registry.operators()
+    resolved = {}
+    for op, entry in ops.items():
+        if op not in known:
+            raise ValueError(f"{where}: unknown operator {op!r}; known: {', '.join(known)}")
+        names = sorted({i.name for i in registry.all_implementations(op)})
+        impls = entry.get("impls", names)
+        bad = [i for i in impls if i not in names]
+        if bad:
+            raise ValueError(f"{where}: {op} has no implementation {bad[0]!r}; it has: {', '.join(names)}")
+        dtypes = entry.get("dtypes", ["float16", "bfloat16", "float32"])
+        bad = [d for d in dtypes if d not in ("float16", "bfloat16", "float32")]
+        if bad:
+            raise ValueError(f"{where}: {op} lists dtype {bad[0]!r}; accepted: float16, bfloat16, float32")
+        resolved[op] = {"dtypes": list(dtypes), "impls": list(impls)}
+    return {"target": data.get("target", "cpu"), "fallback": fallback, "shapes": shapes, "ops": resolved}
+
+
+@dataclass
+class Report:
+    """What a build wrote: bytes per operator, notes, and where."""
+
+    out: Path
+    target: str
+    sizes: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"ninefold ops build -> {self.out} (target {self.target})", f"{'operator':20s} {'files':>5s} {'bytes':>10s}"]
+        for op, (files, size) in sorted(self.sizes.items()):
+            lines.append(f"{op:20s} {files:5d} {size:10d}")
+        total_files = sum(f for f, _ in self.sizes.values())
+        total = sum(s for _, s in self.sizes.values())
+        lines.append(f"{'total':20s} {total_files:5d} {total:10d}")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def build(manifest_path, out, target: str | None = None) -> Report:
+    """Build the subset described by ``manifest_path`` into ``out`` (see the module doc)."""
+    from ninefold.ops import tuning
+
+    manifest = read_manifest(manifest_path)
+    target = target or manifest["target"]
+    manifest["target"] = target
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out, target)
+    if target != "cpu":
+        _compile_triton(manifest, target, out, report)
+        if any("dsl" in e["impls"] for e in manifest["ops"].values()):
+            report.notes.append("DSL kernels compile on their first call (ninefold.dsl has no aot module yet)")
+        if _is_local_target(target):
+            _warm(manifest, out, report)
+        else:
+            report.notes.append(f"{target} is not this machine's GPU: no warmed Triton cache (first calls compile)")
+    (out / "manifest.json").write_text(json.dumps({**manifest, "versions": tuning.versions()}, indent=1))
+    report.sizes["(manifest)"] = (1, (out / "manifest.json").stat().st_size)
+    return report
+
+
+def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> None:
+    from ninefold.ops import workloads
+    from ninefold.ops.triton import aot
+
+    gpu = aot.parse_target(target)
+    shapes = workloads.shapes(manifest["shapes"])
+    for op, entry in manifest["ops"].items():
+        if "triton" not in entry["impls"]:
+            continue
+        for dtype_name in entry["dtypes"]:
+            dtype = getattr(torch, dtype_name)
+            folder = out / "kernels" / "triton" / op / dtype_name
+            folder.mkdir(parents=True, exist_ok=True)
+            for variant in aot.variants(op, dtype, shapes):
+                compiled = aot.compile_variant(variant, dtype, gpu)
+                binary = compiled.asm.get("cubin") or compiled.asm.get("hsaco")
+                (folder / f"{variant.name}.bin").write_bytes(binary)
+                meta = {"kernel": variant.kernel.fn.__name__, "constexprs": variant.constexprs,
+                        "num_warps": variant.num_warps, "num_stages": variant.num_stages, "target": target,
+                        "shared": getattr(compiled.metadata, "shared", None)}
+                (folder / f"{variant.name}.json").write_text(json.dumps(meta, indent=1))
+        files = [p for p in (out / "kernels" / "triton" / op).rglob("*") if p.is_file()]
+        report.sizes[op] = (len(files), sum(p.stat().st_size for p in files))
+
+
+def _is_local_target(target: str) -> bool:
+    if not target.startswith("cuda:") or not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return target == f"cuda:{major}{minor}"
+
+
+def _warm(manifest: dict, out: Path, report: Report) -> None:
+    """Run every kept implementation once at the manifest's shapes, filling ``out/triton-cache``."""
+    import ninefold.ops as ops
+    from ninefold.ops import dispatch, workloads
+
+    cache = out / "triton-cache"
+    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    shapes = workloads.shapes(manifest["shapes"])
+    for op, entry in manifest["ops"].items():
+        for dtype_name in entry["dtypes"]:
+            for case in workloads.cases(op, shapes, "cuda", getattr(torch, dtype_name)):
+                for impl in entry["impls"]:
+                    names = [i.name for i in dispatch.candidates(op, *case.args, **case.kwargs)]
+                    if impl in names:
+                        ops.run(op, impl, *case.args, **case.kwargs)
+    torch.cuda.synchronize()
+    files = [p for p in cache.rglob("*") if p.is_file()]
+    report.sizes["(triton cache)"] = (len(files), sum(p.stat().st_size for p in files))

@@ -186,6 +186,12 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
 def supporting(op: str, device: torch.device, dtype: torch.dtype, args: tuple) -> list[Impl]:
     """Implementations able to run ``args``, in default order; ``UnsupportedError`` when none is."""
     impls = registry.implementations(op)
+    if not impls and registry.all_implementations(op):
+        from ninefold.ops import build
+
+        kept = ", ".join(o for o in registry.operators() if registry.implementations(o))
+        raise UnsupportedError(f"{op}: not part of the trimmed build at {build.active().path} "
+                               f"(NINEFOLD_OPS_BUILD); it holds: {kept or 'nothing'}")
     on_device = [i for i in impls if device.type in i.devices]
     if not on_device:
         raise UnsupportedError(f"{op}: no implementation runs on {device.type}"
@@ -194,7 +200,7 @@ def supporting(op: str, device: torch.device, dtype: torch.dtype, args: tuple) -
     with_dtype = [i for i in on_device if dtype in i.dtypes]
     if not with_dtype:
         supported = dtype_names(d for i in on_device for d in i.dtypes)
-        raise UnsupportedError(f"{op}: {dtype_name(dtype)} is not supported on {device.type}; "
+        raise UnsupportedError(f"{op}: {dtype_name(dtype)} is not supported on {device.type}{_build_note(op)}; "
                                f"supported: {supported}")
     ok, reasons = [], []
     for impl in with_dtype:

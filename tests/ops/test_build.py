@@ -1,0 +1,91 @@
+"""Trimmed builds: ninefold ops build writes only its manifest's kernels; NINEFOLD_OPS_BUILD restricts the registry."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ninefold.cli.main import main
+from ninefold.ops import build
+
+MANIFEST = """
+target = "cuda:90"
+shapes = "smollm2"
+[ops.rms_norm]
+dtypes = ["bfloat16", "float32"]
+impls = ["triton", "vendor"]
+[ops.silu_and_mul]
+dtypes = ["bfloat16"]
+impls = ["triton"]
+"""
+
+PROBE = """
+import torch, ninefold.ops as ops
+print(round(ops.rms_norm(torch.ones(2, 4), torch.ones(4)).sum().item(), 3))
+for call in (lambda: ops.rms_norm(torch.ones(2, 4).half(), torch.ones(4)), lambda: ops.softmax(torch.ones(3))):
+    try:
+        call()
+        print("ran")
+    except ValueError as error:
+        print(error)
+"""
+
+
+def _probe(directory, code=PROBE):
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(directory)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip().splitlines()
+
+
+def test_build_for_sm90_holds_only_its_manifest(tmp_path, capsys):
+    pytest.importorskip("triton")
+    (tmp_path / "ops.toml").write_text(MANIFEST)
+    out = tmp_path / "build"
+    assert main(["ops", "build", "--manifest", str(tmp_path / "ops.toml"), "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "rms_norm" in report and "silu_and_mul" in report and "total" in report
+    kernels = sorted(str(p.relative_to(out / "kernels" / "triton")) for p in (out / "kernels" / "triton").rglob("*.bin"))
+    assert kernels == ["rms_norm/bfloat16/rms_norm_kernel-BLOCK_D1024-HAS_RESIDUALFalse.bin",
+                       "rms_norm/float32/rms_norm_kernel-BLOCK_D1024-HAS_RESIDUALFalse.bin",
+                       "silu_and_mul/bfloat16/gated_kernel-ACT0-BLOCK1024.bin"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["ops"] == {"rms_norm": {"dtypes": ["bfloat16", "float32"], "impls": ["triton", "vendor"]},
+                               "silu_and_mul": {"dtypes": ["bfloat16"], "impls": ["triton"]}}
+    listed = _probe(out, "from ninefold.cli.main import main; main(['ops', 'list'])")
+    assert [line.split()[0] for line in listed[1:]] == ["rms_norm"]  # silu_and_mul is triton-only: no CPU here
+    first, half, softmax = _probe(out)
+    assert first == "8.0"
+    assert half.startswith("rms_norm: float16 is not supported on cpu in the trimmed build at ")
+    assert half.endswith("; supported: bfloat16, float32")
+    assert softmax.startswith("softmax: not part of the trimmed build at ") and "it holds: rms_norm" in softmax
+
+
+def test_vendor_fallback_serves_calls_outside_the_build(tmp_path):
+    (tmp_path / "ops.toml").write_text('target = "cpu"\nfallback = "vendor"\n[ops.rms_norm]\ndtypes = ["float32"]\n'
+                                       'impls = ["vendor"]\n')
+    assert main(["ops", "build", "--manifest", str(tmp_path / "ops.toml"), "--out", str(tmp_path / "b")]) == 0
+    assert _probe(tmp_path / "b") == ["8.0", "ran", "ran"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[ops.rmsnorm]\ndtypes = ["float32"]', "unknown operator 'rmsnorm'"),
+    ('[ops.rms_norm]\ndtypes = ["int8"]', "rms_norm lists dtype 'int8'; accepted: float16, bfloat16, float32"),
+    ('[ops.rms_norm]\nimpls = ["cudnn"]', "rms_norm has no implementation 'cudnn'; it has: "),
+    ('fallback = "cpu"\n[ops.rms_norm]\n', "fallback must be one of ('error', 'vendor'), got 'cpu'"),
+    ('target = "cpu"\n', "needs at least one [ops.<name>] table"),
+    ('[ops.rms_norm', "cannot read"),
+])
+def test_manifest_errors_name_the_entry(tmp_path, text, message):
+    path = tmp_path / "ops.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        build.read_manifest(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_build_directory_without_manifest_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="holds no manifest.json"):
+        build.Build.load(tmp_path)
