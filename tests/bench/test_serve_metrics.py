@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ninefold.bench.serve import best_rate
 from ninefold.bench.serve_metrics import (
@@ -121,3 +123,55 @@ def test_best_rate_is_highest_rate_meeting_target():
     assert best_rate(runs) == 3.0
     assert best_rate(runs, target=0.99) == 1.0
     assert best_rate(runs[2:3]) is None
+
+
+def _percentile(values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks, written out (the reference for latency_stats)."""
+    ordered = sorted(values)
+    rank = p / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (rank - low) * (ordered[high] - ordered[low])
+
+
+timelines = st.lists(
+    st.tuples(
+        st.floats(0, 10), st.lists(st.floats(0.001, 2), max_size=6), st.floats(0, 1), st.booleans(),
+        st.integers(1, 50),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _build(spec) -> list[RequestResult]:
+    results = []
+    for start, gaps, tail, ok, extra_tokens in spec:
+        chunks = list(np.cumsum([start, *gaps])[1:]) if ok else []
+        end = (chunks[-1] if chunks else start) + tail
+        results.append(RequestResult(start, end, ok, chunks, prompt_tokens=7, output_tokens=len(chunks) + extra_tokens))
+    return results
+
+
+@settings(max_examples=60, deadline=None)
+@given(timelines, st.floats(1, 100), st.floats(0.01, 5))
+def test_report_invariants_on_random_timelines(spec, duration, bound_s):
+    results = _build(spec)
+    loose = compute_report(results, duration, SLO())
+    done = [r for r in results if r.success]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    if ttfts:
+        for p, key in ((50, "median"), (90, "p90"), (99, "p99")):
+            assert loose["ttft_ms"][key] == pytest.approx(1e3 * _percentile(ttfts, p))
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        stats = loose[key]
+        if stats["mean"] is not None:
+            assert stats["median"] <= stats["p90"] + 1e-9 <= stats["p99"] + 2e-9
+    assert loose["goodput"] == pytest.approx(len(done) / duration)
+    # Adding a bound can only lose requests, and every bound together loses at least as many as each.
+    bounds = {k: 1e3 * bound_s for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}
+    all_bounds = compute_report(results, duration, SLO(**bounds))
+    for key, value in bounds.items():
+        one = compute_report(results, duration, SLO(**{key: value}))
+        assert all_bounds["goodput"] <= one["goodput"] <= loose["goodput"]
+    assert 0 <= all_bounds["slo_attainment"] <= loose["slo_attainment"] <= 1
