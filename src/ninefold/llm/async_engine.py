@@ -47,6 +47,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 
