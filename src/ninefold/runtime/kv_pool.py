@@ -12,6 +12,7 @@ still read it carries an event, and whoever takes it next on another stream wait
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
@@ -271,19 +272,14 @@ class KVCachePool:
         if not ids:
             return host_ids
 
-        if self._copy_stream is None:
-            staged = self._kv[:, :, ids]
-            for j, h in enumerate(host_ids):
-                self._host[h].copy_(staged[:, :, j])
-            event = None
-        else:
+        if self._copy_stream is not None:
             self._copy_stream.wait_stream(self.device.current_stream())
-            with self.device.use_stream(self._copy_stream):
-                index = self._device_index(ids)
-                staged = self._kv.movedim(2, 0).index_select(0, index)  # [n, L, 2, bs, Hk, D], contiguous
-                for j, h in enumerate(host_ids):
-                    self._host[h].copy_(staged[j], non_blocking=True)
-                event = self._record_copy()
+        with self._on_copy_stream():
+            index = self._device_index(ids)
+            staged = self._kv.movedim(2, 0).index_select(0, index)  # [n, L, 2, bs, Hk, D], contiguous
+            for j, h, n in _runs(host_ids):
+                self._host[h:h + n].copy_(staged[j:j + n], non_blocking=True)
+            event = self._record_copy()
         for i in ids:
             self._ref[i] -= 1
             if self._ref[i] == 0:
@@ -307,19 +303,14 @@ class KVCachePool:
             raise ValueError(f"host_ids: each host block may be swapped in once, got {host_ids}")
         ids = self._take(len(host_ids), stream_is_copy=True)
         if ids:
-            if self._copy_stream is None:
-                for i, h in zip(ids, host_ids):
-                    self._kv[:, :, i].copy_(self._host[h])
-            else:
-                with self.device.use_stream(self._copy_stream):
-                    staged = torch.empty((len(ids), *self._host.shape[1:]), dtype=self.dtype, device=self.device.torch)
-                    for j, h in enumerate(host_ids):
-                        staged[j].copy_(self._host[h], non_blocking=True)
-                    index = self._device_index(ids)
-                    self._kv.index_copy_(2, index, staged.movedim(0, 2))
-                    self._record_copy()
-                if wait:
-                    self.wait_for_swaps()
+            with self._on_copy_stream():
+                staged = torch.empty((len(ids), *self._host.shape[1:]), dtype=self.dtype, device=self.device.torch)
+                for j, h, n in _runs(host_ids):
+                    staged[j:j + n].copy_(self._host[h:h + n], non_blocking=True)
+                self._kv.index_copy_(2, self._device_index(ids), staged.movedim(0, 2))
+                self._record_copy()
+            if wait:
+                self.wait_for_swaps()
         for i in ids:
             self._ref[i] = 1
         for h in host_ids:
@@ -367,9 +358,15 @@ class KVCachePool:
         if event is not None:
             self._fence[block_id] = (event, on_copy)
 
+    def _on_copy_stream(self):
+        return self.device.use_stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
+
     def _device_index(self, ids: list[int]) -> torch.Tensor:
+        index = torch.tensor(ids, dtype=torch.long)
+        if not self.device.is_accelerator:
+            return index
         # Through pinned memory: a copy from pageable memory would make the host wait for the copy stream.
-        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device.torch, non_blocking=True)
+        return index.pin_memory().to(self.device.torch, non_blocking=True)
 
     def _record_current(self):
         event = self.device.event()
@@ -377,6 +374,8 @@ class KVCachePool:
         return event
 
     def _record_copy(self):
+        if self._copy_stream is None:
+            return None
         event = self.device.event()
         event.record(self._copy_stream)
         self._last_copy = event
@@ -414,6 +413,17 @@ def _bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_si
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, first host id, length)`` of each run of consecutive host ids: one copy per run."""
+    runs: list[tuple[int, int, int]] = []
+    for j, h in enumerate(host_ids):
+        if runs and runs[-1][1] + runs[-1][2] == h:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((j, h, 1))
+    return runs
 
 
 def _check_int(arg: str, value, *, minimum: int) -> None:
