@@ -341,9 +341,11 @@ def probe_cache(names, device):
     print("PROBE " + json.dumps(times))
 
 
-def run(device, out_dir, deadline_s):
+def run(device, out_dir, deadline_s, only=None):
     start = time.perf_counter()
     workloads = gpu_workloads() if device == "cuda" else cpu_workloads()
+    if only:
+        workloads = [w for w in workloads if w.name in only.split(",")]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ceilings = measure_ceilings(device)
     kernels = ninefold_kernels()
@@ -441,6 +443,13 @@ def _cell(res):
     return f"{res['seconds'] * 1e3:8.3f} ms {frac * 100:5.1f}%"
 
 
+def _ratio(mine, peer):
+    """ninefold time over the peer's time (below 1: ninefold is faster)."""
+    if mine.get("seconds") and peer.get("seconds"):
+        return f"{mine['seconds'] / peer['seconds']:>8.2f}x"
+    return f"{'-':>9}"
+
+
 def table(workloads, ceilings):
     """A short text table: time and fraction of the ceiling per implementation."""
     rates = ", ".join(
@@ -451,7 +460,7 @@ def table(workloads, ceilings):
     )
     lines = [
         f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s; torch.mm {rates}",
-        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'1st call':>10}{'cached':>9}{'NT 1st':>9}",
+        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'nf/torch':>9}{'1st call':>10}{'cached':>9}{'NT 1st':>9}",
     ]
     for w in workloads:
         nf = w.results.get("ninefold", {})
@@ -461,6 +470,7 @@ def table(workloads, ceilings):
         lines.append(
             f"{w.name + '/' + w.group:<22}{str(w.dtype).replace('torch.', ''):<10}"
             + "".join(f"{_cell(w.results.get(i, {})):>20}" for i in ("ninefold", "torch", "ninetoothed"))
+            + _ratio(nf, w.results.get("torch", {}))
             + (f"{first:>9.2f}s" if isinstance(first, float) else f"{'-':>10}")
             + (f"{cached:>8.2f}s" if isinstance(cached, float) else f"{'-':>9}")
             + (f"{nt_first:>8.2f}s" if isinstance(nt_first, float) else f"{'-':>9}")
@@ -480,7 +490,7 @@ def plot(workloads, path, device_name):
     import matplotlib.pyplot as plt
 
     impls = ("ninefold", "torch", "ninetoothed")
-    labels = [f"{w.name}\n{w.group}" for w in workloads]
+    labels = [f"{w.name}\n{w.group} {str(w.dtype).replace('torch.', '')}" for w in workloads]
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(workloads)), 4.5))
     width = 0.27
     for i, impl in enumerate(impls):
@@ -506,6 +516,7 @@ def main(argv=None):
         "--deadline", type=float, default=150.0, help="seconds after which NineToothed is skipped"
     )
     parser.add_argument("--warm", action="store_true", help="keep the existing caches (default: empty ones)")
+    parser.add_argument("--only", help="comma-separated workload names (e.g. mm,sdpa_causal); default all")
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
@@ -517,12 +528,12 @@ def main(argv=None):
     if device == "cpu":
         os.environ["NINEFOLD_DSL_BACKEND"] = "cpu"
     if args.warm:
-        run(device, args.out, args.deadline)
+        run(device, args.out, args.deadline, args.only)
         return
     with tempfile.TemporaryDirectory() as caches:  # cold caches, shared with the probe process
         os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
-        run(device, args.out, args.deadline)
+        run(device, args.out, args.deadline, args.only)
 
 
 if __name__ == "__main__":
