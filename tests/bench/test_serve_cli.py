@@ -138,3 +138,19 @@ def test_unreachable_server_without_model_says_so(tmp_path, capsys):
     code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--output", str(tmp_path / "r.json")])
     assert code == 1
     assert "cannot list models at http://127.0.0.1:9/v1/models" in capsys.readouterr().err
+
+
+def test_bench_without_a_benchmark_prints_help(capsys):
+    assert main(["bench"]) == 2
+    assert "serve" in capsys.readouterr().out
+
+
+def test_module_entry_point_has_the_same_options(capsys):
+    from ninefold.bench import serve
+
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    for option in ("--base-url", "--sweep-rates", "--slo", "--burstiness", "--max-concurrency", "--endpoint"):
+        assert option in help_text
