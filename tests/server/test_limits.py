@@ -48,8 +48,14 @@ def test_full_queue_is_429_with_retry_after(strict_server):
                 pytest.fail("the held stream finished before the second request arrived")
             _check_error(refused, 429)
             assert int(refused.headers["Retry-After"]) >= 1
-            held.read()
+            # One child runs, the other waits in the engine's queue (--max-num-seqs 1).
+            lines = held.iter_lines()  # keep a reference: a collected iterator closes the response
+            assert next(lines).startswith("data: {")
+            m = strict_server.metrics()
+            assert (m["ninefold:num_requests_running"], m["ninefold:num_requests_waiting"]) == (1, 1)
+        # Closing the stream aborts both children, the waiting one included.
     m = strict_server.wait_idle()
     assert m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"]
+    assert m['ninefold:request_success_total{finished_reason="abort",model_name="tiny"}'] == 2
     again = httpx.post(strict_server.base + "/v1/completions", headers=AUTH, json=more, timeout=60)
     assert again.status_code == 200
