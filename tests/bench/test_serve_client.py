@@ -140,3 +140,10 @@ def test_infinite_rate_is_reported_as_a_string(standin):
     run = benchmark(StreamClient(server.url, MODEL), make_requests(1), LoadShape(request_rate=math.inf), SLO(),
                     progress=False)
     assert run.report["config"]["request_rate"] == "inf"
+
+
+def test_a_request_past_its_timeout_fails(standin):
+    server = standin(first_token_delay_s=1.0)
+    run = benchmark(StreamClient(server.url, MODEL), make_requests(2), LoadShape(timeout_s=0.2), SLO(), progress=False)
+    assert run.report["failed"] == 2
+    assert all(r.error.startswith("ReadTimeout") for r in run.results)
