@@ -286,7 +286,7 @@ def measure_ceilings(device):
             a, b = (torch.randn(8192, 8192, dtype=dtype, device=device) for _ in range(2))
             rates[str(dtype)] = 2 * 8192**3 / _gpu_time(lambda a=a, b=b: torch.mm(a, b))
         return {"copy_bytes_per_s": copy, "mm_flops_per_s": rates}
-    src = torch.empty(2**26, dtype=torch.float32)
+    src = torch.empty(2**24, dtype=torch.float32)
     dst = torch.empty_like(src)
     copy = 2 * src.numel() * 4 / _cpu_time(lambda: dst.copy_(src))
     rates = {}
