@@ -191,12 +191,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run ``bench serve`` from parsed arguments; returns the exit code."""
+    """Run ``bench serve`` from parsed arguments.
+
+    Returns 0 when the report was written and some request completed, 1 when none did or the server
+    could not be reached, 2 for bad arguments.
+    """
     try:
         return _run(args)
     except ValueError as error:
         print(f"ninefold bench serve: error: {error}", file=sys.stderr)
         return 2
+    except httpx.HTTPError as error:  # outside the measured requests, e.g. /tokenize while building prompts
+        print(f"ninefold bench serve: error talking to {args.base_url}: {type(error).__name__}: {error}",
+              file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
