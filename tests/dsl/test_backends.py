@@ -180,3 +180,28 @@ def test_backend_from_environment(monkeypatch):
     x = torch.ones(4)
     with pytest.raises(ValueError, match="backend"):
         add(x, x, torch.empty(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_runs_programs_in_chunks(monkeypatch, dtype):
+    from ninefold.dsl.backends import cpu
+
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(cpu, "MAX_CHUNKS", 1000)
+    x, y = random((1001,), dtype, 10, noncontiguous=True), random((1001,), dtype, 11)
+    z = torch.empty(1001, dtype=dtype)
+    add(x, y, z, BLOCK=32)
+    close(z, x.double() + y.double(), dtype)
+    a = random((45, 70), dtype, 12, noncontiguous=True)
+    b = random((70, 38), dtype, 13)
+    c = torch.empty(45, 38, dtype=dtype)
+    mm(a, b, c, BM=16, BN=16, BK=16)
+    close(c, a.double() @ b.double(), dtype, scale=10)
+    s = random((9, 21), dtype, 14)
+    t = torch.empty_like(s)
+    softmax_rows(s, t, WIDTH=21)
+    close(t, torch.softmax(s.double(), dim=1), dtype)
+    w = random((77,), dtype, 15)
+    want = w.double() + 2.5 * x[:77].double()
+    axpy(x[:77], 2.5, w, BLOCK=16)
+    close(w, want, dtype)

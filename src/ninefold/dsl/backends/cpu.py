@@ -23,6 +23,9 @@ from ninefold.dsl.kernel import level_shapes
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
 TORCH_OPS = {"min": torch.minimum, "max": torch.maximum}
 LOOP_COST = 100_000
+CHUNK_BYTES = 4 << 20
+MAX_CHUNKS = 32
+MAX_CPU_BLOCK = 1024
 PROGRAM_COST = 256
 MAX_CONFIGS = 4096
 
@@ -42,13 +45,31 @@ def run(kernel, bound):
     bound = kernel.finish(bound, meta)
     function = _compiled(kernel)
     program = Program(kernel, bound)
+    scalars = [bound.values[p.name] if p.is_scalar else None for p in kernel.params]
     previous = language.BATCH.ndim, language.BATCH.shape
-    language.BATCH.ndim, language.BATCH.shape = len(bound.grid), bound.grid
     try:
         with torch.no_grad():
-            function(program, *[bound.values[p.name] if p.is_scalar else None for p in kernel.params])
+            for start, stop in _chunks(kernel, bound):
+                program.set_chunk(start, stop)
+                language.BATCH.ndim, language.BATCH.shape = len(bound.grid), program.local_grid
+                function(program, *scalars)
     finally:
         language.BATCH.ndim, language.BATCH.shape = previous
+
+
+def _chunks(kernel, bound):
+    """Ranges of the first grid dimension run together: about CHUNK_BYTES of tiles at a time."""
+    if not bound.grid:
+        return [(0, 1)]
+    per_program = 0
+    for p in bound.tensor_params():
+        shapes = level_shapes(p.arranged, bound.env)
+        per_program += math.prod(s for shape in shapes[1:] for s in shape) * bound.values[p.name].element_size()
+    rows = max(1, math.prod(bound.grid[1:]))
+    total = per_program * rows * bound.grid[0]
+    target = max(CHUNK_BYTES, total // MAX_CHUNKS)
+    step = max(1, target // max(per_program * rows, 1))
+    return [(start, min(start + step, bound.grid[0])) for start in range(0, bound.grid[0], step)]
 
 
 def choose_meta(kernel, bound, gpu=False) -> dict:
@@ -68,9 +89,10 @@ def choose_meta(kernel, bound, gpu=False) -> dict:
 
 def _choose_meta(kernel, bound, free, gpu):
     best, best_cost = None, None
-    choices = [list(reversed(s.candidates())) for s in free]
     if gpu:
-        choices = [[c for c in cs if c <= 128] or cs[-1:] for cs in choices]
+        choices = [[c for c in reversed(s.candidates()) if c <= 128] or s.candidates()[:1] for s in free]
+    else:  # the bounds are GPU tuning ranges; on cpu larger tiles mean fewer, larger torch ops
+        choices = [_cpu_candidates(s) for s in free]
     for values in itertools.islice(itertools.product(*choices), MAX_CONFIGS):
         env = dict(bound.env)
         env.update(zip(free, values))
@@ -90,6 +112,16 @@ def _choose_meta(kernel, bound, free, gpu):
     if best is None:
         best = [c[-1] for c in choices]
     return dict(zip(free, best))
+
+
+def _cpu_candidates(symbol):
+    lo = symbol.lower_bound or 1
+    values, v = [], 1
+    while v <= max(MAX_CPU_BLOCK, lo):
+        if v >= lo:
+            values.append(v)
+        v *= 2
+    return list(reversed(values))
 
 
 def _compiled(kernel):
@@ -125,7 +157,11 @@ class _BatchSubscripts(ast.NodeTransformer):
 
 
 class Program:
-    """The ``_nf`` object of a cpu run: loads, stores and shape queries of the parameters."""
+    """The ``_nf`` object of a cpu run: loads, stores and shape queries of the parameters.
+
+    The run may be split into chunks of programs along the first grid dimension (so that the
+    temporaries of one chunk stay in cache); ``set_chunk`` selects the programs of the next pass.
+    """
 
     def __init__(self, kernel, bound):
         self.kernel = kernel
@@ -133,7 +169,13 @@ class Program:
         self.grid = bound.grid
         self.g = len(bound.grid)
         self._plans: dict = {}
-        self._padded: dict = {}
+        self._windows: dict = {}
+        self.set_chunk(0, bound.grid[0] if bound.grid else 1)
+
+    def set_chunk(self, start, stop):
+        self.chunk = (start, stop)
+        self.local_grid = ((stop - start,) + tuple(self.grid[1:])) if self.g else ()
+        self._windows = {}
 
     # ----------------------------------------------------------------- queries
     def shape(self, name, index):
@@ -165,11 +207,11 @@ class Program:
                 evaluate(e, env, TORCH_OPS) * self.bound.values[name].stride(d) for d, e in enumerate(access.source_index)
             )
         else:
-            value = evaluate(access.source_index[dim], env, TORCH_OPS)
-        full = [*self.grid, *plan.tile_shape]
-        value = torch.as_tensor(value).expand(full) if not isinstance(value, torch.Tensor) else value
-        keep = [d for d, var in enumerate(access.tile_vars) if dim is None or var in access.source_index[dim].leaves()]
-        value = value.expand([*value.shape[: self.g], *value.shape[self.g :]]) if value.ndim == len(full) else value.expand(full)
+            value = evaluate(access.source_index[dim % len(access.source_index)], env, TORCH_OPS)
+        full = [*self.local_grid, *plan.tile_shape]
+        value = torch.as_tensor(value).expand(full) if not isinstance(value, torch.Tensor) else value.expand(full)
+        expr = access.source_index[dim % len(access.source_index)] if dim is not None else None
+        keep = [d for d, var in enumerate(access.tile_vars) if expr is None or var in expr.leaves()]
         index_ = (slice(None),) * self.g + tuple(slice(None) if d in keep else 0 for d in range(len(plan.tile_shape)))
         return value[index_]
 
@@ -185,39 +227,42 @@ class Program:
         for var, value in zip(plan.access.middle_vars, index):
             env[var] = _int(value, plan.name)
         if torch_vars:
-            env.update(plan.torch_vars)
+            env.update(plan.torch_vars(self.chunk))
         return env
 
     def load(self, name, index):
         plan = self._plan(name, len(index))
         source = self.bound.values[name]
+        env = self._env(plan, index, plan.kind == "gather")
         if plan.kind == "view":
-            return plan.view(source, self._env(plan, index, False))
+            return plan.view(source, env, self.chunk)
         if plan.kind == "padded":
-            key = name
-            if key not in self._padded:
-                self._padded[key] = plan.pad(source)
-            return plan.view(self._padded[key], self._env(plan, index, False))
-        return plan.gather(source, self._env(plan, index, True))
+            key = (name, len(index))
+            if key not in self._windows:
+                self._windows[key] = plan.window(source, self.chunk)
+            window, lo = self._windows[key]
+            return plan.view(window, env, self.chunk, lo)
+        return plan.gather(source, env, self.chunk)
 
     def store(self, name, index, value):
         plan = self._plan(name, len(index))
         target = self.bound.values[name]
-        full = [*self.grid, *plan.tile_shape]
+        full = [*self.local_grid, *plan.tile_shape]
         value = torch.as_tensor(value, dtype=target.dtype) if not isinstance(value, torch.Tensor) else value.to(target.dtype)
         if value.ndim > len(full):
             raise ValueError(f"store to {name}: value has {value.ndim - self.g} tile dims, the tile {plan.tile_shape} has {len(plan.tile_shape)}")
         value = value.reshape((1,) * (len(full) - value.ndim) + tuple(value.shape)) if value.ndim < len(full) else value
         value = value.expand(full)
-        self._padded.pop(name, None)
+        self._windows = {key: w for key, w in self._windows.items() if key[0] != name}
+        env = self._env(plan, index, plan.kind == "gather")
         if plan.kind == "view":
-            plan.write_view(target, self._env(plan, index, False), value)
+            plan.write_view(target, env, self.chunk, value)
         elif plan.kind == "padded":
-            padded = plan.pad(target, fill=not plan.covers())
-            plan.write_view(padded, self._env(plan, index, False), value)
-            target.copy_(padded[tuple(slice(lo, lo + s) for lo, s in zip(plan.pad_lo, target.shape))])
+            window, lo = plan.window(target, self.chunk, fill=not plan.covers(self.chunk))
+            plan.write_view(window, env, self.chunk, value, lo)
+            plan.write_back(target, window, lo)
         else:
-            plan.scatter(target, self._env(plan, index, True), value)
+            plan.scatter(target, env, self.chunk, value)
 
 
 def _int(value, name):
@@ -236,26 +281,20 @@ class _Plan:
         self.access = access
         bound = program.bound
         env = bound.env
+        self.env = env
         self.other = access.top.source.other
         self.grid = program.grid
         self.g = program.g
         self.tile_shape = tuple(int(evaluate(s, env)) for s in access.tile_shape)
-        middle_shape = tuple(int(evaluate(s, env)) for s in access.middle_level._shape) if access.middle_level is not None else ()
-        variables = (*access.grid_vars, *access.tile_vars)
+        self.middle_shape = tuple(int(evaluate(s, env)) for s in access.middle_level._shape) if access.middle_level is not None else ()
+        self.variables = (*access.grid_vars, *access.tile_vars)
         sizes = (*self.grid, *self.tile_shape)
-        ranges = {v: (0, n - 1) for v, n in zip(variables, sizes)}
-        ranges.update({v: (0, max(n - 1, 0)) for v, n in zip(access.middle_vars, middle_shape)})
-        ranges.update({leaf: (val, val) for leaf, val in env.items() if isinstance(val, int)})
-        self.full = sizes
-        rank = len(sizes)
-        self.torch_vars = {
-            v: torch.arange(n).reshape([n if i == d else 1 for i in range(rank)]) for d, (v, n) in enumerate(zip(variables, sizes))
-        }
-        live = [c for c in access.conditions if interval(c, ranges) != (1, 1)]
+        self.sizes = sizes
+        live = [c for c in access.conditions if interval(c, self.ranges((0, self.grid[0] if self.grid else 1))) != (1, 1)]
         self.mask = conjunction(live)
         tensor = bound.values[name]
         self.source_shape = tuple(tensor.shape)
-        affines = [affine(e, set(variables) | set(access.middle_vars), env) for e in access.source_index]
+        affines = [affine(e, set(self.variables) | set(access.middle_vars), env) for e in access.source_index]
         self.kind = "gather"
         if all(a is not None for a in affines) and not any(s == 0 for s in sizes):
             self.affines = affines
@@ -265,70 +304,102 @@ class _Plan:
                 bounds_only.add(binary("<", e, access.top.source._shape[d]))
             if not live:
                 self.kind = "view"
-                self.pad_lo = (0,) * len(affines)
             elif all(c in bounds_only for c in live):
                 self.kind = "padded"
-                spans = [interval(e, ranges) for e in access.source_index]
-                self.pad_lo = tuple(max(0, -lo) for lo, _ in spans)
-                self.pad_hi = tuple(max(0, hi - (n - 1)) for (_, hi), n in zip(spans, self.source_shape))
+
+    def ranges(self, chunk):
+        """Interval of every variable for the programs of ``chunk``."""
+        ranges = {leaf: (val, val) for leaf, val in self.env.items() if isinstance(val, int)}
+        for d, (v, n) in enumerate(zip(self.variables, self.sizes)):
+            ranges[v] = (chunk[0], chunk[1] - 1) if d == 0 and self.g else (0, n - 1)
+        ranges.update({v: (0, max(n - 1, 0)) for v, n in zip(self.access.middle_vars, self.middle_shape)})
+        return ranges
+
+    def local_sizes(self, chunk):
+        return ((chunk[1] - chunk[0],) + tuple(self.sizes[1:])) if self.g else tuple(self.sizes)
+
+    def torch_vars(self, chunk):
+        sizes = self.local_sizes(chunk)
+        rank = len(sizes)
+        out = {}
+        for d, (v, n) in enumerate(zip(self.variables, sizes)):
+            start = chunk[0] if d == 0 and self.g else 0
+            out[v] = torch.arange(start, start + n).reshape([n if i == d else 1 for i in range(rank)])
+        return out
 
     # views -------------------------------------------------------------
-    def _geometry(self, tensor, env):
+    def _geometry(self, tensor, env, chunk, lo=None):
+        if not hasattr(self, "_coefs"):
+            self._consts = [const for const, _ in self.affines]
+            self._coefs = [[coefs.get(v, 0) for _, coefs in self.affines] for v in self.variables]
+            self._middle = [[coefs.get(m, 0) for _, coefs in self.affines] for m in self.access.middle_vars]
         strides = tensor.stride()
         offset = tensor.storage_offset()
-        var_strides = []
-        variables = (*self.access.grid_vars, *self.access.tile_vars)
-        for d, (const, coefs) in enumerate(self.affines):
-            offset += (const + self.pad_lo[d]) * strides[d]
-            for m in self.access.middle_vars:
-                offset += coefs.get(m, 0) * env[m] * strides[d]
-        for v in variables:
-            var_strides.append(sum(coefs.get(v, 0) * strides[d] for d, (_, coefs) in enumerate(self.affines)))
-        return offset, var_strides
+        middle = [env[m] for m in self.access.middle_vars]
+        for d, const in enumerate(self._consts):
+            shift = const - (lo[d] if lo is not None else 0)
+            if self.g:
+                shift += self._coefs[0][d] * chunk[0]
+            for row, value in zip(self._middle, middle):
+                shift += row[d] * value
+            offset += shift * strides[d]
+        var_strides = [sum(c * st for c, st in zip(row, strides)) for row in self._coefs]
+        sizes = [1 if st == 0 else n for n, st in zip(self.local_sizes(chunk), var_strides)]
+        return offset, sizes, var_strides
 
-    def view(self, tensor, env):
-        offset, strides = self._geometry(tensor, env)
-        sizes = [1 if st == 0 else n for n, st in zip(self.full, strides)]
+    def view(self, tensor, env, chunk, lo=None):
+        offset, sizes, strides = self._geometry(tensor, env, chunk, lo)
         return tensor.as_strided(sizes, strides, offset)
 
-    def write_view(self, tensor, env, value):
-        offset, strides = self._geometry(tensor, env)
-        sizes = [1 if st == 0 else n for n, st in zip(self.full, strides)]
+    def write_view(self, tensor, env, chunk, value, lo=None):
+        offset, sizes, strides = self._geometry(tensor, env, chunk, lo)
         value = value[tuple(slice(-1, None) if st == 0 else slice(None) for st in strides)]
         tensor.as_strided(sizes, strides, offset).copy_(value)
 
-    def pad(self, tensor, fill=True):
-        """A contiguous copy of ``tensor`` with ``other`` around it (borders left empty unless ``fill``)."""
-        shape = [lo + n + hi for lo, n, hi in zip(self.pad_lo, tensor.shape, self.pad_hi)]
+    def window(self, tensor, chunk, fill=True):
+        """The box of ``tensor`` this chunk touches, padded with ``other``, and its first index."""
+        ranges = self.ranges(chunk)
+        spans = [interval(e, ranges) for e in self.access.source_index]
+        lo = tuple(a for a, _ in spans)
+        shape = [b - a + 1 for a, b in spans]
         out = torch.empty(shape, dtype=tensor.dtype)
-        center = tuple(slice(lo, lo + n) for lo, n in zip(self.pad_lo, tensor.shape))
+        inside = [(max(a, 0), min(b, n - 1)) for (a, b), n in zip(spans, tensor.shape)]
         if fill:
-            out[center] = tensor
             other = 0 if self.other is None else self.other
-            for d, (lo, n, hi) in enumerate(zip(self.pad_lo, tensor.shape, self.pad_hi)):
+            if any(a > b for a, b in inside):
+                out.fill_(other)
+                return out, lo
+            out[tuple(slice(a - low, b - low + 1) for (a, b), low in zip(inside, lo))] = tensor[tuple(slice(a, b + 1) for a, b in inside)]
+            for d, ((a, b), low, n) in enumerate(zip(inside, lo, shape)):
                 head = (slice(None),) * d
-                if lo:
-                    out[head + (slice(0, lo),)] = other
-                if hi:
-                    out[head + (slice(lo + n, None),)] = other
-        return out
+                if a - low:
+                    out[head + (slice(0, a - low),)] = other
+                if b - low + 1 < n:
+                    out[head + (slice(b - low + 1, None),)] = other
+        return out, lo
 
-    def covers(self) -> bool:
-        """Whether the tiles write every in-bounds element (so a padded write needs no initial copy)."""
-        variables = (*self.access.grid_vars, *self.access.tile_vars)
+    def write_back(self, target, window, lo):
+        inside = [(max(low, 0), min(low + w - 1, n - 1)) for low, w, n in zip(lo, window.shape, target.shape)]
+        if any(a > b for a, b in inside):
+            return
+        target[tuple(slice(a, b + 1) for a, b in inside)] = window[tuple(slice(a - low, b - low + 1) for (a, b), low in zip(inside, lo))]
+
+    def covers(self, chunk) -> bool:
+        """Whether this chunk's tiles write every in-bounds element of their box (no initial copy needed)."""
+        if self.access.middle_vars:
+            return False
+        sizes = self.local_sizes(chunk)
         used: set = set()
-        for d, (const, coefs) in enumerate(self.affines):
-            terms = sorted((c, self.full[variables.index(v)]) for v, c in coefs.items() if c and v in variables)
-            if const > 0 or any(v in used for v in coefs) or any(v in coefs for v in self.access.middle_vars):
+        for _, coefs in self.affines:
+            terms = sorted((c, sizes[self.variables.index(v)]) for v, c in coefs.items() if c)
+            if any(v in used for v in coefs if coefs[v]) or any(c < 0 for c, _ in terms):
                 return False
-            used |= set(coefs)
-            reach = const
+            used |= {v for v in coefs if coefs[v]}
+            span = 0
             for coef, n in terms:
-                if coef <= 0 or coef > reach - const + 1:
+                if coef > span + 1:
                     return False
-                reach += coef * (n - 1)
-            if reach < self.source_shape[d] - 1:
-                return False
+                span += coef * (n - 1)
         return True
 
     # gathers -----------------------------------------------------------
@@ -340,24 +411,25 @@ class _Plan:
         offsets = torch.as_tensor(offsets, dtype=torch.int64)
         return offsets, mask
 
-    def gather(self, tensor, env):
+    def gather(self, tensor, env, chunk):
         offsets, mask = self._offsets(tensor, env)
         flat = _flat(tensor)
+        other = 0 if self.other is None else self.other
         if isinstance(mask, torch.Tensor):
             safe = torch.where(mask, offsets, 0)
             values = flat[safe]
-            other = 0 if self.other is None else self.other
             return torch.where(mask, values, torch.tensor(other, dtype=values.dtype))
         if not mask:
-            return torch.full(self.full, 0 if self.other is None else self.other, dtype=tensor.dtype)
+            return torch.full(self.local_sizes(chunk), other, dtype=tensor.dtype)
         return flat[offsets]
 
-    def scatter(self, tensor, env, value):
+    def scatter(self, tensor, env, chunk, value):
+        full = self.local_sizes(chunk)
         offsets, mask = self._offsets(tensor, env)
-        offsets = offsets.expand(self.full)
+        offsets = offsets.expand(full)
         flat = _flat(tensor)
         if isinstance(mask, torch.Tensor):
-            mask = mask.expand(self.full)
+            mask = mask.expand(full)
             flat[offsets[mask]] = value[mask]
         elif mask:
             flat[offsets.reshape(-1)] = value.reshape(-1)
