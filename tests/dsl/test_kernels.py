@@ -480,3 +480,25 @@ BAD_CALLS = [
 def test_bad_input_is_refused_by_name(call, error, word):
     with pytest.raises(error, match=word):
         call()
+
+
+def test_kernel_sources_import_only_the_dsl_and_each_other():
+    """What lets the benchmark compile the same files with NineToothed by renaming two imports."""
+    import ast
+    import pathlib
+
+    import ninefold.ops.kernels as package
+
+    allowed = ("ninefold.dsl", "ninefold.dsl.language", "ninefold.ops.kernels")
+    files = sorted(pathlib.Path(package.__file__).parent.glob("*.py"))
+    assert len(files) >= 10
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            for name in names:
+                if name.startswith("ninefold"):
+                    assert name in allowed or name.startswith("ninefold.ops.kernels."), (path.name, name)
