@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "runtime.json"), "w") as f:
             json.dump(results, f, indent=1)
-        print(f"wrote {os.path.join(out, 'runtime.json')}")
+        with open(os.path.join(out, "runtime.md"), "w") as f:
+            f.write(markdown(results))
+        print(f"wrote {os.path.join(out, 'runtime.json')} and runtime.md (tables for docs/perf/runtime.md)")
     print(f"done in {results['seconds']} s")
     return 0
 
@@ -250,7 +252,7 @@ def bench_swap_overlap(dev: Device, *, num_swap: int, num_layers: int) -> dict:
     out_alone, in_alone = statistics.median(outs), statistics.median(ins)
     compute()  # warm-up
     one_mm = wall(compute)
-    state["k"] = max(1, round(max(out_alone, in_alone) / max(one_mm, 1e-9)))
+    state["k"] = min(50, max(1, round(max(out_alone, in_alone) / max(one_mm, 1e-9))))
     compute_alone = statistics.median(wall(compute) for _ in range(3))
 
     timeline = {}
@@ -283,7 +285,8 @@ def bench_swap_overlap(dev: Device, *, num_swap: int, num_layers: int) -> dict:
             swap_in()
         entry = {"swap_alone_ms": alone * 1e3, "compute_alone_ms": compute_alone * 1e3,
                  "together_ms": seconds * 1e3, "serial_ms": (alone + compute_alone) * 1e3,
-                 "hidden_fraction": min(1.0, max(0.0, (alone + compute_alone - seconds) / min(alone, compute_alone)))}
+                 "hidden_fraction": min(1.0, max(0.0, (alone + compute_alone - seconds) / min(alone, compute_alone)))
+                 if pool.copy_stream is not None else None}  # on the CPU swaps are synchronous copies
         if dev.is_accelerator:
             start, marks = timeline["events"]
             copy_span = (start.elapsed_time(marks[0]), start.elapsed_time(marks[1]))
@@ -313,8 +316,41 @@ def print_swap(swap: dict) -> None:
                  f"compute {e['compute_stream_ms'][0]:.2f}-{e['compute_stream_ms'][1]:.2f}, "
                  f"overlap {e['overlap_ms']:.2f}") if "overlap_ms" in e else "-"
         rows.append([f"swap {direction}", f"{e['swap_alone_ms']:.2f}", f"{e['compute_alone_ms']:.2f}",
-                     f"{e['serial_ms']:.2f}", f"{e['together_ms']:.2f}", f"{e['hidden_fraction']:.0%}", spans])
+                     f"{e['serial_ms']:.2f}", f"{e['together_ms']:.2f}", _percent(e["hidden_fraction"]), spans])
     print_rows(["", "swap ms", "compute ms", "sum ms", "together ms", "hidden", "stream spans ms"], rows)
+
+
+def markdown(results: dict) -> str:
+    """The measured tables in the layout of docs/perf/runtime.md."""
+    p = results["profile"]
+    c, link, n = p["compute"], p["interconnect"], p["measured"]["matmul_n"]
+    lines = [f"`python -m ninefold.bench.runtime`, {results['date']}, {results['name']} ({results['device']}), "
+             f"torch {results['torch']}, {results['seconds']} s", "",
+             "| what | measured |", "| --- | --- |"]
+    lines += [f"| matmul {k} n={n[k]} | {v / 1e12:.4g} TFLOP/s |" for k, v in c.items()]
+    lines.append(f"| copy {p['measured']['copy_bytes'] / 2**30:.2f} GiB, read + written | {p['bandwidth']['copy'] / 1e9:.0f} GB/s |")
+    lines.append(f"| capacity total / free | {p['capacity']['total'] / 2**30:.1f} / {p['capacity']['free'] / 2**30:.1f} GiB |")
+    for key in ("host_to_device", "device_to_host", "loopback_tcp"):
+        if key in link:
+            lines.append(f"| {key.replace('_', ' ')} | {link[key] / 1e9:.1f} GB/s |")
+    for peer, rate in link.get("device_to_device", {}).items():
+        lines.append(f"| to {peer} | {rate / 1e9:.1f} GB/s |")
+    lines += ["", "| batch | eager us | replay us | speed-up |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['eager_us']:.1f} | {r['replay_us']:.1f} | {r['speedup']:.2f}x |"
+              for r in results["cuda_graph"]]
+    swap = results["kv_swap"]
+    lines += ["", "| direction | swap alone ms | compute alone ms | together ms | hidden | copy stream span | compute stream span |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for direction in ("out", "in"):
+        e = swap[f"swap_{direction}"]
+        spans = [f"{e[k][0]:.2f}-{e[k][1]:.2f} ms" if k in e else "-" for k in ("copy_stream_ms", "compute_stream_ms")]
+        lines.append(f"| {direction} | {e['swap_alone_ms']:.2f} | {e['compute_alone_ms']:.2f} | {e['together_ms']:.2f} "
+                     f"| {_percent(e['hidden_fraction'])} | {spans[0]} | {spans[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 def print_rows(header: list[str], rows: list[list]) -> None:
