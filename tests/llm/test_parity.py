@@ -117,3 +117,13 @@ def test_preemption_with_prefix_cache_and_chunking(model_dirs):
     prompts[2][:20] = prompts[0][:20]
     assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_chat_renders_the_template_and_generates(llama_dir):
+    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    messages = [{"role": "user", "content": "Hello"}]
+    ids = llm.tokenizer.apply_chat_template(messages, tokenize=True)
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(llama_dir, ids, 8)
