@@ -9,6 +9,7 @@ import pytest
 
 from ninefold.cli.main import main
 from ninefold.cli.profile import format_table
+from ninefold.runtime import Device
 from ninefold.runtime.profile import HardwareProfile, cache_dir
 
 
@@ -28,7 +29,7 @@ def run_profile(cache):
     return json.loads(result.stdout)
 
 
-def test_cpu_profile_json_is_sane_and_cached(tmp_path):
+def test_cpu_profile_json_is_sane_and_cached(tmp_path, monkeypatch, capsys):
     # One test, so that parallel workers do not each measure the CPU.
     data = run_profile(tmp_path)
     assert {"compute", "bandwidth", "capacity", "interconnect"} <= set(data)
@@ -56,6 +57,12 @@ def test_cpu_profile_json_is_sane_and_cached(tmp_path):
         profile.roofline_seconds(1, 1, "int8")
     table = format_table([profile])
     assert "cpu" in table.splitlines()[1] and "TFLOP/s" in table.splitlines()[0]
+
+    # In this process, from the same cache: every device as a table (only the CPU where there is no accelerator).
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    assert main(["profile", "device", "--device", "all"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[0] == "cpu" and len(rows) == 1 + len(Device.all())
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
