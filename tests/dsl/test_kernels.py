@@ -75,7 +75,8 @@ def _rope_run(interleaved):
         q, k = inputs
         gen = torch.Generator().manual_seed(7)
         positions, cache = _positions_and_cache(q.shape[0], 12, gen)
-        return rope.rope(q, k, positions, cache.to(q.dtype), is_neox=not interleaved, **blocks)
+        positions, cache = positions.to(q.device), cache.to(device=q.device, dtype=q.dtype)
+        return rope.rope(q, k, positions, cache, is_neox=not interleaved, **blocks)
 
     def ref(inputs, dtype):
         q, k = inputs
@@ -453,6 +454,17 @@ BAD_CALLS = [
         lambda: rope.rope(torch.ones(4, 2, 8), torch.ones(4, 1, 8), torch.zeros(4), torch.ones(16, 8)),
         TypeError,
         "positions",
+    ),
+    (
+        "rope cache device",
+        lambda: rope.rope(
+            torch.ones(4, 2, 8),
+            torch.ones(4, 1, 8),
+            torch.zeros(4, dtype=torch.int64),
+            torch.ones(16, 8, device="meta"),
+        ),
+        ValueError,
+        "cos_sin_cache",
     ),
     (
         "sdpa causal",

@@ -85,6 +85,9 @@ def rope(q, k, positions, cos_sin_cache, is_neox=True, **blocks):
         raise ValueError(
             f"positions: {positions.shape[0]} positions for q/k of {q.shape[0]}/{k.shape[0]} tokens"
         )
+    for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
     table = cos_sin_cache.index_select(0, positions)
     half = cos_sin_cache.shape[1] // 2
     cos, sin = table[:, :half], table[:, half:]
