@@ -10,7 +10,7 @@ from ninefold.llm.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    eng = AsyncEngine(str(llama_dir), block_size=4, num_kv_blocks=64)
+    eng = AsyncEngine(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64)
     yield eng
     eng.shutdown()
 

@@ -7,12 +7,12 @@ from ninefold import LLM, SamplingParams
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ninefold", "generate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ninefold", "generate", "--device", "cpu", *args], capture_output=True, text=True,
                           timeout=300)
 
 
 def test_generate_streams_the_greedy_completion_with_and_without_chat_template(llama_dir):
-    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    llm = LLM(str(llama_dir), device="cpu", num_kv_blocks=64)
     tok = llm.tokenizer
     params = SamplingParams(temperature=0, max_tokens=12)
     chat_ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=True)

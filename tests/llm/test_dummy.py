@@ -27,7 +27,7 @@ def test_dummy_weights_from_a_config_dict_or_directory_generate(model_dirs, vari
     config = json.loads((model_dirs[variant] / "config.json").read_text())
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for source in (config, str(model_dirs[variant])):
-        llm = LLM(source, load_format="dummy", num_kv_blocks=16)
+        llm = LLM(source, device="cpu", load_format="dummy", num_kv_blocks=16)
         assert llm.tokenizer is None
         out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)
         assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text == ""
@@ -37,4 +37,4 @@ def test_dummy_weights_from_a_config_dict_or_directory_generate(model_dirs, vari
 
 def test_unknown_dummy_shape_lists_the_known_ones():
     with pytest.raises(ValueError, match="llama-3.1-8b"):
-        LLM("llama-9000", load_format="dummy")
+        LLM("llama-9000", device="cpu", load_format="dummy")

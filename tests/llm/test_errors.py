@@ -12,7 +12,7 @@ from ninefold.llm.loader import MissingModelFile, load_checkpoint
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(str(llama_dir), block_size=4, num_kv_blocks=32)
+    return LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=32)
 
 
 def _copy(src, dst):
@@ -26,7 +26,7 @@ def test_unknown_architecture_is_named(tmp_path, llama_dir):
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: LlamaForCausalLM"):
-        LLM(str(path))
+        LLM(str(path), device="cpu")
 
 
 @pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
@@ -52,14 +52,14 @@ def test_missing_tensor_and_bad_shape_are_named(tmp_path, llama_dir):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        LLM(str(path))
+        LLM(str(path), device="cpu")
 
 
 def test_model_that_is_neither_dir_nor_gguf_nor_known(tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
-        LLM(str(tmp_path / "no-such-model"))
+        LLM(str(tmp_path / "no-such-model"), device="cpu")
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
-        LLM(str(tmp_path / "missing.gguf"))
+        LLM(str(tmp_path / "missing.gguf"), device="cpu")
 
 
 def test_config_errors_name_the_field():
@@ -77,13 +77,13 @@ def test_config_errors_name_the_field():
 
 def test_engine_argument_errors(llama_dir):
     with pytest.raises(TypeError, match="max_num_seq"):
-        LLM(str(llama_dir), max_num_seq=4)
+        LLM(str(llama_dir), device="cpu", max_num_seq=4)
     with pytest.raises(ValueError, match="block_size"):
-        LLM(str(llama_dir), block_size=0)
+        LLM(str(llama_dir), device="cpu", block_size=0)
     with pytest.raises(ValueError, match="dtype"):
-        LLM(str(llama_dir), dtype="int8")
+        LLM(str(llama_dir), device="cpu", dtype="int8")
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(str(llama_dir), max_model_len=100_000)
+        LLM(str(llama_dir), device="cpu", max_model_len=100_000)
 
 
 def test_bad_requests_fail_alone(llm):

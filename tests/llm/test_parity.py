@@ -53,7 +53,7 @@ def generate_ids(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_matches_transformers_one_prompt_at_a_time_and_batched(model_dirs, variant):
     path = model_dirs[variant]
-    llm = LLM(str(path), block_size=8, num_kv_blocks=64)
+    llm = LLM(str(path), device="cpu", block_size=8, num_kv_blocks=64)
     prompts = prompts_for(llm.engine.model_config.vocab_size)
     expected = [hf_greedy(path, p) for p in prompts]
     for prompt, want in zip(prompts, expected):
@@ -64,7 +64,7 @@ def test_greedy_matches_transformers_one_prompt_at_a_time_and_batched(model_dirs
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_last_position_logits_match_transformers(model_dirs, variant):
     path = model_dirs[variant]
-    engine = LLMEngine(str(path), block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    engine = LLMEngine(str(path), device="cpu", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
     prompts = prompts_for(engine.model_config.vocab_size, lengths=(5, 23))
     for i, prompt in enumerate(prompts):
         engine.add_request(engine.build_request(prompt, GREEDY, f"r{i}"))
@@ -79,7 +79,7 @@ def test_last_position_logits_match_transformers(model_dirs, variant):
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_chunked_prefill_matches_transformers(model_dirs, variant):
     path = model_dirs[variant]
-    llm = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=7, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=7, enable_prefix_caching=False)
     prompts = prompts_for(llm.engine.model_config.vocab_size)
     assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
 
@@ -87,7 +87,7 @@ def test_chunked_prefill_matches_transformers(model_dirs, variant):
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 def test_prefix_cache_hits_give_the_same_tokens(model_dirs, variant):
     path = model_dirs[variant]
-    llm = LLM(str(path), block_size=4, num_kv_blocks=128)
+    llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=128)
     vocab = llm.engine.model_config.vocab_size
     shared = prompts_for(vocab, lengths=(30,), seed=7)[0]
     prompts = [shared + tail for tail in prompts_for(vocab, lengths=(1, 6, 13), seed=8)]
@@ -103,7 +103,7 @@ def test_prefix_cache_hits_give_the_same_tokens(model_dirs, variant):
 def test_preemption_by_recompute_gives_the_same_tokens(model_dirs, variant):
     path = model_dirs[variant]
     # each request needs up to ceil((45 + 32) / 4) = 20 blocks; three at once cannot fit in 24
-    llm = LLM(str(path), block_size=4, num_kv_blocks=24, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=24, enable_prefix_caching=False)
     prompts = prompts_for(llm.engine.model_config.vocab_size)
     assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
     assert llm.engine.scheduler.num_preemptions > 0
@@ -112,7 +112,7 @@ def test_preemption_by_recompute_gives_the_same_tokens(model_dirs, variant):
 
 def test_preemption_with_prefix_cache_and_chunking(model_dirs):
     path = model_dirs["llama"]
-    llm = LLM(str(path), block_size=4, num_kv_blocks=26, max_num_batched_tokens=9)
+    llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=26, max_num_batched_tokens=9)
     prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(45, 17, 45, 3), seed=3)
     prompts[2][:20] = prompts[0][:20]
     assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
@@ -120,7 +120,7 @@ def test_preemption_with_prefix_cache_and_chunking(model_dirs):
 
 
 def test_chat_renders_the_template_and_generates(llama_dir):
-    llm = LLM(str(llama_dir), num_kv_blocks=64)
+    llm = LLM(str(llama_dir), device="cpu", num_kv_blocks=64)
     messages = [{"role": "user", "content": "Hello"}]
     ids = llm.tokenizer.apply_chat_template(messages, tokenize=True)
     assert llm.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"

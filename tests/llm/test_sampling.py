@@ -9,7 +9,7 @@ from ninefold import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(str(llama_dir), block_size=4, num_kv_blocks=256)
+    return LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
