@@ -1,1 +1,11 @@
-"""ninefold.llm"""
+"""ninefold.llm: LLM serving on top of ``ninefold.ops`` and ``ninefold.runtime``.
+
+User surface (mirrors vLLM): ``LLM`` (``api.py``), ``SamplingParams`` (``sampling.py``),
+``RequestOutput`` / ``CompletionOutput`` (``outputs.py``), ``AsyncEngine`` (``async_engine.py``).
+
+Inside, one job per module: ``loader.py`` (HF directories, GGUF via ``gguf.py``, known names via
+``hub.py``, dummy weights) -> ``config.py`` (``ModelConfig``) -> ``models/llama.py`` (the decoder);
+``tokenizer.py`` + ``detokenizer.py``; ``kv_cache.py`` (``BlockManager``, prefix cache) ->
+``scheduler.py`` (continuous batching) -> ``runner.py`` (+ ``cuda_graphs.py``, ``sampler.py``) ->
+``engine.py`` (``LLMEngine.step``); ``server/`` (OpenAI-compatible HTTP server).
+"""
