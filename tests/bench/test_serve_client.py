@@ -124,7 +124,8 @@ def test_ignore_eos_and_api_key_are_sent(standin):
     assert list_models(server.url, "sekrit") == [MODEL]
 
 
-@pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
+@pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/",
+                                 "http://h:8000/v1/completions", "http://h:8000/v1/chat/completions/"])
 def test_api_root(url):
     assert api_root(url) == "http://h:8000"
 

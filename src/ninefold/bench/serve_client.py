@@ -15,12 +15,15 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def api_root(base_url: str) -> str:
-    """The server root from ``--base-url``: ``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all work."""
+    """The server root from ``--base-url``: ``http://h:p``, ``http://h:p/v1`` or an endpoint's full URL."""
     url = httpx.URL(base_url)
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(f"--base-url must be an http(s) URL like http://127.0.0.1:8000, got {base_url!r}")
     root = str(url).rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
+    for suffix in (*ENDPOINTS.values(), "/v1"):
+        if root.endswith(suffix):
+            return root[: -len(suffix)]
+    return root
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
