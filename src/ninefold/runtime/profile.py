@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -108,37 +109,29 @@ def measure(device: Device, *, progress: bool = True, min_time: float | None = N
     if min_time is None:
         min_time = 0.5 if dev.is_accelerator else 0.15
     peers = [d for d in Device.all() if d.type == dev.type and d != dev] if dev.is_accelerator else []
-    steps: list[tuple[str, Callable[[], None]]] = []
-    compute: dict[str, float] = {}
-    sizes: dict[str, int] = {}
-    interconnect: dict = {}
-    bandwidth: dict[str, float] = {}
     copy_bytes = _copy_bytes(dev)
-
-    def add_matmul(name: str, dtype: torch.dtype):
-        def run():
-            compute[name], sizes[name] = _matmul_rate(dev, dtype, min_time)
-        steps.append((f"matmul {name}", run))
-
-    for name, dtype in DTYPES.items():
-        add_matmul(name, dtype)
-    steps.append(("device copy", lambda: bandwidth.__setitem__("copy", _copy_rate(dev, copy_bytes, min_time))))
+    jobs: list[tuple[str, Callable[[], object]]] = [
+        (f"matmul {name}", functools.partial(_matmul_rate, dev, dtype, min_time)) for name, dtype in DTYPES.items()]
+    jobs.append(("device copy", functools.partial(_copy_rate, dev, copy_bytes, min_time)))
     if dev.is_accelerator:
-        steps.append(("host to device", lambda: interconnect.__setitem__(
-            "host_to_device", _transfer_rate(dev, "h2d", copy_bytes // 2, min_time))))
-        steps.append(("device to host", lambda: interconnect.__setitem__(
-            "device_to_host", _transfer_rate(dev, "d2h", copy_bytes // 2, min_time))))
-        interconnect["device_to_device"] = {}
-        for peer in peers:
-            steps.append((f"to {peer.torch}", lambda peer=peer: interconnect["device_to_device"].__setitem__(
-                str(peer.torch), _peer_rate(dev, peer, copy_bytes // 2, min_time))))
-    steps.append(("loopback tcp", lambda: interconnect.__setitem__("loopback_tcp", _tcp_rate(min_time))))
+        jobs.append(("host to device", functools.partial(_transfer_rate, dev, "h2d", copy_bytes // 2, min_time)))
+        jobs.append(("device to host", functools.partial(_transfer_rate, dev, "d2h", copy_bytes // 2, min_time)))
+        jobs += [(f"to {p.torch}", functools.partial(_peer_rate, dev, p, copy_bytes // 2, min_time)) for p in peers]
+    jobs.append(("loopback tcp", functools.partial(_tcp_rate, min_time)))
 
     start = time.perf_counter()
-    with tqdm(steps, desc=f"profile {dev.torch}", unit="step", disable=not progress, leave=False) as bar:
-        for label, run in bar:
+    got: dict[str, object] = {}
+    with tqdm(jobs, desc=f"profile {dev.torch}", unit="step", disable=not progress, leave=False) as bar:
+        for label, job in bar:
             bar.set_postfix_str(label)
-            run()
+            got[label] = job()
+    compute = {name: got[f"matmul {name}"][0] for name in DTYPES}
+    sizes = {name: got[f"matmul {name}"][1] for name in DTYPES}
+    interconnect: dict = {"loopback_tcp": got["loopback tcp"]}
+    if dev.is_accelerator:
+        interconnect["host_to_device"] = got["host to device"]
+        interconnect["device_to_host"] = got["device to host"]
+        interconnect["device_to_device"] = {str(p.torch): got[f"to {p.torch}"] for p in peers}
     measured = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - start, 2),
@@ -148,7 +141,8 @@ def measure(device: Device, *, progress: bool = True, min_time: float | None = N
         "copy_bytes": copy_bytes,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
-    return HardwareProfile(str(dev.torch), dev.name, compute, bandwidth, _capacity(dev), interconnect, measured)
+    return HardwareProfile(str(dev.torch), dev.name, compute, {"copy": got["device copy"]}, _capacity(dev),
+                           interconnect, measured)
 
 
 # -- measurements ---------------------------------------------------------------------------------
