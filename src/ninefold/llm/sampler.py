@@ -32,6 +32,8 @@ class Sampler:
         """Sample one token for each row of ``logits`` ``[B, V]`` (float32), row b for ``seqs[b]``."""
         params = [s.params for s in seqs]
         logits = logits[:, : self.vocab_size]
+        if all(p.plain_greedy for p in params):  # the common case, kept short: no per-row work
+            return self._read(ops.argmax(logits, dim=-1), len(seqs))
         want_logprobs = [p.logprobs is not None for p in params]
         raw = logits if any(want_logprobs) else None
         if any(p.has_penalties for p in params):
@@ -53,13 +55,16 @@ class Sampler:
             tokens = ops.argmax(logits, dim=-1)
         else:
             tokens = self._sample(logits, seqs)
+        result = self._read(tokens, len(seqs))
+        if raw is not None:
+            result.logprobs = self._logprobs(raw, tokens, params, want_logprobs)
+        return result
+
+    def _read(self, tokens: torch.Tensor, rows: int) -> SampledTokens:
         waited = time.perf_counter()
         token_list = tokens.tolist()  # the one host synchronisation of a step
         self.sync_seconds += time.perf_counter() - waited
-        top: list[dict[int, float] | None] = [None] * len(seqs)
-        if raw is not None:
-            top = self._logprobs(raw, tokens, params, want_logprobs)
-        return SampledTokens(token_list, top)
+        return SampledTokens(token_list, [None] * rows)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -96,6 +96,12 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in bias.items()}
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to apply (no penalties, bias, logprobs or min_tokens)."""
+        return (self.temperature == 0 and not self.has_penalties and not self.logit_bias
+                and self.logprobs is None and self.min_tokens == 0)
+
+    @property
     def greedy(self) -> bool:
         """True when the request always takes the most likely token."""
         return self.temperature == 0
