@@ -45,7 +45,9 @@ def test_cpu_profile_json_is_sane_and_cached(tmp_path, monkeypatch, capsys):
     # Cached by device name: the second run reads the file instead of measuring.
     files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1 and files[0].name.startswith(data["name"].split()[0].lower())
-    again = run_profile(tmp_path)
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    assert main(["profile", "device", "--device", "cpu", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
     assert again["compute"] == data["compute"] and again["measured"] == data["measured"]
 
     profile = HardwareProfile.from_dict(data)
@@ -58,8 +60,7 @@ def test_cpu_profile_json_is_sane_and_cached(tmp_path, monkeypatch, capsys):
     table = format_table([profile])
     assert "cpu" in table.splitlines()[1] and "TFLOP/s" in table.splitlines()[0]
 
-    # In this process, from the same cache: every device as a table (only the CPU where there is no accelerator).
-    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    # Every device as a table (only the CPU where there is no accelerator).
     assert main(["profile", "device", "--device", "all"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert rows[1].split()[0] == "cpu" and len(rows) == 1 + len(Device.all())
