@@ -328,23 +328,7 @@ def generate(kernel, spec, wide=False) -> Generated:
     first = next((p for p in kernel.params if not p.is_scalar), None)
     grid_shape = first.arranged._shape if first is not None else ()
     if grid_shape:
-        program = _call(_attr(TL, "program_id"), ast.Constant(0))
-        if wide:
-            program = _call(ast.Attribute(program, "to", ast.Load()), _attr(TL, "int64"))
-        body.append(ast.Assign([ast.Name("program", ast.Store())], program, lineno=0))
-        for d in reversed(range(len(grid_shape))):
-            size = as_expr_ast(grid_shape[d], lambda leaf: _name(namer.leaf(leaf)))
-            if const_value(grid_shape[d]) == 1:
-                continue
-            if d == 0:
-                value = _name("program")
-            else:
-                value = ast.BinOp(_name("program"), ast.Mod(), size)
-            body.append(ast.Assign([ast.Name(f"program_{d}", ast.Store())], value, lineno=0))
-            if d:
-                body.append(
-                    ast.Assign([ast.Name("program", ast.Store())], ast.BinOp(_name("program"), ast.FloorDiv(), copy.deepcopy(size)), lineno=0)
-                )
+        body += _program_indices(kernel, grid_shape, namer, wide)
     body += _strip_nf(tree.body)
     arguments = []
     for p in kernel.params:
@@ -386,6 +370,64 @@ def generate(kernel, spec, wide=False) -> Generated:
     source = header + ast.unparse(module) + "\n"
     key = hashlib.sha256(source.encode()).hexdigest()[:24]
     return Generated(source, function_name, arguments, key, list(namer.padded))
+
+
+GROUP = 8
+
+
+def _assign(name, value):
+    return ast.Assign([ast.Name(name, ast.Store())], value, lineno=0)
+
+
+def _binop(a, op, b):
+    a = _name(a) if isinstance(a, str) else a
+    b = ast.Constant(b) if isinstance(b, int) else (_name(b) if isinstance(b, str) else b)
+    return ast.BinOp(a, op, b)
+
+
+def _dot_in_loop(kernel) -> bool:
+    for loop in ast.walk(kernel.app.tree):
+        if isinstance(loop, (ast.For, ast.While)):
+            for node in ast.walk(loop):
+                if isinstance(node, ast.Attribute) and node.attr == "dot":
+                    return True
+    return False
+
+
+def _program_indices(kernel, grid_shape, namer, wide):
+    """Statements that split ``tl.program_id(0)`` into ``program_<d>`` (row-major, or grouped).
+
+    Kernels that accumulate dots in a loop visit the last two grid dimensions in groups of
+    ``GROUP`` rows, so that consecutive programs share tiles in L2.
+    """
+    program = _call(_attr(TL, "program_id"), ast.Constant(0))
+    if wide:
+        program = _call(ast.Attribute(program, "to", ast.Load()), _attr(TL, "int64"))
+    out = [_assign("program", program)]
+
+    def size(d):
+        return as_expr_ast(grid_shape[d], lambda leaf: _name(namer.leaf(leaf)))
+
+    dims = [d for d in range(len(grid_shape)) if const_value(grid_shape[d]) != 1]
+    if len(dims) >= 2 and _dot_in_loop(kernel):
+        m, n = dims[-2], dims[-1]
+        tiles = ast.BinOp(size(m), ast.Mult(), size(n))
+        out += [
+            _assign("tile", _binop("program", ast.Mod(), tiles)),
+            _assign("program", _binop("program", ast.FloorDiv(), copy.deepcopy(tiles))),
+            _assign("group_width", _binop(ast.Constant(GROUP), ast.Mult(), size(n))),
+            _assign("first_m", _binop(_binop("tile", ast.FloorDiv(), "group_width"), ast.Mult(), GROUP)),
+            _assign("group_m", _call(_attr(TL, "minimum"), _binop(size(m), ast.Sub(), "first_m"), ast.Constant(GROUP))),
+            _assign(f"program_{m}", _binop("first_m", ast.Add(), _binop(_binop("tile", ast.Mod(), "group_width"), ast.Mod(), "group_m"))),
+            _assign(f"program_{n}", _binop(_binop("tile", ast.Mod(), "group_width"), ast.FloorDiv(), "group_m")),
+        ]
+        dims = dims[:-2]
+    for i, d in enumerate(reversed(dims)):
+        last = i == len(dims) - 1
+        out.append(_assign(f"program_{d}", _name("program") if last else _binop("program", ast.Mod(), size(d))))
+        if not last:
+            out.append(_assign("program", _binop("program", ast.FloorDiv(), size(d))))
+    return out
 
 
 def _leaf_order(kernel):
