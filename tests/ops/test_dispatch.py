@@ -125,3 +125,21 @@ def test_tuning_cache_round_trip(tmp_path):
 def test_shipped_tables_load():
     for path in tuning.TABLES_DIR.glob("*.json"):
         assert tuning.read_table(path) is not None
+
+
+def test_cached_signatures_still_reject_bad_scalars_and_see_new_layouts(probe):
+    from ninefold.ops import workloads
+
+    ops.rms_norm(x, w, 1e-6)
+    with pytest.raises(ops.OpError, match="eps must be > 0"):
+        ops.rms_norm(x, w, 0.0)
+    q, k, pos, cache = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.arange(3), workloads.cos_sin_cache(8, 16)
+    ops.rope(q, k, pos, cache, True)
+    with pytest.raises(TypeError, match="is_neox must be a bool, got int"):
+        ops.rope(q, k, pos, cache, 1)
+    # Same shape, new layout: the probe only takes contiguous rows of <= 8, so the choice must change.
+    registry.register("rms_norm", "probe", devices=("cpu",), dtypes=(torch.float32,), priority={"cpu": 5},
+                      supports=lambda x, w, e: None if x.is_contiguous() else "strided")(_doubling)
+    assert ops.choose("rms_norm", x, w) == "probe"
+    strided = torch.randn(8, 3).T
+    torch.testing.assert_close(ops.rms_norm(strided, w), ops.run("rms_norm", "vendor", strided, w))

@@ -7,6 +7,7 @@ it, hand-written Triton kernels (``ninefold.ops.triton``) and ``ninefold.dsl`` k
 which would run. See ``docs/architecture.md`` for the contract of every operator.
 """
 
+from ninefold.ops import registry, tuning  # noqa: F401  (ops.registry, ops.tuning)
 from ninefold.ops.attention import attention_decode, attention_prefill, reshape_and_cache
 from ninefold.ops.dispatch import candidates, choose, operators, reload_environment, run, use
 from ninefold.ops.elementwise import add, gelu_and_mul, mul, silu_and_mul

@@ -62,8 +62,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     ``slot_mapping[t] = block * block_size + offset`` (int64 ``[T]``); ``-1`` skips token ``t``.
     Slots must be distinct and inside the cache (not checked on the host).
     """
-    _RESHAPE_AND_CACHE.call(_reshape_and_cache_key(key, value, k_cache, v_cache, slot_mapping),
-                            key, value, k_cache, v_cache, slot_mapping)
+    _RESHAPE_AND_CACHE.call(key, value, k_cache, v_cache, slot_mapping)
 
 
 def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
@@ -96,8 +95,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     per sequence, the current token included (already written by ``reshape_and_cache``), >= 1.
     ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, D]`` in q's dtype.
     """
-    return _DECODE.call(_decode_key(q, k_cache, v_cache, block_tables, context_lens, scale),
-                        q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _DECODE.call(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None):
@@ -153,8 +151,7 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     caches (a cached prefix plus the new tokens, already written by ``reshape_and_cache``).
     Returns ``[Tq, Hq, D]``. The vendor implementation reads ``cu_seqlens`` on the host.
     """
-    return _PREFILL.call(_prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables),
-                         q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables)
+    return _PREFILL.call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables)
 
 
 _RESHAPE_AND_CACHE = Operator("reshape_and_cache", reshape_and_cache, _reshape_and_cache_key)

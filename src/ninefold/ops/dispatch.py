@@ -9,7 +9,8 @@ implementation's ``supports`` looks at. The first call with a key resolves it:
    ``with ops.use(rms_norm="dsl"):``), else the tuned choice for (operator, device model, dtype,
    bucket), else the highest default priority.
 
-The choice is cached per key, so the warm path is one dict lookup. A pinned implementation
+Validation and choice are cached per argument *signature* (shapes, dtypes, devices, layouts
+and scalar values), so the warm path computes the signature and does one dict lookup. A pinned implementation
 that cannot run the inputs falls back to the normal order with a warning (once per key).
 """
 
@@ -32,8 +33,24 @@ _pin_stack: list[dict[str, str]] = []
 _env_pins: dict[str, str] | None = None
 
 
+_Tensor = torch.Tensor
+MAX_SIGNATURES = 4096
+
+
+def signature(args: tuple) -> tuple:
+    """What validation and the choice depend on: each tensor's shape, dtype, device and layout, and
+    each other argument's type and value. Equal signatures validate alike and choose alike."""
+    sig = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            sig.append((a.shape, a.dtype, a.device, a.is_contiguous() or a.stride()))
+        else:
+            sig.append((type(a), a))
+    return tuple(sig)
+
+
 class Operator:
-    """A public operator: its validated calls are routed through a per-key cache of choices."""
+    """A public operator: calls are validated and routed, both cached by argument signature."""
 
     __slots__ = ("name", "public", "keyfn", "cache")
 
@@ -44,11 +61,20 @@ class Operator:
         self.cache: dict = {}
         _OPERATORS[name] = self
 
-    def call(self, key, *args):
-        """Run the implementation chosen for ``key`` on ``args``."""
-        fn = self.cache.get(key)
+    def call(self, *args):
+        """Validate ``args`` (once per signature) and run the implementation chosen for them."""
+        sig = signature(args)
+        try:
+            fn = self.cache.get(sig)
+        except TypeError:  # an unhashable argument (a list of generators): validate every call
+            sig, fn = None, None
         if fn is None:
-            fn = self.cache[key] = resolve(self.name, key, args).fn
+            key = self.keyfn(*args)
+            fn = resolve(self.name, key, args).fn
+            if sig is not None:
+                if len(self.cache) >= MAX_SIGNATURES:
+                    self.cache.clear()
+                self.cache[sig] = fn
         return fn(*args)
 
     def bind(self, *args, **kwargs) -> tuple:

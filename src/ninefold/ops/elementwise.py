@@ -35,12 +35,12 @@ def _mul_key(a, b):
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a + b`` with broadcasting; both tensors share dtype and device."""
-    return _ADD.call(_add_key(a, b), a, b)
+    return _ADD.call(a, b)
 
 
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a * b`` with broadcasting; both tensors share dtype and device."""
-    return _MUL.call(_mul_key(a, b), a, b)
+    return _MUL.call(a, b)
 
 
 _ADD = Operator("add", add, _add_key)
@@ -71,12 +71,12 @@ def _gelu_key(x, approximate="none"):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for x ``[..., 2d]`` (the SwiGLU gate), x's dtype out."""
-    return _SILU.call(_silu_key(x), x)
+    return _SILU.call(x)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``gelu(x[..., :d], approximate) * x[..., d:]`` for x ``[..., 2d]`` (GeGLU), x's dtype out."""
-    return _GELU.call(_gelu_key(x, approximate), x, approximate)
+    return _GELU.call(x, approximate)
 
 
 _SILU = Operator("silu_and_mul", silu_and_mul, _silu_key)

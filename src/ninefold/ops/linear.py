@@ -23,7 +23,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Ids must lie in ``[0, V)``; they are not range-checked on the host (that would synchronise).
     """
-    return _EMBEDDING.call(_embedding_key(ids, weight), ids, weight)
+    return _EMBEDDING.call(ids, weight)
 
 
 def _linear_key(x, weight, bias=None):
@@ -43,7 +43,7 @@ def _linear_key(x, weight, bias=None):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]``."""
-    return _LINEAR.call(_linear_key(x, weight, bias), x, weight, bias)
+    return _LINEAR.call(x, weight, bias)
 
 
 _EMBEDDING = Operator("embedding", embedding, _embedding_key)

@@ -45,7 +45,7 @@ def _add_rms_norm_key(x, residual, weight, eps=1e-6):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dimension (float32 inside)."""
-    return _RMS_NORM.call(_rms_norm_key(x, weight, eps), x, weight, eps)
+    return _RMS_NORM.call(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -54,7 +54,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
     The sum is rounded to x's dtype before the norm, as an unfused model would do it.
     """
-    return _ADD_RMS_NORM.call(_add_rms_norm_key(x, residual, weight, eps), x, residual, weight, eps)
+    return _ADD_RMS_NORM.call(x, residual, weight, eps)
 
 
 def _softmax_key(x, dim=-1):
@@ -68,7 +68,7 @@ def _softmax_key(x, dim=-1):
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax along ``dim`` accumulated in float32, x's dtype out."""
-    return _SOFTMAX.call(_softmax_key(x, dim), x, dim)
+    return _SOFTMAX.call(x, dim)
 
 
 _RMS_NORM = Operator("rms_norm", rms_norm, _rms_norm_key)

@@ -42,7 +42,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cach
     interleaved pairs (``x[2i]`` with ``x[2i+1]``). Positions must lie in ``[0, max_pos)``.
     Returns new ``(q, k)``; features past ``R`` are copied unchanged.
     """
-    return _ROPE.call(_rope_key(q, k, positions, cos_sin_cache, is_neox), q, k, positions, cos_sin_cache, is_neox)
+    return _ROPE.call(q, k, positions, cos_sin_cache, is_neox)
 
 
 _ROPE = Operator("rope", rope, _rope_key)

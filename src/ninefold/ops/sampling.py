@@ -26,7 +26,7 @@ def _argmax_key(x, dim=-1):
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Index of the largest value along ``dim`` (int64; the first one on ties)."""
-    return _ARGMAX.call(_argmax_key(x, dim), x, dim)
+    return _ARGMAX.call(x, dim)
 
 
 def _row_param(name, value, b, device, floating: bool) -> None:
@@ -77,8 +77,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
     renormalised after top-k, reaches p; 1 = off), then ``min_p`` (drop tokens whose probability
     is below ``min_p`` times the largest; 0 = off). ``generators[i]`` makes row ``i`` reproducible.
     """
-    return _SAMPLE.call(_sample_key(logits, temperature, top_k, top_p, min_p, generators),
-                        logits, temperature, top_k, top_p, min_p, generators)
+    return _SAMPLE.call(logits, temperature, top_k, top_p, min_p, generators)
 
 
 _ARGMAX = Operator("argmax", argmax, _argmax_key)
