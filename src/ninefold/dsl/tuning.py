@@ -18,8 +18,9 @@ from ninefold.dsl.cache import cache_dir, read_json, write_json
 from ninefold.dsl.compiler.frontend import is_nf_call
 from ninefold.dsl.expr import evaluate
 
-DEFAULT_MAX_CONFIGS = 12
-MAX_TILE_ELEMENTS = 16384
+DEFAULT_MAX_CONFIGS = 6
+MAX_TILE_ELEMENTS = 32768
+LARGE_TILE = 16384
 _MEMO: dict = {}
 
 
@@ -78,19 +79,20 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
         biggest = max(tiles, default=1)
         if biggest > MAX_TILE_ELEMENTS:
             continue
-        scored.append(((programs < 2 * sm_count, -biggest, values), values))
+        scored.append(((programs < 2 * sm_count, -biggest, -math.prod(values), values), values, biggest))
     scored.sort(key=lambda item: item[0])
-    metas = [dict(zip((kernel.symbol_names[s] for s in free), values)) for _, values in scored] or [{}]
+    metas = [(dict(zip((kernel.symbol_names[s] for s in free), values)), biggest) for _, values, biggest in scored]
+    metas = metas or [({}, 0)]
     loops = any(isinstance(node, ast.For) for node in ast.walk(kernel.app.tree))
-    dots = any(isinstance(node, ast.Attribute) and node.attr == "dot" for node in ast.walk(kernel.app.tree))
-    warps = [kernel.num_warps] if kernel.num_warps else ([4, 8] if dots else [4, 8])
     stages = [kernel.num_stages] if kernel.num_stages else ([3, 4] if loops else [3])
     limit = kernel.max_num_configs or DEFAULT_MAX_CONFIGS
-    per_meta = len(warps) * len(stages)
     out = []
-    for meta in metas[: max(1, limit // per_meta)]:
+    for meta, biggest in metas:
+        warps = [kernel.num_warps] if kernel.num_warps else [8 if biggest >= LARGE_TILE else 4]
         for w, st in itertools.product(warps, stages):
             out.append({"meta": meta, "num_warps": w, "num_stages": st})
+        if len(out) >= limit:
+            break
     return out[:limit]
 
 

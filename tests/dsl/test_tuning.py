@@ -1,0 +1,52 @@
+"""Tuning: candidate configurations and the persistent result cache (timing itself needs a GPU)."""
+
+import json
+
+import torch
+
+from ninefold.dsl import tuning
+
+from .test_backends import add, mm
+
+
+def test_candidates_respect_bounds_and_the_limit():
+    a, b, c = torch.empty(4096, 4096), torch.empty(4096, 4096), torch.empty(4096, 4096)
+    bound = mm.bind((a, b, c), {}, backend="triton")
+    configs = tuning.candidates(mm, bound)
+    assert 1 <= len(configs) <= tuning.DEFAULT_MAX_CONFIGS
+    for config in configs:
+        assert set(config["meta"]) == {"BM", "BN", "BK"}
+        assert all(16 <= v <= 64 for v in config["meta"].values())
+        assert config["num_warps"] in (4, 8) and config["num_stages"] in (3, 4)
+    assert configs[0]["meta"] == {"BM": 64, "BN": 64, "BK": 64}  # the largest tiles first
+    fixed = mm.bind((a, b, c), {"BM": 32, "BN": 32, "BK": 32}, backend="triton")
+    assert all(config["meta"] == {} for config in tuning.candidates(mm, fixed))
+
+
+def test_results_persist_across_processes_in_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    tuning._MEMO.clear()
+    x = torch.empty(1000)
+    bound = add.bind((x, x, x), {}, backend="triton")
+    key = tuning.tuning_key(add, bound)
+    assert "x:float32:1024c" in key and "device=cpu" in key and "triton=" in key
+    path = tmp_path / "dsl" / "tuning" / f"{tuning.source_hash(add)}.json"
+    path.parent.mkdir(parents=True)
+    stored = {"meta": {"BLOCK": 256}, "num_warps": 8, "num_stages": 3}
+    path.write_text(json.dumps({key: stored}))
+    assert tuning.tune(add, bound) == stored  # read from disk, nothing timed
+    other = add.bind((torch.empty(5000),) * 3, {}, backend="triton")
+    assert tuning.tuning_key(add, other) != key
+
+
+def test_generated_modules_are_cached_by_source_hash(tmp_path, monkeypatch):
+    from ninefold.dsl.backends.triton_codegen import generate, specialize
+    from ninefold.dsl.cache import load_module
+
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    generated = generate(mm, specialize(mm, None))
+    module = load_module(generated.source, generated.key)
+    path = tmp_path / "dsl" / "generated" / f"{generated.key}.py"
+    assert path.read_text() == generated.source
+    assert hasattr(module, generated.function_name)
+    assert generate(mm, specialize(mm, None)).key == generated.key
