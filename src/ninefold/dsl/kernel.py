@@ -114,6 +114,17 @@ class Kernel:
             return f"{self._source_names[id(leaf.tensor)]}_{kind}_{leaf.dim}"
         raise KeyError(f"no name for {leaf!r}")
 
+    def call_leaves(self) -> list:
+        """Every size, stride and symbol leaf a call binds (a fixed order, for cache keys)."""
+        if "call_leaves" not in self._cache:
+            leaves = list(self.symbols)
+            for p in self.params:
+                if not p.is_scalar:
+                    leaves += [SizeOf(p.source, d) for d in range(p.source.ndim)]
+                    leaves += [StrideOf(p.source, d) for d in range(p.source.ndim)]
+            self._cache["call_leaves"] = leaves
+        return self._cache["call_leaves"]
+
     def param(self, name) -> Param:
         return next(p for p in self.params if p.name == name)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
@@ -29,36 +31,68 @@ def check(kernel, bound):
         if value.dtype not in DTYPES:
             accepted = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
             raise TypeError(f"kernel {kernel.name}: argument {p.name} has dtype {value.dtype}; the triton backend runs {accepted}")
-        if value.device.type == "cpu":
+        if value.device.type == "cpu" and not interpreting():
             raise ValueError(
                 f"kernel {kernel.name}: backend 'triton' needs GPU tensors; {p.name} is on cpu "
                 "(use backend='cpu' or backend='interpret')"
             )
 
 
+def interpreting() -> bool:
+    """Whether Triton runs under its interpreter (``TRITON_INTERPRET=1``): cpu tensors, no timing."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _env_key(kernel, bound):
+    return (bound.device, tuple(bound.env.get(leaf) for leaf in kernel.call_leaves()), _dtypes(kernel, bound))
+
+
+def _dtypes(kernel, bound):
+    return tuple(v.dtype for v in bound.values.values() if isinstance(v, torch.Tensor))
+
+
 def run(kernel, bound):
     """Tune (or take the cached tuning), then launch."""
     check(kernel, bound)
-    free = [s for s in kernel.meta_symbols if s not in bound.env]
-    if free or kernel.num_warps is None or kernel.num_stages is None:
-        from ninefold.dsl.tuning import tune
+    key = ("config",) + _env_key(kernel, bound)
+    config = kernel._cache.get(key)
+    if config is None:
+        free = [s for s in kernel.meta_symbols if s not in bound.env]
+        if free or kernel.num_warps is None or kernel.num_stages is None:
+            from ninefold.dsl.tuning import candidates, tune
 
-        config = tune(kernel, bound)
-    else:
-        config = {"meta": {}, "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}
+            config = candidates(kernel, bound)[0] if interpreting() else tune(kernel, bound)
+        else:
+            config = {"meta": {}, "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}
+        kernel._cache[key] = config
     launch(kernel, bound, config)
 
 
 def launch(kernel, bound, config):
-    """Launch with ``config`` (``meta`` values by symbol name, ``num_warps``, ``num_stages``)."""
-    names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
-    meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
-    finished = kernel.finish(bound, meta)
-    generated, function = prepare(kernel, finished)
-    num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
-    num_stages = kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES
+    """Launch with ``config`` (``meta`` values by symbol name, ``num_warps``, ``num_stages``).
+
+    Everything but the tensors and scalars is computed once per sizes, strides and config.
+    """
+    key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
+    key += _env_key(kernel, bound)
+    entry = kernel._cache.get(key)
+    if entry is None:
+        names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
+        meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
+        finished = kernel.finish(bound, meta)
+        generated, function = prepare(kernel, finished)
+        template = [
+            (kind, payload) if kind in ("pointer", "scalar") else (None, value)
+            for (_, kind, payload, _), value in zip(generated.arguments, argument_values(generated, finished))
+        ]
+        num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
+        num_stages = kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES
+        entry = (function, grid_size(finished), template, num_warps, num_stages)
+        kernel._cache[key] = entry
+    function, grid, template, num_warps, num_stages = entry
+    args = [bound.values[payload] if kind else payload for kind, payload in template]
     with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
-        function[(grid_size(finished),)](*argument_values(generated, finished), num_warps=num_warps, num_stages=num_stages)
+        function[(grid,)](*args, num_warps=num_warps, num_stages=num_stages)
 
 
 class _null:
