@@ -35,6 +35,10 @@ def test_cpu_memory_info_matches_the_os():
     assert abs(free - meminfo_bytes("MemAvailable")) < total // 20  # read at slightly different times
 
 
+def test_cpu_available_bytes_is_what_the_os_has_available():
+    assert abs(Device("cpu").available_bytes() - meminfo_bytes("MemAvailable")) < meminfo_bytes("MemTotal") // 20
+
+
 def test_cpu_streams_and_events_run_in_order():
     dev = Device("cpu")
     stream = dev.stream()
@@ -92,3 +96,7 @@ def test_cuda_device():
     assert y.sum().item() == 3 * 1024
     with pytest.raises(ValueError, match="out of range"):
         Device(f"cuda:{torch.cuda.device_count()}")
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev.torch)
+    del block  # back to torch's cache: not free for the driver, but available to torch
+    free_now, _ = dev.memory_info()
+    assert dev.available_bytes() >= free_now + 256 * 2**20

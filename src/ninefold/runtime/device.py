@@ -154,6 +154,14 @@ class Device:
         free, total = mem_get_info(self.index)
         return int(free), int(total)
 
+    def available_bytes(self) -> int:
+        """Bytes a new allocation can still get: free memory plus what torch's allocator holds unused."""
+        free, _ = self.memory_info()
+        if not self.is_accelerator:
+            return free
+        reserved = getattr(self.module, "memory_reserved", None)
+        return free + (int(reserved(self.index)) - self.allocated_bytes() if reserved is not None else 0)
+
     def allocated_bytes(self) -> int:
         """Bytes held by live tensors on this device (torch's allocator); 0 where torch cannot tell."""
         fn = getattr(self.module, "memory_allocated", None) if self.is_accelerator else None

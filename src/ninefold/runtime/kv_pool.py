@@ -86,10 +86,10 @@ class KVCachePool:
         self.watermark_blocks = int(watermark * num_blocks)
 
         needed = num_blocks * self.bytes_per_block
-        free, _ = self.device.memory_info()
+        free = self.device.available_bytes()
         if needed > free:
             raise KVCacheExhausted(
-                f"num_blocks: {num_blocks} blocks need {needed} bytes but {self.device.torch} has {free} bytes free",
+                f"num_blocks: {num_blocks} blocks need {needed} bytes but {self.device.torch} has {free} bytes available",
                 needed=needed, available=free, unit="bytes")
         host_needed = num_host_blocks * self.bytes_per_block
         host_free, _ = host_memory_info()
@@ -142,8 +142,8 @@ class KVCachePool:
         """A pool sized from the device's free memory.
 
         The KV budget is ``free - (1 - memory_fraction) * total - weight_bytes - activation_bytes -
-        reserved_bytes``: ``weight_bytes`` counts weights not loaded yet (loaded ones are already out of
-        ``free``), ``activation_bytes`` the activation peak, or ``profile_fn`` (a forward pass at the
+        reserved_bytes``, where ``free`` counts memory torch's allocator holds unused: ``weight_bytes``
+        counts weights not loaded yet (loaded ones are already out of ``free``), ``activation_bytes`` the activation peak, or ``profile_fn`` (a forward pass at the
         largest batch) is run and its measured peak used. Without ``num_blocks`` the pool takes every
         block that fits (at least ``min_blocks``); with it, exactly that many. Either way, asking for
         more than fits raises ``KVCacheExhausted`` with the needed and available bytes.
@@ -165,7 +165,8 @@ class KVCachePool:
             empty_cache = getattr(dev.module, "empty_cache", None) if dev.is_accelerator else None
             if empty_cache is not None:
                 empty_cache()
-        free, total = dev.memory_info()
+        _, total = dev.memory_info()
+        free = dev.available_bytes()
         headroom = int(total * (1 - memory_fraction))
         budget = free - headroom - weight_bytes - activation_bytes - reserved_bytes
         fits = max(0, budget) // per_block

@@ -58,7 +58,7 @@ class WeightStore(Mapping):
             out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             layout[name] = (offset, tensor.shape, out_dtype)
             offset += _aligned(tensor.numel() * _itemsize(out_dtype))
-        free, _ = self.device.memory_info()
+        free = self.device.available_bytes()
         if offset > free:
             raise WeightsDoNotFit(f"tensors: the weights need {offset} bytes but {self.device.torch} has {free} free",
                                   needed=offset, available=free)
