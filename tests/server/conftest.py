@@ -14,9 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_model import TinyModel, build_tiny_model  # noqa: E402
+from .tiny_model import TinyModel, build_tiny_model
 
 STARTUP_TIMEOUT_S = 180
 
@@ -30,7 +28,7 @@ def free_port() -> int:
 class ServerProcess:
     """One ``python -m ninefold serve`` child process."""
 
-    def __init__(self, model: TinyModel, log_dir: Path, *args: str) -> None:
+    def __init__(self, model: TinyModel, log_dir: Path, *args: str, wait: bool = True) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -39,15 +37,21 @@ class ServerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy()
+        self.healthy = False
+        if wait:
+            self.wait_healthy()
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
+        """Block until ``GET /health`` answers 200 (raises with the server's log if it dies or hangs)."""
+        if self.healthy:
+            return
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    self.healthy = True
                     return
             except httpx.HTTPError:
                 pass
@@ -100,22 +104,31 @@ def tiny_model(tmp_path_factory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
-    """The main server: context 4096, up to 256 sequences at once."""
-    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("logs"), "--max-model-len", "4096",
-                         "--max-num-seqs", "256", "--num-kv-blocks", "1024")
-    yield proc
-    proc.stop()
+def _servers(tiny_model, tmp_path_factory):
+    """Both shared servers, started together (their start-ups overlap) and stopped at the end."""
+    logs = tmp_path_factory.mktemp("logs")
+    main = ServerProcess(tiny_model, logs, "--max-model-len", "4096", "--max-num-seqs", "256",
+                         "--num-kv-blocks", "1024", wait=False)
+    # An API key, room for 2 sequences, and a KV cache of 64 blocks (1024 tokens) below the context.
+    strict = ServerProcess(tiny_model, logs, "--api-key", "sekret", "--max-model-len", "4096", "--max-num-seqs",
+                           "1", "--max-queue", "1", "--num-kv-blocks", "64", "--max-body-bytes", "65536", wait=False)
+    yield main, strict
+    for proc in (main, strict):
+        proc.stop()
 
 
 @pytest.fixture(scope="session")
-def strict_server(tiny_model, tmp_path_factory):
-    """A server with an API key, room for 2 sequences, and a KV cache of 64 blocks (1024 tokens)."""
-    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("logs"), "--api-key", "sekret", "--max-model-len",
-                         "4096", "--max-num-seqs", "1", "--max-queue", "1", "--num-kv-blocks", "64",
-                         "--max-body-bytes", "65536")
-    yield proc
-    proc.stop()
+def server(_servers):
+    """The main server: context 4096, up to 256 sequences at once."""
+    _servers[0].wait_healthy()
+    return _servers[0]
+
+
+@pytest.fixture(scope="session")
+def strict_server(_servers):
+    """A server with an API key, room for 2 sequences, and a KV cache smaller than its context."""
+    _servers[1].wait_healthy()
+    return _servers[1]
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ import json
 
 import httpx
 import pytest
-from tiny_model import CHAIN_TEXT
 from tokenizers import Tokenizer
+
+from .tiny_model import CHAIN_TEXT
 
 
 @pytest.fixture(scope="module")

@@ -3,21 +3,7 @@
 import httpx
 import pytest
 
-
-def _check_error(response: httpx.Response, status: int, param: str | None = None, text: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert "Traceback" not in response.text and 'File "' not in response.text
-    if param is not None:
-        assert error["param"] == param, error
-    if text is not None:
-        assert text in error["message"], error["message"]
-    return error
-
+from .helpers import check_error
 
 BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
@@ -47,45 +33,55 @@ BAD_COMPLETIONS = [
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
 def test_bad_completion_fields_are_400(server, body, param):
     response = httpx.post(server.base + "/v1/completions", json={"model": "tiny", **body})
-    error = _check_error(response, 400, param=param)
+    error = check_error(response, 400, param=param)
     assert error["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_wrong_body_type_are_400(server):
     bad = httpx.post(server.base + "/v1/completions", content=b'{"prompt": "hi",',
                      headers={"content-type": "application/json"})
-    _check_error(bad, 400, text="not valid JSON")
-    _check_error(httpx.post(server.base + "/v1/completions", json=[1, 2]), 400)
-    _check_error(httpx.post(server.base + "/v1/chat/completions", json={"messages": "hello"}), 400, "messages")
-    _check_error(httpx.post(server.base + "/v1/chat/completions", json={"messages": []}), 400, "messages")
-    _check_error(httpx.post(server.base + "/v1/chat/completions",
+    check_error(bad, 400, text="not valid JSON")
+    check_error(httpx.post(server.base + "/v1/completions", json=[1, 2]), 400)
+    check_error(httpx.post(server.base + "/v1/chat/completions", json={"messages": "hello"}), 400, "messages")
+    check_error(httpx.post(server.base + "/v1/chat/completions", json={"messages": []}), 400, "messages")
+    check_error(httpx.post(server.base + "/v1/chat/completions",
                             json={"messages": [{"role": "wizard", "content": "x"}]}), 400)
-    _check_error(httpx.post(server.base + "/v1/chat/completions",
+    check_error(httpx.post(server.base + "/v1/chat/completions",
                             json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
                  400, "top_logprobs")
+    user = [{"role": "user", "content": "x"}]
+    check_error(httpx.post(server.base + "/v1/chat/completions",
+                            json={"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+                 400, "tools")
+    check_error(httpx.post(server.base + "/v1/chat/completions",
+                            json={"messages": user, "response_format": {"type": "json_object"}}),
+                 400, "response_format")
+    check_error(httpx.post(server.base + "/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": [{"type": "image_url", "x": 1}]}]}), 400)
+    check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "x", "echo": True}), 400, "echo")
 
 
 def test_out_of_vocabulary_ids_are_400(server, tiny_model):
-    _check_error(httpx.post(server.base + "/v1/completions",
+    check_error(httpx.post(server.base + "/v1/completions",
                             json={"prompt": [1, tiny_model.vocab_size + 5], "max_tokens": 2}), 400, "prompt",
                  text="outside the vocabulary")
-    _check_error(httpx.post(server.base + "/v1/completions",
+    check_error(httpx.post(server.base + "/v1/completions",
                             json={"prompt": "hi", "logit_bias": {str(tiny_model.vocab_size): 3}}), 400, "logit_bias")
-    _check_error(httpx.post(server.base + "/v1/completions",
+    check_error(httpx.post(server.base + "/v1/completions",
                             json={"prompt": "hi", "stop_token_ids": [tiny_model.vocab_size]}), 400, "stop_token_ids")
-    _check_error(httpx.post(server.base + "/detokenize", json={"tokens": [tiny_model.vocab_size]}), 400, "tokens")
+    check_error(httpx.post(server.base + "/detokenize", json={"tokens": [tiny_model.vocab_size]}), 400, "tokens")
 
 
 def test_prompt_over_the_context_and_huge_max_tokens_are_400(server):
     long_prompt = [5] * 5000
-    error = _check_error(httpx.post(server.base + "/v1/completions", json={"prompt": long_prompt}), 400, "prompt")
+    error = check_error(httpx.post(server.base + "/v1/completions", json={"prompt": long_prompt}), 400, "prompt")
     assert error["code"] == "context_length_exceeded"
     at_limit = [5] * 4096
-    _check_error(httpx.post(server.base + "/v1/completions", json={"prompt": at_limit}), 400, "prompt")
-    error = _check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 10**12}),
+    check_error(httpx.post(server.base + "/v1/completions", json={"prompt": at_limit}), 400, "prompt")
+    error = check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 10**12}),
                          400, "max_tokens")
     assert error["code"] == "context_length_exceeded"
-    _check_error(httpx.post(server.base + "/v1/chat/completions",
+    check_error(httpx.post(server.base + "/v1/chat/completions",
                             json={"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}),
                  400, "max_completion_tokens")
 
@@ -93,7 +89,7 @@ def test_prompt_over_the_context_and_huge_max_tokens_are_400(server):
 def test_unknown_model_is_404(server, client):
     import openai
 
-    error = _check_error(httpx.post(server.base + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
+    error = check_error(httpx.post(server.base + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
                          "model")
     assert error["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
@@ -101,13 +97,13 @@ def test_unknown_model_is_404(server, client):
 
 
 def test_unknown_route_and_method_are_json(server):
-    _check_error(httpx.get(server.base + "/v1/nothing"), 404)
-    _check_error(httpx.get(server.base + "/v1/completions"), 405)
+    check_error(httpx.get(server.base + "/v1/nothing"), 404)
+    check_error(httpx.get(server.base + "/v1/completions"), 405)
 
 
 def test_body_over_the_limit_is_413(server):
     big = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
-    _check_error(httpx.post(server.base + "/v1/completions", content=big,
+    check_error(httpx.post(server.base + "/v1/completions", content=big,
                             headers={"content-type": "application/json"}), 413)
 
     def chunks():  # no Content-Length: the limit is enforced while reading
@@ -116,7 +112,7 @@ def test_body_over_the_limit_is_413(server):
             yield b"a" * 65536
         yield b'"}'
 
-    _check_error(httpx.post(server.base + "/v1/completions", content=chunks(),
+    check_error(httpx.post(server.base + "/v1/completions", content=chunks(),
                             headers={"content-type": "application/json"}), 413)
 
 

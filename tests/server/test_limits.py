@@ -3,7 +3,8 @@
 import httpx
 import openai
 import pytest
-from test_errors import _check_error
+
+from .helpers import check_error
 
 AUTH = {"Authorization": "Bearer sekret"}
 
@@ -11,8 +12,8 @@ AUTH = {"Authorization": "Bearer sekret"}
 def test_missing_or_wrong_key_is_401(strict_server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
         response = httpx.post(strict_server.base + "/v1/completions", json={"prompt": "hi"}, headers=headers)
-        _check_error(response, 401)
-    _check_error(httpx.get(strict_server.base + "/v1/models"), 401)
+        check_error(response, 401)
+    check_error(httpx.get(strict_server.base + "/v1/models"), 401)
     bad = openai.OpenAI(base_url=strict_server.base + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -23,10 +24,10 @@ def test_missing_or_wrong_key_is_401(strict_server):
 
 def test_request_that_can_never_fit_the_kv_cache_is_400_and_does_not_block(strict_server):
     # 64 blocks of 16 tokens: 1024 tokens in all, fewer than --max-model-len 4096.
-    error = _check_error(httpx.post(strict_server.base + "/v1/completions", headers=AUTH,
+    error = check_error(httpx.post(strict_server.base + "/v1/completions", headers=AUTH,
                                     json={"prompt": [5] * 1500, "max_tokens": 4}), 400, "prompt")
     assert "KV cache" in error["message"]
-    error = _check_error(httpx.post(strict_server.base + "/v1/completions", headers=AUTH,
+    error = check_error(httpx.post(strict_server.base + "/v1/completions", headers=AUTH,
                                     json={"prompt": [5] * 10, "max_tokens": 1020}), 400, "max_tokens")
     assert "KV cache" in error["message"]
     ok = httpx.post(strict_server.base + "/v1/completions", headers=AUTH,
@@ -39,14 +40,14 @@ def test_full_queue_is_429_with_retry_after(strict_server):
     body = {"prompt": [5], "max_tokens": 500, "n": 2, "stream": True, "ignore_eos": True}
     more = {"prompt": [5], "max_tokens": 2}
     with httpx.Client(timeout=60) as http:
-        _check_error(http.post(strict_server.base + "/v1/completions", headers=AUTH, json={**more, "n": 3}), 400, "n")
+        check_error(http.post(strict_server.base + "/v1/completions", headers=AUTH, json={**more, "n": 3}), 400, "n")
         with http.stream("POST", strict_server.base + "/v1/completions", headers=AUTH, json=body) as held:
             assert held.status_code == 200
             # The stream is admitted as soon as its headers arrive; it stays admitted until it ends.
             refused = http.post(strict_server.base + "/v1/completions", headers=AUTH, json=more)
             if refused.status_code == 200:
                 pytest.fail("the held stream finished before the second request arrived")
-            _check_error(refused, 429)
+            check_error(refused, 429)
             assert int(refused.headers["Retry-After"]) >= 1
             # One child runs, the other waits in the engine's queue (--max-num-seqs 1).
             lines = held.iter_lines()  # keep a reference: a collected iterator closes the response

@@ -16,7 +16,7 @@ def test_no_server_errors_under_fuzzing(strict_server, mode):
     failures, statuses = [], []
 
     @given(case=schema.as_strategy(generation_mode=mode))
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=30 if mode == GenerationMode.POSITIVE else 40, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     def check(case):
         response = case.call(base_url=strict_server.base, headers=AUTH, timeout=120)

@@ -6,7 +6,8 @@ import threading
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess
+
+from .conftest import ServerProcess
 
 
 @pytest.fixture

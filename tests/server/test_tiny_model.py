@@ -1,7 +1,8 @@
 """The test checkpoint is a valid HF Llama and its scripted greedy path is what the tests expect."""
 
 import torch
-from tiny_model import CHAIN_TEXT
+
+from .tiny_model import CHAIN_TEXT
 
 
 def test_transformers_loads_it_and_greedy_follows_the_chain(tiny_model):

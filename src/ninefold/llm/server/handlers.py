@@ -37,6 +37,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if req.tools:
+        raise APIError(400, "tool calling is not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
@@ -71,14 +75,14 @@ async def _serve(
             params = preprocess.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, limits=limits,
                                                 child=i)
             sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
-    for prompt in prompts:
-        state.metrics.count_prompt(len(prompt.token_ids))
-    for seq in sequences:
-        seq.timer = state.metrics.sequence(arrival)
     gen = Generation(state.engine, sequences)
     view = _View(state, req, kind, request_id, prompts, logprobs)
     state.admission.acquire(len(sequences))
     state.active.add(gen)
+    for prompt in prompts:
+        state.metrics.count_prompt(len(prompt.token_ids))
+    for seq in sequences:
+        seq.timer = state.metrics.sequence(arrival)
 
     def release() -> None:
         state.admission.release(len(sequences))

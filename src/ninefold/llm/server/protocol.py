@@ -146,6 +146,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # Accepted so that asking for them gets a clear 400 rather than being silently ignored.
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent or empty.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
 
 
 class TokenizeCompletionRequest(BaseModel):
