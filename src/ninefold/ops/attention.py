@@ -197,13 +197,11 @@ def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, sca
     tables = block_tables[:, :n].long().clamp(0, num_blocks - 1)
     k = _gather_pages(k_cache, tables).transpose(1, 2)  # [B, Hk, L, D]
     v = _gather_pages(v_cache, tables).transpose(1, 2)
-    group = hq // hk
-    qg = q.view(b, hk, group, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (scale or 1.0 / math.sqrt(d))  # [B, Hk, G, L]
-    length = torch.arange(k.shape[2], device=q.device)
-    scores.masked_fill_((length[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).reshape(b, hq, d)
+    visible = (torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]
+    # GQA without copies: the query heads of one KV head become that head's query rows.
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, d), k, v, attn_mask=visible,
+                                                           scale=scale or 1.0 / math.sqrt(d))
+    return out.reshape(b, hq, d)
 
 
 @register("attention_prefill", "vendor")
