@@ -17,7 +17,7 @@ def meminfo_bytes(key):
 def test_cpu_device_identity():
     dev = Device("cpu")
     assert (dev.type, dev.index, dev.torch, dev.is_accelerator) == ("cpu", None, torch.device("cpu"), False)
-    assert Device(torch.device("cpu")) == dev == Device(dev) and hash(dev) == hash(Device("cpu"))
+    assert Device(torch.device("cpu")) == dev == Device(dev) == Device("cpu:0") and hash(dev) == hash(Device("cpu"))
     assert isinstance(dev.name, str) and dev.name
     assert Device.count("cpu") == 1 and Device.all()[0] == dev
 

@@ -31,7 +31,9 @@ class Device:
             dev = torch.device(spec)
         except RuntimeError as exc:
             raise ValueError(f"device: {spec!r} is not a torch device name (e.g. 'cpu', 'cuda:0')") from exc
-        if dev.type != "cpu":
+        if dev.type == "cpu":
+            dev = torch.device("cpu")  # "cpu:0" and "cpu" are the same host
+        else:
             module = getattr(torch, dev.type, None)
             if module is None or not hasattr(module, "is_available") or not module.is_available():
                 raise ValueError(f"device: {spec!r} is not available here; available: {', '.join(available_types())}")
