@@ -32,6 +32,8 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
+        if "--device" not in args:  # the same timing-insensitive behaviour on every machine; test_cuda.py covers GPUs
+            args = ("--device", "cpu", *args)
         cmd = [sys.executable, "-m", "ninefold", "serve", "--model", str(model.path), "--port", str(self.port),
                "--served-model-name", "tiny", "--log-level", "warning", *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
