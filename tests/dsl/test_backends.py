@@ -205,3 +205,43 @@ def test_cpu_runs_programs_in_chunks(monkeypatch, dtype):
     want = w.double() + 2.5 * x[:77].double()
     axpy(x[:77], 2.5, w, BLOCK=16)
     close(w, want, dtype)
+
+
+def _scaled_exp(v, factor):
+    return nl.exp(v.to(nl.float32) * factor)
+
+
+def helper_application(x, y):
+    y = _scaled_exp(x, 0.5)  # noqa: F841
+
+
+helper = nd.make(square_arrangement, helper_application, (Tensor(1), Tensor(1)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_application_may_call_plain_helper_functions(backend):
+    x = random((300,), torch.float32, 16)
+    y = torch.empty(300)
+    helper(x, y, backend=backend)
+    close(y, torch.exp(0.5 * x.double()), torch.float32)
+    assert "@triton.jit\ndef _scaled_exp(v, factor):" in helper.source
+
+
+def branch_application(x, y):
+    if nl.max(x) > 0:
+        y = x  # noqa: F841
+    else:
+        y = -x  # noqa: F841
+
+
+branch = nd.make(square_arrangement, branch_application, (Tensor(1), Tensor(1)))
+
+
+def test_cpu_if_on_a_per_program_value():
+    x = torch.arange(1.0, 9.0)
+    y = torch.empty(8)
+    branch(x, y, BLOCK=4)
+    assert torch.equal(y, x)
+    x[:4] = -x[:4]
+    with pytest.raises(ValueError, match="use nl.where"):
+        branch(x, y, BLOCK=4)

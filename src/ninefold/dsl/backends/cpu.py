@@ -148,6 +148,11 @@ def _copy(tree):
 class _BatchSubscripts(ast.NodeTransformer):
     """``v[i]`` on a value becomes ``_nf.subscript(v, i)`` (which skips the grid dimensions)."""
 
+    def visit_If(self, node):
+        self.generic_visit(node)
+        node.test = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "condition", ast.Load()), [node.test], [])
+        return node
+
     def visit_Subscript(self, node):
         self.generic_visit(node)
         if isinstance(node.ctx, ast.Load):
@@ -191,6 +196,18 @@ class Program:
     def dtype(self, name):
         value = self.bound.values[name]
         return value.dtype if isinstance(value, torch.Tensor) else torch.float32
+
+    def condition(self, value):
+        """An ``if`` test: per-program tensors must agree across the programs run together."""
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            first = value.reshape(-1)[0]
+            if not bool((value == first).all()):
+                raise ValueError(
+                    "an `if` on a value that differs between programs is not supported by the cpu backend "
+                    "(all programs run together); use nl.where"
+                )
+            return bool(first)
+        return bool(value)
 
     def subscript(self, value, index):
         if isinstance(value, torch.Tensor):
