@@ -199,20 +199,36 @@ def _is_local_target(target: str) -> bool:
 
 
 def _warm(manifest: dict, out: Path, report: Report) -> None:
-    """Run every kept implementation once at the manifest's shapes, filling ``out/triton-cache``."""
-    import ninefold.ops as ops
-    from ninefold.ops import dispatch, workloads
+    """Fill ``out/triton-cache`` by running every kept implementation once, in a fresh process
+    (this one may already hold compiled kernels in memory, which would bypass the cache)."""
+    import subprocess
+    import sys
 
     cache = out / "triton-cache"
-    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    spec = out / "warm.json"
+    spec.write_text(json.dumps(manifest))
+    code = f"from ninefold.ops.build import warm_here; warm_here({str(spec)!r})"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    env.pop("NINEFOLD_OPS_BUILD", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    spec.unlink()
+    files = [p for p in cache.rglob("*") if p.is_file()]
+    report.sizes["(triton cache)"] = (len(files), sum(p.stat().st_size for p in files))
+
+
+def warm_here(manifest_json: str) -> None:
+    """Run every operator/dtype/implementation of a resolved manifest once at its shapes (on CUDA)."""
+    import ninefold.ops as ops
+    import ninefold.ops.triton  # noqa: F401
+    from ninefold.ops import dispatch, workloads
+
+    manifest = json.loads(Path(manifest_json).read_text())
     shapes = workloads.shapes(manifest["shapes"])
     for op, entry in manifest["ops"].items():
         for dtype_name in entry["dtypes"]:
             for case in workloads.cases(op, shapes, "cuda", getattr(torch, dtype_name)):
+                names = [i.name for i in dispatch.candidates(op, *case.args, **case.kwargs)]
                 for impl in entry["impls"]:
-                    names = [i.name for i in dispatch.candidates(op, *case.args, **case.kwargs)]
                     if impl in names:
                         ops.run(op, impl, *case.args, **case.kwargs)
     torch.cuda.synchronize()
-    files = [p for p in cache.rglob("*") if p.is_file()]
-    report.sizes["(triton cache)"] = (len(files), sum(p.stat().st_size for p in files))
