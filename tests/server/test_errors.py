@@ -120,3 +120,19 @@ def test_server_still_serves_after_the_bad_requests(client):
     out = client.completions.create(model="tiny", prompt="still alive", max_tokens=2,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 2
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, tiny_model):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 300, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    bad_bodies = [{"prompt": [5] * 4096}, {"prompt": [tiny_model.vocab_size]}, {"prompt": "x", "logit_bias": {"-3": 1}},
+                  {"prompt": "x", "logit_bias": {str(tiny_model.vocab_size + 1): 1}}, {"prompt": "x", "n": 10**6}]
+    with httpx.Client(timeout=120) as http, http.stream("POST", server.base + "/v1/completions", json=body) as good:
+        lines = good.iter_lines()
+        assert next(lines).startswith("data: {")
+        for bad in bad_bodies:
+            check_error(http.post(server.base + "/v1/completions", json=bad), 400)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert '"completion_tokens":300' in events[-2]
+    assert '"finish_reason":"length"' in events[-3]
