@@ -24,6 +24,7 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
 _NUMPY_DTYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _KNOWN_TYPES = {int(t) for t in GGML_QUANT_SIZES}
+_U64 = struct.Struct("<Q")
 
 
 class GGUFError(ValueError):
@@ -89,11 +90,27 @@ class _Cursor:
         self.need(n, what)
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            # Some vocabularies hold tokens that are not valid UTF-8 on their own; keep them readable.
-            return raw.decode("utf-8", errors="surrogateescape")
+        # Some vocabularies hold tokens that are not valid UTF-8 on their own; keep their bytes.
+        return raw.decode("utf-8", errors="surrogateescape")
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` length-prefixed strings (the hot loop of a vocabulary: kept lean)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = _U64.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > end:
+                self.pos = pos
+                self.need(n, what)
+            out.append(str(buf[pos : pos + n], "utf-8", "surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
 
     def value(self, value_type: int, what: str):
         if value_type in _SCALAR_FORMATS:
@@ -111,6 +128,8 @@ class _Cursor:
                 return out
             if count > len(self.buf):
                 raise GGUFError(f"GGUF file {self.path} is corrupt: {what} claims {count} elements")
+            if item_type == _STRING:
+                return self.strings(count, what)
             return [self.value(item_type, what) for _ in range(count)]
         raise GGUFError(f"GGUF file {self.path} is corrupt: {what} has unknown value type {value_type}")
 
