@@ -22,7 +22,7 @@ from ninefold.llm.runner import ModelRunner
 from ninefold.llm.sampler import Sampler
 from ninefold.llm.sampling import SamplingParams
 from ninefold.llm.scheduler import Scheduler
-from ninefold.llm.sequence import Request, Sequence
+from ninefold.llm.sequence import Request, Sequence, Status
 from ninefold.llm.tokenizer import Tokenizer
 from ninefold.runtime import KVCachePool
 
@@ -169,18 +169,21 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step:
             return []
-        samples = [s.samples for s in step]
         sampled = self.runner.execute(step)
         touched: dict[str, Request] = {}
+        tokens, logprobs = sampled.token_ids, sampled.logprobs
+        commit = self.blocks.commit if self.blocks.enable_prefix_caching else None
         j = 0
-        for s, samples_now in zip(step, samples):
+        for s in step:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            self.blocks.commit(seq)
-            if samples_now:
-                self._append(seq, sampled.token_ids[j], sampled.logprobs[j])
+            if commit is not None:
+                commit(seq)
+            if s.samples:
+                self._append(seq, tokens[j], logprobs[j])
                 j += 1
-                touched[seq.request_id] = self.requests[seq.request_id]
+                if self.stream_outputs or seq.status is Status.FINISHED:
+                    touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -196,7 +199,7 @@ class LLMEngine:
         if logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         may_stop = n_out >= p.min_tokens
         stop_string = seq.detokenizer.add([token], check_stop=may_stop) if seq.detokenizer else None
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
@@ -205,7 +208,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", token)
         elif stop_string is not None:
             self.scheduler.finish(seq, "stop", stop_string)
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.token_ids) >= self.max_model_len:
             self.scheduler.finish(seq, "length")
 
     def _output(self, request: Request) -> RequestOutput:

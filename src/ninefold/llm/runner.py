@@ -40,15 +40,32 @@ class _HostBuffers:
         dev.copy_(host[:n], non_blocking=True)
         return dev.view(values.shape)
 
-    def _fill(self, name: str, values: np.ndarray, dtype: torch.dtype) -> int:
-        n = values.size
+    def host_array(self, name: str, shape: tuple[int, ...], np_dtype, dtype: torch.dtype):
+        """A ``shape`` view of the reused host buffer ``name``: (numpy array to fill, tensor); not cleared."""
+        n = int(np.prod(shape))
+        host = self._grow(name, n, dtype)[:n].view(shape)
+        return host.numpy(), host
+
+    def upload(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        """Copy a ``host_array`` tensor into buffer ``name``'s device twin (non-blocking)."""
+        if self.device.type == "cpu":
+            return host.clone()
+        dev = self._dev[name][: host.numel()].view(host.shape)
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+    def _grow(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         host = self._host.get(name)
         if host is None or host.numel() < n or host.dtype != dtype:
             size = max(n, 2 * (host.numel() if host is not None else 0), 64)
-            host = torch.empty(size, dtype=dtype, pin_memory=self.pinned)
+            host = torch.zeros(size, dtype=dtype, pin_memory=self.pinned)
             self._host[name] = host
             self._dev[name] = torch.empty(size, dtype=dtype, device=self.device)
-        host.numpy()[:n] = values.reshape(-1)
+        return host
+
+    def _fill(self, name: str, values: np.ndarray, dtype: torch.dtype) -> int:
+        n = values.size
+        self._grow(name, n, dtype).numpy()[:n] = values.reshape(-1)
         return n
 
 
@@ -84,26 +101,34 @@ class ModelRunner:
             return self._decode(step)
         return self._prefill(step)
 
-    def _block_table_array(self, step: list[ScheduledSeq], width: int) -> np.ndarray:
-        table = np.zeros((len(step), width), dtype=np.int32)
+    def _block_tables(self, step: list[ScheduledSeq], width: int, *, pinned: bool) -> torch.Tensor:
+        """``[B, width]`` int32 block tables on the device, or in pinned host memory with ``pinned``.
+
+        Entries past a row's own blocks are left as they are: attention never reads past a
+        row's context (and they are valid block ids from earlier steps).
+        """
+        table, host = self.buffers.host_array("tables", (len(step), width), np.int32, torch.int32)
         for row, s in enumerate(step):
             blocks = s.seq.block_table
             table[row, : len(blocks)] = blocks
-        return table
+        return host if pinned else self.buffers.upload("tables", host)
 
     def _decode(self, step: list[ScheduledSeq]) -> torch.Tensor:
         bs = self.block_size
-        B = len(step)
-        ids = np.fromiter((s.seq.token_ids[s.start] for s in step), dtype=np.int64, count=B)
-        positions = np.fromiter((s.start for s in step), dtype=np.int64, count=B)
-        slots = np.fromiter((s.seq.block_table[s.start // bs] * bs + s.start % bs for s in step),
-                            dtype=np.int64, count=B)
-        graphs = self.graphs is not None and self.graphs.fits(B)
+        ids, positions, slots = [], [], []
+        for s in step:
+            seq, start = s.seq, s.start
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(seq.block_table[start // bs] * bs + start % bs)
+        graphs = self.graphs is not None and self.graphs.fits(len(step))
         width = self.max_blocks if graphs else max(len(s.seq.block_table) for s in step)
         put = self.buffers.to_device if not graphs else self.buffers.pinned_host
-        args = (put("ids", ids, torch.int64), put("pos", positions, torch.int64), put("slots", slots, torch.int64),
-                put("context", positions.astype(np.int32) + 1, torch.int32),
-                put("tables", self._block_table_array(step, width), torch.int32))
+        pos = np.array(positions, dtype=np.int64)
+        args = (put("ids", np.array(ids, dtype=np.int64), torch.int64), put("pos", pos, torch.int64),
+                put("slots", np.array(slots, dtype=np.int64), torch.int64),
+                put("context", (pos + 1).astype(np.int32), torch.int32),
+                self._block_tables(step, width, pinned=graphs))
         if graphs:
             return self.graphs.run(*args)
         meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3])
@@ -134,8 +159,7 @@ class ModelRunner:
             use_cache=use_cache,
         )
         if use_cache:
-            width = max(len(s.seq.block_table) for s in step)
-            meta.block_tables = put("tables", self._block_table_array(step, width), torch.int32)
+            meta.block_tables = self._block_tables(step, max(len(s.seq.block_table) for s in step), pinned=False)
         hidden = self.model.forward(
             put("ids", np.concatenate(ids), torch.int64), put("pos", np.concatenate(positions), torch.int64), meta
         )

@@ -32,7 +32,7 @@ class Sampler:
         """Sample one token for each row of ``logits`` ``[B, V]`` (float32), row b for ``seqs[b]``."""
         params = [s.params for s in seqs]
         logits = logits[:, : self.vocab_size]
-        if all(p.plain_greedy for p in params):  # the common case, kept short: no per-row work
+        if all(s.plain_greedy for s in seqs):  # the common case, kept short: no per-row work
             return self._read(ops.argmax(logits, dim=-1), len(seqs))
         want_logprobs = [p.logprobs is not None for p in params]
         raw = logits if any(want_logprobs) else None

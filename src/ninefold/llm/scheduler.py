@@ -18,21 +18,21 @@ from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.sequence import Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
-    """A sequence and the number of its tokens computed in this step."""
+    """A sequence and the ``num_new_tokens`` of its tokens, from ``start``, computed in this step.
+
+    ``samples``: this step computes the sequence's last token, so a new token is sampled.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    start: int = 0
+    samples: bool = False
 
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
 
 
 class Scheduler:
@@ -57,13 +57,15 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's sequences and token counts, allocating their blocks."""
         budget = self.max_num_batched_tokens
+        bs = self.blocks.block_size
         scheduled: list[ScheduledSeq] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.ensure(seq, seq.num_computed_tokens + n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + n
+            while end > len(seq.block_table) * bs and not self.blocks.ensure(seq, end):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True

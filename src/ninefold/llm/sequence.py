@@ -39,6 +39,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    plain_greedy: bool = False  # params.plain_greedy, read once (the sampler checks it every step)
+
+    def __post_init__(self) -> None:
+        self.plain_greedy = self.params.plain_greedy
 
     @property
     def num_tokens(self) -> int:
