@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"correctness: {results['correctness']}")
 
     rng = random.Random(args.seed)
+    engine.stream_outputs = False  # offline use, as in LLM.generate: outputs only for finished requests
     parts = {
         "decode_batch1": lambda: bench_decode(engine, rng, args.decode_tokens, weight_bytes, bandwidth),
         "ttft": lambda: bench_ttft(engine, rng, mc, mm_rate, args.ttft_lengths),
@@ -300,7 +301,6 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
     n = args.num_requests
     prompts = [rng.randint(100, 1024) for _ in range(n)]
     outputs = [rng.randint(100, 1024) for _ in range(n)]
-    engine.stream_outputs = False
     requests = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
@@ -314,7 +314,6 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
                         for r in requests for s in r.seqs)
     for r in requests:
         engine.abort_request(r.request_id)
-    engine.stream_outputs = True
     # roofline bound of the whole workload
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.dtype.itemsize
     flops = sum(prefill_flops(mc, p) - 2 * mc.hidden_size * mc.vocab_size for p in prompts)
