@@ -145,3 +145,24 @@ def test_top_k_1_is_greedy_and_min_p_1_keeps_only_the_top_token(llm):
     for params in (SamplingParams(temperature=2.0, top_k=1, max_tokens=10, ignore_eos=True, seed=5),
                    SamplingParams(temperature=2.0, min_p=1.0, max_tokens=10, ignore_eos=True, seed=5)):
         assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].outputs[0].token_ids == greedy
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    path = shutil.copytree(llama_dir, tmp_path / "m")
+    config = json.loads((path / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1)
+    (path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), device="cpu", num_kv_blocks=16)
+    p = llm.engine.default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.9, 20, 1.1)
+    config["do_sample"] = False
+    (path / "generation_config.json").write_text(json.dumps(config))
+    greedy = LLM(str(path), device="cpu", num_kv_blocks=16)
+    assert greedy.engine.default_sampling_params().temperature == 0
+    (out,) = greedy.generate(prompt_token_ids=[PROMPT])  # defaults: greedy, 16 tokens
+    want = greedy.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0, top_p=0.9, top_k=20, repetition_penalty=1.1))[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids

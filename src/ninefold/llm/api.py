@@ -41,7 +41,7 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(items)} prompts")
             params = sampling_params
         else:
-            params = [sampling_params or SamplingParams()] * len(items)
+            params = [sampling_params or self.engine.default_sampling_params()] * len(items)
         engine = self.engine
         requests = [engine.build_request(p, sp) for p, sp in zip(items, params)]  # all checked first
         for request in requests:

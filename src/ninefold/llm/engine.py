@@ -53,6 +53,7 @@ class LLMEngine:
         self.pool = self._make_pool(max_len)
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size)
         self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)
+        self.generation_config = dict(ckpt.generation_config)
         self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
@@ -95,11 +96,26 @@ class LLMEngine:
         self.model.compute_logits(hidden[: cfg.max_num_seqs])
         self.model.kv_caches = []
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's ``generation_config.json`` defaults (used when none are given).
+
+        ``do_sample: false`` means greedy; temperature, top_p, top_k and repetition_penalty are taken over.
+        """
+        g = self.generation_config
+        fields = {name: g[name] for name in ("temperature", "top_p", "top_k", "repetition_penalty")
+                  if isinstance(g.get(name), (int, float)) and not isinstance(g.get(name), bool)}
+        if g.get("do_sample") is False:
+            fields["temperature"] = 0.0
+        try:
+            return SamplingParams(**fields)
+        except ValueError:  # an odd generation_config: ignore it rather than refuse every request
+            return SamplingParams()
+
     # -- requests ---------------------------------------------------------------------------------
 
     def build_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Check and tokenize one request (touches no engine state). Raises ValueError/TypeError."""
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._auto_ids)) if request_id is None else str(request_id)
