@@ -143,53 +143,61 @@ def _sdpa(group, dtype, b, h, s, d, causal):
     )
 
 
-def gpu_workloads():
-    """NineToothed's paper shapes in float16, then the large bfloat16 shapes."""
+def gpu_workloads(shrink=1):
+    """NineToothed's paper shapes in float16, then the large bfloat16 shapes.
+
+    ``shrink`` divides the large sizes (not head dims or channels) for a quick smoke run.
+    """
     h, b16 = torch.float16, torch.bfloat16
-    rope_shape = (4 * 1024, 48, 64)  # (batch 4 x seq 1024) tokens, 48 heads, head dim 64
-    conv_x, conv_w = (4, 512, 14, 14), (512, 512, 3, 3)
+
+    def n(size):
+        return max(1, size // shrink)
+
+    rope_shape = (n(4 * 1024), 48, 64)  # (batch 4 x seq 1024) tokens, 48 heads, head dim 64
+    conv_x, conv_w = (4, 512, 14, 14), (n(512), 512, 3, 3)
+    bmm_n = n(2048)
     return [
-        _elementwise("add", "paper", h, 4096, 4096, 2),
-        _mm("paper", h, 4096, 4096, 4096),
+        _elementwise("add", "paper", h, n(4096), 4096, 2),
+        _mm("paper", h, n(4096), n(4096), n(4096)),
         Workload(
             "bmm",
             "paper",
             h,
-            "4x2048x2048x2048",
-            lambda d: (_randn((4, 2048, 2048), h, d), _randn((4, 2048, 2048), h, d)),
+            f"4x{bmm_n}x{bmm_n}x{bmm_n}",
+            lambda d: (_randn((4, bmm_n, bmm_n), h, d), _randn((4, bmm_n, bmm_n), h, d)),
             lambda k, a, b: k.mm.bmm(a, b),
             torch.bmm,
-            flops=2.0 * 4 * 2048**3,
+            flops=2.0 * 4 * bmm_n**3,
         ),
         Workload(
             "conv2d",
             "paper",
             h,
-            "(4,512,14,14)*(512,512,3,3)",
+            f"{conv_x}*{conv_w}".replace(" ", ""),
             lambda d: (_randn(conv_x, h, d), _randn(conv_w, h, d)),
             lambda k, x, w: k.conv2d.conv2d(x, w),
             torch.nn.functional.conv2d,
-            flops=2.0 * 4 * 512 * 12 * 12 * 512 * 9,
+            flops=2.0 * 4 * conv_w[0] * 12 * 12 * 512 * 9,
         ),
-        _elementwise("rms_norm", "paper", h, 4096, 4096, 2),
-        _elementwise("softmax", "paper", h, 4096, 4096, 2),
+        _elementwise("rms_norm", "paper", h, n(4096), 4096, 2),
+        _elementwise("softmax", "paper", h, n(4096), 4096, 2),
         Workload(
             "rope",
             "paper",
             h,
-            "(4,1024,48,64)",
+            f"({rope_shape[0]},48,64)",
             lambda d: (_randn(rope_shape, h, d), *_rope_tables(rope_shape[0], 32, h, d)),
             lambda k, x, c, s: k.rope.rotate(x, c, s),
             _rope_torch,
             bytes=2 * math.prod(rope_shape) * 2 + 2 * rope_shape[0] * 32 * 2,
         ),
-        _sdpa("paper", h, 4, 48, 1024, 64, causal=False),
-        _elementwise("silu", "paper", h, 4096, 4096, 2),
-        _elementwise("add", "large", b16, 2**14, 2**14, 2),
-        _elementwise("softmax", "large", b16, 16384, 8192, 2),
-        _elementwise("rms_norm", "large", b16, 16384, 8192, 2),
-        _mm("large", b16, 8192, 8192, 8192),
-        _sdpa("large", b16, 4, 32, 4096, 128, causal=True),
+        _sdpa("paper", h, 4, 48, n(1024), 64, causal=False),
+        _elementwise("silu", "paper", h, n(4096), 4096, 2),
+        _elementwise("add", "large", b16, n(2**14), 2**14, 2),
+        _elementwise("softmax", "large", b16, n(16384), 8192, 2),
+        _elementwise("rms_norm", "large", b16, n(16384), 8192, 2),
+        _mm("large", b16, n(8192), n(8192), n(8192)),
+        _sdpa("large", b16, 4, 32, n(4096), 128, causal=True),
     ]
 
 
@@ -323,9 +331,9 @@ def run_impl(w, impl, fn, inputs, reference, device, sync):
     w.results[impl] = res
 
 
-def probe_cache(names, device):
+def probe_cache(names, device, shrink=1):
     """Second process: first-call time of each ninefold kernel with warm caches (JSON to stdout)."""
-    workloads = {w.key: w for w in (gpu_workloads() if device == "cuda" else cpu_workloads())}
+    workloads = {w.key: w for w in (gpu_workloads(shrink) if device == "cuda" else cpu_workloads())}
     kernels = ninefold_kernels()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = {}
@@ -341,9 +349,9 @@ def probe_cache(names, device):
     print("PROBE " + json.dumps(times))
 
 
-def run(device, out_dir, deadline_s, only=None):
+def run(device, out_dir, deadline_s, only=None, shrink=1):
     start = time.perf_counter()
-    workloads = gpu_workloads() if device == "cuda" else cpu_workloads()
+    workloads = gpu_workloads(shrink) if device == "cuda" else cpu_workloads()
     if only:
         workloads = [w for w in workloads if w.name in only.split(",")]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -374,7 +382,7 @@ def run(device, out_dir, deadline_s, only=None):
             del inputs, reference
             if device == "cuda":
                 torch.cuda.empty_cache()
-    cached = _second_process(workloads, device)
+    cached = _second_process(workloads, device, shrink)
     for w in workloads:
         w.results["ninefold"]["cached_first_call_s"] = cached.get(w.key)
         for res in w.results.values():
@@ -414,9 +422,17 @@ def _ninetoothed_priority(w):
     return order.index(name) if name in order else len(order)
 
 
-def _second_process(workloads, device):
+def _second_process(workloads, device, shrink):
     names = [w.key for w in workloads]
-    cmd = [sys.executable, "-m", "ninefold.bench.dsl", "--probe-cache", ",".join(names)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ninefold.bench.dsl",
+        "--probe-cache",
+        ",".join(names),
+        "--shrink",
+        str(shrink),
+    ]
     if device == "cpu":
         cmd.append("--cpu")
     try:
@@ -517,23 +533,24 @@ def main(argv=None):
     )
     parser.add_argument("--warm", action="store_true", help="keep the existing caches (default: empty ones)")
     parser.add_argument("--only", help="comma-separated workload names (e.g. mm,sdpa_causal); default all")
+    parser.add_argument("--shrink", type=int, default=1, help="divide the GPU sizes by this (smoke runs)")
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; use --cpu for the cpu backend")
     if args.probe_cache:
-        probe_cache(args.probe_cache.split(","), device)
+        probe_cache(args.probe_cache.split(","), device, args.shrink)
         return
     if device == "cpu":
         os.environ["NINEFOLD_DSL_BACKEND"] = "cpu"
     if args.warm:
-        run(device, args.out, args.deadline, args.only)
+        run(device, args.out, args.deadline, args.only, args.shrink)
         return
     with tempfile.TemporaryDirectory() as caches:  # cold caches, shared with the probe process
         os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
-        run(device, args.out, args.deadline, args.only)
+        run(device, args.out, args.deadline, args.only, args.shrink)
 
 
 if __name__ == "__main__":
