@@ -377,3 +377,46 @@ def test_dequantize_rejects_bad_arguments():
         dequantize(np.zeros(33, np.uint8), int(T.Q8_0), (32,))
     with pytest.raises(ValueError, match="not a ggml type"):
         dequantize(np.zeros(4, np.uint8), 999, (1,))
+
+
+# ----------------------------------------------------------------------------- sentencepiece vocabularies
+
+def _write_spm_tokenizer(path: Path) -> Path:
+    """A Llama-2-style (sentencepiece BPE) vocabulary with byte fallback and scores but no merges."""
+    import string
+
+    pieces = list(dict.fromkeys(list(string.ascii_letters + string.digits + ".,!?") + [
+        "▁", "▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁w", "or", "▁wor", "ld", "▁world", "▁h", "ll",
+        "▁hello", "el", "lo", "ello"]))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ninefold.llm.gguf import load_gguf_tokenizer
+    from ninefold.llm.tokenizer import Tokenizer
+
+    path = _write_spm_tokenizer(tmp_path / "spm.gguf")
+    ours = Tokenizer(*load_gguf_tokenizer(path))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["hello world", "  the  world\n", "Héllo wörld 中 🎉", "in the", "", "</s> the<s>"]:
+        ids = theirs(text).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text

@@ -7,8 +7,9 @@ file, so both encode a text to the same ids:
 
 - `gpt2` (byte-level BPE: SmolLM2, Llama 3, Qwen 2/3): the GPT-2 byte alphabet, a pre-tokenizer
   split chosen by `tokenizer.ggml.pre`, ByteLevel decoding.
-- `llama` (sentencepiece BPE: Llama 2, Mistral): `▁` for spaces and a prefix space, byte fallback,
-  merges from the file or, when absent, derived from the token scores.
+- `llama` (sentencepiece BPE: Llama 2, Mistral): `▁` for spaces and a prefix space (Metaspace, as
+  transformers' LlamaTokenizer), byte fallback, merges from the file or, when absent, derived from
+  the token scores.
 
 Control tokens become special added tokens (matched whole, skipped when decoding with
 `skip_special_tokens`); user-defined tokens become plain added tokens.
@@ -16,7 +17,7 @@ Control tokens become special added tokens (matched whole, skipped when decoding
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -114,13 +115,11 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores, metadata
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    steps = [normalizers.Replace(" ", "\u2581")]
-    if metadata.get("tokenizer.ggml.add_space_prefix", True):
-        steps.insert(0, normalizers.Prepend("\u2581"))
-    tokenizer.normalizer = normalizers.Sequence(steps)
-    tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # Spaces become "▁"; a text gets one "▁" in front unless it starts with a space already.
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tokenizer, lambda tok: True
 
 
