@@ -75,30 +75,36 @@ def build_app(
     )
     app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)
     app.state.server = state
+    app.state.api_key_set = bool(api_key)
     install_error_handlers(app, on_error=metrics.reject)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completions; ``stream: true`` answers with server-sent events."""
         return await handlers.create_completion(state, body, request.receive)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions through the model's chat template; streams with ``stream: true``."""
         return await handlers.create_chat_completion(state, body, request.receive)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
+        """The one served model."""
         card = ModelCard(id=served_model_name, created=state.created, root=str(getattr(engine, "model_name", "")),
                          max_model_len=limits.max_model_len)
         return dump(ModelList(data=[card]))
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while serving, 503 while draining for shutdown."""
         if state.admission.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(retry_after_s)})
         return JSONResponse({"status": "ok"})
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """Token ids of a prompt, or of chat messages rendered through the chat template."""
         state.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             tokens = render_chat(body.messages, engine.tokenizer, body.add_generation_prompt)
@@ -108,6 +114,7 @@ def build_app(
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> dict:
+        """Text of token ids (special tokens kept)."""
         state.check_model(body.model)
         bad = [t for t in body.tokens if t >= limits.vocab_size]
         if bad:
@@ -117,6 +124,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        """Prometheus metrics: queue, KV cache, prefix cache, latency histograms, token counters."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)

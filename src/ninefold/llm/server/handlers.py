@@ -146,6 +146,7 @@ class _View:
         }
 
     def usage(self, gen: Generation) -> dict[str, int]:
+        """Token counts: each prompt once, every generated token of every choice."""
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(s.output.token_ids) for s in gen.sequences if s.output is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

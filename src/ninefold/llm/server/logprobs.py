@@ -43,9 +43,11 @@ class TokenTexts:
         return raw.decode("utf-8", errors="replace"), tuple(raw)
 
     def text(self, token_id: int) -> str:
+        """What the token shows as text (U+FFFD for a partial UTF-8 sequence)."""
         return self._lookup(token_id)[0]
 
     def bytes(self, token_id: int) -> list[int]:
+        """The token's raw UTF-8 bytes."""
         return list(self._lookup(token_id)[1])
 
 

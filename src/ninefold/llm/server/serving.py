@@ -12,6 +12,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from ninefold.llm.server.engine import DEFAULT_SERVED_NAME
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.state import ServerState
 
@@ -27,8 +28,11 @@ def banner(engine: Any, state: ServerState, url: str) -> str:
         kv = f"{stats['num_blocks']} blocks" + (f" x {block} tokens" if block else "")
         if state.limits.kv_capacity_tokens:
             kv += f" = {state.limits.kv_capacity_tokens} tokens"
+    model = str(getattr(engine, "model_name", "?"))
+    if model == "default":
+        model = f"{DEFAULT_SERVED_NAME} (the default model)"
     rows = [
-        ("model", f"{getattr(engine, 'model_name', '?')} (served as '{state.served_model_name}')"),
+        ("model", f"{model} (served as '{state.served_model_name}')"),
         ("dtype", str(getattr(engine, "dtype", "?")).replace("torch.", "")),
         ("device", str(getattr(engine, "device", "?"))),
         ("KV cache", kv),
@@ -92,6 +96,9 @@ def run(app: FastAPI, *, host: str, port: int, drain_timeout_s: float = 30.0, lo
     server = _DrainingServer(config, state, drain_timeout_s)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
     print(banner(state.engine, state, url), file=sys.stderr, flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1") and not app.state.api_key_set:
+        print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use it",
+              file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

@@ -28,6 +28,7 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
+        """The engine's tokenizer."""
         return self.engine.tokenizer
 
     def check_model(self, model: str | None) -> None:
