@@ -77,7 +77,7 @@ def test_cuda_graph_decode_matches_eager_decode(model_dirs, dtype):
         tokens = eager_logits.argmax(-1).tolist()
         for s, token in zip(step, tokens):  # advance by hand, as engine.step would
             s.seq.num_computed_tokens += 1
-            s.seq.token_ids.append(token)
+            s.seq.append(token)
 
 
 def test_seeded_sampling_reproducible_on_cuda(model_dirs):

@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     plain_greedy: bool = False  # params.plain_greedy, read once (the sampler checks it every step)
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens (grows in place)
 
     def __post_init__(self) -> None:
         self.plain_greedy = self.params.plain_greedy
@@ -50,11 +51,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.output_ids)
 
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def append(self, token: int) -> None:
+        """Add a generated token."""
+        self.token_ids.append(token)
+        self.output_ids.append(token)
 
     @property
     def finished(self) -> bool:
