@@ -159,7 +159,8 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype: T = T.F32, arch: str = "llama",
-               metadata_overrides: dict | None = None, skip: tuple[str, ...] = (), extra: dict | None = None) -> Path:
+               metadata_overrides: dict | None = None, skip: tuple[str, ...] = (), extra: dict | None = None,
+               extra_kv: dict | None = None, eot_id: int | None = None) -> Path:
     """A GGUF file of `weights`: matrices in `qtype`, vectors in F32, llama.cpp's naming and q/k order."""
     writer = GGUFWriter(str(path), arch)
     meta = {
@@ -183,6 +184,10 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype: T = T.F32, arc
     writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
     writer.add_name("tiny-test")
+    if eot_id is not None:
+        writer.add_eot_token_id(eot_id)
+    for key, value in (extra_kv or {}).items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
     for name, value in weights.items():
         if gguf_name(name) in skip:
             continue
@@ -300,6 +305,15 @@ def test_config_tokenizer_and_generation_config(tmp_path):
     assert tok.encode("<|im_end|>in").ids == [2, TOKENS.index("in")]
     text = "héllo\n  wörld 中 🎉"
     assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_sampling_defaults_and_stop_ids_from_metadata(tmp_path):
+    path = tmp_path / "s.gguf"
+    writer_meta = {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.9, "general.sampling.top_k": 40}
+    write_gguf(path, hf_weights(), T.F16, extra_kv=writer_meta, eot_id=0)
+    gen = load_gguf(path).generation_config
+    assert gen["temperature"] == pytest.approx(0.6) and gen["top_p"] == pytest.approx(0.9) and gen["top_k"] == 40
+    assert gen["do_sample"] is True and gen["eos_token_id"] == [2, 0]
 
 
 def test_bfloat16_output_dtype(tmp_path):

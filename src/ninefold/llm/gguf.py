@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -171,7 +170,8 @@ def _rope_scaling(get) -> dict | None:
     return scaling
 
 
-def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(tensors the model needs, tensors it may have), HF name -> shape."""
     h, d = config["hidden_size"], config["head_dim"]
     q, kv, ff = config["num_attention_heads"] * d, config["num_key_value_heads"] * d, config["intermediate_size"]
     per_layer = {
@@ -314,10 +314,11 @@ def _generation_config(meta: dict) -> dict:
         config["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         config["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
-    for key, name in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
+    for key, name in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                      ("penalty_repeat", "repetition_penalty")):
         if meta.get(f"general.sampling.{key}") is not None:
             config[name] = meta[f"general.sampling.{key}"]
-    if any(k in config for k in ("temperature", "top_k", "top_p", "min_p")):
+    if any(k in config for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")):
         config["do_sample"] = True
     return config
 
@@ -331,23 +332,3 @@ def _stderr_is_tty() -> bool:
 
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
-
-def describe(path: str | os.PathLike) -> dict:
-    """A short summary of a GGUF file without dequantizing it: name, architecture, parameter
-    count, tensor types and size."""
-    file = read_gguf(path)
-    types: dict[str, int] = {}
-    params = 0
-    for info in file.tensors.values():
-        types[info.type_name] = types.get(info.type_name, 0) + 1
-        n = 1
-        for s in info.shape:
-            n *= s
-        params += n
-    return {
-        "name": str(file.metadata.get("general.name") or Path(path).stem),
-        "architecture": file.metadata.get("general.architecture"),
-        "parameters": params,
-        "tensor_types": types,
-        "bytes": Path(path).stat().st_size,
-    }
