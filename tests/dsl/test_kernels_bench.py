@@ -4,11 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ninefold.bench import dsl as bench
 
 
+@pytest.mark.slow
 def test_cpu_mode_writes_table_json_and_plot(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "ninefold.bench.dsl", "--cpu", "--only", "add", "--out", str(tmp_path)],
