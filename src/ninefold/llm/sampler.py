@@ -96,14 +96,14 @@ class Sampler:
             seq, p = seqs[b], seqs[b].params
             row = logits[b]
             if p.repetition_penalty != 1:
+                # ids are < V (prompts are checked, outputs sampled): no masking, which would sync
                 seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long).to(self.device)
-                seen = seen[seen < V]
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
                 out = torch.tensor(seq.output_ids, dtype=torch.long).to(self.device)
                 counts = torch.zeros(V, dtype=torch.float32, device=self.device)
-                counts.scatter_add_(0, out[out < V], torch.ones(out.numel(), device=self.device)[out < V])
+                counts.scatter_add_(0, out, torch.ones(out.numel(), device=self.device))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
