@@ -45,10 +45,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.detach().cpu().double(), expected, atol=atol * scale, rtol=rtol * scale)
 
 
-def randn(*shape, dtype=torch.float32, device="cpu", strided: bool = False, seed: int = 0) -> torch.Tensor:
-    """A random tensor; ``strided=True`` returns a non-contiguous view with the same values layout."""
+def randn(*shape, dtype=torch.float32, device="cpu", strided: bool = False, seed: int = 0,
+          scale: float = 1.0) -> torch.Tensor:
+    """A random tensor (times ``scale``); ``strided=True`` returns a view with last-dimension stride 2."""
     g = torch.Generator().manual_seed(seed)
     if not strided:
-        return torch.randn(tuple(shape), generator=g).to(device=device, dtype=dtype)
-    wide = torch.randn((*shape[:-1], shape[-1] * 2), generator=g).to(device=device, dtype=dtype)
-    return wide[..., ::2]
+        return (torch.randn(tuple(shape), generator=g) * scale).to(device=device, dtype=dtype)
+    wide = (torch.randn((*shape[:-1], shape[-1] * 2), generator=g) * scale).to(device=device, dtype=dtype)
+    out = wide[..., ::2]
+    assert not out.is_contiguous() or out.numel() <= 1
+    return out

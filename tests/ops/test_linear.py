@@ -12,7 +12,7 @@ from .helpers import DTYPE_IDS, DTYPES, assert_close, call, impl_params, randn
                                                  (17, 70, 129, False, True), (64, 128, 256, True, True)])
 def test_linear_matches_reference(device, impl, dtype, m, n, k, bias, strided):
     x = randn(m, k, dtype=dtype, device=device, strided=strided, seed=1)
-    w = randn(n, k, dtype=dtype, device=device, seed=2) / k**0.5
+    w = randn(n, k, dtype=dtype, device=device, seed=2, scale=k**-0.5)
     b = randn(n, dtype=dtype, device=device, seed=3) if bias else None
     assert_close(call("linear", impl, x, w, b), ref.linear(x, w, b), dtype, scale=4)
 

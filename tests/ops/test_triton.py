@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 
 from ninefold.ops import workloads  # noqa: E402
 
-OPS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "reshape_and_cache",
+OPS = ["rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "gelu_and_mul", "rope", "reshape_and_cache",
        "attention_decode", "attention_prefill"]
 ROOT = Path(__file__).resolve().parents[2]
 

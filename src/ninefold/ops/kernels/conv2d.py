@@ -16,9 +16,14 @@ PAD_H = Symbol("PAD_H", constexpr=True)
 PAD_W = Symbol("PAD_W", constexpr=True)
 STRIDE_H = Symbol("STRIDE_H", constexpr=True)
 STRIDE_W = Symbol("STRIDE_W", constexpr=True)
+# Convolutions have few output pixels (N*P*Q is 576 at NineToothed's paper shape), so smaller tiles
+# than mm's keep all SMs busy.
+BLOCK_M = Symbol("BLOCK_M", meta=True, lower_bound=32, upper_bound=128)
+BLOCK_N = Symbol("BLOCK_N", meta=True, lower_bound=32, upper_bound=128)
+BLOCK_K = Symbol("BLOCK_K", meta=True, lower_bound=64, upper_bound=64)
 
 
-def arrangement(x, w, y, BLOCK_M=mm.BLOCK_M, BLOCK_N=mm.BLOCK_N, BLOCK_K=mm.BLOCK_K):
+def arrangement(x, w, y, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K):
     _, c, r, s = w.shape
     padded = x.pad(((0, 0), (0, 0), (PAD_H, PAD_H), (PAD_W, PAD_W)))
     # Outer level (N, 1, P, Q): one window per output pixel; inner level (1, C, R, S).

@@ -12,7 +12,7 @@ import torch
 
 from ninefold.ops.registry import register
 from ninefold.ops.spec import FLOAT_DTYPES
-from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope
+from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope, softmax
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
@@ -25,6 +25,7 @@ KERNELS = [
     ("add_rms_norm", norm.add_rms_norm, norm.supports),
     ("silu_and_mul", activation.silu_and_mul, activation.supports),
     ("gelu_and_mul", activation.gelu_and_mul, activation.supports),
+    ("softmax", softmax.softmax, softmax.supports),
     ("rope", rope.rope, rope.supports),
     ("reshape_and_cache", cache.reshape_and_cache, cache.supports),
     ("attention_decode", decode.attention_decode, decode.supports),

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope
+from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope, softmax
 
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Pointer arguments whose element type does not follow the activations' dtype.
@@ -82,6 +82,12 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
     if op in ("silu_and_mul", "gelu_and_mul"):
         acts = [0] if op == "silu_and_mul" else [1, 2]
         return [Variant(op, activation.gated_kernel, {"ACT": a, "BLOCK": activation.BLOCK}) for a in acts]
+    if op == "softmax":
+        found = []
+        for n in (shapes.softmax_width, shapes.vocab):
+            single, block, warps = softmax.config(n)
+            found.append(Variant(op, softmax.softmax_kernel, {"SINGLE": single, "BLOCK": block}, num_warps=warps))
+        return found
     if op == "rope":
         half = shapes.head_dim // 2
         return [Variant(op, rope.rope_kernel, {"HALF": half, "IS_NEOX": neox, "BLOCK_H": p2(h), "BLOCK_HALF": p2(half),
