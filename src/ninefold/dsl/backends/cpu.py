@@ -153,6 +153,13 @@ class _BatchSubscripts(ast.NodeTransformer):
         node.test = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "condition", ast.Load()), [node.test], [])
         return node
 
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if isinstance(node.ctx, ast.Load) and node.attr in ("shape", "ndim"):
+            call = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), f"value_{node.attr}", ast.Load()), [node.value], [])
+            return ast.copy_location(call, node)
+        return node
+
     def visit_Subscript(self, node):
         self.generic_visit(node)
         if isinstance(node.ctx, ast.Load):
@@ -208,6 +215,13 @@ class Program:
                 )
             return bool(first)
         return bool(value)
+
+    def value_shape(self, value):
+        """``v.shape`` of a value: its tile shape (the grid dimensions left out)."""
+        return tuple(value.shape[self.g :]) if isinstance(value, torch.Tensor) else value.shape
+
+    def value_ndim(self, value):
+        return value.ndim - self.g if isinstance(value, torch.Tensor) else value.ndim
 
     def subscript(self, value, index):
         if isinstance(value, torch.Tensor):
