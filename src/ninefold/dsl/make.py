@@ -50,13 +50,33 @@ def _source_text(func) -> str:
         return getattr(func, "__qualname__", repr(func))
 
 
-def make(arrangement, application, tensors, *, num_warps=None, num_stages=None, max_num_configs=None, name=None):
+def _check_caller(caller):
+    if caller not in (None, "torch"):
+        raise ValueError(f"caller={caller!r}: ninefold.dsl kernels are called with torch tensors (caller='torch')")
+
+
+def make(
+    arrangement,
+    application,
+    tensors,
+    *,
+    num_warps=None,
+    num_stages=None,
+    max_num_configs=None,
+    name=None,
+    kernel_name=None,
+    caller=None,
+):
     """Make a kernel from an ``arrangement``, an ``application`` and the symbolic ``tensors``.
 
     ``arrangement(*tensors)`` returns the arranged tensors (one per application parameter);
     ``application`` is the serial code of one program. ``num_warps``/``num_stages`` fix those
-    launch options (otherwise tuned); ``max_num_configs`` caps how many configurations the tuner tries.
+    launch options (otherwise tuned); ``max_num_configs`` caps how many configurations the tuner
+    tries. ``kernel_name`` (or ``name``) names the kernel; ``caller`` is accepted for NineToothed
+    compatibility and must be ``"torch"`` if given.
     """
+    _check_caller(caller)
+    name = name or kernel_name
     tensors = tuple(tensors)
     app_params = list(inspect.signature(application).parameters)
     if len(app_params) != len(tensors):
@@ -97,8 +117,9 @@ def _spec(tensor):
     return (tensor.ndim, repr(tensor.shape), repr(tensor.dtype), repr(tensor.other), repr(tensor._shape_options), tensor.constexpr, repr(tensor.value))
 
 
-def jit(func=None, *, num_warps=None, num_stages=None, max_num_configs=None):
+def jit(func=None, *, num_warps=None, num_stages=None, max_num_configs=None, kernel_name=None, caller=None):
     """Decorator form: parameters annotated with arranged tensors, the body is the application."""
+    _check_caller(caller)
 
     def wrap(func):
         signature = inspect.signature(func, eval_str=True)
@@ -110,7 +131,7 @@ def jit(func=None, *, num_warps=None, num_stages=None, max_num_configs=None):
             params.append(Param(name, arranged.source, arranged))
         key = hashlib.sha256(_source_text(func).encode()).hexdigest()
         return Kernel(
-            func.__name__,
+            kernel_name or func.__name__,
             params,
             func,
             symbol_names={},
