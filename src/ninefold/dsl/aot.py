@@ -12,7 +12,6 @@ symbols, the padded power-of-two tile sizes; a call that disagrees is refused wi
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import re
@@ -25,18 +24,6 @@ from ninefold.dsl.symbol import Symbol
 
 FORMAT = 1
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr\s+\.\w+\s+\.align\s+\d+)?\s+\w+_param_(\d+)")
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
 
 
 # ------------------------------------------------------------------ expressions as JSON
@@ -218,7 +205,9 @@ class Artifact:
         if grid == 0:
             return
         device = next(v.device for v in args if isinstance(v, torch.Tensor))
-        _driver().launch(self, device, grid, launch)
+        from ninefold.dsl.backends.cuda_driver import driver
+
+        driver().launch(self.directory / self.meta["cubin"], self.meta, device, grid, launch)
 
 
 class AotKernel:
@@ -253,95 +242,3 @@ def load(directory, kernel_name=None) -> AotKernel:
     if not artifacts:
         raise ValueError(f"{directory} holds no artifact of {kernel_name!r} (it has {names})")
     return AotKernel(artifacts)
-
-
-# ------------------------------------------------------------------ CUDA driver API through ctypes
-_CTYPES = {
-    "u64": ctypes.c_uint64,
-    "b64": ctypes.c_uint64,
-    "s64": ctypes.c_int64,
-    "u32": ctypes.c_uint32,
-    "b32": ctypes.c_uint32,
-    "s32": ctypes.c_int32,
-    "u16": ctypes.c_uint16,
-    "b16": ctypes.c_uint16,
-    "u8": ctypes.c_uint8,
-    "b8": ctypes.c_uint8,
-    "f32": ctypes.c_float,
-    "f64": ctypes.c_double,
-}
-_DRIVER = {}
-
-
-def _driver():
-    if "driver" not in _DRIVER:
-        _DRIVER["driver"] = _Driver()
-    return _DRIVER["driver"]
-
-
-class _Driver:
-    SHARED_LIMIT = 49152
-    MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-
-    def __init__(self):
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.functions = {}
-
-    def check(self, result, what):
-        if result != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(result, ctypes.byref(name))
-            raise RuntimeError(f"CUDA driver: {what} failed with {name.value.decode() if name.value else result}")
-
-    def function(self, artifact, device):
-        key = (str(artifact.directory / artifact.meta["cubin"]), device.index)
-        if key not in self.functions:
-            torch.cuda.init()
-            with torch.cuda.device(device):
-                torch.empty(1, device=device)  # makes torch's primary context current on this thread
-                image = (artifact.directory / artifact.meta["cubin"]).read_bytes()
-                module, function = ctypes.c_void_p(), ctypes.c_void_p()
-                self.check(self.lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
-                self.check(
-                    self.lib.cuModuleGetFunction(ctypes.byref(function), module, artifact.meta["function"].encode()),
-                    "cuModuleGetFunction",
-                )
-                shared = artifact.meta["shared"]
-                if shared > self.SHARED_LIMIT:
-                    self.check(
-                        self.lib.cuFuncSetAttribute(function, self.MAX_DYNAMIC_SHARED, ctypes.c_int(shared)),
-                        "cuFuncSetAttribute",
-                    )
-            self.functions[key] = (module, function)
-        return self.functions[key][1]
-
-    def launch(self, artifact, device, grid, launch):
-        function = self.function(artifact, device)
-        meta = artifact.meta
-        ptx = meta["ptx_params"]
-        if len(ptx) < len(launch):
-            raise RuntimeError(f"{meta['kernel']}: the cubin takes {len(ptx)} parameters, the launch has {len(launch)}")
-        holders, scratch = [], []
-        for i, kind in enumerate(ptx):
-            if i < len(launch):
-                _, value = launch[i]
-                value = value.data_ptr() if isinstance(value, torch.Tensor) else value
-            else:
-                value = 0
-                extra = i - len(launch)
-                size = meta["global_scratch_size"] if extra == 0 else meta["profile_scratch_size"]
-                if size:
-                    buffer = torch.empty(size * grid, dtype=torch.uint8, device=device)
-                    scratch.append(buffer)
-                    value = buffer.data_ptr()
-            holders.append(_CTYPES[kind](value))
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
-        stream = torch.cuda.current_stream(device).cuda_stream
-        with torch.cuda.device(device):
-            self.check(
-                self.lib.cuLaunchKernel(
-                    function, grid, 1, 1, 32 * meta["num_warps"], 1, 1, meta["shared"], ctypes.c_void_p(stream), params, None
-                ),
-                "cuLaunchKernel",
-            )
-        del scratch

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ninefold.dsl.compiler.frontend import normalize
-from ninefold.dsl.expr import BinOp, Const, Expr, Index, SizeOf, StrideOf, evaluate
+from ninefold.dsl.expr import BinOp, Const, Expr, SizeOf, StrideOf, evaluate
 from ninefold.dsl.symbol import Symbol
 from ninefold.dsl.tensor import Tensor, level_index_vars, resolve
 
@@ -241,10 +241,6 @@ class Kernel:
 def level_shapes(arranged: Tensor, env) -> list[tuple[int, ...]]:
     """Concrete shapes of every level."""
     return [tuple(int(evaluate(s, env)) for s in level._shape) for level in arranged.levels()]
-
-
-def index_leaves(expr):
-    return {leaf for leaf in expr.leaves() if isinstance(leaf, Index)}
 
 
 def _backend(name):

@@ -12,8 +12,6 @@ mask. Nodes are never modified after they are made; meta-operations return new n
 
 from __future__ import annotations
 
-import math
-
 from ninefold.dsl.expr import Const, Expr, Index, SizeOf, as_expr, binary, const_value, maximum
 
 _SHAPE_OPTION_KEYS = {"constexpr", "upper_bound", "lower_bound"}
@@ -136,10 +134,6 @@ class Tensor:
 
     def innermost(self) -> Tensor:
         return self.levels()[-1]
-
-    def element_dtype(self):
-        """The element type at the bottom of the hierarchy (the source's dtype)."""
-        return self.source.dtype if not self.is_source or not isinstance(self.dtype, Tensor) else None
 
     def __repr__(self):
         shapes = " -> ".join(str(tuple(level.shape)) for level in self.levels())
@@ -457,7 +451,3 @@ def _dedupe(items):
 def level_index_vars(top: Tensor):
     """``Index`` leaves for every dimension of every level of ``top``'s hierarchy."""
     return [tuple(Index(level, d) for d in range(level.ndim)) for level in top.levels()]
-
-
-def numel(shape):
-    return math.prod(shape)

@@ -371,7 +371,7 @@ def generate(kernel, spec, wide=False) -> Generated:
     grid_shape = first.arranged._shape if first is not None else ()
     if grid_shape:
         body += _program_indices(kernel, grid_shape, namer, wide)
-    body += _strip_nf(tree.body)
+    body += tree.body
     arguments = []
     for p in kernel.params:
         if p.is_scalar:
@@ -483,11 +483,6 @@ def _leaf_order(kernel):
         return (1, 0, 0, name)
 
     return order
-
-
-def _strip_nf(stmts):
-    """``x = tl.store(...)`` never occurs; statements are already plain; drop ``pass`` duplicates."""
-    return stmts
 
 
 def argument_values(generated: Generated, bound) -> list:
