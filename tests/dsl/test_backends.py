@@ -245,3 +245,11 @@ def test_cpu_if_on_a_per_program_value():
     x[:4] = -x[:4]
     with pytest.raises(ValueError, match="use nl.where"):
         branch(x, y, BLOCK=4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_empty_tensors_launch_nothing(backend):
+    x = torch.empty(0)
+    add(x, x, torch.empty(0), backend=backend)
+    c = torch.full((0, 5), 1.0)
+    mm(torch.empty(0, 3), torch.empty(3, 5), c, backend=backend)

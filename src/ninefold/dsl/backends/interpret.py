@@ -42,6 +42,8 @@ def run(kernel, bound):
         if value.device.type != "cpu":
             raise ValueError(f"kernel {kernel.name}: backend 'interpret' needs cpu tensors; {p.name} is on {value.device}")
     bound = kernel.finish(bound, cpu.choose_meta(kernel, bound))
+    if grid_size(bound) == 0:
+        return
     generated, _ = prepare(kernel, bound)
     path = str(cache_dir("generated") / f"{generated.key}.py")
     args = argument_values(generated, bound)

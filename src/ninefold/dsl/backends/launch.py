@@ -32,7 +32,8 @@ def _span(tensor):
 
 
 def grid_size(bound) -> int:
-    return max(math.prod(bound.grid), 1) if bound.grid else 1
+    """Number of programs (0 when a grid dimension is empty: nothing to launch)."""
+    return math.prod(bound.grid) if bound.grid else 1
 
 
 __all__ = ["prepare", "grid_size", "argument_values"]

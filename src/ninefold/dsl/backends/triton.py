@@ -90,6 +90,8 @@ def launch(kernel, bound, config):
         entry = (function, grid_size(finished), template, num_warps, num_stages)
         kernel._cache[key] = entry
     function, grid, template, num_warps, num_stages = entry
+    if grid == 0:
+        return
     args = [bound.values[payload] if kind else payload for kind, payload in template]
     with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
         function[(grid,)](*args, num_warps=num_warps, num_stages=num_stages)
