@@ -28,10 +28,13 @@ def test_ops_tune_stores_a_winner_for_every_call(tmp_path, capsys):
     assert "stored 4 choices" in capsys.readouterr().out
 
 
-def test_ops_tune_rejects_unknown_operators_and_shapes():
-    run = subprocess.run([sys.executable, "-m", "ninefold", "ops", "tune", "--ops", "rmsnorm", "--device", "cpu"],
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "--ops: unknown operator(s) rmsnorm" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "ninefold", "ops", "tune", "--shapes", "huge", "--device", "cpu"],
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "--shapes: unknown shape set 'huge'" in run.stderr
+def test_ops_tune_rejects_unknown_operators_and_shapes(capsys):
+    assert main(["ops", "tune", "--ops", "rmsnorm", "--device", "cpu"]) == 2
+    assert "--ops: unknown operator(s) rmsnorm" in capsys.readouterr().err
+    assert main(["ops", "tune", "--shapes", "huge", "--device", "cpu"]) == 2
+    assert "--shapes: unknown shape set 'huge'" in capsys.readouterr().err
+
+
+def test_ops_subcommand_runs_from_the_console_entry_point():
+    run = subprocess.run([sys.executable, "-m", "ninefold", "ops", "--help"], capture_output=True, text=True)
+    assert run.returncode == 0 and "list" in run.stdout and "tune" in run.stdout and "build" in run.stdout

@@ -85,9 +85,21 @@ def test_environment_pins_are_read_in_a_fresh_process(tmp_path):
     env = {**os.environ, "NINEFOLD_OPS": "rms_norm=probe, softmax=vendor", "NINEFOLD_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["probe", "vendor"]
-    env["NINEFOLD_OPS"] = "rms_norm"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "NINEFOLD_OPS: expected entries like 'rms_norm=dsl', got 'rms_norm'" in bad.stderr
+
+
+
+@pytest.mark.parametrize("value,message", [("rms_norm", "NINEFOLD_OPS: expected entries like 'rms_norm=dsl', got 'rms_norm'"),
+                                           ("rms_norm=fast", "NINEFOLD_OPS: rms_norm has no implementation 'fast'"),
+                                           ("rmsnorm=vendor", "unknown operator 'rmsnorm'")])
+def test_bad_environment_pins_are_named(monkeypatch, value, message):
+    monkeypatch.setenv("NINEFOLD_OPS", value)
+    ops.reload_environment()
+    try:
+        with pytest.raises(ops.OpError, match=message):
+            ops.rms_norm(x, w)
+    finally:
+        monkeypatch.delenv("NINEFOLD_OPS")
+        ops.reload_environment()
 
 
 def test_tuned_choice_wins_over_default_order_and_loses_to_a_pin(probe, tmp_path, monkeypatch):

@@ -117,7 +117,7 @@ def overhead(device: torch.device, dtype: torch.dtype) -> dict:
         operator = dispatch.operator(op)
         public(*case.args, **case.kwargs)  # warm: the key's choice is cached
         # What dispatch adds, timed alone (free of the kernel's own noise): validation, key, lookup.
-        added = _per_call(lambda o=operator, b=bound: o.cache.get(o.keyfn(*b)), torch.device("cpu"), n=3000)
+        added = _per_call(lambda o=operator, b=bound: o.cache.get(o.keyfn(*b)), torch.device("cpu"), n=1000)
         result[op] = {"impl": impl.name, "direct_us": round(direct, 2), "dispatch_us": round(routed, 2),
                       "overhead_us": round(added, 2)}
     torch.set_num_threads(threads)
@@ -157,7 +157,7 @@ def first_call() -> dict:
     return {"built_ms": float(built.stdout.split()[-1]), "cold_ms": float(cold.stdout.split()[-1])}
 
 
-def _per_call(fn, device: torch.device, n: int = 300) -> float:
+def _per_call(fn, device: torch.device, n: int = 100) -> float:
     """Best-of-5 average microseconds per call of ``fn`` (GPU work included once queued)."""
     fn()
     best = float("inf")
