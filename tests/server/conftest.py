@@ -84,7 +84,8 @@ class ServerProcess:
         while True:
             m = self.metrics()
             idle = (m["ninefold:num_requests_running"] == 0 and m["ninefold:num_requests_waiting"] == 0
-                    and m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"])
+                    and m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"]
+                    and m["ninefold:num_sequences_admitted"] == 0)
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)

@@ -50,3 +50,21 @@ def test_many_streams_disconnecting_at_once(server):
     m = server.wait_idle()
     assert m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"]
     assert _aborted(server) - before == 4
+
+
+def test_clients_that_leave_before_the_first_byte_release_their_admission(server):
+    # Raw sockets that send a streaming request and hang up at once: some leave before the response
+    # starts, some mid-stream; either way nothing stays admitted, running or holding KV blocks.
+    import json
+    import socket
+
+    body = json.dumps({"prompt": [5, 6], "max_tokens": 3000, "stream": True, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(request)
+    m = server.wait_idle()
+    assert m["ninefold:num_sequences_admitted"] == 0
+    assert m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"]
+    assert m["ninefold:num_requests_running"] == 0

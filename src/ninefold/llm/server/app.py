@@ -64,13 +64,14 @@ def build_app(
             raise ValueError("max_queue needs max_num_seqs (or an engine with a max_num_seqs attribute)")
         capacity = running + max_queue
     limits = engine_limits(engine, capacity)
-    metrics = ServerMetrics(engine.stats, served_model_name)
+    admission = Admission(capacity, retry_after_s)
+    metrics = ServerMetrics(engine.stats, served_model_name, admitted=lambda: admission.in_use)
     state = ServerState(
         engine=engine,
         served_model_name=served_model_name,
         limits=limits,
         metrics=metrics,
-        admission=Admission(capacity, retry_after_s),
+        admission=admission,
         texts=TokenTexts(engine.tokenizer),
     )
     app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)

@@ -9,7 +9,7 @@ the engine requests.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from starlette.responses import Response
@@ -19,11 +19,16 @@ from ninefold.llm.server.generation import wait_for_disconnect
 
 
 class EventStreamResponse(Response):
-    """``text/event-stream`` body from an async iterator of already formatted events."""
+    """``text/event-stream`` body from an async iterator of already formatted events.
 
-    def __init__(self, events: AsyncIterator[str], status_code: int = 200) -> None:
+    ``on_close`` runs once the response is over, however it ended.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None,
+                 status_code: int = 200) -> None:
         super().__init__(content=None, status_code=status_code)
         self.events = events
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [
@@ -54,3 +59,6 @@ class EventStreamResponse(Response):
                 if aclose is not None:
                     with contextlib.suppress(Exception):
                         await aclose()
+            # Runs even when the client left before the first event (then the iterator never started).
+            if self.on_close is not None:
+                self.on_close()

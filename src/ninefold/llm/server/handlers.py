@@ -84,12 +84,17 @@ async def _serve(
     for seq in sequences:
         seq.timer = state.metrics.sequence(arrival)
 
+    released = False
+
     def release() -> None:
-        state.admission.release(len(sequences))
-        state.active.discard(gen)
+        nonlocal released
+        if not released:
+            released = True
+            state.admission.release(len(sequences))
+            state.active.discard(gen)
 
     if req.stream:
-        return EventStreamResponse(_stream(view, gen, release))
+        return EventStreamResponse(_stream(view, gen), on_close=release)
     try:
         finished, body = await until_disconnect(receive, view.collect(gen))
     finally:
@@ -99,25 +104,22 @@ async def _serve(
     return JSONResponse(body)
 
 
-async def _stream(view: _View, gen: Generation, release: Callable[[], None]) -> AsyncIterator[str]:
+async def _stream(view: _View, gen: Generation) -> AsyncIterator[str]:
     try:
-        try:
-            for chunk in view.opening_chunks(gen):
+        for chunk in view.opening_chunks(gen):
+            yield sse_data(chunk)
+        async for seq in gen.events():
+            chunk = view.chunk(seq)
+            if chunk is not None:
                 yield sse_data(chunk)
-            async for seq in gen.events():
-                chunk = view.chunk(seq)
-                if chunk is not None:
-                    yield sse_data(chunk)
-            if view.include_usage:
-                yield sse_data(view.usage_chunk(gen))
-        except APIError as err:
-            yield sse_error(err.body())
-        except Exception as exc:
-            logger.exception("streaming failed")
-            yield sse_error(APIError(500, f"internal server error ({type(exc).__name__})").body())
-        yield DONE
-    finally:
-        release()
+        if view.include_usage:
+            yield sse_data(view.usage_chunk(gen))
+    except APIError as err:
+        yield sse_error(err.body())
+    except Exception as exc:
+        logger.exception("streaming failed")
+        yield sse_error(APIError(500, f"internal server error ({type(exc).__name__})").body())
+    yield DONE
 
 
 class _View:

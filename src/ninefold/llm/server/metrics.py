@@ -28,14 +28,20 @@ class _EngineGauges(Collector):
         ("num_free_kv_blocks", "num_free_blocks", "Free KV-cache blocks."),
         ("num_kv_blocks", "num_blocks", "KV-cache blocks in total."),
         ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache."),
+        ("num_sequences_admitted", "admitted", "Sequences the server holds (running, queued or still streaming)."),
     )
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str,
+                 admitted: Callable[[], int] | None) -> None:
         self.stats = stats
         self.model_name = model_name
+        self.admitted = admitted
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One gauge per engine figure, plus the sequences the server has admitted."""
         stats = self.stats()
+        if self.admitted is not None:
+            stats = {**stats, "admitted": self.admitted()}
         for name, key, doc in self._GAUGES:
             if key not in stats:
                 continue
@@ -47,7 +53,8 @@ class _EngineGauges(Collector):
 class ServerMetrics:
     """Latency histograms and token counters, plus the engine's gauges."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str,
+                 admitted: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -65,7 +72,7 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Sequences finished, by reason.", ("finished_reason",))
         self.rejected = counter("request_rejected", "Requests answered with an error, by status.", ("status",))
-        self.registry.register(_EngineGauges(stats, model_name))
+        self.registry.register(_EngineGauges(stats, model_name, admitted))
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics``."""
