@@ -1,0 +1,341 @@
+"""CPU benchmark of the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), against its peers.
+
+    python -m ninefold.bench.cpu [--threads N] [--systems ninefold-bf16,ninefold-f32,hf-f32,hf-bf16,llama.cpp]
+
+For each system, in this one process: load time (from the cached .gguf), batch-1 decode tok/s,
+prefill tok/s of a 512-token prompt, and batch-8 decode tok/s (output tokens of all 8 sequences per
+second). Greedy decoding with end-of-sequence ignored, so every run makes the same number of
+tokens. Each figure is the best of `--repeats` runs (the machine may be shared). Peers:
+transformers `generate` loading the same file with `gguf_file=` (float32 and bfloat16), and
+llama.cpp through llama-cpp-python (a benchmark-only peer, not a dependency of ninefold).
+Prints a table with ratios to the best peer; writes JSON under $OUT (or --out) when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+SYSTEMS = ("ninefold-bf16", "ninefold-f32", "hf-f32", "hf-bf16", "llama.cpp")
+EOS = 2
+
+
+@dataclass
+class Result:
+    """Measured figures of one system (None where not measured)."""
+
+    system: str
+    load_s: float | None = None
+    decode_b1_tok_s: float | None = None
+    prefill_tok_s: float | None = None
+    decode_b8_tok_s: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Workload:
+    """Token ids every system runs: one short prompt, one long prompt, eight distinct short prompts."""
+
+    short: list[int]
+    long: list[int]
+    batch: list[list[int]]
+    decode_tokens: int
+    repeats: int
+
+
+def build_workload(path: Path, prefill_tokens: int, batch: int, decode_tokens: int, repeats: int) -> Workload:
+    """Prompts tokenized with the model's own tokenizer: chat-formatted questions and a long text."""
+    from ninefold.llm.gguf import load_gguf_tokenizer
+    from ninefold.llm.tokenizer import Tokenizer
+
+    tok = Tokenizer(*load_gguf_tokenizer(path))
+    topics = ["the ocean", "volcanoes", "honey bees", "the moon", "bread baking", "chess", "rainbows", "trains"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {t}."}], tokenize=True)
+               for t in topics[:batch]]
+    paragraph = ("The history of computing is a story of people, ideas and machines. Early mechanical "
+                 "calculators gave way to electronic computers, then to transistors and integrated circuits. ")
+    long = tok.encode(paragraph * (prefill_tokens // 20 + 1))[:prefill_tokens]
+    return Workload(prompts[0], long, prompts, decode_tokens, repeats)
+
+
+def _best(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+# ----------------------------------------------------------------------------- ninefold
+
+def bench_ninefold(path: Path, dtype: str, work: Workload) -> Result:
+    from ninefold.llm.api import LLM
+    from ninefold.llm.sampling import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(str(path), dtype=dtype, device="cpu", enable_prefix_caching=False, max_model_len=2048,
+              max_num_seqs=max(8, len(work.batch)))
+    load = time.perf_counter() - start
+    engine = llm.engine
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
+        """(seconds until every sequence has its first token, seconds of the rest, tokens of the rest)."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for ids in prompts:
+            engine.add_request(engine.build_request(ids, params))
+        produced: dict[str, int] = {}
+        t0 = time.perf_counter()
+        t_first = None
+        rest = 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            for out in outs:
+                n = len(out.outputs[0].token_ids)
+                if t_first is not None:
+                    rest += n - produced.get(out.request_id, 0)
+                produced[out.request_id] = n
+            if t_first is None and len(produced) == len(prompts):
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        return t_first - t0, t_end - t_first, rest
+
+    run([work.short], 4)  # warm-up
+    decode1, prefill, decode8 = [], [], []
+    for _ in range(work.repeats):
+        _, seconds, tokens = run([work.short], work.decode_tokens)
+        decode1.append(tokens / seconds)
+        first, _, _ = run([work.long], 1)
+        prefill.append(len(work.long) / first)
+        _, seconds, tokens = run(work.batch, work.decode_tokens)
+        decode8.append(tokens / seconds)
+    return Result(f"ninefold {dtype}", load, _best(decode1), _best(prefill), _best(decode8))
+
+
+# ----------------------------------------------------------------------------- transformers
+
+def bench_transformers(path: Path, dtype: torch.dtype, work: Workload, model=None, load: float | None = None) -> tuple[Result, object]:
+    from transformers import AutoModelForCausalLM
+
+    note = ""
+    if model is None:
+        start = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+        load = time.perf_counter() - start
+    else:
+        start = time.perf_counter()
+        model = model.to(dtype)
+        note = f"loaded as float32 ({load:.1f} s) and cast ({time.perf_counter() - start:.1f} s)"
+        load += time.perf_counter() - start
+
+    def generate(prompts: list[list[int]], new: int) -> float:
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=EOS)
+            return time.perf_counter() - start
+
+    generate([work.short], 4)
+    n = work.decode_tokens
+    batch = _same_length(work.batch)
+    decode1, prefill, decode8 = [], [], []
+    for _ in range(work.repeats):
+        one = generate([work.short], 1)
+        decode1.append((n - 1) / max(generate([work.short], n) - one, 1e-9))
+        prefill.append(len(work.long) / generate([work.long], 1))
+        one = generate(batch, 1)
+        decode8.append(len(batch) * (n - 1) / max(generate(batch, n) - one, 1e-9))
+    name = "transformers " + str(dtype).removeprefix("torch.")
+    return Result(name, load, _best(decode1), _best(prefill), _best(decode8), note), model
+
+
+def _same_length(prompts: list[list[int]]) -> list[list[int]]:
+    """Cut the prompts to the shortest one's length, so a batch needs no padding."""
+    shortest = min(len(p) for p in prompts)
+    return [p[:shortest] for p in prompts]
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                          n_batch=512, verbose=False)
+    load = time.perf_counter() - start
+    n_vocab = llm.n_vocab()
+
+    def greedy() -> int:
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    def decode_b1() -> float:
+        llm.reset()
+        llm.eval(work.short)
+        token = greedy()
+        start = time.perf_counter()
+        for _ in range(work.decode_tokens - 1):
+            llm.eval([token])
+            token = greedy()
+        return (work.decode_tokens - 1) / (time.perf_counter() - start)
+
+    def prefill() -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(work.long)
+        return len(work.long) / (time.perf_counter() - start)
+
+    # Batch 8: a second context with one sequence per prompt, driven through llama_batch.
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_seq_max = 4096, 512, len(work.batch)
+    params.n_threads, params.n_threads_batch = threads, threads
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    batch = llama_cpp.llama_batch_init(512, 0, len(work.batch))
+
+    def submit(entries: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax_at(i: int) -> int:
+        row = llama_cpp.llama_get_logits_ith(ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,))))
+
+    def decode_b8() -> float:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        entries, last = [], []
+        for s, ids in enumerate(work.batch):
+            entries += [(t, p, s, p == len(ids) - 1) for p, t in enumerate(ids)]
+            last.append(len(entries) - 1)
+        submit(entries)
+        tokens = [argmax_at(i) for i in last]
+        positions = [len(ids) for ids in work.batch]
+        start = time.perf_counter()
+        for _ in range(work.decode_tokens - 1):
+            submit([(t, p, s, True) for s, (t, p) in enumerate(zip(tokens, positions))])
+            tokens = [argmax_at(i) for i in range(len(tokens))]
+            positions = [p + 1 for p in positions]
+        return len(work.batch) * (work.decode_tokens - 1) / (time.perf_counter() - start)
+
+    decode_b1(), prefill()  # warm-up
+    results = [(decode_b1(), prefill(), decode_b8()) for _ in range(work.repeats)]
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    version = getattr(llama_cpp, "__version__", "?")
+    return Result(f"llama.cpp {version}", load, *(_best(r[i] for r in results) for i in range(3)),
+                  note=f"llama-cpp-python {version}, {threads} threads")
+
+
+# ----------------------------------------------------------------------------- driver
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.cpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every system")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="a .gguf file (default: the cached SmolLM2-135M-Instruct)")
+    parser.add_argument("--out", default=None, help="JSON file for the results (default: $OUT/cpu.json when OUT is set)")
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; supported: {', '.join(SYSTEMS)}")
+    if not 1 <= args.batch <= 8:
+        parser.error(f"--batch: got {args.batch}; supported: 1 to 8")
+
+    from ninefold.llm import hub
+
+    torch.set_num_threads(args.threads)
+    path = hub.resolve_model(args.model)
+    work = build_workload(path, args.prefill_tokens, args.batch, args.decode_tokens, args.repeats)
+    print(f"# {path.name}: threads={args.threads}, decode {args.decode_tokens} tokens, prefill "
+          f"{len(work.long)} tokens, batch {len(work.batch)}; best of {args.repeats}", flush=True)
+    results: list[Result] = []
+    hf_model = hf_load = None
+    for system in systems:
+        load_before = os.getloadavg()[0]
+        try:
+            if system.startswith("ninefold"):
+                result = bench_ninefold(path, "bfloat16" if system.endswith("bf16") else "float32", work)
+            elif system == "hf-f32":
+                result, hf_model = bench_transformers(path, torch.float32, work)
+                hf_load = result.load_s
+            elif system == "hf-bf16":
+                result, hf_model = bench_transformers(path, torch.bfloat16, work, hf_model, hf_load)
+            else:
+                result = bench_llama_cpp(path, args.threads, work)
+        except Exception as error:  # a missing peer must not hide the others' figures
+            result = Result(system, note=f"not measured: {type(error).__name__}: {error}")
+        result.extra["loadavg_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+        results.append(result)
+        print(_row(result), flush=True)
+    print()
+    print(format_table(results))
+    out = args.out or (os.path.join(os.environ["OUT"], "cpu.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({
+            "command": "python -m ninefold.bench.cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            "results": [asdict(r) for r in results],
+        }, indent=2))
+        print(f"\nwrote {out}")
+    return 0
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _row(r: Result) -> str:
+    return (f"{r.system:24s} load {_fmt(r.load_s)} s | decode b1 {_fmt(r.decode_b1_tok_s)} tok/s | "
+            f"prefill {_fmt(r.prefill_tok_s)} tok/s | decode b8 {_fmt(r.decode_b8_tok_s)} tok/s | "
+            f"load avg {r.extra.get('loadavg_1min')}  {r.note}")
+
+
+def format_table(results: list[Result]) -> str:
+    """A markdown table; ninefold rows get their ratio to the best peer in each column."""
+    keys = ("load_s", "decode_b1_tok_s", "prefill_tok_s", "decode_b8_tok_s")
+    peers = [r for r in results if not r.system.startswith("ninefold")]
+    best = {}
+    for key in keys:
+        values = [getattr(r, key) for r in peers if getattr(r, key) is not None]
+        best[key] = (min(values) if key == "load_s" else max(values)) if values else None
+    lines = ["| system | load (s) | batch-1 decode (tok/s) | prefill 512 (tok/s) | batch-8 decode (tok/s) "
+             "| machine load avg (before, after) | note |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        cells = []
+        for key in keys:
+            value = getattr(r, key)
+            cell = _fmt(value)
+            if r.system.startswith("ninefold") and value is not None and best[key]:
+                if key == "load_s":
+                    cell += f" ({best[key] / value:.1f}x faster than best peer)"
+                else:
+                    cell += f" ({value / best[key]:.2f}x best peer)"
+            cells.append(cell)
+        lines.append(f"| {r.system} | " + " | ".join(cells) + f" | {r.extra.get('loadavg_1min')} | {r.note} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
