@@ -229,14 +229,18 @@ class BinOp(Expr):
         return self._hash
 
     def to_ast(self, leaf_fn):
-        a, b = self.a.to_ast(leaf_fn), self.b.to_ast(leaf_fn)
-        if self.op in _ARITH:
-            return ast.BinOp(a, _ARITH[self.op][1](), b)
-        if self.op in _COMPARE:
-            return ast.Compare(a, [_COMPARE[self.op][1]()], [b])
-        if self.op == "&":
-            return ast.BinOp(a, ast.BitAnd(), b)
-        return ast.Call(ast.Name(self.op), [a, b], [])
+        return binop_ast(self.op, self.a.to_ast(leaf_fn), self.b.to_ast(leaf_fn))
+
+
+def binop_ast(op, a: ast.expr, b: ast.expr) -> ast.expr:
+    """The Python AST of ``a op b`` for an operator of :class:`BinOp`."""
+    if op in _ARITH:
+        return ast.BinOp(a, _ARITH[op][1](), b)
+    if op in _COMPARE:
+        return ast.Compare(a, [_COMPARE[op][1]()], [b])
+    if op == "&":
+        return ast.BinOp(a, ast.BitAnd(), b)
+    return ast.Call(ast.Name(op), [a, b], [])
 
 
 def binary(op, a, b) -> Expr:

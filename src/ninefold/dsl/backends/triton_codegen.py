@@ -27,6 +27,7 @@ from ninefold.dsl.expr import (
     SizeOf,
     StrideOf,
     binary,
+    binop_ast,
     const_value,
     evaluate,
     interval,
@@ -135,15 +136,42 @@ def _is_power_of_two(size) -> bool:
 class _Namer:
     """Names of leaves in the generated code; records which ones are used."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, taken=()):
         self.kernel = kernel
         self.used: dict = {}
         self.padded: dict = {}
+        self.hoisted: dict = {}  # size-only expression -> (name, its AST)
+        self.taken = set(taken)
 
     def leaf(self, leaf) -> str:
         name = self.kernel.leaf_name(leaf)
         self.used[name] = leaf
         return name
+
+    def expr(self, expr, leaf_fn=None) -> ast.expr:
+        """Print ``expr``; sizable subexpressions of sizes and symbols only become named values."""
+        leaf_fn = leaf_fn or (lambda leaf: _name(self.leaf(leaf)))
+        if isinstance(expr, BinOp):
+            name = self.hoist(expr)
+            if name is not None:
+                return _name(name)
+            return binop_ast(expr.op, self.expr(expr.a, leaf_fn), self.expr(expr.b, leaf_fn))
+        return as_expr_ast(expr, leaf_fn)
+
+    def hoist(self, expr):
+        if expr in self.hoisted:
+            return self.hoisted[expr][0]
+        leaves = expr.leaves()
+        if any(isinstance(leaf, (Index, Middle)) for leaf in leaves) or _operators(expr) < 2:
+            return None
+        value = as_expr_ast(expr, lambda leaf: _name(self.leaf(leaf)))
+        n = len(self.hoisted)
+        while f"extent_{n}" in self.taken:
+            n += 1
+        self.taken.add(f"extent_{n}")
+        self.hoisted[expr] = (f"extent_{n}", value)
+        return f"extent_{n}"
+
 
     def padded_size(self, size: Expr) -> ast.expr:
         """A power-of-two constexpr at least ``size`` (named when it needs computing at launch)."""
@@ -155,6 +183,10 @@ class _Namer:
         if size not in self.padded:
             self.padded[size] = f"BLOCK_P2_{len(self.padded)}"
         return ast.Name(self.padded[size], ast.Load())
+
+
+def _operators(expr) -> int:
+    return 1 + _operators(expr.a) + _operators(expr.b) if isinstance(expr, BinOp) else 0
 
 
 def _name(id_):
@@ -216,7 +248,7 @@ class _Lowering(ast.NodeTransformer):
                 return copy.deepcopy(index_nodes[node.position])
             return _name(self.namer.leaf(node))
 
-        return as_expr_ast(expr, leaf)
+        return self.namer.expr(expr, leaf)
 
     def pointer_and_mask(self, name, index_nodes):
         n = len(index_nodes)
@@ -263,13 +295,13 @@ class _Lowering(ast.NodeTransformer):
             level = levels[depth]
             is_tile = depth == len(levels) - 1
             sizes = [
-                self.namer.padded_size(s) if is_tile else as_expr_ast(s, lambda leaf: _name(self.namer.leaf(leaf)))
+                self.namer.padded_size(s) if is_tile else self.namer.expr(s)
                 for s in level._shape
             ]
             return ast.Tuple(sizes, ast.Load())
         if method == "source_shape":
             source = self.kernel.param(name).source
-            return ast.Tuple([as_expr_ast(s, lambda leaf: _name(self.namer.leaf(leaf))) for s in source._shape], ast.Load())
+            return ast.Tuple([self.namer.expr(s) for s in source._shape], ast.Load())
         if method == "dtype":
             return _attr(f"{name}_ptr", "dtype", "element_ty")
         if method == "offsets":
@@ -365,13 +397,14 @@ def generate(kernel, spec, wide=False) -> Generated:
     """
     namer = _Namer(kernel)
     lowering = _Lowering(kernel, spec, namer)
+    namer.taken |= lowering.locals
     tree = lowering.visit(copy.deepcopy(kernel.app.tree))
     body = []
     first = next((p for p in kernel.params if not p.is_scalar), None)
     grid_shape = first.arranged._shape if first is not None else ()
     if grid_shape:
         body += _program_indices(kernel, grid_shape, namer, wide)
-    body += tree.body
+    body = [_assign(name, value) for name, value in namer.hoisted.values()] + body + tree.body
     arguments = []
     for p in kernel.params:
         if p.is_scalar:
@@ -448,7 +481,7 @@ def _program_indices(kernel, grid_shape, namer, wide):
     out = [_assign("program", program)]
 
     def size(d):
-        return as_expr_ast(grid_shape[d], lambda leaf: _name(namer.leaf(leaf)))
+        return namer.expr(grid_shape[d])
 
     dims = [d for d in range(len(grid_shape)) if const_value(grid_shape[d]) != 1]
     if len(dims) >= 2 and _dot_in_loop(kernel):
