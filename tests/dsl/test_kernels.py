@@ -197,6 +197,14 @@ CASES = [
         tiny=((9, 3, 4),),
     ),
     Case(
+        "softmax_chunked",
+        ((5, 3000),),
+        lambda i, b: softmax.softmax(i[0], **(b or {"BLOCK": 1024})),
+        lambda i, dt: torch.softmax(i[0], dim=-1),
+        {"BLOCK": 1024},
+        tiny=((3, 2500),),
+    ),
+    Case(
         "rms_norm",
         ((3, 37, 150), (150,)),
         lambda i, b: rms_norm.rms_norm(*i, 1e-5, **b),
@@ -272,7 +280,7 @@ CASE_IDS = [c.name for c in CASES]
 def _inputs(case, shapes, dtype, device, noncontiguous, seed):
     gen = torch.Generator().manual_seed(seed)
     tensors = [_randn(s, dtype, gen) for s in shapes]
-    if case.name == "softmax":  # a wide range makes the row maximum matter
+    if case.name.startswith("softmax"):  # a wide range makes the row maximum matter
         tensors[0] = tensors[0] * 8
     tensors = [t.to(device) for t in tensors]
     if noncontiguous:
@@ -299,8 +307,17 @@ def _check(case, shapes, dtype, device, noncontiguous, blocks, seed=0):
 
 
 @pytest.fixture
-def cpu_backend(monkeypatch):
+def cpu_backend(monkeypatch, request):
     monkeypatch.setenv("NINEFOLD_DSL_BACKEND", "cpu")
+    case = request.node.callspec.params.get("case")
+    if case is not None and case.name in CPU_BACKEND_KNOWN_BUGS:
+        # Only the known crash is tolerated; a wrong result still fails the test.
+        request.applymarker(pytest.mark.xfail(raises=RuntimeError, reason=CPU_BACKEND_KNOWN_BUGS[case.name]))
+
+
+# Reported in .notes/HELPERS.md (2026-12-03 08:27): a per-program scalar from nl.full(()) broadcasts
+# against the program dims on the cpu backend. Remove the entry once the DSL fixes it.
+CPU_BACKEND_KNOWN_BUGS = {"softmax_chunked": "cpu backend: nl.full(()) scalar combined with a tile"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
