@@ -116,8 +116,10 @@ def overhead(device: torch.device, dtype: torch.dtype) -> dict:
         routed = _per_call(lambda fn=public, case=case: fn(*case.args, **case.kwargs), device)
         operator = dispatch.operator(op)
         public(*case.args, **case.kwargs)  # warm: the key's choice is cached
-        # What dispatch adds, timed alone (free of the kernel's own noise): validation, key, lookup.
-        added = _per_call(lambda o=operator, b=bound: o.cache.get(o.keyfn(*b)), torch.device("cpu"), n=1000)
+        # What dispatch adds on the warm path, timed alone (free of the kernel's own noise): the
+        # argument signature and one lookup (validation ran once, when the signature was new).
+        assert dispatch.signature(bound) in operator.cache, f"{op}: the warm call missed the cache"
+        added = _per_call(lambda o=operator, b=bound: o.cache.get(dispatch.signature(b)), torch.device("cpu"), n=1000)
         result[op] = {"impl": impl.name, "direct_us": round(direct, 2), "dispatch_us": round(routed, 2),
                       "overhead_us": round(added, 2)}
     torch.set_num_threads(threads)
@@ -157,6 +159,49 @@ def first_call() -> dict:
     return {"built_ms": float(built.stdout.split()[-1]), "cold_ms": float(cold.stdout.split()[-1])}
 
 
+DECODE_CONFIGS = [{"block_n": 32, "num_warps": 4, "num_stages": 2}, {"block_n": 64, "num_warps": 4, "num_stages": 2},
+                  {"block_n": 64, "num_warps": 4, "num_stages": 3}, {"block_n": 128, "num_warps": 4, "num_stages": 2},
+                  {"block_n": 128, "num_warps": 8, "num_stages": 2}]
+PREFILL_CONFIGS = [{"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
+                   {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
+                   {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
+                   {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}]
+
+
+def sweep(shapes, device, dtype, ceiling) -> list[dict]:
+    """Time the Triton attention kernels under a few launch configurations (best first per case)."""
+    from ninefold.ops.triton import decode, prefill
+
+    rows = []
+    for op, configs, target in (("attention_decode", DECODE_CONFIGS, decode.CONFIG),
+                                ("attention_prefill", PREFILL_CONFIGS, prefill._OVERRIDE)):
+        saved = dict(target)
+        for case in workloads.cases(op, shapes, device, dtype):
+            bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
+            fn = next(i.fn for i in ops.registry.implementations(op) if i.name == "triton")
+            timed = []
+            for config in configs:
+                target.clear()
+                target.update(saved if op == "attention_decode" else {})
+                target.update(config)
+                try:
+                    us = timing.measure(lambda fn=fn, bound=bound: fn(*bound), device, repeats=10, max_seconds=0.3)
+                except Exception as error:  # noqa: BLE001  (a config that does not fit is reported)
+                    timed.append({"config": config, "error": str(error)[:120]})
+                    continue
+                rate = case.bytes / us / 1e3 / ceiling["copy_GBps"] if op == "attention_decode" else (
+                    case.flops / us / 1e6 / ceiling["mm_TFLOPs"])
+                timed.append({"config": config, "us": round(us, 2), "fraction": round(rate, 3)})
+            timed.sort(key=lambda t: t.get("us", float("inf")))
+            rows.append({"op": op, "case": case.label, "configs": timed})
+            best = timed[0]
+            print(f"sweep {op:18s} {case.label:26s} best {best['config']} {best.get('us', 0):.1f}us "
+                  f"({best.get('fraction', 0) * 100:.0f}% of ceiling)")
+        target.clear()
+        target.update(saved)
+    return rows
+
+
 def _per_call(fn, device: torch.device, n: int = 100) -> float:
     """Best-of-5 average microseconds per call of ``fn`` (GPU work included once queued)."""
     fn()
@@ -194,6 +239,12 @@ def run(args) -> dict:
     results = {"device": model, "torch": torch.__version__, "shapes": shapes_name, "dtype": dtype_name(dtype),
                "ceilings": ceiling, "rows": rows, "skipped_for_time": skipped,
                "overhead": overhead(device, dtype), "command": "python -m ninefold.bench.ops " + " ".join(args.argv)}
+    if device.type == "cuda" and time.perf_counter() < deadline + 40 and "triton" in {
+            i.name for i in ops.registry.implementations("attention_decode")}:
+        try:
+            results["sweep"] = sweep(shapes, device, dtype, ceiling)
+        except Exception as error:  # noqa: BLE001  (reported, not fatal)
+            results["sweep_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     if device.type == "cuda":
         try:
             results["first_call"] = first_call()
@@ -281,10 +332,14 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['op']} | {r['case']} | {r['choice']} | {'' if ratio is None else f'{ratio:.2f}'} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Dispatch warm-path overhead on tiny inputs: a direct call of the chosen implementation, the public call, "
-              "and what dispatch adds timed alone (validation, key, cached lookup):",
+              "and what dispatch adds on the warm path timed alone (argument signature + cached lookup):",
               "", "| op | impl | direct us | via dispatch us | dispatch work us |", "|---|---|---|---|---|"]
     for op, o in results["overhead"].items():
         lines.append(f"| {op} | {o['impl']} | {o['direct_us']} | {o['dispatch_us']} | {o['overhead_us']} |")
+    for row in results.get("sweep", []):
+        best = row["configs"][0]
+        lines.append(f"- sweep {row['op']} {row['case']}: best {best['config']} {best.get('us')} us "
+                     f"({best.get('fraction', 0) * 100:.0f}% of ceiling)")
     if "first_call" in results:
         lines += ["", f"First call into a built kernel (fresh process): {results['first_call']}"]
     return "\n".join(lines) + "\n"
@@ -343,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None, help="llama-8b (GPU default), smollm2 (CPU default), tiny")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--ops", nargs="+", default=None)
-    parser.add_argument("--budget", type=float, default=170.0, help="seconds before remaining cases are skipped")
+    parser.add_argument("--budget", type=float, default=140.0, help="seconds before remaining cases are skipped")
     parser.add_argument("--skip", nargs="*", default=["linear:dsl"],
                         help="op:impl pairs not to run (default linear:dsl, whose autotuning over 15 shapes "
                              "takes minutes; pass --skip with nothing to run everything)")

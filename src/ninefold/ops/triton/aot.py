@@ -96,10 +96,12 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
     if op == "reshape_and_cache":
         return [Variant(op, cache.reshape_and_cache_kernel, {"BLOCK_H": p2(shapes.kv_heads), "BLOCK_D": p2(shapes.head_dim)})]
     if op == "attention_decode":
-        block_n = 64 if dtype != torch.float32 else 32
+        cfg = decode.CONFIG
+        block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
         return [Variant(op, decode.decode_split_kernel, {"GROUP": group, "BLOCK_G": max(16, p2(group)), "D": shapes.head_dim,
                                                          "BLOCK_N": block_n, "PAGE": shapes.block_size,
-                                                         "PRECISION": precision}, num_stages=2),
+                                                         "PRECISION": precision}, num_warps=cfg["num_warps"],
+                        num_stages=cfg["num_stages"]),
                 Variant(op, decode.decode_merge_kernel, {"D": shapes.head_dim, "BLOCK_S": 16})]
     if op == "attention_prefill":
         block_m, block_n, warps, stages = prefill._blocks(dtype, shapes.head_dim)

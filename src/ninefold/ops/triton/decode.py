@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Launch configuration: keys per loop step, warps, pipeline stages (float32 halves the keys per
+# step). ``NINEFOLD_TRITON_DECODE="block_n=128,num_warps=8"`` overrides it (``ninefold.bench.ops``
+# sweeps a few and reports the fastest).
+CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
+                                      filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
 
 @triton.jit
@@ -106,7 +113,7 @@ def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     _, page, hk, _ = k_cache.shape
     group = hq // hk
     scale = scale or 1.0 / math.sqrt(d)
-    block_n = 64 if q.dtype != torch.float32 else 32
+    block_n = CONFIG["block_n"] if q.dtype != torch.float32 else min(32, CONFIG["block_n"])
     capacity = block_tables.shape[1] * page
     per_split, splits = _split(capacity, b * hk, _sm_count(q.device), block_n)
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -118,7 +125,8 @@ def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
         q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=CONFIG["num_warps"],
+        num_stages=CONFIG["num_stages"])
     decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
                                  BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -9,12 +9,19 @@ k/v or, with ``PAGED``, from the paged caches through the block table.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Half-precision launch configuration per head size; ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"``
+# overrides it (``ninefold.bench.ops`` sweeps a few and reports the fastest).
+CONFIG = {64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
+          128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}}
+_OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in
+                                    filter(None, os.environ.get("NINEFOLD_TRITON_PREFILL", "").split(",")))}
 
 
 @triton.jit
@@ -96,9 +103,8 @@ def _blocks(dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per dtype and head size."""
     if dtype == torch.float32:
         return 32, 32, 4, 1
-    if d <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 2
+    config = {**CONFIG[64 if d <= 64 else 128], **_OVERRIDE}
+    return config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
 
 
 def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables):
