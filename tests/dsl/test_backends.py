@@ -253,3 +253,23 @@ def test_empty_tensors_launch_nothing(backend):
     add(x, x, torch.empty(0), backend=backend)
     c = torch.full((0, 5), 1.0)
     mm(torch.empty(0, 3), torch.empty(3, 5), c, backend=backend)
+
+
+def mean_arrangement(x, y):
+    return x.tile((1, WIDTH)), y.tile((1, WIDTH))
+
+
+def mean_application(x, y):
+    centered = x - nl.sum(x) / x.shape[-1]  # the real width, not the padded one
+    y = centered + nl.zeros(x.shape, dtype=nl.float32)  # noqa: F841  (padded: a valid Triton shape)
+
+
+centering = nd.make(mean_arrangement, mean_application, (Tensor(2), Tensor(2)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_tile_shape_is_the_real_size_outside_shape_arguments(backend):
+    x = random((5, 21), torch.float32, 17)
+    y = torch.empty_like(x)
+    centering(x, y, WIDTH=21, backend=backend)
+    close(y, x.double() - x.double().mean(1, keepdim=True), torch.float32)

@@ -222,6 +222,7 @@ class _Lowering(ast.NodeTransformer):
         self.namer = namer
         self.order = accesses(kernel)
         self.math_helpers: set = set()
+        self.padded_shapes = False  # inside the shape argument of nl.zeros / nl.full
         self.namespace = kernel.app.namespace if namespace is None else namespace
         tree = kernel.app.tree if tree is None else tree
         self.helpers = {} if helpers is None else helpers  # name -> Python function called by the code
@@ -269,8 +270,24 @@ class _Lowering(ast.NodeTransformer):
             mask = node if mask is None else ast.BinOp(mask, ast.BitAnd(), node)
         return pointer, mask, access
 
+    def _is_shape_function(self, func) -> bool:
+        """``nl.zeros``/``nl.full``: their shape argument needs the padded (power-of-two) tile sizes."""
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id not in self.locals:
+            return self.namespace.get(func.value.id) is language and func.attr in ("zeros", "full")
+        if isinstance(func, ast.Name) and func.id not in self.locals:
+            return self.namespace.get(func.id) in (language.zeros, language.full)
+        return False
+
     def visit_Call(self, node):
         if not is_nf_call(node):
+            if self._is_shape_function(node.func) and node.args:
+                outer, self.padded_shapes = self.padded_shapes, True
+                node.args[0] = self.visit(node.args[0])
+                self.padded_shapes = outer
+                node.func = self.visit(node.func)
+                node.args[1:] = [self.visit(a) for a in node.args[1:]]
+                node.keywords = [self.visit(k) for k in node.keywords]
+                return node
             self.generic_visit(node)
             return node
         method, name = node.func.attr, node.args[0].value
@@ -293,11 +310,8 @@ class _Lowering(ast.NodeTransformer):
             if depth >= len(levels):
                 return ast.Tuple([], ast.Load())
             level = levels[depth]
-            is_tile = depth == len(levels) - 1
-            sizes = [
-                self.namer.padded_size(s) if is_tile else self.namer.expr(s)
-                for s in level._shape
-            ]
+            padded = self.padded_shapes and depth == len(levels) - 1
+            sizes = [self.namer.padded_size(s) if padded else self.namer.expr(s) for s in level._shape]
             return ast.Tuple(sizes, ast.Load())
         if method == "source_shape":
             source = self.kernel.param(name).source
