@@ -29,7 +29,7 @@ from ninefold.llm.server.protocol import (
     TokenizeResponse,
     dump,
 )
-from ninefold.llm.server.state import ServerState, engine_limits
+from ninefold.llm.server.state import ServerState, engine_defaults, engine_limits
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -73,6 +73,7 @@ def build_app(
         metrics=metrics,
         admission=admission,
         texts=TokenTexts(engine.tokenizer),
+        defaults=engine_defaults(engine),
     )
     app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)
     app.state.server = state

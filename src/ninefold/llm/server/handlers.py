@@ -73,7 +73,7 @@ async def _serve(
                                                    max_tokens_param)
         for i in range(req.n):
             params = preprocess.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, limits=limits,
-                                                child=i)
+                                                child=i, defaults=state.defaults)
             sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
     gen = Generation(state.engine, sequences)
     view = _View(state, req, kind, request_id, prompts, logprobs)

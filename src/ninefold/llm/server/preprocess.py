@@ -159,8 +159,18 @@ def sampling_params(
     logprobs: int | None,
     limits: Limits,
     child: int,
+    defaults: SamplingParams | None = None,
 ) -> SamplingParams:
-    """SamplingParams of child ``child`` (0 <= child < n) of the request."""
+    """SamplingParams of child ``child`` (0 <= child < n) of the request.
+
+    Sampling fields the request leaves out come from ``defaults`` (the model's generation_config,
+    as vLLM does), else from SamplingParams' own defaults.
+    """
+    base = defaults if defaults is not None else SamplingParams()
+
+    def pick(value, name):
+        return getattr(base, name) if value is None else value
+
     if req.stop_token_ids and max(req.stop_token_ids) >= limits.vocab_size:
         raise bad_request(
             f"stop_token_ids holds {max(req.stop_token_ids)}, outside the vocabulary [0, {limits.vocab_size})",
@@ -171,13 +181,13 @@ def sampling_params(
     seed = None if req.seed is None else (req.seed + child) % 2**63
     kwargs = dict(
         n=1,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=pick(req.temperature, "temperature"),
+        top_p=pick(req.top_p, "top_p"),
+        top_k=pick(req.top_k, "top_k"),
+        min_p=pick(req.min_p, "min_p"),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=pick(req.repetition_penalty, "repetition_penalty"),
         seed=seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,

@@ -23,6 +23,7 @@ class ServerState:
     metrics: ServerMetrics
     admission: Admission
     texts: TokenTexts
+    defaults: Any = None  # SamplingParams from the model's generation_config, when the engine has them
     created: int = field(default_factory=lambda: int(time.time()))
     active: set = field(default_factory=set)  # Generation objects in flight
 
@@ -55,3 +56,12 @@ def engine_limits(engine: Any, max_sequences: int | None) -> Limits:
         kv_capacity_tokens=capacity,
         max_sequences=max_sequences,
     )
+
+
+def engine_defaults(engine: Any) -> Any:
+    """The model's default SamplingParams (``default_sampling_params()`` of the engine), or None."""
+    for owner in (engine, getattr(engine, "engine", None)):
+        method = getattr(owner, "default_sampling_params", None)
+        if callable(method):
+            return method()
+    return None
