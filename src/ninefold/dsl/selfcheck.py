@@ -5,10 +5,15 @@ a scalar with ``+=``, a ``jit`` softmax with a non-power-of-two constexpr) again
 at odd sizes and on strided inputs, in float32/float16/bfloat16; the tuning cache across
 processes; an AOT artifact launched through the CUDA driver. Then times add and mm against torch.
 Prints a table and writes ``$OUT/dsl_selfcheck.json`` when ``OUT`` is set. Exits 1 on a failure.
+
+To check that an artifact compiled by another Triton (here 3.9, on a machine without a GPU)
+launches on the GPU: ``python -m ninefold.dsl.selfcheck --write-aot DIR`` there, then
+``python -m ninefold.dsl.selfcheck --aot-dir DIR`` on the GPU machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -145,20 +150,32 @@ def correctness():
     return [{"check": n, "dtype": str(d).replace("torch.", ""), "error": e, "tolerance": t, "ok": e <= t} for n, d, e, t in rows]
 
 
-def aot_roundtrip():
+def write_aot(directory, target="cuda:90"):
+    """Compile the AOT artifact the check launches (runs without a GPU)."""
     from ninefold.dsl import aot
 
-    major, minor = torch.cuda.get_device_capability()
+    example = tuple(torch.empty(8, 8, dtype=torch.float16, device="meta") for _ in range(3))
+    return aot.compile(mm, [{"args": example, "kwargs": {"BM": 64, "BN": 64, "BK": 32}}], target=target, out=directory)
+
+
+def aot_roundtrip(directory=None):
+    """Launch the AOT mm through the CUDA driver: from ``directory`` (compiled elsewhere) or compiled here."""
+    from ninefold.dsl import aot
+
     with tempfile.TemporaryDirectory() as tmp:
-        example = tuple(torch.empty(8, 8, dtype=torch.float16, device="meta") for _ in range(3))
-        aot.compile(mm, [{"args": example, "kwargs": {"BM": 64, "BN": 64, "BK": 32}}], target=f"cuda:{major}{minor}", out=tmp)
-        kernel = aot.load(tmp)
+        if directory is None:
+            major, minor = torch.cuda.get_device_capability()
+            write_aot(tmp, f"cuda:{major}{minor}")
+            directory = tmp
+        kernel = aot.load(directory)
         a, b = _rand((300, 200), torch.float16), _rand((200, 170), torch.float16)
         c = torch.empty(300, 170, dtype=torch.float16, device="cuda")
         kernel(a, b, c)
         torch.cuda.synchronize()
         error = _err(c, a.double() @ b.double()) / 20
-    return {"check": "aot mm (cuda driver launch)", "dtype": "float16", "error": error, "tolerance": 2e-3, "ok": error <= 2e-3}
+        version = kernel.artifacts[0].meta["triton_version"]
+    name = f"aot mm (compiled by triton {version})"
+    return {"check": name, "dtype": "float16", "error": error, "tolerance": 2e-3, "ok": error <= 2e-3}
 
 
 def _time(fn, repeat=20):
@@ -210,7 +227,15 @@ def second_process_seconds() -> float:
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.dsl.selfcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("--write-aot", metavar="DIR", help="only compile the AOT artifact into DIR (no GPU needed)")
+    parser.add_argument("--aot-dir", metavar="DIR", help="launch the AOT artifact in DIR (e.g. compiled by another Triton)")
+    args = parser.parse_args(argv)
+    if args.write_aot:
+        for path in write_aot(args.write_aot):
+            print(path)
+        return 0
     if not torch.cuda.is_available():
         print("ninefold.dsl.selfcheck: no CUDA device; nothing to check", file=sys.stderr)
         return 2
@@ -218,10 +243,11 @@ def main() -> int:
 
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     checks = correctness()
-    try:
-        checks.append(aot_roundtrip())
-    except Exception as error:  # reported as a failed check
-        checks.append({"check": "aot mm (cuda driver launch)", "dtype": "float16", "error": repr(error), "tolerance": 0, "ok": False})
+    for directory in [None] + ([args.aot_dir] if args.aot_dir else []):
+        try:
+            checks.append(aot_roundtrip(directory))
+        except Exception as error:  # reported as a failed check
+            checks.append({"check": f"aot mm ({directory or 'compiled here'})", "dtype": "float16", "error": repr(error), "tolerance": 0, "ok": False})
     for row in checks:
         error = row["error"] if isinstance(row["error"], str) else f"{row['error']:.2e}"
         print(f"{'ok  ' if row['ok'] else 'FAIL'} {row['check']:<30} {row['dtype']:<9} err {error}  tol {row['tolerance']:.0e}")
