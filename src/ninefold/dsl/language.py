@@ -5,6 +5,9 @@ function, and the cpu backend runs the application with these definitions, on to
 leading dimensions are the program grid (``BATCH.ndim`` of them). Every value in a cpu run keeps
 those leading dimensions (size 1 when it does not vary across programs), so ``axis`` arguments
 count from the first tile dimension and subscripts skip the grid dimensions.
+
+Indices given to a middle level (``x[k]``) must be in range, as loop variables over
+``range(x.shape[0])`` are: masks guard the tiles' overhang, not out-of-range middle indices.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def prepare(kernel, bound, spec=None):
     """
     spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
-        isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**31 for v in bound.values.values()
+        isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**30 for v in bound.values.values()
     )
     key = ("triton", spec, wide)
     if key not in kernel._cache:
