@@ -367,16 +367,20 @@ def roofline(results: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6))
     xs = [2**i for i in range(-4, 13)]
     left.plot(xs, [min(peak, bw * x / 1e3) for x in xs], "k-", label="roofline (copy BW, bf16 mm)")
+    labels = sorted({f"{r['op']}:{n}" for r in results["rows"] for n in r["impls"]})
+    colors = {label: plt.cm.tab20(i % 20) for i, label in enumerate(labels)}
+    markers = {label: "os^vD"[i // 20 % 5] for i, label in enumerate(labels)}
     for r in results["rows"]:
         for name, e in r["impls"].items():
             if "us" not in e:
                 continue
-            if r["flops"] and r["bytes"]:
-                left.scatter(r["flops"] / r["bytes"], e["TFLOPs"], s=14, label=f"{r['op']}:{name}")
-            elif r["flops"]:
-                left.scatter(peak * 1e3 / bw * 4, e["TFLOPs"], s=14, marker="x", label=f"{r['op']}:{name}")
+            label = f"{r['op']}:{name}"
+            style = {"s": 16, "color": colors[label], "marker": markers[label], "label": label}
+            if r["op"] in COMPUTE_BOUND and r["flops"]:
+                intensity = r["flops"] / r["bytes"] if r["bytes"] else peak * 1e3 / bw * 4
+                left.scatter(intensity, e["TFLOPs"], **style)
             elif r["bytes"]:
-                right.scatter(r["bytes"], e["GBps"], s=14, label=f"{r['op']}:{name}")
+                right.scatter(r["bytes"], e["GBps"], **style)
     right.axhline(bw, color="k", label="copy bandwidth")
     for ax, title in ((left, "FLOP-bound calls (TFLOP/s vs FLOP/byte)"), (right, "memory-bound calls (GB/s vs bytes)")):
         ax.set_xscale("log")
