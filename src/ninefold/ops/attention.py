@@ -167,6 +167,9 @@ def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
         keep = slots >= 0
         if not bool(keep.all()):
             slots, key, value = slots[keep], key[keep], value[keep]
+        if slots.numel() and int(slots.max()) >= k_cache.shape[0] * bs:
+            raise spec.OpError(f"reshape_and_cache: slot_mapping holds {int(slots.max())}, past the cache's "
+                               f"{k_cache.shape[0] * bs} slots")
         k_cache[slots // bs, slots % bs] = key
         v_cache[slots // bs, slots % bs] = value
         return

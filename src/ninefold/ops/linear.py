@@ -21,7 +21,8 @@ def _embedding_key(ids, weight):
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows of ``weight`` ``[V, D]`` at ``ids`` (int32/int64 ``[...]``) -> ``[..., D]``.
 
-    Ids must lie in ``[0, V)``; they are not range-checked on the host (that would synchronise).
+    Ids must lie in ``[0, V)``: the CPU raises ``OpError`` otherwise; on GPUs they are not checked
+    (that would synchronise) and an out-of-range id is a device-side assert.
     """
     return _EMBEDDING.call(ids, weight)
 
@@ -49,5 +50,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 _EMBEDDING = Operator("embedding", embedding, _embedding_key)
 _LINEAR = Operator("linear", linear, _linear_key)
 
-register("embedding", "vendor")(F.embedding)
+
+
+@register("embedding", "vendor")
+def _embedding_torch(ids, weight):
+    try:
+        return F.embedding(ids, weight)
+    except IndexError:  # the CPU checks the range (CUDA raises a device-side assert instead)
+        raise spec.OpError(f"embedding: ids must lie in [0, {weight.shape[0]}), got values from {int(ids.min())} "
+                           f"to {int(ids.max())}") from None
 register("linear", "vendor")(F.linear)

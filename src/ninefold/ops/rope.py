@@ -65,6 +65,10 @@ def _rotate(x, cos, sin, is_neox):
 @register("rope", "vendor")
 def _rope_torch(q, k, positions, cos_sin_cache, is_neox):
     r = cos_sin_cache.shape[1]
-    cs = cos_sin_cache.index_select(0, positions).float()
+    try:
+        cs = cos_sin_cache.index_select(0, positions).float()
+    except IndexError:  # the CPU checks the range (CUDA raises a device-side assert instead)
+        raise spec.OpError(f"rope: positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows), got "
+                           f"values from {int(positions.min())} to {int(positions.max())}") from None
     cos, sin = cs[:, None, : r // 2], cs[:, None, r // 2:]
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
