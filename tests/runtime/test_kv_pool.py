@@ -237,10 +237,11 @@ def test_from_memory_subtracts_profiled_activation_peak():
     peak = Device("cpu").peak_bytes(lambda: torch.ones(16 * 2**20, dtype=torch.float32).sum())
     assert peak >= 60 * 2**20  # the 64 MiB tensor was resident at the peak
     free, total = psutil.virtual_memory().available, psutil.virtual_memory().total
-    reserve = free - int(total * 0.1) - 32 * 2**20  # leaves 32 MiB, less than the profiled peak
+    reserve = free - int(total * 0.1) - 32 * 2**20  # leaves 32 MiB, far less than the profiled peak
+    # A 1 GiB peak, so that other processes freeing memory meanwhile cannot make it fit.
     with pytest.raises(KVCacheExhausted, match="activation peak"):
         KVCachePool.from_memory(2, 2, 32, 16, torch.float32, "cpu", reserved_bytes=reserve,
-                                profile_fn=lambda: torch.ones(64 * 2**20).sum())  # a 256 MiB peak
+                                profile_fn=lambda: torch.ones(256 * 2**20).sum())
 
 
 @pytest.mark.parametrize("kwargs, error", [
