@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
-# Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-test dsl-bench ops-test
-# ops-bench runtime llm-test llm-bench); logs and each step's files are packed into $OUT/results.tgz.
+# Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -14,11 +14,14 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NINEF
 step_command() {
   case "$1" in
     env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
+    dsl-selfcheck) echo 'python3 -m ninefold.dsl.selfcheck && if [ -d aot_mm_triton39 ]; then python3 -m ninefold.dsl.selfcheck --aot-dir aot_mm_triton39; fi' ;;
+    cuda-tests) echo 'python3 -m pytest tests/dsl tests/ops tests/runtime tests/llm -q -n 8 -k cuda -p no:cacheprovider' ;;
+    serve-bench) echo 'python3 -m ninefold.bench.serve_local --device cuda' ;;
     dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
     dsl-bench) echo 'python3 -m ninefold.bench.dsl' ;;
     ops-test) echo 'python3 -m pytest tests/ops -q -n 8 -p no:cacheprovider' ;;
     ops-bench) echo 'python3 -m ninefold.bench.ops' ;;
-    runtime) echo 'python3 -m pytest tests/runtime -q -n 4 -p no:cacheprovider && python3 -m ninefold.bench.runtime' ;;
+    runtime) echo 'python3 -m ninefold.bench.runtime' ;;
     llm-test) echo 'python3 -m pytest tests/llm -q -n 8 -p no:cacheprovider -k "not gguf"' ;;
     llm-bench) echo 'python3 -m ninefold.bench.llm' ;;
     *) echo "echo unknown step $1; false" ;;
