@@ -60,27 +60,35 @@ class Generation:
     async def events(self) -> AsyncIterator[Sequence]:
         """Yield a sequence each time its output changes; raises the first error of any sequence.
 
-        Leaving the loop early (client gone, cancellation, error) aborts every unfinished sequence.
+        Outputs are cumulative, so when several are waiting (the client reads slower than the engine
+        steps) a sequence is yielded once with the newest. Leaving the loop early (client gone,
+        cancellation, error) aborts every unfinished sequence.
         """
         self._tasks = [asyncio.create_task(self._run(seq)) for seq in self.sequences]
         try:
             pending = len(self.sequences)
             while pending:
-                seq, item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is _END:
-                    pending -= 1
-                    if seq.done:
-                        continue
-                    self._finish(seq)
-                elif item is not None:
-                    seq.output = item
-                    if seq.timer is not None:
-                        seq.timer.tokens_now(len(item.token_ids))
-                    if item.finish_reason is not None:
+                batch = [await self._queue.get()]
+                while not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                changed: dict[int, Sequence] = {}
+                for seq, item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is _END:
+                        pending -= 1
+                        if seq.done:
+                            continue
                         self._finish(seq)
-                yield seq
+                    elif item is not None and not seq.done:
+                        seq.output = item
+                        if seq.timer is not None:
+                            seq.timer.tokens_now(len(item.token_ids))
+                        if item.finish_reason is not None:
+                            self._finish(seq)
+                    changed[seq.index] = seq
+                for seq in changed.values():
+                    yield seq
         finally:
             with anyio.CancelScope(shield=True):
                 await self.abort()
