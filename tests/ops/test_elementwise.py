@@ -33,9 +33,10 @@ def test_silu_and_mul_matches_reference(device, impl, dtype, shape, strided):
     assert_close(out, ref.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("device,impl", impl_params("gelu_and_mul"))
-def test_gelu_and_mul_matches_reference(device, impl, dtype, approximate):
-    x = randn(9, 2 * 45, dtype=dtype, device=device, strided=True, seed=6)
+def test_gelu_and_mul_matches_reference(device, impl, dtype, approximate, strided):
+    x = randn(9, 2 * 45, dtype=dtype, device=device, strided=strided, seed=6, scale=2)
     assert_close(call("gelu_and_mul", impl, x, approximate), ref.gelu_and_mul(x, approximate), dtype)

@@ -102,8 +102,8 @@ def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | No
 
 
 def _split(capacity: int, programs: int, sms: int, block_n: int) -> tuple[int, int]:
-    """(tokens per split, number of splits) filling about two waves of the SMs."""
-    want = max(1, min(math.ceil(2 * sms / max(programs, 1)), math.ceil(capacity / (4 * block_n))))
+    """(tokens per split, number of splits): about four programs per SM, at least two key tiles each."""
+    want = max(1, min(math.ceil(4 * sms / max(programs, 1)), math.ceil(capacity / (2 * block_n))))
     per_split = triton.cdiv(triton.cdiv(capacity, want), block_n) * block_n
     return per_split, triton.cdiv(capacity, per_split)
 
