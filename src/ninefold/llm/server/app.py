@@ -129,6 +129,7 @@ def build_app(
         """Prometheus metrics: queue, KV cache, prefix cache, latency histograms, token counters."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    _document_400_not_422(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -142,3 +143,23 @@ def _engine_max_num_seqs(engine: Any) -> int | None:
         config = getattr(getattr(engine, "engine", None), "config", None)
         value = getattr(config, "max_num_seqs", None)
     return value
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """The schema should say what the server does: validation errors are 400s in OpenAI's format."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for methods in schema.get("paths", {}).values():
+                for operation in methods.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None and "400" not in responses:
+                        responses["400"] = {"description": "Invalid request",
+                                            "content": {"application/json": {"schema": {
+                                                "$ref": "#/components/schemas/ErrorResponse"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
