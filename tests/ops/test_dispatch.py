@@ -53,6 +53,15 @@ def test_use_pins_inside_the_block_only_and_nests(probe):
     assert ops.choose("rms_norm", x, w) == "vendor"
 
 
+def test_equal_pins_nested_around_another_unwind_in_order(probe):
+    with ops.use(rms_norm="probe"):
+        with ops.use(rms_norm="vendor"):
+            with ops.use(rms_norm="probe"):
+                assert ops.choose("rms_norm", x, w) == "probe"
+            assert ops.choose("rms_norm", x, w) == "vendor"
+        assert ops.choose("rms_norm", x, w) == "probe"
+
+
 def test_pin_that_cannot_run_falls_back_with_a_warning_naming_the_reason(probe):
     wide, wide_w = torch.randn(2, 9), torch.ones(9)
     with ops.use(rms_norm="probe"), warnings.catch_warnings(record=True) as caught:

@@ -174,12 +174,16 @@ def use(**pins: str):
     Pins apply process-wide (not per thread) while the block runs; blocks nest.
     """
     _check_pins(pins, "ops.use")
-    _pin_stack.append(dict(pins))
+    layer = dict(pins)
+    _pin_stack.append(layer)
     clear_caches()
     try:
         yield
     finally:
-        _pin_stack.remove(pins) if pins in _pin_stack else None
+        for i in range(len(_pin_stack) - 1, -1, -1):  # by identity: equal layers may nest
+            if _pin_stack[i] is layer:
+                del _pin_stack[i]
+                break
         clear_caches()
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from ninefold.ops.spec import FLOAT_DTYPES
 
 
@@ -104,8 +102,3 @@ def changed() -> None:
     """Tell listeners that implementations, pins, tables or builds changed."""
     for listener in _listeners:
         listener()
-
-
-def dtype_of(dtypes) -> frozenset:
-    """Normalise an iterable of dtypes to a frozenset (helper for registrations)."""
-    return frozenset(d if isinstance(d, torch.dtype) else getattr(torch, d) for d in dtypes)
