@@ -273,3 +273,24 @@ def test_tile_shape_is_the_real_size_outside_shape_arguments(backend):
     y = torch.empty_like(x)
     centering(x, y, WIDTH=21, backend=backend)
     close(y, x.double() - x.double().mean(1, keepdim=True), torch.float32)
+
+
+def bias_arrangement(x, b, y):
+    return x.tile((1, WIDTH)), b.tile((WIDTH,)).unsqueeze(0).expand((x.source.shape[0], -1)), y.tile((1, WIDTH))
+
+
+def bias_application(x, b, y):
+    top = nl.full((), float("-inf"), dtype=nl.float32)
+    top = nl.maximum(top, nl.max(x))  # a per-program scalar
+    y = x + b - top  # noqa: F841  (a (WIDTH,) vector broadcasts against the (1, WIDTH) tile, as in Triton)
+
+
+bias = nd.make(bias_arrangement, bias_application, (Tensor(2), Tensor(1), Tensor(2)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_scalars_and_lower_rank_tiles_broadcast_like_triton(backend):
+    x, b = random((6, 16), torch.float32, 18), random((16,), torch.float32, 19)
+    y = torch.empty_like(x)
+    bias(x, b, y, WIDTH=16, backend=backend)
+    close(y, x.double() + b.double() - x.double().amax(1, keepdim=True), torch.float32)

@@ -2,9 +2,10 @@
 
 Applications are compiled, not called: the triton backend prints ``nl.f`` as the matching Triton
 function, and the cpu backend runs the application with these definitions, on torch tensors whose
-leading dimensions are the program grid (``BATCH.ndim`` of them). Every value in a cpu run keeps
-those leading dimensions (size 1 when it does not vary across programs), so ``axis`` arguments
-count from the first tile dimension and subscripts skip the grid dimensions.
+*trailing* dimensions are the program grid (``BATCH.ndim`` of them). Every value in a cpu run keeps
+those trailing dimensions (size 1 when it does not vary across programs), so tiles of different
+ranks and per-program scalars broadcast as in Triton, ``axis`` arguments count tile dimensions and
+subscripts leave the grid dimensions alone.
 
 Indices given to a middle level (``x[k]``) must be in range, as loop variables over
 ``range(x.shape[0])`` are: masks guard the tiles' overhang, not out-of-range middle indices.
@@ -56,19 +57,25 @@ class _Batch(threading.local):
 BATCH = _Batch()
 
 
-def _lead():
-    return (1,) * BATCH.ndim
-
-
 def _axis(x, axis):
     ndim = x.ndim - BATCH.ndim
     if axis < -ndim or axis >= ndim:
         raise ValueError(f"axis={axis} is out of range for a {ndim}-dim tile")
-    return axis % ndim + BATCH.ndim
+    return axis % ndim
 
 
 def _tile_dims(x):
-    return tuple(range(BATCH.ndim, x.ndim))
+    return tuple(range(x.ndim - BATCH.ndim))
+
+
+def _batch_first(x):
+    g = BATCH.ndim
+    return x.movedim(tuple(range(x.ndim - g, x.ndim)), tuple(range(g))) if g else x
+
+
+def _batch_last(x):
+    g = BATCH.ndim
+    return x.movedim(tuple(range(g)), tuple(range(x.ndim - g, x.ndim))) if g else x
 
 
 def _as_tensor(x, like=None):
@@ -84,21 +91,22 @@ def _shape(shape):
 
 def zeros(shape, dtype=float32):
     """A tile of zeros of ``shape`` (on cpu: one per program, so it can accumulate in place)."""
-    return torch.zeros(tuple(BATCH.shape) + _shape(shape), dtype=dtype)
+    return torch.zeros(_shape(shape) + tuple(BATCH.shape), dtype=dtype)
 
 
 def full(shape, value, dtype=float32):
     """A tile of ``shape`` filled with ``value`` (on cpu: one per program)."""
-    return torch.full(tuple(BATCH.shape) + _shape(shape), value, dtype=dtype)
+    return torch.full(_shape(shape) + tuple(BATCH.shape), value, dtype=dtype)
 
 
 def arange(start, end):
     """``start, start + 1, ..., end - 1`` as an int32 tile."""
-    return torch.arange(int(start), int(end), dtype=torch.int32).reshape(_lead() + (-1,))
+    return torch.arange(int(start), int(end), dtype=torch.int32).reshape((-1,) + (1,) * BATCH.ndim)
 
 
 def dot(input, other, acc=None, out_dtype=float32, **_):
-    """Matrix product of the last two dims, accumulated and returned in ``out_dtype`` for floats."""
+    """Matrix product of two 2-D tiles, accumulated and returned in ``out_dtype`` for floats."""
+    input, other = _batch_first(input), _batch_first(other)
     if input.dtype == torch.float64 or other.dtype == torch.float64:
         out = torch.matmul(input.to(torch.float64), other.to(torch.float64))
     elif input.dtype == torch.bfloat16 and other.dtype == torch.bfloat16:
@@ -107,13 +115,14 @@ def dot(input, other, acc=None, out_dtype=float32, **_):
         out = torch.matmul(input.to(out_dtype), other.to(out_dtype))
     else:
         out = torch.matmul(input.to(torch.int64), other.to(torch.int64)).to(torch.int32)
+    out = _batch_last(out)
     return out if acc is None else acc + out
 
 
 def _reduce(fn, x, axis, keep_dims):
     if axis is None:
         dims = _tile_dims(x)
-        return fn(x, dims, True) if dims else x
+        return fn(x, dims, keep_dims) if dims else x
     return fn(x, (_axis(x, axis),), keep_dims)
 
 
@@ -206,10 +215,11 @@ def fma(x, y, z):
 
 def trans(x, *dims):
     """Transpose the last two dims (or permute the tile dims by ``dims``)."""
+    ndim = x.ndim - BATCH.ndim
     if not dims:
-        return x.transpose(-1, -2)
+        return x.transpose(ndim - 2, ndim - 1) if ndim >= 2 else x
     dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
-    return x.permute(tuple(range(BATCH.ndim)) + tuple(d + BATCH.ndim for d in dims))
+    return x.permute(tuple(d % ndim for d in dims) + tuple(range(ndim, x.ndim)))
 
 
 def cdiv(x, y):

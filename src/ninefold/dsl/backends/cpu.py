@@ -1,6 +1,6 @@
 """The ``cpu`` backend: one run of the application for all programs at once.
 
-The grid dimensions become the leading dimensions of every torch tensor in the run. A tile read
+The grid dimensions become the trailing dimensions of every torch tensor in the run. A tile read
 is a strided view of the source when its index map is affine and in bounds, a view of a padded
 copy (padded with ``other``) when only the source's bounds are crossed, and a gather otherwise.
 Writes mirror that (view copy, padded round trip, scatter).
@@ -218,7 +218,7 @@ class Program:
 
     def value_shape(self, value):
         """``v.shape`` of a value: its tile shape (the grid dimensions left out)."""
-        return tuple(value.shape[self.g :]) if isinstance(value, torch.Tensor) else value.shape
+        return tuple(value.shape[: value.ndim - self.g]) if isinstance(value, torch.Tensor) else value.shape
 
     def value_ndim(self, value):
         return value.ndim - self.g if isinstance(value, torch.Tensor) else value.ndim
@@ -226,7 +226,12 @@ class Program:
     def subscript(self, value, index):
         if isinstance(value, torch.Tensor):
             index = index if isinstance(index, tuple) else (index,)
-            return value[(slice(None),) * self.g + index]
+            if any(i is Ellipsis for i in index):
+                used = sum(i is not None and i is not Ellipsis for i in index)
+                at = next(n for n, i in enumerate(index) if i is Ellipsis)
+                fill = (slice(None),) * (value.ndim - self.g - used)
+                index = index[:at] + fill + index[at + 1 :]
+            return value[index + (Ellipsis,)]
         return value[index]
 
     def offsets(self, name, index, dim):
@@ -239,11 +244,11 @@ class Program:
             )
         else:
             value = evaluate(access.source_index[dim % len(access.source_index)], env, TORCH_OPS)
-        full = [*self.local_grid, *plan.tile_shape]
+        full = [*plan.tile_shape, *self.local_grid]
         value = torch.as_tensor(value).expand(full) if not isinstance(value, torch.Tensor) else value.expand(full)
         expr = access.source_index[dim % len(access.source_index)] if dim is not None else None
         keep = [d for d, var in enumerate(access.tile_vars) if expr is None or var in expr.leaves()]
-        index_ = (slice(None),) * self.g + tuple(slice(None) if d in keep else 0 for d in range(len(plan.tile_shape)))
+        index_ = tuple(slice(None) if d in keep else 0 for d in range(len(plan.tile_shape))) + (Ellipsis,)
         return value[index_]
 
     # ----------------------------------------------------------------- access plans
@@ -278,7 +283,7 @@ class Program:
     def store(self, name, index, value):
         plan = self._plan(name, len(index))
         target = self.bound.values[name]
-        full = [*self.local_grid, *plan.tile_shape]
+        full = [*plan.tile_shape, *self.local_grid]
         value = torch.as_tensor(value, dtype=target.dtype) if not isinstance(value, torch.Tensor) else value.to(target.dtype)
         if value.ndim > len(full):
             raise ValueError(f"store to {name}: value has {value.ndim - self.g} tile dims, the tile {plan.tile_shape} has {len(plan.tile_shape)}")
@@ -318,8 +323,9 @@ class _Plan:
         self.g = program.g
         self.tile_shape = tuple(int(evaluate(s, env)) for s in access.tile_shape)
         self.middle_shape = tuple(int(evaluate(s, env)) for s in access.middle_level._shape) if access.middle_level is not None else ()
-        self.variables = (*access.grid_vars, *access.tile_vars)
-        sizes = (*self.grid, *self.tile_shape)
+        self.variables = (*access.tile_vars, *access.grid_vars)
+        self.first_grid = len(access.tile_vars)  # position of the chunked grid dimension
+        sizes = (*self.tile_shape, *self.grid)
         self.sizes = sizes
         live = [c for c in access.conditions if interval(c, self.ranges((0, self.grid[0] if self.grid else 1))) != (1, 1)]
         self.mask = conjunction(live)
@@ -342,19 +348,21 @@ class _Plan:
         """Interval of every variable for the programs of ``chunk``."""
         ranges = {leaf: (val, val) for leaf, val in self.env.items() if isinstance(val, int)}
         for d, (v, n) in enumerate(zip(self.variables, self.sizes)):
-            ranges[v] = (chunk[0], chunk[1] - 1) if d == 0 and self.g else (0, n - 1)
+            ranges[v] = (chunk[0], chunk[1] - 1) if d == self.first_grid and self.g else (0, n - 1)
         ranges.update({v: (0, max(n - 1, 0)) for v, n in zip(self.access.middle_vars, self.middle_shape)})
         return ranges
 
     def local_sizes(self, chunk):
-        return ((chunk[1] - chunk[0],) + tuple(self.sizes[1:])) if self.g else tuple(self.sizes)
+        if not self.g:
+            return tuple(self.sizes)
+        return self.tile_shape + (chunk[1] - chunk[0],) + tuple(self.grid[1:])
 
     def torch_vars(self, chunk):
         sizes = self.local_sizes(chunk)
         rank = len(sizes)
         out = {}
         for d, (v, n) in enumerate(zip(self.variables, sizes)):
-            start = chunk[0] if d == 0 and self.g else 0
+            start = chunk[0] if d == self.first_grid and self.g else 0
             out[v] = torch.arange(start, start + n).reshape([n if i == d else 1 for i in range(rank)])
         return out
 
@@ -370,7 +378,7 @@ class _Plan:
         for d, const in enumerate(self._consts):
             shift = const - (lo[d] if lo is not None else 0)
             if self.g:
-                shift += self._coefs[0][d] * chunk[0]
+                shift += self._coefs[self.first_grid][d] * chunk[0]
             for row, value in zip(self._middle, middle):
                 shift += row[d] * value
             offset += shift * strides[d]
