@@ -11,6 +11,7 @@ import ast
 import hashlib
 import itertools
 import math
+import os
 
 import torch
 
@@ -130,10 +131,27 @@ def tune(kernel, bound) -> dict:
     return best
 
 
+def _compile_in_parallel(kernel, bound, configs):
+    """Compile every candidate at once (Triton releases the GIL for much of a compile)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ninefold.dsl.backends.triton import warm
+
+    def one(config):
+        try:
+            warm(kernel, bound, config)
+        except Exception:  # the timing loop reports or skips what does not compile
+            pass
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(configs), os.cpu_count() or 1))) as pool:
+        list(pool.map(one, configs))
+
+
 def _time(kernel, bound, configs, launch):
     import triton.testing
     from tqdm import tqdm
 
+    _compile_in_parallel(kernel, bound, configs)
     saved = {n: bound.values[n].clone() for n in written_params(kernel)}
     timings = []
     for config in tqdm(configs, desc=f"ninefold.dsl: tuning {kernel.name}", leave=False):

@@ -73,6 +73,23 @@ def launch(kernel, bound, config):
 
     Everything but the tensors and scalars is computed once per sizes, strides and config.
     """
+    function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
+    if grid == 0:
+        return
+    args = [bound.values[payload] if kind else payload for kind, payload in template]
+    with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
+        function[(grid,)](*args, num_warps=num_warps, num_stages=num_stages)
+
+
+def warm(kernel, bound, config):
+    """Compile ``config`` without launching it (the tuner compiles its candidates in parallel)."""
+    function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
+    args = [bound.values[payload] if kind else payload for kind, payload in template]
+    with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
+        function.warmup(*args, grid=(max(grid, 1),), num_warps=num_warps, num_stages=num_stages)
+
+
+def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
@@ -89,12 +106,7 @@ def launch(kernel, bound, config):
         num_stages = kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES
         entry = (function, grid_size(finished), template, num_warps, num_stages)
         kernel._cache[key] = entry
-    function, grid, template, num_warps, num_stages = entry
-    if grid == 0:
-        return
-    args = [bound.values[payload] if kind else payload for kind, payload in template]
-    with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
-        function[(grid,)](*args, num_warps=num_warps, num_stages=num_stages)
+    return entry
 
 
 class _null:
