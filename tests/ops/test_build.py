@@ -89,3 +89,15 @@ def test_manifest_errors_name_the_entry(tmp_path, text, message):
 def test_build_directory_without_manifest_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds no manifest.json"):
         build.Build.load(tmp_path)
+
+
+def test_build_compiles_dsl_kernels_ahead_of_time(tmp_path):
+    pytest.importorskip("triton")
+    pytest.importorskip("ninefold.dsl.aot")
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "tiny"\n[ops.softmax]\ndtypes = ["float16"]\n'
+                                       'impls = ["dsl"]\n')
+    report = build.build(tmp_path / "ops.toml", tmp_path / "b")
+    files = sorted(str(p.relative_to(tmp_path / "b" / "kernels")) for p in (tmp_path / "b" / "kernels").rglob("*.*"))
+    assert files and all(f.startswith("dsl/softmax/float16/") for f in files)
+    assert any(f.endswith(".cubin") for f in files)
+    assert report.sizes["softmax (dsl)"][1] == sum(p.stat().st_size for p in (tmp_path / "b" / "kernels").rglob("*.*"))
