@@ -29,11 +29,18 @@ from ninefold.dsl.make import jit, make
 from ninefold.dsl.symbol import Symbol, block_size
 from ninefold.dsl.tensor import Tensor
 
+
+def eval(tensor, subs=None):  # noqa: A001  (NineToothed's name)
+    """``tensor.eval(subs)``: the source index of every element of an arranged tensor."""
+    return tensor.eval(subs)
+
+
 __all__ = [
     "Symbol",
     "Tensor",
     "bfloat16",
     "block_size",
+    "eval",
     "float16",
     "float32",
     "float64",
