@@ -199,7 +199,8 @@ def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_seq_max = 4096, 512, len(work.batch)
     params.n_threads, params.n_threads_batch = threads, threads
-    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    init = getattr(llama_cpp, "llama_init_from_model", None) or llama_cpp.llama_new_context_with_model
+    ctx = init(llm.model, params)
     batch = llama_cpp.llama_batch_init(512, 0, len(work.batch))
 
     def submit(entries: list[tuple[int, int, int, bool]]) -> None:
@@ -215,7 +216,10 @@ def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
         return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,))))
 
     def decode_b8() -> float:
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        if hasattr(llama_cpp, "llama_memory_clear"):
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        else:  # llama-cpp-python before the llama_memory API
+            (getattr(llama_cpp, "llama_kv_self_clear", None) or llama_cpp.llama_kv_cache_clear)(ctx)
         entries, last = [], []
         for s, ids in enumerate(work.batch):
             entries += [(t, p, s, p == len(ids) - 1) for p, t in enumerate(ids)]
@@ -293,12 +297,22 @@ def main(argv: list[str] | None = None) -> int:
         Path(out).write_text(json.dumps({
             "command": "python -m ninefold.bench.cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "machine": f"{_cpu_name()}, {os.cpu_count()} cores",
             "torch": torch.__version__,
             "results": [asdict(r) for r in results],
         }, indent=2))
         print(f"\nwrote {out}")
     return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
