@@ -21,6 +21,7 @@ from ninefold.llm.server.metrics import SequenceTimer
 from ninefold.llm.server.preprocess import Prompt
 
 _END = object()
+_NEW_OUTPUT = object()  # the sequence has a newer output in Generation._latest
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Generation:
     sequences: list[Sequence]
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    # Newest unread output per sequence: a client that stops reading holds one output per sequence,
+    # not one per generated token (each of which holds all the token ids so far).
+    _latest: dict[int, CompletionOutput | None] = field(default_factory=dict)
 
     def fail(self, error: APIError) -> None:
         """End the generation with ``error`` (used when a shutdown deadline passes)."""
@@ -80,7 +84,10 @@ class Generation:
                         if seq.done:
                             continue
                         self._finish(seq)
-                    elif item is not None and not seq.done:
+                    elif item is _NEW_OUTPUT:
+                        item = self._latest.pop(seq.index, None)
+                        if item is None or seq.done:
+                            continue
                         seq.output = item
                         if seq.timer is not None:
                             seq.timer.tokens_now(len(item.token_ids))
@@ -115,7 +122,12 @@ class Generation:
     async def _run(self, seq: Sequence) -> None:
         try:
             async for out in self.engine.generate(seq.prompt.token_ids, seq.params, seq.request_id):
-                self._queue.put_nowait((seq, out.outputs[0] if out.outputs else None))
+                if not out.outputs:
+                    continue
+                already_signalled = seq.index in self._latest
+                self._latest[seq.index] = out.outputs[0]
+                if not already_signalled:
+                    self._queue.put_nowait((seq, _NEW_OUTPUT))
             self._queue.put_nowait((seq, _END))
         except asyncio.CancelledError:
             raise

@@ -109,13 +109,11 @@ class SequenceTimer:
         name = self.metrics.model_name
         if self.last is None:
             self.metrics.ttft.labels(name).observe(now - self.arrival)
-            new_after_first = new - 1
+            gaps = [0.0] * (new - 1)  # tokens that arrived together with the first one
         else:
-            new_after_first = new
-        if new_after_first > 0 and self.last is not None:
-            gap = (now - self.last) / new_after_first
-            for _ in range(new_after_first):
-                self.metrics.itl.labels(name).observe(gap)
+            gaps = [(now - self.last) / new] * new  # several tokens in one output share the wait
+        for gap in gaps:
+            self.metrics.itl.labels(name).observe(gap)
         self.metrics.generation_tokens.labels(name).inc(new)
         self.tokens = total_tokens
         self.last = now
