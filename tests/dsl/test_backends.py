@@ -294,3 +294,22 @@ def test_scalars_and_lower_rank_tiles_broadcast_like_triton(backend):
     y = torch.empty_like(x)
     bias(x, b, y, WIDTH=16, backend=backend)
     close(y, x.double() + b.double() - x.double().amax(1, keepdim=True), torch.float32)
+
+
+def _row_centered(v):
+    return v - (nl.sum(v, axis=1) / v.shape[1])[:, None]
+
+
+def centered_application(x, y):
+    y = _row_centered(x.to(nl.float32))  # noqa: F841
+
+
+centered = nd.make(mean_arrangement, centered_application, (Tensor(2), Tensor(2)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_helper_functions_index_and_measure_tiles_like_the_application(backend):
+    x = random((7, 16), torch.float32, 20)
+    y = torch.empty_like(x)
+    centered(x, y, WIDTH=16, backend=backend)
+    close(y, x.double() - x.double().mean(1, keepdim=True), torch.float32)

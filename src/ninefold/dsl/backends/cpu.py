@@ -11,12 +11,13 @@ from __future__ import annotations
 import ast
 import itertools
 import math
+import types
 
 import torch
 
 from ninefold.dsl import language
 from ninefold.dsl.compiler.access import analyze
-from ninefold.dsl.compiler.frontend import NF
+from ninefold.dsl.compiler.frontend import NF, parse
 from ninefold.dsl.expr import StrideOf, affine, binary, conjunction, evaluate, interval
 from ninefold.dsl.kernel import level_shapes
 
@@ -126,14 +127,29 @@ def _cpu_candidates(symbol):
 
 def _compiled(kernel):
     if "cpu" not in kernel._cache:
-        tree = _BatchSubscripts().visit(_copy(kernel.app.tree))
-        ast.fix_missing_locations(tree)
-        module = ast.Module([tree], type_ignores=[])
-        namespace = dict(kernel.app.namespace)
-        namespace["range"] = _range
-        exec(compile(module, f"<ninefold cpu: {kernel.name}>", "exec"), namespace)
-        kernel._cache["cpu"] = namespace[tree.name]
+        kernel._cache["cpu"] = _batched(kernel.app.tree, kernel.app.namespace, kernel.name, {})
     return kernel._cache["cpu"]
+
+
+def _batched(tree, namespace, label, done):
+    """Compile ``tree`` with batch-aware subscripts and shapes; plain helper functions it calls too."""
+    tree = _BatchSubscripts().visit(_copy(tree))
+    ast.fix_missing_locations(tree)
+    namespace = dict(namespace)
+    namespace["range"] = _range
+    namespace.setdefault(NF, VALUE_OPS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            value = namespace.get(node.id)
+            if isinstance(value, types.FunctionType) and value.__module__ != language.__name__:
+                if value not in done:
+                    done[value] = None  # recursion guard
+                    helper_tree, helper_namespace, _ = parse(value)
+                    done[value] = _batched(helper_tree, helper_namespace, value.__name__, done)
+                if done[value] is not None:
+                    namespace[node.id] = done[value]
+    exec(compile(ast.Module([tree], type_ignores=[]), f"<ninefold cpu: {label}>", "exec"), namespace)
+    return namespace[tree.name]
 
 
 def _range(*args):
@@ -168,7 +184,44 @@ class _BatchSubscripts(ast.NodeTransformer):
         return node
 
 
-class Program:
+class ValueOps:
+    """How values (not parameters) are queried in a cpu run: the grid dimensions are left out."""
+
+    def condition(self, value):
+        """An ``if`` test: per-program tensors must agree across the programs run together."""
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            first = value.reshape(-1)[0]
+            if not bool((value == first).all()):
+                raise ValueError(
+                    "an `if` on a value that differs between programs is not supported by the cpu backend "
+                    "(all programs run together); use nl.where"
+                )
+            return bool(first)
+        return bool(value)
+
+    def value_shape(self, value):
+        """``v.shape`` of a value: its tile shape (the grid dimensions left out)."""
+        return tuple(value.shape[: value.ndim - language.BATCH.ndim]) if isinstance(value, torch.Tensor) else value.shape
+
+    def value_ndim(self, value):
+        return value.ndim - language.BATCH.ndim if isinstance(value, torch.Tensor) else value.ndim
+
+    def subscript(self, value, index):
+        if isinstance(value, torch.Tensor):
+            index = index if isinstance(index, tuple) else (index,)
+            if any(i is Ellipsis for i in index):
+                used = sum(i is not None and i is not Ellipsis for i in index)
+                at = next(n for n, i in enumerate(index) if i is Ellipsis)
+                fill = (slice(None),) * (value.ndim - language.BATCH.ndim - used)
+                index = index[:at] + fill + index[at + 1 :]
+            return value[index + (Ellipsis,)]
+        return value[index]
+
+
+VALUE_OPS = ValueOps()
+
+
+class Program(ValueOps):
     """The ``_nf`` object of a cpu run: loads, stores and shape queries of the parameters.
 
     The run may be split into chunks of programs along the first grid dimension (so that the
@@ -203,36 +256,6 @@ class Program:
     def dtype(self, name):
         value = self.bound.values[name]
         return value.dtype if isinstance(value, torch.Tensor) else torch.float32
-
-    def condition(self, value):
-        """An ``if`` test: per-program tensors must agree across the programs run together."""
-        if isinstance(value, torch.Tensor) and value.numel() > 1:
-            first = value.reshape(-1)[0]
-            if not bool((value == first).all()):
-                raise ValueError(
-                    "an `if` on a value that differs between programs is not supported by the cpu backend "
-                    "(all programs run together); use nl.where"
-                )
-            return bool(first)
-        return bool(value)
-
-    def value_shape(self, value):
-        """``v.shape`` of a value: its tile shape (the grid dimensions left out)."""
-        return tuple(value.shape[: value.ndim - self.g]) if isinstance(value, torch.Tensor) else value.shape
-
-    def value_ndim(self, value):
-        return value.ndim - self.g if isinstance(value, torch.Tensor) else value.ndim
-
-    def subscript(self, value, index):
-        if isinstance(value, torch.Tensor):
-            index = index if isinstance(index, tuple) else (index,)
-            if any(i is Ellipsis for i in index):
-                used = sum(i is not None and i is not Ellipsis for i in index)
-                at = next(n for n, i in enumerate(index) if i is Ellipsis)
-                fill = (slice(None),) * (value.ndim - self.g - used)
-                index = index[:at] + fill + index[at + 1 :]
-            return value[index + (Ellipsis,)]
-        return value[index]
 
     def offsets(self, name, index, dim):
         plan = self._plan(name, len(index))
