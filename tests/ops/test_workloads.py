@@ -1,0 +1,39 @@
+"""The tuning/benchmark workloads: every operator's calls build, validate and agree across implementations."""
+
+import pytest
+import torch
+
+import ninefold.ops as ops
+from ninefold.bench.ops import bench_case, check
+from ninefold.ops import dispatch, workloads
+
+
+@pytest.mark.parametrize("op", workloads.OPS)
+def test_tiny_workloads_run_every_cpu_implementation_and_agree(op):
+    ceiling = {"copy_GBps": 10.0, "mm_TFLOPs": 1.0}
+    cases = list(workloads.cases(op, workloads.shapes("tiny"), "cpu", torch.float32))
+    assert cases
+    for case in cases:
+        row = bench_case(case, torch.device("cpu"), ceiling)
+        assert row["choice"] == ops.choose(op, *case.args, **case.kwargs)
+        for name, entry in row["impls"].items():
+            assert "error" not in entry and "wrong" not in entry, (name, entry)
+            assert entry["us"] > 0
+
+
+@pytest.mark.parametrize("shape_set", ["llama-8b", "smollm2"])
+def test_model_workloads_validate_at_full_size(shape_set):
+    # Built on the meta device: full Llama-3-8B sizes without the memory; validation runs for real.
+    for op in workloads.OPS:
+        for case in workloads.cases(op, workloads.shapes(shape_set), "meta", torch.bfloat16):
+            operator = dispatch.operator(op)
+            key = operator.keyfn(*operator.bind(*case.args, **case.kwargs))
+            assert key[0].type == "meta" and key[1] == torch.bfloat16
+            assert case.bytes > 0 or case.flops > 0
+
+
+def test_check_flags_a_wrong_result():
+    x, w = torch.randn(4, 8), torch.ones(8)
+    want = ops.rms_norm(x, w)
+    assert check("rms_norm", lambda *a: want + 1, (x, w, 1e-6), want).startswith("max relative error")
+    assert check("rms_norm", lambda *a: want, (x, w, 1e-6), want) is None
