@@ -16,7 +16,8 @@ def register(subparsers) -> None:
 
     tune = commands.add_parser("tune", help="benchmark candidates and store the fastest in the tuning cache")
     tune.add_argument("--ops", nargs="+", metavar="OP", help="operators to tune (default: all)")
-    tune.add_argument("--shapes", default="llama-8b", help="shape set: llama-8b, smollm2, tiny (default llama-8b)")
+    tune.add_argument("--shapes", default=None,
+                      help="shape set: llama-8b, smollm2, tiny (default: llama-8b on GPUs, smollm2 on the CPU)")
     tune.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     tune.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16", "float32"])
     tune.add_argument("--out", default=None, help="tuning file to write (default: the user's tuning cache)")
@@ -52,7 +53,8 @@ def _tune(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        entries = tune(args.ops, args.shapes, device, [getattr(torch, d) for d in args.dtype], path=args.out)
+        shapes = args.shapes or ("smollm2" if torch.device(device).type == "cpu" else "llama-8b")
+        entries = tune(args.ops, shapes, device, [getattr(torch, d) for d in args.dtype], path=args.out)
     except ValueError as error:
         print(f"ninefold ops tune: error: {error}", file=sys.stderr)
         return 2
