@@ -116,8 +116,8 @@ def _servers(tiny_model, tmp_path_factory):
     strict = ServerProcess(tiny_model, logs, "--api-key", "sekret", "--max-model-len", "4096", "--max-num-seqs",
                            "1", "--max-queue", "1", "--num-kv-blocks", "64", "--max-body-bytes", "65536", wait=False)
     yield main, strict
-    for proc in (main, strict):
-        proc.stop()
+    codes = [proc.stop() for proc in (main, strict)]
+    assert codes == [0, 0], f"SIGTERM on idle servers should exit 0, got {codes}"
 
 
 @pytest.fixture(scope="session")
