@@ -141,10 +141,13 @@ def _batched(tree, namespace, label, done):
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             value = namespace.get(node.id)
-            if isinstance(value, types.FunctionType) and value.__module__ != language.__name__:
+            if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith("ninefold.dsl"):
                 if value not in done:
-                    done[value] = None  # recursion guard
-                    helper_tree, helper_namespace, _ = parse(value)
+                    done[value] = None  # recursion guard; functions without source are called as they are
+                    try:
+                        helper_tree, helper_namespace, _ = parse(value)
+                    except TypeError:
+                        continue
                     done[value] = _batched(helper_tree, helper_namespace, value.__name__, done)
                 if done[value] is not None:
                     namespace[node.id] = done[value]
