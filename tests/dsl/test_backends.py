@@ -313,3 +313,25 @@ def test_helper_functions_index_and_measure_tiles_like_the_application(backend):
     y = torch.empty_like(x)
     centered(x, y, WIDTH=16, backend=backend)
     close(y, x.double() - x.double().mean(1, keepdim=True), torch.float32)
+
+
+def scale_arrangement(x, factor, y, BLOCK=BLOCK):
+    return x.tile((BLOCK,)), factor, y.tile((BLOCK,))
+
+
+def scale_application(x, factor, y):
+    y = x * factor  # noqa: F841
+
+
+scale3 = nd.make(scale_arrangement, scale_application, (Tensor(1), Tensor(0, constexpr=True, value=3), Tensor(1)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_constexpr_scalar_with_a_value_is_not_passed(backend):
+    x = random((50,), torch.float32, 21)
+    y = torch.empty(50)
+    scale3(x, y, backend=backend)
+    close(y, 3 * x.double(), torch.float32)
+    assert "factor = 3" in scale3.source
+    with pytest.raises(TypeError, match=r"takes 2 positional arguments \(x, y\), got 3"):
+        scale3(x, 3, y, backend=backend)
