@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from ninefold.ops.registry import register
 from ninefold.ops.spec import FLOAT_DTYPES
 
@@ -35,6 +37,12 @@ def _linear(x, weight, bias):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _linear_supports(x, weight, bias) -> str | None:
+    if x.dtype == torch.float32 and x.device.type == "cuda":
+        return "float32 dot products run as TF32 on CUDA (not float32 accuracy)"
+    return None
+
+
 KERNELS = {
     "rms_norm": _lazy("rms_norm", "rms_norm"),
     "add_rms_norm": _lazy("rms_norm", "add_rms_norm"),
@@ -45,5 +53,7 @@ KERNELS = {
     "linear": _linear,
 }
 
+SUPPORTS = {"linear": _linear_supports}
+
 for _op, _fn in KERNELS.items():
-    register(_op, "dsl", devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, priority=PRIORITY)(_fn)
+    register(_op, "dsl", devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, supports=SUPPORTS.get(_op), priority=PRIORITY)(_fn)

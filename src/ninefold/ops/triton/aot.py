@@ -86,7 +86,8 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
         found = []
         for n in (shapes.softmax_width, shapes.vocab):
             single, block, warps = softmax.config(n)
-            found.append(Variant(op, softmax.softmax_kernel, {"SINGLE": single, "BLOCK": block}, num_warps=warps))
+            found.append(Variant(op, softmax.softmax_kernel, {"SINGLE": single, "BLOCK": block, "STATIC_N": 0},
+                                 num_warps=warps))
         return found
     if op == "rope":
         half = shapes.head_dim // 2
@@ -100,7 +101,8 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
         block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
         return [Variant(op, decode.decode_split_kernel, {"GROUP": group, "BLOCK_G": max(16, p2(group)), "D": shapes.head_dim,
                                                          "BLOCK_N": block_n, "PAGE": shapes.block_size,
-                                                         "PRECISION": precision}, num_warps=cfg["num_warps"],
+                                                         "PRECISION": precision, "STATIC_ITERS": 0},
+                        num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"]),
                 Variant(op, decode.decode_merge_kernel, {"D": shapes.head_dim, "BLOCK_S": 16})]
     if op == "attention_prefill":
@@ -109,6 +111,7 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
                                                      "BLOCK_N": block_n, "PAGED": paged,
                                                      "PAGE": shapes.block_size if paged else 1,
                                                      "SEARCH_STEPS": max(1, math.ceil(math.log2(batch + 1))),
-                                                     "PRECISION": precision}, num_warps=warps, num_stages=stages)
+                                                     "PRECISION": precision, "STATIC_ITERS": 0},
+                        num_warps=warps, num_stages=stages)
                 for paged in (False, True) for batch in (1,)]
     return []

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Launch configuration: keys per loop step, warps, pipeline stages (float32 halves the keys per
 # step). ``NINEFOLD_TRITON_DECODE="block_n=128,num_warps=8"`` overrides it (``ninefold.bench.ops``
 # sweeps a few and reports the fastest).
@@ -27,10 +28,32 @@ CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
 
 
 @triton.jit
+def _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch, stride_btb, scale_log2e,
+                 m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys [n0, n0 + BLOCK_N) (masked at ``end``) folded into the online softmax."""
+    e = tl.arange(0, D)
+    n = n0 + tl.arange(0, BLOCK_N)
+    nm = n < end
+    page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=nm, other=0).to(tl.int64)
+    offs = page * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
+    k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+    s = tl.where(nm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the end: nothing to add
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, scale_log2e,
                         stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, tokens_per_split,
                         num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -45,21 +68,15 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < end
-        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=nm, other=0).to(tl.int64)
-        offs = page * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
-        k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
-        s = tl.where(nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
+        for i in range(STATIC_ITERS):
+            m_i, l_i, acc = _decode_step(q, start + i * BLOCK_N, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb,
+                                         stride_co, stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N,
+                                         PAGE, PRECISION)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch,
+                                         stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE, PRECISION)
     row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
     has_keys = start < end
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -125,6 +142,7 @@ def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
         q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
+        STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=CONFIG["num_warps"],
         num_stages=CONFIG["num_stages"])
     decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Half-precision launch configuration per head size; ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"``
 # overrides it (``ninefold.bench.ops`` sweeps a few and reports the fastest).
 CONFIG = {64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
@@ -25,11 +26,40 @@ _OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in
 
 
 @triton.jit
+def _prefill_step(q, n0, k_end, rows, offset, b, kvh, k_start, k_ptr, v_ptr, bt_ptr, stride_kt, stride_kh, stride_vt,
+                  stride_vh, stride_kb, stride_vb, stride_btb, scale_log2e, m_i, l_i, acc, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys [n0, n0 + BLOCK_N) (masked at ``k_end`` and causally) into the online softmax."""
+    e = tl.arange(0, D)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cm = cols < k_end
+    if PAGED:
+        page = tl.load(bt_ptr + b * stride_btb + cols // PAGE, mask=cm, other=0).to(tl.int64)
+        k_offs = page * stride_kb + (cols % PAGE) * stride_kt + kvh * stride_kh
+        v_offs = page * stride_vb + (cols % PAGE) * stride_vt + kvh * stride_vh
+    else:
+        k_offs = (k_start + cols).to(tl.int64) * stride_kt + kvh * stride_kh
+        v_offs = (k_start + cols).to(tl.int64) * stride_vt + kvh * stride_vh
+    k = tl.load(k_ptr + k_offs[:, None] + e[None, :], mask=cm[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+    visible = (cols[None, :] <= (offset + rows)[:, None]) & cm[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + v_offs[:, None] + e[None, :], mask=cm[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, tile_starts_ptr, bt_ptr, scale_log2e, batch,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_kb, stride_vb, stride_btb, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -59,32 +89,27 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, tile_starts_p
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_end = tl.minimum(k_len, offset + m0 + BLOCK_M)
     k_end = tl.where(q_len > 0, k_end, 0)
-    for n0 in range(0, k_end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cm = cols < k_end
-        if PAGED:
-            page = tl.load(bt_ptr + b * stride_btb + cols // PAGE, mask=cm, other=0).to(tl.int64)
-            k_offs = page * stride_kb + (cols % PAGE) * stride_kt + kvh * stride_kh
-            v_offs = page * stride_vb + (cols % PAGE) * stride_vt + kvh * stride_vh
-        else:
-            k_offs = (k_start + cols).to(tl.int64) * stride_kt + kvh * stride_kh
-            v_offs = (k_start + cols).to(tl.int64) * stride_vt + kvh * stride_vh
-        k = tl.load(k_ptr + k_offs[:, None] + e[None, :], mask=cm[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
-        visible = (cols[None, :] <= (offset + rows)[:, None]) & cm[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + v_offs[:, None] + e[None, :], mask=cm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
+        for i in range(STATIC_ITERS):
+            m_i, l_i, acc = _prefill_step(q, i * BLOCK_N, k_end, rows, offset, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_btb,
+                                          scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGED, PAGE, PRECISION)
+    else:
+        for n0 in range(0, k_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_step(q, n0, k_end, rows, offset, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_btb,
+                                          scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGED, PAGE, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + e[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
+
+
+def _static_iters(cu_seqlens_k, block_n: int) -> int:
+    """Under Triton's interpreter only: the key-tile count of the longest sequence (0: dynamic loop)."""
+    if not INTERPRETED:
+        return 0
+    return max(1, triton.cdiv(int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()), block_n))
 
 
 def supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables) -> str | None:
@@ -133,5 +158,6 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cac
         (scale or 1.0 / math.sqrt(d)) * LOG2E, batch, q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt,
         stride_vh, out.stride(0), out.stride(1), stride_kb, stride_vb, stride_bt, GROUP=hq // hk, D=d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE=page, SEARCH_STEPS=max(1, math.ceil(math.log2(batch + 1))),
+        STATIC_ITERS=_static_iters(cu_seqlens_k, block_n),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out

@@ -6,16 +6,20 @@ twice (running max and sum, then the normalised write).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_SINGLE = 16384
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 4096
 
 
 @triton.jit
-def softmax_kernel(x_ptr, out_ptr, n, stride_x, stride_out, SINGLE: tl.constexpr, BLOCK: tl.constexpr):
+def softmax_kernel(x_ptr, out_ptr, n, stride_x, stride_out, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+                   STATIC_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = x_ptr + row * stride_x
     dst = out_ptr + row * stride_out
@@ -27,7 +31,8 @@ def softmax_kernel(x_ptr, out_ptr, n, stride_x, stride_out, SINGLE: tl.constexpr
     else:
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, n, BLOCK):
+        # Triton's interpreter (3.6) cannot loop to a run-time bound: it gets the width as STATIC_N.
+        for start in range(0, STATIC_N if STATIC_N > 0 else n, BLOCK):
             x = tl.load(src + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, x)
             s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(
@@ -35,7 +40,7 @@ def softmax_kernel(x_ptr, out_ptr, n, stride_x, stride_out, SINGLE: tl.constexpr
             m = m_new
         row_max = tl.max(m, 0)
         total = tl.sum(s * tl.exp(m - row_max), 0)
-        for start in range(0, n, BLOCK):
+        for start in range(0, STATIC_N if STATIC_N > 0 else n, BLOCK):
             x = tl.load(src + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
             tl.store(dst + start + cols, (tl.exp(x - row_max) / total).to(out_ptr.dtype.element_ty),
                      mask=start + cols < n)
@@ -62,5 +67,5 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x2.shape[0] and n:
         single, block, warps = config(n)
         softmax_kernel[(x2.shape[0],)](x2, out, n, x2.stride(0), out.stride(0), SINGLE=single, BLOCK=block,
-                                       num_warps=warps)
+                                       STATIC_N=n if INTERPRETED and not single else 0, num_warps=warps)
     return out.view(x.shape)
