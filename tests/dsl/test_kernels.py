@@ -307,17 +307,8 @@ def _check(case, shapes, dtype, device, noncontiguous, blocks, seed=0):
 
 
 @pytest.fixture
-def cpu_backend(monkeypatch, request):
+def cpu_backend(monkeypatch):
     monkeypatch.setenv("NINEFOLD_DSL_BACKEND", "cpu")
-    case = request.node.callspec.params.get("case")
-    if case is not None and case.name in CPU_BACKEND_KNOWN_BUGS:
-        # Only the known crash is tolerated; a wrong result still fails the test.
-        request.applymarker(pytest.mark.xfail(raises=RuntimeError, reason=CPU_BACKEND_KNOWN_BUGS[case.name]))
-
-
-# Reported in .notes/HELPERS.md (2026-12-03 08:27): a per-program scalar from nl.full(()) broadcasts
-# against the program dims on the cpu backend. Remove the entry once the DSL fixes it.
-CPU_BACKEND_KNOWN_BUGS = {"softmax_chunked": "cpu backend: nl.full(()) scalar combined with a tile"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
