@@ -164,3 +164,13 @@ def test_cached_signatures_still_reject_bad_scalars_and_see_new_layouts(probe):
     assert ops.choose("rms_norm", x, w) == "probe"
     strided = torch.randn(8, 3).T
     torch.testing.assert_close(ops.rms_norm(strided, w), ops.run("rms_norm", "vendor", strided, w))
+
+
+def test_implementation_returns_the_chosen_function_for_direct_calls(probe):
+    fn = ops.implementation("rms_norm", x, w)
+    torch.testing.assert_close(fn(x, w, 1e-6), ops.rms_norm(x, w))
+    with ops.use(rms_norm="probe"):
+        probe_fn = ops.implementation("rms_norm", x, w, eps=1e-6)
+        torch.testing.assert_close(probe_fn(x, w, 1e-6), 2 * fn(x, w, 1e-6))
+    with pytest.raises(UnsupportedError, match="int32 is not supported"):
+        ops.implementation("rms_norm", x.int(), w)

@@ -9,7 +9,7 @@ which would run. See ``docs/architecture.md`` for the contract of every operator
 
 from ninefold.ops import registry, tuning  # noqa: F401  (ops.registry, ops.tuning)
 from ninefold.ops.attention import attention_decode, attention_prefill, reshape_and_cache
-from ninefold.ops.dispatch import candidates, choose, operators, reload_environment, run, use
+from ninefold.ops.dispatch import candidates, choose, implementation, operators, reload_environment, run, use
 from ninefold.ops.elementwise import add, gelu_and_mul, mul, silu_and_mul
 from ninefold.ops.linear import embedding, linear
 from ninefold.ops.norm import add_rms_norm, rms_norm, softmax
@@ -39,6 +39,6 @@ import ninefold.ops.dsl_impls  # noqa: E402,F401  (registers the DSL kernels; th
 __all__ = [
     "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
     "linear", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",
-    "Impl", "OpError", "UnsupportedError", "candidates", "choose", "operators", "register",
+    "Impl", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
     "register_torch_library", "reload_environment", "run", "use",
 ]

@@ -260,6 +260,18 @@ def choose(op: str, *args, **kwargs) -> str:
     return resolve(op, key, bound).name
 
 
+def implementation(op: str, *args, **kwargs):
+    """The function dispatch would run for ``ops.<op>(*args, **kwargs)``, to call directly.
+
+    It takes the public function's arguments positionally (in its order, defaults included) and
+    skips validation and dispatch: for hot loops whose later calls keep the example's shapes,
+    dtypes, devices and layouts (re-fetch it when those change, or when pins/tables change).
+    """
+    operator_ = operator(op)
+    bound = operator_.bind(*args, **kwargs)
+    return resolve(op, operator_.keyfn(*bound), bound).fn
+
+
 def candidates(op: str, *args, **kwargs) -> list[Impl]:
     """Every implementation able to run ``ops.<op>(*args, **kwargs)``, in default order."""
     operator_ = operator(op)
