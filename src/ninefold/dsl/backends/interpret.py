@@ -44,7 +44,7 @@ def run(kernel, bound):
     bound = kernel.finish(bound, cpu.choose_meta(kernel, bound))
     if grid_size(bound) == 0:
         return
-    generated, _ = prepare(kernel, bound)
+    generated, _ = prepare(kernel, bound, interpret=True)
     path = str(cache_dir("generated") / f"{generated.key}.py")
     args = argument_values(generated, bound)
     request = (path, f"ninefold_dsl_interpreted_{generated.key}", generated.function_name, (grid_size(bound),), args)

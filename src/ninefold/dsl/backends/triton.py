@@ -97,7 +97,7 @@ def _entry(kernel, bound, config):
         names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
-        generated, function = prepare(kernel, finished)
+        generated, function = prepare(kernel, finished, interpret=interpreting())
         template = [
             (kind, payload) if kind in ("pointer", "scalar") else (None, value)
             for (_, kind, payload, _), value in zip(generated.arguments, argument_values(generated, finished))

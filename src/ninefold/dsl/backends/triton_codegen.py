@@ -38,6 +38,11 @@ from ninefold.dsl.symbol import Symbol
 TL = "tl"
 # Functions Triton lacks (or has only in libdevice, which its interpreter cannot run): emitted
 # into the generated module when used.
+PYTHON_INT = """
+def python_int(value):
+    data = getattr(getattr(value, "handle", None), "data", value)
+    return int(data.reshape(-1)[0]) if hasattr(data, "reshape") else int(data)
+"""
 MATH_HELPERS = {
     "tanh": """
 @triton.jit
@@ -216,7 +221,8 @@ def _broadcast(node, dim, rank):
 class _Lowering(ast.NodeTransformer):
     """Replace ``_nf`` calls and language references by Triton code."""
 
-    def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None):
+    def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False):
+        self.interpret = interpret
         self.kernel = kernel
         self.spec = spec
         self.namer = namer
@@ -270,6 +276,21 @@ class _Lowering(ast.NodeTransformer):
             mask = node if mask is None else ast.BinOp(mask, ast.BitAnd(), node)
         return pointer, mask, access
 
+    def visit_For(self, node):
+        self.generic_visit(node)
+        call = node.iter
+        if self.interpret and isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range":
+            # Triton 3.6's interpreter hands scalars over as 1-element arrays, which range() rejects
+            call.args = [_call("python_int", a) for a in call.args]
+        return node
+
+    def _is_language_function(self, func, name) -> bool:
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id not in self.locals:
+            return self.namespace.get(func.value.id) is language and func.attr == name
+        if isinstance(func, ast.Name) and func.id not in self.locals:
+            return self.namespace.get(func.id) is getattr(language, name)
+        return False
+
     def _is_shape_function(self, func) -> bool:
         """``nl.zeros``/``nl.full``: their shape argument needs the padded (power-of-two) tile sizes."""
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id not in self.locals:
@@ -280,6 +301,9 @@ class _Lowering(ast.NodeTransformer):
 
     def visit_Call(self, node):
         if not is_nf_call(node):
+            if self._is_language_function(node.func, "dot") and not any(k.arg == "input_precision" for k in node.keywords):
+                # torch multiplies float32 in IEEE precision by default; Triton would use TF32
+                node.keywords.append(ast.keyword("input_precision", ast.Constant("ieee")))
             if self._is_shape_function(node.func) and node.args:
                 outer, self.padded_shapes = self.padded_shapes, True
                 node.args[0] = self.visit(node.args[0])
@@ -391,7 +415,7 @@ def _helper_functions(kernel, spec, namer, lowering) -> list:
         name = sorted(set(lowering.helpers) - done)[0]
         done.add(name)
         tree, namespace, _ = parse(lowering.helpers[name])
-        sub = _Lowering(kernel, spec, namer, tree, namespace, lowering.helpers)
+        sub = _Lowering(kernel, spec, namer, tree, namespace, lowering.helpers, interpret=lowering.interpret)
         tree = sub.visit(tree)
         lowering.math_helpers |= sub.math_helpers
         tree.name = name
@@ -404,13 +428,13 @@ def as_expr_ast(expr, leaf_fn) -> ast.expr:
     return expr.to_ast(leaf_fn) if isinstance(expr, Expr) else ast.Constant(expr)
 
 
-def generate(kernel, spec, wide=False) -> Generated:
+def generate(kernel, spec, wide=False, interpret=False) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
     ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
     """
     namer = _Namer(kernel)
-    lowering = _Lowering(kernel, spec, namer)
+    lowering = _Lowering(kernel, spec, namer, interpret=interpret)
     namer.taken |= lowering.locals
     tree = lowering.visit(copy.deepcopy(kernel.app.tree))
     body = []
@@ -434,6 +458,7 @@ def generate(kernel, spec, wide=False) -> Generated:
         constexpr = isinstance(leaf, Symbol) and leaf.constexpr
         if type(leaf) is SizeOf:
             constexpr = bool(leaf.options.get("constexpr"))
+        constexpr = constexpr or interpret
         arguments.append((name, "leaf", leaf, constexpr))
     for size, name in namer.padded.items():
         arguments.append((name, "padded", size, True))
@@ -453,6 +478,8 @@ def generate(kernel, spec, wide=False) -> Generated:
     imports = [ast.Import([ast.alias("triton")]), ast.Import([ast.alias("triton.language", TL)])]
     helpers = _helper_functions(kernel, spec, namer, lowering)
     helpers = [ast.parse(MATH_HELPERS[n]).body[0] for n in sorted(lowering.math_helpers)] + helpers
+    if interpret:
+        helpers = [ast.parse(PYTHON_INT).body[0]] + helpers
     module = ast.Module(imports + helpers + [func], type_ignores=[])
     ast.fix_missing_locations(module)
     header = f'"""Generated by ninefold.dsl from {kernel.name}; do not edit."""\n\n'
