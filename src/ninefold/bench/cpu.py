@@ -343,7 +343,7 @@ def format_table(results: list[Result]) -> str:
             cell = _fmt(value)
             if r.system.startswith("ninefold") and value is not None and best[key]:
                 if key == "load_s":
-                    cell += f" ({best[key] / value:.1f}x faster than best peer)"
+                    cell += f" ({value / best[key]:.1f}x best peer's time)"
                 else:
                     cell += f" ({value / best[key]:.2f}x best peer)"
             cells.append(cell)
