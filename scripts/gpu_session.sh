@@ -15,7 +15,7 @@ step_command() {
   case "$1" in
     env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
     dsl-selfcheck) echo 'python3 -m ninefold.dsl.selfcheck && if [ -d aot_mm_triton39 ]; then python3 -m ninefold.dsl.selfcheck --aot-dir aot_mm_triton39; fi' ;;
-    cuda-tests) echo 'python3 -m pytest tests/dsl tests/ops tests/runtime tests/llm tests/server -q -n 8 -k cuda -p no:cacheprovider' ;;
+    cuda-tests) echo 'python3 -m pytest tests/dsl tests/ops tests/runtime tests/llm tests/server/test_cuda.py -q -n 8 -k "cuda or interpret" -p no:cacheprovider' ;;
     serve-bench) echo 'python3 -m ninefold.bench.serve_local --device cuda' ;;
     dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
     dsl-bench) echo 'python3 -m ninefold.bench.dsl' ;;
