@@ -1,4 +1,8 @@
-"""SiLU and SwiGLU (``silu(gate) * up``), computed in float32 on 2-D ``[rows, cols]`` tiles."""
+"""SiLU and SwiGLU (``silu(gate) * up``), computed in float32.
+
+Contiguous SiLU inputs run as flat vectors in ``BLOCK`` chunks; strided ones and SwiGLU (whose halves
+are strided views) on ``[rows, cols]`` views in ``BLOCK_M x BLOCK_N`` tiles.
+"""
 
 import torch
 
@@ -7,8 +11,13 @@ import ninefold.dsl.language as nl
 from ninefold.dsl import Symbol, Tensor
 from ninefold.ops.kernels._checks import check_tensor, rows
 
+BLOCK = Symbol("BLOCK", meta=True, lower_bound=1024, upper_bound=8192)
 BLOCK_M = Symbol("BLOCK_M", meta=True, lower_bound=1, upper_bound=16)
 BLOCK_N = Symbol("BLOCK_N", meta=True, lower_bound=64, upper_bound=1024)
+
+
+def arrangement_silu_flat(x, y, BLOCK=BLOCK):
+    return x.tile((BLOCK,)), y.tile((BLOCK,))
 
 
 def arrangement_silu(x, y, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N):
@@ -32,6 +41,7 @@ def application_swiglu(gate, up, out):
     out = g * nl.sigmoid(g) * up  # noqa: F841
 
 
+silu_flat_kernel = nd.make(arrangement_silu_flat, application_silu, (Tensor(1), Tensor(1)))
 silu_kernel = nd.make(arrangement_silu, application_silu, (Tensor(2), Tensor(2)))
 swiglu_kernel = nd.make(arrangement_swiglu, application_swiglu, tuple(Tensor(2) for _ in range(3)))
 
@@ -40,7 +50,10 @@ def silu(x, **blocks):
     """Return ``x * sigmoid(x)`` in x's dtype (any shape, any strides)."""
     check_tensor("x", x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    silu_kernel(rows(x), rows(y), **blocks)
+    if x.is_contiguous() and "BLOCK_M" not in blocks:  # flat vectors stream best on GPUs
+        silu_flat_kernel(x.view(-1), y.view(-1), **blocks)
+    else:
+        silu_kernel(rows(x), rows(y), **blocks)
     return y
 
 
