@@ -233,15 +233,20 @@ def test_from_memory_counts_headroom_and_reserve():
     assert pool.k_cache(0).shape == (pool.num_blocks, 16, 2, 32)
 
 
-def test_from_memory_subtracts_profiled_activation_peak():
+def test_from_memory_subtracts_profiled_activation_peak(monkeypatch):
     peak = Device("cpu").peak_bytes(lambda: torch.ones(16 * 2**20, dtype=torch.float32).sum())
     assert peak >= 60 * 2**20  # the 64 MiB tensor was resident at the peak
-    free, total = psutil.virtual_memory().available, psutil.virtual_memory().total
-    reserve = free - int(total * 0.1) - 32 * 2**20  # leaves 32 MiB, far less than the profiled peak
-    # A 1 GiB peak, so that other processes freeing memory meanwhile cannot make it fit.
-    with pytest.raises(KVCacheExhausted, match="activation peak"):
-        KVCachePool.from_memory(2, 2, 32, 16, torch.float32, "cpu", reserved_bytes=reserve,
-                                profile_fn=lambda: torch.ones(256 * 2**20).sum())
+    # Fixed free/total figures: other test processes allocating and freeing must not move the budget.
+    gib = 2**30
+    monkeypatch.setattr(Device, "available_bytes", lambda self: 2 * gib)
+    monkeypatch.setattr(Device, "memory_info", lambda self: (2 * gib, 4 * gib))
+    args = (2, 2, 32, 16, torch.float32, "cpu")
+    reserve = 2 * gib - int(4 * gib * 0.1) - 100 * 2**20  # leaves 100 MiB for the KV cache
+    assert KVCachePool.from_memory(*args, reserved_bytes=reserve).num_blocks > 0
+    with pytest.raises(KVCacheExhausted, match="activation peak") as raised:
+        KVCachePool.from_memory(*args, reserved_bytes=reserve,
+                                profile_fn=lambda: torch.ones(64 * 2**20).sum())  # a 256 MiB peak
+    assert raised.value.available == 0
 
 
 @pytest.mark.parametrize("kwargs, error", [
