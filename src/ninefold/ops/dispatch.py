@@ -27,6 +27,7 @@ import torch
 from ninefold.ops import registry, tuning
 from ninefold.ops.registry import Impl
 from ninefold.ops.spec import OpError, UnsupportedError, dtype_name, dtype_names
+from ninefold.runtime import Device
 
 _OPERATORS: dict[str, Operator] = {}
 _pin_stack: list[dict[str, str]] = []
@@ -109,24 +110,7 @@ registry.on_change(clear_caches)
 @functools.cache
 def device_model(device: torch.device) -> str:
     """The model name of a device, the unit tuning results are stored under."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
-    if device.type == "cpu":
-        return _cpu_model()
-    return device.type
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
+    return Device(device).name
 
 
 def parse_pins(text: str, source: str = "NINEFOLD_OPS") -> dict[str, str]:
