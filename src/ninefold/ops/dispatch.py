@@ -109,8 +109,14 @@ registry.on_change(clear_caches)
 
 @functools.cache
 def device_model(device: torch.device) -> str:
-    """The model name of a device, the unit tuning results are stored under."""
-    return Device(device).name
+    """The model name of a device, the unit tuning results are stored under.
+
+    Devices the runtime cannot open (``meta`` while tracing, say) go by their type.
+    """
+    try:
+        return Device(device).name
+    except ValueError:
+        return device.type
 
 
 def parse_pins(text: str, source: str = "NINEFOLD_OPS") -> dict[str, str]:
