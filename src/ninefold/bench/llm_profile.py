@@ -1,0 +1,140 @@
+"""Where the engine's GPU time goes: kernel breakdown of decode steps and a step log of the offline run.
+
+``OUT=DIR python -m ninefold.bench.llm_profile`` (one CUDA device; dummy Llama-3.1-8B weights) prints,
+for CUDA-graph decode steps at a few batch sizes and contexts, the kernels that take the time (from
+``torch.profiler``) with their share of the step, and, for the start of the offline workload of
+``ninefold.bench.llm``, one line per kind of step (prefill / mixed / decode, batch size bucket) with
+the time spent there. Full results go to ``$OUT/llm_profile.json``. This is a diagnostic for
+engine work, not a benchmark with targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+
+def _kernel_table(prof, steps: int) -> list[dict]:
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name]
+            entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            entry[1] += 1
+    rows = [{"kernel": name[:110], "us_per_step": t / steps, "calls_per_step": n / steps} for name, (t, n) in totals.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
+    """Kernel time per CUDA-graph decode step at ``batch`` sequences of about ``context`` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninefold.llm.sampling import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    ids = [f"p{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(context)], params, rid))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for rid in ids:
+        engine.abort_request(rid)
+    kernels = _kernel_table(prof, steps)
+    gpu_us = sum(r["us_per_step"] for r in kernels)
+    print(f"\ndecode batch {batch} context ~{context}: step {wall_ms:.2f} ms wall, kernels {gpu_us / 1e3:.2f} ms "
+          f"({sum(r['calls_per_step'] for r in kernels):.0f} kernels per step)")
+    for r in kernels[:14]:
+        print(f"  {r['us_per_step']:8.1f} us {r['us_per_step'] / max(gpu_us, 1e-9):5.1%} x{r['calls_per_step']:5.1f}  {r['kernel']}")
+    return {"batch": batch, "context": context, "wall_ms": wall_ms, "kernel_ms": gpu_us / 1e3, "kernels": kernels}
+
+
+def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0) -> dict:
+    """Run the offline workload of ``ninefold.bench.llm`` for ``limit_s`` seconds, timing every step."""
+    from ninefold.llm.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    for i in range(num_requests):
+        p, o = rng.randint(100, 1024), rng.randint(100, 1024)
+        sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(p)], sp, f"off{i}"))
+    planned: list = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        planned[:] = schedule()
+        return planned
+
+    engine.scheduler.schedule = recording_schedule
+    steps = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests() and time.perf_counter() - start < limit_s:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        steps.append({"ms": dt * 1e3, "seqs": len(planned), "waiting": len(engine.scheduler.waiting),
+                      "new_tokens": sum(s.num_new_tokens for s in planned)})
+    engine.scheduler.schedule = schedule
+    elapsed = time.perf_counter() - start
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    buckets: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for s in steps:
+        kind = "decode" if s["new_tokens"] == s["seqs"] else "prefill/mixed"
+        size = 1 << max(0, (s["seqs"] - 1).bit_length())
+        b = buckets[f"{kind} seqs<={size}"]
+        b[0] += s["ms"]
+        b[1] += 1
+    print(f"\noffline: {len(steps)} steps in {elapsed:.1f} s")
+    for key, (ms, n) in sorted(buckets.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {key:28s} {n:5d} steps {ms / 1e3:7.2f} s  {ms / n:7.2f} ms/step")
+    return {"elapsed_s": elapsed, "steps": steps, "buckets": {k: {"s": v[0] / 1e3, "steps": v[1]} for k, v in buckets.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_profile", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--offline-seconds", type=float, default=40.0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ninefold.bench.llm_profile needs a CUDA device; nothing measured.", file=sys.stderr)
+        return 2
+    from ninefold.llm.engine import LLMEngine
+
+    engine = LLMEngine(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=17408,
+                       max_num_seqs=256, max_num_batched_tokens=16384)
+    engine.stream_outputs = False
+    results = {"decode": [profile_decode(engine, b, c) for b, c in ((1, 256), (1, 4096), (64, 600), (256, 600))]}
+    results["offline"] = offline_step_log(engine, 256, args.offline_seconds)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "llm_profile.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
