@@ -27,6 +27,7 @@ step_command() {
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
     ops-memory) echo 'python3 -m ninefold.bench.ops_memory' ;;
     ops-attention) echo 'python3 -m ninefold.bench.ops_attention' ;;
+    ops-gemv) echo 'python3 -m ninefold.bench.ops_gemv' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
 }

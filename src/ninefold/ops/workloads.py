@@ -79,7 +79,8 @@ def _embedding(s, dev, dt, g):
 
 def _linear(s, dev, dt, g):
     qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
-    for n, k, what in ((qkv, s.hidden, "qkv"), (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down")):
+    for n, k, what in ((qkv, s.hidden, "qkv"), (s.hidden, s.heads * s.head_dim, "o"),
+                       (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down")):
         weight = _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5)
         for t in s.tokens:
             x = _randn(g, t, k, device=dev, dtype=dt)

@@ -12,7 +12,7 @@ import torch
 
 from ninefold.ops.registry import register
 from ninefold.ops.spec import FLOAT_DTYPES
-from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope, softmax
+from ninefold.ops.triton import activation, cache, decode, gemv, norm, prefill, rope, softmax
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
@@ -21,6 +21,7 @@ PRIORITY = {"cuda": 10, "cpu": -10}
 
 # (operator, function, supports)
 KERNELS = [
+    ("linear", gemv.linear, gemv.supports),
     ("rms_norm", norm.rms_norm, norm.supports),
     ("add_rms_norm", norm.add_rms_norm, norm.supports),
     ("silu_and_mul", activation.silu_and_mul, activation.supports),

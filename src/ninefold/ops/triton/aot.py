@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninefold.ops.triton import activation, cache, decode, norm, prefill, rope, softmax
+from ninefold.ops.triton import activation, cache, decode, gemv, norm, prefill, rope, softmax
 
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Pointer arguments whose element type does not follow the activations' dtype.
@@ -94,6 +94,17 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
         return [Variant(op, rope.rope_kernel, {"HALF": half, "IS_NEOX": neox, "BLOCK_H": p2(h), "BLOCK_HALF": p2(half),
                                                "BLOCK_TAIL": 0})
                 for neox in (True, False) for h in sorted({shapes.heads, shapes.kv_heads})]
+    if op == "linear":
+        qkv = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
+        found = []
+        for n, k in ((qkv, shapes.hidden), (shapes.hidden, shapes.heads * shapes.head_dim),
+                     (2 * shapes.intermediate, shapes.hidden), (shapes.hidden, shapes.intermediate)):
+            cfg = gemv.config(n, k)
+            found.append(Variant(op, gemv.gemv_kernel, {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": cfg["block_n"],
+                                                        "BLOCK_K": cfg["block_k"], "EVEN_K": k % cfg["block_k"] == 0,
+                                                        "PRECISION": precision},
+                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        return list({v.name: v for v in found}.values())
     if op == "reshape_and_cache":
         return [Variant(op, cache.reshape_and_cache_kernel, {"BLOCK_H": p2(shapes.kv_heads), "BLOCK_D": p2(shapes.head_dim)})]
     if op == "attention_decode":

@@ -1,0 +1,90 @@
+"""Triton ``linear`` for a few rows (decode steps): ``x [M, K] @ weight[N, K].T`` with M <= 16.
+
+At M = 1..16 a linear layer is a stream of the weight through the SMs: the time is the weight's
+bytes over the bandwidth the launch can draw. cuBLAS's small-M kernels reach it for wide layers but
+launch too few blocks for the narrow ones (the 8B model's q/k/v 6144x4096 and o 4096x4096 ran at
+about 74% of copy bandwidth on the H200). Here each program owns ``BLOCK_N`` output columns and
+streams their ``[BLOCK_N, K]`` weight rows in ``BLOCK_K`` steps through a pipelined loop, with the
+rows of ``x`` (padded to 16 for ``tl.dot``) re-read from L2. Narrow tiles give every SM several
+programs, which keeps enough loads in flight to reach the bandwidth without a split-K reduction.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); NINEFOLD_TRITON_GEMV="block_n=32,block_k=256" overrides.
+CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 4}
+_OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in
+                                    filter(None, os.environ.get("NINEFOLD_TRITON_GEMV", "").split(",")))}
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    m_ok = m < M
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    x_ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + k) < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supports(x, weight, bias=None) -> str | None:
+    m = x.numel() // max(x.shape[-1], 1)
+    if m > MAX_M:
+        return f"{m} rows: the Triton GEMV covers at most {MAX_M} (larger calls are matrix multiplies)"
+    if weight.stride(1) != 1 or x.stride(-1) != 1:
+        return "weight rows and x's last dimension must be contiguous"
+    if x.dim() > 2 and not x.is_contiguous():
+        return "x with more than two dimensions must be contiguous"
+    if weight.shape[1] < 16:
+        return f"K = {weight.shape[1]} is below 16"
+    return None
+
+
+def config(n: int, k: int) -> dict:
+    """The launch configuration for an ``[n, k]`` weight (``CONFIG``, narrowed for short K)."""
+    cfg = dict(CONFIG)
+    cfg["block_k"] = min(cfg["block_k"], triton.next_power_of_2(k))
+    cfg.update(_OVERRIDE)
+    return cfg
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., K]`` with at most ``MAX_M`` rows."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        cfg = config(n, k)
+        gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+            x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            EVEN_K=k % cfg["block_k"] == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y.reshape(*x.shape[:-1], n)
