@@ -63,6 +63,8 @@ class LLMEngine:
             enforce_eager=cfg.enforce_eager,
             cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
         )
+        if self.device.type == "cuda":
+            self._warm_up_cached_prefill()
         self.requests: dict[str, Request] = {}
         self.stream_outputs = True
         self._auto_ids = itertools.count()
@@ -95,6 +97,23 @@ class LLMEngine:
         hidden = self.model.forward(ids, torch.arange(T, device=dev), meta)
         self.model.compute_logits(hidden[: cfg.max_num_seqs])
         self.model.kv_caches = []
+
+    @torch.inference_mode()
+    def _warm_up_cached_prefill(self) -> None:
+        """Run one prefill chunk over cached context (writing nowhere), so that its kernels are
+        compiled before the first request rather than while requests wait (the first pure prefill
+        is compiled by ``_profile_forward``, decode by the CUDA-graph capture)."""
+        from ninefold.llm.models.llama import AttentionMetadata
+
+        dev, bs = self.device, self.config.block_size
+        cu = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+        meta = AttentionMetadata(slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=dev),
+                                 block_tables=torch.zeros((1, 2), dtype=torch.int32, device=dev),
+                                 cu_seqlens_q=cu(0, bs), cu_seqlens_k=cu(0, 2 * bs), use_cache=True)
+        hidden = self.model.forward(torch.zeros(bs, dtype=torch.int64, device=dev),
+                                    torch.arange(bs, 2 * bs, device=dev), meta)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(dev)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's ``generation_config.json`` defaults (used when none are given).
