@@ -7,6 +7,7 @@ in groups (GQA): query head ``h`` reads KV head ``h // (Hq // Hk)``.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -98,8 +99,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _DECODE.call(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None):
+def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None,
+                 max_seqlen_q=None, max_seqlen_k=None):
     op = "attention_prefill"
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise spec.OpError(f"{op}: {name} must be a positive int (the longest sequence's length) or None, "
+                               f"got {value!r}")
     spec.tensor(op, "q", q, ndim=3)
     tq, hq, d = q.shape
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -142,16 +148,21 @@ def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, 
 
 def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, *, scale: float | None = None, k_cache: torch.Tensor | None = None,
-                      v_cache: torch.Tensor | None = None, block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                      v_cache: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> torch.Tensor:
     """Causal attention over packed variable-length sequences.
 
     Sequence ``b`` has queries ``q[cu_q[b]:cu_q[b+1]]`` and ``Lk_b = cu_k[b+1] - cu_k[b]`` keys;
     its queries are its last ``Lq_b`` tokens, so query ``i`` sees keys ``j <= Lk_b - Lq_b + i``.
     Keys/values come from packed k/v ``[Tk, Hk, D]`` or, with ``block_tables``, from the paged
     caches (a cached prefix plus the new tokens, already written by ``reshape_and_cache``).
-    Returns ``[Tq, Hq, D]``. The vendor implementation reads ``cu_seqlens`` on the host.
+    Returns ``[Tq, Hq, D]``. ``max_seqlen_q``/``max_seqlen_k``: optional upper bounds on the
+    longest ``Lq_b``/``Lk_b`` known to the caller (the scheduler); ``vendor_varlen`` sizes its
+    launch with them (else with ``Tq``/``Tk``, correct but with idle programs), the others
+    ignore them. The ``vendor`` implementation reads ``cu_seqlens`` on the host.
     """
-    return _PREFILL.call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables)
+    return _PREFILL.call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, max_seqlen_q,
+                         max_seqlen_k)
 
 
 _RESHAPE_AND_CACHE = Operator("reshape_and_cache", reshape_and_cache, _reshape_and_cache_key)
@@ -208,7 +219,7 @@ def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, sca
 
 
 @register("attention_prefill", "vendor")
-def _attention_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables):
+def _attention_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, *_):
     tq, hq, d = q.shape
     scale = scale or 1.0 / math.sqrt(d)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -236,3 +247,54 @@ def _attention_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache
             scale=scale, enable_gqa=hq != kb.shape[1])
         out[cu_q[b]:cu_q[b + 1]] = ob[0].transpose(0, 1)
     return out
+
+
+def _varlen_attn():
+    """torch's packed-sequence flash attention (``torch.nn.attention.varlen.varlen_attn``) and the
+    keyword names its version takes, or ``None`` where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN = _varlen_attn()
+
+
+def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, *_) -> str | None:
+    if _VARLEN is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    names = _VARLEN[1]
+    if block_tables is not None:
+        return "reads no paged cache (packed k/v only)"
+    if "is_causal" not in names and "window_size" not in names:
+        return "this torch's varlen_attn has no causal mode"
+    if scale is not None and "scale" not in names and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        return "this torch's varlen_attn takes no scale"
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return f"head size {q.shape[-1]} is not a multiple of 8 up to 256"
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "the head dimension of q, k or v is not contiguous"
+    return None
+
+
+@register("attention_prefill", "vendor_varlen", devices=("cuda",), dtypes=(torch.float16, torch.bfloat16),
+          supports=_varlen_supports, priority={"cuda": 5})
+def _attention_prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables,
+                              max_seqlen_q=None, max_seqlen_k=None):
+    """Packed sequences in one flash-attention launch. Without the caller's maxima the launch is
+    sized by the token totals (a bound: programs past a sequence's end exit at once), so nothing
+    is read back from the device. GQA is native; the causal mask is bottom-right aligned."""
+    fn, names = _VARLEN
+    kwargs = {}
+    if "is_causal" in names:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    if "scale" in names:
+        kwargs["scale"] = scale
+    if "enable_gqa" in names:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    return fn(q, k, v, cu_q, cu_k, max_seqlen_q or max(1, q.shape[0]), max_seqlen_k or max(1, k.shape[0]), **kwargs)

@@ -19,10 +19,11 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Launch configuration: keys per loop step, warps, pipeline stages (float32 halves the keys per
+# Launch configuration: keys per loop step, warps, pipeline stages, split sizing (float32 halves the keys per
 # step). ``NINEFOLD_TRITON_DECODE="block_n=128,num_warps=8"`` overrides it (``ninefold.bench.ops``
-# sweeps a few and reports the fastest).
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+# and ``ninefold.bench.ops_attention`` sweep candidates and report the fastest).
+# ``per_sm``: programs per SM the split count aims at; ``min_tiles``: fewest key tiles per split.
+CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2}
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
@@ -118,33 +119,40 @@ def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | No
     return None
 
 
-def _split(capacity: int, programs: int, sms: int, block_n: int) -> tuple[int, int]:
-    """(tokens per split, number of splits): about four programs per SM, at least two key tiles each."""
-    want = max(1, min(math.ceil(4 * sms / max(programs, 1)), math.ceil(capacity / (2 * block_n))))
+def _split(capacity: int, programs: int, sms: int, block_n: int, per_sm: int, min_tiles: int) -> tuple[int, int]:
+    """(tokens per split, number of splits): about ``per_sm`` programs per SM (many short programs
+    leave a short tail in the last wave), at least ``min_tiles`` key tiles each."""
+    want = max(1, min(math.ceil(per_sm * sms / max(programs, 1)), math.ceil(capacity / (min_tiles * block_n))))
     per_split = triton.cdiv(triton.cdiv(capacity, want), block_n) * block_n
     return per_split, triton.cdiv(capacity, per_split)
 
 
 def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG)
+
+
+def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict):
+    """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``)."""
     b, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     group = hq // hk
     scale = scale or 1.0 / math.sqrt(d)
-    block_n = CONFIG["block_n"] if q.dtype != torch.float32 else min(32, CONFIG["block_n"])
+    block_n = config["block_n"] if q.dtype != torch.float32 else min(32, config["block_n"])
     capacity = block_tables.shape[1] * page
-    per_split, splits = _split(capacity, b * hk, _sm_count(q.device), block_n)
-    part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    per_split, splits = _split(capacity, b * hk, _sm_count(q.device), block_n, config.get("per_sm", 4),
+                               config.get("min_tiles", 2))
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
+    part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
     decode_split_kernel[(b, hk, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
         STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"])
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
     decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
                                  BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out
