@@ -38,17 +38,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds; past it the offline run stops and reports the tokens done so far")
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpt-fast", metavar="DIR", default=None,
+                        help="a gpt-fast checkout: run its compiled batch-1 decode in this process as the peer "
+                             "(otherwise DESIGN.md's 193 tok/s on the H200 is quoted)")
     parser.add_argument("--smoke", action="store_true",
                         help="exercise every step on the CPU with a tiny model (checks the code, measures nothing useful)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.dtype, args.num_requests, args.decode_tokens = dict(SMOKE_CONFIG), "float32", 6, 8
         args.ttft_lengths, args.host_batches, args.max_len, device = (32, 64, 128), (1, 4, 8), 2048, "cpu"
+        args.offline_lengths = (8, 32)
     elif not torch.cuda.is_available():
         print("ninefold.bench.llm needs a CUDA device (or --smoke); nothing measured.", file=sys.stderr)
         return 2
     else:
         args.ttft_lengths, args.host_batches, args.max_len, device = (1024, 4096, 16384), (1, 64, 256), 17408, "cuda"
+        args.offline_lengths = (100, 1024)
 
     from ninefold.llm.engine import LLMEngine
     from ninefold.runtime.profile import profile_device
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     results["hardware"] = {"copy_bandwidth_Bps": bandwidth, "matmul_flops": mm_rate}
     print(f"device: {results['device']}; copy {bandwidth / 1e9:.0f} GB/s, matmul {mm_rate / 1e12:.0f} TFLOP/s")
 
+    peer = None
+    if args.gpt_fast and device == "cuda":
+        peer = results["gpt_fast"] = run_gpt_fast(args.gpt_fast, args, bandwidth)
     engine = LLMEngine({k: v for k, v in args.model.items() if k != "name"} if isinstance(args.model, dict) else args.model,
                        load_format="dummy", dtype=args.dtype, device=device, max_model_len=args.max_len,
                        max_num_seqs=256, max_num_batched_tokens=max(args.ttft_lengths), seed=args.seed)
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     engine.stream_outputs = False  # offline use, as in LLM.generate: outputs only for finished requests
     parts = {
-        "decode_batch1": lambda: bench_decode(engine, rng, args.decode_tokens, weight_bytes, bandwidth),
+        "decode_batch1": lambda: bench_decode(engine, rng, args.decode_tokens, weight_bytes, bandwidth, peer),
         "ttft": lambda: bench_ttft(engine, rng, mc, mm_rate, args.ttft_lengths),
         "host_overhead": lambda: bench_host(engine, rng, args.host_batches),
         "offline": lambda: bench_offline(engine, rng, args, mc, weight_bytes, bandwidth, mm_rate),
@@ -205,7 +213,28 @@ def _random_ids(rng, n, vocab):
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def bench_decode(engine, rng, tokens: int, weight_bytes: int, bandwidth: float) -> dict:
+def run_gpt_fast(path: str, args, bandwidth: float) -> dict:
+    """gpt-fast's compiled decode of the same shape, then every byte it held handed back."""
+    import gc
+
+    from ninefold.bench.gpt_fast_peer import decode_tok_per_s
+
+    try:
+        peer = decode_tok_per_s(path, name=args.model, tokens=args.decode_tokens)
+    except Exception as error:  # the peer failing is reported; ninefold is still measured
+        print(f"gpt-fast peer FAILED: {error!r}", file=sys.stderr)
+        return {"error": repr(error)}
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+    peer["fraction_of_roofline"] = peer["tok_per_s"] / (bandwidth / peer["weight_bytes"])
+    print(f"gpt-fast batch-1 decode (compiled in {peer['compile_s']:.0f} s): {peer['tok_per_s']:.1f} tok/s = "
+          f"{peer['fraction_of_roofline']:.0%} of its roofline")
+    return peer
+
+
+def bench_decode(engine, rng, tokens: int, weight_bytes: int, bandwidth: float, peer: dict | None = None) -> dict:
     from ninefold.llm.sampling import SamplingParams
 
     vocab = engine.model_config.vocab_size
@@ -236,12 +265,15 @@ def bench_decode(engine, rng, tokens: int, weight_bytes: int, bandwidth: float) 
         finally:
             engine.runner.graphs = graphs
     roofline = bandwidth / weight_bytes
+    measured_peer = peer is not None and "tok_per_s" in peer
+    gpt_fast = peer["tok_per_s"] if measured_peer else GPT_FAST_TOKS
     print(f"batch-1 decode: {tok_s:.1f} tok/s = {tok_s / roofline:.0%} of the {roofline:.0f} tok/s roofline, "
-          f"{tok_s / GPT_FAST_TOKS:.2f}x gpt-fast's {GPT_FAST_TOKS:.0f}")
+          f"{tok_s / gpt_fast:.2f}x gpt-fast's {gpt_fast:.0f} ({'measured here' if measured_peer else 'DESIGN.md'})")
     if eager_tok_s is not None:
         print(f"batch-1 decode without CUDA graphs: {eager_tok_s:.1f} tok/s")
     return {"tok_per_s": tok_s, "eager_tok_per_s": eager_tok_s, "roofline_tok_per_s": roofline, "fraction_of_roofline": tok_s / roofline,
-            "vs_gpt_fast_193": tok_s / GPT_FAST_TOKS, "steps": steps, "prompt_tokens": 128}
+            "vs_gpt_fast": tok_s / gpt_fast, "gpt_fast_tok_per_s": gpt_fast, "gpt_fast_measured": measured_peer,
+            "steps": steps, "prompt_tokens": 128}
 
 
 def _linear_params(mc) -> int:
@@ -316,8 +348,9 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
     from ninefold.llm.sampling import SamplingParams
 
     n = args.num_requests
-    prompts = [rng.randint(100, 1024) for _ in range(n)]
-    outputs = [rng.randint(100, 1024) for _ in range(n)]
+    low, high = args.offline_lengths
+    prompts = [rng.randint(low, high) for _ in range(n)]
+    outputs = [rng.randint(low, high) for _ in range(n)]
     requests = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
@@ -361,7 +394,8 @@ def print_table(r: dict) -> None:
     d, off = r["decode_batch1"], r["offline"]
     lines = ["", f"| {r['model']} {r['dtype']} on {r['device']} | measured | roofline | ratio |", "| --- | --- | --- | --- |",
              f"| batch-1 decode tok/s | {d['tok_per_s']:.1f} | {d['roofline_tok_per_s']:.0f} | "
-             f"{d['fraction_of_roofline']:.0%} ({d['vs_gpt_fast_193']:.2f}x gpt-fast) |",
+             f"{d['fraction_of_roofline']:.0%} ({d['vs_gpt_fast']:.2f}x gpt-fast's {d['gpt_fast_tok_per_s']:.0f}"
+             f"{'' if d['gpt_fast_measured'] else ', DESIGN.md'}) |",
              f"| offline total tok/s ({off['num_requests']} req{'' if off['complete'] else ', time-limited'}) | "
              f"{off['total_tok_per_s']:.0f} | {off['roofline_total_tok_per_s']:.0f} | {off['fraction_of_roofline']:.0%} |",
              f"| offline output tok/s | {off['output_tok_per_s']:.0f} | {off['roofline_output_tok_per_s']:.0f} | |"]

@@ -1,0 +1,24 @@
+"""``ninefold.bench.llm``: the smoke run on the CPU, and the gpt-fast peer's argument check."""
+
+import json
+
+import pytest
+
+from ninefold.bench import llm
+from ninefold.bench.gpt_fast_peer import load_model_module
+
+
+def test_smoke_run_measures_every_part(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert llm.main(["--smoke"]) == 0
+    results = json.loads((tmp_path / "bench_llm.json").read_text())
+    for part in ("decode_batch1", "ttft", "host_overhead", "offline"):
+        assert "error" not in results[part], results[part]
+    assert results["decode_batch1"]["tok_per_s"] > 0
+    assert results["decode_batch1"]["gpt_fast_measured"] is False  # no checkout given: DESIGN.md's figure
+    assert results["offline"]["complete"] and results["offline"]["output_tokens"] > 0
+
+
+def test_gpt_fast_peer_needs_a_checkout(tmp_path):
+    with pytest.raises(ValueError, match="--gpt-fast: no model.py"):
+        load_model_module(tmp_path)
