@@ -110,7 +110,7 @@ def test_greedy_decoding_matches_transformers(smollm2, hf_model, ours):
     expected = [_hf_greedy(hf_model, ids) for ids in prompts]
     assert any(len(e) == NEW_TOKENS for e in expected) and any(e[-1] == 2 for e in expected)
 
-    llm = LLM(str(smollm2), dtype="float32", device="cpu")
+    llm = LLM(str(smollm2), dtype="float32", device="cpu", quantization="none")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for ids, want, got in zip(prompts, expected, batched):

@@ -190,6 +190,9 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
+QUANTIZATION_MODES = ("auto", "int4", "none")
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs; every field can be passed to ``LLM(...)`` / ``LLMEngine(...)`` as a keyword."""
@@ -206,6 +209,9 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
     load_format: str = "auto"
+    # GGUF 4-bit matrices: "auto" keeps them packed where that is the fast path (CPU), "int4" keeps
+    # them packed on any device, "none" dequantizes everything to ``dtype`` (the exact path).
+    quantization: str = "auto"
     seed: int = 0
 
     def validate(self) -> None:
@@ -223,6 +229,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction: got {self.kv_cache_memory_fraction!r}; expected (0, 1]")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: got {self.load_format!r}; supported: 'auto', 'dummy'")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization: got {self.quantization!r}; supported: "
+                             f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
         resolve_dtype(self.dtype)
 
 

@@ -35,7 +35,7 @@ class LLMEngine:
     def __init__(self, model=None, **engine_args):
         self.config = cfg = split_engine_args(engine_args)
         self.model_name = str(model) if model is not None and not isinstance(model, dict) else "default"
-        ckpt = load_checkpoint(model, cfg.load_format)
+        ckpt = load_checkpoint(model, cfg.load_format, quantization=cfg.quantization)
         self.model_config = mc = ModelConfig.from_dict(ckpt.config)
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")

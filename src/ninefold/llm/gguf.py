@@ -21,7 +21,8 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from ninefold.llm.gguf_dequant import SUPPORTED_TYPES, dequantize
+from ninefold.llm.gguf_dequant import INT4_TYPES, SUPPORTED_TYPES, dequantize, int4_codes, q8_0_codes
+from ninefold.llm.gguf_packed import Int4Codes, Q8Codes
 from ninefold.llm.gguf_reader import GGUFError, GGUFFile, read_gguf
 from ninefold.llm.gguf_tokenizer import build_tokenizer
 
@@ -69,10 +70,14 @@ class GGUFCheckpoint:
     metadata: dict = field(default_factory=dict, repr=False)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool | None = None) -> GGUFCheckpoint:
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool | None = None,
+              keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read a GGUF file: config, dequantized HF-named tensors (`dtype`), tokenizer and its config.
 
     `progress` shows a tqdm bar while dequantizing (default: when stderr is a terminal).
+    `keep_quantized`: Q4_0/Q4_1/Q4_K matrices come back as `gguf_packed.Int4Codes` and Q8_0
+    matrices as `gguf_packed.Q8Codes` (their codes and scales, nothing dequantized); the model
+    runs them on `ninefold.ops.linear_int4`.
     Raises GGUFError (a ValueError) for unsupported architectures or tensor types, truncated or
     corrupt files and tensors that disagree with the metadata.
     """
@@ -86,7 +91,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
             f"GGUF file {file.path} has architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     config = gguf_config(file)
-    tensors = _load_tensors(file, config, dtype, progress)
+    tensors = _load_tensors(file, config, dtype, progress, keep_quantized)
     try:
         tokenizer = build_tokenizer(meta, source=f"GGUF file {file.path}")
     except ValueError as error:
@@ -216,7 +221,8 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bool | None) -> dict[str, torch.Tensor]:
+def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bool | None,
+                  keep_quantized: bool = False) -> dict[str, torch.Tensor | Int4Codes | Q8Codes]:
     required, extras = _expected_shapes(config)
     permuted = SUPPORTED_ARCHITECTURES[file.metadata["general.architecture"]][1]
     names = {}
@@ -250,14 +256,30 @@ def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bo
     with bar:
         for name, target in names.items():
             info = file.tensors[name]
-            tensor = dequantize(file.tensor_bytes(info), info.ggml_type, info.shape, dtype)
+            tensor = _read_tensor(file, info, dtype, keep_quantized)
+            heads = None
             if permuted and target.endswith(("q_proj.weight", "q_proj.bias")):
-                tensor = unpermute_rows(tensor, config["num_attention_heads"])
+                heads = config["num_attention_heads"]
             elif permuted and target.endswith(("k_proj.weight", "k_proj.bias")):
-                tensor = unpermute_rows(tensor, config["num_key_value_heads"])
+                heads = config["num_key_value_heads"]
+            if heads is not None:
+                if isinstance(tensor, torch.Tensor):
+                    tensor = unpermute_rows(tensor, heads)
+                else:
+                    tensor = tensor.map_rows(lambda t, h=heads: unpermute_rows(t, h))
             tensors[target] = tensor
             bar.update(info.nbytes)
     return dict(sorted(tensors.items(), key=lambda kv: _natural(kv[0])))
+
+
+def _read_tensor(file: GGUFFile, info, dtype: torch.dtype, keep_quantized: bool):
+    raw = file.tensor_bytes(info)
+    if keep_quantized and len(info.shape) == 2:
+        if info.type_name in INT4_TYPES:
+            return Int4Codes(*int4_codes(raw, info.ggml_type, tuple(info.shape)), info.type_name)
+        if info.type_name == "Q8_0":
+            return Q8Codes(*q8_0_codes(raw, tuple(info.shape)))
+    return dequantize(raw, info.ggml_type, info.shape, dtype)
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -131,3 +131,63 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
         part = blocks[start : start + _CHUNK_BLOCKS]
         out[start * block : (start + part.shape[0]) * block] = decode(part).reshape(-1)
     return out.reshape(shape)
+
+
+# -- 4-bit blocks kept as codes: w = code * scale + offset per group of 32 ------------------------
+
+INT4_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _q4_0_affine(b: torch.Tensor):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:18]).reshape(-1, 32), d, -8.0 * d
+
+
+def _q4_1_affine(b: torch.Tensor):
+    return _nibbles(b[:, 4:20]).reshape(-1, 32), _f16(b, 0), _f16(b, 2)
+
+
+def _q4_k_affine(b: torch.Tensor):
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    codes = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    return codes.reshape(-1, 32), (d * sc).reshape(-1, 1), (-dmin * mn).reshape(-1, 1)
+
+
+_AFFINE = {T.Q4_0: _q4_0_affine, T.Q4_1: _q4_1_affine, T.Q4_K: _q4_k_affine}
+
+
+def int4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes of a Q4_0/Q4_1/Q4_K matrix without dequantizing: ``(codes, scales, offsets)``.
+
+    ``codes`` uint8 ``[N, K]`` in ``[0, 15]``; ``scales`` and ``offsets`` float32 ``[N, K // 32]``;
+    the value is ``codes * scales + offsets`` per group of 32 (exactly what ``dequantize`` gives,
+    which computes the same products in float32).
+    """
+    qtype = T(ggml_type)
+    if qtype not in _AFFINE:
+        raise ValueError(f"ggml_type {qtype.name} has no 4-bit codes; supported: {', '.join(INT4_TYPES)}")
+    if len(shape) != 2:
+        raise ValueError(f"shape: a matrix [N, K] is needed, got {tuple(shape)}")
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+    n, k = shape
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    if k % block or raw.numel() != n * k // block * block_bytes:
+        raise ValueError(f"raw has {raw.numel()} bytes; shape {tuple(shape)} in {qtype.name} needs "
+                         f"{n * k // block * block_bytes} bytes and rows of a multiple of {block}")
+    codes, scales, offsets = _AFFINE[qtype](raw.reshape(-1).view(-1, block_bytes))
+    return codes.reshape(n, k), scales.reshape(n, k // 32), offsets.reshape(n, k // 32)
+
+
+def q8_0_codes(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix as ``(codes int8 [N, K], scales float32 [N, K // 32])``: value = code * scale."""
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+    n, k = shape
+    block, block_bytes = GGML_QUANT_SIZES[T.Q8_0]
+    if k % block or raw.numel() != n * k // block * block_bytes:
+        raise ValueError(f"raw has {raw.numel()} bytes; shape {tuple(shape)} in Q8_0 needs {n * k // block * block_bytes}")
+    b = raw.reshape(-1).view(-1, block_bytes)
+    return b[:, 2:34].contiguous().view(torch.int8).reshape(n, k), _f16(b, 0).reshape(n, k // block)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ninefold.llm.config import NAMED_SHAPES
+from ninefold.llm.config import NAMED_SHAPES, QUANTIZATION_MODES
 
 
 class MissingModelFile(FileNotFoundError, ValueError):
@@ -33,12 +33,19 @@ class Checkpoint:
     source: str = ""
 
 
-def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto") -> Checkpoint:
+def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
+                    quantization: str = "auto") -> Checkpoint:
     """Load ``model``: a HF directory, a ``.gguf`` file or a known name (None = the default model).
 
     With ``load_format="dummy"``, ``model`` may also be a shape name from ``NAMED_SHAPES``
     (e.g. ``"llama-3.1-8b"``) or a config dict; no weights are read.
+    ``quantization`` (``"auto"``, ``"int4"``, ``"none"``; see ``EngineConfig``): unless ``"none"``,
+    a GGUF file's 4-bit and Q8_0 matrices stay quantized (``gguf_packed``) and the choice is
+    recorded in the config as ``ninefold_quantization`` for the model to act on.
     """
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization: got {quantization!r}; supported: "
+                         f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
     if load_format == "dummy":
         return _dummy(model)
     if load_format != "auto":
@@ -51,7 +58,7 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto") 
     if path is not None and path.suffix == ".gguf":
         if not path.is_file():
             raise MissingModelFile(f"model: GGUF file {str(path)!r} not found")
-        return _from_gguf(path)
+        return _from_gguf(path, quantization)
     if path is not None and path.is_dir():
         return load_hf_dir(path)
     try:
@@ -63,7 +70,7 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto") 
         ) from error
     resolved = Path(hub.resolve_model(None if model is None else str(model)))
     if resolved.suffix == ".gguf":
-        return _from_gguf(resolved)
+        return _from_gguf(resolved, quantization)
     return load_hf_dir(resolved)
 
 
@@ -106,14 +113,16 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     )
 
 
-def _from_gguf(path: Path) -> Checkpoint:
+def _from_gguf(path: Path, quantization: str = "auto") -> Checkpoint:
     try:
         from ninefold.llm.gguf import load_gguf
     except ImportError as error:
         raise ValueError(f"model: loading {str(path)!r} needs ninefold.llm.gguf, not available ({error})") from error
-    ckpt = load_gguf(path)
+    ckpt = load_gguf(path, keep_quantized=quantization != "none")
+    config = dict(ckpt.config)
+    config["ninefold_quantization"] = quantization
     return Checkpoint(
-        config=dict(ckpt.config),
+        config=config,
         tensors=ckpt.tensors,
         tokenizer=ckpt.tokenizer,
         tokenizer_config=dict(getattr(ckpt, "tokenizer_config", None) or {}),

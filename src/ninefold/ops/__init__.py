@@ -13,6 +13,7 @@ from ninefold.ops.dispatch import candidates, choose, implementation, operators,
 from ninefold.ops.elementwise import add, gelu_and_mul, mul, silu_and_mul
 from ninefold.ops.linear import embedding, linear
 from ninefold.ops.norm import add_rms_norm, rms_norm, softmax
+from ninefold.ops.quantized import Int4Weight, linear_int4
 from ninefold.ops.registry import Impl, register
 from ninefold.ops.rope import rope
 from ninefold.ops.sampling import argmax, sample
@@ -38,7 +39,7 @@ import ninefold.ops.dsl_impls  # noqa: E402,F401  (registers the DSL kernels; th
 
 __all__ = [
     "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
-    "linear", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",
-    "Impl", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
+    "linear", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",
+    "Impl", "Int4Weight", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
     "register_torch_library", "reload_environment", "run", "use",
 ]

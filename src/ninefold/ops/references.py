@@ -191,3 +191,15 @@ def sample_distribution(logits, temperature, top_k=None, top_p=None, min_p=None)
             q[i] = p[i]
         rows.append(q / q.sum())
     return torch.stack(rows)
+
+
+def linear_int4(x, weight, bias=None):
+    """``x @ w.T + bias`` with ``w = codes * scale + offset`` per group, all in float64 (from the
+    weight's codes and its float32 scales/zeros, ``w = (codes - 8) * scale + zero``)."""
+    n, k = weight.shape
+    g = weight.group_size
+    codes = weight.codes().cpu().double().reshape(n, k // g, g)
+    sz = weight.scales_and_zeros.cpu().double()[:, :n].transpose(0, 1)
+    w = ((codes - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+    out = _f64(x) @ w.T
+    return out if bias is None else out + _f64(bias)

@@ -18,7 +18,11 @@ from tqdm.auto import tqdm
 
 from ninefold import ops
 from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
+from ninefold.llm.gguf_packed import QUANTIZED, PackedLinear, packed_linear
 from ninefold.runtime.memory import WeightStore
+
+# "auto" keeps a dense copy of packed layer matrices for prefill while it costs at most this.
+DENSE_COPY_BUDGET = 2 << 30
 
 
 @dataclass
@@ -48,18 +52,24 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hk) Dh, D]
+    qkv: torch.Tensor | PackedLinear  # [(Hq + 2 Hk) Dh, D]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor  # [D, Hq Dh]
+    o: torch.Tensor | PackedLinear  # [D, Hq Dh]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, D]
-    down: torch.Tensor  # [D, I]
+    gate_up: torch.Tensor | PackedLinear  # [2 I, D]
+    down: torch.Tensor | PackedLinear  # [D, I]
 
 
 class LlamaForCausalLM:
-    """A Llama-family causal LM over a paged KV cache."""
+    """A Llama-family causal LM over a paged KV cache.
+
+    GGUF matrices that arrive quantized (``gguf_packed.Int4Codes`` / ``Q8Codes``, see
+    ``config.raw["ninefold_quantization"]``) become ``PackedLinear`` layers on ``ops.linear_int4``
+    where that mode asks for it ("auto": on CPUs, with a dense copy for prefill within
+    ``DENSE_COPY_BUDGET``; "int4": on any device, packed only); otherwise they are dequantized.
+    """
 
     def __init__(
         self,
@@ -79,18 +89,25 @@ class LlamaForCausalLM:
         if tensors is None:
             tensors = random_weights(config, dtype, device, seed)
         take = _WeightReader(tensors)
-        fused = {"embed": take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size)),
-                 "norm": take("model.norm.weight", (config.hidden_size,))}
+        self._setup_packing(config)
+        embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        fused = {"embed": embed, "norm": take("model.norm.weight", (config.hidden_size,))}
         if config.tie_word_embeddings:
-            fused["lm_head"] = fused["embed"]
+            fused["lm_head"] = self._matrix([embed], dense_copy=False)
         elif "lm_head.weight" in tensors:
-            fused["lm_head"] = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+            fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))],
+                                            dense_copy=False)
         else:
             raise ValueError("checkpoint: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+        if isinstance(embed, QUANTIZED):
+            fused["embed"] = embed.dequantize(torch.float32)
+            if config.tie_word_embeddings and not isinstance(fused["lm_head"], PackedLinear):
+                fused["lm_head"] = fused["embed"]
         for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", leave=False):
             fused.update(self._fused_layer(take, i))
-        self.weights = WeightStore(fused, device, dtype=dtype)
-        w = self.weights
+        self.packed = {name: t for name, t in fused.items() if isinstance(t, PackedLinear)}
+        self.weights = WeightStore({n: t for n, t in fused.items() if n not in self.packed}, device, dtype=dtype)
+        w = {**self.weights, **self.packed}
         self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
         self.layers = [
             LayerWeights(*(w.get(f"{i}.{name}") for name in LayerWeights.__dataclass_fields__))
@@ -99,7 +116,24 @@ class LlamaForCausalLM:
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _fused_layer(self, take, i: int) -> dict[str, torch.Tensor]:
+    def _setup_packing(self, config: ModelConfig) -> None:
+        mode = config.raw.get("ninefold_quantization", "none")
+        self.pack = mode == "int4" or (mode == "auto" and self.device.type == "cpu")
+        c = config
+        layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size
+                                                      + 3 * c.intermediate_size)
+        self.dense_copies = mode == "auto" and layer_elems * self.dtype.itemsize <= DENSE_COPY_BUDGET
+
+    def _matrix(self, parts: list, dense_copy: bool = True) -> torch.Tensor | PackedLinear:
+        """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense."""
+        if self.pack and all(isinstance(p, QUANTIZED) for p in parts):
+            packed = packed_linear(parts, self.device, self.dtype, keep_dense=dense_copy and self.dense_copies)
+            if packed is not None:
+                return packed
+        dense = [p.dequantize(torch.float32) if isinstance(p, QUANTIZED) else p for p in parts]
+        return dense[0] if len(dense) == 1 else torch.cat(dense)
+
+    def _fused_layer(self, take, i: int) -> dict[str, torch.Tensor | PackedLinear]:
         c, p = self.config, f"model.layers.{i}."
         D, Dh = c.hidden_size, c.head_dim
         q = take(p + "self_attn.q_proj.weight", (self.q_size, D))
@@ -107,12 +141,12 @@ class LlamaForCausalLM:
         v = take(p + "self_attn.v_proj.weight", (self.kv_size, D))
         out = {
             "input_norm": take(p + "input_layernorm.weight", (D,)),
-            "qkv": torch.cat([q, k, v]),
-            "o": take(p + "self_attn.o_proj.weight", (D, self.q_size)),
+            "qkv": self._matrix([q, k, v]),
+            "o": self._matrix([take(p + "self_attn.o_proj.weight", (D, self.q_size))]),
             "post_norm": take(p + "post_attention_layernorm.weight", (D,)),
-            "gate_up": torch.cat([take(p + "mlp.gate_proj.weight", (c.intermediate_size, D)),
-                                  take(p + "mlp.up_proj.weight", (c.intermediate_size, D))]),
-            "down": take(p + "mlp.down_proj.weight", (D, c.intermediate_size)),
+            "gate_up": self._matrix([take(p + "mlp.gate_proj.weight", (c.intermediate_size, D)),
+                                     take(p + "mlp.up_proj.weight", (c.intermediate_size, D))]),
+            "down": self._matrix([take(p + "mlp.down_proj.weight", (D, c.intermediate_size))]),
         }
         if c.attention_bias:
             out["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (size,))
@@ -128,8 +162,8 @@ class LlamaForCausalLM:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all weights (tied embeddings counted once)."""
-        return self.weights.nbytes
+        """Bytes of all weights (tied embeddings counted once; packed layers with their dense copies)."""
+        return self.weights.nbytes + sum(p.nbytes for p in self.packed.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``."""
@@ -144,14 +178,14 @@ class LlamaForCausalLM:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             x = self._attention(i, layer, x, positions, meta)
             x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+            hidden = _linear(ops.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
         out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, positions, meta: AttentionMetadata):
         c = self.config
         T = x.shape[0]
-        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = _linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, c.num_heads, c.head_dim)
         k = k.reshape(T, c.num_kv_heads, c.head_dim)
@@ -169,11 +203,17 @@ class LlamaForCausalLM:
                                       k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables)
         else:
             o = ops.attention_prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale)
-        return ops.linear(o.reshape(T, self.q_size), layer.o)
+        return _linear(o.reshape(T, self.q_size), layer.o)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[B, V]`` for hidden states ``[B, D]``."""
-        return ops.linear(hidden, self.lm_head).float()
+        return _linear(hidden, self.lm_head).float()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if type(weight) is PackedLinear:
+        return weight(x, bias)
+    return ops.linear(x, weight, bias)
 
 
 class _WeightReader:

@@ -1,0 +1,140 @@
+"""GGUF matrices kept quantized, and the linear layers built from them.
+
+With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes`` and Q8_0
+matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy). The model turns them into
+``PackedLinear`` layers (``packed_linear``), which run on ``ninefold.ops.linear_int4``:
+
+* 4-bit matrices map exactly onto ``ops.Int4Weight`` (``w = code * scale + offset`` per 32 values).
+* A Q8_0 matrix (SmolLM2's tied embedding / lm_head) runs as two 4-bit halves of the same code:
+  ``code + 128 = 16 h + l``, so ``x @ w.T = [x, x] @ [W_h, W_l].T`` with ``W_h = 16 d h`` and
+  ``W_l = d l - 128 d``: one int4 GEMM over ``2K`` that gives Q8_0's values (up to the rounding of
+  the block scales to the activations' dtype). Measured on SmolLM2 (docs/perf/cpu.md) it is faster
+  than torch's per-channel int8 kernel and than bf16, and far closer to the exact logits than a
+  4-bit requantization.
+
+A ``PackedLinear`` may also hold a dense copy for large batches (``dense``): torch's int4 kernel wins
+for a few rows (decode) but loses ~2.5x to a dense bf16 GEMM at 64+ rows (prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninefold import ops
+
+# Steps with more rows than this use the dense copy when there is one (int4 wins up to ~16 rows here).
+DENSE_MIN_ROWS = 32
+
+
+@dataclass
+class Int4Codes:
+    """A 4-bit GGUF matrix: ``codes`` uint8 ``[N, K]``, ``scales``/``offsets`` float32 ``[N, K // 32]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    type_name: str = "Q4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def map_rows(self, fn) -> Int4Codes:
+        """Apply a row permutation ``fn`` (tensor -> tensor, rows first) to every field."""
+        return Int4Codes(fn(self.codes), fn(self.scales), fn(self.offsets), self.type_name)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        q = self.codes.float().reshape(n, k // 32, 32)
+        return (q * self.scales[..., None] + self.offsets[..., None]).reshape(n, k).to(dtype)
+
+    def int4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scales, self.offsets
+
+
+@dataclass
+class Q8Codes:
+    """A Q8_0 GGUF matrix: ``codes`` int8 ``[N, K]``, ``scales`` float32 ``[N, K // 32]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    type_name: str = "Q8_0"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def map_rows(self, fn) -> Q8Codes:
+        return Q8Codes(fn(self.codes), fn(self.scales), self.type_name)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        return (self.codes.float().reshape(n, k // 32, 32) * self.scales[..., None]).reshape(n, k).to(dtype)
+
+    def int4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The two 4-bit halves side by side: codes ``[N, 2K]`` = ``[h, l]``, scales/offsets ``[N, 2K/32]``."""
+        u = self.codes.to(torch.int16) + 128
+        d = self.scales
+        codes = torch.cat((u >> 4, u & 15), dim=1).to(torch.uint8)
+        return codes, torch.cat((16 * d, d), dim=1), torch.cat((torch.zeros_like(d), -128 * d), dim=1)
+
+
+QUANTIZED = (Int4Codes, Q8Codes)
+
+
+def cat_rows(parts: list) -> Int4Codes | Q8Codes | torch.Tensor | None:
+    """Stack matrices by rows when they are all of one kind (all 4-bit or all Q8_0); else None."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is Int4Codes:
+        return Int4Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "offsets")),
+                         parts[0].type_name)
+    if kind is Q8Codes:
+        return Q8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+    return None
+
+
+class PackedLinear:
+    """``x @ W.T`` for a GGUF-quantized ``W``: ``ops.linear_int4`` on the packed codes, or a dense
+    copy for steps of more than ``DENSE_MIN_ROWS`` rows when one is kept."""
+
+    def __init__(self, weight: ops.Int4Weight, n: int, k: int, *, doubled: bool, dense: torch.Tensor | None = None):
+        self.weight = weight
+        self.shape = (n, k)
+        self.doubled = doubled  # Q8_0 as two 4-bit halves: the input is [x, x]
+        self.dense = dense
+        self._impls: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+        return self.weight.nbytes + dense
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > DENSE_MIN_ROWS:
+            return ops.linear(x, self.dense, bias)
+        if self.doubled:
+            x = torch.cat((x, x), dim=-1)
+        key = (x.dtype, x.dim(), bias is None)
+        fn = self._impls.get(key)
+        if fn is None:  # validated and chosen once per dtype and rank; then called directly
+            fn = self._impls[key] = ops.implementation("linear_int4", x, self.weight, bias)
+        return fn(x, self.weight, bias)
+
+
+def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep_dense: bool
+                  ) -> PackedLinear | None:
+    """A ``PackedLinear`` of ``parts`` stacked by rows, or None when they are not all one kind of
+    GGUF-quantized matrix (the caller then dequantizes). ``keep_dense`` also keeps a ``dtype`` copy."""
+    whole = cat_rows(parts)
+    if whole is None:
+        return None
+    n, k = whole.shape
+    codes, scales, offsets = whole.int4_parts()
+    weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)
+    dense = whole.dequantize(dtype).to(device) if keep_dense else None
+    return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense)
