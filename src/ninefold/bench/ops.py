@@ -6,7 +6,9 @@
 For each call it first checks every implementation (and peer) against the vendor one, then
 times them: microseconds, GB/s or TFLOP/s, the fraction of this card's measured ceiling (copy
 bandwidth, bf16 matmul rate), which implementation dispatch chooses and how far that is from
-the fastest. FlagGems and Liger run as peers where they are importable and have the operator.
+the fastest. GPU times are device time (``ninefold.ops.timing``: calls queued back to back, as
+the engine's CUDA-graph replays run them), so a small call is measured by its kernels, not by the
+host time of launching it; the dispatch overhead is measured separately. FlagGems and Liger run as peers where they are importable and have the operator.
 Also measures dispatch's warm-path overhead per operator. Writes results.json, results.md, a
 tuning table in the shipped format (``tuning-<device>.json``) and roofline.png under $OUT.
 """
@@ -157,51 +159,6 @@ def first_call() -> dict:
     return {"built_ms": float(built.stdout.split()[-1]), "cold_ms": float(cold.stdout.split()[-1])}
 
 
-DECODE_CONFIGS = [{"block_n": 64, "num_warps": 4, "num_stages": 2}, {"block_n": 32, "num_warps": 4, "num_stages": 3},
-                  {"block_n": 64, "num_warps": 4, "num_stages": 3}, {"block_n": 128, "num_warps": 8, "num_stages": 2}]
-PREFILL_CONFIGS = [{"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
-                   {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-                   {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}]
-
-
-def sweep(shapes, device, dtype, ceiling, deadline: float = float("inf")) -> list[dict]:
-    """Time the Triton attention kernels under a few launch configurations (best first per case);
-    only the two largest calls of each operator, and nothing new after ``deadline``."""
-    from ninefold.ops.triton import decode, prefill
-
-    rows = []
-    for op, configs, target in (("attention_decode", DECODE_CONFIGS, decode.CONFIG),
-                                ("attention_prefill", PREFILL_CONFIGS, prefill._OVERRIDE)):
-        saved = dict(target)
-        largest = sorted(workloads.cases(op, shapes, device, dtype), key=lambda c: -(c.bytes + c.flops))[:2]
-        for case in largest:
-            if time.perf_counter() > deadline:
-                break
-            bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
-            fn = next(i.fn for i in ops.registry.implementations(op) if i.name == "triton")
-            timed = []
-            for config in configs:
-                target.clear()
-                target.update(saved if op == "attention_decode" else {})
-                target.update(config)
-                try:
-                    us = timing.measure(lambda fn=fn, bound=bound: fn(*bound), device, repeats=10, max_seconds=0.3)
-                except Exception as error:  # noqa: BLE001  (a config that does not fit is reported)
-                    timed.append({"config": config, "error": str(error)[:120]})
-                    continue
-                rate = case.bytes / us / 1e3 / ceiling["copy_GBps"] if op == "attention_decode" else (
-                    case.flops / us / 1e6 / ceiling["mm_TFLOPs"])
-                timed.append({"config": config, "us": round(us, 2), "fraction": round(rate, 3)})
-            timed.sort(key=lambda t: t.get("us", float("inf")))
-            rows.append({"op": op, "case": case.label, "configs": timed})
-            best = timed[0]
-            print(f"sweep {op:18s} {case.label:26s} best {best['config']} {best.get('us', 0):.1f}us "
-                  f"({best.get('fraction', 0) * 100:.0f}% of ceiling)")
-        target.clear()
-        target.update(saved)
-    return rows
-
-
 def _per_call(fn, device: torch.device, n: int = 100) -> float:
     """Best-of-5 average microseconds per call of ``fn`` (GPU work included once queued)."""
     fn()
@@ -239,12 +196,6 @@ def run(args) -> dict:
     results = {"device": model, "torch": torch.__version__, "shapes": shapes_name, "dtype": dtype_name(dtype),
                "ceilings": ceiling, "rows": rows, "skipped_for_time": skipped,
                "overhead": overhead(device, dtype), "command": "python -m ninefold.bench.ops " + " ".join(args.argv)}
-    if device.type == "cuda" and time.perf_counter() < deadline + 20 and "triton" in {
-            i.name for i in ops.registry.implementations("attention_decode")}:
-        try:
-            results["sweep"] = sweep(shapes, device, dtype, ceiling, deadline + 50)
-        except Exception as error:  # noqa: BLE001  (reported, not fatal)
-            results["sweep_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     if device.type == "cuda" and time.perf_counter() < deadline + 80:
         try:
             results["first_call"] = first_call()
@@ -339,10 +290,6 @@ def markdown(results: dict) -> str:
               "", "| op | impl | direct us | via dispatch us | dispatch work us |", "|---|---|---|---|---|"]
     for op, o in results["overhead"].items():
         lines.append(f"| {op} | {o['impl']} | {o['direct_us']} | {o['dispatch_us']} | {o['overhead_us']} |")
-    for row in results.get("sweep", []):
-        best = row["configs"][0]
-        lines.append(f"- sweep {row['op']} {row['case']}: best {best['config']} {best.get('us')} us "
-                     f"({best.get('fraction', 0) * 100:.0f}% of ceiling)")
     if "first_call" in results:
         lines += ["", f"First call into a built kernel (fresh process): {results['first_call']}"]
     return "\n".join(lines) + "\n"
