@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,72 @@ def test_attention_kernels_at_model_sizes_cuda(dtype):
     want = ops.run("attention_prefill", "vendor", qp.float(), None, None, cu(new, device), cu(lengths, device),
                    k_cache=k_cache.float(), v_cache=v_cache.float(), block_tables=tables)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+TRITON_RUNS = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+triton_only = pytest.mark.skipif(not TRITON_RUNS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def _triton_device():
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@triton_only
+@pytest.mark.parametrize("config", [dict(block_m=16, block_n=32), dict(block_m=32, block_n=16),
+                                    dict(block_m=32, block_n=32)], ids=["cpu-triton-m16n32", "cpu-triton-m32n16",
+                                                                        "cpu-triton-m32n32"])
+def test_triton_prefill_launch_configs_cross_the_diagonal(config):
+    # Long enough for tiles wholly below the diagonal (unmasked loop) and tiles crossing it (masked loop),
+    # with a query block size different from the key block size, packed and through a paged prefix.
+    from ninefold.ops.triton import prefill
+
+    device, hq, hk, d = _triton_device(), 4, 2, 16
+    config = {**config, "num_warps": 4, "num_stages": 1}
+    q_lens, k_lens = [70, 1, 45, 33], [70, 1, 130, 33]
+    q = packed(q_lens, hq, d, torch.float32, device, 11)
+    k, v = packed(k_lens, hk, d, torch.float32, device, 12), packed(k_lens, hk, d, torch.float32, device, 13)
+    args = (q, k, v, cu(q_lens, device), cu(k_lens, device), None, None, None, None)
+    assert_close(prefill.launch(*args, config), ref.attention_prefill(*args[:5]), torch.float32, scale=ATTENTION_SCALE)
+    k_cache, v_cache, tables = paged_cache(k_lens, hk, d, 8, torch.float32, device, seed=14)
+    out = prefill.launch(q, None, None, cu(q_lens, device), cu(k_lens, device), 0.3, k_cache, v_cache, tables, config)
+    want = ref.attention_prefill(q, None, None, cu(q_lens, device), cu(k_lens, device), scale=0.3, k_cache=k_cache,
+                                 v_cache=v_cache, block_tables=tables)
+    assert_close(out, want, torch.float32, scale=ATTENTION_SCALE)
+
+
+@triton_only
+@pytest.mark.parametrize("config", [dict(per_sm=1, heads_fastest=0), dict(per_sm=64, heads_fastest=1, min_tiles=1)],
+                         ids=["cpu-triton-few-splits", "cpu-triton-many-splits-heads-fastest"])
+def test_triton_decode_launch_configs(config):
+    from ninefold.ops.triton import decode
+
+    device, hq, hk, d = _triton_device(), 8, 2, 16
+    lengths = [1, 50, 200, 17]
+    k_cache, v_cache, tables = paged_cache(lengths, hk, d, 16, torch.float32, device, seed=21)
+    q = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(22)).to(device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    config = {"block_n": 32, "num_warps": 4, "num_stages": 1, **config}
+    out = decode.launch(q, k_cache, v_cache, tables, lens, None, config)
+    assert_close(out, ref.attention_decode(q, k_cache, v_cache, tables, lens), torch.float32, scale=ATTENTION_SCALE)
+
+
+def test_prefill_rejects_bad_max_seqlen():
+    import ninefold.ops as ops
+
+    q = torch.randn(3, 2, 16)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a positive int"):
+        ops.attention_prefill(q, q, q, cu([3], "cpu"), cu([3], "cpu"), max_seqlen_q=0)
+    with pytest.raises(ValueError, match="max_seqlen_k must be a positive int"):
+        ops.attention_prefill(q, q, q, cu([3], "cpu"), cu([3], "cpu"), max_seqlen_k=2.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device,impl", impl_params("attention_prefill"))
+def test_attention_prefill_takes_max_seqlen_bounds(device, impl, dtype):
+    q_lens, k_lens = [7, 1, 20], [9, 1, 20]
+    q = packed(q_lens, 4, 16, dtype, device, 31)
+    k, v = packed(k_lens, 2, 16, dtype, device, 32), packed(k_lens, 2, 16, dtype, device, 33)
+    out = call("attention_prefill", impl, q, k, v, cu(q_lens, device), cu(k_lens, device), max_seqlen_q=20,
+               max_seqlen_k=20)
+    assert_close(out, ref.attention_prefill(q, k, v, cu(q_lens, device), cu(k_lens, device)), dtype,
+                 scale=ATTENTION_SCALE)

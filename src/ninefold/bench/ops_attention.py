@@ -36,13 +36,15 @@ from ninefold.ops import dispatch, registry, workloads
 
 DECODE_CASES = ((1, 4096), (16, 4096), (64, 4096), (8, 32768))
 PREFILL_CASES = ((1, 4096, 0), (1, 16384, 0), (4, 1024, 0), (2, 512, 3584))
-DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s, per_sm=p)
-                for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 2, 4), (128, 4, 3), (128, 8, 3),
-                                 (64, 8, 3))
-                for p in (4, 8, 16, 32)]
-PREFILL_SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-                 for m, n, w, s in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-                                    (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 8, 4))]
+# Launch configurations swept (most promising first: the sweep stops starting new ones at the budget).
+DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s, per_sm=p, heads_fastest=hf)
+                for p in (8, 16, 4, 32)
+                for hf in (1, 0)
+                for bn, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (32, 2, 4))]
+PREFILL_SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, tma=t)
+                 for m, n, w, s, t in ((128, 64, 8, 2, 0), (128, 64, 8, 2, 1), (128, 128, 8, 2, 1), (128, 64, 8, 3, 1),
+                                       (128, 128, 8, 3, 1), (128, 64, 8, 3, 0), (128, 128, 8, 2, 0), (64, 64, 4, 3, 1),
+                                       (128, 64, 8, 4, 1), (64, 64, 4, 3, 0))]
 
 
 # ----------------------------------------------------------------------------- float64 evaluation
@@ -323,12 +325,12 @@ def time_cases(op, shapes, device, dtype, ceiling, timer) -> list[dict]:
 
 
 def sweep(op, shapes, device, dtype, ceiling, timer, configs, deadline) -> list[dict]:
-    """Each launch configuration: checked against float64 on the ragged case, then timed on the two largest calls."""
+    """Each launch configuration: checked against float64 on the ragged cases, then timed on the three largest calls."""
     from ninefold.ops.triton import decode, prefill
 
     launch = decode.launch if op == "attention_decode" else prefill.launch
     checks = [(bound, want) for o, _, bound, want in correctness_cases(shapes, device, dtype) if o == op]
-    largest = sorted(cases(op, shapes, device, dtype), key=lambda c: -(c.bytes + c.flops))[:2]
+    largest = sorted(cases(op, shapes, device, dtype), key=lambda c: -(c.bytes + c.flops))[:3]
     bounds = [dispatch.operator(op).bind(*c.args, **c.kwargs) for c in largest]
     rows = []
     for config in tqdm(configs, desc=f"sweep {op}", file=sys.stdout, disable=None):
@@ -352,7 +354,7 @@ def sweep(op, shapes, device, dtype, ceiling, timer, configs, deadline) -> list[
         if best:
             print(f"sweep {op:17s} {case.label:24s} best {best['config']} {best[case.label]['us']:.1f} us "
                   f"({best[case.label]['fraction'] * 100:.1f}% of ceiling)")
-    if timed:  # best over both calls together (sum of times)
+    if timed:  # best over the swept calls together (sum of times)
         overall = min(timed, key=lambda r: sum(r[c.label]["us"] for c in largest))
         print(f"sweep {op:17s} best overall {overall['config']}")
     return rows

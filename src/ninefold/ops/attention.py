@@ -266,6 +266,8 @@ def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cach
     if _VARLEN is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
     names = _VARLEN[1]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention takes float16/bfloat16, not {spec.dtype_name(q.dtype)}"
     if block_tables is not None:
         return "reads no paged cache (packed k/v only)"
     if "is_causal" not in names and "window_size" not in names:
@@ -279,8 +281,7 @@ def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cach
     return None
 
 
-@register("attention_prefill", "vendor_varlen", devices=("cuda",), dtypes=(torch.float16, torch.bfloat16),
-          supports=_varlen_supports, priority={"cuda": 5})
+@register("attention_prefill", "vendor_varlen", devices=("cuda",), supports=_varlen_supports, priority={"cuda": 5})
 def _attention_prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables,
                               max_seqlen_q=None, max_seqlen_k=None):
     """Packed sequences in one flash-attention launch. Without the caller's maxima the launch is

@@ -1,7 +1,7 @@
 """Triton paged decode attention (split-K, "flash decoding").
 
-Program ``(b, kv_head, split)`` streams its slice of sequence ``b``'s keys from the paged
-cache once, for all the query heads of that KV head (GQA rows padded to 16 for ``tl.dot``),
+Program ``(b * Hk + kv_head, split)`` (or sequences fastest) streams its slice of sequence
+``b``'s keys from the paged cache once, for all the query heads of that KV head (GQA rows padded to 16 for ``tl.dot``),
 with an online softmax; a second kernel merges the splits by their log-sum-exp. The number of
 splits comes from the block-table capacity and the SM count, never from the context lengths,
 so nothing is read back from the device.
@@ -23,7 +23,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # step). ``NINEFOLD_TRITON_DECODE="block_n=128,num_warps=8"`` overrides it (``ninefold.bench.ops``
 # and ``ninefold.bench.ops_attention`` sweep candidates and report the fastest).
 # ``per_sm``: programs per SM the split count aims at; ``min_tiles``: fewest key tiles per split.
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2}
+# ``heads_fastest``: launch order with the KV heads of one sequence adjacent (else sequences adjacent).
+CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0}
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
@@ -50,15 +51,21 @@ def _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_c
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "batch", "kv_heads", "heads_fastest"])
 def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, scale_log2e,
                         stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, tokens_per_split,
-                        num_splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    heads = tl.num_programs(1) * GROUP
+                        num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                        D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+                        STATIC_ITERS: tl.constexpr):
+    pid = tl.program_id(0)
+    if heads_fastest:  # the KV heads of one block run side by side (they share its DRAM pages)
+        b = (pid // kv_heads).to(tl.int64)
+        kvh = pid % kv_heads
+    else:
+        b = (pid % batch).to(tl.int64)
+        kvh = pid // batch
+    split = tl.program_id(1)
+    heads = kv_heads * GROUP
     length = tl.load(lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, length)
@@ -86,7 +93,7 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     tl.store(lse_ptr + row, lse, mask=gm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, stride_ob, stride_oh, heads,
                         D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -146,10 +153,10 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
         return out
     scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
     part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
-    decode_split_kernel[(b, hk, splits)](
+    decode_split_kernel[(b * hk, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits, b, hk,
+        int(config.get("heads_fastest", 0)), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
         STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config["num_warps"],
         num_stages=config["num_stages"])

@@ -10,8 +10,9 @@ from host-known sizes and nothing else is computed before the launch.
 Each program first visits the key tiles entirely at or below its first row's diagonal with no
 mask at all, then the few tiles crossing the diagonal with the causal mask; tiles above the
 diagonal are never read. Scores use ``exp2`` with ``scale * log2(e)`` applied in the same
-multiply-add that subtracts the running maximum; accumulation is float32. Keys come from packed
-k/v or, with ``PAGED``, from the paged caches through the block table.
+multiply-add that subtracts the running maximum; accumulation is float32. ``PAGED`` selects where
+keys come from: 0 packed k/v (pointer loads), 1 the paged caches through the block table, 2 packed
+k/v through per-sequence TMA descriptors (CUDA, launch config ``tma``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,27 @@ def _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_pt
 
 
 @triton.jit
-def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale_log2e, batch,
+def _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BLOCK_N: tl.constexpr,
+                      MASKED: tl.constexpr):
+    """``_prefill_step`` with keys and values read through per-sequence TMA descriptors (rows past
+    the sequence arrive as zeros)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    k = k_desc.load([n0, 0])
+    qk = tl.dot(q, k.T)
+    if MASKED:
+        qk = tl.where(cols[None, :] <= pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2e)
+    p = tl.math.exp2(qk * scale_log2e - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([n0, 0])
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["batch", "search_steps"])
+def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale_log2e, batch, search_steps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_kb, stride_vb, stride_btb, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -85,7 +106,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale
     kvh = h // GROUP
     lo = batch * 0
     hi = batch + 0
-    for _ in range(SEARCH_STEPS):  # largest b with cu_q[b] // BLOCK_M + b <= tile
+    for _ in range(SEARCH_STEPS if SEARCH_STEPS > 0 else search_steps):  # largest b: cu_q[b] // BLOCK_M + b <= tile
         mid = (lo + hi) // 2
         right = tl.load(cu_q_ptr + mid) // BLOCK_M + mid <= tile
         lo = tl.where(right, mid, lo)
@@ -102,35 +123,50 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale
         pos = offset + rows  # each row's last visible key
         e = tl.arange(0, D)
         q_rows = (q_start + rows).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + e[None, :], mask=(rows < q_len)[:, None],
-                    other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         full_end = (offset + m0 + 1) // BLOCK_N * BLOCK_N  # key tiles every row of this tile sees whole
         k_end = tl.minimum(k_len, offset + m0 + BLOCK_M)
-        if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
-            for i in range(STATIC_ITERS):
-                n0 = i * BLOCK_N
-                if n0 < full_end:
-                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
-                                                  bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
-                                                  stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False,
-                                                  PRECISION)
-                elif n0 < k_end:
-                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
-                                                  bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
-                                                  stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True,
-                                                  PRECISION)
-        else:
+        if PAGED == 2:  # packed k/v through TMA: descriptors cover this sequence only
+            q_desc = tl.make_tensor_descriptor(q_ptr + q_start.to(tl.int64) * stride_qt + h * stride_qh, [q_len, D],
+                                               [stride_qt, 1], [BLOCK_M, D])
+            k_desc = tl.make_tensor_descriptor(k_ptr + k_start.to(tl.int64) * stride_kt + kvh * stride_kh, [k_len, D],
+                                               [stride_kt, 1], [BLOCK_N, D])
+            v_desc = tl.make_tensor_descriptor(v_ptr + k_start.to(tl.int64) * stride_vt + kvh * stride_vh, [k_len, D],
+                                               [stride_vt, 1], [BLOCK_N, D])
+            q = q_desc.load([m0, 0])
             for n0 in range(0, full_end, BLOCK_N):
-                acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
-                                              stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
-                                              stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False, PRECISION)
+                acc, l_i, m_i = _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BLOCK_N,
+                                                  False)
             for n0 in range(full_end, k_end, BLOCK_N):
-                acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
-                                              stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
-                                              stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True, PRECISION)
+                acc, l_i, m_i = _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BLOCK_N,
+                                                  True)
+        else:
+            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + e[None, :],
+                        mask=(rows < q_len)[:, None], other=0.0)
+            if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
+                for i in range(STATIC_ITERS):
+                    n0 = i * BLOCK_N
+                    if n0 < full_end:
+                        acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
+                                                      bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
+                                                      stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False,
+                                                      PRECISION)
+                    elif n0 < k_end:
+                        acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
+                                                      bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
+                                                      stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True,
+                                                      PRECISION)
+            else:
+                for n0 in range(0, full_end, BLOCK_N):
+                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
+                                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
+                                                  stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False, PRECISION)
+                for n0 in range(full_end, k_end, BLOCK_N):
+                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
+                                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
+                                                  stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True, PRECISION)
         out = acc / l_i[:, None]
         tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + e[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(rows < q_len)[:, None])
@@ -175,7 +211,7 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cac
 
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, config: dict):
     """``attention_prefill`` under an explicit launch configuration (``block_m``, ``block_n``,
-    ``num_warps``, ``num_stages``)."""
+    ``num_warps``, ``num_stages``; ``tma``: packed k/v through TMA descriptors where they can be)."""
     tq, hq, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -191,13 +227,37 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_t
         stride_kt, stride_kh, stride_vt, stride_vh = keys.stride(0), keys.stride(1), values.stride(0), values.stride(1)
         stride_kb = stride_vb = stride_bt = 0
         page = 1
+    mode = 1 if paged else (2 if config.get("tma") and _tma_ok(q, keys, values) else 0)
+    if mode == 2:
+        _use_torch_allocator()
     hk = keys.shape[-2]
+    steps = search_steps(batch)
     grid = (hq, tq // block_m + batch)  # every tile start cu_q[b] // BLOCK_M + b is below tq // BLOCK_M + batch
     prefill_kernel[grid](
         q, keys, values, out, cu_seqlens_q, cu_seqlens_k, block_tables if paged else cu_seqlens_q,
-        (scale or 1.0 / math.sqrt(d)) * LOG2E, batch, q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt,
-        stride_vh, out.stride(0), out.stride(1), stride_kb, stride_vb, stride_bt, GROUP=hq // hk, D=d,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE=page, SEARCH_STEPS=search_steps(batch),
+        (scale or 1.0 / math.sqrt(d)) * LOG2E, batch, steps, q.stride(0), q.stride(1), stride_kt, stride_kh,
+        stride_vt, stride_vh, out.stride(0), out.stride(1), stride_kb, stride_vb, stride_bt, GROUP=hq // hk, D=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=mode, PAGE=page, SEARCH_STEPS=steps if INTERPRETED else 0,
         STATIC_ITERS=_static_iters(cu_seqlens_k, block_n),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
+
+
+def _tma_ok(q, k, v) -> bool:
+    """TMA descriptors need CUDA, 16-byte aligned bases and row strides, and a compiled (not interpreted) kernel."""
+    if INTERPRETED or not q.is_cuda or q.dtype == torch.float32:
+        return False
+    size = q.element_size()
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0
+               for t in (q, k, v))
+
+
+_ALLOCATOR_SET = False
+
+
+def _use_torch_allocator() -> None:
+    """Kernels that build TMA descriptors on the device need Triton's scratch allocator: torch's."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
