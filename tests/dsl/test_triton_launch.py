@@ -30,6 +30,22 @@ w = torch.randn(77)
 want = w + 2.5 * x[:77]
 axpy(x[:77], 2.5, w, backend="triton")
 assert torch.allclose(w, want), "axpy"
+# warm calls take a prebuilt launcher keyed on shapes, strides, dtypes, devices and scalars
+assert len(add._launchers) == 1, add._launchers
+xs, ys, zs = torch.randn(2002)[::2], torch.randn(1001), torch.empty(1001)
+add(xs, ys, zs, backend="triton")  # other strides: a second launcher
+assert torch.allclose(zs, xs + ys), "add strided"
+assert len(add._launchers) == 2
+for alpha in (2.5, -1.0, 3):  # each scalar value its own entry, each result right
+    w = torch.randn(77)
+    want = w + alpha * x[:77]
+    axpy(x[:77], alpha, w, backend="triton")
+    assert torch.allclose(w, want), ("axpy", alpha)
+w = torch.randn(77)
+want = w + 0.5 * x[:77]
+axpy(x[:77], torch.tensor(0.5), w, backend="triton")  # a 0-dim tensor for the scalar: not cached
+assert torch.allclose(w, want), "axpy tensor scalar"
+assert len(axpy._launchers) == 3, axpy._launchers
 print("launched")
 """
 

@@ -13,14 +13,32 @@ def test_candidates_respect_bounds_and_the_limit():
     a, b, c = torch.empty(4096, 4096), torch.empty(4096, 4096), torch.empty(4096, 4096)
     bound = mm.bind((a, b, c), {}, backend="triton")
     configs = tuning.candidates(mm, bound)
-    assert 1 <= len(configs) <= tuning.DEFAULT_MAX_CONFIGS
+    assert 1 <= len(configs) <= tuning.DOT_MAX_CONFIGS  # a dot in a loop: matmul-style configurations
     for config in configs:
         assert set(config["meta"]) == {"BM", "BN", "BK"}
         assert all(16 <= v <= 64 for v in config["meta"].values())
-        assert config["num_warps"] in (4, 8) and config["num_stages"] in (3, 4)
+        assert config["num_warps"] in (4, 8) and config["num_stages"] in (3, 4, 5)
+        # operand tiles of one stage (float32 here) times the stages fit in shared memory
+        stage = 4 * config["meta"]["BK"] * (config["meta"]["BM"] + config["meta"]["BN"])
+        assert stage * config["num_stages"] <= tuning.SHARED_MEMORY
     assert configs[0]["meta"] == {"BM": 64, "BN": 64, "BK": 64}  # the largest tiles first
+    assert len({str(c) for c in configs}) == len(configs)
     fixed = mm.bind((a, b, c), {"BM": 32, "BN": 32, "BK": 32}, backend="triton")
     assert all(config["meta"] == {} for config in tuning.candidates(mm, fixed))
+
+
+def test_small_problems_prefer_more_programs():
+    a, b, c = torch.empty(100, 64), torch.empty(64, 100), torch.empty(100, 100)
+    configs = tuning.candidates(mm, mm.bind((a, b, c), {}, backend="triton"))
+    assert configs[0]["meta"]["BM"] * configs[0]["meta"]["BN"] <= 32 * 64
+
+
+def test_elementwise_tiles_near_the_target_size():
+    x = torch.empty(1 << 20)
+    configs = tuning.candidates(add, add.bind((x, x, x), {}, backend="triton"))
+    assert 1 <= len(configs) <= tuning.DEFAULT_MAX_CONFIGS
+    sizes = [c["meta"][next(iter(c["meta"]))] for c in configs]
+    assert sizes[0] == min(tuning.TARGET_TILE, 1024)  # block_size()'s upper bound is 1024
 
 
 def test_results_persist_across_processes_in_the_cache_dir(tmp_path, monkeypatch):

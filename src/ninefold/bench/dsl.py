@@ -274,6 +274,18 @@ def _cpu_time(fn, reps=5):
     return sorted(times)[len(times) // 2]
 
 
+def _call_wall(fn, sync, calls=100):
+    """Wall time per call of back-to-back calls without synchronizing: the host's cost per call
+    when it exceeds the kernel's (the launch queue never fills at these counts)."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls
+
+
 def _first_call(fn, sync):
     sync()
     start = time.perf_counter()
@@ -325,6 +337,8 @@ def run_impl(w, impl, fn, inputs, reference, device, sync):
             res["seconds"] = (
                 _gpu_time(lambda: fn(*inputs)) if device == "cuda" else _cpu_time(lambda: fn(*inputs))
             )
+            if device == "cuda":
+                res["call_wall_s"] = _call_wall(lambda: fn(*inputs), sync)
     except Exception as error:  # a failing implementation is a result, not a crash of the run
         res["error"] = f"{type(error).__name__}: {error}"[:300]
         res["ok"] = False
@@ -476,7 +490,7 @@ def table(workloads, ceilings):
     )
     lines = [
         f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s; torch.mm {rates}",
-        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'nf/torch':>9}{'1st call':>10}{'cached':>9}{'NT 1st':>9}",
+        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'nf/torch':>9}{'1st call':>10}{'cached':>9}{'NT 1st':>9}{'nf us/call':>11}{'NT us/call':>11}",
     ]
     for w in workloads:
         nf = w.results.get("ninefold", {})
@@ -490,6 +504,10 @@ def table(workloads, ceilings):
             + (f"{first:>9.2f}s" if isinstance(first, float) else f"{'-':>10}")
             + (f"{cached:>8.2f}s" if isinstance(cached, float) else f"{'-':>9}")
             + (f"{nt_first:>8.2f}s" if isinstance(nt_first, float) else f"{'-':>9}")
+            + "".join(
+                f"{w.results.get(i, {})['call_wall_s'] * 1e6:>11.1f}" if w.results.get(i, {}).get("call_wall_s") else f"{'-':>11}"
+                for i in ("ninefold", "ninetoothed")
+            )
         )
     for w in workloads:
         for impl, res in w.results.items():
@@ -522,6 +540,217 @@ def plot(workloads, path, device_name):
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- focused sweeps
+SWEEP_DEVICE = "cuda"  # tests run the sweeps' code on cpu tensors under TRITON_INTERPRET=1
+MM_SWEEP = (  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (256, 128, 64, 8, 3),
+    (256, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 4, 5),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 256, 32, 8, 4),
+    (64, 256, 64, 4, 4),
+    (128, 128, 32, 4, 4),
+)
+SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 128, 8, 2),
+    (128, 32, 8, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+)
+
+
+def _fixed(arrangement, application, tensors, warps, stages):
+    import ninefold.dsl as nd
+
+    return nd.make(arrangement, application, tensors, num_warps=warps, num_stages=stages)
+
+
+def _sweep_row(label, fn, reference, dtype, flops, ceiling):
+    row = {"config": label}
+    try:
+        out = fn()
+        row["rel_error"] = relative_error(out, reference)
+        row["ok"] = row["rel_error"] <= TOLERANCE[dtype]
+        if row["ok"]:
+            row["seconds"] = _gpu_time(fn)
+            row["tflops"] = flops / row["seconds"] / 1e12
+            row["fraction_of_cublas"] = flops / row["seconds"] / ceiling
+    except Exception as error:  # a config that does not compile or fit is a row, not a crash
+        row["error"] = f"{type(error).__name__}: {error}"[:300]
+        row["ok"] = False
+    return row
+
+
+def sweep_mm(shrink=1):
+    """mm at 4096^3 fp16 and 8192^3 bf16: ninefold's tuner, every MM_SWEEP config, a plain Triton kernel."""
+    results = []
+    for size, dtype in ((4096 // shrink, torch.float16), (8192 // shrink, torch.bfloat16)):
+        rows = _sweep_mm_shape(size, dtype)
+        results.append({"workload": f"mm {size}^3 {str(dtype).replace('torch.', '')}", "rows": rows})
+        if SWEEP_DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _sweep_mm_shape(size, dtype):
+    from ninefold.dsl import Tensor
+    from ninefold.ops.kernels import mm
+
+    torch.manual_seed(0)
+    a, b = _randn((size, size), dtype, SWEEP_DEVICE), _randn((size, size), dtype, SWEEP_DEVICE)
+    reference = torch.mm(a, b)
+    flops = 2.0 * size**3
+    ceiling = flops / _gpu_time(lambda: torch.mm(a, b))
+    rows = [_sweep_row("tuned (mm.mm)", lambda: mm.mm(a, b), reference, dtype, flops, ceiling)]
+    for bm, bn, bk, w, st in tqdm(MM_SWEEP, desc=f"mm {size} {dtype}", file=sys.stderr):
+        kernel = _fixed(mm.arrangement, mm.application, (Tensor(2), Tensor(2), Tensor(2)), w, st)
+        c = torch.empty((size, size), dtype=dtype, device=SWEEP_DEVICE)
+
+        def call(kernel=kernel, c=c, bm=bm, bn=bn, bk=bk):
+            kernel(a, b, c, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            return c
+
+        rows.append(_sweep_row(f"{bm}x{bn}x{bk} w{w} s{st}", call, reference, dtype, flops, ceiling))
+    plain_configs = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3))
+    for bm, bn, bk, w, st in plain_configs if size % 256 == 0 else ():
+
+        def plain(bm=bm, bn=bn, bk=bk, w=w, st=st):
+            return _plain_matmul(a, b, bm, bn, bk, w, st)
+
+        rows.append(_sweep_row(f"plain triton {bm}x{bn}x{bk} w{w} s{st}", plain, reference, dtype, flops, ceiling))
+    return rows
+
+
+def sweep_sdpa(shrink=1):
+    """sdpa: causal B4 H32 S4096 D128 bf16 and the paper's B4 H48 S1024 D64 fp16, every SDPA_SWEEP config."""
+    results = []
+    for b, h, s, d, dtype, causal in (
+        (4, 32, 4096 // shrink, 128, torch.bfloat16, True),
+        (4, 48, 1024 // shrink, 64, torch.float16, False),
+    ):
+        rows = _sweep_sdpa_shape(b, h, s, d, dtype, causal)
+        label = f"sdpa{' causal' if causal else ''} B{b} H{h} S{s} D{d} {str(dtype).replace('torch.', '')}"
+        results.append({"workload": label, "rows": rows})
+        if SWEEP_DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
+    from ninefold.ops.kernels import attention
+
+    torch.manual_seed(0)
+    q, k, v = (_randn((b, h, s, d), dtype, SWEEP_DEVICE) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    reference = sdpa(q, k, v, is_causal=causal)
+    flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    torch_s = _gpu_time(lambda: sdpa(q, k, v, is_causal=causal))
+    ceiling = flops / torch_s  # fractions here are of torch SDPA's rate
+    rows = [{"config": "torch sdpa", "ok": True, "seconds": torch_s, "tflops": flops / torch_s / 1e12, "fraction_of_cublas": 1.0}]
+
+    def tuned():
+        return attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    rows.append(_sweep_row("tuned", tuned, reference, dtype, flops, ceiling))
+    scale = 1.0 / math.sqrt(d)
+    for bm, bn, w, st in tqdm(SDPA_SWEEP, desc=f"sdpa S{s} D{d}", file=sys.stderr):
+        kernel = _fixed(attention.arrangement, attention.application, attention.tensors(), w, st)
+        o = torch.empty_like(q)
+
+        def call(kernel=kernel, o=o, bm=bm, bn=bn):
+            kernel(q, k, v, scale, causal, o, BLOCK_M=bm, BLOCK_N=bn)
+            return o
+
+        rows.append(_sweep_row(f"{bm}x{bn} w{w} s{st}", call, reference, dtype, flops, ceiling))
+    return rows
+
+
+def _plain_matmul(a, b, bm, bn, bk, warps, stages):
+    """A hand-written Triton matmul (pointer increments, grouped order): what Triton itself reaches."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _plain_matmul_kernel[grid](
+        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), bm, bn, bk, num_warps=warps, num_stages=stages
+    )
+    return c
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the --cpu benchmark runs without Triton
+    triton = None
+else:
+
+    @triton.jit
+    def _plain_matmul_kernel(a, b, c, m, n, k, lda, ldb, ldc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # contiguous rows, sizes multiples of the blocks (the sweep's shapes): no masks
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(n, BN)
+        per_group = 8 * tiles_n
+        first = (pid // per_group) * 8
+        rows_in_group = tl.minimum(tl.cdiv(m, BM) - first, 8)
+        tile_m = first + (pid % per_group) % rows_in_group
+        tile_n = (pid % per_group) // rows_in_group
+        rm = tile_m * BM + tl.arange(0, BM)
+        rn = tile_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        pa = a + rm[:, None] * lda + rk[None, :]
+        pb = b + rk[:, None] * ldb + rn[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for _ in range(0, tl.cdiv(k, BK)):
+            acc = tl.dot(tl.load(pa), tl.load(pb), acc)
+            pa += BK
+            pb += BK * ldb
+        tl.store(c + rm[:, None] * ldc + rn[None, :], acc.to(c.dtype.element_ty))
+
+
+def run_sweep(which, out_dir, shrink=1):
+    """Run the focused sweeps (``mm``, ``sdpa`` or ``all``), print them and write ``dsl_sweep.json``."""
+    start = time.perf_counter()
+    results = []
+    if which in ("mm", "all"):
+        results += sweep_mm(shrink)
+    if which in ("sdpa", "all"):
+        results += sweep_sdpa(shrink)
+    lines = []
+    for block in results:
+        lines.append(block["workload"])
+        for row in block["rows"]:
+            if row.get("seconds"):
+                lines.append(
+                    f"  {row['config']:<36}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {row['fraction_of_cublas'] * 100:6.1f}%"
+                )
+            else:
+                why = row.get("error") or f"FAIL rel_error {row.get('rel_error', float('nan')):.3g}"
+                lines.append(f"  {row['config']:<36}{why}")
+    print("\n".join(lines))
+    report = {
+        "device": torch.cuda.get_device_name() if SWEEP_DEVICE == "cuda" else SWEEP_DEVICE,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "wall_s": time.perf_counter() - start,
+        "sweeps": results,
+    }
+    if out_dir:
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "dsl_sweep.json").write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {out / 'dsl_sweep.json'}")
+    return report
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.dsl", description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="the cpu backend against torch CPU ops")
@@ -534,11 +763,19 @@ def main(argv=None):
     parser.add_argument("--warm", action="store_true", help="keep the existing caches (default: empty ones)")
     parser.add_argument("--only", help="comma-separated workload names (e.g. mm,sdpa_causal); default all")
     parser.add_argument("--shrink", type=int, default=1, help="divide the GPU sizes by this (smoke runs)")
+    parser.add_argument(
+        "--sweep", choices=("mm", "sdpa", "all"), help="time fixed configurations of mm / sdpa (GPU; dsl_sweep.json)"
+    )
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; use --cpu for the cpu backend")
+    if args.sweep:
+        with tempfile.TemporaryDirectory() as caches:
+            os.environ.setdefault("NINEFOLD_CACHE_DIR", os.path.join(caches, "ninefold"))
+            run_sweep(args.sweep, args.out, args.shrink)
+        return
     if args.probe_cache:
         probe_cache(args.probe_cache.split(","), device, args.shrink)
         return

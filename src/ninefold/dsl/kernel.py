@@ -103,6 +103,7 @@ class Kernel:
                 self.symbols.append(leaf)
         self.app = normalize(application, [p.name for p in self.params if not p.is_scalar])
         self._cache: dict = {}
+        self._launchers: dict = {}  # call_key(...) -> prebuilt launch (see backends.triton.launcher)
 
     # ------------------------------------------------------------------ naming
     def leaf_name(self, leaf) -> str:
@@ -141,8 +142,21 @@ class Kernel:
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args, backend=None, **kwargs):
+        key = call_key(args, kwargs, backend)
+        launch = self._launchers.get(key)
+        if launch is not None:
+            return launch(args)
         bound = self.bind(args, kwargs, backend)
-        return _backend(bound.backend).run(self, bound)
+        module = _backend(bound.backend)
+        result = module.run(self, bound)
+        make_launcher = getattr(module, "launcher", None)
+        if make_launcher is not None and key is not None:
+            launch = make_launcher(self, bound, args)
+            if launch is not None:
+                if len(self._launchers) >= MAX_LAUNCHERS:
+                    self._launchers.clear()
+                self._launchers[key] = launch
+        return result
 
     @property
     def source(self) -> str:
@@ -236,6 +250,27 @@ class Kernel:
                     f"{first} {grid} but {p.name} {shape}"
                 )
         return Bound(self, bound.values, env, bound.device, bound.backend, grid or (), {s: env[s] for s in self.meta_symbols})
+
+
+MAX_LAUNCHERS = 4096
+_Tensor = torch.Tensor
+_environ = os.environ
+
+
+def call_key(args, kwargs, backend):
+    """What a warm call's launch depends on: shapes, strides, dtypes, devices, scalar values,
+    keywords and the backend choice (None when an argument is of a kind the key cannot hold)."""
+    key = [backend, _environ.get("NINEFOLD_DSL_BACKEND"), _environ.get("TRITON_INTERPRET")]
+    for a in args:
+        if isinstance(a, _Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device))
+        elif a.__class__ in (int, float, bool):
+            key.append((a.__class__, a))
+        else:
+            return None
+    if kwargs:
+        key.append(tuple(kwargs.items()))
+    return tuple(key)
 
 
 def level_shapes(arranged: Tensor, env) -> list[tuple[int, ...]]:

@@ -57,44 +57,127 @@ def source_hash(kernel) -> str:
 
 
 def candidates(kernel, bound, sm_count=132) -> list[dict]:
-    """Configurations worth timing, best guesses first."""
-    from ninefold.dsl.backends.triton_codegen import accesses
-    from ninefold.dsl.compiler.access import analyze
+    """Configurations worth timing, best guesses first, pruned by the call's shapes.
+
+    Kernels that accumulate ``dot`` products in a loop get Hopper-style matmul configurations
+    (large output tiles with 8 warps and 3-4 stages, half-size tiles with 4-5 stages), limited
+    by shared memory; other kernels get tiles near ``TARGET_TILE`` elements with 4 or 8 warps.
+    """
+    from ninefold.dsl.backends.triton_codegen import _dot_in_loop
 
     free = [s for s in kernel.meta_symbols if s not in bound.env]
     largest = max([max(v.shape, default=1) for v in bound.values.values() if isinstance(v, torch.Tensor)], default=1)
     choices = [[c for c in s.candidates() if c <= max(_pow2(largest), s.lower_bound or 1)] or s.candidates()[:1] for s in free]
-    scored = []
+    shapes = []
     for values in itertools.islice(itertools.product(*choices), 4096):
-        env = dict(bound.env)
-        env.update(zip(free, values))
-        try:
-            tiles = []
-            for name, n in accesses(kernel):
-                access = analyze(kernel.param(name).arranged, n, name)
-                tiles.append(math.prod(_pow2(int(evaluate(s, env))) for s in access.tile_shape))
-            first = next(p for p in bound.tensor_params())
-            programs = math.prod(int(evaluate(s, env)) for s in first.arranged._shape)
-        except (ZeroDivisionError, ValueError, StopIteration):
+        shape = _tile_sizes(kernel, bound, dict(zip(free, values)))
+        if shape is not None and max((n for _, n, _ in shape[0]), default=1) <= MAX_TILE_ELEMENTS:
+            shapes.append((values, *shape))
+    names = [kernel.symbol_names[s] for s in free]
+    if _dot_in_loop(kernel):
+        out = _dot_configs(kernel, names, shapes, sm_count)
+    else:
+        out = _plain_configs(kernel, names, shapes, sm_count)
+    limit = kernel.max_num_configs or (DOT_MAX_CONFIGS if _dot_in_loop(kernel) else DEFAULT_MAX_CONFIGS)
+    return out[:limit] or [{"meta": {}, "num_warps": kernel.num_warps or 4, "num_stages": kernel.num_stages or 3}]
+
+
+DOT_MAX_CONFIGS = 8
+TARGET_TILE = 4096
+SHARED_MEMORY = 200 * 1024
+STAGE_BYTES = 40 * 1024
+
+
+def _tile_sizes(kernel, bound, meta):
+    """``([(param, padded elements, bytes)], programs)`` of every access for these meta values."""
+    from ninefold.dsl.backends.triton_codegen import accesses
+    from ninefold.dsl.compiler.access import analyze
+
+    env = dict(bound.env)
+    env.update(meta)
+    try:
+        tiles = []
+        for name, n in accesses(kernel):
+            access = analyze(kernel.param(name).arranged, n, name)
+            elements = math.prod(_pow2(int(evaluate(s, env))) for s in access.tile_shape)
+            value = bound.values[name]
+            size = value.element_size() if isinstance(value, torch.Tensor) else 4
+            tiles.append((name, elements, elements * size if n else 0))
+        first = next(p for p in bound.tensor_params())
+        programs = math.prod(int(evaluate(s, env)) for s in first.arranged._shape)
+    except (ZeroDivisionError, ValueError, StopIteration):
+        return None
+    return tiles, programs
+
+
+def _config(names, values, warps, stages, kernel):
+    return {
+        "meta": dict(zip(names, values)),
+        "num_warps": kernel.num_warps or warps,
+        "num_stages": kernel.num_stages or stages,
+    }
+
+
+def _dot_configs(kernel, names, shapes, sm_count):
+    """Output-tile area (the largest tile not walked in the loop) decides warps and stages."""
+    ranked = []
+    for values, tiles, programs in shapes:
+        area = max((n for _, n, b in tiles if not b), default=1)
+        walked = [n for _, n, b in tiles if b] or [1]
+        stage = sum(b for _, _, b in tiles)
+        # square-ish operand tiles first (more products per byte loaded), then ~STAGE_BYTES per stage
+        key = (programs < sm_count, -min(programs, sm_count), -area, max(walked) / min(walked), abs(math.log2(max(stage, 1) / STAGE_BYTES)))
+        ranked.append((key + (-math.prod(values),), values, area, stage))
+    ranked.sort(key=lambda item: item[0])
+    out, per_area = [], {}
+    for _, values, area, stage in ranked:
+        if per_area.get(area, 0) >= 2:
             continue
-        biggest = max(tiles, default=1)
-        if biggest > MAX_TILE_ELEMENTS:
-            continue
-        scored.append(((programs < 2 * sm_count, -biggest, -math.prod(values), values), values, biggest))
-    scored.sort(key=lambda item: item[0])
-    metas = [(dict(zip((kernel.symbol_names[s] for s in free), values)), biggest) for _, values, biggest in scored]
-    metas = metas or [({}, 0)]
+        per_area[area] = per_area.get(area, 0) + 1
+        if area >= 32768:
+            options = [(8, 3), (8, 4)]
+        elif area >= 16384:
+            options = [(8, 3), (4, 4), (4, 5)]
+        else:
+            options = [(4, 3), (4, 4)]
+        for warps, stages in options:
+            if stage * (kernel.num_stages or stages) <= SHARED_MEMORY:
+                out.append(_config(names, values, warps, stages, kernel))
+    return _unique(out)
+
+
+def _plain_configs(kernel, names, shapes, sm_count):
+    """Tiles near ``TARGET_TILE`` elements (enough programs to fill the card first), 4-8 warps."""
+    ranked = []
+    for values, tiles, programs in shapes:
+        biggest = max((n for _, n, _ in tiles), default=1)
+        ranked.append(((programs < 2 * sm_count, abs(math.log2(biggest / TARGET_TILE)), -biggest), values, biggest))
+    ranked.sort(key=lambda item: item[0])
     loops = any(isinstance(node, ast.For) for node in ast.walk(kernel.app.tree))
-    stages = [kernel.num_stages] if kernel.num_stages else ([3, 4] if loops else [3])
-    limit = kernel.max_num_configs or DEFAULT_MAX_CONFIGS
+    stages = 3 if not loops else 4
     out = []
-    for meta, biggest in metas:
-        warps = [kernel.num_warps] if kernel.num_warps else [8 if biggest >= LARGE_TILE else 4]
-        for w, st in itertools.product(warps, stages):
-            out.append({"meta": meta, "num_warps": w, "num_stages": st})
-        if len(out) >= limit:
-            break
-    return out[:limit]
+    if not ranked:
+        ranked = [((), (), 1)]
+    for _, values, biggest in ranked:
+        if biggest >= 4 * LARGE_TILE:
+            warps = [16, 8]
+        elif biggest >= LARGE_TILE:
+            warps = [8, 16]
+        elif biggest >= 2048:
+            warps = [4, 8]
+        else:
+            warps = [4]
+        for w in warps[: 1 if len(ranked) > 2 else 2]:
+            out.append(_config(names, values, w, stages, kernel))
+    return _unique(out)
+
+
+def _unique(configs):
+    out = []
+    for config in configs:
+        if config not in out:
+            out.append(config)
+    return out
 
 
 def written_params(kernel) -> set:

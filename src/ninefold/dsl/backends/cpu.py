@@ -156,8 +156,12 @@ def _batched(tree, namespace, label, done):
 
 
 def _range(*args):
-    """``range`` whose bounds may be per-program tensors (then the loop runs to their maximum)."""
+    """``range`` outside a ``for`` header: bounds that are per-program tensors run to their maximum."""
     return range(*[int(a.max().item()) if isinstance(a, torch.Tensor) else int(a) for a in args])
+
+
+# Per-program masks of the enclosing loops whose bounds differ between programs (None: all run).
+_ACTIVE: list = []
 
 
 def _copy(tree):
@@ -165,7 +169,20 @@ def _copy(tree):
 
 
 class _BatchSubscripts(ast.NodeTransformer):
-    """``v[i]`` on a value becomes ``_nf.subscript(v, i)`` (which skips the grid dimensions)."""
+    """``v[i]`` on a value becomes ``_nf.subscript(v, i)`` (which skips the grid dimensions).
+
+    ``for j in range(...)`` becomes ``for j in _nf.loop(...)``: when the bounds are per-program
+    values that differ, programs outside their own bounds keep their variables (every assignment
+    in the body is blended with the previous value) and their stores.
+    """
+
+    def visit_For(self, node):
+        self.generic_visit(node)
+        call = node.iter
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range" and not call.keywords:
+            node.iter = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "loop", ast.Load()), call.args, [])
+            node.body = [_Blend().visit(stmt) for stmt in node.body]
+        return node
 
     def visit_If(self, node):
         self.generic_visit(node)
@@ -187,8 +204,78 @@ class _BatchSubscripts(ast.NodeTransformer):
         return node
 
 
+class _Blend(ast.NodeTransformer):
+    """``x = e`` / ``x op= e`` become ``x = _nf.blend(e, <x if bound>)`` (nested loops do their own)."""
+
+    def visit_For(self, node):
+        return node
+
+    def visit_FunctionDef(self, node):
+        return node
+
+    def visit_Assign(self, node):
+        if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            node.value = _blend_call(node.value, node.targets[0].id)
+        return node
+
+    def visit_AugAssign(self, node):
+        if not isinstance(node.target, ast.Name):
+            return node
+        name = node.target.id
+        value = ast.BinOp(ast.Name(name, ast.Load()), node.op, node.value)
+        return ast.copy_location(ast.Assign([ast.Name(name, ast.Store())], _blend_call(value, name), lineno=node.lineno), node)
+
+
+def _blend_call(value, name):
+    previous = ast.Call(ast.Attribute(ast.Call(ast.Name("locals", ast.Load()), [], []), "get", ast.Load()), [ast.Constant(name)], [])
+    return ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "blend", ast.Load()), [value, previous], [])
+
+
 class ValueOps:
     """How values (not parameters) are queried in a cpu run: the grid dimensions are left out."""
+
+    def loop(self, *bounds):
+        """``range(*bounds)`` where bounds may be per-program tensors: from the smallest start to the
+        largest stop; while some programs are outside their own range, their mask is active."""
+        if not any(isinstance(b, torch.Tensor) for b in bounds):
+            yield from range(*[int(b) for b in bounds])
+            return
+        start, stop, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds, 1)[:3]
+        if isinstance(step, torch.Tensor):
+            raise ValueError("range(): a step that differs between programs is not supported by the cpu backend")
+        step = int(step)
+        if step <= 0:
+            raise ValueError(f"range(): the cpu backend runs positive steps per program, got {step}")
+        lo = int(start.min().item()) if isinstance(start, torch.Tensor) else int(start)
+        hi = int(stop.max().item()) if isinstance(stop, torch.Tensor) else int(stop)
+        for j in range(lo, hi, step):
+            active = torch.as_tensor(j < stop) & torch.as_tensor(j >= start)
+            if isinstance(start, torch.Tensor) and step != 1:
+                active = active & ((j - start) % step == 0)
+            _ACTIVE.append(None if bool(active.all()) else active)
+            try:
+                yield j
+            finally:
+                _ACTIVE.pop()
+
+    def active(self):
+        """The mask of the programs that run the current loop iteration (None: all of them)."""
+        masks = [m for m in _ACTIVE if m is not None]
+        if not masks:
+            return None
+        mask = masks[0]
+        for m in masks[1:]:
+            mask = mask & m
+        return mask
+
+    def blend(self, value, previous):
+        """``value`` for the running programs, ``previous`` for the others."""
+        mask = self.active() if _ACTIVE else None
+        if mask is None or previous is None:
+            return value
+        if not isinstance(value, torch.Tensor) and not isinstance(previous, torch.Tensor):
+            value = torch.as_tensor(value)
+        return torch.where(mask, value, previous)
 
     def condition(self, value):
         """An ``if`` test: per-program tensors must agree across the programs run together."""
@@ -310,6 +397,9 @@ class Program(ValueOps):
         plan = self._plan(name, len(index))
         target = self.bound.values[name]
         full = [*plan.tile_shape, *self.local_grid]
+        mask = self.active() if _ACTIVE else None
+        if mask is not None:  # inside a loop some programs have finished: they keep what is there
+            value = torch.where(mask, value, self.load(name, index))
         value = torch.as_tensor(value, dtype=target.dtype) if not isinstance(value, torch.Tensor) else value.to(target.dtype)
         if value.ndim > len(full):
             raise ValueError(f"store to {name}: value has {value.ndim - self.g} tile dims, the tile {plan.tile_shape} has {len(plan.tile_shape)}")

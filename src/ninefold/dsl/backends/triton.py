@@ -53,6 +53,10 @@ def _dtypes(kernel, bound):
 
 def run(kernel, bound):
     """Tune (or take the cached tuning), then launch."""
+    launch(kernel, bound, _config(kernel, bound))
+
+
+def _config(kernel, bound):
     check(kernel, bound)
     key = ("config",) + _env_key(kernel, bound)
     config = kernel._cache.get(key)
@@ -65,7 +69,59 @@ def run(kernel, bound):
         else:
             config = {"meta": {}, "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}
         kernel._cache[key] = config
-    launch(kernel, bound, config)
+    return config
+
+
+def launcher(kernel, bound, args):
+    """A function of the call's positional ``args`` that repeats this call's launch.
+
+    Everything that depends only on shapes, strides, dtypes, devices and scalar values (the
+    generated function, the grid, the argument list around the tensors, the launch options) is
+    fixed here, so a warm call (:meth:`Kernel.__call__` finds it by :func:`kernel.call_key`)
+    costs a list copy and Triton's own launch.
+    """
+    function, grid, template, num_warps, num_stages = _entry(kernel, bound, _config(kernel, bound))
+    if grid == 0:
+        return _nothing
+    positions = {p.name: i for i, p in enumerate(p for p in kernel.params if p.passed)}
+    values, slots = [], []
+    for kind, payload in template:
+        if kind is None:
+            values.append(payload)
+            continue
+        if kind == "scalar" and not isinstance(args[positions[payload]], (bool, int, float)):
+            return None  # a 0-dim tensor given for a scalar: the slow path converts it
+        slots.append((len(values), positions[payload]))
+        values.append(None)
+    run = function[(grid,)]
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    device = bound.device
+    if device.type != "cuda":
+        def launch_here(args):
+            out = values.copy()
+            for i, j in slots:
+                out[i] = args[j]
+            run(*out, **options)
+
+        return launch_here
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_device
+
+    def launch_on_device(args):
+        out = values.copy()
+        for i, j in slots:
+            out[i] = args[j]
+        if current() == index:
+            run(*out, **options)
+        else:
+            with torch.cuda.device(index):
+                run(*out, **options)
+
+    return launch_on_device
+
+
+def _nothing(args):
+    return None
 
 
 def launch(kernel, bound, config):

@@ -525,6 +525,8 @@ def _program_indices(kernel, grid_shape, namer, wide):
         return namer.expr(grid_shape[d])
 
     dims = [d for d in range(len(grid_shape)) if const_value(grid_shape[d]) != 1]
+    # another parameter's grid size there may not be a constant 1: its index is still 0
+    out += [_assign(f"program_{d}", ast.Constant(0)) for d in range(len(grid_shape)) if d not in dims]
     if len(dims) >= 2 and _dot_in_loop(kernel):
         m, n = dims[-2], dims[-1]
         tiles = ast.BinOp(size(m), ast.Mult(), size(n))

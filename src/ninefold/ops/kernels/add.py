@@ -38,15 +38,18 @@ def add(x, y, **blocks):
     check_tensor("x", x)
     check_tensor("y", y)
     check_same(("x", "y"), (x, y))
-    try:
-        shape = torch.broadcast_shapes(x.shape, y.shape)
-    except RuntimeError:
-        raise ValueError(
-            f"y: shape {tuple(y.shape)} does not broadcast with x of shape {tuple(x.shape)}"
-        ) from None
+    shape = x.shape
+    if y.shape != shape:
+        try:
+            shape = torch.broadcast_shapes(x.shape, y.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"y: shape {tuple(y.shape)} does not broadcast with x of shape {tuple(x.shape)}"
+            ) from None
     z = torch.empty(shape, dtype=x.dtype, device=x.device)
     if x.shape == shape == y.shape and x.is_contiguous() and y.is_contiguous():
-        kernel_flat(x.view(-1), y.view(-1), z.view(-1), **blocks)
+        n = z.numel()
+        kernel_flat(x.view(n), y.view(n), z.view(n), **blocks)
     else:
         kernel_rows(rows(x.expand(shape)), rows(y.expand(shape)), rows(z), **blocks)
     return z

@@ -12,7 +12,7 @@ import ninefold.dsl.language as nl
 from ninefold.dsl import Symbol, Tensor
 from ninefold.ops.kernels._checks import check_same, check_tensor
 
-BLOCK_M = Symbol("BLOCK_M", meta=True, lower_bound=64, upper_bound=128)
+BLOCK_M = Symbol("BLOCK_M", meta=True, lower_bound=64, upper_bound=256)
 BLOCK_N = Symbol("BLOCK_N", meta=True, lower_bound=64, upper_bound=256)
 BLOCK_K = Symbol("BLOCK_K", meta=True, lower_bound=32, upper_bound=64)
 
