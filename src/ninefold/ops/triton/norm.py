@@ -1,4 +1,15 @@
-"""Triton RMS norm, with and without the fused residual add: one program per row."""
+"""Triton RMS norm, with and without the fused residual add.
+
+Each program normalises ``BLOCK_R`` whole rows held in registers (``BLOCK_D = next_pow2(d)``),
+float32 inside. ``add_rms_norm`` reads x and the residual once and writes both outputs once; the
+sum is rounded to x's dtype before the norm, as an unfused model does. Streaming loads are marked
+evict-first and the weight evict-last, so the weight stays in L2 while rows stream through.
+
+``rms_norm_kernel`` (one row per program) is the form ``aot.variants`` compiles;
+``rms_norm_rows_kernel`` takes several rows per program (short rows, or where measured faster).
+Launch configurations come from ``CONFIGS`` (per row width, measured on the H200 with
+``python -m ninefold.bench.ops_memory``), else from ``default_config``.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +17,73 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.launch import Launcher
+
 MAX_D = 32768
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res, stride_out,
-                    stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < d
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+def _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row0, n_rows, d, stride_x, stride_res, stride_out,
+          stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < n_rows) & (cols < d)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     if HAS_RESIDUAL:
-        x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+        r = tl.load(res_ptr + rows * stride_res + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows * stride_res_out + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / d + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / d + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(out_ptr + rows * stride_out + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res, stride_out,
+                    stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0), n_rows, d, stride_x, stride_res,
+          stride_out, stride_res_out, eps, HAS_RESIDUAL, 1, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res, stride_out,
+                         stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0) * BLOCK_R, n_rows, d, stride_x, stride_res,
+          stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
+
+
+_ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D"))
+_MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D"))
+
+# Measured winners: {d: {"rows": BLOCK_R, "num_warps": w}} (see the module docstring).
+CONFIGS: dict[int, dict] = {}
+# Set by benchmarks to force a configuration.
+OVERRIDE: dict = {}
+
+
+def default_config(d: int) -> dict:
+    """Rows per program and warps for rows of ``d``: about 4096 elements per program, 8 per thread."""
+    block = triton.next_power_of_2(d)
+    rows = max(1, min(16, 4096 // block))
+    return {"rows": rows, "num_warps": max(1, min(16, rows * block // 512))}
+
+
+_DEFAULTS: dict[int, dict] = {}
+
+
+def config(d: int) -> dict:
+    """The launch configuration for rows of ``d``: an override, the measured table, or the default."""
+    found = OVERRIDE or CONFIGS.get(d) or _DEFAULTS.get(d)
+    if found is None:
+        found = _DEFAULTS[d] = default_config(d)
+    return found
 
 
 def _warps(block: int) -> int:
-    return max(1, min(16, block // 512))
+    """Warps of the one-row kernel (the value ``aot.variants`` compiles with)."""
+    return config(block)["num_warps"] if config(block)["rows"] == 1 else max(1, min(16, block // 512))
 
 
 def supports(x, *rest) -> str | None:
@@ -36,25 +93,47 @@ def supports(x, *rest) -> str | None:
     return None if x.stride(-1) == 1 else "last dimension is not contiguous"
 
 
+def _launch(x2, r2, weight, out, total, eps, has_residual):
+    n, d = x2.shape
+    cfg = config(d)
+    block, rows = triton.next_power_of_2(d), cfg["rows"]
+    strides = (x2.stride(0), r2.stride(0), out.stride(0), total.stride(0))
+    if rows == 1:
+        _ONE((n,), (x2, r2, weight, out, total, n, d, *strides, eps), (has_residual, block),
+             num_warps=cfg["num_warps"], device_index=x2.get_device())
+    else:
+        _MANY((triton.cdiv(n, rows),), (x2, r2, weight, out, total, n, d, *strides, eps), (has_residual, rows, block),
+              num_warps=cfg["num_warps"], device_index=x2.get_device())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension."""
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = triton.next_power_of_2(d)
-        rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, d, x2.stride(0), 0, out.stride(0), 0, eps,
-                                        HAS_RESIDUAL=False, BLOCK_D=block, num_warps=_warps(block))
+        _launch(x2, x2, weight, out, out, float(eps), False)
     return out.view(x.shape)
 
 
 def add_rms_norm(x, residual, weight, eps):
+    """``(rms_norm(x + residual), x + residual)`` in one pass over x and the residual."""
     d = x.shape[-1]
     x2, r2 = x.reshape(-1, d), residual.reshape(-1, d)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out)
     if x2.shape[0]:
-        block = triton.next_power_of_2(d)
-        rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, d, x2.stride(0), r2.stride(0), out.stride(0),
-                                        total.stride(0), eps, HAS_RESIDUAL=True, BLOCK_D=block,
-                                        num_warps=_warps(block))
+        _launch(x2, r2, weight, out, total, float(eps), True)
     return out.view(x.shape), total.view(x.shape)
+
+
+def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
+    """The kernels the launcher runs at ``shapes`` (kernel, constexprs, num_warps) for ``ninefold.ops.triton.aot``."""
+    d = shapes.hidden
+    cfg, block = config(d), triton.next_power_of_2(d)
+    residual = op == "add_rms_norm"
+    if cfg["rows"] == 1:
+        return [{"kernel": rms_norm_kernel, "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block},
+                 "num_warps": cfg["num_warps"]}]
+    return [{"kernel": rms_norm_rows_kernel, "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"],
+                                                            "BLOCK_D": block}, "num_warps": cfg["num_warps"]}]

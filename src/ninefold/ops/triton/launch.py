@@ -1,0 +1,112 @@
+"""Direct launches of compiled Triton kernels, for calls whose host time matters.
+
+``kernel[grid](...)`` binds and specialises every argument, builds a cache key string and launch
+metadata on each call: tens of microseconds of Python on a GPU host, which is the whole cost of a
+small memory-bound call. ``Launcher`` compiles through that path once per specialisation, keeps
+the compiled kernel, and later calls its launcher directly (the same ``CompiledKernel.run`` call
+``JITFunction.run`` makes in Triton 3.6 and 3.9). The specialisation key is computed here with the
+rules Triton specialises on (tensor dtype and 16-byte alignment; integers equal to 1, divisible by
+16, and their width; constexpr values), a superset of Triton's own key, so a cached kernel is never
+reused for arguments Triton would compile differently.
+
+Disabled under ``TRITON_INTERPRET=1``, when launch hooks are installed (profilers), and with
+``NINEFOLD_TRITON_FAST_LAUNCH=0``; then every call goes through ``kernel[grid](...)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+AVAILABLE = not INTERPRETED and os.environ.get("NINEFOLD_TRITON_FAST_LAUNCH", "1") != "0"
+# Read at every call, so benchmarks can compare both paths in one process.
+ENABLED = AVAILABLE
+_I32 = 1 << 31
+
+
+def _int_class(v: int) -> int:
+    if -_I32 <= v < _I32:
+        return 0 if v == 1 else (1 if v % 16 == 0 else 2)
+    return 3 if v % 16 == 0 else 4
+
+
+def _tensor_class(t: torch.Tensor) -> tuple:
+    return t.dtype, t.data_ptr() % 16 == 0
+
+
+def _other_class(a):
+    if isinstance(a, torch.Tensor):
+        return _tensor_class(a)
+    if isinstance(a, bool):
+        return ("bool", a)
+    if isinstance(a, int):
+        return _int_class(a)
+    return type(a)
+
+
+_CLASS = {torch.Tensor: _tensor_class, torch.nn.Parameter: _tensor_class, int: _int_class,
+          float: lambda a: float, bool: lambda a: ("bool", a), type(None): lambda a: None}
+
+
+def _hooks_installed() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover  (older Triton)
+        return True
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _raw_stream(device_index: int):
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+try:
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream  # noqa: F811  (what Triton itself uses)
+except ImportError:  # CPU-only torch builds
+    pass
+
+
+class Launcher:
+    """Launch ``kernel`` (a ``triton.jit`` function whose constexpr parameters come last).
+
+    ``launcher(grid, args, consts, num_warps=.., num_stages=.., device_index=..)``: ``args`` holds
+    the run-time parameters in order, ``consts`` the constexpr values in order.
+    """
+
+    def __init__(self, kernel, constexprs: tuple[str, ...]):
+        names = list(kernel.arg_names)
+        if tuple(names[len(names) - len(constexprs):]) != tuple(constexprs):
+            raise ValueError(f"Launcher: the constexprs of {kernel.fn.__name__} must be its last parameters "
+                             f"{tuple(constexprs)}, got parameters {tuple(names)}")
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self.usable = True  # False once hooks or an unexpected compiled-kernel type were seen
+
+    @staticmethod
+    def key(args, consts: tuple, num_warps: int, num_stages: int) -> tuple:
+        """Everything Triton specialises a compiled kernel on, for these arguments."""
+        classes = [(_CLASS.get(type(a)) or _other_class)(a) for a in args]
+        return num_warps, num_stages, consts, *classes
+
+    def __call__(self, grid, args, consts, *, num_warps: int = 4, num_stages: int = 2, device_index: int = 0):
+        if not (ENABLED and self.usable):
+            self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = self.key(args, consts, num_warps, num_stages)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+            if hasattr(compiled, "result"):  # Triton 3.6 may hand back a future under async compilation
+                compiled = compiled.result()
+            if _hooks_installed() or not hasattr(compiled, "run"):
+                self.usable = False
+            else:
+                self.compiled[key] = compiled
+            return
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, _raw_stream(device_index), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *consts)
