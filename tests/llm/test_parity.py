@@ -127,3 +127,31 @@ def test_chat_renders_the_template_and_generates(llama_dir):
     (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == hf_greedy(llama_dir, ids, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_decode_path_matches_the_generic_path(model_dirs, variant, dtype):
+    """llama_cpu.CpuDecoder (the CPU decode step) computes what the ops-by-ops forward computes,
+    for a batch of three sequences of different lengths and for one alone."""
+    path = model_dirs[variant]
+    engine = LLMEngine(str(path), device="cpu", dtype=dtype, block_size=4, num_kv_blocks=64,
+                       enable_prefix_caching=False)
+    prompts = prompts_for(engine.model_config.vocab_size, lengths=(5, 23, 9))
+    for batch in (prompts, prompts[:1]):
+        ids = [f"{len(batch)}-{i}" for i in range(len(batch))]
+        for rid, prompt in zip(ids, batch):
+            engine.add_request(engine.build_request(prompt, GREEDY, rid))
+        for _ in range(3):  # prefill, then two decode steps
+            engine.step()
+        step = engine.scheduler.schedule()
+        assert all(s.num_new_tokens == 1 for s in step) and len(step) == len(batch)
+        model = engine.model
+        model.cpu_fast_decode = False
+        generic = engine.runner.forward_logits(step)
+        model.cpu_fast_decode = True
+        fast = engine.runner.forward_logits(step)  # rewrites the same cache slots with the same values
+        assert model._cpu_decoder is not None
+        torch.testing.assert_close(fast, generic, rtol=1e-6, atol=1e-5)
+        for rid in ids:
+            engine.abort_request(rid)

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ninefold import ops
 from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
 from ninefold.llm.gguf_packed import QUANTIZED, PackedLinear, packed_linear
+from ninefold.llm.models import llama_cpu
 from ninefold.runtime.memory import WeightStore
 
 # "auto" keeps a dense copy of packed layer matrices for prefill while it costs at most this.
@@ -115,6 +116,8 @@ class LlamaForCausalLM:
         ]
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cpu_decoder = None
+        self.cpu_fast_decode = True  # decode steps on CPUs run through llama_cpu.CpuDecoder
 
     def _setup_packing(self, config: ModelConfig) -> None:
         mode = config.raw.get("ninefold_quantization", "none")
@@ -167,6 +170,10 @@ class LlamaForCausalLM:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``."""
+        if llama_cpu.supports(self, meta):
+            if self._cpu_decoder is None:
+                self._cpu_decoder = llama_cpu.CpuDecoder(self)
+            return self._cpu_decoder.forward(input_ids, positions, meta)
         eps = self.config.rms_norm_eps
         hidden = ops.embedding(input_ids, self.embed)
         residual = None

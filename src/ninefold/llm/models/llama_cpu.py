@@ -1,0 +1,123 @@
+"""The decode step of ``LlamaForCausalLM`` on CPUs, with as little Python per token as possible.
+
+A decode step on a small model is bound by per-op host cost, not arithmetic: SmolLM2-135M has 30
+layers and ~10 ms per token at llama.cpp's rate, so ~180 dispatched op calls of 10-20 us each
+were a third of the step. Here the linear implementations are fetched once per weight with
+``ops.implementation`` (no per-call signature or validation), and the glue around them is plain
+torch with the per-step parts hoisted out of the layer loop: the rotary rows, the KV-cache
+block indices and the attention mask are built once per step, not once per layer.
+
+The arithmetic is that of the ``vendor`` implementations of ``rms_norm``, ``add_rms_norm``,
+``rope`` (float32, halves rotated), ``reshape_and_cache``, ``attention_decode`` and
+``silu_and_mul`` (same operations in the same order), so the CPU results match the generic
+path bit for bit (``tests/llm/test_parity.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ninefold import ops
+from ninefold.llm.gguf_packed import PackedLinear
+
+
+class CpuDecoder:
+    """Runs pure decode steps (one new token per sequence) of a ``LlamaForCausalLM`` on the CPU."""
+
+    def __init__(self, model):
+        c = model.config
+        self.model = model
+        self.dtype = model.dtype
+        self.eps = c.rms_norm_eps
+        self.hq, self.hk, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = model.q_size, model.kv_size
+        self.inter = c.intermediate_size
+        self.scale = model.scale
+        self.cast = self.dtype != torch.float32
+        self.norm_weight = {}  # id(weight) -> float32 copy, made once
+        self.linears: dict[int, object] = {}  # id(weight) -> bound callable(x, bias)
+        self.cos_sin = model.cos_sin
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        w = self.norm_weight.get(id(weight))
+        if w is None:
+            w = self.norm_weight[id(weight)] = weight.float()
+        if self.cast:
+            return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(self.dtype)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _linear(self, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+        if type(weight) is PackedLinear:
+            return weight(x, bias)
+        fn = self.linears.get(id(weight))
+        if fn is None:
+            fn = self.linears[id(weight)] = ops.implementation("linear", x, weight, bias)
+        return fn(x, weight, bias)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Hidden states ``[B, D]`` after the final norm, for one new token per sequence."""
+        m = self.model
+        b, hq, hk, d = input_ids.shape[0], self.hq, self.hk, self.d
+        half = self.cos_sin.shape[1] // 2
+        cs = self.cos_sin.index_select(0, positions)
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        cos2 = torch.cat((cos, cos), dim=-1)  # x * cos2 + swap_halves(x) * sin2 = neox rotation
+        sin2 = torch.cat((-sin, sin), dim=-1)
+        slots = meta.slot_mapping
+        bs = m.kv_caches[0][0].shape[1]
+        lens = meta.context_lens
+        longest = int(lens.max())
+        n = -(-longest // bs)
+        tables = meta.block_tables[:, :n].reshape(-1).long()
+        if b == 1:
+            mask, keys = None, longest
+        else:
+            keys = n * bs
+            mask = (torch.arange(keys)[None, :] < lens[:, None])[:, None, None, :]
+        hidden = F.embedding(input_ids, m.embed)
+        residual = None
+        qk_heads = hq + hk
+        for i, layer in enumerate(m.layers):
+            if residual is None:
+                residual = hidden
+            else:
+                residual = hidden + residual
+            x = self._norm(residual, layer.input_norm)
+            qkv = self._linear(x, layer.qkv, layer.qkv_bias)
+            qk = qkv[:, : self.q_size + self.kv_size].reshape(b, qk_heads, d)
+            v = qkv[:, self.q_size + self.kv_size:].reshape(b, hk, d)
+            if layer.q_norm is not None:
+                qk = torch.cat((self._norm(qk[:, :hq], layer.q_norm), self._norm(qk[:, hq:], layer.k_norm)), dim=1)
+            qk = qk.float() if self.cast else qk
+            rotated = qk * cos2
+            rotated += torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin2
+            if self.cast:
+                rotated = rotated.to(self.dtype)
+            q, k = rotated[:, :hq], rotated[:, hq:]
+            k_cache, v_cache = m.kv_caches[i]
+            k_cache.view(-1, hk, d).index_copy_(0, slots, k)
+            v_cache.view(-1, hk, d).index_copy_(0, slots, v)
+            kk = k_cache.index_select(0, tables).view(b, n * bs, hk, d)[:, :keys].transpose(1, 2)
+            vv = v_cache.index_select(0, tables).view(b, n * bs, hk, d)[:, :keys].transpose(1, 2)
+            # GQA without copies: the query heads of one KV head become that head's query rows.
+            o = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, d), kk, vv, attn_mask=mask,
+                                               scale=self.scale)
+            o = self._linear(o.reshape(b, hq * d), layer.o)
+            residual = o + residual
+            x = self._norm(residual, layer.post_norm)
+            gu = self._linear(x, layer.gate_up)
+            hidden = self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], layer.down)
+        return self._norm(hidden + residual, m.norm)
+
+
+def supports(model, meta) -> bool:
+    """Whether ``CpuDecoder`` can run this step: a CPU model, a pure decode step, neox rope over the whole head."""
+    return (model.device.type == "cpu" and model.cpu_fast_decode and meta.is_decode and meta.block_tables is not None
+            and model.cos_sin.shape[1] == model.config.head_dim and math.isfinite(model.scale))
