@@ -40,7 +40,8 @@ PREFILL_CASES = ((1, 4096, 0), (1, 16384, 0), (4, 1024, 0), (2, 512, 3584))
 DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s, per_sm=p, heads_fastest=hf)
                 for p in (8, 16, 4, 32)
                 for hf in (1, 0)
-                for bn, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (32, 2, 4))]
+                for bn, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (64, 4, 5), (32, 4, 6),
+                                 (128, 8, 4))]
 PREFILL_SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, tma=t)
                  for m, n, w, s, t in ((128, 64, 8, 2, 0), (128, 64, 8, 2, 1), (128, 128, 8, 2, 1), (128, 64, 8, 3, 1),
                                        (128, 128, 8, 3, 1), (128, 64, 8, 3, 0), (128, 128, 8, 2, 0), (64, 64, 4, 3, 1),

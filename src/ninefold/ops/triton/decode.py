@@ -32,22 +32,21 @@ CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
 @triton.jit
 def _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch, stride_btb, scale_log2e,
                  m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys [n0, n0 + BLOCK_N) (masked at ``end``) folded into the online softmax."""
+    """Keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``; at least one is live) into the online softmax."""
     e = tl.arange(0, D)
     n = n0 + tl.arange(0, BLOCK_N)
     nm = n < end
     page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=nm, other=0).to(tl.int64)
     offs = page * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
     k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     s = tl.where(nm[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the end: nothing to add
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -78,18 +77,19 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
         for i in range(STATIC_ITERS):
-            m_i, l_i, acc = _decode_step(q, start + i * BLOCK_N, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb,
-                                         stride_co, stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N,
-                                         PAGE, PRECISION)
+            n0 = start + i * BLOCK_N
+            if n0 < end:
+                m_i, l_i, acc = _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co,
+                                             stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE,
+                                             PRECISION)
     else:
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):  # every tile holds at least one key: finite maxima
             m_i, l_i, acc = _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch,
                                          stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE, PRECISION)
     row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
-    has_keys = start < end
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=gm[:, None])
-    lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
+    lse = tl.where(start < end, m_i + tl.log2(safe_l), float("-inf"))
     tl.store(lse_ptr + row, lse, mask=gm)
 
 
