@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-profile ops-memory ops-attention serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-profile ops-memory ops-attention ops-gemv dsl-sweep serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -26,7 +26,8 @@ step_command() {
     llm-bench) echo 'python3 -m ninefold.bench.llm' ;;
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
     ops-memory) echo 'python3 -m ninefold.bench.ops_memory' ;;
-    ops-attention) echo 'python3 -m ninefold.bench.ops_attention' ;;
+    ops-attention) echo 'python3 -m pytest tests/ops/test_attention.py -q -n 4 -k cuda -p no:cacheprovider; python3 -m ninefold.bench.ops_attention' ;;
+    dsl-sweep) echo 'python3 -m ninefold.bench.dsl --sweep all' ;;
     ops-gemv) echo 'python3 -m ninefold.bench.ops_gemv' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
