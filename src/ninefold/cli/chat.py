@@ -30,6 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the best available)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs (int4 kernel), int4 = packed on any device, none = dequantized to --dtype (exact)")
     p.set_defaults(func=run)
 
 
@@ -149,7 +150,7 @@ def _load(args: argparse.Namespace):
     print(f"ninefold chat: loading {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     model = str(hub.resolve_model(args.model))
-    engine = LLMEngine(model, dtype=args.dtype, device=args.device)
+    engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"))
     return engine, name, time.perf_counter() - start
 
 

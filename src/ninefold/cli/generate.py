@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs (int4 kernel), int4 = packed on any device, none = dequantized to --dtype (exact)")
     p.set_defaults(func=run)
 
 
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
-        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)
+        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                           quantization=args.quantization)
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("model: has no tokenizer, so text prompts cannot be encoded")
