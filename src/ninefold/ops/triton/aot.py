@@ -70,30 +70,17 @@ def compile_variant(variant: Variant, dtype: torch.dtype, target: GPUTarget):
                                                           "num_stages": variant.num_stages})
 
 
+_MEMORY_BOUND = {"rms_norm": norm, "add_rms_norm": norm, "silu_and_mul": activation, "gelu_and_mul": activation,
+                 "softmax": softmax, "rope": rope}
+
+
 def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
     """The specialisations ``op`` launches at ``shapes`` (a ``ninefold.ops.workloads.Shapes``)."""
     p2 = triton.next_power_of_2
     precision = "ieee" if dtype == torch.float32 else "tf32"
     group = shapes.heads // shapes.kv_heads
-    if op in ("rms_norm", "add_rms_norm"):
-        block = p2(shapes.hidden)
-        return [Variant(op, norm.rms_norm_kernel, {"HAS_RESIDUAL": op == "add_rms_norm", "BLOCK_D": block},
-                        num_warps=norm._warps(block))]
-    if op in ("silu_and_mul", "gelu_and_mul"):
-        acts = [0] if op == "silu_and_mul" else [1, 2]
-        return [Variant(op, activation.gated_kernel, {"ACT": a, "BLOCK": activation.BLOCK}) for a in acts]
-    if op == "softmax":
-        found = []
-        for n in (shapes.softmax_width, shapes.vocab):
-            single, block, warps = softmax.config(n)
-            found.append(Variant(op, softmax.softmax_kernel, {"SINGLE": single, "BLOCK": block, "STATIC_N": 0},
-                                 num_warps=warps))
-        return found
-    if op == "rope":
-        half = shapes.head_dim // 2
-        return [Variant(op, rope.rope_kernel, {"HALF": half, "IS_NEOX": neox, "BLOCK_H": p2(h), "BLOCK_HALF": p2(half),
-                                               "BLOCK_TAIL": 0})
-                for neox in (True, False) for h in sorted({shapes.heads, shapes.kv_heads})]
+    if op in _MEMORY_BOUND:  # the launchers list what they run
+        return [Variant(op, **v) for v in _MEMORY_BOUND[op].aot_variants(op, dtype, shapes)]
     if op == "linear":
         qkv = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
         found = []
