@@ -51,8 +51,9 @@ def _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_c
 
 
 @triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "batch", "kv_heads", "heads_fastest"])
-def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, scale_log2e,
-                        stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, tokens_per_split,
+def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, scale_log2e,
+                        stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch, stride_btb,
+                        tokens_per_split,
                         num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
                         STATIC_ITERS: tl.constexpr):
@@ -86,11 +87,15 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
         for n0 in range(start, end, BLOCK_N):  # every tile holds at least one key: finite maxima
             m_i, l_i, acc = _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch,
                                          stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE, PRECISION)
-    row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=gm[:, None])
-    lse = tl.where(start < end, m_i + tl.log2(safe_l), float("-inf"))
-    tl.store(lse_ptr + row, lse, mask=gm)
+    if num_splits == 1:  # the whole context in one program: the output itself, no merge
+        tl.store(out_ptr + b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + e[None, :],
+                 (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
+    else:
+        row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
+        tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=gm[:, None])
+        lse = tl.where(start < end, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=gm)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -115,6 +120,12 @@ def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+@functools.cache
+def _unused(device: torch.device) -> torch.Tensor:
+    """A float32 placeholder for the partial-result pointers of an unsplit launch (never written)."""
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
@@ -151,15 +162,19 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
-    part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
+    if splits > 1:
+        scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
+        part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
+    else:  # the split kernel writes ``out`` itself
+        part = lse = _unused(q.device)
     decode_split_kernel[(b * hk, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits, b, hk,
+        q, k_cache, v_cache, block_tables, context_lens, part, lse, out, scale * LOG2E, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits, b, hk,
         int(config.get("heads_fastest", 0)), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
         STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config["num_warps"],
         num_stages=config["num_stages"])
-    decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
-                                 BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    if splits > 1:
+        decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
+                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out
