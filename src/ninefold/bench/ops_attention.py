@@ -8,7 +8,8 @@ contiguous tensors, and a sweep of the Triton kernels' launch configurations.
    (and every swept launch configuration before it is timed) against a float64 evaluation of the
    same call written here (dense masks over gathered keys), ragged lengths, GQA, a paged prefix.
 2. Ceilings measured in this process: device copy bandwidth (1 GiB) and a bf16 8192^3 matmul.
-3. Timings (median over calls, each after an L2 flush, CUDA events): decode at B in {1, 16, 64}
+3. Timings (median over calls, each after an L2 flush, CUDA events; "triton(no flush)" is a lone
+   call without it, host launch included): decode at B in {1, 16, 64}
    x 4096 and B=8 x 32768 (GB/s over the KV bytes read, % of copy bandwidth); prefill at B=1 L in
    {4096, 16384}, B=4 L=1024, B=2 x 512 new over 3584 cached (causal TFLOP/s, % of the matmul
    rate); torch SDPA per backend (FLASH, CUDNN, EFFICIENT) on contiguous [B, H, L, D] tensors.
@@ -100,7 +101,7 @@ class Timer:
         self.device = device
         self.flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if device.type == "cuda" else None
 
-    def __call__(self, fn, repeats: int = 20, max_seconds: float = 0.5) -> float:
+    def __call__(self, fn, repeats: int = 20, max_seconds: float = 0.5, flush: bool = True) -> float:
         fn()
         times = []
         deadline = time.perf_counter() + max_seconds
@@ -112,7 +113,8 @@ class Timer:
             return statistics.median(times)
         torch.cuda.synchronize()
         for _ in range(repeats):
-            self.flush.zero_()
+            if flush:
+                self.flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -309,9 +311,11 @@ def time_cases(op, shapes, device, dtype, ceiling, timer) -> list[dict]:
             candidates.update(sdpa_variants(op, bound, device))
         except Exception as error:  # noqa: BLE001
             entry["sdpa_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        if "triton" in candidates:  # what a lone call costs, host launch included (the flush hides it)
+            candidates["triton(no flush)"] = candidates["triton"]
         for name, fn in candidates.items():
             try:
-                us = timer(fn)
+                us = timer(fn, flush=name != "triton(no flush)")
             except Exception as error:  # noqa: BLE001
                 entry["impls"][name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
                 print(f"time  {op:17s} {case.label:24s} {name:28s} error {error}")
@@ -319,6 +323,7 @@ def time_cases(op, shapes, device, dtype, ceiling, timer) -> list[dict]:
             text, fraction = _rate(op, case, us, ceiling)
             entry["impls"][name] = {"us": round(us, 2), "fraction": round(fraction, 4)}
             print(f"time  {op:17s} {case.label:24s} {name:28s} {us:10.1f} us  {text}  {fraction * 100:5.1f}%")
+        print(f"      {op:17s} {case.label:24s} dispatch chooses {entry['choice']}")
         rows.append(entry)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -398,7 +403,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="cuda (default when present) or cpu (Triton through TRITON_INTERPRET=1)")
     parser.add_argument("--dtype", help="bfloat16 on CUDA (default), float32 on the CPU")
     parser.add_argument("--shapes", help="llama-8b (default on CUDA) or tiny / smollm2")
-    parser.add_argument("--budget", type=float, default=150.0, help="seconds after which sweeps stop starting configs")
+    parser.add_argument("--budget", type=float, default=130.0, help="seconds after which sweeps stop starting configs")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     args = parser.parse_args(argv)
     args.argv = argv
