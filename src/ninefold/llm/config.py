@@ -209,8 +209,9 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
     load_format: str = "auto"
-    # GGUF 4-bit matrices: "auto" keeps them packed where that is the fast path (CPU), "int4" keeps
-    # them packed on any device, "none" dequantizes everything to ``dtype`` (the exact path).
+    # GGUF 4-bit and Q8_0 matrices: "auto" keeps them packed where that is the fast path (bfloat16
+    # on CPUs), "int4" keeps them packed on any device and dtype, "none" dequantizes everything to
+    # ``dtype`` (the exact path).
     quantization: str = "auto"
     seed: int = 0
 

@@ -68,7 +68,7 @@ class LlamaForCausalLM:
 
     GGUF matrices that arrive quantized (``gguf_packed.Int4Codes`` / ``Q8Codes``, see
     ``config.raw["ninefold_quantization"]``) become ``PackedLinear`` layers on ``ops.linear_int4``
-    where that mode asks for it ("auto": on CPUs, with a dense copy for prefill within
+    where that mode asks for it ("auto": bfloat16 on CPUs, with a dense copy for prefill within
     ``DENSE_COPY_BUDGET``; "int4": on any device, packed only); otherwise they are dequantized.
     """
 
@@ -121,7 +121,9 @@ class LlamaForCausalLM:
 
     def _setup_packing(self, config: ModelConfig) -> None:
         mode = config.raw.get("ninefold_quantization", "none")
-        self.pack = mode == "int4" or (mode == "auto" and self.device.type == "cpu")
+        # torch's CPU int4 kernel is fast for bfloat16 activations only (float32/float16 take a
+        # scalar path ~20x slower than a dense matmul), so "auto" packs for bfloat16 on CPUs.
+        self.pack = mode == "int4" or (mode == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16)
         c = config
         layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size
                                                       + 3 * c.intermediate_size)
