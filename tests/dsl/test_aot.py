@@ -16,10 +16,10 @@ def test_compile_writes_cubins_and_metadata(tmp_path):
         {"args": tuple(torch.empty(8, 8) for _ in range(3)), "kwargs": {"BM": 32, "BN": 32, "BK": 32}},
     ]
     paths = aot.compile(mm, signatures, target="cuda:90", out=tmp_path)
-    assert [p.name for p in paths] == ["mm_application_0.json", "mm_application_1.json"]
+    assert [p.name for p in paths] == ["mm_0.json", "mm_1.json"]
     meta = json.loads(paths[1].read_text())
     assert (tmp_path / meta["cubin"]).read_bytes()[:4] == b"\x7fELF"
-    assert meta["function"] == "mm_application_kernel" and meta["target"] == "cuda:90"
+    assert meta["function"] == "mm_kernel" and meta["target"] == "cuda:90"
     assert meta["dtypes"] == {"a": "float32", "b": "float32", "c": "float32"}
     assert len(meta["ptx_params"]) >= sum(not a["constexpr"] for a in meta["arguments"])
 
@@ -45,4 +45,4 @@ def test_compile_checks_its_arguments(tmp_path):
     aot.compile(mm, [(torch.empty(8, 8),) * 3], out=tmp_path / "add")
     with pytest.raises(ValueError, match="pass kernel_name"):
         aot.load(tmp_path / "add")
-    assert aot.load(tmp_path / "add", "add_application").artifacts
+    assert aot.load(tmp_path / "add", "add").artifacts

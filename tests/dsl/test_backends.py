@@ -5,73 +5,17 @@ import torch
 
 import ninefold.dsl as nd
 import ninefold.dsl.language as nl
-from ninefold.dsl import Symbol, Tensor, block_size
+from ninefold.dsl import Symbol, Tensor, block_size, examples
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
+add = examples.add_kernel()
+row_sum = examples.row_sum_kernel(rows=(1, 8), cols=(4, 64))
+mm = examples.mm_kernel(m=(16, 64), n=(16, 64), k=(16, 64))
+axpy = examples.axpy_kernel()
+softmax_rows = examples.softmax_rows_kernel()
 BLOCK = block_size()
-
-
-def add_arrangement(x, y, z, BLOCK=BLOCK):
-    return x.tile((BLOCK,)), y.tile((BLOCK,)), z.tile((BLOCK,))
-
-
-def add_application(x, y, z):
-    z = x + y  # noqa: F841
-
-
-add = nd.make(add_arrangement, add_application, (Tensor(1), Tensor(1), Tensor(1)))
-
-ROWS = Symbol("ROWS", meta=True, lower_bound=1, upper_bound=8)
-COLS = Symbol("COLS", meta=True, lower_bound=4, upper_bound=64)
-
-
-def row_sum_arrangement(x, out, ROWS=ROWS, COLS=COLS):
-    tiles = x.tile((ROWS, COLS)).tile((1, -1))  # programs: row blocks; middle: column tiles
-    tiles.dtype = tiles.dtype.squeeze(0)
-    return tiles.squeeze(1), out.tile((ROWS,))
-
-
-def row_sum_application(x, out):
-    acc = nl.zeros((out.shape[0],), dtype=nl.float32)
-    for j in range(x.shape[0]):
-        acc += nl.sum(x[j].to(nl.float32), axis=1)
-    out = acc  # noqa: F841
-
-
-row_sum = nd.make(row_sum_arrangement, row_sum_application, (Tensor(2), Tensor(1)))
-
-BM, BN, BK = (Symbol(n, meta=True, lower_bound=16, upper_bound=64) for n in ("BM", "BN", "BK"))
-
-
-def mm_arrangement(a, b, c, BM=BM, BN=BN, BK=BK):
-    c_tiles = c.tile((BM, BN))
-    a_tiles = a.tile((BM, BK)).tile((1, -1)).expand((-1, c_tiles.shape[1]))
-    a_tiles.dtype = a_tiles.dtype.squeeze(0)
-    b_tiles = b.tile((BK, BN)).tile((-1, 1)).expand((c_tiles.shape[0], -1))
-    b_tiles.dtype = b_tiles.dtype.squeeze(1)
-    return a_tiles, b_tiles, c_tiles
-
-
-def mm_application(a, b, c):
-    acc = nl.zeros(c.shape, dtype=nl.float32)
-    for k in range(a.shape[0]):
-        acc += nl.dot(a[k], b[k])
-    c = acc  # noqa: F841
-
-
-mm = nd.make(mm_arrangement, mm_application, (Tensor(2), Tensor(2), Tensor(2)))
-
-
-def axpy_arrangement(x, alpha, y, BLOCK=BLOCK):
-    return x.tile((BLOCK,)), alpha, y.tile((BLOCK,))
-
-
-def axpy_application(x, alpha, y):
-    y += alpha * x
-
-
-axpy = nd.make(axpy_arrangement, axpy_application, (Tensor(1), Tensor(0), Tensor(1)))
+WIDTH = Symbol("WIDTH", constexpr=True)
 
 
 def square_arrangement(x, y, BLOCK=BLOCK):
@@ -83,18 +27,6 @@ def square_application(x, y):
 
 
 square = nd.make(square_arrangement, square_application, (Tensor(1), Tensor(1)))
-
-WIDTH = Symbol("WIDTH", constexpr=True)
-
-
-@nd.jit
-def softmax_rows(
-    x: Tensor(2, other=float("-inf")).tile((1, WIDTH)),
-    y: Tensor(2).tile((1, WIDTH)),
-):
-    shifted = x - nl.max(x)
-    e = nl.exp(shifted)
-    y = e / nl.sum(e)  # noqa: F841
 
 
 def random(shape, dtype, seed, noncontiguous=False):
@@ -170,7 +102,7 @@ def test_jit_softmax_with_a_non_power_of_two_constexpr(backend):
 
 
 def test_identical_makes_generate_identical_code():
-    again = nd.make(mm_arrangement, mm_application, (Tensor(2), Tensor(2), Tensor(2)))
+    again = examples.mm_kernel(m=(16, 64), n=(16, 64), k=(16, 64))
     assert again.source == mm.source
     assert "BLOCK_SIZE" not in mm.source and "BM: tl.constexpr" in mm.source
 

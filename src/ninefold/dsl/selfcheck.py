@@ -23,85 +23,13 @@ import time
 
 import torch
 
-import ninefold.dsl as nd
-import ninefold.dsl.language as nl
-from ninefold.dsl import Symbol, Tensor, block_size
+from ninefold.dsl import examples
 
-BLOCK = block_size()
-
-
-def add_arrangement(x, y, z, BLOCK=BLOCK):
-    return x.tile((BLOCK,)), y.tile((BLOCK,)), z.tile((BLOCK,))
-
-
-def add_application(x, y, z):
-    z = x + y  # noqa: F841
-
-
-add = nd.make(add_arrangement, add_application, (Tensor(1), Tensor(1), Tensor(1)))
-
-ROWS = Symbol("ROWS", meta=True, lower_bound=1, upper_bound=16)
-COLS = Symbol("COLS", meta=True, lower_bound=16, upper_bound=256)
-
-
-def row_sum_arrangement(x, out, ROWS=ROWS, COLS=COLS):
-    tiles = x.tile((ROWS, COLS)).tile((1, -1))
-    tiles.dtype = tiles.dtype.squeeze(0)
-    return tiles.squeeze(1), out.tile((ROWS,))
-
-
-def row_sum_application(x, out):
-    acc = nl.zeros((out.shape[0],), dtype=nl.float32)
-    for j in range(x.shape[0]):
-        acc += nl.sum(x[j].to(nl.float32), axis=1)
-    out = acc  # noqa: F841
-
-
-row_sum = nd.make(row_sum_arrangement, row_sum_application, (Tensor(2), Tensor(1)))
-
-BM = Symbol("BM", meta=True, lower_bound=32, upper_bound=128)
-BN = Symbol("BN", meta=True, lower_bound=32, upper_bound=256)
-BK = Symbol("BK", meta=True, lower_bound=32, upper_bound=64)
-
-
-def mm_arrangement(a, b, c, BM=BM, BN=BN, BK=BK):
-    c_tiles = c.tile((BM, BN))
-    a_tiles = a.tile((BM, BK)).tile((1, -1)).expand((-1, c_tiles.shape[1]))
-    a_tiles.dtype = a_tiles.dtype.squeeze(0)
-    b_tiles = b.tile((BK, BN)).tile((-1, 1)).expand((c_tiles.shape[0], -1))
-    b_tiles.dtype = b_tiles.dtype.squeeze(1)
-    return a_tiles, b_tiles, c_tiles
-
-
-def mm_application(a, b, c):
-    acc = nl.zeros(c.shape, dtype=nl.float32)
-    for k in range(a.shape[0]):
-        acc += nl.dot(a[k], b[k])
-    c = acc  # noqa: F841
-
-
-mm = nd.make(mm_arrangement, mm_application, (Tensor(2), Tensor(2), Tensor(2)))
-
-
-def axpy_arrangement(x, alpha, y, BLOCK=BLOCK):
-    return x.tile((BLOCK,)), alpha, y.tile((BLOCK,))
-
-
-def axpy_application(x, alpha, y):
-    y += alpha * x
-
-
-axpy = nd.make(axpy_arrangement, axpy_application, (Tensor(1), Tensor(0), Tensor(1)))
-
-WIDTH = Symbol("WIDTH", constexpr=True)
-
-
-@nd.jit
-def softmax_rows(x: Tensor(2, other=float("-inf")).tile((1, WIDTH)), y: Tensor(2).tile((1, WIDTH))):
-    shifted = x - nl.max(x)
-    e = nl.exp(shifted)
-    y = e / nl.sum(e)  # noqa: F841
-
+add = examples.add_kernel()
+row_sum = examples.row_sum_kernel(rows=(1, 16), cols=(16, 256))
+mm = examples.mm_kernel(m=(32, 128), n=(32, 256), k=(32, 64))
+axpy = examples.axpy_kernel()
+softmax_rows = examples.softmax_rows_kernel()
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

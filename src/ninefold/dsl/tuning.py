@@ -44,6 +44,8 @@ def tuning_key(kernel, bound) -> str:
     for s in kernel.symbols:
         if s in bound.env:
             parts.append(f"{kernel.symbol_names[s]}={bound.env[s]}")
+        elif s.meta:  # kernels that differ only in these bounds share the source hash
+            parts.append(f"{kernel.symbol_names[s]}:{s.lower_bound}-{s.upper_bound}")
     device = torch.cuda.get_device_name(bound.device) if bound.device.type == "cuda" else str(bound.device)
     parts.append(f"device={device}")
     parts.append(f"triton={triton.__version__}")
