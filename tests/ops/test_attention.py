@@ -205,3 +205,21 @@ def test_attention_prefill_takes_max_seqlen_bounds(device, impl, dtype):
                max_seqlen_k=20)
     assert_close(out, ref.attention_prefill(q, k, v, cu(q_lens, device), cu(k_lens, device)), dtype,
                  scale=ATTENTION_SCALE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", [dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=1),
+                                    dict(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=1),
+                                    dict(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=0)],
+                         ids=["tma-m128n64", "tma-m128n128", "m64n64"])
+def test_triton_prefill_launch_configs_cuda(config):
+    """Llama-3-8B heads in bfloat16 under each swept configuration (TMA descriptors included)."""
+    from ninefold.ops.triton import prefill
+
+    device, hq, hk, d = "cuda", 32, 8, 128
+    q_lens, k_lens = [1, 300, 129, 700], [1, 300, 200, 700]
+    q = packed(q_lens, hq, d, torch.bfloat16, device, 41)
+    k, v = packed(k_lens, hk, d, torch.bfloat16, device, 42), packed(k_lens, hk, d, torch.bfloat16, device, 43)
+    args = (q, k, v, cu(q_lens, device), cu(k_lens, device), None, None, None, None)
+    assert_close(prefill.launch(*args, config), ref.attention_prefill(*args[:5]), torch.bfloat16,
+                 scale=ATTENTION_SCALE)
