@@ -30,24 +30,27 @@ CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
 
 
 @triton.jit
-def _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch, stride_btb, scale_log2e,
-                 m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
-    """Keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``; at least one is live) into the online softmax."""
+def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch, stride_btb,
+                 scale_log2e, m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``; at least one is live; ``page``: their blocks)
+    into the online softmax; also returns the next tile's blocks (read a tile ahead)."""
     e = tl.arange(0, D)
     n = n0 + tl.arange(0, BLOCK_N)
     nm = n < end
-    page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=nm, other=0).to(tl.int64)
-    offs = page * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
+    offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
     k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
+    v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
+    nxt = n + BLOCK_N
+    page = tl.load(bt_ptr + b * stride_btb + nxt // PAGE, mask=nxt < end, other=0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     s = tl.where(nm[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2e - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, page
 
 
 @triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "batch", "kv_heads", "heads_fastest"])
@@ -76,17 +79,20 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
+    first = start + tl.arange(0, BLOCK_N)
+    page = tl.load(bt_ptr + b * stride_btb + first // PAGE, mask=first < end, other=0)
     if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
         for i in range(STATIC_ITERS):
             n0 = start + i * BLOCK_N
             if n0 < end:
-                m_i, l_i, acc = _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co,
-                                             stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE,
-                                             PRECISION)
+                m_i, l_i, acc, page = _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb,
+                                                   stride_co, stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D,
+                                                   BLOCK_N, PAGE, PRECISION)
     else:
         for n0 in range(start, end, BLOCK_N):  # every tile holds at least one key: finite maxima
-            m_i, l_i, acc = _decode_step(q, n0, end, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch,
-                                         stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE, PRECISION)
+            m_i, l_i, acc, page = _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co,
+                                               stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE,
+                                               PRECISION)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     if num_splits == 1:  # the whole context in one program: the output itself, no merge
         tl.store(out_ptr + b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + e[None, :],
