@@ -1,6 +1,10 @@
 """CPU benchmark of the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), against its peers.
 
-    python -m ninefold.bench.cpu [--threads N] [--systems ninefold-bf16,ninefold-f32,hf-f32,hf-bf16,llama.cpp]
+    python -m ninefold.bench.cpu [--threads N] [--systems ninefold-bf16,ninefold-bf16-exact,ninefold-f32,hf-f32,hf-bf16,llama.cpp]
+
+ninefold runs three ways: `ninefold-bf16` is the default CPU path (bfloat16, `quantization="auto"`:
+the Q4_1 matrices stay packed for torch's int4 kernel, the Q8_0 lm_head runs as two int4 halves),
+`ninefold-bf16-exact` and `ninefold-f32` dequantize every weight at load (`quantization="none"`).
 
 For each system, in this one process: load time (from the cached .gguf), batch-1 decode tok/s,
 prefill tok/s of a 512-token prompt, and batch-8 decode tok/s (output tokens of all 8 sequences per
@@ -25,7 +29,10 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("ninefold-bf16", "ninefold-f32", "hf-f32", "hf-bf16", "llama.cpp")
+SYSTEMS = ("ninefold-bf16", "ninefold-bf16-exact", "ninefold-f32", "hf-f32", "hf-bf16", "llama.cpp")
+# system -> (dtype, quantization)
+NINEFOLD = {"ninefold-bf16": ("bfloat16", "auto"), "ninefold-bf16-exact": ("bfloat16", "none"),
+            "ninefold-f32": ("float32", "none")}
 EOS = 2
 
 
@@ -75,13 +82,13 @@ def _best(values):
 
 # ----------------------------------------------------------------------------- ninefold
 
-def bench_ninefold(path: Path, dtype: str, work: Workload) -> Result:
+def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "auto") -> Result:
     from ninefold.llm.api import LLM
     from ninefold.llm.sampling import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(str(path), dtype=dtype, device="cpu", enable_prefix_caching=False, max_model_len=2048,
-              max_num_seqs=max(8, len(work.batch)))
+              max_num_seqs=max(8, len(work.batch)), quantization=quantization)
     load = time.perf_counter() - start
     engine = llm.engine
 
@@ -115,7 +122,9 @@ def bench_ninefold(path: Path, dtype: str, work: Workload) -> Result:
         prefill.append(len(work.long) / first)
         _, seconds, tokens = run(work.batch, work.decode_tokens)
         decode8.append(tokens / seconds)
-    return Result(f"ninefold {dtype}", load, _best(decode1), _best(prefill), _best(decode8))
+    packed = "packed int4 (Q4_1 codes; Q8_0 lm_head as 2 int4 halves)" if engine.model.packed else "dequantized at load"
+    return Result(f"ninefold {dtype}" + ("" if engine.model.packed or dtype == "float32" else " exact"), load,
+                  _best(decode1), _best(prefill), _best(decode8), note=f"quantization={quantization!r}: {packed}")
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -276,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         try:
             if system.startswith("ninefold"):
-                result = bench_ninefold(path, "bfloat16" if system.endswith("bf16") else "float32", work)
+                dtype, quantization = NINEFOLD[system]
+                result = bench_ninefold(path, dtype, work, quantization)
             elif system == "hf-f32":
                 result, hf_model = bench_transformers(path, torch.float32, work)
                 hf_load = result.load_s

@@ -12,8 +12,9 @@ matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy). The mod
   than torch's per-channel int8 kernel and than bf16, and far closer to the exact logits than a
   4-bit requantization.
 
-A ``PackedLinear`` may also hold a dense copy for large batches (``dense``): torch's int4 kernel wins
-for a few rows (decode) but loses ~2.5x to a dense bf16 GEMM at 64+ rows (prefill).
+A ``PackedLinear`` may also hold a dense copy for larger batches (``dense``): torch's int4 kernel wins
+for a few rows (batch-1 decode) but loses to a dense bf16 GEMM from ~8 rows on (~2.5x at 64+ rows,
+prefill). A tied lm_head's dense copy is the embedding table itself (no extra memory).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import torch
 
 from ninefold import ops
 
-# Steps with more rows than this use the dense copy when there is one (int4 wins up to ~16 rows here).
-DENSE_MIN_ROWS = 32
+# Steps with more rows than this use the dense copy when there is one. Measured on the 2-core EPYC
+# (bf16, 1 thread): int4 is 2-8x faster than dense at 1-4 rows, even at 8 (layers) or slower
+# (the doubled Q8_0 lm_head), and 1.5-2.5x slower from 16 rows on.
+DENSE_MIN_ROWS = 4
 
 
 @dataclass
@@ -107,11 +110,12 @@ class PackedLinear:
         self.shape = (n, k)
         self.doubled = doubled  # Q8_0 as two 4-bit halves: the input is [x, x]
         self.dense = dense
+        self.dense_shared = False  # the dense copy belongs to another owner (a tied embedding): not counted
         self._impls: dict = {}
 
     @property
     def nbytes(self) -> int:
-        dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+        dense = 0 if self.dense is None or self.dense_shared else self.dense.numel() * self.dense.element_size()
         return self.weight.nbytes + dense
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

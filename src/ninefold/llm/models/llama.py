@@ -96,8 +96,7 @@ class LlamaForCausalLM:
         if config.tie_word_embeddings:
             fused["lm_head"] = self._matrix([embed], dense_copy=False)
         elif "lm_head.weight" in tensors:
-            fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))],
-                                            dense_copy=False)
+            fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))])
         else:
             raise ValueError("checkpoint: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
         if isinstance(embed, QUANTIZED):
@@ -110,6 +109,9 @@ class LlamaForCausalLM:
         self.weights = WeightStore({n: t for n, t in fused.items() if n not in self.packed}, device, dtype=dtype)
         w = {**self.weights, **self.packed}
         self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
+        if config.tie_word_embeddings and type(self.lm_head) is PackedLinear and self.dense_copies:
+            self.lm_head.dense = self.embed  # batches of more rows read the embedding table itself
+            self.lm_head.dense_shared = True
         self.layers = [
             LayerWeights(*(w.get(f"{i}.{name}") for name in LayerWeights.__dataclass_fields__))
             for i in range(config.num_layers)
