@@ -46,6 +46,15 @@ want = w + 0.5 * x[:77]
 axpy(x[:77], torch.tensor(0.5), w, backend="triton")  # a 0-dim tensor for the scalar: not cached
 assert torch.allclose(w, want), "axpy tensor scalar"
 assert len(axpy._launchers) == 3, axpy._launchers
+# the persistent form: few programs, each looping over output tiles (here 4 per program)
+from ninefold.dsl import examples
+pm = examples.mm_kernel()
+pm.persistent = True
+a, b = torch.randn(130, 70), torch.randn(70, 100)
+c = torch.empty(130, 100)
+pm(a, b, c, backend="triton", BM=16, BN=32, BK=16)
+assert torch.allclose(c, a @ b, atol=1e-4), "persistent mm"
+assert "tl.num_programs(0)" in next(v for k, v in pm._cache.items() if k[0] == "triton")[0].source
 print("launched")
 """
 

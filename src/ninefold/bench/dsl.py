@@ -542,7 +542,7 @@ def plot(workloads, path, device_name):
 
 # --------------------------------------------------------------------------- focused sweeps
 SWEEP_DEVICE = "cuda"  # tests run the sweeps' code on cpu tensors under TRITON_INTERPRET=1
-MM_SWEEP = (  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+MM_SWEEP = (  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, "persistent"]
     (128, 256, 64, 8, 3),
     (128, 256, 64, 8, 4),
     (256, 128, 64, 8, 3),
@@ -554,8 +554,11 @@ MM_SWEEP = (  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 256, 32, 8, 4),
     (64, 256, 64, 4, 4),
     (128, 128, 32, 4, 4),
+    (128, 256, 64, 8, 3, "persistent"),
+    (128, 128, 64, 8, 3, "persistent"),
+    (128, 128, 64, 4, 4, "persistent"),
 )
-SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages
+SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages[, "persistent"]
     (128, 64, 8, 3),
     (128, 64, 8, 4),
     (128, 64, 4, 3),
@@ -565,13 +568,16 @@ SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages
     (64, 64, 4, 3),
     (64, 64, 4, 4),
     (64, 128, 4, 3),
+    (128, 64, 8, 3, "persistent"),
 )
 
 
-def _fixed(arrangement, application, tensors, warps, stages):
+def _fixed(arrangement, application, tensors, warps, stages, *flags):
     import ninefold.dsl as nd
 
-    return nd.make(arrangement, application, tensors, num_warps=warps, num_stages=stages)
+    kernel = nd.make(arrangement, application, tensors, num_warps=warps, num_stages=stages)
+    kernel.persistent = "persistent" in flags
+    return kernel
 
 
 def _sweep_row(label, fn, reference, dtype, flops, ceiling):
@@ -611,15 +617,16 @@ def _sweep_mm_shape(size, dtype):
     flops = 2.0 * size**3
     ceiling = flops / _gpu_time(lambda: torch.mm(a, b))
     rows = [_sweep_row("tuned (mm.mm)", lambda: mm.mm(a, b), reference, dtype, flops, ceiling)]
-    for bm, bn, bk, w, st in tqdm(MM_SWEEP, desc=f"mm {size} {dtype}", file=sys.stderr):
-        kernel = _fixed(mm.arrangement, mm.application, (Tensor(2), Tensor(2), Tensor(2)), w, st)
+    for bm, bn, bk, w, st, *flags in tqdm(MM_SWEEP, desc=f"mm {size} {dtype}", file=sys.stderr):
+        kernel = _fixed(mm.arrangement, mm.application, (Tensor(2), Tensor(2), Tensor(2)), w, st, *flags)
         c = torch.empty((size, size), dtype=dtype, device=SWEEP_DEVICE)
 
         def call(kernel=kernel, c=c, bm=bm, bn=bn, bk=bk):
             kernel(a, b, c, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
             return c
 
-        rows.append(_sweep_row(f"{bm}x{bn}x{bk} w{w} s{st}", call, reference, dtype, flops, ceiling))
+        label = " ".join([f"{bm}x{bn}x{bk} w{w} s{st}", *flags])
+        rows.append(_sweep_row(label, call, reference, dtype, flops, ceiling))
     plain_configs = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3))
     for bm, bn, bk, w, st in plain_configs if size % 256 == 0 else ():
 
@@ -662,15 +669,15 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
 
     rows.append(_sweep_row("tuned", tuned, reference, dtype, flops, ceiling))
     scale = 1.0 / math.sqrt(d)
-    for bm, bn, w, st in tqdm(SDPA_SWEEP, desc=f"sdpa S{s} D{d}", file=sys.stderr):
-        kernel = _fixed(attention.arrangement, attention.application, attention.tensors(), w, st)
+    for bm, bn, w, st, *flags in tqdm(SDPA_SWEEP, desc=f"sdpa S{s} D{d}", file=sys.stderr):
+        kernel = _fixed(attention.arrangement, attention.application, attention.tensors(), w, st, *flags)
         o = torch.empty_like(q)
 
         def call(kernel=kernel, o=o, bm=bm, bn=bn):
             kernel(q, k, v, scale, causal, o, BLOCK_M=bm, BLOCK_N=bn)
             return o
 
-        rows.append(_sweep_row(f"{bm}x{bn} w{w} s{st}", call, reference, dtype, flops, ceiling))
+        rows.append(_sweep_row(" ".join([f"{bm}x{bn} w{w} s{st}", *flags]), call, reference, dtype, flops, ceiling))
     return rows
 
 

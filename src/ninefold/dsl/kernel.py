@@ -104,6 +104,7 @@ class Kernel:
         self.app = normalize(application, [p.name for p in self.params if not p.is_scalar])
         self._cache: dict = {}
         self._launchers: dict = {}  # call_key(...) -> prebuilt launch (see backends.triton.launcher)
+        self.persistent = False  # triton backend: one program per SM looping over the tiles
 
     # ------------------------------------------------------------------ naming
     def leaf_name(self, leaf) -> str:

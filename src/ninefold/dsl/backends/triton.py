@@ -147,22 +147,38 @@ def warm(kernel, bound, config):
 
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
+    key += (config.get("persistent", getattr(kernel, "persistent", False)),)
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:
         names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
-        generated, function = prepare(kernel, finished, interpret=interpreting())
+        persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
+        generated, function = prepare(kernel, finished, interpret=interpreting(), persistent=persistent)
         template = [
             (kind, payload) if kind in ("pointer", "scalar") else (None, value)
             for (_, kind, payload, _), value in zip(generated.arguments, argument_values(generated, finished))
         ]
         num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
         num_stages = kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES
-        entry = (function, grid_size(finished), template, num_warps, num_stages)
+        grid = grid_size(finished)
+        if persistent:
+            grid = min(grid, _sm_count(bound.device))
+        entry = (function, grid, template, num_warps, num_stages)
         kernel._cache[key] = entry
     return entry
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (a persistent launch starts one program per SM)."""
+    if device not in _SM_COUNTS:
+        cuda = device.type == "cuda"
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+    return _SM_COUNTS[device]
 
 
 class _null:

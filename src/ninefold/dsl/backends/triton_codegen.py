@@ -428,10 +428,13 @@ def as_expr_ast(expr, leaf_fn) -> ast.expr:
     return expr.to_ast(leaf_fn) if isinstance(expr, Expr) else ast.Constant(expr)
 
 
-def generate(kernel, spec, wide=False, interpret=False) -> Generated:
+def generate(kernel, spec, wide=False, interpret=False, persistent=False) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
     ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
+    ``persistent`` makes each launched program loop over the programs ``program_id(0)``,
+    ``+ num_programs(0)``, ... (a nest Triton flattens and pipelines across output tiles); the
+    launch then starts at most one program per SM.
     """
     namer = _Namer(kernel)
     lowering = _Lowering(kernel, spec, namer, interpret=interpret)
@@ -442,7 +445,19 @@ def generate(kernel, spec, wide=False, interpret=False) -> Generated:
     grid_shape = first.arranged._shape if first is not None else ()
     if grid_shape:
         body += _program_indices(kernel, grid_shape, namer, wide)
-    body = [_assign(name, value) for name, value in namer.hoisted.values()] + body + tree.body
+    if persistent and grid_shape:
+        total = None
+        for size in grid_shape:
+            term = namer.expr(size)
+            total = term if total is None else ast.BinOp(total, ast.Mult(), term)
+        start = body[0].value  # program = tl.program_id(0) (maybe widened)
+        body[0] = _assign("program", _name("program_linear"))
+        step = _call(_attr(TL, "num_programs"), ast.Constant(0))
+        loop_range = _call(_attr(TL, "range"), start, total, step, flatten=ast.Constant(True))
+        loop = ast.For(ast.Name("program_linear", ast.Store()), loop_range, body + tree.body, [], lineno=0)
+        body = [_assign(name, value) for name, value in namer.hoisted.values()] + [loop]
+    else:
+        body = [_assign(name, value) for name, value in namer.hoisted.values()] + body + tree.body
     arguments = []
     for p in kernel.params:
         if p.is_scalar:
