@@ -40,9 +40,14 @@ OPS = ("rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "gelu_and_mul", "r
 # Candidate launch configurations per operator (the module's OVERRIDE format).
 CANDIDATES = {
     "rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 1, "num_warps": 16},
-                 {"rows": 2, "num_warps": 8}, {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 16}],
+                 {"rows": 2, "num_warps": 8}, {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 16},
+                 {"rows": 1, "num_warps": 8, "per_sm": 8, "stages": 1},
+                 {"rows": 1, "num_warps": 8, "per_sm": 4, "stages": 2},
+                 {"rows": 2, "num_warps": 16, "per_sm": 2, "stages": 2}],
     "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 1, "num_warps": 16},
-                {"rows": 1, "num_warps": 32}, {"rows": 2, "num_warps": 16}, {"rows": 2, "num_warps": 32}],
+                {"rows": 1, "num_warps": 32}, {"rows": 2, "num_warps": 16}, {"rows": 2, "num_warps": 32},
+                {"rows": 1, "num_warps": 16, "per_sm": 4, "stages": 1},
+                {"rows": 1, "num_warps": 16, "per_sm": 2, "stages": 2}],
     "silu_and_mul": [{"block": 1024, "num_warps": 4}, {"block": 1024, "num_warps": 8}, {"block": 2048, "num_warps": 4},
                      {"block": 2048, "num_warps": 8}, {"block": 4096, "num_warps": 8}, {"block": 4096, "num_warps": 16}],
     "rope": [{"tokens": 1, "num_warps": 4}, {"tokens": 1, "num_warps": 8}, {"tokens": 2, "num_warps": 4},
@@ -51,8 +56,10 @@ CANDIDATES = {
 CANDIDATES["add_rms_norm"] = CANDIDATES["rms_norm"]
 CANDIDATES["gelu_and_mul"] = CANDIDATES["silu_and_mul"]
 # Smaller candidates where the interpreter runs the tiny shapes.
-CPU_CANDIDATES = {"rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2}],
-                  "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 2, "num_warps": 4}],
+CPU_CANDIDATES = {"rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2},
+                               {"rows": 2, "num_warps": 2, "per_sm": 1, "stages": 2}],
+                  "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 2, "num_warps": 4},
+                              {"rows": 2, "num_warps": 2, "per_sm": 1, "stages": 2}],
                   "silu_and_mul": [{"block": 16, "num_warps": 4}, {"block": 64, "num_warps": 4}],
                   "rope": [{"tokens": 1, "num_warps": 4}, {"tokens": 4, "num_warps": 4}]}
 CPU_CANDIDATES["add_rms_norm"] = CPU_CANDIDATES["rms_norm"]

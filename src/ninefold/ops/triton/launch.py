@@ -69,6 +69,18 @@ except ImportError:  # CPU-only torch builds
     pass
 
 
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 on the CPU, where the interpreter runs kernels)."""
+    found = _SMS.get(device)
+    if found is None:
+        found = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        _SMS[device] = found
+    return found
+
+
 class Launcher:
     """Launch ``kernel`` (a ``triton.jit`` function whose constexpr parameters come last).
 

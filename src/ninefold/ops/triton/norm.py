@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import Launcher
+from ninefold.ops.triton.launch import INTERPRETED, Launcher, sm_count
 
 MAX_D = 32768
 
@@ -54,10 +54,28 @@ def rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d,
           stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def rms_norm_persistent_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res,
+                               stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_D: tl.constexpr, STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a run-time bound
+        for i in range(STATIC_ITERS):
+            _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, (pid + i * nprog) * BLOCK_R, n_rows, d, stride_x,
+                  stride_res, stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
+    else:
+        for blk in tl.range(pid, tl.cdiv(n_rows, BLOCK_R), nprog, num_stages=STAGES):
+            _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, blk * BLOCK_R, n_rows, d, stride_x, stride_res,
+                  stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
+
+
 _ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D"))
 _MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D"))
+_PERSISTENT = Launcher(rms_norm_persistent_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D", "STAGES", "STATIC_ITERS"))
 
-# Measured winners: {d: {"rows": BLOCK_R, "num_warps": w}} (see the module docstring).
+# Measured winners: {d: {"rows": BLOCK_R, "num_warps": w}}, optionally "per_sm": programs per SM of a
+# persistent grid and "stages": its software-pipelining depth (see the module docstring).
 CONFIGS: dict[int, dict] = {}
 # Set by benchmarks to force a configuration.
 OVERRIDE: dict = {}
@@ -81,11 +99,6 @@ def config(d: int) -> dict:
     return found
 
 
-def _warps(block: int) -> int:
-    """Warps of the one-row kernel (the value ``aot.variants`` compiles with)."""
-    return config(block)["num_warps"] if config(block)["rows"] == 1 else max(1, min(16, block // 512))
-
-
 def supports(x, *rest) -> str | None:
     """Rows must have unit stride along the normalised dimension and fit one program."""
     if x.shape[-1] > MAX_D:
@@ -98,7 +111,14 @@ def _launch(x2, r2, weight, out, total, eps, has_residual):
     cfg = config(d)
     block, rows = triton.next_power_of_2(d), cfg["rows"]
     strides = (x2.stride(0), r2.stride(0), out.stride(0), total.stride(0))
-    if rows == 1:
+    if cfg.get("per_sm"):
+        blocks = triton.cdiv(n, rows)
+        grid = min(blocks, sm_count(x2.device) * cfg["per_sm"])
+        static = triton.cdiv(blocks, grid) if INTERPRETED else 0
+        _PERSISTENT((grid,), (x2, r2, weight, out, total, n, d, *strides, eps),
+                    (has_residual, rows, block, cfg.get("stages", 1), static), num_warps=cfg["num_warps"],
+                    device_index=x2.get_device())
+    elif rows == 1:
         _ONE((n,), (x2, r2, weight, out, total, n, d, *strides, eps), (has_residual, block),
              num_warps=cfg["num_warps"], device_index=x2.get_device())
     else:
@@ -132,6 +152,10 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     d = shapes.hidden
     cfg, block = config(d), triton.next_power_of_2(d)
     residual = op == "add_rms_norm"
+    if cfg.get("per_sm"):
+        return [{"kernel": rms_norm_persistent_kernel, "num_warps": cfg["num_warps"],
+                 "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"], "BLOCK_D": block,
+                                "STAGES": cfg.get("stages", 1), "STATIC_ITERS": 0}}]
     if cfg["rows"] == 1:
         return [{"kernel": rms_norm_kernel, "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block},
                  "num_warps": cfg["num_warps"]}]

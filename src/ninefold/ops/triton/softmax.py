@@ -15,17 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import Launcher
+from ninefold.ops.triton.launch import Launcher, sm_count
 
 MAX_SINGLE = 16384
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 4096
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def softmax_rows_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, BLOCK_R: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+@triton.jit
+def _rows(x_ptr, out_ptr, row0, n_rows, n, stride_x, stride_out, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < n_rows) & (cols < n)
     x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=float("-inf"),
@@ -35,6 +34,25 @@ def softmax_rows_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, BLOCK_R
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     e = tl.exp(x - row_max[:, None])
     tl.store(out_ptr + rows * stride_out + cols, (e / tl.sum(e, 1)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def softmax_rows_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, BLOCK_R: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    _rows(x_ptr, out_ptr, tl.program_id(0) * BLOCK_R, n_rows, n, stride_x, stride_out, BLOCK_R, BLOCK)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def softmax_persistent_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, BLOCK_R: tl.constexpr,
+                              BLOCK: tl.constexpr, STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a run-time bound
+        for i in range(STATIC_ITERS):
+            _rows(x_ptr, out_ptr, (pid + i * nprog) * BLOCK_R, n_rows, n, stride_x, stride_out, BLOCK_R, BLOCK)
+    else:
+        for blk in tl.range(pid, tl.cdiv(n_rows, BLOCK_R), nprog, num_stages=STAGES):
+            _rows(x_ptr, out_ptr, blk * BLOCK_R, n_rows, n, stride_x, stride_out, BLOCK_R, BLOCK)
 
 
 @triton.jit
@@ -69,8 +87,10 @@ def softmax_kernel(x_ptr, out_ptr, n, stride_x, stride_out, SINGLE: tl.constexpr
 
 _SINGLE = Launcher(softmax_kernel, ("SINGLE", "BLOCK", "STATIC_N"))
 _ROWS = Launcher(softmax_rows_kernel, ("BLOCK_R", "BLOCK"))
+_PERSISTENT = Launcher(softmax_persistent_kernel, ("BLOCK_R", "BLOCK", "STAGES", "STATIC_ITERS"))
 
-# Measured winners for register-resident rows: {n: {"rows": BLOCK_R, "num_warps": w}}.
+# Measured winners for register-resident rows: {n: {"rows": BLOCK_R, "num_warps": w}}, optionally
+# "per_sm": programs per SM of a persistent grid and "stages": its software-pipelining depth.
 CONFIGS: dict[int, dict] = {}
 # Set by benchmarks to force a configuration.
 OVERRIDE: dict = {}
@@ -117,7 +137,14 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
         dev = x2.get_device()
         if n <= MAX_SINGLE:
             cfg, block = row_config(n), triton.next_power_of_2(n)
-            if cfg["rows"] > 1:
+            if cfg.get("per_sm"):
+                blocks = triton.cdiv(rows, cfg["rows"])
+                grid = min(blocks, sm_count(x2.device) * cfg["per_sm"])
+                static = triton.cdiv(blocks, grid) if INTERPRETED else 0
+                _PERSISTENT((grid,), (x2, out, rows, n, x2.stride(0), out.stride(0)),
+                            (cfg["rows"], block, cfg.get("stages", 1), static), num_warps=cfg["num_warps"],
+                            device_index=dev)
+            elif cfg["rows"] > 1:
                 _ROWS((triton.cdiv(rows, cfg["rows"]),), (x2, out, rows, n, x2.stride(0), out.stride(0)),
                       (cfg["rows"], block), num_warps=cfg["num_warps"], device_index=dev)
             else:
@@ -133,8 +160,12 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (for ``ninefold.ops.triton.aot``)."""
     found = []
     for n in (shapes.softmax_width, shapes.vocab):
-        if n <= MAX_SINGLE and row_config(n)["rows"] > 1:
-            cfg = row_config(n)
+        cfg = row_config(n)
+        if n <= MAX_SINGLE and cfg.get("per_sm"):
+            found.append({"kernel": softmax_persistent_kernel, "num_warps": cfg["num_warps"],
+                          "constexprs": {"BLOCK_R": cfg["rows"], "BLOCK": triton.next_power_of_2(n),
+                                         "STAGES": cfg.get("stages", 1), "STATIC_ITERS": 0}})
+        elif n <= MAX_SINGLE and cfg["rows"] > 1:
             found.append({"kernel": softmax_rows_kernel, "num_warps": cfg["num_warps"],
                           "constexprs": {"BLOCK_R": cfg["rows"], "BLOCK": triton.next_power_of_2(n)}})
         else:
