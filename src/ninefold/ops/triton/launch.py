@@ -107,7 +107,7 @@ class Launcher:
         if not (ENABLED and self.usable):
             self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
             return
-        key = self.key(args, consts, num_warps, num_stages)
+        key = (device_index, *self.key(args, consts, num_warps, num_stages))  # loaded modules are per device
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
