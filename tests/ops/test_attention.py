@@ -223,3 +223,19 @@ def test_triton_prefill_launch_configs_cuda(config):
     args = (q, k, v, cu(q_lens, device), cu(k_lens, device), None, None, None, None)
     assert_close(prefill.launch(*args, config), ref.attention_prefill(*args[:5]), torch.bfloat16,
                  scale=ATTENTION_SCALE)
+
+
+@triton_only
+@pytest.mark.parametrize("per_sm", [1, 16], ids=["cpu-triton-per-sm-1", "cpu-triton-per-sm-16"])
+def test_triton_decode_block_table_much_wider_than_the_context(per_sm):
+    # CUDA graphs size block tables for the longest sequence: splits divide each real length.
+    from ninefold.ops.triton import decode
+
+    device, hq, hk, d, bs = _triton_device(), 4, 2, 16, 16
+    lengths = [3, 40, 1]
+    k_cache, v_cache, tables = paged_cache(lengths, hk, d, bs, torch.float32, device, seed=51)
+    wide = torch.cat([tables, tables[:, -1:].expand(-1, 30)], 1)  # padding columns point at a spare block
+    q = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(52)).to(device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out = decode.launch(q, k_cache, v_cache, wide, lens, None, dict(decode.CONFIG, per_sm=per_sm, min_tiles=1))
+    assert_close(out, ref.attention_decode(q, k_cache, v_cache, wide, lens), torch.float32, scale=ATTENTION_SCALE)

@@ -1,10 +1,13 @@
 """Triton paged decode attention (split-K, "flash decoding").
 
 Program ``(b * Hk + kv_head, split)`` (or sequences fastest) streams its slice of sequence
-``b``'s keys from the paged cache once, for all the query heads of that KV head (GQA rows padded to 16 for ``tl.dot``),
-with an online softmax; a second kernel merges the splits by their log-sum-exp. The number of
-splits comes from the block-table capacity and the SM count, never from the context lengths,
-so nothing is read back from the device.
+``b``'s keys from the paged cache once, for all the query heads of that KV head (GQA rows
+padded to 16 for ``tl.dot``), with an online softmax; a second kernel merges the splits by their
+log-sum-exp (skipped when one split covers the context). The number of splits comes from the
+shapes (batch, KV heads, block-table capacity, SM count), never from the context lengths, so
+nothing is read back from the device; on the device each sequence's real length is divided
+among its splits, so a table much wider than the context (CUDA graphs size it for the longest
+sequence) costs empty programs, not long ones, and the merge reads only splits that hold keys.
 """
 
 from __future__ import annotations
@@ -53,10 +56,9 @@ def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, st
     return m_new, l_i, acc, page
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits", "batch", "kv_heads", "heads_fastest"])
+@triton.jit(do_not_specialize=["num_splits", "batch", "kv_heads", "heads_fastest", "stride_btb", "bt_ptr", "lens_ptr"])
 def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, scale_log2e,
                         stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch, stride_btb,
-                        tokens_per_split,
                         num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                         D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
                         STATIC_ITERS: tl.constexpr):
@@ -70,8 +72,10 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     split = tl.program_id(1)
     heads = kv_heads * GROUP
     length = tl.load(lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, length)
+    # Splits share the sequence's real length (not the table's capacity): whole tiles, the last ones empty.
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
     g = tl.arange(0, BLOCK_G)
     gm = g < GROUP
     e = tl.arange(0, D)
@@ -99,12 +103,13 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                  (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
     else:
         row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
-        tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=gm[:, None])
+        live = gm[:, None] & (e[None, :] < tl.where(start < end, D, 0))  # an empty split writes no partial
+        tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=live)
         lse = tl.where(start < end, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=gm)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh"])
 def decode_merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, stride_ob, stride_oh, heads,
                         D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -116,7 +121,8 @@ def decode_merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, stride_ob, strid
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
     e = tl.arange(0, D)
-    parts = tl.load(part_ptr + (base + s)[:, None] * D + e[None, :], mask=sm[:, None], other=0.0)
+    live = sm & (lse > float("-inf"))  # empty splits wrote no partial result
+    parts = tl.load(part_ptr + (base + s)[:, None] * D + e[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(parts * weights[:, None], 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + e, out.to(out_ptr.dtype.element_ty))
 
@@ -144,8 +150,9 @@ def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | No
 
 
 def _split(capacity: int, programs: int, sms: int, block_n: int, per_sm: int, min_tiles: int) -> tuple[int, int]:
-    """(tokens per split, number of splits): about ``per_sm`` programs per SM (many short programs
-    leave a short tail in the last wave), at least ``min_tiles`` key tiles each."""
+    """(most tokens per split, number of splits): about ``per_sm`` programs per SM (many short
+    programs leave a short tail in the last wave), at least ``min_tiles`` key tiles each when the
+    table is full."""
     want = max(1, min(math.ceil(per_sm * sms / max(programs, 1)), math.ceil(capacity / (min_tiles * block_n))))
     per_split = triton.cdiv(triton.cdiv(capacity, want), block_n) * block_n
     return per_split, triton.cdiv(capacity, per_split)
@@ -175,7 +182,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
         part = lse = _unused(q.device)
     decode_split_kernel[(b * hk, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse, out, scale * LOG2E, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), per_split, splits, b, hk,
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), splits, b, hk,
         int(config.get("heads_fastest", 0)), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
         STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config["num_warps"],

@@ -95,7 +95,9 @@ def _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BL
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["batch", "search_steps"])
+# Per-step values (batch size, table width, where the small index tensors start) must not pick a new
+# compilation: only shapes of the model and the launch configuration do.
+@triton.jit(do_not_specialize=["batch", "search_steps", "stride_btb", "cu_q_ptr", "cu_k_ptr", "bt_ptr"])
 def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale_log2e, batch, search_steps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_kb, stride_vb, stride_btb, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
