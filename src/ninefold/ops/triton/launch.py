@@ -81,6 +81,16 @@ def sm_count(device: torch.device) -> int:
     return found
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last dimension]`` (itself when already 2-D: saves a reshape per call)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def empty(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor shaped like ``x`` (``empty_like`` costs half of ``torch.empty(shape, ...)``)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 class Launcher:
     """Launch ``kernel`` (a ``triton.jit`` function whose constexpr parameters come last).
 

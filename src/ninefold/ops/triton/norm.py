@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import INTERPRETED, Launcher, sm_count
+from ninefold.ops.triton.launch import INTERPRETED, Launcher, empty, sm_count
+from ninefold.ops.triton.launch import rows as as_rows
 
 MAX_D = 32768
 
@@ -128,23 +129,19 @@ def _launch(x2, r2, weight, out, total, eps, has_residual):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension."""
-    d = x.shape[-1]
-    x2 = x.reshape(-1, d)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    x2, out = as_rows(x), empty(x)
     if x2.shape[0]:
-        _launch(x2, x2, weight, out, out, float(eps), False)
-    return out.view(x.shape)
+        out2 = as_rows(out)
+        _launch(x2, x2, weight, out2, out2, float(eps), False)
+    return out
 
 
 def add_rms_norm(x, residual, weight, eps):
     """``(rms_norm(x + residual), x + residual)`` in one pass over x and the residual."""
-    d = x.shape[-1]
-    x2, r2 = x.reshape(-1, d), residual.reshape(-1, d)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    total = torch.empty_like(out)
+    x2, out, total = as_rows(x), empty(x), empty(x)
     if x2.shape[0]:
-        _launch(x2, r2, weight, out, total, float(eps), True)
-    return out.view(x.shape), total.view(x.shape)
+        _launch(x2, as_rows(residual), weight, as_rows(out), as_rows(total), float(eps), True)
+    return out, total
 
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import Launcher
+from ninefold.ops.triton.launch import Launcher, empty
 
 
 @triton.jit
@@ -139,8 +139,7 @@ def rope(q, k, positions, cos_sin_cache, is_neox):
     """Rotated copies of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at ``positions`` (one launch)."""
     t, hq, d = q.shape
     hk = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out, k_out = empty(q), empty(k)
     if t:
         cfg = config(hq, hk, d)
         _QK((triton.cdiv(t, cfg["tokens"]),),

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import Launcher, sm_count
+from ninefold.ops.triton.launch import Launcher, empty, sm_count
+from ninefold.ops.triton.launch import rows as as_rows
 
 MAX_SINGLE = 16384
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -130,8 +131,8 @@ def config(n: int) -> tuple[bool, int, int]:
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Softmax over the last dimension of ``x``."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    x2, result = as_rows(x), empty(x)
+    out = as_rows(result)
     rows = x2.shape[0]
     if rows and n:
         dev = x2.get_device()
@@ -153,7 +154,7 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
         else:
             _SINGLE((rows,), (x2, out, n, x2.stride(0), out.stride(0)), (False, CHUNK, n if INTERPRETED else 0),
                     num_warps=8, device_index=dev)
-    return out.view(x.shape)
+    return result
 
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
