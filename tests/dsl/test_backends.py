@@ -267,3 +267,24 @@ def test_constexpr_scalar_with_a_value_is_not_passed(backend):
     assert "factor = 3" in scale3.source
     with pytest.raises(TypeError, match=r"takes 2 positional arguments \(x, y\), got 3"):
         scale3(x, 3, y, backend=backend)
+
+
+def reverse_tiles_arrangement(x, y, BLOCK=BLOCK):
+    return x.tile((BLOCK,))[::-1], y.tile((BLOCK,))
+
+
+def copy_application(x, y):
+    y = x  # noqa: F841
+
+
+reverse_tiles = nd.make(reverse_tiles_arrangement, copy_application, (Tensor(1), Tensor(1)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_programs_walking_tiles_backwards(backend):
+    """A negative step on the outermost level: program i reads tile n-1-i (cpu: flipped views)."""
+    x = random((64,), torch.float32, 15)
+    y = torch.empty(64)
+    reverse_tiles(x, y, BLOCK=16, backend=backend)
+    want = x.reshape(4, 16).flip(0).reshape(64)
+    close(y, want.double(), torch.float32)

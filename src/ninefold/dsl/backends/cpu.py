@@ -417,6 +417,19 @@ class Program(ValueOps):
             plan.scatter(target, env, self.chunk, value)
 
 
+def _unflip(offset, sizes, strides):
+    """Positive strides for ``as_strided`` (an arrangement may walk a dimension backwards):
+    the new offset and strides, and the dimensions to flip."""
+    flipped = [d for d, st in enumerate(strides) if st < 0]
+    if not flipped:
+        return offset, strides, flipped
+    strides = list(strides)
+    for d in flipped:
+        offset += strides[d] * (sizes[d] - 1)
+        strides[d] = -strides[d]
+    return offset, strides, flipped
+
+
 def _int(value, name):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -504,12 +517,15 @@ class _Plan:
 
     def view(self, tensor, env, chunk, lo=None):
         offset, sizes, strides = self._geometry(tensor, env, chunk, lo)
-        return tensor.as_strided(sizes, strides, offset)
+        offset, strides, flipped = _unflip(offset, sizes, strides)
+        out = tensor.as_strided(sizes, strides, offset)
+        return out.flip(flipped) if flipped else out
 
     def write_view(self, tensor, env, chunk, value, lo=None):
         offset, sizes, strides = self._geometry(tensor, env, chunk, lo)
         value = value[tuple(slice(-1, None) if st == 0 else slice(None) for st in strides)]
-        tensor.as_strided(sizes, strides, offset).copy_(value)
+        offset, strides, flipped = _unflip(offset, sizes, strides)
+        tensor.as_strided(sizes, strides, offset).copy_(value.flip(flipped) if flipped else value)
 
     def window(self, tensor, chunk, fill=True):
         """The box of ``tensor`` this chunk touches, padded with ``other``, and its first index."""

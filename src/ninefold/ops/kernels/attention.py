@@ -24,7 +24,7 @@ def arrangement(q, k, v, scale, is_causal, o, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N):
     def query_rows(t):  # programs (B, H, Sq / BLOCK_M, 1), each a (BLOCK_M, D) tile
         t = t.tile((1, 1, BLOCK_M, -1))
         t.dtype = t.dtype.squeeze((0, 1))
-        return t
+        return t[:, :, ::-1]  # last query blocks first: with a causal mask they have the most keys
 
     def key_tiles(t):  # every query program sees all (BLOCK_N, D) tiles of its head
         t = t.tile((1, 1, BLOCK_N, -1)).tile((1, 1, -1, -1)).expand((-1, -1, q_rows.shape[2], -1))
