@@ -50,3 +50,18 @@ def test_triton_kernels_match_references_in_the_interpreter():
     summary = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in summary and int(summary.split(" passed")[0].split()[-1]) >= 15, summary
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_attention_launchers_list_variants_that_compile_for_sm90(dtype):
+    # What the attention launchers say they run (both prefill tile shapes, packed and paged; decode split + merge).
+    from ninefold.ops.triton import aot, decode, prefill
+
+    target = aot.parse_target("cuda:90")
+    shapes = workloads.shapes("llama-8b")
+    found = [aot.Variant(op, **v) for op, module in (("attention_decode", decode), ("attention_prefill", prefill))
+             for v in module.aot_variants(op, dtype, shapes)]
+    assert {v.kernel for v in found} == {decode.decode_split_kernel, decode.decode_merge_kernel, prefill.prefill_kernel}
+    assert {v.constexprs["PAGED"] for v in found if v.kernel is prefill.prefill_kernel} >= {1}
+    for variant in found:
+        assert ".target sm_90" in aot.compile_variant(variant, dtype, target).asm["ptx"]

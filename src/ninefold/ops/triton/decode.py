@@ -134,6 +134,17 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
+def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
+    """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for ``ninefold.ops.triton.aot``."""
+    group = shapes.heads // shapes.kv_heads
+    block_n = CONFIG["block_n"] if dtype != torch.float32 else min(32, CONFIG["block_n"])
+    return [{"kernel": decode_split_kernel, "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
+             "constexprs": {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "D": shapes.head_dim,
+                            "BLOCK_N": block_n, "PAGE": shapes.block_size,
+                            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0}},
+            {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
+
+
 @functools.cache
 def _unused(device: torch.device) -> torch.Tensor:
     """A float32 placeholder for the partial-result pointers of an unsplit launch (never written)."""

@@ -26,10 +26,14 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Half-precision launch configuration per head size; ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"``
-# overrides it (``ninefold.bench.ops_attention`` sweeps candidates and reports the fastest).
+# Half-precision launch configuration per head size, and for calls whose sequences average at most
+# ``SHORT`` new tokens (a 128-row query tile would be mostly padding there);
+# ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"`` overrides both (``ninefold.bench.ops_attention``
+# sweeps candidates and reports the fastest).
 CONFIG = {64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
           128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}}
+SHORT = 64
+SHORT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 _OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in
                                     filter(None, os.environ.get("NINEFOLD_TRITON_PREFILL", "").split(",")))}
 
@@ -193,12 +197,34 @@ def supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block
     return None
 
 
-def _blocks(dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per dtype and head size."""
+def config(dtype: torch.dtype, d: int, mean_new_tokens: float = float("inf")) -> dict:
+    """The launch configuration for ``dtype``, head size ``d`` and the call's mean query length."""
     if dtype == torch.float32:
-        return 32, 32, 4, 1
-    config = {**CONFIG[64 if d <= 64 else 128], **_OVERRIDE}
-    return config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
+        return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1}
+    base = SHORT_CONFIG if mean_new_tokens <= SHORT else CONFIG[64 if d <= 64 else 128]
+    return {**base, **_OVERRIDE}
+
+
+def _blocks(dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for long sequences (``config``'s default)."""
+    c = config(dtype, d)
+    return c["block_m"], c["block_n"], c["num_warps"], c["num_stages"]
+
+
+def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
+    """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for ``ninefold.ops.triton.aot``."""
+    found = {}
+    for mean in (float("inf"), 1):
+        c = config(dtype, shapes.head_dim, mean)
+        for mode in (2 if c.get("tma") else 0, 1):
+            constexprs = {"GROUP": shapes.heads // shapes.kv_heads, "D": shapes.head_dim, "BLOCK_M": c["block_m"],
+                          "BLOCK_N": c["block_n"], "PAGED": mode, "PAGE": shapes.block_size if mode == 1 else 1,
+                          "SEARCH_STEPS": 0, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+                          "STATIC_ITERS": 0}
+            found[str(sorted(constexprs.items())) + str(c)] = {
+                "kernel": prefill_kernel, "constexprs": constexprs, "num_warps": c["num_warps"],
+                "num_stages": c["num_stages"]}
+    return list(found.values())
 
 
 def search_steps(batch: int) -> int:
@@ -207,8 +233,9 @@ def search_steps(batch: int) -> int:
 
 
 def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, *_):
+    mean = q.shape[0] / max(1, cu_seqlens_q.shape[0] - 1)  # from shapes: no device read
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables,
-                  dict(zip(("block_m", "block_n", "num_warps", "num_stages"), _blocks(q.dtype, q.shape[-1]))))
+                  config(q.dtype, q.shape[-1], mean))
 
 
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, config: dict):
