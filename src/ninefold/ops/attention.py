@@ -262,7 +262,11 @@ def _varlen_attn():
 _VARLEN = _varlen_attn()
 
 
-def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, *_) -> str | None:
+VARLEN_UNBOUNDED_SEQS = 8  # without max_seqlen_q the launch has Tq / 128 row blocks per sequence: few sequences only
+
+
+def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, max_seqlen_q=None,
+                     max_seqlen_k=None) -> str | None:
     if _VARLEN is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
     names = _VARLEN[1]
@@ -276,6 +280,8 @@ def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cach
         return "this torch's varlen_attn takes no scale"
     if q.shape[-1] % 8 or q.shape[-1] > 256:
         return f"head size {q.shape[-1]} is not a multiple of 8 up to 256"
+    if max_seqlen_q is None and cu_seqlens_q.shape[0] - 1 > VARLEN_UNBOUNDED_SEQS:
+        return f"more than {VARLEN_UNBOUNDED_SEQS} sequences need max_seqlen_q (else most of the launch is idle)"
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         return "the head dimension of q, k or v is not contiguous"
     return None
