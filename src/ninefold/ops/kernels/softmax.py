@@ -66,11 +66,12 @@ def softmax(x, dim=-1, **blocks):
         raise ValueError("x: softmax needs at least one dimension, got a scalar")
     if not -x.ndim <= dim < x.ndim:
         raise ValueError(f"dim: {dim} is out of range for a tensor of {x.ndim} dimensions")
-    moved = x.movedim(dim, -1)
+    last = dim in (-1, x.ndim - 1)
+    moved = x if last else x.movedim(dim, -1)
     y = torch.empty(moved.shape, dtype=x.dtype, device=x.device)
     # The cpu backend has no register file to overflow: whole rows of any length suit it.
     if "BLOCK" in blocks or (moved.shape[-1] > WHOLE_ROW_LIMIT and x.device.type != "cpu"):
         chunked_kernel(rows(moved), rows(y), **blocks)
     else:
         kernel(rows(moved), rows(y), ROW=moved.shape[-1], **blocks)
-    return y.movedim(-1, dim)
+    return y if last else y.movedim(-1, dim)
