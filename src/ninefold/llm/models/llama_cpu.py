@@ -7,10 +7,11 @@ were a third of the step. Here the linear implementations are fetched once per w
 torch with the per-step parts hoisted out of the layer loop: the rotary rows, the KV-cache
 block indices and the attention mask are built once per step, not once per layer.
 
-The arithmetic is that of the ``vendor`` implementations of ``rms_norm``, ``add_rms_norm``,
+The formulas are those of the ``vendor`` implementations of ``rms_norm``, ``add_rms_norm``,
 ``rope`` (float32, halves rotated), ``reshape_and_cache``, ``attention_decode`` and
-``silu_and_mul`` (same operations in the same order), so the CPU results match the generic
-path bit for bit (``tests/llm/test_parity.py`` checks it).
+``silu_and_mul``, computed with fewer tensor ops (a one-row norm takes its mean square as a Python
+number; the rotation is one multiply and one fused multiply-add), so the results agree with the
+generic path to float32 rounding (``tests/llm/test_parity.py`` checks it).
 """
 
 from __future__ import annotations
@@ -47,9 +48,16 @@ class CpuDecoder:
         w = self.norm_weight.get(id(weight))
         if w is None:
             w = self.norm_weight[id(weight)] = weight.float()
-        if self.cast:
-            return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(self.dtype)
-        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        xf = x.float() if self.cast else x
+        if xf.dim() == 2 and xf.shape[0] == 1:
+            # One row: the mean square as a Python number (free on the CPU) saves the composite
+            # rms_norm's half-dozen tensor ops; same float32 formula, x * rsqrt(mean(x^2) + eps) * w.
+            row = xf[0]
+            inv = 1.0 / math.sqrt(float(torch.dot(row, row)) / row.shape[0] + self.eps)
+            out = torch.mul(xf, inv).mul_(w)
+        else:
+            out = F.rms_norm(xf, (xf.shape[-1],), w, self.eps)
+        return out.to(self.dtype) if self.cast else out
 
     def _linear(self, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
         if type(weight) is PackedLinear:
@@ -95,9 +103,9 @@ class CpuDecoder:
             v = qkv[:, self.q_size + self.kv_size:].reshape(b, hk, d)
             if layer.q_norm is not None:
                 qk = torch.cat((self._norm(qk[:, :hq], layer.q_norm), self._norm(qk[:, hq:], layer.k_norm)), dim=1)
-            qk = qk.float() if self.cast else qk
+            # bf16 * float32 promotes to float32 exactly as qk.float() would (the rotation runs in float32)
             rotated = qk * cos2
-            rotated += torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin2
+            rotated.addcmul_(torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin2)
             if self.cast:
                 rotated = rotated.to(self.dtype)
             q, k = rotated[:, :hq], rotated[:, hq:]
