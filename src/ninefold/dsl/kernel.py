@@ -259,12 +259,13 @@ _environ = os.environ
 
 
 def call_key(args, kwargs, backend):
-    """What a warm call's launch depends on: shapes, strides, dtypes, devices, scalar values,
-    keywords and the backend choice (None when an argument is of a kind the key cannot hold)."""
+    """What a warm call's launch depends on: shapes, strides, dtypes, devices, 16-byte alignment,
+    scalar values, keywords and the backend choice (None when an argument is of a kind the key
+    cannot hold)."""
     key = [backend, _environ.get("NINEFOLD_DSL_BACKEND"), _environ.get("TRITON_INTERPRET")]
     for a in args:
-        if isinstance(a, _Tensor):
-            key.append((a.shape, a.stride(), a.dtype, a.device))
+        if isinstance(a, _Tensor):  # Triton specializes pointers on 16-byte alignment
+            key.append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15 == 0))
         elif a.__class__ in (int, float, bool):
             key.append((a.__class__, a))
         else:

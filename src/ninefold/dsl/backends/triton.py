@@ -106,18 +106,54 @@ def launcher(kernel, bound, args):
         return launch_here
     index = device.index if device.index is not None else torch.cuda.current_device()
     current = torch.cuda.current_device
+    first = values.copy()
+    for i, j in slots:
+        first[i] = args[j]
+    direct = _compiled_runner(function, first, grid, options, index)
 
     def launch_on_device(args):
         out = values.copy()
         for i, j in slots:
             out[i] = args[j]
-        if current() == index:
+        if direct is not None:
+            if current() == index:
+                direct[0](*out, stream=direct[1](index))
+            else:
+                with torch.cuda.device(index):
+                    direct[0](*out, stream=direct[1](index))
+        elif current() == index:
             run(*out, **options)
         else:
             with torch.cuda.device(index):
                 run(*out, **options)
 
     return launch_on_device
+
+
+def _compiled_runner(function, values, grid, options, index):
+    """``(runner, current_stream)`` launching the compiled kernel of this call without Triton's
+    per-call argument binding and cache lookup, or None where this Triton is not known to launch
+    that way (before 3.3 the launcher took only the non-constexpr arguments).
+
+    The key that finds the launcher fixes everything Triton specializes on (integer values,
+    pointer alignment), so the compiled kernel is the one ``function[grid](...)`` would pick.
+    """
+    import triton
+    from triton.runtime import driver
+
+    try:
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+        if version < (3, 3) or os.environ.get("NINEFOLD_DSL_TRITON_LAUNCH") == "jit":
+            return None
+        if len(values) != len(function.arg_names):
+            return None
+        with torch.cuda.device(index):
+            compiled = function.warmup(*values, grid=(grid,), **options)
+            if compiled is None:
+                return None
+            return compiled[(grid, 1, 1)], driver.active.get_current_stream
+    except Exception:  # any mismatch with this Triton's internals: launch through function[grid]
+        return None
 
 
 def _nothing(args):
