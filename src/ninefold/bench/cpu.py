@@ -154,15 +154,23 @@ def bench_transformers(path: Path, dtype: torch.dtype, work: Workload, model=Non
     generate([work.short], 4)
     n = work.decode_tokens
     batch = _same_length(work.batch)
-    decode1, prefill, decode8 = [], [], []
+    # Decode rate = extra tokens / (time of n tokens - time of 1 token), from the fastest run of each
+    # (a difference of single runs can go negative when the shared machine stalls one of them).
+    one1, full1, prefill, one8, full8 = [], [], [], [], []
     for _ in range(work.repeats):
-        one = generate([work.short], 1)
-        decode1.append((n - 1) / max(generate([work.short], n) - one, 1e-9))
+        one1.append(generate([work.short], 1))
+        full1.append(generate([work.short], n))
         prefill.append(len(work.long) / generate([work.long], 1))
-        one = generate(batch, 1)
-        decode8.append(len(batch) * (n - 1) / max(generate(batch, n) - one, 1e-9))
+        one8.append(generate(batch, 1))
+        full8.append(generate(batch, n))
+
+    def rate(tokens: int, full: list[float], one: list[float]) -> float | None:
+        extra = min(full) - min(one)
+        return tokens / extra if extra > 0 else None
+
     name = "transformers " + str(dtype).removeprefix("torch.")
-    return Result(name, load, _best(decode1), _best(prefill), _best(decode8), note), model
+    return Result(name, load, rate(n - 1, full1, one1), _best(prefill), rate(len(batch) * (n - 1), full8, one8),
+                  note), model
 
 
 def _same_length(prompts: list[list[int]]) -> list[list[int]]:
