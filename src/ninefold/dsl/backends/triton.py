@@ -149,7 +149,8 @@ def _compiled_runner(function, values, grid, options, index):
             return None
         with torch.cuda.device(index):
             compiled = function.warmup(*values, grid=(grid,), **options)
-            if compiled is None:
+            # the launcher takes one argument per signature entry (constexprs included since 3.3)
+            if compiled is None or len(getattr(compiled.src, "signature", ())) != len(values):
                 return None
             return compiled[(grid, 1, 1)], driver.active.get_current_stream
     except Exception:  # any mismatch with this Triton's internals: launch through function[grid]
