@@ -581,7 +581,10 @@ SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages[, "persistent"]
     (64, 64, 4, 3),
     (64, 64, 4, 4),
     (64, 128, 4, 3),
-    (128, 64, 8, 3, "persistent"),
+    (128, 128, 4, 3),
+    (128, 64, 8, 2),
+    (64, 64, 4, 2),
+    (128, 128, 8, 3, "persistent"),
 )
 
 
