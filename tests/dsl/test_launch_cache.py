@@ -53,3 +53,20 @@ def test_cuda_warm_calls_stay_correct(launch, monkeypatch):
         axpy(v, alpha, w)
         torch.testing.assert_close(w, want)
     assert len(add._launchers) == 2 and len(axpy._launchers) == 3  # 16-byte aligned or not
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_persistent_matmul(dtype):
+    """The persistent form on a real GPU: one program per SM walking output tiles, odd sizes."""
+    mm = examples.mm_kernel(m=(32, 64), n=(32, 64), k=(32, 64))
+    mm.persistent = True
+    a = torch.randn(1000, 300, device="cuda", dtype=dtype)
+    b = torch.randn(300, 389, device="cuda", dtype=dtype)
+    c = torch.empty(1000, 389, device="cuda", dtype=dtype)
+    for _ in range(2):  # cold, then the cached launcher
+        c.zero_()
+        mm(a, b, c, BM=64, BN=32, BK=32)
+        want = a.double() @ b.double()
+        torch.testing.assert_close(c.double(), want, atol=0.5, rtol=2e-2)
