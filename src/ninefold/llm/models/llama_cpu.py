@@ -41,22 +41,29 @@ class CpuDecoder:
         self.norm_weight = {}  # id(weight) -> float32 copy, made once
         self.linears: dict[int, object] = {}  # id(weight) -> bound callable(x, bias)
         self.cos_sin = model.cos_sin
+        self._zero: dict[int, torch.Tensor] = {}
 
     # -- pieces ----------------------------------------------------------------------------------
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm in float32, result in the model's dtype (into ``out`` when given, for one row)."""
         w = self.norm_weight.get(id(weight))
         if w is None:
             w = self.norm_weight[id(weight)] = weight.float()
         xf = x.float() if self.cast else x
         if xf.dim() == 2 and xf.shape[0] == 1:
-            # One row: the mean square as a Python number (free on the CPU) saves the composite
-            # rms_norm's half-dozen tensor ops; same float32 formula, x * rsqrt(mean(x^2) + eps) * w.
+            # One row: the mean square as a Python number (free on the CPU) and one fused
+            # multiply that also rounds to the model's dtype replace the composite rms_norm's
+            # half-dozen tensor ops; same float32 formula, x * rsqrt(mean(x^2) + eps) * w.
             row = xf[0]
             inv = 1.0 / math.sqrt(float(torch.dot(row, row)) / row.shape[0] + self.eps)
-            out = torch.mul(xf, inv).mul_(w)
-        else:
-            out = F.rms_norm(xf, (xf.shape[-1],), w, self.eps)
+            if out is None:
+                out = torch.empty(xf.shape, dtype=self.dtype)
+            zero = self._zero.get(xf.shape[1])
+            if zero is None:
+                zero = self._zero[xf.shape[1]] = torch.zeros((1, xf.shape[1]))
+            return torch.addcmul(zero, xf, w, value=inv, out=out)
+        out = F.rms_norm(xf, (xf.shape[-1],), w, self.eps)
         return out.to(self.dtype) if self.cast else out
 
     def _linear(self, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
@@ -90,6 +97,9 @@ class CpuDecoder:
             keys = n * bs
             mask = (torch.arange(keys)[None, :] < lens[:, None])[:, None, None, :]
         hidden = F.embedding(input_ids, m.embed)
+        # Scratch reused by every layer of this step: each is consumed before the next layer refills it.
+        rot = torch.empty((b, hq + hk, d), dtype=self.dtype)
+        xbuf = torch.empty((1, m.config.hidden_size), dtype=self.dtype) if b == 1 else None
         residual = None
         qk_heads = hq + hk
         for i, layer in enumerate(m.layers):
@@ -97,17 +107,18 @@ class CpuDecoder:
                 residual = hidden
             else:
                 residual = hidden + residual
-            x = self._norm(residual, layer.input_norm)
+            x = self._norm(residual, layer.input_norm, xbuf)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)
             qk = qkv[:, : self.q_size + self.kv_size].reshape(b, qk_heads, d)
             v = qkv[:, self.q_size + self.kv_size:].reshape(b, hk, d)
             if layer.q_norm is not None:
                 qk = torch.cat((self._norm(qk[:, :hq], layer.q_norm), self._norm(qk[:, hq:], layer.k_norm)), dim=1)
             # bf16 * float32 promotes to float32 exactly as qk.float() would (the rotation runs in float32)
-            rotated = qk * cos2
-            rotated.addcmul_(torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin2)
-            if self.cast:
-                rotated = rotated.to(self.dtype)
+            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            if self.cast:  # computed in float32, rounded once when stored into rot (the model's dtype)
+                rotated = torch.addcmul(qk * cos2, swapped, sin2, out=rot)
+            else:
+                rotated = (qk * cos2).addcmul_(swapped, sin2)
             q, k = rotated[:, :hq], rotated[:, hq:]
             k_cache, v_cache = m.kv_caches[i]
             k_cache.view(-1, hk, d).index_copy_(0, slots, k)
@@ -119,7 +130,7 @@ class CpuDecoder:
                                                scale=self.scale)
             o = self._linear(o.reshape(b, hq * d), layer.o)
             residual = o + residual
-            x = self._norm(residual, layer.post_norm)
+            x = self._norm(residual, layer.post_norm, xbuf)
             gu = self._linear(x, layer.gate_up)
             hidden = self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], layer.down)
         return self._norm(hidden + residual, m.norm)
