@@ -782,7 +782,7 @@ def main(argv=None):
         "--out", default=os.environ.get("OUT"), help="directory for JSON and PNG (default $OUT)"
     )
     parser.add_argument(
-        "--deadline", type=float, default=170.0, help="seconds after which NineToothed is skipped"
+        "--deadline", type=float, default=120.0, help="seconds after which NineToothed is skipped"
     )
     parser.add_argument("--warm", action="store_true", help="keep the existing caches (default: empty ones)")
     parser.add_argument("--only", help="comma-separated workload names (e.g. mm,sdpa_causal); default all")

@@ -109,23 +109,21 @@ def launcher(kernel, bound, args):
     first = values.copy()
     for i, j in slots:
         first[i] = args[j]
-    direct = _compiled_runner(function, first, grid, options, index)
+    direct = [_compiled_runner(function, first, grid, options, index)]
 
     def launch_on_device(args):
         out = values.copy()
         for i, j in slots:
             out[i] = args[j]
-        if direct is not None:
-            if current() == index:
-                direct[0](*out, stream=direct[1](index))
-            else:
-                with torch.cuda.device(index):
-                    direct[0](*out, stream=direct[1](index))
-        elif current() == index:
+        with _null() if current() == index else torch.cuda.device(index):
+            if direct[0] is not None:
+                runner, stream = direct[0]
+                try:
+                    runner(*out, stream=stream(index))
+                    return
+                except Exception:  # the launcher refused the arguments: use Triton's own path from now on
+                    direct[0] = None
             run(*out, **options)
-        else:
-            with torch.cuda.device(index):
-                run(*out, **options)
 
     return launch_on_device
 
