@@ -78,7 +78,8 @@ def launcher(kernel, bound, args):
     Everything that depends only on shapes, strides, dtypes, devices and scalar values (the
     generated function, the grid, the argument list around the tensors, the launch options) is
     fixed here, so a warm call (:meth:`Kernel.__call__` finds it by :func:`kernel.call_key`)
-    costs a list copy and Triton's own launch.
+    costs a list copy and the launch: on CUDA, of the compiled kernel itself (see
+    ``_compiled_runner``), elsewhere (the interpreter) through ``function[grid]``.
     """
     function, grid, template, num_warps, num_stages = _entry(kernel, bound, _config(kernel, bound))
     if grid == 0:
