@@ -43,10 +43,9 @@ DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s, per_sm=p, heads_fast
                 for hf in (1, 0)
                 for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (32, 4, 6), (128, 4, 3),
                                  (128, 8, 3), (64, 8, 3))]
-PREFILL_SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, tma=t)
-                 for m, n, w, s, t in ((128, 64, 8, 2, 0), (128, 64, 8, 2, 1), (128, 128, 8, 2, 1), (128, 64, 8, 3, 1),
-                                       (128, 128, 8, 3, 1), (128, 64, 8, 3, 0), (128, 128, 8, 2, 0), (64, 64, 4, 3, 1),
-                                       (128, 64, 8, 4, 1), (64, 64, 4, 3, 0))]
+PREFILL_SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+                 for m, n, w, s in ((128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                                    (128, 64, 8, 4), (64, 128, 4, 2))]
 
 
 PROBES_OK: set = set()  # probes that passed the correctness check (only those are timed)

@@ -143,7 +143,7 @@ def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, 
         spec.same_device(op, "q", q, block_tables=block_tables)
         contiguous = q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     _gqa(op, hq, hk)
-    return q.device, q.dtype, (spec.pow2(tq), hq, hk, d, bs), contiguous
+    return q.device, q.dtype, (spec.pow2(tq), spec.pow2(batch), hq, hk, d, bs), contiguous
 
 
 def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens_q: torch.Tensor,

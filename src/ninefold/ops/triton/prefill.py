@@ -11,8 +11,7 @@ Each program first visits the key tiles entirely at or below its first row's dia
 mask at all, then the few tiles crossing the diagonal with the causal mask; tiles above the
 diagonal are never read. Scores use ``exp2`` with ``scale * log2(e)`` applied in the same
 multiply-add that subtracts the running maximum; accumulation is float32. ``PAGED`` selects where
-keys come from: 0 packed k/v (pointer loads), 1 the paged caches through the block table, 2 packed
-k/v through per-sequence TMA descriptors (CUDA, launch config ``tma``).
+keys come from: 0 packed k/v, 1 the paged caches through the block table.
 """
 
 from __future__ import annotations
@@ -79,26 +78,6 @@ def _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_pt
     return acc, l_i, m_new
 
 
-@triton.jit
-def _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BLOCK_N: tl.constexpr,
-                      MASKED: tl.constexpr):
-    """``_prefill_step`` with keys and values read through per-sequence TMA descriptors (rows past
-    the sequence arrive as zeros)."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    k = k_desc.load([n0, 0])
-    qk = tl.dot(q, k.T)
-    if MASKED:
-        qk = tl.where(cols[None, :] <= pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2e)
-    p = tl.math.exp2(qk * scale_log2e - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([n0, 0])
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
-
-
 # Per-step values (batch size, table width, where the small index tensors start) must not pick a new
 # compilation: only shapes of the model and the launch configuration do.
 @triton.jit(do_not_specialize=["batch", "search_steps", "stride_btb", "cu_q_ptr", "cu_k_ptr", "bt_ptr"])
@@ -134,45 +113,30 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         full_end = (offset + m0 + 1) // BLOCK_N * BLOCK_N  # key tiles every row of this tile sees whole
         k_end = tl.minimum(k_len, offset + m0 + BLOCK_M)
-        if PAGED == 2:  # packed k/v through TMA: descriptors cover this sequence only
-            q_desc = tl.make_tensor_descriptor(q_ptr + q_start.to(tl.int64) * stride_qt + h * stride_qh, [q_len, D],
-                                               [stride_qt, 1], [BLOCK_M, D])
-            k_desc = tl.make_tensor_descriptor(k_ptr + k_start.to(tl.int64) * stride_kt + kvh * stride_kh, [k_len, D],
-                                               [stride_kt, 1], [BLOCK_N, D])
-            v_desc = tl.make_tensor_descriptor(v_ptr + k_start.to(tl.int64) * stride_vt + kvh * stride_vh, [k_len, D],
-                                               [stride_vt, 1], [BLOCK_N, D])
-            q = q_desc.load([m0, 0])
-            for n0 in range(0, full_end, BLOCK_N):
-                acc, l_i, m_i = _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BLOCK_N,
-                                                  False)
-            for n0 in range(full_end, k_end, BLOCK_N):
-                acc, l_i, m_i = _prefill_step_tma(q, n0, acc, l_i, m_i, pos, k_desc, v_desc, scale_log2e, BLOCK_N,
-                                                  True)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + e[None, :],
+                    mask=(rows < q_len)[:, None], other=0.0)
+        if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
+            for i in range(STATIC_ITERS):
+                n0 = i * BLOCK_N
+                if n0 < full_end:
+                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
+                                                  bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
+                                                  stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False,
+                                                  PRECISION)
+                elif n0 < k_end:
+                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
+                                                  bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
+                                                  stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True,
+                                                  PRECISION)
         else:
-            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + e[None, :],
-                        mask=(rows < q_len)[:, None], other=0.0)
-            if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
-                for i in range(STATIC_ITERS):
-                    n0 = i * BLOCK_N
-                    if n0 < full_end:
-                        acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
-                                                      bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
-                                                      stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False,
-                                                      PRECISION)
-                    elif n0 < k_end:
-                        acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr,
-                                                      bt_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb,
-                                                      stride_vb, stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True,
-                                                      PRECISION)
-            else:
-                for n0 in range(0, full_end, BLOCK_N):
-                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
-                                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
-                                                  stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False, PRECISION)
-                for n0 in range(full_end, k_end, BLOCK_N):
-                    acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
-                                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
-                                                  stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True, PRECISION)
+            for n0 in range(0, full_end, BLOCK_N):
+                acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
+                                              stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
+                                              stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, False, PRECISION)
+            for n0 in range(full_end, k_end, BLOCK_N):
+                acc, l_i, m_i = _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_ptr, bt_ptr,
+                                              stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb,
+                                              stride_btb, scale_log2e, D, BLOCK_N, PAGED, PAGE, True, PRECISION)
         out = acc / l_i[:, None]
         tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + e[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(rows < q_len)[:, None])
@@ -216,7 +180,7 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     found = {}
     for mean in (float("inf"), 1):
         c = config(dtype, shapes.head_dim, mean)
-        for mode in (2 if c.get("tma") else 0, 1):
+        for mode in (0, 1):
             constexprs = {"GROUP": shapes.heads // shapes.kv_heads, "D": shapes.head_dim, "BLOCK_M": c["block_m"],
                           "BLOCK_N": c["block_n"], "PAGED": mode, "PAGE": shapes.block_size if mode == 1 else 1,
                           "SEARCH_STEPS": 0, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
@@ -240,7 +204,7 @@ def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cac
 
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, config: dict):
     """``attention_prefill`` under an explicit launch configuration (``block_m``, ``block_n``,
-    ``num_warps``, ``num_stages``; ``tma``: packed k/v through TMA descriptors where they can be)."""
+    ``num_warps``, ``num_stages``)."""
     tq, hq, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -256,9 +220,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_t
         stride_kt, stride_kh, stride_vt, stride_vh = keys.stride(0), keys.stride(1), values.stride(0), values.stride(1)
         stride_kb = stride_vb = stride_bt = 0
         page = 1
-    mode = 1 if paged else (2 if config.get("tma") and _tma_ok(q, keys, values) else 0)
-    if mode == 2:
-        _use_torch_allocator()
+    mode = 1 if paged else 0
     hk = keys.shape[-2]
     steps = search_steps(batch)
     grid = (hq, tq // block_m + batch)  # every tile start cu_q[b] // BLOCK_M + b is below tq // BLOCK_M + batch
@@ -270,23 +232,3 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_t
         STATIC_ITERS=_static_iters(cu_seqlens_k, block_n),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
-
-
-def _tma_ok(q, k, v) -> bool:
-    """TMA descriptors need CUDA, 16-byte aligned bases and row strides, and a compiled (not interpreted) kernel."""
-    if INTERPRETED or not q.is_cuda or q.dtype == torch.float32:
-        return False
-    size = q.element_size()
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0
-               for t in (q, k, v))
-
-
-_ALLOCATOR_SET = False
-
-
-def _use_torch_allocator() -> None:
-    """Kernels that build TMA descriptors on the device need Triton's scratch allocator: torch's."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
