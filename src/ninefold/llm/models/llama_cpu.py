@@ -2,16 +2,16 @@
 
 A decode step on a small model is bound by per-op host cost, not arithmetic: SmolLM2-135M has 30
 layers and ~10 ms per token at llama.cpp's rate, so ~180 dispatched op calls of 10-20 us each
-were a third of the step. Here the linear implementations are fetched once per weight with
-``ops.implementation`` (no per-call signature or validation), and the glue around them is plain
-torch with the per-step parts hoisted out of the layer loop: the rotary rows, the KV-cache
-block indices and the attention mask are built once per step, not once per layer.
+were a third of the step. Here the linear and norm implementations are fetched once (per weight,
+per row count) with ``ops.implementation`` (no per-call signature or validation; on one row that
+picks ``ops.norm_row``'s CPU norms), and the rest is plain torch with the per-step parts hoisted
+out of the layer loop: the rotary rows, the KV-cache block indices and the attention mask are
+built once per step, not once per layer.
 
-The formulas are those of the ``vendor`` implementations of ``rms_norm``, ``add_rms_norm``,
-``rope`` (float32, halves rotated), ``reshape_and_cache``, ``attention_decode`` and
-``silu_and_mul``, computed with fewer tensor ops (a one-row norm takes its mean square as a Python
-number; the rotation is one multiply and one fused multiply-add), so the results agree with the
-generic path to float32 rounding (``tests/llm/test_parity.py`` checks it).
+The formulas are those of the ``vendor`` implementations of ``rope`` (float32, halves rotated),
+``reshape_and_cache``, ``attention_decode`` and ``silu_and_mul``, with fewer tensor ops (the
+rotation is one multiply and one fused multiply-add stored in the model's dtype), so the results
+agree with the generic path to float32 rounding (``tests/llm/test_parity.py`` checks it).
 """
 
 from __future__ import annotations
@@ -38,33 +38,19 @@ class CpuDecoder:
         self.inter = c.intermediate_size
         self.scale = model.scale
         self.cast = self.dtype != torch.float32
-        self.norm_weight = {}  # id(weight) -> float32 copy, made once
+        self.norm_fns: dict[int, tuple] = {}  # rows -> bound (rms_norm, add_rms_norm)
         self.linears: dict[int, object] = {}  # id(weight) -> bound callable(x, bias)
         self.cos_sin = model.cos_sin
-        self._zero: dict[int, torch.Tensor] = {}
 
     # -- pieces ----------------------------------------------------------------------------------
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """rms_norm in float32, result in the model's dtype (into ``out`` when given, for one row)."""
-        w = self.norm_weight.get(id(weight))
-        if w is None:
-            w = self.norm_weight[id(weight)] = weight.float()
-        xf = x.float() if self.cast else x
-        if xf.dim() == 2 and xf.shape[0] == 1:
-            # One row: the mean square as a Python number (free on the CPU) and one fused
-            # multiply that also rounds to the model's dtype replace the composite rms_norm's
-            # half-dozen tensor ops; same float32 formula, x * rsqrt(mean(x^2) + eps) * w.
-            row = xf[0]
-            inv = 1.0 / math.sqrt(float(torch.dot(row, row)) / row.shape[0] + self.eps)
-            if out is None:
-                out = torch.empty(xf.shape, dtype=self.dtype)
-            zero = self._zero.get(xf.shape[1])
-            if zero is None:
-                zero = self._zero[xf.shape[1]] = torch.zeros((1, xf.shape[1]))
-            return torch.addcmul(zero, xf, w, value=inv, out=out)
-        out = F.rms_norm(xf, (xf.shape[-1],), w, self.eps)
-        return out.to(self.dtype) if self.cast else out
+    def _norms(self, x: torch.Tensor, weight: torch.Tensor):
+        """(rms_norm, add_rms_norm) implementations for this step's row count, bound once per count."""
+        fns = self.norm_fns.get(x.shape[0])
+        if fns is None:
+            fns = self.norm_fns[x.shape[0]] = (ops.implementation("rms_norm", x, weight, self.eps),
+                                               ops.implementation("add_rms_norm", x, x, weight, self.eps))
+        return fns
 
     def _linear(self, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
         if type(weight) is PackedLinear:
@@ -99,20 +85,22 @@ class CpuDecoder:
         hidden = F.embedding(input_ids, m.embed)
         # Scratch reused by every layer of this step: each is consumed before the next layer refills it.
         rot = torch.empty((b, hq + hk, d), dtype=self.dtype)
-        xbuf = torch.empty((1, m.config.hidden_size), dtype=self.dtype) if b == 1 else None
+        rms_norm, add_rms_norm = self._norms(hidden, m.norm)
+        eps = self.eps
         residual = None
         qk_heads = hq + hk
         for i, layer in enumerate(m.layers):
             if residual is None:
                 residual = hidden
+                x = rms_norm(hidden, layer.input_norm, eps)
             else:
-                residual = hidden + residual
-            x = self._norm(residual, layer.input_norm, xbuf)
+                x, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)
             qk = qkv[:, : self.q_size + self.kv_size].reshape(b, qk_heads, d)
             v = qkv[:, self.q_size + self.kv_size:].reshape(b, hk, d)
             if layer.q_norm is not None:
-                qk = torch.cat((self._norm(qk[:, :hq], layer.q_norm), self._norm(qk[:, hq:], layer.k_norm)), dim=1)
+                qk = torch.cat((ops.rms_norm(qk[:, :hq], layer.q_norm, eps), ops.rms_norm(qk[:, hq:], layer.k_norm, eps)),
+                               dim=1)
             # bf16 * float32 promotes to float32 exactly as qk.float() would (the rotation runs in float32)
             swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
             if self.cast:  # computed in float32, rounded once when stored into rot (the model's dtype)
@@ -129,11 +117,10 @@ class CpuDecoder:
             o = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, d), kk, vv, attn_mask=mask,
                                                scale=self.scale)
             o = self._linear(o.reshape(b, hq * d), layer.o)
-            residual = o + residual
-            x = self._norm(residual, layer.post_norm, xbuf)
+            x, residual = add_rms_norm(o, residual, layer.post_norm, eps)
             gu = self._linear(x, layer.gate_up)
             hidden = self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], layer.down)
-        return self._norm(hidden + residual, m.norm)
+        return add_rms_norm(hidden, residual, m.norm, eps)[0]
 
 
 def supports(model, meta) -> bool:
