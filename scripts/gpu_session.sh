@@ -18,9 +18,9 @@ step_command() {
     cuda-tests) echo 'python3 -m pytest tests/dsl tests/ops tests/runtime tests/llm tests/server/test_cuda.py -q -n 8 -k "cuda or interpret" -p no:cacheprovider' ;;
     serve-bench) echo 'python3 -m ninefold.bench.serve_local --device cuda' ;;
     dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
-    dsl-bench) echo 'python3 -m ninefold.bench.dsl' ;;
+    dsl-bench) echo "python3 -m ninefold.bench.dsl ${DSL_BENCH_ARGS:-}" ;;
     ops-test) echo 'python3 -m pytest tests/ops -q -n 8 -p no:cacheprovider' ;;
-    ops-bench) echo 'python3 -m ninefold.bench.ops' ;;
+    ops-bench) echo "python3 -m ninefold.bench.ops ${OPS_BENCH_ARGS:-}" ;;
     runtime) echo 'python3 -m ninefold.bench.runtime' ;;
     llm-test) echo 'python3 -m pytest tests/llm -q -n 8 -p no:cacheprovider -k "not gguf"' ;;
     llm-bench) echo 'python3 -m ninefold.bench.llm' ;;
@@ -43,5 +43,5 @@ for arg in "$@"; do
   rc=$?
   tail -n 25 "$RESULTS/$name.log"
   echo "=== $name rc=$rc in $(( $(date +%s) - start ))s ==="
+  tar -czf "$FINAL_OUT/results.tgz" -C "$RESULTS" .  # after every step: a run cut short still returns what it did
 done
-tar -czf "$FINAL_OUT/results.tgz" -C "$RESULTS" .
