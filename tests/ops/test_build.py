@@ -52,7 +52,7 @@ def test_build_for_sm90_holds_only_its_manifest(tmp_path, capsys):
     # Rows of 576 (SmolLM2): four rows per program.
     assert kernels == ["rms_norm/bfloat16/rms_norm_rows_kernel-BLOCK_D1024-BLOCK_R4-HAS_RESIDUALFalse.bin",
                        "rms_norm/float32/rms_norm_rows_kernel-BLOCK_D1024-BLOCK_R4-HAS_RESIDUALFalse.bin",
-                       "silu_and_mul/bfloat16/gated_kernel-ACT0-BLOCK1024.bin"]
+                       "silu_and_mul/bfloat16/gated_kernel-ACT0-BLOCK1024-FLATFalse.bin"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["ops"] == {"rms_norm": {"dtypes": ["bfloat16", "float32"], "impls": ["triton", "vendor"]},
                                "silu_and_mul": {"dtypes": ["bfloat16"], "impls": ["triton"]}}

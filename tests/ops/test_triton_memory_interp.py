@@ -36,8 +36,7 @@ def with_config(mod, cfg):
 
 def test_memory_kernels_match_float64_references():
     gen = torch.Generator().manual_seed(0)
-    for cfg in ({}, {"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2},
-                {"rows": 2, "num_warps": 2, "per_sm": 1, "stages": 2}):
+    for cfg in ({}, {"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2}):
         with_config(norm, cfg)
         for rows, d in ((1, 8), (7, 100), (9, 64), (3, 257)):
             x, r, w = strided(rows, d, gen), strided(rows, d, gen), torch.randn(d, generator=gen)
@@ -50,8 +49,7 @@ def test_memory_kernels_match_float64_references():
         close(f"rms_norm 3-D {cfg}", norm.rms_norm(x3, torch.ones(40), 1e-5), references.rms_norm(x3, torch.ones(40), 1e-5))
     norm.OVERRIDE.clear()
 
-    for cfg in ({}, {"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2},
-                {"rows": 2, "num_warps": 2, "per_sm": 1, "stages": 2}):
+    for cfg in ({}, {"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2}):
         with_config(softmax, cfg)
         for rows, n in ((1, 1), (5, 33), (11, 70), (7, 300), (3, 20000)):
             x = strided(rows, n, gen) * 4
@@ -61,7 +59,8 @@ def test_memory_kernels_match_float64_references():
         close(f"softmax -inf {cfg}", softmax.softmax(x, -1), references.softmax(x))
     softmax.OVERRIDE.clear()
 
-    for cfg in ({}, {"block": 16, "num_warps": 4}, {"block": 64, "num_warps": 2}):
+    for cfg in ({}, {"block": 16, "num_warps": 4}, {"block": 64, "num_warps": 2}, {"block": 16, "num_warps": 2, "flat": True},
+                {"block": 32, "num_warps": 2, "libdevice_erf": True}):
         with_config(activation, cfg)
         for rows, d in ((1, 3), (6, 50), (3, 130)):
             x = strided(rows, 2 * d, gen) * 3

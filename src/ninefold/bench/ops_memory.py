@@ -39,31 +39,26 @@ OPS = ("rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "gelu_and_mul", "r
 
 # Candidate launch configurations per operator (the module's OVERRIDE format).
 CANDIDATES = {
-    "rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 1, "num_warps": 16},
-                 {"rows": 2, "num_warps": 8}, {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 16},
-                 {"rows": 1, "num_warps": 8, "per_sm": 8, "stages": 1},
-                 {"rows": 1, "num_warps": 8, "per_sm": 4, "stages": 2},
-                 {"rows": 2, "num_warps": 16, "per_sm": 2, "stages": 2}],
+    "rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 2, "num_warps": 8},
+                 {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 16}, {"rows": 4, "num_warps": 32},
+                 {"rows": 8, "num_warps": 16}, {"rows": 8, "num_warps": 32}],
     "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 1, "num_warps": 16},
-                {"rows": 1, "num_warps": 32}, {"rows": 2, "num_warps": 16}, {"rows": 2, "num_warps": 32},
-                {"rows": 1, "num_warps": 16, "per_sm": 4, "stages": 1},
-                {"rows": 1, "num_warps": 16, "per_sm": 2, "stages": 2}],
+                {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 32}],
     "silu_and_mul": [{"block": 1024, "num_warps": 4}, {"block": 1024, "num_warps": 8}, {"block": 2048, "num_warps": 4},
-                     {"block": 2048, "num_warps": 8}, {"block": 4096, "num_warps": 8}, {"block": 4096, "num_warps": 16}],
-    "rope": [{"tokens": 1, "num_warps": 4}, {"tokens": 1, "num_warps": 8}, {"tokens": 2, "num_warps": 4},
-             {"tokens": 2, "num_warps": 8}, {"tokens": 4, "num_warps": 8}, {"tokens": 4, "num_warps": 16}],
+                     {"block": 2048, "num_warps": 8}, {"block": 1024, "num_warps": 8, "flat": True},
+                     {"block": 2048, "num_warps": 8, "flat": True}, {"block": 4096, "num_warps": 16, "flat": True}],
+    "rope": [{"tokens": 1, "num_warps": 8}, {"tokens": 2, "num_warps": 8}, {"tokens": 4, "num_warps": 4},
+             {"tokens": 4, "num_warps": 8}, {"tokens": 8, "num_warps": 8}, {"tokens": 8, "num_warps": 16}],
 }
 CANDIDATES["add_rms_norm"] = CANDIDATES["rms_norm"]
-CANDIDATES["gelu_and_mul"] = CANDIDATES["silu_and_mul"]
+CANDIDATES["gelu_and_mul"] = CANDIDATES["silu_and_mul"] + [{"block": 2048, "num_warps": 4, "libdevice_erf": True}]
 # Smaller candidates where the interpreter runs the tiny shapes.
-CPU_CANDIDATES = {"rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2},
-                               {"rows": 2, "num_warps": 2, "per_sm": 1, "stages": 2}],
-                  "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 2, "num_warps": 4},
-                              {"rows": 2, "num_warps": 2, "per_sm": 1, "stages": 2}],
-                  "silu_and_mul": [{"block": 16, "num_warps": 4}, {"block": 64, "num_warps": 4}],
+CPU_CANDIDATES = {"rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2}],
+                  "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 2, "num_warps": 4}],
+                  "silu_and_mul": [{"block": 16, "num_warps": 4}, {"block": 64, "num_warps": 4, "flat": True}],
                   "rope": [{"tokens": 1, "num_warps": 4}, {"tokens": 4, "num_warps": 4}]}
 CPU_CANDIDATES["add_rms_norm"] = CPU_CANDIDATES["rms_norm"]
-CPU_CANDIDATES["gelu_and_mul"] = CPU_CANDIDATES["silu_and_mul"]
+CPU_CANDIDATES["gelu_and_mul"] = CPU_CANDIDATES["silu_and_mul"] + [{"block": 32, "num_warps": 4, "libdevice_erf": True}]
 
 
 def module(op: str):
@@ -133,6 +128,13 @@ class Timer:
             fn()
         self.sync()
         return (time.perf_counter() - t0) / n * 1e6
+
+
+def copy_time(timer: Timer, traffic: int, reps: int) -> float:
+    """Microseconds of a torch copy moving ``traffic`` bytes (half read, half written)."""
+    src = torch.empty(traffic // 4, dtype=torch.bfloat16, device=timer.device)
+    dst = torch.empty_like(src)
+    return timer.kernel(lambda: dst.copy_(src), reps)
 
 
 def copy_ceiling(timer: Timer, nbytes: int) -> float:
@@ -285,6 +287,10 @@ def bench(args) -> dict:
                 row["vendor"] = {"kernel_us": round(us, 2), "fraction": round(case.bytes / us / 1e3 / ceiling, 3)}
             if t >= 2048 or not cuda:
                 row["peers"] = peer_timings(op, case, timer, reps, ceiling)
+                # The same traffic as one torch copy: the practical ceiling at this size.
+                copy_us = copy_time(timer, case.bytes, reps)
+                row["copy_same_bytes"] = {"kernel_us": round(copy_us, 2),
+                                          "fraction": round(case.bytes / copy_us / 1e3 / ceiling, 3)}
             default = next((c for c in row["configs"] if c["config"] == "default" and "kernel_us" in c), None)
             # Launch paths: one call on an idle device and the back-to-back rate, direct vs Triton's own.
             if default is not None and t in (min(tokens), max(tokens)):
@@ -296,13 +302,46 @@ def bench(args) -> dict:
                     result["launch"].append(entry)
                     default[f"call_us_{'fast' if fast else 'triton'}"] = entry["call_us"]
                 launch.ENABLED = launch.AVAILABLE
+                if vendor is not None:
+                    fn = _bound(vendor, case)
+                    result["launch"].append({"op": op, "tokens": t, "vendor": True,
+                                             "call_us": round(timer.call(fn, reps), 2),
+                                             "host_us": round(timer.host(fn, 200 if cuda else 5), 2)})
+                if op == "rms_norm" and t == min(tokens):
+                    result["host_parts"] = host_parts(case, timer, 200 if cuda else 5)
             result["timings"].append(row)
             _print_row(row)
     result["winners"] = winners(result["timings"])
+    result["best_per_tokens"] = best_per_tokens(result["timings"])
     result["failed"] = failed
     result["seconds"] = round(time.perf_counter() - start, 1)
     _print_summary(result)
     return result
+
+
+def host_parts(case, timer: Timer, n: int) -> dict:
+    """Host microseconds per call of the pieces of a Triton rms_norm call (back-to-back calls)."""
+    from ninefold.ops.triton import launch, norm
+
+    x, weight, eps = case.args
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    cfg = norm.config(d, x.shape[0], False)
+    args = (x, x, weight, out, out, x.shape[0], d, d, d, d, d, eps)
+    consts = (False, triton_next_pow2(d))
+    parts = {
+        "empty_like": lambda: torch.empty_like(x, memory_format=torch.contiguous_format),
+        "launcher_key": lambda: launch.Launcher.key(args, consts, cfg["num_warps"], 2),
+        "config_lookup": lambda: norm.config(d, x.shape[0], False),
+        "whole_call": lambda: norm.rms_norm(x, weight, eps),
+    }
+    return {name: round(timer.host(fn, n), 2) for name, fn in parts.items()}
+
+
+def triton_next_pow2(n: int) -> int:
+    import triton
+
+    return triton.next_power_of_2(n)
 
 
 def peer_timings(op: str, case, timer: Timer, reps: int, ceiling: float) -> dict:
@@ -353,6 +392,8 @@ def _print_row(row: dict):
     default = next((c for c in ok if c["config"] == "default"), best)
     vendor = row.get("vendor", {})
     peers = "".join(f" {name} {p['fraction'] * 100:.1f}%" for name, p in row.get("peers", {}).items() if "fraction" in p)
+    if "copy_same_bytes" in row:
+        peers += f" | copy@size {row['copy_same_bytes']['fraction'] * 100:.1f}%"
     calls = f" call {default.get('call_us_fast', 0):.1f}/{default.get('call_us_triton', 0):.1f}us" if (
         "call_us_fast" in default) else ""
     print(f"{row['op']:13s} {row['label']:18s} best {best['config']:22s} {best['kernel_us']:9.1f}us "
@@ -362,12 +403,31 @@ def _print_row(row: dict):
         print("    " + "  ".join(f"{c['config']}: {c['fraction'] * 100:.1f}%" for c in ok))
 
 
+def best_per_tokens(rows: list[dict]) -> dict:
+    """{op: {tokens: best candidate config}} (for the token-count buckets of the CONFIGS tables)."""
+    found: dict = {}
+    for r in rows:
+        timed = [c for c in r["configs"] if "kernel_us" in c and c["cfg"]]
+        if timed:
+            best = min(timed, key=lambda c: c["kernel_us"])
+            found.setdefault(r["op"], {})[r["tokens"]] = {"config": best["cfg"], "kernel_us": best["kernel_us"]}
+    return found
+
+
 def _print_summary(result: dict):
     print("\ncall = one call on an idle GPU incl. host launch (direct launcher / Triton's launch path)")
+    for op, per in result["best_per_tokens"].items():
+        print(f"best {op:13s} " + "  ".join(f"T={t}: {_label(b['config'])}" for t, b in sorted(per.items())))
     for op, w in result["winners"].items():
         print(f"winner {op:13s} T={w['tokens']}: {w['config']} ({w['fraction'] * 100:.1f}% of copy)")
     if result["skipped_for_time"]:
         print("skipped for time:", ", ".join(result["skipped_for_time"]))
+    if "host_parts" in result:
+        print("host us per call (rms_norm T=min):", result["host_parts"])
+    vendor_calls = [e for e in result["launch"] if e.get("vendor")]
+    if vendor_calls:
+        print("vendor call/host us: " + "  ".join(f"{e['op']} T={e['tokens']} {e['call_us']}/{e['host_us']}"
+                                                 for e in vendor_calls))
     print(f"done in {result['seconds']} s")
 
 

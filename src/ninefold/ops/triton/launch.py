@@ -69,16 +69,27 @@ except ImportError:  # CPU-only torch builds
     pass
 
 
-_SMS: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (4 on the CPU, where the interpreter runs kernels)."""
-    found = _SMS.get(device)
+def pick(override: dict, table: dict, key, n: int, defaults: dict, default_fn) -> dict:
+    """A launch configuration: ``override`` when set (benchmarks), else the measured bucket of
+    ``table[key]`` (``[(max_rows or None, config), ...]`` in increasing order) for ``n`` rows,
+    else ``default_fn(key)`` (memoised in ``defaults``)."""
+    if override:
+        return override
+    buckets = table.get(key)
+    if buckets:
+        for limit, cfg in buckets:
+            if limit is None or n <= limit:
+                return cfg
+    found = defaults.get(key)
     if found is None:
-        found = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        _SMS[device] = found
+        found = defaults[key] = default_fn(key)
     return found
+
+
+def table_configs(table: dict, key, default: dict) -> list[dict]:
+    """Every distinct configuration ``table[key]`` can pick (``[default]`` without an entry)."""
+    found = [cfg for _, cfg in table.get(key, ())] or [default]
+    return [dict(t) for t in dict.fromkeys(tuple(sorted(c.items())) for c in found)]
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,12 @@ float32 inside. ``add_rms_norm`` reads x and the residual once and writes both o
 sum is rounded to x's dtype before the norm, as an unfused model does. Streaming loads are marked
 evict-first and the weight evict-last, so the weight stays in L2 while rows stream through.
 
-``rms_norm_kernel`` (one row per program) is the form ``aot.variants`` compiles;
-``rms_norm_rows_kernel`` takes several rows per program (short rows, or where measured faster).
-Launch configurations come from ``CONFIGS`` (per row width, measured on the H200 with
-``python -m ninefold.bench.ops_memory``), else from ``default_config``.
+``rms_norm_kernel`` takes one row per program, ``rms_norm_rows_kernel`` several (short rows, or
+many rows where measured faster). Launch configurations come from ``CONFIGS`` (per row width,
+residual or not, and token-count bucket; measured on the H200 with
+``python -m ninefold.bench.ops_memory``), else from ``default_config``. A persistent grid (programs
+per SM looping over rows, with and without pipelining) measured 4-13 points slower there and was
+dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import INTERPRETED, Launcher, empty, sm_count
+from ninefold.ops.triton.launch import Launcher, empty, pick, table_configs
 from ninefold.ops.triton.launch import rows as as_rows
 
 MAX_D = 32768
@@ -55,49 +57,29 @@ def rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d,
           stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def rms_norm_persistent_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res,
-                               stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_D: tl.constexpr, STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a run-time bound
-        for i in range(STATIC_ITERS):
-            _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, (pid + i * nprog) * BLOCK_R, n_rows, d, stride_x,
-                  stride_res, stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
-    else:
-        for blk in tl.range(pid, tl.cdiv(n_rows, BLOCK_R), nprog, num_stages=STAGES):
-            _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, blk * BLOCK_R, n_rows, d, stride_x, stride_res,
-                  stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D)
-
-
 _ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D"))
 _MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D"))
-_PERSISTENT = Launcher(rms_norm_persistent_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D", "STAGES", "STATIC_ITERS"))
 
-# Measured winners: {d: {"rows": BLOCK_R, "num_warps": w}}, optionally "per_sm": programs per SM of a
-# persistent grid and "stages": its software-pipelining depth (see the module docstring).
-CONFIGS: dict[int, dict] = {}
+# Measured winners: {(d, has_residual): [(max_rows or None, {"rows": BLOCK_R, "num_warps": w}), ...]}.
+CONFIGS: dict[tuple, list] = {
+    (4096, False): [(4096, {"rows": 1, "num_warps": 8}), (None, {"rows": 4, "num_warps": 16})],
+    (4096, True): [(None, {"rows": 1, "num_warps": 4})],
+}
 # Set by benchmarks to force a configuration.
 OVERRIDE: dict = {}
+_DEFAULTS: dict = {}
 
 
-def default_config(d: int) -> dict:
+def default_config(key: tuple) -> dict:
     """Rows per program and warps for rows of ``d``: about 4096 elements per program, 8 per thread."""
-    block = triton.next_power_of_2(d)
+    block = triton.next_power_of_2(key[0])
     rows = max(1, min(16, 4096 // block))
     return {"rows": rows, "num_warps": max(1, min(16, rows * block // 512))}
 
 
-_DEFAULTS: dict[int, dict] = {}
-
-
-def config(d: int) -> dict:
-    """The launch configuration for rows of ``d``: an override, the measured table, or the default."""
-    found = OVERRIDE or CONFIGS.get(d) or _DEFAULTS.get(d)
-    if found is None:
-        found = _DEFAULTS[d] = default_config(d)
-    return found
+def config(d: int, n_rows: int, residual: bool) -> dict:
+    """The launch configuration for ``n_rows`` rows of ``d``: an override, the measured table, or the default."""
+    return pick(OVERRIDE, CONFIGS, (d, residual), n_rows, _DEFAULTS, default_config)
 
 
 def supports(x, *rest) -> str | None:
@@ -109,22 +91,14 @@ def supports(x, *rest) -> str | None:
 
 def _launch(x2, r2, weight, out, total, eps, has_residual):
     n, d = x2.shape
-    cfg = config(d)
+    cfg = config(d, n, has_residual)
     block, rows = triton.next_power_of_2(d), cfg["rows"]
-    strides = (x2.stride(0), r2.stride(0), out.stride(0), total.stride(0))
-    if cfg.get("per_sm"):
-        blocks = triton.cdiv(n, rows)
-        grid = min(blocks, sm_count(x2.device) * cfg["per_sm"])
-        static = triton.cdiv(blocks, grid) if INTERPRETED else 0
-        _PERSISTENT((grid,), (x2, r2, weight, out, total, n, d, *strides, eps),
-                    (has_residual, rows, block, cfg.get("stages", 1), static), num_warps=cfg["num_warps"],
-                    device_index=x2.get_device())
-    elif rows == 1:
-        _ONE((n,), (x2, r2, weight, out, total, n, d, *strides, eps), (has_residual, block),
-             num_warps=cfg["num_warps"], device_index=x2.get_device())
+    args = (x2, r2, weight, out, total, n, d, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0), eps)
+    if rows == 1:
+        _ONE((n,), args, (has_residual, block), num_warps=cfg["num_warps"], device_index=x2.get_device())
     else:
-        _MANY((triton.cdiv(n, rows),), (x2, r2, weight, out, total, n, d, *strides, eps), (has_residual, rows, block),
-              num_warps=cfg["num_warps"], device_index=x2.get_device())
+        _MANY((triton.cdiv(n, rows),), args, (has_residual, rows, block), num_warps=cfg["num_warps"],
+              device_index=x2.get_device())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,15 +120,14 @@ def add_rms_norm(x, residual, weight, eps):
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (kernel, constexprs, num_warps) for ``ninefold.ops.triton.aot``."""
-    d = shapes.hidden
-    cfg, block = config(d), triton.next_power_of_2(d)
-    residual = op == "add_rms_norm"
-    if cfg.get("per_sm"):
-        return [{"kernel": rms_norm_persistent_kernel, "num_warps": cfg["num_warps"],
-                 "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"], "BLOCK_D": block,
-                                "STAGES": cfg.get("stages", 1), "STATIC_ITERS": 0}}]
-    if cfg["rows"] == 1:
-        return [{"kernel": rms_norm_kernel, "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block},
-                 "num_warps": cfg["num_warps"]}]
-    return [{"kernel": rms_norm_rows_kernel, "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"],
-                                                            "BLOCK_D": block}, "num_warps": cfg["num_warps"]}]
+    d, residual = shapes.hidden, op == "add_rms_norm"
+    block = triton.next_power_of_2(d)
+    found = []
+    for cfg in (OVERRIDE,) if OVERRIDE else table_configs(CONFIGS, (d, residual), default_config((d, residual))):
+        if cfg["rows"] == 1:
+            found.append({"kernel": rms_norm_kernel, "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block},
+                          "num_warps": cfg["num_warps"]})
+        else:
+            found.append({"kernel": rms_norm_rows_kernel, "num_warps": cfg["num_warps"],
+                          "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"], "BLOCK_D": block}})
+    return found

@@ -6,8 +6,6 @@ layout loads the two contiguous halves of each head; the interleaved layout load
 contiguously and splits even/odd features in registers. Features past the rotary dimension are
 copied. Launch configurations: ``CONFIGS`` (measured on the H200 with
 ``python -m ninefold.bench.ops_memory``), else ``default_config``.
-
-``rope_kernel`` (one tensor per launch) is the form ``aot.variants`` compiles.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import Launcher, empty
+from ninefold.ops.triton.launch import Launcher, empty, pick, table_configs
 
 
 @triton.jit
@@ -67,60 +65,27 @@ def rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, n_tok
                   BLOCK_HALF, BLOCK_TAIL)
 
 
-@triton.jit
-def rope_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr, heads, d, stride_xt, stride_xh, stride_cache,
-                HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                BLOCK_TAIL: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    im = i < HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=im, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
-    h = tl.arange(0, BLOCK_H)
-    mask = (h < heads)[:, None] & im[None, :]
-    src = x_ptr + t * stride_xt + h[:, None] * stride_xh
-    dst = out_ptr + t * heads * d + h[:, None] * d
-    if IS_NEOX:
-        i1 = i
-        i2 = i + HALF
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
-    x1 = tl.load(src + i1[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + i2[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + i1[None, :], (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + i2[None, :], (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    if BLOCK_TAIL > 0:  # features past the rotary dimension are copied
-        j = 2 * HALF + tl.arange(0, BLOCK_TAIL)
-        tail_mask = (h < heads)[:, None] & (j < d)[None, :]
-        tl.store(dst + j[None, :], tl.load(src + j[None, :], mask=tail_mask, other=0.0), mask=tail_mask)
-
-
 _QK = Launcher(rope_qk_kernel, ("HALF", "IS_NEOX", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "BLOCK_TAIL"))
 
-# Measured winners: {(hq, hk, d): {"tokens": BLOCK_T, "num_warps": w}}.
-CONFIGS: dict[tuple, dict] = {}
+# Measured winners: {(hq, hk, d): [(max_tokens or None, {"tokens": BLOCK_T, "num_warps": w}), ...]}
+# (H200, bench.ops_memory).
+CONFIGS: dict[tuple, list] = {(32, 8, 128): [(4096, {"tokens": 2, "num_warps": 8}), (None, {"tokens": 4, "num_warps": 8})]}
 # Set by benchmarks to force a configuration.
 OVERRIDE: dict = {}
+_DEFAULTS: dict = {}
 
 
-def default_config(hq: int, hk: int, d: int) -> dict:
+def default_config(key: tuple) -> dict:
     """Tokens per program and warps: about 8192 features of q and k per program, 16 per thread."""
+    hq, hk, d = key
     per_token = triton.next_power_of_2((hq + hk) * d)
     tokens = max(1, min(16, 8192 // per_token))
     return {"tokens": tokens, "num_warps": max(1, min(8, tokens * per_token // 1024))}
 
 
-_DEFAULTS: dict[tuple, dict] = {}
-
-
-def config(hq: int, hk: int, d: int) -> dict:
-    """The launch configuration for ``hq``/``hk`` heads of ``d``: override, measured table, or default."""
-    found = OVERRIDE or CONFIGS.get((hq, hk, d)) or _DEFAULTS.get((hq, hk, d))
-    if found is None:
-        found = _DEFAULTS[hq, hk, d] = default_config(hq, hk, d)
-    return found
+def config(hq: int, hk: int, d: int, tokens: int) -> dict:
+    """The launch configuration for ``tokens`` tokens of ``hq``/``hk`` heads of ``d``: override, table, default."""
+    return pick(OVERRIDE, CONFIGS, (hq, hk, d), tokens, _DEFAULTS, default_config)
 
 
 def supports(q, k, positions, cos_sin_cache, is_neox) -> str | None:
@@ -141,7 +106,7 @@ def rope(q, k, positions, cos_sin_cache, is_neox):
     hk = k.shape[1]
     q_out, k_out = empty(q), empty(k)
     if t:
-        cfg = config(hq, hk, d)
+        cfg = config(hq, hk, d, t)
         _QK((triton.cdiv(t, cfg["tokens"]),),
             (q, k, q_out, k_out, positions, cos_sin_cache, t, hq, hk, d, q.stride(0), q.stride(1), k.stride(0),
              k.stride(1), cos_sin_cache.stride(0)), _constexprs(hq, hk, d, cos_sin_cache.shape[1] // 2, is_neox, cfg),
@@ -152,7 +117,8 @@ def rope(q, k, positions, cos_sin_cache, is_neox):
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (for ``ninefold.ops.triton.aot``)."""
     hq, hk, d = shapes.heads, shapes.kv_heads, shapes.head_dim
-    cfg = config(hq, hk, d)
     names = ("HALF", "IS_NEOX", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "BLOCK_TAIL")
+    configs = (OVERRIDE,) if OVERRIDE else table_configs(CONFIGS, (hq, hk, d), default_config((hq, hk, d)))
     return [{"kernel": rope_qk_kernel, "num_warps": cfg["num_warps"],
-             "constexprs": dict(zip(names, _constexprs(hq, hk, d, d // 2, neox, cfg)))} for neox in (True, False)]
+             "constexprs": dict(zip(names, _constexprs(hq, hk, d, d // 2, neox, cfg)))}
+            for cfg in configs for neox in (True, False)]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import Launcher, empty, sm_count
+from ninefold.ops.triton.launch import Launcher, empty, pick, table_configs
 from ninefold.ops.triton.launch import rows as as_rows
 
 MAX_SINGLE = 16384
@@ -41,19 +41,6 @@ def _rows(x_ptr, out_ptr, row0, n_rows, n, stride_x, stride_out, BLOCK_R: tl.con
 def softmax_rows_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, BLOCK_R: tl.constexpr,
                         BLOCK: tl.constexpr):
     _rows(x_ptr, out_ptr, tl.program_id(0) * BLOCK_R, n_rows, n, stride_x, stride_out, BLOCK_R, BLOCK)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def softmax_persistent_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, BLOCK_R: tl.constexpr,
-                              BLOCK: tl.constexpr, STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a run-time bound
-        for i in range(STATIC_ITERS):
-            _rows(x_ptr, out_ptr, (pid + i * nprog) * BLOCK_R, n_rows, n, stride_x, stride_out, BLOCK_R, BLOCK)
-    else:
-        for blk in tl.range(pid, tl.cdiv(n_rows, BLOCK_R), nprog, num_stages=STAGES):
-            _rows(x_ptr, out_ptr, blk * BLOCK_R, n_rows, n, stride_x, stride_out, BLOCK_R, BLOCK)
 
 
 @triton.jit
@@ -88,13 +75,13 @@ def softmax_kernel(x_ptr, out_ptr, n, stride_x, stride_out, SINGLE: tl.constexpr
 
 _SINGLE = Launcher(softmax_kernel, ("SINGLE", "BLOCK", "STATIC_N"))
 _ROWS = Launcher(softmax_rows_kernel, ("BLOCK_R", "BLOCK"))
-_PERSISTENT = Launcher(softmax_persistent_kernel, ("BLOCK_R", "BLOCK", "STAGES", "STATIC_ITERS"))
 
-# Measured winners for register-resident rows: {n: {"rows": BLOCK_R, "num_warps": w}}, optionally
-# "per_sm": programs per SM of a persistent grid and "stages": its software-pipelining depth.
-CONFIGS: dict[int, dict] = {}
+# Measured winners for register-resident rows:
+# {n: [(max_rows or None, {"rows": BLOCK_R, "num_warps": w}), ...]} (H200, bench.ops_memory).
+CONFIGS: dict[int, list] = {8192: [(None, {"rows": 1, "num_warps": 16})]}
 # Set by benchmarks to force a configuration.
 OVERRIDE: dict = {}
+_DEFAULTS: dict = {}
 
 
 def supports(x, dim) -> str | None:
@@ -110,22 +97,9 @@ def default_config(n: int) -> dict:
     return {"rows": rows, "num_warps": max(1, min(16, rows * block // 512))}
 
 
-_DEFAULTS: dict[int, dict] = {}
-
-
-def row_config(n: int) -> dict:
-    """The register-resident configuration for rows of ``n``: an override, the measured table, or the default."""
-    found = OVERRIDE or CONFIGS.get(n) or _DEFAULTS.get(n)
-    if found is None:
-        found = _DEFAULTS[n] = default_config(n)
-    return found
-
-
-def config(n: int) -> tuple[bool, int, int]:
-    """(SINGLE, BLOCK, num_warps) of ``softmax_kernel`` for rows of ``n`` (what ``aot.variants`` compiles)."""
-    if n <= MAX_SINGLE:
-        return True, triton.next_power_of_2(max(n, 1)), row_config(n)["num_warps"]
-    return False, CHUNK, 8
+def row_config(n: int, n_rows: int) -> dict:
+    """The register-resident configuration for ``n_rows`` rows of ``n``: override, measured table, or default."""
+    return pick(OVERRIDE, CONFIGS, n, n_rows, _DEFAULTS, default_config)
 
 
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -137,15 +111,8 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     if rows and n:
         dev = x2.get_device()
         if n <= MAX_SINGLE:
-            cfg, block = row_config(n), triton.next_power_of_2(n)
-            if cfg.get("per_sm"):
-                blocks = triton.cdiv(rows, cfg["rows"])
-                grid = min(blocks, sm_count(x2.device) * cfg["per_sm"])
-                static = triton.cdiv(blocks, grid) if INTERPRETED else 0
-                _PERSISTENT((grid,), (x2, out, rows, n, x2.stride(0), out.stride(0)),
-                            (cfg["rows"], block, cfg.get("stages", 1), static), num_warps=cfg["num_warps"],
-                            device_index=dev)
-            elif cfg["rows"] > 1:
+            cfg, block = row_config(n, rows), triton.next_power_of_2(n)
+            if cfg["rows"] > 1:
                 _ROWS((triton.cdiv(rows, cfg["rows"]),), (x2, out, rows, n, x2.stride(0), out.stride(0)),
                       (cfg["rows"], block), num_warps=cfg["num_warps"], device_index=dev)
             else:
@@ -161,16 +128,16 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (for ``ninefold.ops.triton.aot``)."""
     found = []
     for n in (shapes.softmax_width, shapes.vocab):
-        cfg = row_config(n)
-        if n <= MAX_SINGLE and cfg.get("per_sm"):
-            found.append({"kernel": softmax_persistent_kernel, "num_warps": cfg["num_warps"],
-                          "constexprs": {"BLOCK_R": cfg["rows"], "BLOCK": triton.next_power_of_2(n),
-                                         "STAGES": cfg.get("stages", 1), "STATIC_ITERS": 0}})
-        elif n <= MAX_SINGLE and cfg["rows"] > 1:
-            found.append({"kernel": softmax_rows_kernel, "num_warps": cfg["num_warps"],
-                          "constexprs": {"BLOCK_R": cfg["rows"], "BLOCK": triton.next_power_of_2(n)}})
-        else:
-            single, block, warps = config(n)
-            found.append({"kernel": softmax_kernel, "num_warps": warps,
-                          "constexprs": {"SINGLE": single, "BLOCK": block, "STATIC_N": 0}})
+        if n > MAX_SINGLE:
+            found.append({"kernel": softmax_kernel, "num_warps": 8,
+                          "constexprs": {"SINGLE": False, "BLOCK": CHUNK, "STATIC_N": 0}})
+            continue
+        block = triton.next_power_of_2(n)
+        for cfg in (OVERRIDE,) if OVERRIDE else table_configs(CONFIGS, n, default_config(n)):
+            if cfg["rows"] > 1:
+                found.append({"kernel": softmax_rows_kernel, "num_warps": cfg["num_warps"],
+                              "constexprs": {"BLOCK_R": cfg["rows"], "BLOCK": block}})
+            else:
+                found.append({"kernel": softmax_kernel, "num_warps": cfg["num_warps"],
+                              "constexprs": {"SINGLE": True, "BLOCK": block, "STATIC_N": 0}})
     return found
