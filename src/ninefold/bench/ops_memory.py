@@ -41,12 +41,14 @@ OPS = ("rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "gelu_and_mul", "r
 CANDIDATES = {
     "rms_norm": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 2, "num_warps": 8},
                  {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 16}, {"rows": 4, "num_warps": 32},
-                 {"rows": 8, "num_warps": 16}, {"rows": 8, "num_warps": 32}],
+                 {"rows": 8, "num_warps": 16}, {"rows": 8, "num_warps": 32}, {"rows": 1, "num_warps": 8, "store": ".cs"},
+                 {"rows": 4, "num_warps": 16, "store": ".cs"}],
     "softmax": [{"rows": 1, "num_warps": 4}, {"rows": 1, "num_warps": 8}, {"rows": 1, "num_warps": 16},
                 {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 32}],
     "silu_and_mul": [{"block": 1024, "num_warps": 4}, {"block": 1024, "num_warps": 8}, {"block": 2048, "num_warps": 4},
                      {"block": 2048, "num_warps": 8}, {"block": 1024, "num_warps": 8, "flat": True},
-                     {"block": 2048, "num_warps": 8, "flat": True}, {"block": 4096, "num_warps": 16, "flat": True}],
+                     {"block": 2048, "num_warps": 8, "flat": True}, {"block": 4096, "num_warps": 16, "flat": True},
+                     {"block": 2048, "num_warps": 8, "store": ".cs"}],
     "rope": [{"tokens": 1, "num_warps": 8}, {"tokens": 2, "num_warps": 8}, {"tokens": 4, "num_warps": 4},
              {"tokens": 4, "num_warps": 8}, {"tokens": 8, "num_warps": 8}, {"tokens": 8, "num_warps": 16}],
 }

@@ -31,7 +31,7 @@ def _erf(x):
 
 @triton.jit
 def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                 FLAT: tl.constexpr):
+                 FLAT: tl.constexpr, STORE: tl.constexpr):
     if FLAT:
         blocks = tl.cdiv(d, BLOCK)
         row = (tl.program_id(0) // blocks).to(tl.int64)
@@ -51,14 +51,15 @@ def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLO
     else:  # tanh gelu, tanh(z) = 2 sigmoid(2z) - 1
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * z)))
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask,
+             cache_modifier=STORE)
 
 
-_LAUNCH = Launcher(gated_kernel, ("ACT", "BLOCK", "FLAT"))
+_LAUNCH = Launcher(gated_kernel, ("ACT", "BLOCK", "FLAT", "STORE"))
 
 # Measured winners: {(d, act): [(max_rows or None, {"block": BLOCK, "num_warps": w}), ...]} with act
-# "silu" or "gelu", optionally "flat": True (1-D grid) and "libdevice_erf": True (exact GELU through
-# libdevice's erf). H200, bench.ops_memory.
+# "silu" or "gelu", optionally "flat": True (1-D grid), "libdevice_erf": True (exact GELU through
+# libdevice's erf) and "store": a cache modifier for the stores (".cs": streaming). H200, bench.ops_memory.
 CONFIGS: dict[tuple, list] = {(14336, "silu"): [(None, {"block": 2048, "num_warps": 8})],
                               (14336, "gelu"): [(None, {"block": 2048, "num_warps": 4})]}
 # Set by benchmarks to force a configuration.
@@ -89,7 +90,7 @@ def _gated(x: torch.Tensor, act: int) -> torch.Tensor:
         if act == 1 and cfg.get("libdevice_erf"):
             act = 3
         _LAUNCH((x2.shape[0] * blocks,) if flat else (x2.shape[0], blocks), (x2, out, d, x2.stride(0), out.stride(0)),
-                (act, cfg["block"], flat), num_warps=cfg["num_warps"], device_index=x2.get_device())
+                (act, cfg["block"], flat, cfg.get("store", "")), num_warps=cfg["num_warps"], device_index=x2.get_device())
     return out.view(*x.shape[:-1], d)
 
 
@@ -110,5 +111,6 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     for cfg in (OVERRIDE,) if OVERRIDE else table_configs(CONFIGS, (shapes.intermediate, name), _default(None)):
         acts = [0] if op == "silu_and_mul" else [3 if cfg.get("libdevice_erf") else 1, 2]
         found += [{"kernel": gated_kernel, "num_warps": cfg["num_warps"],
-                   "constexprs": {"ACT": a, "BLOCK": cfg["block"], "FLAT": cfg.get("flat", False)}} for a in acts]
+                   "constexprs": {"ACT": a, "BLOCK": cfg["block"], "FLAT": cfg.get("flat", False),
+                                  "STORE": cfg.get("store", "")}} for a in acts]
     return found
