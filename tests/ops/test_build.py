@@ -50,9 +50,9 @@ def test_build_for_sm90_holds_only_its_manifest(tmp_path, capsys):
     assert "rms_norm" in report and "silu_and_mul" in report and "total" in report
     kernels = sorted(str(p.relative_to(out / "kernels" / "triton")) for p in (out / "kernels" / "triton").rglob("*.bin"))
     # Rows of 576 (SmolLM2): four rows per program.
-    assert kernels == ["rms_norm/bfloat16/rms_norm_rows_kernel-BLOCK_D1024-BLOCK_R4-HAS_RESIDUALFalse-STORE.bin",
-                       "rms_norm/float32/rms_norm_rows_kernel-BLOCK_D1024-BLOCK_R4-HAS_RESIDUALFalse-STORE.bin",
-                       "silu_and_mul/bfloat16/gated_kernel-ACT0-BLOCK1024-FLATFalse-STORE.bin"]
+    assert kernels == ["rms_norm/bfloat16/rms_norm_rows_kernel-BLOCK_D1024-BLOCK_R4-HAS_RESIDUALFalse-LOADevict_first-STORE.bin",
+                       "rms_norm/float32/rms_norm_rows_kernel-BLOCK_D1024-BLOCK_R4-HAS_RESIDUALFalse-LOADevict_first-STORE.bin",
+                       "silu_and_mul/bfloat16/gated_kernel-ACT0-BLOCK1024-FLATFalse-LOADevict_first-STORE.bin"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["ops"] == {"rms_norm": {"dtypes": ["bfloat16", "float32"], "impls": ["triton", "vendor"]},
                                "silu_and_mul": {"dtypes": ["bfloat16"], "impls": ["triton"]}}

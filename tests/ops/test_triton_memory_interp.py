@@ -36,7 +36,7 @@ def with_config(mod, cfg):
 
 def test_memory_kernels_match_float64_references():
     gen = torch.Generator().manual_seed(0)
-    for cfg in ({}, {"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2}, {"rows": 2, "num_warps": 2, "store": ".cs"}):
+    for cfg in ({}, {"rows": 1, "num_warps": 4}, {"rows": 4, "num_warps": 2}, {"rows": 2, "num_warps": 2, "store": ".cs", "load": ""}):
         with_config(norm, cfg)
         for rows, d in ((1, 8), (7, 100), (9, 64), (3, 257)):
             x, r, w = strided(rows, d, gen), strided(rows, d, gen), torch.randn(d, generator=gen)
@@ -60,7 +60,7 @@ def test_memory_kernels_match_float64_references():
     softmax.OVERRIDE.clear()
 
     for cfg in ({}, {"block": 16, "num_warps": 4}, {"block": 64, "num_warps": 2}, {"block": 16, "num_warps": 2, "flat": True},
-                {"block": 32, "num_warps": 2, "libdevice_erf": True}, {"block": 16, "num_warps": 2, "store": ".cs"}):
+                {"block": 32, "num_warps": 2, "libdevice_erf": True}, {"block": 16, "num_warps": 2, "store": ".cs", "load": ""}):
         with_config(activation, cfg)
         for rows, d in ((1, 3), (6, 50), (3, 130)):
             x = strided(rows, 2 * d, gen) * 3

@@ -31,7 +31,7 @@ def _erf(x):
 
 @triton.jit
 def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                 FLAT: tl.constexpr, STORE: tl.constexpr):
+                 FLAT: tl.constexpr, STORE: tl.constexpr, LOAD: tl.constexpr):
     if FLAT:
         blocks = tl.cdiv(d, BLOCK)
         row = (tl.program_id(0) // blocks).to(tl.int64)
@@ -40,8 +40,8 @@ def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLO
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, eviction_policy=LOAD).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0, eviction_policy=LOAD).to(tl.float32)
     if ACT == 0:  # silu
         act = gate / (1.0 + tl.exp(-gate))
     elif ACT == 1:  # exact gelu
@@ -55,11 +55,12 @@ def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLO
              cache_modifier=STORE)
 
 
-_LAUNCH = Launcher(gated_kernel, ("ACT", "BLOCK", "FLAT", "STORE"))
+_LAUNCH = Launcher(gated_kernel, ("ACT", "BLOCK", "FLAT", "STORE", "LOAD"))
 
 # Measured winners: {(d, act): [(max_rows or None, {"block": BLOCK, "num_warps": w}), ...]} with act
 # "silu" or "gelu", optionally "flat": True (1-D grid), "libdevice_erf": True (exact GELU through
-# libdevice's erf) and "store": a cache modifier for the stores (".cs": streaming). H200, bench.ops_memory.
+# libdevice's erf), "store": a cache modifier for the stores (".cs": streaming) and "load": the loads
+# eviction policy (default "evict_first"; "" for none). H200, bench.ops_memory.
 CONFIGS: dict[tuple, list] = {(14336, "silu"): [(None, {"block": 2048, "num_warps": 8})],
                               (14336, "gelu"): [(None, {"block": 2048, "num_warps": 4})]}
 # Set by benchmarks to force a configuration.
@@ -90,7 +91,7 @@ def _gated(x: torch.Tensor, act: int) -> torch.Tensor:
         if act == 1 and cfg.get("libdevice_erf"):
             act = 3
         _LAUNCH((x2.shape[0] * blocks,) if flat else (x2.shape[0], blocks), (x2, out, d, x2.stride(0), out.stride(0)),
-                (act, cfg["block"], flat, cfg.get("store", "")), num_warps=cfg["num_warps"], device_index=x2.get_device())
+                (act, cfg["block"], flat, cfg.get("store", ""), cfg.get("load", "evict_first")), num_warps=cfg["num_warps"], device_index=x2.get_device())
     return out.view(*x.shape[:-1], d)
 
 
@@ -112,5 +113,6 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
         acts = [0] if op == "silu_and_mul" else [3 if cfg.get("libdevice_erf") else 1, 2]
         found += [{"kernel": gated_kernel, "num_warps": cfg["num_warps"],
                    "constexprs": {"ACT": a, "BLOCK": cfg["block"], "FLAT": cfg.get("flat", False),
-                                  "STORE": cfg.get("store", "")}} for a in acts]
+                                  "STORE": cfg.get("store", ""), "LOAD": cfg.get("load", "evict_first")}}
+                  for a in acts]
     return found

@@ -28,13 +28,13 @@ MAX_D = 32768
 @triton.jit
 def _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row0, n_rows, d, stride_x, stride_res, stride_out,
           stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-          STORE: tl.constexpr):
+          STORE: tl.constexpr, LOAD: tl.constexpr):
     rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < n_rows) & (cols < d)
-    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0, eviction_policy=LOAD)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows * stride_res + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(res_ptr + rows * stride_res + cols, mask=mask, other=0.0, eviction_policy=LOAD)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + rows * stride_res_out + cols, x, mask=mask, cache_modifier=STORE)
     xf = x.to(tl.float32)
@@ -46,24 +46,26 @@ def _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row0, n_rows, d, stride_x
 
 @triton.jit(do_not_specialize=["n_rows"])
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res, stride_out,
-                    stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr):
+                    stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
+                    LOAD: tl.constexpr):
     _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0), n_rows, d, stride_x, stride_res,
-          stride_out, stride_res_out, eps, HAS_RESIDUAL, 1, BLOCK_D, STORE)
+          stride_out, stride_res_out, eps, HAS_RESIDUAL, 1, BLOCK_D, STORE, LOAD)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
 def rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res, stride_out,
                          stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, STORE: tl.constexpr):
+                         BLOCK_D: tl.constexpr, STORE: tl.constexpr, LOAD: tl.constexpr):
     _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0) * BLOCK_R, n_rows, d, stride_x, stride_res,
-          stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D, STORE)
+          stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D, STORE, LOAD)
 
 
-_ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D", "STORE"))
-_MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D", "STORE"))
+_ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D", "STORE", "LOAD"))
+_MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D", "STORE", "LOAD"))
 
 # Measured winners: {(d, has_residual): [(max_rows or None, {"rows": BLOCK_R, "num_warps": w}), ...]};
-# optional "store": a cache modifier for the stores (".cs": streaming).
+# optional "store": a cache modifier for the stores (".cs": streaming) and "load": the eviction
+# policy of the streamed loads (default "evict_first"; "" for none).
 CONFIGS: dict[tuple, list] = {
     (4096, False): [(4096, {"rows": 1, "num_warps": 8}), (None, {"rows": 4, "num_warps": 16})],
     (4096, True): [(None, {"rows": 1, "num_warps": 4})],
@@ -97,11 +99,11 @@ def _launch(x2, r2, weight, out, total, eps, has_residual):
     cfg = config(d, n, has_residual)
     block, rows = triton.next_power_of_2(d), cfg["rows"]
     args = (x2, r2, weight, out, total, n, d, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0), eps)
-    store = cfg.get("store", "")
+    hints = (cfg.get("store", ""), cfg.get("load", "evict_first"))
     if rows == 1:
-        _ONE((n,), args, (has_residual, block, store), num_warps=cfg["num_warps"], device_index=x2.get_device())
+        _ONE((n,), args, (has_residual, block, *hints), num_warps=cfg["num_warps"], device_index=x2.get_device())
     else:
-        _MANY((triton.cdiv(n, rows),), args, (has_residual, rows, block, store), num_warps=cfg["num_warps"],
+        _MANY((triton.cdiv(n, rows),), args, (has_residual, rows, block, *hints), num_warps=cfg["num_warps"],
               device_index=x2.get_device())
 
 
@@ -130,9 +132,10 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     for cfg in (OVERRIDE,) if OVERRIDE else table_configs(CONFIGS, (d, residual), default_config((d, residual))):
         if cfg["rows"] == 1:
             found.append({"kernel": rms_norm_kernel, "num_warps": cfg["num_warps"],
-                          "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block, "STORE": cfg.get("store", "")}})
+                          "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block, "STORE": cfg.get("store", ""),
+                                         "LOAD": cfg.get("load", "evict_first")}})
         else:
             found.append({"kernel": rms_norm_rows_kernel, "num_warps": cfg["num_warps"],
                           "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"], "BLOCK_D": block,
-                                         "STORE": cfg.get("store", "")}})
+                                         "STORE": cfg.get("store", ""), "LOAD": cfg.get("load", "evict_first")}})
     return found
