@@ -4,6 +4,10 @@ The composite ``torch.rms_norm`` costs half a dozen tensor ops; for one row on a
 square is taken as a Python number (reading it is free there) and one fused multiply
 (``addcmul``) scales, applies the weight and rounds to x's dtype. Same float32 formula as the
 vendor implementation: ``x * rsqrt(mean(x^2) + eps) * weight``.
+
+Registered below ``vendor`` in the default order (so existing choices and tuning tables stand);
+the CPU decode step (``llm/models/llama_cpu.py``) picks it from ``ops.candidates`` for one-row
+steps, and ``ops.use(rms_norm="cpu_row")`` pins it anywhere else.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ def _normalize(total: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return torch.addcmul(zero, xf, weight.reshape(1, n), value=inv, out=out.view(1, n)).view(total.shape)
 
 
-@register("rms_norm", "cpu_row", devices=("cpu",), supports=_one_row, priority={"cpu": 5})
+@register("rms_norm", "cpu_row", devices=("cpu",), supports=_one_row)
 def _rms_norm_row(x, weight, eps):
     return _normalize(x, weight, eps)
 
 
-@register("add_rms_norm", "cpu_row", devices=("cpu",), supports=_one_row, priority={"cpu": 5})
+@register("add_rms_norm", "cpu_row", devices=("cpu",), supports=_one_row)
 def _add_rms_norm_row(x, residual, weight, eps):
     total = x + residual
     return _normalize(total, weight, eps), total

@@ -3,8 +3,8 @@
 A decode step on a small model is bound by per-op host cost, not arithmetic: SmolLM2-135M has 30
 layers and ~10 ms per token at llama.cpp's rate, so ~180 dispatched op calls of 10-20 us each
 were a third of the step. Here the linear and norm implementations are fetched once (per weight,
-per row count) with ``ops.implementation`` (no per-call signature or validation; on one row that
-picks ``ops.norm_row``'s CPU norms), and the rest is plain torch with the per-step parts hoisted
+per row count) with ``ops.implementation`` / ``ops.candidates`` (no per-call signature or
+validation; on one row the norms are ``ops.norm_row``'s ``cpu_row``), and the rest is plain torch with the per-step parts hoisted
 out of the layer loop: the rotary rows, the KV-cache block indices and the attention mask are
 built once per step, not once per layer.
 
@@ -48,8 +48,8 @@ class CpuDecoder:
         """(rms_norm, add_rms_norm) implementations for this step's row count, bound once per count."""
         fns = self.norm_fns.get(x.shape[0])
         if fns is None:
-            fns = self.norm_fns[x.shape[0]] = (ops.implementation("rms_norm", x, weight, self.eps),
-                                               ops.implementation("add_rms_norm", x, x, weight, self.eps))
+            fns = self.norm_fns[x.shape[0]] = (_prefer("rms_norm", "cpu_row", x, weight, self.eps),
+                                               _prefer("add_rms_norm", "cpu_row", x, x, weight, self.eps))
         return fns
 
     def _linear(self, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
@@ -121,6 +121,14 @@ class CpuDecoder:
             gu = self._linear(x, layer.gate_up)
             hidden = self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], layer.down)
         return add_rms_norm(hidden, residual, m.norm, eps)[0]
+
+
+def _prefer(op: str, name: str, *args):
+    """Implementation ``name`` of ``op`` when it can run ``args`` (validated once), else dispatch's choice."""
+    for impl in ops.candidates(op, *args):
+        if impl.name == name:
+            return impl.fn
+    return ops.implementation(op, *args)
 
 
 def supports(model, meta) -> bool:
