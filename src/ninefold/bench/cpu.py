@@ -1,10 +1,12 @@
 """CPU benchmark of the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), against its peers.
 
-    python -m ninefold.bench.cpu [--threads N] [--systems ninefold-bf16,ninefold-bf16-exact,ninefold-f32,hf-f32,hf-bf16,llama.cpp]
+    python -m ninefold.bench.cpu [--threads N] [--systems ninefold-bf16,ninefold-f32-packed,...,llama.cpp]
 
-ninefold runs three ways: `ninefold-bf16` is the default CPU path (bfloat16, `quantization="auto"`:
-the Q4_1 matrices stay packed for torch's int4 kernel, the Q8_0 lm_head runs as two int4 halves),
-`ninefold-bf16-exact` and `ninefold-f32` dequantize every weight at load (`quantization="none"`).
+ninefold runs four ways: `ninefold-bf16` (bfloat16, `quantization="auto"`: the Q4_1 matrices stay
+packed for torch's int4 kernel, the Q8_0 lm_head runs as two int4 halves, a dense bf16 copy serves
+prefill), `ninefold-f32-packed` (what `ninefold chat` runs by default on a CPU: a float32 model whose
+packed GEMMs take bfloat16 activations, prefill on a dense float32 copy), and `ninefold-bf16-exact` /
+`ninefold-f32`, which dequantize every weight at load (`quantization="none"`).
 
 For each system, in this one process: load time (from the cached .gguf), batch-1 decode tok/s,
 prefill tok/s of a 512-token prompt, and batch-8 decode tok/s (output tokens of all 8 sequences per
@@ -29,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("ninefold-bf16", "ninefold-bf16-exact", "ninefold-f32", "hf-f32", "hf-bf16", "llama.cpp")
+SYSTEMS = ("ninefold-bf16", "ninefold-f32-packed", "ninefold-bf16-exact", "ninefold-f32", "hf-f32", "hf-bf16",
+           "llama.cpp")
 # system -> (dtype, quantization)
-NINEFOLD = {"ninefold-bf16": ("bfloat16", "auto"), "ninefold-bf16-exact": ("bfloat16", "none"),
-            "ninefold-f32": ("float32", "none")}
+NINEFOLD = {"ninefold-bf16": ("bfloat16", "auto"), "ninefold-f32-packed": ("float32", "auto"),
+            "ninefold-bf16-exact": ("bfloat16", "none"), "ninefold-f32": ("float32", "none")}
 EOS = 2
 
 
@@ -123,7 +126,8 @@ def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "
         _, seconds, tokens = run(work.batch, work.decode_tokens)
         decode8.append(tokens / seconds)
     packed = "packed int4 (Q4_1 codes; Q8_0 lm_head as 2 int4 halves)" if engine.model.packed else "dequantized at load"
-    return Result(f"ninefold {dtype}" + ("" if engine.model.packed or dtype == "float32" else " exact"), load,
+    label = (" packed" if dtype == "float32" else "") if engine.model.packed else ("" if dtype == "float32" else " exact")
+    return Result(f"ninefold {dtype}{label}", load,
                   _best(decode1), _best(prefill), _best(decode8), note=f"quantization={quantization!r}: {packed}")
 
 

@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs (int4 kernel), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     p.set_defaults(func=run)
 
 

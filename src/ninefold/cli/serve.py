@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: sized)")
     parser.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best available)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs (int4 kernel), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
                         help="largest request body accepted (default: 4 MiB)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,

@@ -106,11 +106,17 @@ class PackedLinear:
     """``x @ W.T`` for a GGUF-quantized ``W``: ``ops.linear_int4`` on the packed codes, or a dense
     copy for steps of more than ``DENSE_MIN_ROWS`` rows when one is kept."""
 
-    def __init__(self, weight: ops.Int4Weight, n: int, k: int, *, doubled: bool, dense: torch.Tensor | None = None):
+    def __init__(self, weight: ops.Int4Weight, n: int, k: int, *, doubled: bool, dense: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
         self.weight = weight
         self.shape = (n, k)
         self.doubled = doubled  # Q8_0 as two 4-bit halves: the input is [x, x]
         self.dense = dense
+        # The activations' dtype for the packed GEMMs (bfloat16 on CPUs, the only fast case of torch's
+        # int4 kernel); inputs of another dtype are cast to it and the result back, as llama.cpp
+        # quantizes activations to 8 bits for its 4-bit dot products. None: x's own dtype. The dense
+        # copy (prefill) runs in the model's dtype.
+        self.compute_dtype = compute_dtype
         self.dense_shared = False  # the dense copy belongs to another owner (a tied embedding): not counted
         self._impls: dict = {}
 
@@ -122,6 +128,12 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > DENSE_MIN_ROWS:
             return ops.linear(x, self.dense, bias)
+        cd = self.compute_dtype
+        if cd is not None and x.dtype != cd:
+            return self._packed(x.to(cd), None if bias is None else bias.to(cd)).to(x.dtype)
+        return self._packed(x, bias)
+
+    def _packed(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.doubled:
             x = torch.cat((x, x), dim=-1)
         key = (x.dtype, x.dim(), bias is None)
@@ -131,10 +143,11 @@ class PackedLinear:
         return fn(x, self.weight, bias)
 
 
-def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep_dense: bool
-                  ) -> PackedLinear | None:
+def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep_dense: bool,
+                  compute_dtype: torch.dtype | None = None) -> PackedLinear | None:
     """A ``PackedLinear`` of ``parts`` stacked by rows, or None when they are not all one kind of
-    GGUF-quantized matrix (the caller then dequantizes). ``keep_dense`` also keeps a ``dtype`` copy."""
+    GGUF-quantized matrix (the caller then dequantizes). ``keep_dense`` also keeps a ``dtype`` copy
+    (the model's dtype: a float32 model prefills with exact float32 weights)."""
     whole = cat_rows(parts)
     if whole is None:
         return None
@@ -142,4 +155,4 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     codes, scales, offsets = whole.int4_parts()
     weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)
     dense = whole.dequantize(dtype).to(device) if keep_dense else None
-    return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense)
+    return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)

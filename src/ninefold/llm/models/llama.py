@@ -68,7 +68,8 @@ class LlamaForCausalLM:
 
     GGUF matrices that arrive quantized (``gguf_packed.Int4Codes`` / ``Q8Codes``, see
     ``config.raw["ninefold_quantization"]``) become ``PackedLinear`` layers on ``ops.linear_int4``
-    where that mode asks for it ("auto": bfloat16 on CPUs, with a dense copy for prefill within
+    where that mode asks for it ("auto": on CPUs with bfloat16 support, packed GEMMs in bfloat16
+    whatever the model's dtype, plus a dense copy in the model's dtype for prefill within
     ``DENSE_COPY_BUDGET``; "int4": on any device, packed only); otherwise they are dequantized.
     """
 
@@ -124,8 +125,11 @@ class LlamaForCausalLM:
     def _setup_packing(self, config: ModelConfig) -> None:
         mode = config.raw.get("ninefold_quantization", "none")
         # torch's CPU int4 kernel is fast for bfloat16 activations only (float32/float16 take a
-        # scalar path ~20x slower than a dense matmul), so "auto" packs for bfloat16 on CPUs.
-        self.pack = mode == "int4" or (mode == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16)
+        # scalar path ~20x slower than a dense matmul): on CPUs with bfloat16 support the packed
+        # GEMMs run in bfloat16 whatever the model's dtype (the rest of a float32 model stays float32).
+        cpu_bf16 = self.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self.pack = mode == "int4" or (mode == "auto" and cpu_bf16)
+        self.compute_dtype = torch.bfloat16 if cpu_bf16 else None
         c = config
         layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size
                                                       + 3 * c.intermediate_size)
@@ -134,7 +138,8 @@ class LlamaForCausalLM:
     def _matrix(self, parts: list, dense_copy: bool = True) -> torch.Tensor | PackedLinear:
         """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense."""
         if self.pack and all(isinstance(p, QUANTIZED) for p in parts):
-            packed = packed_linear(parts, self.device, self.dtype, keep_dense=dense_copy and self.dense_copies)
+            packed = packed_linear(parts, self.device, self.dtype, keep_dense=dense_copy and self.dense_copies,
+                                   compute_dtype=self.compute_dtype)
             if packed is not None:
                 return packed
         dense = [p.dequantize(torch.float32) if isinstance(p, QUANTIZED) else p for p in parts]
