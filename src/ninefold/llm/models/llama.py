@@ -127,7 +127,7 @@ class LlamaForCausalLM:
         # torch's CPU int4 kernel is fast for bfloat16 activations only (float32/float16 take a
         # scalar path ~20x slower than a dense matmul): on CPUs with bfloat16 support the packed
         # GEMMs run in bfloat16 whatever the model's dtype (the rest of a float32 model stays float32).
-        cpu_bf16 = self.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        cpu_bf16 = self.device.type == "cpu" and _cpu_has_bf16()
         self.pack = mode == "int4" or (mode == "auto" and cpu_bf16)
         self.compute_dtype = torch.bfloat16 if cpu_bf16 else None
         c = config
@@ -224,6 +224,14 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[B, V]`` for hidden states ``[B, D]``."""
         return _linear(hidden, self.lm_head).float()
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (avx512_bf16 / AMX), as oneDNN reports it."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
