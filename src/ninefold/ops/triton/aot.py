@@ -8,7 +8,6 @@ that every kernel builds for the H200 and ``ninefold ops build`` can ship the bi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -70,17 +69,17 @@ def compile_variant(variant: Variant, dtype: torch.dtype, target: GPUTarget):
                                                           "num_stages": variant.num_stages})
 
 
-_MEMORY_BOUND = {"rms_norm": norm, "add_rms_norm": norm, "silu_and_mul": activation, "gelu_and_mul": activation,
-                 "softmax": softmax, "rope": rope}
+# Operators whose kernel module lists the variants its launcher runs (``aot_variants``).
+_LISTED = {"rms_norm": norm, "add_rms_norm": norm, "silu_and_mul": activation, "gelu_and_mul": activation,
+           "softmax": softmax, "rope": rope, "attention_decode": decode, "attention_prefill": prefill}
 
 
 def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
     """The specialisations ``op`` launches at ``shapes`` (a ``ninefold.ops.workloads.Shapes``)."""
     p2 = triton.next_power_of_2
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    group = shapes.heads // shapes.kv_heads
-    if op in _MEMORY_BOUND:  # the launchers list what they run
-        return [Variant(op, **v) for v in _MEMORY_BOUND[op].aot_variants(op, dtype, shapes)]
+    if op in _LISTED:
+        return [Variant(op, **v) for v in _LISTED[op].aot_variants(op, dtype, shapes)]
     if op == "linear":
         qkv = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
         found = []
@@ -94,22 +93,4 @@ def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
         return list({v.name: v for v in found}.values())
     if op == "reshape_and_cache":
         return [Variant(op, cache.reshape_and_cache_kernel, {"BLOCK_H": p2(shapes.kv_heads), "BLOCK_D": p2(shapes.head_dim)})]
-    if op == "attention_decode":
-        cfg = decode.CONFIG
-        block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
-        return [Variant(op, decode.decode_split_kernel, {"GROUP": group, "BLOCK_G": max(16, p2(group)), "D": shapes.head_dim,
-                                                         "BLOCK_N": block_n, "PAGE": shapes.block_size,
-                                                         "PRECISION": precision, "STATIC_ITERS": 0},
-                        num_warps=cfg["num_warps"],
-                        num_stages=cfg["num_stages"]),
-                Variant(op, decode.decode_merge_kernel, {"D": shapes.head_dim, "BLOCK_S": 16})]
-    if op == "attention_prefill":
-        block_m, block_n, warps, stages = prefill._blocks(dtype, shapes.head_dim)
-        return [Variant(op, prefill.prefill_kernel, {"GROUP": group, "D": shapes.head_dim, "BLOCK_M": block_m,
-                                                     "BLOCK_N": block_n, "PAGED": paged,
-                                                     "PAGE": shapes.block_size if paged else 1,
-                                                     "SEARCH_STEPS": max(1, math.ceil(math.log2(batch + 1))),
-                                                     "PRECISION": precision, "STATIC_ITERS": 0},
-                        num_warps=warps, num_stages=stages)
-                for paged in (False, True) for batch in (1,)]
     return []
