@@ -7,6 +7,7 @@ tokens, checking stop conditions and detokenizing incrementally. Bad requests ar
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 
@@ -65,6 +66,11 @@ class LLMEngine:
         )
         if self.device.type == "cuda":
             self._warm_up_cached_prefill()
+            # Weights, graphs, compiled kernels and caches built so far live as long as the engine:
+            # moved out of the collector's generations, a collection during a step scans only what
+            # the step allocated (GPU steps are short enough for a full scan to show).
+            gc.collect()
+            gc.freeze()
         self.requests: dict[str, Request] = {}
         self.stream_outputs = True
         self._auto_ids = itertools.count()
