@@ -24,21 +24,16 @@ CANDIDATES = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
               if not (bn == 64 and bk == 512)]
 
 
-def _copy_gbps(timing, dev) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / timing.measure(lambda: dst.copy_(src), dev, calls=3) / 1e3
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         print("ninefold.bench.ops_gemv needs a CUDA device; nothing measured.", file=sys.stderr)
         return 2
+    from ninefold.bench.ops import ceilings
     from ninefold.ops import timing
     from ninefold.ops.triton import gemv
 
     dev = "cuda"
-    copy_gbps = _copy_gbps(timing, dev)
+    copy_gbps = ceilings(torch.device(dev))["copy_GBps"]
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")
     rows, failed = [], False
     saved = dict(gemv.CONFIG)

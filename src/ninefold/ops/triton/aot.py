@@ -71,26 +71,15 @@ def compile_variant(variant: Variant, dtype: torch.dtype, target: GPUTarget):
 
 # Operators whose kernel module lists the variants its launcher runs (``aot_variants``).
 _LISTED = {"rms_norm": norm, "add_rms_norm": norm, "silu_and_mul": activation, "gelu_and_mul": activation,
-           "softmax": softmax, "rope": rope, "attention_decode": decode, "attention_prefill": prefill}
+           "softmax": softmax, "rope": rope, "attention_decode": decode, "attention_prefill": prefill,
+           "linear": gemv}
 
 
 def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:
     """The specialisations ``op`` launches at ``shapes`` (a ``ninefold.ops.workloads.Shapes``)."""
     p2 = triton.next_power_of_2
-    precision = "ieee" if dtype == torch.float32 else "tf32"
     if op in _LISTED:
         return [Variant(op, **v) for v in _LISTED[op].aot_variants(op, dtype, shapes)]
-    if op == "linear":
-        qkv = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
-        found = []
-        for n, k in ((qkv, shapes.hidden), (shapes.hidden, shapes.heads * shapes.head_dim),
-                     (2 * shapes.intermediate, shapes.hidden), (shapes.hidden, shapes.intermediate)):
-            cfg = gemv.config(n, k)
-            found.append(Variant(op, gemv.gemv_kernel, {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": cfg["block_n"],
-                                                        "BLOCK_K": cfg["block_k"], "EVEN_K": k % cfg["block_k"] == 0,
-                                                        "PRECISION": precision},
-                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-        return list({v.name: v for v in found}.values())
     if op == "reshape_and_cache":
         return [Variant(op, cache.reshape_and_cache_kernel, {"BLOCK_H": p2(shapes.kv_heads), "BLOCK_D": p2(shapes.head_dim)})]
     return []

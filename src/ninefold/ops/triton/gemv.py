@@ -79,6 +79,21 @@ def config(n: int, k: int) -> dict:
     return cfg
 
 
+def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
+    """The kernels ``linear`` launches for a model's layer shapes (for ``ninefold.ops.triton.aot``)."""
+    qkv = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
+    found = {}
+    for n, k in ((qkv, shapes.hidden), (shapes.hidden, shapes.heads * shapes.head_dim),
+                 (2 * shapes.intermediate, shapes.hidden), (shapes.hidden, shapes.intermediate)):
+        cfg = config(n, k)
+        constexprs = {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
+                      "EVEN_K": k % cfg["block_k"] == 0, "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+        key = (tuple(sorted(constexprs.items())), cfg["num_warps"], cfg["num_stages"])
+        found[key] = {"kernel": gemv_kernel, "constexprs": constexprs, "num_warps": cfg["num_warps"],
+                      "num_stages": cfg["num_stages"]}
+    return list(found.values())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [..., K]`` with at most ``MAX_M`` rows."""
     n, k = weight.shape
