@@ -89,3 +89,43 @@ def test_stop_string_is_held_back_while_streaming(tokenizer):
             break
     assert found == "hello" and detok.text == "Hello world, "
     assert all("hel" not in v for v in visible)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_read_late_decode_to_the_same_text_as_ids_read_one_by_one(tokenizer, text):
+    ids = tokenizer.encode(text * 3, add_special_tokens=False)
+    prompt = tokenizer.encode("Prompt: ", add_special_tokens=False)
+    rng = random.Random(len(text))
+    one_by_one, late = IncrementalDetokenizer(tokenizer, prompt), IncrementalDetokenizer(tokenizer, prompt)
+    start = 0
+    while start < len(ids):
+        chunk = ids[start : start + rng.randint(1, 9)]
+        start += len(chunk)
+        for token in chunk:
+            one_by_one.add([token])
+            assert one_by_one.text is not None  # read after every id
+        late.add(chunk)
+        assert one_by_one.text.startswith(late.text)  # read after a burst of ids
+    assert late.text == one_by_one.text == text * 3
+
+
+def test_a_burst_ending_inside_a_character_holds_its_bytes(tokenizer):
+    byte_ids = [tokenizer._tk.token_to_id(ch) for ch in "ðŁĺĢ"]
+    words = tokenizer.encode("hi there", add_special_tokens=False)
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, [])
+    detok.add(words + byte_ids[:-1])
+    assert detok.text == "hi there"
+    detok.add(byte_ids[-1:])
+    assert detok.text == "hi there😀"
+
+
+def test_without_stop_strings_nothing_is_decoded_until_the_text_is_read(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, [])
+    ids = tokenizer.encode(TEXTS[0] * 4, add_special_tokens=False)
+    for token in ids:
+        detok.add([token])
+    assert counting.decoded == 0
+    assert detok.text == TEXTS[0] * 4
+    assert counting.decoded <= 3 * len(ids)

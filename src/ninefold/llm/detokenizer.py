@@ -6,6 +6,10 @@ character (decoded as U+FFFD) is held back until the character completes, bounde
 ``MAX_HELD_TOKENS`` so a model that emits invalid bytes cannot make the window grow. Stop
 strings are searched only in the tail the new text can reach; while running, the last
 ``len(longest stop) - 1`` characters are held back so a stop string is never streamed out.
+
+Without stop strings nothing needs the text until someone reads it, so new ids are only queued
+and turned into text when ``text`` is read: a stream reads it every step (one id at a time, as
+above), an offline request once at the end, where all its ids decode in one call.
 """
 
 from __future__ import annotations
@@ -39,33 +43,74 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids[-PREFIX_WINDOW:])
         self._prefix = 0
         self._read = len(self._ids)
-        self.text = ""
+        self._text = ""
+        self._queued: list[int] = []
         self.stopped_by: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text decoded so far (held-back incomplete characters excluded)."""
+        if self._queued:
+            self._catch_up()
+        return self._text
 
     def add(self, token_ids: list[int], check_stop: bool = True) -> str | None:
         """Append new token ids; returns the stop string if one now ends the text, else None.
 
         With ``check_stop=False`` (before ``min_tokens``) stop strings are not looked for.
         """
+        if not self.stop:
+            self._queued.extend(token_ids)
+            return None
         for token_id in token_ids:
-            self._ids.append(token_id)
-            before = len(self.text)
-            self.text += self._delta()
-            if self.stop and check_stop:
+            before = len(self._text)
+            self._push(token_id)
+            if check_stop:
                 found = self._find_stop(before)
                 if found is not None:
                     return found
-            if self._prefix > 64:  # drop ids that no window can reach any more
-                del self._ids[: self._prefix]
-                self._read -= self._prefix
-                self._prefix = 0
         return None
 
     def visible_text(self, finished: bool) -> str:
         """The text to show: all of it once finished, else without a possible stop-string start."""
+        text = self.text
         if finished or not self.hold:
-            return self.text
-        return self.text[: max(len(self.text) - self.hold, 0)]
+            return text
+        return text[: max(len(text) - self.hold, 0)]
+
+    def _push(self, token_id: int) -> None:
+        self._ids.append(token_id)
+        self._text += self._delta()
+        if self._prefix > 64:  # drop ids that no window can reach any more
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+    def _catch_up(self) -> None:
+        queued, self._queued = self._queued, []
+        if len(queued) > 1 and self._decode_at_once(queued):
+            return
+        for token_id in queued:
+            self._push(token_id)
+
+    def _decode_at_once(self, queued: list[int]) -> bool:
+        """Turn ``queued`` into text with one decode; False (nothing changed) if no cut point is clean."""
+        decode = self.tokenizer.decode
+        base = len(self._ids)
+        self._ids.extend(queued)
+        prefix_text = decode(self._ids[self._prefix : self._read], self.skip_special_tokens)
+        # An incomplete character at the end spans at most 3 ids: cut before it, hold those ids.
+        for end in range(len(self._ids), max(len(self._ids) - 4, self._read), -1):
+            new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                self._text += new_text[len(prefix_text) :]
+                self._prefix, self._read = max(self._read, end - PREFIX_WINDOW), end
+                del self._ids[: self._prefix]
+                self._read -= self._prefix
+                self._prefix = 0
+                return True
+        del self._ids[base:]
+        return False
 
     def _delta(self) -> str:
         decode = self.tokenizer.decode
@@ -81,12 +126,12 @@ class IncrementalDetokenizer:
         best = None
         for stop in self.stop:
             start = max(before - len(stop) + 1, 0)
-            index = self.text.find(stop, start)
+            index = self._text.find(stop, start)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is None:
             return None
         index, stop = best
-        self.text = self.text[: index + len(stop) if self.include_stop else index]
+        self._text = self._text[: index + len(stop) if self.include_stop else index]
         self.stopped_by = stop
         return stop
