@@ -43,6 +43,7 @@ class Workload:
     torch: object  # (*inputs) -> output
     bytes: float = 0.0  # bytes read + written (memory-bound rows)
     flops: float = 0.0  # floating-point operations (compute-bound rows)
+    copy_same_s: float | None = None  # a device copy of the same bytes (memory-bound rows, GPU)
     results: dict = field(default_factory=dict)
 
     @property
@@ -324,6 +325,30 @@ def _fraction(w, seconds, ceilings):
     return w.bytes / seconds / ceilings["copy_bytes_per_s"]
 
 
+def copy_same_bytes(w, device):
+    """Device-to-device copy moving the row's bytes (half read, half written), timed like the rows."""
+    if not w.bytes or device != "cuda":
+        return None
+    src = torch.empty(int(w.bytes) // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return _gpu_time(lambda: dst.copy_(src))
+
+
+def tuning_records():
+    """``{(file, key): entry}`` of every tuning result under ``$NINEFOLD_CACHE_DIR`` (with timings)."""
+    from ninefold.dsl.cache import cache_dir, read_json
+    from ninefold.dsl.tuning import TIMINGS
+
+    records = {}
+    for path in sorted(cache_dir("tuning").glob("*.json")):
+        data = read_json(path)
+        timings = data.get(TIMINGS, {})
+        for key, best in data.items():
+            if key != TIMINGS:
+                records[(path.name, key)] = {"key": key, "best": best, "timings": timings.get(key, [])}
+    return records
+
+
 def run_impl(w, impl, fn, inputs, reference, device, sync):
     """First call (compile + tune), check against torch, then time. Fills ``w.results[impl]``."""
     res = {}
@@ -346,22 +371,79 @@ def run_impl(w, impl, fn, inputs, reference, device, sync):
     w.results[impl] = res
 
 
-def probe_cache(names, device, shrink=1):
-    """Second process: first-call time of each ninefold kernel with warm caches (JSON to stdout)."""
-    workloads = {w.key: w for w in (gpu_workloads(shrink) if device == "cuda" else cpu_workloads())}
+PROFILED = (  # (file suffix, function) whose cumulative time the profiled probe reports
+    ("triton/runtime/cache.py", "triton_key", "Triton: triton_key() (hashes libtriton)"),
+    ("ninefold/dsl/backends/triton_key.py", "install", "ninefold: stored Triton key (stat walk)"),
+    ("triton/backends/nvidia/compiler.py", "get_ptxas_version", "Triton: ptxas --version"),
+    ("triton/backends/nvidia/driver.py", "libcuda_dirs", "Triton: ldconfig -p (libcuda dirs)"),
+    ("triton/backends/nvidia/driver.py", "__init__", "Triton: CUDA driver objects"),
+    ("triton/runtime/build.py", "compile_module_from_src", "Triton: C modules (launcher, utils) load/build"),
+    ("triton/compiler/compiler.py", "compile", "Triton: compile() on a cache hit"),
+    ("triton/compiler/compiler.py", "_init_handles", "Triton: cubin load + launcher"),
+    ("triton/runtime/jit.py", "warmup", "Triton: JITFunction.warmup"),
+    ("triton/runtime/jit.py", "run", "Triton: JITFunction.run"),
+    ("ninefold/dsl/backends/launch.py", "prepare", "ninefold: code generation + import"),
+    ("ninefold/dsl/tuning.py", "tune", "ninefold: tuning result lookup"),
+    ("ninefold/dsl/backends/triton.py", "launcher", "ninefold: launcher build"),
+    ("ninefold/dsl/kernel.py", "__call__", "ninefold: whole first call"),
+)
+
+
+def _profile_table(stats):
+    """Cumulative seconds of the PROFILED functions, and the 15 largest entries for context."""
+    picked, top = {}, []
+    for (filename, line, func), (_, _, _, cumulative, _) in stats.stats.items():
+        path = filename.replace("\\", "/")
+        for suffix, name, label in PROFILED:
+            if path.endswith(suffix) and func == name:
+                picked[label] = picked.get(label, 0.0) + cumulative
+        top.append((cumulative, f"{path.rsplit('site-packages/', 1)[-1]}:{line}({func})"))
+    top.sort(reverse=True)
+    return {"functions": picked, "top": [[name, round(c, 4)] for c, name in top[:15]]}
+
+
+def probe_cache(names, device, shrink=1, profile=False):
+    """Second process: first-call time of each ninefold kernel with warm caches (JSON to stdout).
+
+    Also reports the import time of the kernels, CUDA's initialisation (context creation, which every
+    torch program pays once; it is done here before any kernel is timed), how the Triton key was
+    obtained, and with ``profile`` the cProfile breakdown of the first kernel's first call.
+    """
+    start = time.perf_counter()
     kernels = ninefold_kernels()
+    info = {"import_s": time.perf_counter() - start}
+    if device == "cuda":
+        start = time.perf_counter()
+        torch.cuda.init()
+        torch.empty(1, device=device)
+        torch.cuda.synchronize()
+        info["cuda_init_s"] = time.perf_counter() - start
+    workloads = {w.key: w for w in (gpu_workloads(shrink) if device == "cuda" else cpu_workloads())}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = {}
-    for name in names:
+    for name in names[:1] if profile else names:
         w = workloads[name]
         inputs = w.make(device)
         sync()
+        call = lambda w=w, inputs=inputs: w.run(kernels, *inputs)  # noqa: E731
         try:
-            times[name], _ = _first_call(lambda w=w, inputs=inputs: w.run(kernels, *inputs), sync)
+            if profile:
+                import cProfile
+                import pstats
+
+                profiler = cProfile.Profile()
+                times[name], _ = profiler.runcall(_first_call, call, sync)
+                info["profile"] = _profile_table(pstats.Stats(profiler))
+            else:
+                times[name], _ = _first_call(call, sync)
         except Exception as error:
             times[name] = f"{type(error).__name__}: {error}"[:200]
         del inputs
-    print("PROBE " + json.dumps(times))
+    from ninefold.dsl.backends import triton_key
+
+    info["triton_key"] = triton_key._STATE.get("how")
+    info["first_call_s"] = times
+    print("PROBE " + json.dumps(info))
 
 
 def run(device, out_dir, deadline_s, only=None, shrink=1):
@@ -379,7 +461,10 @@ def run(device, out_dir, deadline_s, only=None, shrink=1):
             inputs = w.make(device)
             reference = w.torch(*inputs)
             run_impl(w, "torch", w.torch, inputs, reference, device, sync)
+            before = tuning_records()
             run_impl(w, "ninefold", lambda *x, w=w: w.run(kernels, *x), inputs, reference, device, sync)
+            w.results["ninefold"]["tuning"] = [v for k, v in tuning_records().items() if k not in before]
+            w.copy_same_s = copy_same_bytes(w, device)
             del inputs, reference
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -397,11 +482,14 @@ def run(device, out_dir, deadline_s, only=None, shrink=1):
             del inputs, reference
             if device == "cuda":
                 torch.cuda.empty_cache()
-    cached = _second_process(workloads, device, shrink)
+    probes = _second_process(workloads, device, shrink)
+    cached = probes["all"].get("first_call_s", {})
     for w in workloads:
         w.results["ninefold"]["cached_first_call_s"] = cached.get(w.key)
         for res in w.results.values():
             res["fraction_of_ceiling"] = _fraction(w, res.get("seconds"), ceilings)
+            if w.copy_same_s and res.get("seconds"):
+                res["fraction_of_copy_same"] = w.copy_same_s / res["seconds"]
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -409,6 +497,7 @@ def run(device, out_dir, deadline_s, only=None, shrink=1):
         "ninetoothed": _version("ninetoothed"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "ceilings": ceilings,
+        "second_process": probes,
         "wall_s": time.perf_counter() - start,
         "workloads": [
             {
@@ -420,6 +509,7 @@ def run(device, out_dir, deadline_s, only=None, shrink=1):
         ],
     }
     print(table(workloads, ceilings))
+    print(probe_summary(probes))
     if out_dir:
         out = pathlib.Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -450,26 +540,53 @@ def _ninetoothed_priority(w):
 
 
 def _second_process(workloads, device, shrink):
+    """First calls in new processes on the filled caches: every kernel; the first kernel profiled;
+    the first kernel without ninefold's stored Triton key (what a new process paid before)."""
     names = [w.key for w in workloads]
-    cmd = [
-        sys.executable,
-        "-m",
-        "ninefold.bench.dsl",
-        "--probe-cache",
-        ",".join(names),
-        "--shrink",
-        str(shrink),
-    ]
+    full = _probe(names, device, shrink)
+    out = {"all": full}
+    if device == "cuda" and names:
+        out["profiled"] = _probe(names[:1], device, shrink, "--profile")
+        out["without_stored_triton_key"] = _probe(names[:1], device, shrink, env={"NINEFOLD_DSL_TRITON_KEY": "off"})
+    return out
+
+
+def _probe(names, device, shrink, *extra, env=None):
+    cmd = [sys.executable, "-m", "ninefold.bench.dsl", "--probe-cache", ",".join(names), "--shrink", str(shrink), *extra]
     if device == "cpu":
         cmd.append("--cpu")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
-        return {}
+        return {"error": "timed out after 120 s"}
     for line in done.stdout.splitlines():
         if line.startswith("PROBE "):
             return json.loads(line[len("PROBE ") :])
     return {"error": done.stderr[-300:]}
+
+
+def probe_summary(probes) -> str:
+    """Lines for stdout: where a new process's first kernel call goes."""
+    full = probes.get("all", {})
+    lines = ["second process (filled caches):"]
+    if "error" in full:
+        return "\n".join(lines + [f"  probe failed: {full['error']}"])
+    firsts = full.get("first_call_s", {})
+    first_name = next(iter(firsts), None)
+    lines.append(
+        f"  import of the kernels {full.get('import_s', 0):.2f} s; CUDA init (context; excluded) {full.get('cuda_init_s', 0):.2f} s;"
+        f" Triton key {full.get('triton_key')}"
+    )
+    if first_name:
+        value = firsts[first_name]
+        lines.append(f"  first kernel ({first_name}) first call: {value:.3f} s" if isinstance(value, float) else f"  {first_name}: {value}")
+    old = probes.get("without_stored_triton_key", {}).get("first_call_s", {})
+    if first_name in old and isinstance(old[first_name], float):
+        lines.append(f"  the same without the stored Triton key: {old[first_name]:.3f} s")
+    prof = probes.get("profiled", {}).get("profile", {})
+    for label, seconds in sorted(prof.get("functions", {}).items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {label:<50}{seconds:7.3f} s (profiled)")
+    return "\n".join(lines)
 
 
 def _version(module):
@@ -503,7 +620,7 @@ def table(workloads, ceilings):
     )
     lines = [
         f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} GB/s; torch.mm {rates}",
-        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'nf/torch':>9}{'1st call':>10}{'cached':>9}{'NT 1st':>9}{'nf us/call':>11}{'NT us/call':>11}",
+        f"{'workload':<22}{'dtype':<10}{'ninefold':>20}{'torch':>20}{'NineToothed':>20}{'nf/torch':>9}{'1st call':>10}{'cached':>9}{'NT 1st':>9}{'nf us/call':>11}{'NT us/call':>11}{'nf/copy@size':>13}{'torch/copy@size':>16}",
     ]
     for w in workloads:
         nf = w.results.get("ninefold", {})
@@ -520,6 +637,11 @@ def table(workloads, ceilings):
             + "".join(
                 f"{w.results.get(i, {})['call_wall_s'] * 1e6:>11.1f}" if w.results.get(i, {}).get("call_wall_s") else f"{'-':>11}"
                 for i in ("ninefold", "ninetoothed")
+            )
+            + "".join(
+                f"{w.results.get(i, {})['fraction_of_copy_same'] * 100:>{width}.1f}%"
+                if w.results.get(i, {}).get("fraction_of_copy_same") else f"{'-':>{width + 1}}"
+                for i, width in (("ninefold", 12), ("torch", 15))
             )
         )
     for w in workloads:
@@ -634,6 +756,10 @@ def _sweep_mm_shape(size, dtype):
     flops = 2.0 * size**3
     ceiling = flops / _gpu_time(lambda: torch.mm(a, b))
     rows = [_sweep_row("tuned (mm.mm)", lambda: mm.mm(a, b), reference, dtype, flops, ceiling)]
+    for attempt in range(1, TUNE_REPEATS + 1):  # is the tuner's pick stable? (fresh tuning caches)
+        label = f"re-tuned #{attempt}"
+        rows.append(_sweep_row(label, lambda: _retuned(mm.mm_kernel, lambda: mm.mm(a, b)), reference, dtype, flops, ceiling))
+        rows[-1]["picked"] = _picked(mm.mm_kernel)
     for bm, bn, bk, w, st, *flags in tqdm(MM_SWEEP, desc=f"mm {size} {dtype}", file=sys.stderr):
         kernel = _fixed(mm.arrangement, mm.application, (Tensor(2), Tensor(2), Tensor(2)), w, st, *flags)
         c = torch.empty((size, size), dtype=dtype, device=SWEEP_DEVICE)
@@ -652,6 +778,38 @@ def _sweep_mm_shape(size, dtype):
 
         rows.append(_sweep_row(f"plain triton {bm}x{bn}x{bk} w{w} s{st}", plain, reference, dtype, flops, ceiling))
     return rows
+
+
+TUNE_REPEATS = 3
+
+
+def _retuned(kernel, call):
+    """``call()`` after forgetting every tuning result of ``kernel`` (memory and disk)."""
+    from ninefold.dsl import tuning
+
+    state = kernel.__dict__.setdefault("_sweep_retuned", {})
+    if not state.get("done"):  # once per row: the row's timed calls reuse the new choice
+        previous = os.environ.get("NINEFOLD_CACHE_DIR")
+        os.environ["NINEFOLD_CACHE_DIR"] = tempfile.mkdtemp(prefix="nf-retune-")
+        try:
+            tuning._MEMO.clear()
+            kernel._cache.clear()
+            kernel._launchers.clear()
+            state["done"] = True
+            return call()
+        finally:
+            if previous is None:
+                os.environ.pop("NINEFOLD_CACHE_DIR", None)
+            else:
+                os.environ["NINEFOLD_CACHE_DIR"] = previous
+    return call()
+
+
+def _picked(kernel):
+    """The configuration(s) ``kernel`` chose (from its per-call config cache); resets the re-tune flag."""
+    kernel.__dict__.pop("_sweep_retuned", None)
+    configs = [v for k, v in kernel._cache.items() if isinstance(k, tuple) and k and k[0] == "config"]
+    return configs
 
 
 def sweep_sdpa(shrink=1):
@@ -696,6 +854,88 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
 
         rows.append(_sweep_row(" ".join([f"{bm}x{bn} w{w} s{st}", *flags]), call, reference, dtype, flops, ceiling))
     return rows
+
+
+def sweep_memory(shrink=1):
+    """The memory-bound kernels at the paper shapes (fp16): fixed block sizes and warps, the tuned
+    call, torch, and a device copy of the same bytes (fractions here are of that copy's rate)."""
+    from ninefold.dsl import Tensor
+    from ninefold.ops.kernels import activation, add, rms_norm, rope, softmax
+
+    h, n = torch.float16, 4096 // shrink
+    results = []
+    flat3, flat2 = tuple(Tensor(1) for _ in range(3)), (Tensor(1), Tensor(1))
+    for name, w in (("add", _elementwise("add", "paper", h, n, 4096, 2)), ("silu", _elementwise("silu", "paper", h, n, 4096, 2)),
+                    ("rms_norm", _elementwise("rms_norm", "paper", h, n, 4096, 2)),
+                    ("softmax", _elementwise("softmax", "paper", h, n, 4096, 2))):
+        torch.manual_seed(0)
+        inputs = w.make(SWEEP_DEVICE)
+        reference = w.torch(*inputs)
+        fixed = []
+        if name in ("add", "silu"):
+            arrangement, application, tensors = (
+                (add.arrangement_flat, add.application, flat3) if name == "add"
+                else (activation.arrangement_silu_flat, activation.application_silu, flat2)
+            )
+            for block in (1024, 2048, 4096, 8192):
+                for warps in (2, 4, 8):
+                    fixed.append((f"BLOCK {block} w{warps}", _fixed(arrangement, application, tensors, warps, 1), {"BLOCK": block}))
+        else:
+            module = rms_norm if name == "rms_norm" else softmax
+            tensors = (Tensor(2), Tensor(1), Tensor(0), Tensor(2)) if name == "rms_norm" else (Tensor(2, other=float("-inf")), Tensor(2))
+            for warps in (1, 2, 4, 8, 16):
+                fixed.append((f"row w{warps}", _fixed(module.arrangement, module.application, tensors, warps, 1), {}))
+        results.append(_memory_rows(w, name, inputs, reference, fixed))
+    t = n
+    x = _randn((t, 48, 64), h, SWEEP_DEVICE)
+    cos, sin = _rope_tables(t, 32, h, SWEEP_DEVICE)
+    w = Workload("rope", "paper", h, f"({t},48,64)", None, lambda k, x, c, s: k.rope.rotate(x, c, s), _rope_torch,
+                 bytes=2 * x.numel() * 2 + 2 * t * 32 * 2)
+    fixed = []
+    for bt, bh in ((1, 16), (2, 16), (4, 16), (8, 16), (2, 8), (4, 8)):
+        for warps in (4, 8):
+            kernel = _fixed(rope.arrangement, rope.application, rope._tensors, warps, 1)
+            fixed.append((f"T{bt} H{bh} w{warps}", kernel, {"BLOCK_T": bt, "BLOCK_H": bh, "HALF": 32}))
+    results.append(_memory_rows(w, "rope", (x, cos, sin), _rope_torch(x, cos, sin), fixed))
+    return results
+
+
+def _memory_rows(w, name, inputs, reference, fixed):
+    from ninefold.ops import kernels as nk
+
+    copy_s = copy_same_bytes(w, SWEEP_DEVICE) if SWEEP_DEVICE == "cuda" else None
+    ceiling = w.bytes / copy_s if copy_s else 1.0  # bytes per second of the same-size copy
+    rows = [{"config": "copy of the same bytes", "ok": True, "seconds": copy_s}] if copy_s else []
+    rows.append(_sweep_row("torch", lambda: w.torch(*inputs), reference, w.dtype, w.bytes, ceiling))
+    rows.append(_sweep_row("tuned", lambda: w.run(nk_namespace(nk), *inputs), reference, w.dtype, w.bytes, ceiling))
+    for label, kernel, blocks in tqdm(fixed, desc=f"{name} paper", file=sys.stderr):
+        rows.append(_sweep_row(label, _fixed_call(name, kernel, inputs, blocks), reference, w.dtype, w.bytes, ceiling))
+    for row in rows:
+        if row.get("seconds") and copy_s:
+            row["fraction_of_copy_same"] = copy_s / row["seconds"]
+    return {"workload": f"{name} {w.shape} float16 (of a same-bytes copy)", "rows": rows}
+
+
+def nk_namespace(package):
+    """The kernel modules as a namespace (``ns.add.add``) for ``Workload.run``."""
+    return _namespace(package.__name__)
+
+
+def _fixed_call(name, kernel, inputs, blocks):
+    """A call of ``kernel`` (fixed warps) on ``inputs`` with the workload's argument layout."""
+    out = torch.empty_like(inputs[0])
+    if name == "add":
+        x, y = inputs
+        return lambda: (kernel(x.view(-1), y.view(-1), out.view(-1), **blocks), out)[1]
+    if name == "silu":
+        return lambda: (kernel(inputs[0].view(-1), out.view(-1), **blocks), out)[1]
+    if name == "rms_norm":
+        x, weight = inputs
+        return lambda: (kernel(x, weight, 1e-6, out, ROW=x.shape[-1]), out)[1]
+    if name == "softmax":
+        return lambda: (kernel(inputs[0], out, ROW=inputs[0].shape[-1]), out)[1]
+    x, cos, sin = inputs
+    return lambda: (kernel(x[..., :64], cos, sin, out[..., :64], **blocks), out)[1]
 
 
 def _plain_matmul(a, b, bm, bn, bk, warps, stages):
@@ -748,13 +988,18 @@ def run_sweep(which, out_dir, shrink=1):
         results += sweep_mm(shrink)
     if which in ("sdpa", "all"):
         results += sweep_sdpa(shrink)
+    if which in ("memory", "all"):
+        results += sweep_memory(shrink)
     lines = []
     for block in results:
         lines.append(block["workload"])
         for row in block["rows"]:
-            if row.get("seconds"):
+            if row.get("seconds") and "fraction_of_copy_same" in row:
+                lines.append(f"  {row['config']:<36}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy")
+            elif row.get("seconds"):
+                picked = f"  {row['picked']}" if row.get("picked") else ""
                 lines.append(
-                    f"  {row['config']:<36}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {row['fraction_of_cublas'] * 100:6.1f}%"
+                    f"  {row['config']:<36}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {row['fraction_of_cublas'] * 100:6.1f}%{picked}"
                 )
             else:
                 why = row.get("error") or f"FAIL rel_error {row.get('rel_error', float('nan')):.3g}"
@@ -788,9 +1033,10 @@ def main(argv=None):
     parser.add_argument("--only", help="comma-separated workload names (e.g. mm,sdpa_causal); default all")
     parser.add_argument("--shrink", type=int, default=1, help="divide the GPU sizes by this (smoke runs)")
     parser.add_argument(
-        "--sweep", choices=("mm", "sdpa", "all"), help="time fixed configurations of mm / sdpa (GPU; dsl_sweep.json)"
+        "--sweep", choices=("mm", "sdpa", "memory", "all"), help="time fixed configurations of mm / sdpa (GPU; dsl_sweep.json)"
     )
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -801,7 +1047,7 @@ def main(argv=None):
             run_sweep(args.sweep, args.out, args.shrink)
         return
     if args.probe_cache:
-        probe_cache(args.probe_cache.split(","), device, args.shrink)
+        probe_cache(args.probe_cache.split(","), device, args.shrink, args.profile)
         return
     if device == "cpu":
         os.environ["NINEFOLD_DSL_BACKEND"] = "cpu"

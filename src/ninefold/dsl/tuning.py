@@ -23,6 +23,7 @@ DEFAULT_MAX_CONFIGS = 6
 MAX_TILE_ELEMENTS = 32768
 LARGE_TILE = 16384
 _MEMO: dict = {}
+TIMINGS = "timings"  # the tuning file's entry holding every candidate's measurement per key
 
 
 def _pow2(n: int) -> int:
@@ -208,12 +209,15 @@ def tune(kernel, bound) -> dict:
         return stored
     sm_count = torch.cuda.get_device_properties(bound.device).multi_processor_count if bound.device.type == "cuda" else 132
     configs = candidates(kernel, bound, sm_count)
+    timings = []
     if len(configs) == 1:
         best = configs[0]
     else:
-        best = _time(kernel, bound, configs, launch)
+        best, timings = _time(kernel, bound, configs, launch)
     data = read_json(path)
     data[key] = best
+    if timings:  # what the choice rests on (``python -m ninefold.bench.dsl`` reports it)
+        data.setdefault(TIMINGS, {})[key] = timings
     write_json(path, data)
     _MEMO[(path, key)] = best
     return best
@@ -236,21 +240,35 @@ def _compile_in_parallel(kernel, bound, configs):
 
 
 def _time(kernel, bound, configs, launch):
-    import triton.testing
+    """Time every candidate and return ``(best, timings)``.
+
+    On GPUs: device time of cold-L2 calls in interleaved rounds with a noise-aware choice (see
+    :mod:`ninefold.dsl.timing`); elsewhere (the interpreter never times) the first that runs.
+    """
     from tqdm import tqdm
+
+    from ninefold.dsl import timing
 
     _compile_in_parallel(kernel, bound, configs)
     saved = {n: bound.values[n].clone() for n in written_params(kernel)}
-    timings = []
-    for config in tqdm(configs, desc=f"ninefold.dsl: tuning {kernel.name}", leave=False):
+    runnable = []
+    for config in configs:
         try:
             launch(kernel, bound, config)
-            ms = triton.testing.do_bench(lambda config=config: launch(kernel, bound, config), warmup=5, rep=20)
         except Exception:  # configurations that do not compile or do not fit are skipped
             continue
-        timings.append((ms, config))
+        runnable.append(config)
+    if not runnable:
+        raise RuntimeError(f"kernel {kernel.name}: no configuration compiled; tried {configs}")
+    if bound.device.type != "cuda" or len(runnable) == 1:
+        best, timings = runnable[0], []
+    else:
+        fns = [lambda config=config: launch(kernel, bound, config) for config in runnable]
+        with tqdm(total=len(fns) * timing.ROUNDS, desc=f"ninefold.dsl: tuning {kernel.name}", leave=False) as bar:
+            samples = timing.sample(fns, bound.device, progress=bar)
+        index, summary = timing.choose(samples)
+        best = runnable[index]
+        timings = [dict(s, config=c) for s, c in zip(summary, runnable)]
     for name, value in saved.items():
         bound.values[name].copy_(value)
-    if not timings:
-        raise RuntimeError(f"kernel {kernel.name}: no configuration compiled; tried {configs}")
-    return min(timings, key=lambda item: item[0])[1]
+    return best, timings

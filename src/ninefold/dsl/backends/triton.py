@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ninefold.dsl.backends import triton_key
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
 
 DTYPES = {
@@ -187,6 +188,8 @@ def _entry(kernel, bound, config):
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:
+        if not interpreting():
+            triton_key.install()  # before Triton's first compile-cache lookup in this process
         names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
@@ -258,6 +261,8 @@ def compile_for_target(
 
     bound = kernel.bind(tuple(args), dict(kwargs or {}), backend="triton")
     from ninefold.dsl.backends.cpu import choose_meta
+
+    triton_key.install()
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
     generated, function = prepare(kernel, finished, spec)
