@@ -4,17 +4,24 @@ A manifest (``ops.toml``) lists the operators to keep, with their dtypes and imp
 
     target = "cuda:90"        # what to compile for ("cpu": nothing to compile)
     fallback = "error"        # or "vendor": calls outside the build use the vendor implementation
+    uncovered = "jit"         # or "error": a kept Triton kernel called with a specialisation the
+                              # build holds no binary for (other shapes, misaligned views)
     shapes = "llama-8b"       # the shapes whose kernel specialisations are compiled ahead of time
 
     [ops.rms_norm]
     dtypes = ["bfloat16"]
     impls = ["triton", "vendor"]
 
-``build`` writes ``DIR/manifest.json``, the Triton kernels compiled for the target
-(``DIR/kernels/triton/<op>/<dtype>/*.cubin``) and, when the target is this machine's GPU, a
-Triton cache warmed by running every kept operator once (``DIR/triton-cache``), so that the
-first call of a built kernel compiles nothing. With ``NINEFOLD_OPS_BUILD=DIR`` only that subset
-is registered and Triton reads that cache.
+``build`` writes ``DIR/manifest.json`` and, per kept Triton implementation and dtype, the binaries
+of every kernel specialisation its launchers use at the manifest's shapes
+(``DIR/kernels/triton/<op>/<dtype>/<kernel>-<hash>.cubin`` + ``.json``; see
+``ninefold.ops.triton.prebuilt``): the JIT's exact specialisation (16-byte aligned pointers,
+integers divisible by 16 where the shapes make them so) and a relaxed one that serves any integer
+values. It needs no GPU: the launch parameters are recorded on ``meta`` tensors and compiled for
+the target. With ``NINEFOLD_OPS_BUILD=DIR`` only that subset is registered and the Triton launchers
+run the build's binaries through the CUDA driver, compiling nothing (whatever Triton version is
+installed there); DSL kernels of kept "dsl" implementations are compiled to
+``DIR/kernels/dsl/<op>/<dtype>`` by ``ninefold.dsl.aot``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ninefold.ops.registry import Impl
 _UNSET = object()
 _active = _UNSET
 FALLBACKS = ("error", "vendor")
+UNCOVERED = ("jit", "error")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class Build:
     path: Path
     ops: dict
     fallback: str = "error"
+    target: str = "cpu"
+    uncovered: str = "jit"
 
     def restrict(self, impl: Impl) -> Impl | None:
         """``impl`` limited to the build's dtypes, or ``None`` when the build leaves it out."""
@@ -53,16 +63,18 @@ class Build:
 
     @classmethod
     def load(cls, directory) -> Build:
-        """Read ``DIR/manifest.json`` (and point Triton at the build's warmed cache)."""
+        """Read ``DIR/manifest.json``."""
         path = Path(directory)
         manifest = path / "manifest.json"
         if not manifest.exists():
             raise ValueError(f"NINEFOLD_OPS_BUILD: {path} holds no manifest.json (build it with `ninefold ops build`)")
-        data = json.loads(manifest.read_text())
-        cache = path / "triton-cache"
-        if cache.is_dir() and "TRITON_CACHE_DIR" not in os.environ:
-            os.environ["TRITON_CACHE_DIR"] = str(cache)
-        return cls(path, data["ops"], data.get("fallback", "error"))
+        try:
+            data = json.loads(manifest.read_text())
+            return cls(path, data["ops"], data.get("fallback", "error"), data.get("target", "cpu"),
+                       data.get("uncovered", "jit"))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"NINEFOLD_OPS_BUILD: {manifest} is not a build manifest ({error!r}); "
+                             f"rebuild with `ninefold ops build`") from None
 
 
 def active() -> Build | None:
@@ -81,6 +93,11 @@ def activate(directory) -> None:
     from ninefold.ops import registry
 
     registry.changed()
+    try:
+        from ninefold.ops.triton import launch
+    except ImportError:  # no Triton: nothing prebuilt to forget
+        return
+    launch.reset()
 
 
 def read_manifest(path) -> dict:
@@ -101,6 +118,9 @@ def read_manifest(path) -> dict:
     fallback = data.get("fallback", "error")
     if fallback not in FALLBACKS:
         raise ValueError(f"{where}: fallback must be one of {FALLBACKS}, got {fallback!r}")
+    uncovered = data.get("uncovered", "jit")
+    if uncovered not in UNCOVERED:
+        raise ValueError(f"{where}: uncovered must be one of {UNCOVERED}, got {uncovered!r}")
     shapes = data.get("shapes", "llama-8b")
     workloads.shapes(shapes)
     ops = data.get("ops")
@@ -121,7 +141,8 @@ def read_manifest(path) -> dict:
         if bad:
             raise ValueError(f"{where}: {op} lists dtype {bad[0]!r}; accepted: float16, bfloat16, float32")
         resolved[op] = {"dtypes": list(dtypes), "impls": list(impls)}
-    return {"target": data.get("target", "cpu"), "fallback": fallback, "shapes": shapes, "ops": resolved}
+    return {"target": data.get("target", "cpu"), "fallback": fallback, "uncovered": uncovered, "shapes": shapes,
+            "ops": resolved}
 
 
 @dataclass
@@ -156,36 +177,49 @@ def build(manifest_path, out, target: str | None = None) -> Report:
     if target != "cpu":
         _compile_triton(manifest, target, out, report)
         _compile_dsl(manifest, target, out, report)
-        if _is_local_target(target):
-            _warm(manifest, out, report)
-        else:
-            report.notes.append(f"{target} is not this machine's GPU: no warmed Triton cache (first calls compile)")
     (out / "manifest.json").write_text(json.dumps({**manifest, "versions": tuning.versions()}, indent=1))
     report.sizes["(manifest)"] = (1, (out / "manifest.json").stat().st_size)
     return report
 
 
 def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> None:
+    """Compile every specialisation the kept Triton implementations launch at the manifest's shapes."""
+    import hashlib
+
+    from tqdm import tqdm
+
     from ninefold.ops import workloads
-    from ninefold.ops.triton import aot
+    from ninefold.ops.triton import aot, prebuilt
 
     gpu = aot.parse_target(target)
     shapes = workloads.shapes(manifest["shapes"])
+    jobs = []
     for op, entry in manifest["ops"].items():
         if "triton" not in entry["impls"]:
             continue
         for dtype_name in entry["dtypes"]:
-            dtype = getattr(torch, dtype_name)
-            folder = out / "kernels" / "triton" / op / dtype_name
-            folder.mkdir(parents=True, exist_ok=True)
-            for variant in aot.variants(op, dtype, shapes):
-                compiled = aot.compile_variant(variant, dtype, gpu)
-                binary = compiled.asm.get("cubin") or compiled.asm.get("hsaco")
-                (folder / f"{variant.name}.bin").write_bytes(binary)
-                meta = {"kernel": variant.kernel.fn.__name__, "constexprs": variant.constexprs,
-                        "num_warps": variant.num_warps, "num_stages": variant.num_stages, "target": target,
-                        "shared": getattr(compiled.metadata, "shared", None)}
-                (folder / f"{variant.name}.json").write_text(json.dumps(meta, indent=1))
+            found, notes = aot.launches(op, getattr(torch, dtype_name), shapes, aot.TARGET_SMS.get(target, 132))
+            report.notes += notes
+            # Per kernel, constexprs, dtypes and launch options: the JIT's exact specialisations, one
+            # merged over them (other shapes of the same kind), one relaxed (any integers).
+            groups: dict = {}
+            for kernel, spec, warps, stages in found:
+                groups.setdefault((kernel, prebuilt.family(spec, kernel.params), warps, stages), []).append(spec)
+            seen = set()
+            for (kernel, _, warps, stages), specs in groups.items():
+                candidates = [(True, s) for s in specs] + [(False, prebuilt.merged(specs, kernel.params))]
+                candidates.append((False, prebuilt.relaxed(candidates[-1][1], kernel.params)))
+                for exact, s in candidates:
+                    if (kernel, s, warps, stages) not in seen:
+                        seen.add((kernel, s, warps, stages))
+                        jobs.append((op, dtype_name, kernel, s, warps, stages, exact))
+    for op, dtype_name, kernel, spec, warps, stages, exact in tqdm(jobs, desc=f"compiling for {target}", unit="kernel",
+                                                                     disable=not jobs):
+        digest = hashlib.sha256(repr((spec, warps, stages)).encode()).hexdigest()[:10]
+        compiled = aot.compile_spec(kernel, spec, warps, stages, gpu)
+        prebuilt.write(out / "kernels" / "triton" / op / dtype_name, f"{kernel.fn.__name__}-{digest}", kernel, spec,
+                       warps, stages, compiled, target, exact)
+    for op in dict.fromkeys(job[0] for job in jobs):
         files = [p for p in (out / "kernels" / "triton" / op).rglob("*") if p.is_file()]
         report.sizes[op] = (len(files), sum(p.stat().st_size for p in files))
 
@@ -238,46 +272,3 @@ def _compile_dsl(manifest: dict, target: str, out: Path, report: Report) -> None
             report.notes.append(f"{op}: no ahead-of-time DSL signatures yet; its DSL kernel compiles on first call")
     report.notes.append("DSL binaries ship for ninefold.dsl.aot.load; the dsl implementations still JIT-compile "
                         "(through Triton's cache) when called")
-
-
-def _is_local_target(target: str) -> bool:
-    if not target.startswith("cuda:") or not torch.cuda.is_available():
-        return False
-    major, minor = torch.cuda.get_device_capability()
-    return target == f"cuda:{major}{minor}"
-
-
-def _warm(manifest: dict, out: Path, report: Report) -> None:
-    """Fill ``out/triton-cache`` by running every kept implementation once, in a fresh process
-    (this one may already hold compiled kernels in memory, which would bypass the cache)."""
-    import subprocess
-    import sys
-
-    cache = out / "triton-cache"
-    spec = out / "warm.json"
-    spec.write_text(json.dumps(manifest))
-    code = f"from ninefold.ops.build import warm_here; warm_here({str(spec)!r})"
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
-    env.pop("NINEFOLD_OPS_BUILD", None)
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    spec.unlink()
-    files = [p for p in cache.rglob("*") if p.is_file()]
-    report.sizes["(triton cache)"] = (len(files), sum(p.stat().st_size for p in files))
-
-
-def warm_here(manifest_json: str) -> None:
-    """Run every operator/dtype/implementation of a resolved manifest once at its shapes (on CUDA)."""
-    import ninefold.ops as ops
-    import ninefold.ops.triton  # noqa: F401
-    from ninefold.ops import dispatch, workloads
-
-    manifest = json.loads(Path(manifest_json).read_text())
-    shapes = workloads.shapes(manifest["shapes"])
-    for op, entry in manifest["ops"].items():
-        for dtype_name in entry["dtypes"]:
-            for case in workloads.cases(op, shapes, "cuda", getattr(torch, dtype_name)):
-                names = [i.name for i in dispatch.candidates(op, *case.args, **case.kwargs)]
-                for impl in entry["impls"]:
-                    if impl in names:
-                        ops.run(op, impl, *case.args, **case.kwargs)
-    torch.cuda.synchronize()

@@ -1,9 +1,13 @@
 """Ahead-of-time compilation of the Triton kernels for a target (e.g. ``cuda:90``) on any machine.
 
-``variants(op, dtype, shapes)`` lists the kernel specialisations an operator launches at a
-model's shapes (the same block sizes the launchers pick); ``compile_variant`` compiles one with
-``triton.compile`` for a ``GPUTarget`` and returns its binary, so a CPU-only machine can check
-that every kernel builds for the H200 and ``ninefold ops build`` can ship the binaries.
+``launches(op, dtype, shapes)`` runs the operator's Triton implementation on ``meta`` tensors at a
+model's shapes with the launchers recording instead of launching: the exact kernels, constexprs,
+launch options and argument specialisations (dtypes, 16-byte alignment, integers equal to 1 or
+divisible by 16) the JIT would compile on the GPU. ``compile_spec`` compiles one such
+specialisation with ``triton.compile`` for a ``GPUTarget`` (what ``ninefold ops build`` ships, see
+``ninefold.ops.triton.prebuilt``). ``variants``/``compile_variant`` compile the modules' declared
+variants (``aot_variants``) with every pointer assumed 16-byte aligned, so a CPU-only machine can
+check that every kernel builds for the H200.
 """
 
 from __future__ import annotations
@@ -63,10 +67,59 @@ def signature(kernel, dtype: torch.dtype, constexprs: dict) -> dict:
 
 
 def compile_variant(variant: Variant, dtype: torch.dtype, target: GPUTarget):
-    """Compile one variant for ``target``; returns Triton's compiled kernel (``.asm`` holds the binary)."""
-    source = ASTSource(variant.kernel, signature(variant.kernel, dtype, variant.constexprs), variant.constexprs)
-    return triton.compile(source, target=target, options={"num_warps": variant.num_warps,
-                                                          "num_stages": variant.num_stages})
+    """Compile one variant for ``target`` with 16-byte aligned pointers (as the JIT specialises fresh
+    tensors); returns Triton's compiled kernel (``.asm`` holds the binary)."""
+    sig = signature(variant.kernel, dtype, variant.constexprs)
+    spec = [("constexpr", variant.constexprs[n]) if t == "constexpr" else (t, "D" if t.startswith("*") else "")
+            for n, t in sig.items()]
+    return compile_spec(variant.kernel, spec, variant.num_warps, variant.num_stages, target)
+
+
+def compile_spec(kernel, spec, num_warps: int, num_stages: int, target: GPUTarget):
+    """Compile ``kernel`` for one specialisation (``(type, attr)`` per parameter, as
+    ``prebuilt.specialisation`` gives) exactly as Triton's JIT would on a GPU of ``target``."""
+    names = kernel.arg_names
+    sig = {name: kind for name, (kind, _) in zip(names, spec)}
+    constexprs = {(i,): value for i, (kind, value) in enumerate(spec) if kind == "constexpr"}
+    attrs = {(i,): ([["tt.divisibility", 16]] if attr == "D" else []) for i, (kind, attr) in enumerate(spec)
+             if kind != "constexpr" and isinstance(attr, str)}
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+# SMs of the target GPU (the attention launchers size their splits by it): H100/H200 SXM.
+TARGET_SMS = {"cuda:90": 132, "cuda:80": 108, "cuda:89": 128, "cuda:100": 148}
+
+
+def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132) -> tuple[list, list[str]]:
+    """``(launches, notes)``: the distinct ``(kernel, spec, num_warps, num_stages)`` the Triton
+    implementation of ``op`` launches for the representative calls at ``shapes``
+    (``ninefold.ops.workloads``), recorded on ``meta`` tensors as if on a GPU with ``sms`` SMs;
+    ``notes`` says which calls the implementation does not support."""
+    from ninefold.ops import dispatch, registry, workloads
+    from ninefold.ops.triton import launch, prebuilt
+
+    impl = next((i for i in registry.all_implementations(op) if i.name == "triton"), None)
+    if impl is None:
+        return [], [f"{op}: no Triton implementation"]
+    found, notes = {}, []
+    real_sms = decode._sm_count
+    decode._sm_count = lambda device: sms  # the split sizing of the target, not of the meta device
+    try:
+        for case in workloads.cases(op, shapes, "meta", dtype):
+            bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
+            reason = impl.reason(bound)
+            if reason:
+                notes.append(f"{op} {case.label}: {reason}")
+                continue
+            with launch.recording() as calls:
+                impl.fn(*bound)
+            for kernel, values, warps, stages in calls:
+                spec = prebuilt.specialisation(kernel, values)
+                found.setdefault((prebuilt.kernel_id(kernel), spec, warps, stages), (kernel, spec, warps, stages))
+    finally:
+        decode._sm_count = real_sms
+    return list(found.values()), notes
 
 
 # Operators whose kernel module lists the variants its launcher runs (``aot_variants``).

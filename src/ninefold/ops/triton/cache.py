@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.launch import call
+
 
 @triton.jit
 def reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, heads, d, block_size,
@@ -32,7 +34,7 @@ def supports(key, value, k_cache, v_cache, slot_mapping) -> str | None:
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     t, heads, d = key.shape
     if t:
-        reshape_and_cache_kernel[(t,)](key, value, k_cache, v_cache, slot_mapping, heads, d, k_cache.shape[1],
+        call(reshape_and_cache_kernel, (t,), key, value, k_cache, v_cache, slot_mapping, heads, d, k_cache.shape[1],
                                        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(d),

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.launch import call
+
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Launch configuration: keys per loop step, warps, pipeline stages, split sizing (float32 halves the keys per
@@ -191,7 +193,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
         part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
     else:  # the split kernel writes ``out`` itself
         part = lse = _unused(q.device)
-    decode_split_kernel[(b * hk, splits)](
+    call(decode_split_kernel, (b * hk, splits),
         q, k_cache, v_cache, block_tables, context_lens, part, lse, out, scale * LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), splits, b, hk,
         int(config.get("heads_fastest", 0)), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
@@ -199,6 +201,6 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config["num_warps"],
         num_stages=config["num_stages"])
     if splits > 1:
-        decode_merge_kernel[(b, hq)](part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
+        call(decode_merge_kernel, (b, hq), part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
                                      BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out

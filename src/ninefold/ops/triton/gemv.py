@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.launch import call
+
 MAX_M = 16
 # Launch configuration (the sweep's winners: long rows want long K steps);
 # NINEFOLD_TRITON_GEMV="block_n=32,block_k=256" overrides.
@@ -102,7 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         cfg = config(n, k)
-        gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+        call(gemv_kernel, (triton.cdiv(n, cfg["block_n"]),),
             x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
             EVEN_K=k % cfg["block_k"] == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

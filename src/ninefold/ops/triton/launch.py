@@ -11,6 +11,11 @@ reused for arguments Triton would compile differently.
 
 Disabled under ``TRITON_INTERPRET=1``, when launch hooks are installed (profilers), and with
 ``NINEFOLD_TRITON_FAST_LAUNCH=0``; then every call goes through ``kernel[grid](...)``.
+
+With a trimmed build active (``NINEFOLD_OPS_BUILD``), a specialisation seen for the first time is
+looked up among the build's prebuilt binaries (``ninefold.ops.triton.prebuilt``) before anything is
+compiled; kernels launched without a ``Launcher`` go through :func:`call` for the same lookup.
+``recording()`` collects the launches instead of running them (how a build learns what to compile).
 """
 
 from __future__ import annotations
@@ -102,6 +107,96 @@ def empty(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+_UNSET = object()
+_library = _UNSET
+_direct: dict = {}
+_launchers: list = []
+_recorded: list | None = None
+
+
+def library():
+    """The prebuilt binaries of the active trimmed build (``None``: no build, or nothing prebuilt)."""
+    global _library
+    if _library is _UNSET:
+        from ninefold.ops import build
+        from ninefold.ops.triton import prebuilt
+
+        active = build.active()
+        _library = None
+        if active is not None and not INTERPRETED:
+            found = prebuilt.Library(active.path, active.target, active.uncovered)
+            _library = found if len(found) else None
+    return _library
+
+
+def reset() -> None:
+    """Forget loaded binaries and cached specialisations (the active build changed)."""
+    global _library
+    _library = _UNSET
+    _direct.clear()
+    for launcher in _launchers:
+        launcher.compiled.clear()
+
+
+class recording:
+    """``with recording() as calls:`` launches append ``(kernel, values, num_warps, num_stages)`` to
+    ``calls`` (``values``: every parameter in order) instead of running."""
+
+    def __enter__(self) -> list:
+        global _recorded
+        _recorded = []
+        return _recorded
+
+    def __exit__(self, *exc) -> None:
+        global _recorded
+        _recorded = None
+
+
+def _from_build(lib, kernel, values, num_warps: int, num_stages: int, device_index: int):
+    """The build's binary for this call, loaded (``None``: the JIT compiles it)."""
+    from ninefold.ops.triton import prebuilt
+
+    lib.check_device(torch.cuda.get_device_capability(device_index))
+    binary = lib.select(kernel, values, num_warps, num_stages)
+    return None if binary is None else prebuilt.Kernel(binary, device_index)
+
+
+def _bind(kernel, args: tuple, constexprs: dict) -> tuple:
+    names = kernel.arg_names
+    values = list(args)
+    for param in kernel.params[len(args):]:
+        if param.name in constexprs:
+            values.append(constexprs[param.name])
+        elif param.has_default:
+            values.append(param.default)
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: missing argument {param.name} (parameters: {', '.join(names)})")
+    return tuple(values)
+
+
+def call(kernel, grid, *args, num_warps: int = 4, num_stages: int = 2, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=.., num_stages=..)``, served by the active trimmed
+    build's binary when it holds one for this call."""
+    if _recorded is not None:
+        _recorded.append((kernel, _bind(kernel, args, constexprs), num_warps, num_stages))
+        return
+    lib = None if callable(grid) else library()
+    if lib is None:
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return
+    values = _bind(kernel, args, constexprs)
+    device_index = next(v.get_device() for v in values if isinstance(v, torch.Tensor))
+    key = (kernel, device_index, *Launcher.key(values, (), num_warps, num_stages))
+    compiled = _direct.get(key, _UNSET)
+    if compiled is _UNSET:
+        compiled = _direct[key] = _from_build(lib, kernel, values, num_warps, num_stages, device_index)
+    if compiled is None:
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _raw_stream(device_index),
+                 None, None, None, None, None, *values)
+
+
 class Launcher:
     """Launch ``kernel`` (a ``triton.jit`` function whose constexpr parameters come last).
 
@@ -117,6 +212,7 @@ class Launcher:
         self.kernel = kernel
         self.compiled: dict = {}
         self.usable = True  # False once hooks or an unexpected compiled-kernel type were seen
+        _launchers.append(self)
 
     @staticmethod
     def key(args, consts: tuple, num_warps: int, num_stages: int) -> tuple:
@@ -125,12 +221,23 @@ class Launcher:
         return num_warps, num_stages, consts, *classes
 
     def __call__(self, grid, args, consts, *, num_warps: int = 4, num_stages: int = 2, device_index: int = 0):
-        if not (ENABLED and self.usable):
+        if _recorded is not None:
+            _recorded.append((self.kernel, (*args, *consts), num_warps, num_stages))
+            return
+        lib = library()
+        if not ((ENABLED or lib is not None) and self.usable):
             self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
             return
         key = (device_index, *self.key(args, consts, num_warps, num_stages))  # loaded modules are per device
         compiled = self.compiled.get(key)
+        if compiled is None and lib is not None:
+            compiled = _from_build(lib, self.kernel, (*args, *consts), num_warps, num_stages, device_index)
+            if compiled is not None:
+                self.compiled[key] = compiled
         if compiled is None:
+            if not ENABLED:
+                self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+                return
             compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
             if hasattr(compiled, "result"):  # Triton 3.6 may hand back a future under async compilation
                 compiled = compiled.result()

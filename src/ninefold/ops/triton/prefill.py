@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.launch import call
+
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Half-precision launch configuration per head size, and for calls whose sequences average at most
@@ -224,7 +226,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_t
     hk = keys.shape[-2]
     steps = search_steps(batch)
     grid = (hq, tq // block_m + batch)  # every tile start cu_q[b] // BLOCK_M + b is below tq // BLOCK_M + batch
-    prefill_kernel[grid](
+    call(prefill_kernel, grid,
         q, keys, values, out, cu_seqlens_q, cu_seqlens_k, block_tables if paged else cu_seqlens_q,
         (scale or 1.0 / math.sqrt(d)) * LOG2E, batch, steps, q.stride(0), q.stride(1), stride_kt, stride_kh,
         stride_vt, stride_vh, out.stride(0), out.stride(1), stride_kb, stride_vb, stride_bt, GROUP=hq // hk, D=d,

@@ -1,0 +1,217 @@
+"""Prebuilt Triton binaries of a trimmed build: what the build writes, which binary serves a call,
+and the errors for a build that cannot serve one. Built here for cuda:90 (no GPU needed); the
+launch itself is checked by the CUDA test at the end."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("prebuilt binaries are for compiled Triton, not its interpreter", allow_module_level=True)
+
+import ninefold.ops  # noqa: E402,F401
+import ninefold.ops.triton  # noqa: E402,F401
+from ninefold.ops import build  # noqa: E402
+from ninefold.ops.triton import aot, decode, launch, norm, prebuilt  # noqa: E402
+
+MANIFEST = """
+target = "cuda:90"
+shapes = "smollm2"
+uncovered = "{uncovered}"
+[ops.rms_norm]
+dtypes = ["bfloat16"]
+impls = ["triton"]
+[ops.attention_decode]
+dtypes = ["bfloat16"]
+impls = ["triton"]
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prebuilt")
+    (root / "ops.toml").write_text(MANIFEST.format(uncovered="jit"))
+    build.build(root / "ops.toml", root / "b")
+    return root / "b"
+
+
+def _library(directory, uncovered=None):
+    active = build.Build.load(directory)
+    return prebuilt.Library(directory, active.target, uncovered or active.uncovered)
+
+
+def _launches(fn, *args):
+    with launch.recording() as calls:
+        fn(*args)
+    return calls
+
+
+def _norm_call(rows=8, d=576, offset=0):
+    x = torch.empty(rows * d + offset, dtype=torch.bfloat16)[offset:].view(rows, d)
+    (kernel, values, warps, stages), = _launches(norm.rms_norm, x, torch.ones(d, dtype=torch.bfloat16), 1e-5)
+    return kernel, values, warps, stages
+
+
+def test_build_writes_checked_binaries_with_the_jit_specialisation(built):
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["target"] == "cuda:90" and manifest["uncovered"] == "jit"
+    metas = [(p, json.loads(p.read_text())) for p in sorted((built / "kernels" / "triton").rglob("*.json"))]
+    assert {m["function"] for _, m in metas} == {"rms_norm_rows_kernel", "decode_split_kernel", "decode_merge_kernel"}
+    for path, meta in metas:
+        assert meta["target"] == "cuda:90" and meta["format"] == prebuilt.FORMAT
+        cubin = path.with_name(meta["binary"]).read_bytes()
+        assert cubin[:4] == b"\x7fELF"
+        import hashlib
+        assert hashlib.sha256(cubin).hexdigest() == meta["sha256"]
+        runtime = [s for s in meta["spec"] if s[0] != "constexpr"]
+        assert len(runtime) <= len(meta["ptx_params"]) <= len(runtime) + 2
+        pointers = [s for s in meta["spec"] if s[0].startswith("*")]
+        # fresh tensors are 16-byte aligned (None: a pointer the kernel does not specialise)
+        assert pointers and all(attr in ("D", None) for _, attr in pointers) and any(a == "D" for _, a in pointers)
+    exact = [m for _, m in metas if m["exact"]]
+    # SmolLM2 rows of 576: sizes and strides divisible by 16 are specialised like the JIT does.
+    rows = next(m for m in exact if m["function"] == "rms_norm_rows_kernel")
+    assert rows["spec"][rows["params"].index("stride_x")] == ["i32", "D"]
+    assert rows["spec"][rows["params"].index("n_rows")] == ["i32", None]  # do_not_specialize
+
+
+def test_aligned_call_gets_the_exact_binary_and_others_a_covering_one(built):
+    lib = _library(built)
+    binary, why = lib.find(*_norm_call())
+    assert why == "" and binary.meta["exact"]
+    assert binary.spec == prebuilt.specialisation(_norm_call()[0], _norm_call()[1])
+    # Rows of 580 (not a multiple of 16) at the same block size: the relaxed binary, still aligned pointers.
+    kernel, values, warps, stages = _norm_call(d=580)
+    binary, why = lib.find(kernel, values, warps, stages)
+    assert binary is not None and not binary.meta["exact"]
+    assert binary.spec[kernel.arg_names.index("stride_x")] == ("i32", "")
+    assert binary.spec[kernel.arg_names.index("x_ptr")] == ("*bf16", "D")
+
+
+def test_misaligned_call_is_not_served_and_says_why(built):
+    lib = _library(built)
+    binary, why = lib.find(*_norm_call(offset=1))
+    assert binary is None and "x_ptr is not 16-byte aligned" in why
+    before = prebuilt.STATS["jit"]
+    assert lib.select(*_norm_call(offset=1)) is None  # uncovered = "jit": handed to the JIT, counted
+    assert prebuilt.STATS["jit"] == before + 1
+    strict = _library(built, uncovered="error")
+    with pytest.raises(prebuilt.BuildError, match=r'rms_norm_rows_kernel: .*x_ptr is not 16-byte aligned.*uncovered = "error"'):
+        strict.select(*_norm_call(offset=1))
+
+
+def test_other_constexprs_or_dtypes_are_not_served(built):
+    lib = _library(built)
+    kernel, values, warps, stages = _norm_call(d=2048)  # another block size
+    binary, why = lib.find(kernel, values, warps, stages)
+    assert binary is None and "built for" in why
+    x = torch.ones(8, 576, dtype=torch.float16)
+    (kernel, values, warps, stages), = _launches(norm.rms_norm, x, torch.ones(576, dtype=torch.float16), 1e-5)
+    binary, why = lib.find(kernel, values, warps, stages)
+    assert binary is None and "is *fp16, built for *bf16" in why
+
+
+def test_directly_launched_kernels_are_recorded_and_served(built):
+    from ninefold.ops import workloads
+
+    lib = _library(built)
+    case = next(workloads.cases("attention_decode", workloads.shapes("smollm2"), "meta", torch.bfloat16))
+    real = decode._sm_count
+    decode._sm_count = lambda device: aot.TARGET_SMS["cuda:90"]
+    try:
+        calls = _launches(decode.attention_decode, *case.args, None)
+    finally:
+        decode._sm_count = real
+    assert [c[0].fn.__name__ for c in calls][0] == "decode_split_kernel"
+    for call in calls:
+        binary, why = lib.find(*call)
+        assert binary is not None and binary.meta["exact"], why
+
+
+def test_build_for_another_gpu_is_refused_clearly(built):
+    lib = _library(built)
+    lib.check_device((9, 0))
+    with pytest.raises(prebuilt.BuildError, match=r"built for cuda:90, this GPU is cuda:80; rebuild with .*--target cuda:80"):
+        lib.check_device((8, 0))
+
+
+def test_missing_corrupt_or_stale_binaries_are_refused(built, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(built, copy)
+    lib = _library(copy)
+    binary, _ = lib.find(*_norm_call())
+    cubin = binary.path.with_name(binary.meta["binary"])
+    data = bytearray(cubin.read_bytes())
+    data[100] ^= 0xFF
+    cubin.write_bytes(bytes(data))
+    with pytest.raises(prebuilt.BuildError, match="is corrupt"):
+        binary.image()
+    cubin.unlink()
+    with pytest.raises(prebuilt.BuildError, match="is missing"):
+        binary.image()
+    meta = json.loads(binary.path.read_text())
+    meta["source"] = "0" * 16
+    binary.path.write_text(json.dumps(meta))
+    with pytest.raises(prebuilt.BuildError, match="compiled from another version of norm.py"):
+        _library(copy).find(*_norm_call())
+    binary.path.write_text("{not json")
+    with pytest.raises(prebuilt.BuildError, match="cannot read"):
+        _library(copy)
+
+
+def test_specialisation_follows_tritons_jit_rules():
+    native = pytest.importorskip("triton.runtime.jit").__dict__.get("native_specialize_impl")
+    if native is None:
+        pytest.skip("this Triton has no native_specialize_impl")
+    from triton.backends.compiler import BaseBackend
+
+    kernel = norm.rms_norm_kernel
+    params = {p.name: p for p in kernel.params}
+    base = torch.empty(64, dtype=torch.bfloat16)
+    for name, value in [("x_ptr", base), ("x_ptr", base[1:]), ("d", 1), ("d", 16), ("d", 24), ("d", 1 << 31),
+                        ("d", -(1 << 31)), ("n_rows", 1), ("n_rows", 32), ("eps", 1e-5)]:
+        p = params[name]
+        want = native(BaseBackend, value, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+        got = prebuilt._arg_spec(p, value)
+        assert (got[0], got[1] if got[0] != "constexpr" else got[1]) == (want[0], want[1]), (name, value)
+
+
+def test_exact_binary_is_vectorised_and_the_relaxed_one_is_not():
+    from ninefold.ops import workloads
+
+    (kernel, spec, warps, stages), = aot.launches("rms_norm", torch.bfloat16, workloads.shapes("smollm2"))[0][:1]
+    target = aot.parse_target("cuda:90")
+    exact = aot.compile_spec(kernel, spec, warps, stages, target).asm["ptx"]
+    loose = aot.compile_spec(kernel, prebuilt.relaxed(spec, kernel.params), warps, stages, target).asm["ptx"]
+    def vector_loads(ptx):
+        return len(re.findall(r"ld\.global[.\w:]*\.v4", ptx))
+    assert vector_loads(exact) > 0 and vector_loads(loose) == 0
+
+
+def test_manifest_uncovered_must_be_known(tmp_path):
+    (tmp_path / "ops.toml").write_text('uncovered = "maybe"\n[ops.rms_norm]\n')
+    with pytest.raises(ValueError, match=r"uncovered must be one of \('jit', 'error'\), got 'maybe'"):
+        build.read_manifest(tmp_path / "ops.toml")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_first_call_from_a_build_compiles_nothing_cuda(tmp_path):
+    from ninefold.bench import ops_build
+
+    major, minor = torch.cuda.get_device_capability()
+    ops_build.write_build(tmp_path / "b", f"cuda:{major}{minor}", ["rms_norm", "attention_decode"])
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    code = (f"from ninefold.bench.ops_build import child; child(['rms_norm', 'attention_decode'], "
+            f"{str(tmp_path / 'r.json')!r}, False)")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["compiles"] == 0 and row["prebuilt_launches"] >= 1 and row["correct"], row
