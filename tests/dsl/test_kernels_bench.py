@@ -43,3 +43,30 @@ def test_relative_error_and_fraction():
     ceilings = {"copy_bytes_per_s": 1.0, "mm_flops_per_s": {"torch.float32": 48.0}}
     assert bench._fraction(w, 1.0, ceilings) == 1.0  # 2*2*3*4 = 48 flops in 1 s at 48 flop/s
     assert bench._fraction(w, 2.0, ceilings) == 0.5
+
+
+def _cpu_timer(fn):
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_sweeps_check_every_configuration_on_cpu_tensors(tmp_path, monkeypatch):
+    # the sweeps' own code (fixed configurations, multi-row variants, re-tuning) on the cpu
+    # backend; only the CUDA stopwatch is replaced by a CPU one
+    monkeypatch.setattr(bench, "SWEEP_DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_gpu_time", _cpu_timer)
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path / "cache"))
+    report = bench.run_sweep("memory", str(tmp_path), shrink=128)  # (the sdpa sweep is slow on CPUs)
+    report["sweeps"] += bench.sweep_mm(shrink=128)
+    names = [block["workload"] for block in report["sweeps"]]
+    assert {n.split()[0] for n in names} == {"add", "silu", "rms_norm", "softmax", "rope", "mm"}
+    for block in report["sweeps"]:
+        for row in block["rows"]:
+            assert row["ok"], (block["workload"], row)
+    rms = next(b for b in report["sweeps"] if b["workload"].startswith("rms_norm"))
+    assert any(r["config"] == "8 rows w16" for r in rms["rows"])
+    assert sum(r["config"].startswith("re-tuned") for r in report["sweeps"][-1]["rows"]) == bench.TUNE_REPEATS
+    assert json.loads((tmp_path / "dsl_sweep.json").read_text())["sweeps"]

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+import ninefold.dsl.language as nl
+from ninefold.dsl import Symbol
+
 KERNEL_MODULES = ("add", "activation", "mm", "conv2d", "softmax", "rms_norm", "rope", "attention", "pool")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
@@ -373,7 +376,7 @@ def run_impl(w, impl, fn, inputs, reference, device, sync):
 
 PROFILED = (  # (file suffix, function) whose cumulative time the profiled probe reports
     ("triton/runtime/cache.py", "triton_key", "Triton: triton_key() (hashes libtriton)"),
-    ("ninefold/dsl/backends/triton_key.py", "install", "ninefold: stored Triton key (stat walk)"),
+    ("ninefold/dsl/backends/triton_startup.py", "install", "ninefold: stored Triton key (stat walk)"),
     ("triton/backends/nvidia/compiler.py", "get_ptxas_version", "Triton: ptxas --version"),
     ("triton/backends/nvidia/driver.py", "libcuda_dirs", "Triton: ldconfig -p (libcuda dirs)"),
     ("triton/backends/nvidia/driver.py", "__init__", "Triton: CUDA driver objects"),
@@ -439,9 +442,10 @@ def probe_cache(names, device, shrink=1, profile=False):
         except Exception as error:
             times[name] = f"{type(error).__name__}: {error}"[:200]
         del inputs
-    from ninefold.dsl.backends import triton_key
+    from ninefold.dsl.backends import triton_startup
 
-    info["triton_key"] = triton_key._STATE.get("how")
+    info["triton_key"] = triton_startup._STATE.get("how")
+    info["triton_libcuda_path"] = os.environ.get("TRITON_LIBCUDA_PATH")
     info["first_call_s"] = times
     print("PROBE " + json.dumps(info))
 
@@ -878,13 +882,17 @@ def sweep_memory(shrink=1):
                 else (activation.arrangement_silu_flat, activation.application_silu, flat2)
             )
             for block in (1024, 2048, 4096, 8192):
-                for warps in (2, 4, 8):
+                for warps in (4, 8):
                     fixed.append((f"BLOCK {block} w{warps}", _fixed(arrangement, application, tensors, warps, 1), {"BLOCK": block}))
         else:
             module = rms_norm if name == "rms_norm" else softmax
             tensors = (Tensor(2), Tensor(1), Tensor(0), Tensor(2)) if name == "rms_norm" else (Tensor(2, other=float("-inf")), Tensor(2))
-            for warps in (1, 2, 4, 8, 16):
+            for warps in (2, 4, 8, 16):
                 fixed.append((f"row w{warps}", _fixed(module.arrangement, module.application, tensors, warps, 1), {}))
+            arrangement, application = MULTI_ROW[name]
+            for rows_per_program, warps in ((2, 4), (2, 8), (4, 8), (4, 16), (8, 8), (8, 16)):
+                kernel = _fixed(arrangement, application, tensors, warps, 1)
+                fixed.append((f"{rows_per_program} rows w{warps}", kernel, {"ROWS": rows_per_program}))
         results.append(_memory_rows(w, name, inputs, reference, fixed))
     t = n
     x = _randn((t, 48, 64), h, SWEEP_DEVICE)
@@ -892,7 +900,7 @@ def sweep_memory(shrink=1):
     w = Workload("rope", "paper", h, f"({t},48,64)", None, lambda k, x, c, s: k.rope.rotate(x, c, s), _rope_torch,
                  bytes=2 * x.numel() * 2 + 2 * t * 32 * 2)
     fixed = []
-    for bt, bh in ((1, 16), (2, 16), (4, 16), (8, 16), (2, 8), (4, 8)):
+    for bt, bh in ((1, 16), (2, 16), (4, 16), (8, 16)):
         for warps in (4, 8):
             kernel = _fixed(rope.arrangement, rope.application, rope._tensors, warps, 1)
             fixed.append((f"T{bt} H{bh} w{warps}", kernel, {"BLOCK_T": bt, "BLOCK_H": bh, "HALF": 32}))
@@ -900,25 +908,52 @@ def sweep_memory(shrink=1):
     return results
 
 
-def _memory_rows(w, name, inputs, reference, fixed):
-    from ninefold.ops import kernels as nk
+_ROWS = Symbol("ROWS", constexpr=True)
+_ROW = Symbol("ROW", constexpr=True)
 
+
+def _rms_norm_rows(x, w, eps, y, ROWS=_ROWS, ROW=_ROW):
+    """rms_norm with ``ROWS`` rows per program (a sweep candidate)."""
+    x_rows = x.tile((ROWS, ROW))
+    weight = w.tile((ROW,)).unsqueeze(0).expand((x_rows.shape[0], -1))
+    return x_rows, weight, eps, y.tile((ROWS, ROW))
+
+
+def _rms_norm_rows_app(x, w, eps, y):
+    v = x
+    v = v.to(nl.float32)
+    inv_rms = nl.rsqrt(nl.sum(v * v, 1) / x.source.shape[-1] + eps)
+    y = v * inv_rms[:, None] * w  # noqa: F841
+
+
+def _softmax_rows(x, y, ROWS=_ROWS, ROW=_ROW):
+    """softmax with ``ROWS`` rows per program (a sweep candidate)."""
+    return x.tile((ROWS, ROW)), y.tile((ROWS, ROW))
+
+
+def _softmax_rows_app(x, y):
+    v = x
+    v = v.to(nl.float32)
+    e = nl.exp(v - nl.max(v, 1)[:, None])
+    y = e / nl.sum(e, 1)[:, None]  # noqa: F841
+
+
+MULTI_ROW = {"rms_norm": (_rms_norm_rows, _rms_norm_rows_app), "softmax": (_softmax_rows, _softmax_rows_app)}
+
+
+def _memory_rows(w, name, inputs, reference, fixed):
     copy_s = copy_same_bytes(w, SWEEP_DEVICE) if SWEEP_DEVICE == "cuda" else None
     ceiling = w.bytes / copy_s if copy_s else 1.0  # bytes per second of the same-size copy
     rows = [{"config": "copy of the same bytes", "ok": True, "seconds": copy_s}] if copy_s else []
     rows.append(_sweep_row("torch", lambda: w.torch(*inputs), reference, w.dtype, w.bytes, ceiling))
-    rows.append(_sweep_row("tuned", lambda: w.run(nk_namespace(nk), *inputs), reference, w.dtype, w.bytes, ceiling))
+    namespace = ninefold_kernels()
+    rows.append(_sweep_row("tuned", lambda: w.run(namespace, *inputs), reference, w.dtype, w.bytes, ceiling))
     for label, kernel, blocks in tqdm(fixed, desc=f"{name} paper", file=sys.stderr):
         rows.append(_sweep_row(label, _fixed_call(name, kernel, inputs, blocks), reference, w.dtype, w.bytes, ceiling))
     for row in rows:
         if row.get("seconds") and copy_s:
             row["fraction_of_copy_same"] = copy_s / row["seconds"]
     return {"workload": f"{name} {w.shape} float16 (of a same-bytes copy)", "rows": rows}
-
-
-def nk_namespace(package):
-    """The kernel modules as a namespace (``ns.add.add``) for ``Workload.run``."""
-    return _namespace(package.__name__)
 
 
 def _fixed_call(name, kernel, inputs, blocks):
@@ -931,9 +966,9 @@ def _fixed_call(name, kernel, inputs, blocks):
         return lambda: (kernel(inputs[0].view(-1), out.view(-1), **blocks), out)[1]
     if name == "rms_norm":
         x, weight = inputs
-        return lambda: (kernel(x, weight, 1e-6, out, ROW=x.shape[-1]), out)[1]
+        return lambda: (kernel(x, weight, 1e-6, out, ROW=x.shape[-1], **blocks), out)[1]
     if name == "softmax":
-        return lambda: (kernel(inputs[0], out, ROW=inputs[0].shape[-1]), out)[1]
+        return lambda: (kernel(inputs[0], out, ROW=inputs[0].shape[-1], **blocks), out)[1]
     x, cos, sin = inputs
     return lambda: (kernel(x[..., :64], cos, sin, out[..., :64], **blocks), out)[1]
 

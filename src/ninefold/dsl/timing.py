@@ -29,17 +29,22 @@ NOISE = 0.005  # medians closer than this fraction (or twice their standard erro
 _CYCLES: dict = {}
 
 
-def _cycles_per_us(device) -> float:
-    """Clock cycles of ``torch.cuda._sleep`` per microsecond on ``device`` (measured once)."""
-    if device not in _CYCLES:
-        torch.cuda._sleep(1000)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        torch.cuda._sleep(1_000_000)
-        end.record()
-        end.synchronize()
-        _CYCLES[device] = 1_000_000 / max(begin.elapsed_time(end) * 1e3, 1.0)
-    return _CYCLES[device]
+def cycles_per_us(device) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per microsecond on ``device`` (a ``torch.device``,
+    ``"cuda:1"`` or an index; measured once per device). Queue ``torch.cuda._sleep(int(us *
+    cycles_per_us(d)))`` ahead of timed launches to keep the GPU busy while the host issues them."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES:
+        with torch.cuda.device(index):
+            torch.cuda._sleep(1000)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            torch.cuda._sleep(1_000_000)
+            end.record()
+            end.synchronize()
+            _CYCLES[index] = 1_000_000 / max(begin.elapsed_time(end) * 1e3, 1.0)
+    return _CYCLES[index]
 
 
 def flush_buffer(device) -> torch.Tensor:
@@ -51,7 +56,7 @@ def flush_buffer(device) -> torch.Tensor:
 def _queued(fn, flush, n, cover_us, device):
     """``n`` samples (ms) of ``fn``, each after an L2 flush, queued behind a spin of ``cover_us``."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    torch.cuda._sleep(int(cover_us * _cycles_per_us(device)))
+    torch.cuda._sleep(int(cover_us * cycles_per_us(device)))
     for begin, end in events:
         flush.zero_()
         begin.record()

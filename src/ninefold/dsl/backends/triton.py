@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ninefold.dsl.backends import triton_key
+from ninefold.dsl.backends import triton_startup
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
 
 DTYPES = {
@@ -189,7 +189,7 @@ def _entry(kernel, bound, config):
     entry = kernel._cache.get(key)
     if entry is None:
         if not interpreting():
-            triton_key.install()  # before Triton's first compile-cache lookup in this process
+            triton_startup.install()  # before Triton's first compile-cache lookup in this process
         names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
@@ -262,7 +262,7 @@ def compile_for_target(
     bound = kernel.bind(tuple(args), dict(kwargs or {}), backend="triton")
     from ninefold.dsl.backends.cpu import choose_meta
 
-    triton_key.install()
+    triton_startup.install()
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
     generated, function = prepare(kernel, finished, spec)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton")
 
 PROBE = (
-    "from ninefold.dsl.backends import triton_key; how = triton_key.install(); "
+    "from ninefold.dsl.backends import triton_startup; how = triton_startup.install(); "
     "import triton.runtime.cache as c; print(how, c.triton_key())"
 )
 
@@ -39,7 +39,7 @@ def test_key_is_computed_once_then_read_and_equals_tritons_own(tmp_path):
 
 
 def test_fingerprint_changes_with_a_file(tmp_path):
-    from ninefold.dsl.backends.triton_key import fingerprint
+    from ninefold.dsl.backends.triton_startup import fingerprint
 
     (tmp_path / "a.py").write_text("x = 1\n")
     before = fingerprint(str(tmp_path))
