@@ -88,7 +88,7 @@ def sample(fns, device, *, rounds=ROUNDS, round_ms=ROUND_MS, progress=None) -> l
         for r in range(rounds + 1):  # round 0 warms the clocks and is dropped
             shift = r % len(fns)
             for i in list(range(len(fns)))[shift:] + list(range(len(fns)))[:shift]:
-                cover = 50.0 + 1.5 * counts[i] * host_us[i]
+                cover = 50.0 + counts[i] * (1.5 * host_us[i] + 10.0)  # + the two event records
                 times = _queued(fns[i], flush, counts[i], cover, device)
                 if r:
                     samples[i] += times
