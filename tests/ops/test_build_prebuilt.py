@@ -215,3 +215,27 @@ def test_first_call_from_a_build_compiles_nothing_cuda(tmp_path):
     for row in rows:
         assert "error" not in row, row
         assert row["compiles"] == 0 and row["prebuilt_launches"] >= 1 and row["correct"], row
+
+
+def test_launch_arguments_follow_the_binarys_ptx_parameters(built):
+    lib = _library(built)
+    kernel, values, warps, stages = _norm_call()
+    binary, _ = lib.find(kernel, values, warps, stages)
+    holders, buffers = prebuilt.arguments(binary, values, 2, "cpu")
+    assert len(holders) == len(binary.meta["ptx_params"]) and not buffers
+    names = [n for n, (kind, _) in zip(kernel.arg_names, binary.spec) if kind != "constexpr"]
+    assert holders[names.index("x_ptr")].value == values[0].data_ptr()
+    assert holders[names.index("d")].value == 576
+    assert holders[names.index("eps")].value == pytest.approx(1e-5)  # a float32 parameter
+    assert [h.value for h in holders[len(names):]] == [0, 0]  # no scratch: null pointers
+
+
+def test_bench_build_and_dry_run_serve_every_call_exactly(tmp_path, capsys):
+    from ninefold.bench import ops_build
+
+    assert ops_build.main(["--write", str(tmp_path / "b"), "--ops", "rms_norm", "silu_and_mul"]) == 0
+    assert ops_build.stale(tmp_path / "b") == []
+    assert ops_build.main(["--build", str(tmp_path / "b"), "--dry-run", "--ops", "rms_norm", "silu_and_mul"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    served = [line for line in lines if ".cubin" in line]
+    assert len(served) == 2 and all(line.endswith("(exact)") for line in served)

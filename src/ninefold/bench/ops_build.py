@@ -256,6 +256,23 @@ def dry_run(directory: Path, ops) -> list[dict]:
     return rows
 
 
+def stale(directory: Path) -> list[str]:
+    """Kernels whose binaries in the build at ``directory`` were compiled from another source."""
+    import importlib
+
+    from ninefold.ops import build
+    from ninefold.ops.triton import prebuilt
+
+    active = build.Build.load(directory)
+    found = []
+    for name, binaries in prebuilt.Library(directory, active.target).by_kernel.items():
+        module, _, attr = name.partition(":")
+        kernel = getattr(importlib.import_module(module), attr)
+        if any(b.meta["source"] != prebuilt.source_hash(kernel) for b in binaries):
+            found.append(name)
+    return found
+
+
 # ------------------------------------------------------------------ main
 def _table(built: dict, cold: dict) -> str:
     cold_rows = {r["op"]: r for r in cold.get("rows", [])}
@@ -312,6 +329,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         directory = args.build
+        if directory is not None and directory.exists() and stale(directory):
+            result["stale_build"] = {"dir": str(directory), "kernels": stale(directory)}
+            print(f"ops_build: {directory} is stale (kernel sources changed since it was built: "
+                  f"{', '.join(result['stale_build']['kernels'])}); building here instead", file=sys.stderr)
+            directory = None
         if directory is None or not directory.exists():
             major, minor = torch.cuda.get_device_capability()
             directory = tmp / "build"

@@ -167,7 +167,7 @@ def _bind(kernel, args: tuple, constexprs: dict) -> tuple:
     for param in kernel.params[len(args):]:
         if param.name in constexprs:
             values.append(constexprs[param.name])
-        elif param.has_default:
+        elif getattr(param, "has_default", False):
             values.append(param.default)
         else:
             raise TypeError(f"{kernel.fn.__name__}: missing argument {param.name} (parameters: {', '.join(names)})")

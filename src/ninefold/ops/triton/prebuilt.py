@@ -59,9 +59,9 @@ def _arg_spec(param, value) -> tuple:
     if param.is_constexpr:
         return ("constexpr", value)
     specialise = not param.do_not_specialize
-    align = not param.do_not_specialize_on_alignment
+    align = not getattr(param, "do_not_specialize_on_alignment", False)
     if isinstance(value, torch.Tensor):
-        kind = ("*k" if param.is_const else "*") + _TYPE[value.dtype]
+        kind = ("*k" if getattr(param, "is_const", False) else "*") + _TYPE[value.dtype]
         if not specialise:
             return (kind, None)
         return (kind, "D" if align and _aligned(value) else "")
@@ -306,6 +306,23 @@ class Library:
 
 
 # ------------------------------------------------------------------ launching
+def arguments(binary: Binary, values, programs: int, device) -> tuple[list, list]:
+    """``(holders, buffers)``: one ctypes value per PTX parameter of ``binary`` for a launch of
+    ``programs`` programs with every parameter's value (``values``, constexprs included, in order),
+    scratch buffers allocated on ``device`` where the binary needs them (keep them until launched)."""
+    ptx = binary.meta["ptx_params"]
+    runtime = [v for v, (kind, _) in zip(values, binary.spec) if kind != "constexpr"]
+    holders = [_CTYPES[k](v.data_ptr() if isinstance(v, torch.Tensor) else v) for k, v in zip(ptx, runtime)]
+    buffers = []
+    for size in (binary.meta["global_scratch_size"], binary.meta["profile_scratch_size"])[:len(ptx) - len(runtime)]:
+        ptr = 0
+        if size:
+            buffers.append(torch.empty(size * programs, dtype=torch.uint8, device=device))
+            ptr = buffers[-1].data_ptr()
+        holders.append(ctypes.c_uint64(ptr))
+    return holders, buffers
+
+
 class Kernel:
     """A loaded binary with the calling convention of Triton's ``CompiledKernel.run`` (what
     ``ninefold.ops.triton.launch.Launcher`` calls on its warm path)."""
@@ -319,30 +336,14 @@ class Kernel:
         self.binary = binary
         self.meta = binary.meta
         self.device = torch.device("cuda", device_index)
-        self.runtime = [i for i, (kind, _) in enumerate(binary.spec) if kind != "constexpr"]
-        ptx = self.meta["ptx_params"]
-        self.types = [_CTYPES[k] for k in ptx[:len(self.runtime)]]
-        self.scratch = [self.meta["global_scratch_size"], self.meta["profile_scratch_size"]][:len(ptx) - len(self.runtime)]
         self.driver = driver()
-        self.handle = self._load()
-        LOADED.append({"kernel": self.meta["kernel"], "binary": self.meta["binary"], "exact": self.meta["exact"]})
-
-    def _load(self):
         self.binary.image()  # missing or corrupt: a BuildError naming the file, before the driver sees it
-        return self.driver.function(self.binary.path.parent / self.meta["binary"], self.meta, self.device)
+        self.handle = self.driver.function(binary.path.parent / self.meta["binary"], self.meta, self.device)
+        LOADED.append({"kernel": self.meta["kernel"], "binary": self.meta["binary"], "exact": self.meta["exact"]})
 
     def run(self, g0, g1, g2, stream, _function, _metadata, _hook, _enter, _exit, *values):
         """Launch a ``g0 x g1 x g2`` grid on ``stream`` with every parameter's value, in order."""
-        holders = [t(v.data_ptr() if isinstance(v, torch.Tensor) else v)
-                   for t, v in zip(self.types, (values[i] for i in self.runtime))]
-        keep = []
-        for size in self.scratch:
-            ptr = 0
-            if size:
-                buffer = torch.empty(size * g0 * g1 * g2, dtype=torch.uint8, device=self.device)
-                keep.append(buffer)
-                ptr = buffer.data_ptr()
-            holders.append(ctypes.c_uint64(ptr))
+        holders, buffers = arguments(self.binary, values, g0 * g1 * g2, self.device)
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
         if torch.cuda.current_device() != self.device.index:  # the launch needs this device's context current
             with torch.cuda.device(self.device):
