@@ -119,6 +119,9 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132) -> tuple[list,
                 found.setdefault((prebuilt.kernel_id(kernel), spec, warps, stages), (kernel, spec, warps, stages))
     finally:
         decode._sm_count = real_sms
+    if notes:
+        notes = [f"{op} {str(dtype).replace('torch.', '')}: {len(notes)} representative calls are outside the "
+                 f"Triton implementation (nothing built for them), e.g. {notes[0]}"]
     return list(found.values()), notes
 
 
