@@ -33,3 +33,26 @@ def test_masks_only_where_tiles_can_overhang():
     y = torch.empty(1000)
     _, ragged, _ = compile_for_target(add, (y, y, y), {"BLOCK": 128})
     assert ragged.source.count("mask=") == 3
+
+
+def test_cache_hints_reach_the_ptx_and_bad_hints_are_refused():
+    import ninefold.dsl as nd
+    from ninefold.dsl import Tensor, block_size
+
+    def arrangement(x, y, BLOCK=block_size()):
+        return x.tile((BLOCK,)), y.tile((BLOCK,))
+
+    def application(x, y):
+        y = x * 2  # noqa: F841
+
+    kernel = nd.make(arrangement, application, (Tensor(1), Tensor(1)))
+    x = torch.empty(4096, dtype=torch.float16)
+    plain, _, _ = compile_for_target(kernel, (x, x), {}, target="cuda:90")
+    kernel.cache_hints = {"load": "evict_first", "store": ".cs"}
+    hinted, generated, _ = compile_for_target(kernel, (x, x), {}, target="cuda:90")
+    assert "eviction_policy='evict_first'" in generated.source and "cache_modifier='.cs'" in generated.source
+    assert "st.global.cs" in hinted.asm["ptx"] and "st.global.cs" not in plain.asm["ptx"]
+    assert "evict_first" in hinted.asm["ptx"] and "evict_first" not in plain.asm["ptx"]
+    kernel.cache_hints = {"store": ".bogus"}
+    with pytest.raises(ValueError, match="cache_hints 'store'"):
+        compile_for_target(kernel, (x, x), {}, target="cuda:90")

@@ -884,11 +884,19 @@ def sweep_memory(shrink=1):
             for block in (1024, 2048, 4096, 8192):
                 for warps in (4, 8):
                     fixed.append((f"BLOCK {block} w{warps}", _fixed(arrangement, application, tensors, warps, 1), {"BLOCK": block}))
+            for block in (2048, 4096, 8192):
+                kernel = _fixed(arrangement, application, tensors, 4, 1)
+                kernel.cache_hints = STREAMING
+                fixed.append((f"BLOCK {block} w4 evict_first/.cs", kernel, {"BLOCK": block}))
         else:
             module = rms_norm if name == "rms_norm" else softmax
             tensors = (Tensor(2), Tensor(1), Tensor(0), Tensor(2)) if name == "rms_norm" else (Tensor(2, other=float("-inf")), Tensor(2))
             for warps in (2, 4, 8, 16):
                 fixed.append((f"row w{warps}", _fixed(module.arrangement, module.application, tensors, warps, 1), {}))
+            for warps in (4, 8):
+                kernel = _fixed(module.arrangement, module.application, tensors, warps, 1)
+                kernel.cache_hints = STREAMING
+                fixed.append((f"row w{warps} evict_first/.cs", kernel, {}))
             arrangement, application = MULTI_ROW[name]
             for rows_per_program, warps in ((2, 4), (2, 8), (4, 8), (4, 16), (8, 8), (8, 16)):
                 kernel = _fixed(arrangement, application, tensors, warps, 1)
@@ -938,6 +946,7 @@ def _softmax_rows_app(x, y):
     y = e / nl.sum(e, 1)[:, None]  # noqa: F841
 
 
+STREAMING = {"load": "evict_first", "store": ".cs"}  # data read once, written once
 MULTI_ROW = {"rms_norm": (_rms_norm_rows, _rms_norm_rows_app), "softmax": (_softmax_rows, _softmax_rows_app)}
 
 

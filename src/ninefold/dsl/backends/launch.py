@@ -21,7 +21,7 @@ def prepare(kernel, bound, spec=None, interpret=False, persistent=False):
     wide = any(
         isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**30 for v in bound.values.values()
     )
-    key = ("triton", spec, wide, interpret, persistent)
+    key = ("triton", spec, wide, interpret, persistent, repr(sorted((kernel.cache_hints or {}).items())))
     if key not in kernel._cache:
         generated = generate(kernel, spec, wide=wide, interpret=interpret, persistent=persistent)
         module = load_module(generated.source, generated.key)

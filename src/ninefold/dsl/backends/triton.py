@@ -184,7 +184,7 @@ def warm(kernel, bound, config):
 
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
-    key += (config.get("persistent", getattr(kernel, "persistent", False)),)
+    key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:

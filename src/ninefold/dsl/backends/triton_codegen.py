@@ -323,11 +323,18 @@ class _Lowering(ast.NodeTransformer):
                 kwargs["mask"] = mask
                 other = access.top.source.other
                 kwargs["other"] = ast.Constant(0 if other is None else other)
+            hints = getattr(self.kernel, "cache_hints", None) or {}
+            if hints.get("load"):
+                kwargs["eviction_policy"] = ast.Constant(hints["load"])
             return _call(_attr(TL, "load"), pointer, **kwargs)
         if method == "store":
             pointer, mask, _ = self.pointer_and_mask(name, index_nodes)
             value = self.visit(node.args[2])
-            return _call(_attr(TL, "store"), pointer, value, **({"mask": mask} if mask is not None else {}))
+            kwargs = {"mask": mask} if mask is not None else {}
+            hints = getattr(self.kernel, "cache_hints", None) or {}
+            if hints.get("store"):
+                kwargs["cache_modifier"] = ast.Constant(hints["store"])
+            return _call(_attr(TL, "store"), pointer, value, **kwargs)
         if method == "shape":
             levels = self.kernel.param(name).arranged.levels()
             depth = 2 if index_nodes else 1
@@ -428,6 +435,15 @@ def as_expr_ast(expr, leaf_fn) -> ast.expr:
     return expr.to_ast(leaf_fn) if isinstance(expr, Expr) else ast.Constant(expr)
 
 
+CACHE_HINTS = {"load": ("evict_first", "evict_last", "evict_normal"), "store": (".wb", ".cg", ".cs", ".wt")}
+
+
+def _check_hints(kernel):
+    for key, value in (getattr(kernel, "cache_hints", None) or {}).items():
+        if key not in CACHE_HINTS or (value and value not in CACHE_HINTS[key]):
+            raise ValueError(f"kernel {kernel.name}: cache_hints {key!r}={value!r}; accepted: {CACHE_HINTS}")
+
+
 def generate(kernel, spec, wide=False, interpret=False, persistent=False) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
@@ -436,6 +452,7 @@ def generate(kernel, spec, wide=False, interpret=False, persistent=False) -> Gen
     ``+ num_programs(0)``, ... (a nest Triton flattens and pipelines across output tiles); the
     launch then starts at most one program per SM.
     """
+    _check_hints(kernel)
     namer = _Namer(kernel)
     lowering = _Lowering(kernel, spec, namer, interpret=interpret)
     namer.taken |= lowering.locals
