@@ -513,6 +513,7 @@ def run(device, out_dir, deadline_s, only=None, shrink=1):
         ],
     }
     print(table(workloads, ceilings))
+    print(tuning_summary(workloads))
     print(probe_summary(probes))
     if out_dir:
         out = pathlib.Path(out_dir)
@@ -567,6 +568,25 @@ def _probe(names, device, shrink, *extra, env=None):
         if line.startswith("PROBE "):
             return json.loads(line[len("PROBE ") :])
     return {"error": done.stderr[-300:]}
+
+
+def _config_label(config):
+    meta = ",".join(f"{k}={v}" for k, v in sorted(config.get("meta", {}).items())) or "-"
+    return f"{meta} w{config.get('num_warps')} s{config.get('num_stages')}{' persistent' if config.get('persistent') else ''}"
+
+
+def tuning_summary(workloads) -> str:
+    """Lines for stdout: each tuned kernel's pick and the device-time medians it was chosen from."""
+    lines = ["tuner picks (device time, cold L2; * = chosen):"]
+    for w in workloads:
+        for record in w.results.get("ninefold", {}).get("tuning", []):
+            timed = sorted((t for t in record["timings"] if t.get("median_ms")), key=lambda t: t["median_ms"])
+            cells = [
+                f"{'*' if t['config'] == record['best'] else ''}{_config_label(t['config'])} {t['median_ms'] * 1e3:.1f}us"
+                for t in timed[:4]
+            ]
+            lines.append(f"  {w.key}: {_config_label(record['best'])}" + (f"  [{'; '.join(cells)}]" if cells else ""))
+    return "\n".join(lines)
 
 
 def probe_summary(probes) -> str:
