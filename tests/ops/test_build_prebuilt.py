@@ -2,6 +2,7 @@
 and the errors for a build that cannot serve one. Built here for cuda:90 (no GPU needed); the
 launch itself is checked by the CUDA test at the end."""
 
+import ctypes
 import json
 import os
 import re
@@ -221,13 +222,19 @@ def test_launch_arguments_follow_the_binarys_ptx_parameters(built):
     lib = _library(built)
     kernel, values, warps, stages = _norm_call()
     binary, _ = lib.find(kernel, values, warps, stages)
-    holders, buffers = prebuilt.arguments(binary, values, 2, "cpu")
-    assert len(holders) == len(binary.meta["ptx_params"]) and not buffers
+    arguments = prebuilt.Arguments(binary)
+    assert arguments.fill(values, 2, "cpu") == []  # no scratch buffers
+    holders = arguments.holders
+    assert len(holders) == len(arguments.array) == len(binary.meta["ptx_params"])
+    assert [arguments.array[i] for i in range(len(holders))] == [ctypes.addressof(h) for h in holders]
     names = [n for n, (kind, _) in zip(kernel.arg_names, binary.spec) if kind != "constexpr"]
     assert holders[names.index("x_ptr")].value == values[0].data_ptr()
     assert holders[names.index("d")].value == 576
     assert holders[names.index("eps")].value == pytest.approx(1e-5)  # a float32 parameter
-    assert [h.value for h in holders[len(names):]] == [0, 0]  # no scratch: null pointers
+    assert [h.value for h in holders[len(names):]] == [0, 0]  # scratch pointers: null
+    other = torch.empty(8, 576, dtype=torch.bfloat16)
+    arguments.fill((other, *values[1:]), 2, "cpu")  # refilled per launch
+    assert holders[names.index("x_ptr")].value == other.data_ptr()
 
 
 def test_bench_build_and_dry_run_serve_every_call_exactly(tmp_path, capsys):

@@ -12,7 +12,8 @@ calls and Triton JIT cache misses, counted by wrapping ``triton.compile`` and th
 ``knobs.runtime.jit_cache_hook``: both must be 0), which binary served it (the JIT's exact
 specialisation or a merged/relaxed one), the result against the float64 reference, and the warm
 device time of the build's binary vs the same operator JIT-compiled in that process (CUDA events
-around back-to-back calls queued behind a sleep kernel, so host time is hidden). A second fresh
+around back-to-back calls queued behind a sleep kernel, so host time is hidden) and host time per
+call (the build's binaries launch through ctypes, the JIT's through Triton's launcher). A second fresh
 process without the build and with another empty Triton cache gives the cold JIT first call for
 comparison. Table to stdout, everything to ``$OUT/ops_build.json``.
 """
@@ -139,8 +140,10 @@ def _call(op: str, case):
     return (lambda: impl.fn(*bound)), want
 
 
-def _device_ms(fn, reps: int = 50) -> float:
-    """Device time per call of ``fn`` run ``reps`` times back to back, queued behind a sleep kernel."""
+def _timings(fn, reps: int = 50) -> tuple[float, float]:
+    """``(device ms, host us)`` per call of ``fn`` run ``reps`` times back to back: device time with
+    the calls queued behind a sleep kernel (host time hidden), host time as wall time per call."""
+    fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
@@ -157,7 +160,7 @@ def _device_ms(fn, reps: int = 50) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(begin.elapsed_time(end) / reps)
-    return min(times)
+    return min(times), host_s / reps * 1e6
 
 
 def child(ops, json_path: str, built: bool) -> None:
@@ -198,7 +201,7 @@ def child(ops, json_path: str, built: bool) -> None:
     if built:
         for row in rows:
             if row["op"] in runs:
-                row["built_device_ms"] = _device_ms(runs[row["op"]])
+                row["built_device_ms"], row["built_host_us"] = _timings(runs[row["op"]])
         build.activate(None)  # the same operators through Triton's JIT, in the same process
         for row in rows:
             op = row["op"]
@@ -209,7 +212,7 @@ def child(ops, json_path: str, built: bool) -> None:
                 before = counter.total()
                 run()
                 row["jit_compiles_after_build_off"] = counter.total() - before
-                row["jit_device_ms"] = _device_ms(run)
+                row["jit_device_ms"], row["jit_host_us"] = _timings(run)
                 row["built_over_jit"] = row["built_device_ms"] / row["jit_device_ms"]
             except Exception as error:  # noqa: BLE001
                 row["jit_error"] = f"{type(error).__name__}: {error}"
@@ -281,8 +284,8 @@ def _table(built: dict, cold: dict) -> str:
         return format(value * scale, spec) if isinstance(value, (int, float)) else "-"
 
     lines = [f"{'operator':18s} {'case':14s} {'1st call ms':>11s} {'compiles':>8s} {'binary':>7s} {'rel err':>8s} "
-             f"{'built us':>9s} {'jit us':>8s} {'built/jit':>9s} {'jit compiles':>12s} {'cold 1st ms':>11s} "
-             f"{'cold compiles':>13s}"]
+             f"{'built us':>9s} {'jit us':>8s} {'built/jit':>9s} {'host us b/j':>11s} {'jit compiles':>12s} "
+             f"{'cold 1st ms':>11s} {'cold compiles':>13s}"]
     for r in built.get("rows", []):
         if "error" in r:
             lines.append(f"{r['op']:18s} ERROR {r['error'][:160]}")
@@ -293,7 +296,9 @@ def _table(built: dict, cold: dict) -> str:
         lines.append(f"{r['op']:18s} {r.get('case', ''):14s} {fmt(r.get('first_call_ms'), '11.1f')} "
                      f"{fmt(r.get('compiles'), '8d')} {kind:>7s} {fmt(r.get('max_rel_error'), '8.1e')} "
                      f"{fmt(r.get('built_device_ms'), '9.1f', 1e3)} {fmt(r.get('jit_device_ms'), '8.1f', 1e3)} "
-                     f"{fmt(r.get('built_over_jit'), '9.3f')} {fmt(r.get('jit_compiles_after_build_off'), '12d')} "
+                     f"{fmt(r.get('built_over_jit'), '9.3f')} "
+                     f"{fmt(r.get('built_host_us'), '5.0f') + '/' + fmt(r.get('jit_host_us'), '<5.0f'):>11s} "
+                     f"{fmt(r.get('jit_compiles_after_build_off'), '12d')} "
                      f"{fmt(c.get('first_call_ms'), '11.1f')} {fmt(c.get('compiles'), '13d')}")
         if r.get("jit_error"):
             lines.append(f"{'':18s} JIT comparison failed: {r['jit_error'][:160]}")

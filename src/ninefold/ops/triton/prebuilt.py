@@ -22,6 +22,7 @@ import hashlib
 import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -306,21 +307,32 @@ class Library:
 
 
 # ------------------------------------------------------------------ launching
-def arguments(binary: Binary, values, programs: int, device) -> tuple[list, list]:
-    """``(holders, buffers)``: one ctypes value per PTX parameter of ``binary`` for a launch of
-    ``programs`` programs with every parameter's value (``values``, constexprs included, in order),
-    scratch buffers allocated on ``device`` where the binary needs them (keep them until launched)."""
-    ptx = binary.meta["ptx_params"]
-    runtime = [v for v, (kind, _) in zip(values, binary.spec) if kind != "constexpr"]
-    holders = [_CTYPES[k](v.data_ptr() if isinstance(v, torch.Tensor) else v) for k, v in zip(ptx, runtime)]
-    buffers = []
-    for size in (binary.meta["global_scratch_size"], binary.meta["profile_scratch_size"])[:len(ptx) - len(runtime)]:
-        ptr = 0
-        if size:
+class Arguments:
+    """The ``void**`` parameter array of a binary's launches: one ctypes value per PTX parameter,
+    allocated once and refilled per launch (``fill``); hold ``lock`` from ``fill`` until launched."""
+
+    def __init__(self, binary: Binary):
+        ptx = binary.meta["ptx_params"]
+        self.runtime = [i for i, (kind, _) in enumerate(binary.spec) if kind != "constexpr"]
+        self.holders = [_CTYPES[k]() for k in ptx]
+        self.scratch = [(len(self.runtime) + j, size) for j, size in
+                        enumerate((binary.meta["global_scratch_size"], binary.meta["profile_scratch_size"])
+                                  [:len(ptx) - len(self.runtime)]) if size]
+        self.array = (ctypes.c_void_p * len(ptx))(*[ctypes.addressof(h) for h in self.holders])
+        self.lock = threading.Lock()
+
+    def fill(self, values, programs: int, device) -> list:
+        """Store every run-time parameter of ``values`` (all parameters, constexprs included, in
+        order); returns the scratch buffers allocated on ``device`` (keep them until launched)."""
+        holders = self.holders
+        for j, i in enumerate(self.runtime):
+            v = values[i]
+            holders[j].value = v.data_ptr() if isinstance(v, torch.Tensor) else v
+        buffers = []
+        for j, size in self.scratch:
             buffers.append(torch.empty(size * programs, dtype=torch.uint8, device=device))
-            ptr = buffers[-1].data_ptr()
-        holders.append(ctypes.c_uint64(ptr))
-    return holders, buffers
+            holders[j].value = buffers[-1].data_ptr()
+        return buffers
 
 
 class Kernel:
@@ -339,20 +351,21 @@ class Kernel:
         self.driver = driver()
         self.binary.image()  # missing or corrupt: a BuildError naming the file, before the driver sees it
         self.handle = self.driver.function(binary.path.parent / self.meta["binary"], self.meta, self.device)
+        self.arguments = Arguments(binary)
         LOADED.append({"kernel": self.meta["kernel"], "binary": self.meta["binary"], "exact": self.meta["exact"]})
 
     def run(self, g0, g1, g2, stream, _function, _metadata, _hook, _enter, _exit, *values):
         """Launch a ``g0 x g1 x g2`` grid on ``stream`` with every parameter's value, in order."""
-        holders, buffers = arguments(self.binary, values, g0 * g1 * g2, self.device)
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
-        if torch.cuda.current_device() != self.device.index:  # the launch needs this device's context current
-            with torch.cuda.device(self.device):
-                self._launch(g0, g1, g2, stream, params)
-        else:
-            self._launch(g0, g1, g2, stream, params)
+        with self.arguments.lock:
+            buffers = self.arguments.fill(values, g0 * g1 * g2, self.device)  # noqa: F841  (alive until launched)
+            if torch.cuda.current_device() != self.device.index:  # the launch needs this device's context current
+                with torch.cuda.device(self.device):
+                    self._launch(g0, g1, g2, stream)
+            else:
+                self._launch(g0, g1, g2, stream)
         STATS["prebuilt"] += 1
 
-    def _launch(self, g0, g1, g2, stream, params) -> None:
+    def _launch(self, g0, g1, g2, stream) -> None:
         self.driver.check(self.driver.lib.cuLaunchKernel(
             self.handle, g0, g1, g2, 32 * self.meta["num_warps"], 1, 1, self.meta["shared"], ctypes.c_void_p(stream),
-            params, None), "cuLaunchKernel")
+            self.arguments.array, None), "cuLaunchKernel")
