@@ -246,3 +246,31 @@ def test_bench_build_and_dry_run_serve_every_call_exactly(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     served = [line for line in lines if ".cubin" in line]
     assert len(served) == 2 and all(line.endswith("(exact)") for line in served)
+
+
+PROBE_CUDA = """
+import torch, ninefold.ops as ops
+from ninefold.ops import references
+from ninefold.ops.triton import prebuilt
+x = torch.randn(16 * 4096 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(16, 4096)  # misaligned
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+try:
+    y = ops.rms_norm(x, w, 1e-5)
+    err = ((y.double().cpu() - references.rms_norm(x, w, 1e-5)).abs().max().item())
+    print("ran", err < 5e-2, prebuilt.STATS["prebuilt"], any("not 16-byte aligned" in m for m in prebuilt.MISSES))
+except prebuilt.BuildError as error:
+    print("refused", "x_ptr is not 16-byte aligned" in str(error))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("uncovered,expected", [("jit", "ran True 0 True"), ("error", "refused True")])
+def test_uncovered_calls_follow_the_manifest_cuda(tmp_path, uncovered, expected):
+    major, minor = torch.cuda.get_device_capability()
+    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "{uncovered}"\n'
+                                       '[ops.rms_norm]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", PROBE_CUDA], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == expected
