@@ -270,5 +270,5 @@ def _compile_dsl(manifest: dict, target: str, out: Path, report: Report) -> None
             report.sizes[f"{op} (dsl)"] = (len(files), sum(p.stat().st_size for p in files))
         else:
             report.notes.append(f"{op}: no ahead-of-time DSL signatures yet; its DSL kernel compiles on first call")
-    report.notes.append("DSL binaries ship for ninefold.dsl.aot.load; the dsl implementations still JIT-compile "
-                        "(through Triton's cache) when called")
+    report.notes.append("DSL binaries ship for ninefold.dsl.aot.load; the dsl implementations do not load them yet "
+                        "(their first call JIT-compiles)")
