@@ -2,7 +2,13 @@
 
 With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes`` and Q8_0
 matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy). The model turns them into
-``PackedLinear`` layers (``packed_linear``), which run on ``ninefold.ops.linear_int4``:
+``PackedLinear`` layers (``packed_linear``).
+
+Where ninefold's native CPU kernels build (``ninefold.ops.cpu_native``), Q4_0, Q4_1 and Q8_0 matrices
+become ``ops.BlockWeight`` (the same blocks, repacked for AVX-512 VNNI) and run on
+``ninefold.ops.linear_blocks`` (activations rounded to int8 per 32 values, as llama.cpp does); the
+CPU decode step (``llm/models/llama_cpu.py``) then runs whole layers natively. Otherwise (no compiler,
+``NINEFOLD_CPU_NATIVE=0``, Q4_K, other devices) they run on ``ninefold.ops.linear_int4``:
 
 * 4-bit matrices map exactly onto ``ops.Int4Weight`` (``w = code * scale + offset`` per 32 values).
 * A Q8_0 matrix (SmolLM2's tied embedding / lm_head) runs as two 4-bit halves of the same code:
@@ -103,12 +109,15 @@ def cat_rows(parts: list) -> Int4Codes | Q8Codes | torch.Tensor | None:
 
 
 class PackedLinear:
-    """``x @ W.T`` for a GGUF-quantized ``W``: ``ops.linear_int4`` on the packed codes, or a dense
-    copy for steps of more than ``DENSE_MIN_ROWS`` rows when one is kept."""
+    """``x @ W.T`` for a GGUF-quantized ``W``: ``ops.linear_blocks`` on a ``BlockWeight`` (``blocks``)
+    or ``ops.linear_int4`` on an ``Int4Weight`` (``weight``), or a dense copy for steps of more than
+    ``DENSE_MIN_ROWS`` rows when one is kept."""
 
-    def __init__(self, weight: ops.Int4Weight, n: int, k: int, *, doubled: bool, dense: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype | None = None):
+    def __init__(self, weight: ops.Int4Weight | None, n: int, k: int, *, doubled: bool,
+                 dense: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None,
+                 blocks: ops.BlockWeight | None = None):
         self.weight = weight
+        self.blocks = blocks
         self.shape = (n, k)
         self.doubled = doubled  # Q8_0 as two 4-bit halves: the input is [x, x]
         self.dense = dense
@@ -123,15 +132,24 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         dense = 0 if self.dense is None or self.dense_shared else self.dense.numel() * self.dense.element_size()
-        return self.weight.nbytes + dense
+        return (self.blocks or self.weight).nbytes + dense
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > DENSE_MIN_ROWS:
             return ops.linear(x, self.dense, bias)
+        if self.blocks is not None:
+            return self._native(x, bias)
         cd = self.compute_dtype
         if cd is not None and x.dtype != cd:
             return self._packed(x.to(cd), None if bias is None else bias.to(cd)).to(x.dtype)
         return self._packed(x, bias)
+
+    def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        key = (x.dtype, x.dim(), bias is None)
+        fn = self._impls.get(key)
+        if fn is None:
+            fn = self._impls[key] = ops.implementation("linear_blocks", x, self.blocks, bias)
+        return fn(x, self.blocks, bias)
 
     def _packed(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.doubled:
@@ -152,7 +170,31 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     if whole is None:
         return None
     n, k = whole.shape
+    dense = whole.dequantize(dtype).to(device) if keep_dense else None
+    # In a float32 model the packed calls (prefill steps of up to DENSE_MIN_ROWS rows, the lm_head) round
+    # activations twice as finely (ops.BlockWeight's activation_terms=2, ~1e-4 relative): logits pick
+    # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
+    # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
+    terms = 2 if dtype == torch.float32 else 1
+    blocks = _block_weight(whole, terms) if device.type == "cpu" else None
+    if blocks is not None:
+        return PackedLinear(None, n, k, doubled=False, dense=dense, compute_dtype=compute_dtype, blocks=blocks)
     codes, scales, offsets = whole.int4_parts()
     weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)
-    dense = whole.dequantize(dtype).to(device) if keep_dense else None
     return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)
+
+
+def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | None:
+    """The native kernels' form of ``whole`` when they are available and its scales are fp16 values
+    (Q4_0, Q4_1, Q8_0; not Q4_K, whose sub-block scales are products); else None."""
+    from ninefold.ops import cpu_native
+
+    if not cpu_native.available():
+        return None
+    if isinstance(whole, Q8Codes):
+        if not ops.BlockWeight.fits(whole.scales):
+            return None
+        return ops.BlockWeight(whole.codes, whole.scales, None, bits=8, activation_terms=terms)
+    if not ops.BlockWeight.fits(whole.scales, whole.offsets):
+        return None
+    return ops.BlockWeight(whole.codes, whole.scales, whole.offsets, bits=4, activation_terms=terms)

@@ -115,22 +115,27 @@ class Int4Weight:
         return f"Int4Weight(shape={self.shape}, group_size={self.group_size}, device={self.device})"
 
 
-def _linear_int4_key(x, weight, bias=None):
-    spec.tensor("linear_int4", "x", x, min_ndim=1)
-    spec.floating("linear_int4", "x", x)
-    if not isinstance(weight, Int4Weight):
-        raise TypeError(f"linear_int4: weight must be an ninefold.ops.Int4Weight, got {type(weight).__name__}")
+def _check_quantized_linear(op: str, cls: type, x, weight, bias) -> tuple[int, int]:
+    """Validate ``op(x, weight, bias)`` for a quantized weight class ``cls``; returns ``(N, K)``."""
+    spec.tensor(op, "x", x, min_ndim=1)
+    spec.floating(op, "x", x)
+    if not isinstance(weight, cls):
+        raise TypeError(f"{op}: weight must be an ninefold.ops.{cls.__name__}, got {type(weight).__name__}")
     n, k = weight.shape
     if x.shape[-1] != k:
-        raise spec.OpError(f"linear_int4: x's last dimension must be weight's K = {k}, got shape {tuple(x.shape)}")
+        raise spec.OpError(f"{op}: x's last dimension must be weight's K = {k}, got shape {tuple(x.shape)}")
     if x.device != weight.device:
-        raise spec.OpError(f"linear_int4: weight is on {weight.device} but x is on {x.device}; "
-                           "move them to one device")
+        raise spec.OpError(f"{op}: weight is on {weight.device} but x is on {x.device}; move them to one device")
     if bias is not None:
-        spec.tensor("linear_int4", "bias", bias)
-        spec.shape("linear_int4", "bias", bias, (n,), " (weight's N)")
-        spec.same_device("linear_int4", "x", x, bias=bias)
-        spec.same_dtype("linear_int4", "x", x, bias=bias)
+        spec.tensor(op, "bias", bias)
+        spec.shape(op, "bias", bias, (n,), " (weight's N)")
+        spec.same_device(op, "x", x, bias=bias)
+        spec.same_dtype(op, "x", x, bias=bias)
+    return n, k
+
+
+def _linear_int4_key(x, weight, bias=None):
+    n, k = _check_quantized_linear("linear_int4", Int4Weight, x, weight, bias)
     m = x.numel() // max(k, 1)
     return x.device, x.dtype, (spec.pow2(m), n, k), bias is not None
 
@@ -170,3 +175,219 @@ def _linear_int4_cpu(x, weight, bias):
 def _linear_int4_dequantize(x, weight, bias):
     """Any device: dequantize to x's dtype, then a dense matmul (slow, for devices without a kernel)."""
     return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+# -- GGUF-style blocks with int8 activations (ninefold's native CPU kernels) ----------------------
+
+BLOCK = 32
+_GROUP = 16  # rows per group in the native layout
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.float().half().float(), t.float()))
+
+
+class BlockWeight:
+    """A ``[N, K]`` weight in blocks of 32 columns with an fp16 scale and offset per block, in the
+    layout of the native CPU kernels (``ninefold/ops/cpu_native/nf_cpu.h``: 16-row groups, codes
+    interleaved for AVX-512 VNNI, ~0.625 bytes per value at 4 bits, 1.06 at 8). GGUF's Q4_0, Q4_1
+    and Q8_0 map onto it exactly.
+
+    ``BlockWeight(codes, scales, offsets, bits=4)``: ``codes`` integer ``[N, K]`` in ``[0, 15]``,
+    ``w = codes * scales + offsets`` per block (``scales``/``offsets`` ``[N, K // 32]``).
+    ``BlockWeight(codes, scales, None, bits=8)``: ``codes`` in ``[-128, 127]``, ``w = codes * scales``.
+    ``K`` is a positive multiple of 32; the scales and offsets must be exact in fp16 (as GGUF stores
+    them; ``BlockWeight.fits`` says whether they are). CPU only.
+
+    ``activation_terms`` (1 or 2) is how finely ``linear_blocks`` rounds the activations it multiplies
+    with this weight: 1, int8 per 32 values (relative error ~1/254 of each block's largest value);
+    2, that plus the int8 rounding of the remainder (~1/64000), for a layer whose outputs decide
+    tokens directly (an lm_head in a float32 model) at twice the arithmetic.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None, bits: int = 4,
+                 activation_terms: int = 1):
+        spec.tensor("BlockWeight", "codes", codes, ndim=2)
+        if codes.dtype.is_floating_point or codes.dtype == torch.bool:
+            raise TypeError(f"BlockWeight: codes must be an integer tensor, got {spec.dtype_name(codes.dtype)}")
+        if bits not in (4, 8) or isinstance(bits, bool):
+            raise ValueError(f"BlockWeight: bits must be 4 or 8, got {bits!r}")
+        if activation_terms not in (1, 2) or isinstance(activation_terms, bool):
+            raise ValueError(f"BlockWeight: activation_terms must be 1 or 2, got {activation_terms!r}")
+        if (offsets is None) != (bits == 8):
+            raise ValueError("BlockWeight: offsets are required with bits=4 and not accepted with bits=8")
+        if codes.device.type != "cpu":
+            raise ValueError(f"BlockWeight: the weight must be on the CPU, got {codes.device}")
+        n, k = codes.shape
+        if k % BLOCK or k == 0 or n == 0:
+            raise ValueError(f"BlockWeight: codes has shape {(n, k)}; K must be a positive multiple of {BLOCK}, N > 0")
+        lo, hi = (0, 15) if bits == 4 else (-128, 127)
+        if int(codes.min()) < lo or int(codes.max()) > hi:
+            raise ValueError(f"BlockWeight: {bits}-bit codes must lie in [{lo}, {hi}], got values from "
+                             f"{int(codes.min())} to {int(codes.max())}")
+        parts = (("scales", scales),) + ((("offsets", offsets),) if offsets is not None else ())
+        for name, t in parts:
+            spec.tensor("BlockWeight", name, t, ndim=2)
+            spec.floating("BlockWeight", name, t)
+            spec.shape("BlockWeight", name, t, (n, k // BLOCK), " (one per block of 32 values of each row)")
+            if not _fp16_exact(t):
+                raise ValueError(f"BlockWeight: {name} must be exactly representable in float16 (GGUF's Q4_0/Q4_1/"
+                                 "Q8_0 scales are); requantize, or use Int4Weight")
+        self.shape = (n, k)
+        self.bits = bits
+        self.device = codes.device
+        self.data = _pack_blocks(codes, scales, offsets, bits)
+        self.activation_terms = activation_terms
+        self._mat = None
+
+    @staticmethod
+    def fits(scales: torch.Tensor, offsets: torch.Tensor | None = None) -> bool:
+        """Whether ``scales`` (and ``offsets``) are exact in float16, as this layout stores them."""
+        return _fp16_exact(scales) and (offsets is None or _fp16_exact(offsets))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def _records(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes [N, K] uint8 as stored, d [N, K/32] float32, m [N, K/32] float32 or None)."""
+        n, k = self.shape
+        g, b = -(-n // _GROUP), k // BLOCK
+        rec = self.data.view(g, b, 320 if self.bits == 4 else 544)
+        if self.bits == 4:
+            byte = rec[..., :256].reshape(g, b, 4, _GROUP, 4)  # (g, b, p, r, j)
+            c = torch.stack((byte & 15, byte >> 4), dim=-1)  # (g, b, p, r, j, half)
+            codes = c.permute(0, 3, 1, 5, 2, 4).reshape(g * _GROUP, k)  # (g, r, b, half, p, j)
+            d = rec[..., 256:288].contiguous().view(torch.float16)
+            m = rec[..., 288:320].contiguous().view(torch.float16)
+        else:
+            codes = rec[..., :512].reshape(g, b, 8, _GROUP, 4).permute(0, 3, 1, 2, 4).reshape(g * _GROUP, k)
+            d = rec[..., 512:544].contiguous().view(torch.float16)
+            m = None
+
+        def rows(t):  # (g, b, r) -> [N, b]
+            return t.permute(0, 2, 1).reshape(g * _GROUP, b)[:n].float()
+
+        return codes[:n], rows(d), None if m is None else rows(m)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` matrix in ``dtype`` (computed in float32)."""
+        return self.dequantize64().to(dtype)
+
+    def dequantize64(self) -> torch.Tensor:
+        """The ``[N, K]`` matrix in float64, exactly."""
+        n, k = self.shape
+        codes, d, m = self._records()
+        q = codes.double().reshape(n, k // BLOCK, BLOCK)
+        if self.bits == 8:
+            return ((q - 128) * d.double()[..., None]).reshape(n, k)
+        return (q * d.double()[..., None] + m.double()[..., None]).reshape(n, k)
+
+    def mat(self):
+        """The ``nf_mat`` structure the native kernels take (built once)."""
+        if self._mat is None:
+            from ninefold.ops import cpu_native
+
+            self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None)
+        return self._mat
+
+    def __repr__(self) -> str:
+        return f"BlockWeight(shape={self.shape}, bits={self.bits})"
+
+
+def _pack_blocks(codes, scales, offsets, bits) -> torch.Tensor:
+    n, k = codes.shape
+    g, b = -(-n // _GROUP), k // BLOCK
+    rows = g * _GROUP
+
+    def pad(t, dtype):
+        out = torch.zeros((rows, t.shape[1]), dtype=dtype)
+        out[:n] = t
+        return out
+
+    def fp16_bytes(t):  # [N, B] -> (g, b, 32 bytes): the 16 rows' fp16 values of each block
+        return pad(t.float(), torch.float16).view(g, _GROUP, b).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    if bits == 4:
+        c = pad(codes.to(torch.uint8), torch.uint8).view(g, _GROUP, b, 2, 4, 4)  # (g, r, b, half, p, j)
+        c = c.permute(0, 2, 4, 1, 5, 3)  # (g, b, p, r, j, half)
+        recs = [(c[..., 0] | (c[..., 1] << 4)).reshape(g, b, 256), fp16_bytes(scales), fp16_bytes(offsets)]
+    else:
+        u = pad((codes.to(torch.int16) + 128).to(torch.uint8), torch.uint8).view(g, _GROUP, b, 8, 4)  # (g, r, b, s, j)
+        recs = [u.permute(0, 2, 3, 1, 4).reshape(g, b, 512), fp16_bytes(scales)]
+    return torch.cat(recs, dim=-1).reshape(-1).contiguous()
+
+
+def quantize_activations(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
+    """``x`` (float, ``[..., K]``) rounded as the kernels see it: per 32 values ``q * dx``, with
+    ``dx = max|x| / 127`` and ``q = round(x / dx)`` (float32 arithmetic, as in nf_cpu.h); float32.
+    ``terms=2`` adds the same rounding of the remainder ``x - q * dx``."""
+    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    out = torch.zeros_like(xf)
+    for _ in range(terms):
+        rest = xf - out if terms > 1 else xf
+        amax = rest.abs().amax(dim=-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        q = torch.round(rest * inv).clamp(-127, 127)
+        out = out + q * (amax / 127.0)
+    return out.reshape(x.shape)
+
+
+def _linear_blocks_key(x, weight, bias=None):
+    n, k = _check_quantized_linear("linear_blocks", BlockWeight, x, weight, bias)
+    m = x.numel() // max(k, 1)
+    return x.device, x.dtype, (spec.pow2(m), n, k, weight.bits, weight.activation_terms), bias is not None
+
+
+def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quantize_activations(x, weight.activation_terms) @ weight.T (+ bias)`` for a ``BlockWeight``
+    ``[N, K]``: x ``[..., K]`` -> ``[..., N]``.
+
+    The activations are rounded to int8 per 32 values (``quantize_activations``), as llama.cpp does
+    for its quantized dot products; each block's integer dot product is exact, the sums float32.
+    The result has x's dtype (float32 or bfloat16 on the native kernels).
+    """
+    return _LINEAR_BLOCKS.call(x, weight, bias)
+
+
+_LINEAR_BLOCKS = Operator("linear_blocks", linear_blocks, _linear_blocks_key)
+
+
+def _native_ok(x, weight, bias):
+    from ninefold.ops import cpu_native
+
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return f"x is {spec.dtype_name(x.dtype)}; the native kernels take float32 or bfloat16"
+    if not cpu_native.available():
+        return f"native CPU kernels unavailable: {cpu_native.reason()}"
+    return None
+
+
+@register("linear_blocks", "native", devices=("cpu",), supports=_native_ok, priority={"cpu": 10})
+def _linear_blocks_native(x, weight, bias):
+    from ninefold.ops import cpu_native
+
+    lib = cpu_native.library()
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
+    if m:
+        scratch = torch.empty(lib.nf_linear_scratch_bytes(m, k), dtype=torch.uint8)
+        bf16 = int(x.dtype == torch.bfloat16)
+        lib.nf_linear(weight.mat(), x2.data_ptr(), bf16, x2.stride(0), m, out.data_ptr(), bf16, n,
+                      weight.activation_terms, scratch.data_ptr())
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
+@register("linear_blocks", "dequantize", devices=("cpu",))
+def _linear_blocks_dequantize(x, weight, bias):
+    """torch: the activations rounded as the kernels round them, then a dense float32 matmul."""
+    out = F.linear(quantize_activations(x, weight.activation_terms), weight.dequantize(torch.float32))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -12,10 +12,16 @@ The formulas are those of the ``vendor`` implementations of ``rope`` (float32, h
 ``reshape_and_cache``, ``attention_decode`` and ``silu_and_mul``, with fewer tensor ops (the
 rotation is one multiply and one fused multiply-add stored in the model's dtype), so the results
 agree with the generic path to float32 rounding (``tests/llm/test_parity.py`` checks it).
+
+When the layer matrices are ``ops.BlockWeight`` (GGUF Q4_0/Q4_1/Q8_0 with ninefold's native CPU
+kernels built, ``ninefold.ops.cpu_native``), the whole step is one native call instead
+(``NativeDecoder``): every layer's norms, int8 activations, GEMMs, rope, KV-cache write, attention
+and silu * up run in C on all threads, the residual stream in float32 (``nf_decode.c``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -41,6 +47,7 @@ class CpuDecoder:
         self.norm_fns: dict[int, tuple] = {}  # rows -> bound (rms_norm, add_rms_norm)
         self.linears: dict[int, object] = {}  # id(weight) -> bound callable(x, bias)
         self.cos_sin = model.cos_sin
+        self.native = NativeDecoder(model) if NativeDecoder.why_not(model) is None else None
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -64,6 +71,8 @@ class CpuDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Hidden states ``[B, D]`` after the final norm, for one new token per sequence."""
+        if self.native is not None:
+            return self.native.forward(input_ids, positions, meta)
         m = self.model
         b, hq, hk, d = input_ids.shape[0], self.hq, self.hk, self.d
         half = self.cos_sin.shape[1] // 2
@@ -121,6 +130,98 @@ class CpuDecoder:
             gu = self._linear(x, layer.gate_up)
             hidden = self._linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], layer.down)
         return add_rms_norm(hidden, residual, m.norm, eps)[0]
+
+
+class NativeDecoder:
+    """A whole decode step in one call of the native kernels (``nf_decode_step``)."""
+
+    def __init__(self, model):
+        from ninefold.ops import cpu_native
+
+        c = model.config
+        self.model = model
+        self.lib = cpu_native.library()
+        keep = self._keep = []  # float32 copies whose addresses the structures hold
+
+        def f32(t):
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        def mat(linear, bias=None):
+            w = linear.blocks
+            return cpu_native.Mat(w.data.data_ptr(), w.shape[0], w.shape[1], w.bits, f32(bias))
+
+        self.layers = (cpu_native.Layer * c.num_layers)()
+        for i, ly in enumerate(model.layers):
+            self.layers[i] = cpu_native.Layer(f32(ly.input_norm), f32(ly.post_norm), f32(ly.q_norm), f32(ly.k_norm),
+                                              mat(ly.qkv, ly.qkv_bias), mat(ly.o), mat(ly.gate_up), mat(ly.down),
+                                              None, None)
+        bf16 = int(model.dtype == torch.bfloat16)
+        self.md = cpu_native.Model(
+            n_layers=c.num_layers, dim=c.hidden_size, hq=c.num_heads, hk=c.num_kv_heads, hd=c.head_dim,
+            inter=c.intermediate_size, block_size=0, table_stride=0, cache_bf16=bf16, io_bf16=bf16,
+            eps=c.rms_norm_eps, scale=model.scale, layers=ctypes.addressof(self.layers),
+            embed=model.embed.data_ptr(), final_norm=f32(model.norm), cos_sin=model.cos_sin.data_ptr())
+        self._kv = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def why_not(model) -> str | None:
+        """Why this model's decode step cannot run natively (None when it can)."""
+        from ninefold.ops import cpu_native
+
+        c = model.config
+        if model.dtype not in (torch.float32, torch.bfloat16):
+            return f"model dtype {model.dtype}"
+        if not all(type(getattr(ly, f)) is PackedLinear and getattr(ly, f).blocks is not None
+                   for ly in model.layers for f in ("qkv", "o", "gate_up", "down")):
+            return "the layer matrices are not all native block weights"
+        if c.head_dim % 32 or c.head_dim > 512 or c.num_heads % c.num_kv_heads:
+            return f"head_dim {c.head_dim} (needs a multiple of 32, at most 512) or GQA {c.num_heads}/{c.num_kv_heads}"
+        embed, cs = model.embed, model.cos_sin
+        if not (isinstance(embed, torch.Tensor) and embed.dtype == model.dtype and embed.is_contiguous()):
+            return "the embedding is not a contiguous table in the model's dtype"
+        if cs.dtype != torch.float32 or cs.shape[1] != c.head_dim or not cs.is_contiguous():
+            return "rotary table"
+        if not cpu_native.available():
+            return f"native kernels unavailable: {cpu_native.reason()}"
+        return None
+
+    def _bind_caches(self) -> None:
+        m = self.model
+        for i, (k, v) in enumerate(m.kv_caches):
+            if k.dtype != m.dtype or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError(f"NativeDecoder: layer {i}'s KV cache must be contiguous {m.dtype}, got {k.dtype}")
+            self.layers[i].k_cache, self.layers[i].v_cache = k.data_ptr(), v.data_ptr()
+        self.md.block_size = m.kv_caches[0][0].shape[1]
+        self._kv = m.kv_caches
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Hidden states ``[B, D]`` after the final norm (the model's dtype)."""
+        m, md = self.model, self.md
+        if m.kv_caches is not self._kv:
+            self._bind_caches()
+        ids = input_ids.contiguous()
+        pos = positions.contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        lens = meta.context_lens.to(torch.int32).contiguous()
+        tables = meta.block_tables.to(torch.int32)
+        if tables.stride(-1) != 1:
+            tables = tables.contiguous()
+        b = ids.shape[0]
+        md.m, md.max_ctx, md.table_stride = b, int(lens.max()), tables.stride(0)
+        md.ids, md.positions, md.slots = ids.data_ptr(), pos.data_ptr(), slots.data_ptr()
+        md.block_tables, md.context_lens = tables.data_ptr(), lens.data_ptr()
+        need = self.lib.nf_decode_scratch_bytes(md)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need + need // 2, dtype=torch.uint8)
+        out = torch.empty((b, md.dim), dtype=m.dtype)
+        md.scratch, md.out = self._scratch.data_ptr(), out.data_ptr()
+        self.lib.nf_decode_step(md)
+        return out
 
 
 def _prefer(op: str, name: str, *args):

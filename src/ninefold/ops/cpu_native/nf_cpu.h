@@ -1,0 +1,247 @@
+/* ninefold CPU kernels: shared types and inline pieces (quantized blocks, int8 activations).
+ *
+ * Weight layout ("blocks", made at load by ninefold.ops.quantized.BlockWeight): rows in groups of 16;
+ * for each group, for each block of 32 columns, one record:
+ *   4-bit: 256 bytes of codes, then 16 fp16 scales d, then 16 fp16 offsets m   (320 bytes)
+ *          byte (p, r, j) at 64 p + 4 r + j holds column 4 p + j of row r in its low nibble and
+ *          column 16 + 4 p + j in its high nibble (p < 4, r < 16, j < 4)
+ *   8-bit: 512 bytes of codes + 128, then 16 fp16 scales d                       (544 bytes)
+ *          byte (s, r, j) at 64 s + 4 r + j holds column 4 s + j of row r (s < 8)
+ * A weight value is d * code + m (8-bit: m = -128 d, so d * (code - 128) = d * gguf_code).
+ * Activations are quantized per row and block of 32: q = round(x / dx) in [-127, 127] with
+ * dx = max|x| / 127, and xs = dx * sum(q) (what the offsets multiply).
+ * With 16 rows in a group, one AVX-512 VNNI instruction (vpdpbusd) multiplies 4 columns of 16 rows
+ * by the same 4 activations: the 16 lanes are the 16 rows' partial sums.
+ */
+#ifndef NF_CPU_H
+#define NF_CPU_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define NF_VNNI 1
+#include <immintrin.h>
+#else
+#define NF_VNNI 0
+#endif
+
+#define NF_ROWS 16  /* rows per group */
+#define NF_BLOCK 32 /* columns per block */
+#define NF_MC 8     /* activation rows per pass of a group */
+
+typedef struct {
+    const uint8_t *data; /* the block records */
+    int64_t n, k, bits;  /* rows (before padding), columns, 4 or 8 */
+    const float *bias;   /* [n] or NULL */
+} nf_mat;
+
+static inline int64_t nf_record_bytes(int64_t bits) { return bits == 4 ? 320 : 544; }
+static inline int64_t nf_groups(const nf_mat *w) { return (w->n + NF_ROWS - 1) / NF_ROWS; }
+
+static inline float nf_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float nf_bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t nf_float_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element i of a row stored as float32 (bf16 == 0) or bfloat16 (bf16 == 1). */
+static inline float nf_load(const void *p, int64_t i, int64_t bf16) {
+    return bf16 ? nf_bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void nf_store(void *p, int64_t i, float v, int64_t bf16) {
+    if (bf16) ((uint16_t *)p)[i] = nf_float_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+#if NF_VNNI
+/* exp(x) for x <= ~88, relative error ~2e-7: 2^n * e^r with |r| <= ln2/2, degree-6 polynomial. */
+static inline __m512 nf_exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* Quantize 32 float32 values to int8 q; returns dx, writes dx * sum(q) to *xs. */
+static inline float nf_quantize_block(const float *x, int8_t *q, float *xs) {
+#if NF_VNNI
+    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
+    *xs = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    return dx;
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < NF_BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < NF_BLOCK; i++) {
+        int v = (int)nearbyintf(x[i] * inv);
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        q[i] = (int8_t)v;
+        sum += v;
+    }
+    *xs = dx * (float)sum;
+    return dx;
+#endif
+}
+
+/* Quantize one row of k float32 values (k a multiple of 32). */
+static inline void nf_quantize_row(const float *x, int64_t k, int8_t *q, float *xd, float *xs) {
+    for (int64_t b = 0; b < k / NF_BLOCK; b++) xd[b] = nf_quantize_block(x + b * NF_BLOCK, q + b * NF_BLOCK, xs + b);
+}
+
+/* One group (16 rows) against mc <= NF_MC quantized activation rows: out[i][r] (+)= sum over blocks. */
+static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, int64_t nb, const int bits,
+                                                           const int8_t *xq, const float *xd, const float *xs,
+                                                           int64_t k, const int mc, float acc_out[][NF_ROWS]) {
+#if NF_VNNI
+    __m512 acc[NF_MC];
+    for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t rec = bits == 4 ? 320 : 544;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * rec;
+        __m512i w[8];
+        __m512 d, m;
+        if (bits == 4) {
+            const __m512i low = _mm512_set1_epi8(0x0F);
+            for (int p = 0; p < 4; p++) {
+                __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * p));
+                w[p] = _mm512_and_si512(v, low);
+                w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        } else {
+            for (int s = 0; s < 8; s++) w[s] = _mm512_loadu_si512((const void *)(blk + 64 * s));
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));
+            m = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        }
+        for (int i = 0; i < mc; i++) {
+            const int8_t *xb = xq + i * k + b * NF_BLOCK;
+            int32_t x4[8];
+            memcpy(x4, xb, 32);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
+            s0 = _mm512_dpbusd_epi32(s0, w[2], _mm512_set1_epi32(x4[2]));
+            s1 = _mm512_dpbusd_epi32(s1, w[3], _mm512_set1_epi32(x4[3]));
+            s0 = _mm512_dpbusd_epi32(s0, w[4], _mm512_set1_epi32(x4[4]));
+            s1 = _mm512_dpbusd_epi32(s1, w[5], _mm512_set1_epi32(x4[5]));
+            s0 = _mm512_dpbusd_epi32(s0, w[6], _mm512_set1_epi32(x4[6]));
+            s1 = _mm512_dpbusd_epi32(s1, w[7], _mm512_set1_epi32(x4[7]));
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            const int64_t nbx = k / NF_BLOCK;
+            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nbx + b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbx + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) _mm512_storeu_ps(acc_out[i], acc[i]);
+#else
+    const int64_t rec = nf_record_bytes(bits), nbx = k / NF_BLOCK;
+    for (int i = 0; i < mc; i++)
+        for (int r = 0; r < NF_ROWS; r++) acc_out[i][r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * rec;
+        const uint16_t *dh = (const uint16_t *)(blk + (bits == 4 ? 256 : 512));
+        for (int r = 0; r < NF_ROWS; r++) {
+            uint8_t code[NF_BLOCK];
+            for (int c = 0; c < NF_BLOCK; c++) {
+                if (bits == 4) {
+                    int p = (c % 16) / 4, j = c % 4;
+                    uint8_t byte = blk[64 * p + 4 * r + j];
+                    code[c] = c < 16 ? (byte & 0x0F) : (byte >> 4);
+                } else {
+                    code[c] = blk[64 * (c / 4) + 4 * r + c % 4];
+                }
+            }
+            float d = nf_half_to_float(dh[r]);
+            float m = bits == 4 ? nf_half_to_float(dh[NF_ROWS + r]) : -128.0f * d;
+            for (int i = 0; i < mc; i++) {
+                const int8_t *xb = xq + i * k + b * NF_BLOCK;
+                int32_t dot = 0;
+                for (int c = 0; c < NF_BLOCK; c++) dot += (int32_t)code[c] * xb[c];
+                acc_out[i][r] += (float)dot * (d * xd[i * nbx + b]) + m * xs[i * nbx + b];
+            }
+        }
+    }
+#endif
+}
+
+/* Rows [g * 16, g * 16 + 16) of y = W xq (m activation rows; y row stride ldy, float32) for one group.
+ * accumulate: y += result instead of y = result. The bias, if any, is added. */
+static inline void nf_gemm_group(const nf_mat *w, int64_t g, const int8_t *xq, const float *xd, const float *xs,
+                                 int64_t m, float *y, int64_t ldy, int accumulate) {
+    const int64_t nb = w->k / NF_BLOCK, rec = nf_record_bytes(w->bits);
+    const uint8_t *wg = w->data + g * nb * rec;
+    const int64_t r0 = g * NF_ROWS, rows = w->n - r0 < NF_ROWS ? w->n - r0 : NF_ROWS;
+    float acc[NF_MC][NF_ROWS];
+    for (int64_t i0 = 0; i0 < m; i0 += NF_MC) {
+        const int64_t mc = m - i0 < NF_MC ? m - i0 : NF_MC;
+        const int8_t *xq0 = xq + i0 * w->k;
+        const float *xd0 = xd + i0 * nb, *xs0 = xs + i0 * nb;
+#define NF_CASE(B, MC) case MC: nf_group(wg, nb, B, xq0, xd0, xs0, w->k, MC, acc); break;
+        if (w->bits == 4) {
+            switch (mc) { NF_CASE(4, 1) NF_CASE(4, 2) NF_CASE(4, 3) NF_CASE(4, 4)
+                          NF_CASE(4, 5) NF_CASE(4, 6) NF_CASE(4, 7) NF_CASE(4, 8) }
+        } else {
+            switch (mc) { NF_CASE(8, 1) NF_CASE(8, 2) NF_CASE(8, 3) NF_CASE(8, 4)
+                          NF_CASE(8, 5) NF_CASE(8, 6) NF_CASE(8, 7) NF_CASE(8, 8) }
+        }
+#undef NF_CASE
+        for (int64_t i = 0; i < mc; i++) {
+            float *yr = y + (i0 + i) * ldy + r0;
+            for (int64_t r = 0; r < rows; r++) {
+                float v = acc[i][r] + (w->bias ? w->bias[r0 + r] : 0.0f);
+                yr[r] = accumulate ? yr[r] + v : v;
+            }
+        }
+    }
+}
+
+#endif

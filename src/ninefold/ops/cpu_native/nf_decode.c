@@ -1,0 +1,251 @@
+/* ninefold CPU kernels: one decode step (one new token per sequence) of a Llama-architecture model,
+ * every layer in one OpenMP region: rms_norm -> int8 activations -> qkv GEMM -> (q/k norm) -> rope ->
+ * KV-cache write -> attention over the paged cache -> o GEMM (+ residual) -> rms_norm -> gate_up GEMM
+ * -> silu * up -> down GEMM (+ residual). The residual stream stays float32 between layers.
+ * Formulas as ninefold.llm.models.llama's generic forward (neox rope over the whole head, GQA). */
+#include "nf_cpu.h"
+
+#include <omp.h>
+
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* float32; q_norm / k_norm NULL when absent */
+    nf_mat qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [blocks, block_size, hk, hd], float32 or bf16 */
+} nf_layer;
+
+typedef struct {
+    int64_t n_layers, dim, hq, hk, hd, inter, block_size, table_stride, cache_bf16, io_bf16;
+    double eps, scale;
+    const nf_layer *layers;
+    const void *embed;       /* [vocab, dim] in the io dtype */
+    const float *final_norm; /* [dim] */
+    const float *cos_sin;    /* [positions, hd]: cos in the first half, sin in the second */
+    int64_t m, max_ctx;      /* this step: sequences, longest context */
+    const int64_t *ids, *positions, *slots;
+    const int32_t *block_tables, *context_lens; /* [m, table_stride], [m] */
+    void *out;                                  /* [m, dim] in the io dtype */
+    void *scratch;                              /* nf_decode_scratch_bytes(model) bytes */
+} nf_model;
+
+static int64_t kmax(const nf_model *md) {
+    int64_t k = md->dim > md->inter ? md->dim : md->inter;
+    return k > md->hq * md->hd ? k : md->hq * md->hd;
+}
+
+/* Per thread: its own int8 copy of a normed row block (m rows of dim), so no barrier separates a
+ * norm from the GEMM that reads it. */
+static int64_t private_bytes(const nf_model *md) {
+    return (md->m * md->dim + 2 * md->m * (md->dim / NF_BLOCK) * 4 + md->dim * 4 + 63) / 64 * 64;
+}
+
+int64_t nf_decode_scratch_bytes(const nf_model *md) {
+    const int64_t m = md->m, nqkv = (md->hq + 2 * md->hk) * md->hd, k = kmax(md);
+    const int64_t floats = m * (md->dim + nqkv + md->hq * md->hd + 2 * md->inter + md->hq * md->max_ctx)
+                           + 2 * m * (k / NF_BLOCK);
+    return floats * 4 + m * k + 256 + omp_get_max_threads() * private_bytes(md);
+}
+
+static void rms_norm_row(const float *x, const float *w, int64_t n, double eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + (float)eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+static float dot_cache(const float *q, const void *k, int64_t hd, int64_t bf16) {
+#if NF_VNNI
+    if (hd % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < hd; i += 16) {
+            __m512 kv = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + i))), 16))
+                             : _mm512_loadu_ps((const float *)k + i);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv, acc);
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.0f;
+    for (int64_t i = 0; i < hd; i++) s += q[i] * nf_load(k, i, bf16);
+    return s;
+}
+
+static void axpy_cache(float a, const void *v, int64_t hd, int64_t bf16, float *o) {
+#if NF_VNNI
+    if (hd % 16 == 0) {
+        const __m512 av = _mm512_set1_ps(a);
+        for (int64_t i = 0; i < hd; i += 16) {
+            __m512 vv = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i))), 16))
+                             : _mm512_loadu_ps((const float *)v + i);
+            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(av, vv, _mm512_loadu_ps(o + i)));
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < hd; i++) o[i] += a * nf_load(v, i, bf16);
+}
+
+/* exp(s[i] - max) in place for n scores; returns their sum. */
+static float softmax_exp(float *s, int64_t n) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    int64_t t = 0;
+#if NF_VNNI
+    __m512 acc = _mm512_setzero_ps();
+    for (; t + 16 <= n; t += 16) {
+        __m512 e = nf_exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(s + t, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - mx);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* silu(g) * u for 32 values. */
+static void silu_mul_block(const float *g, const float *u, float *out) {
+#if NF_VNNI
+    for (int i = 0; i < NF_BLOCK; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 e = nf_exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(sig, _mm512_loadu_ps(u + i)));
+    }
+#else
+    for (int i = 0; i < NF_BLOCK; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+#endif
+}
+
+static void *cache_row(void *cache, int64_t slot, int64_t hk, int64_t g, int64_t hd, int64_t bf16) {
+    return (char *)cache + ((slot * hk + g) * hd) * (bf16 ? 2 : 4);
+}
+
+/* This thread's int8 rows of rms_norm(h) * w (all m rows: every thread computes them). */
+static void norm_quantize_private(const nf_model *md, const float *h, const float *w, char *priv, int8_t **xq,
+                                  float **xd, float **xs) {
+    const int64_t m = md->m, dim = md->dim, nb = dim / NF_BLOCK;
+    *xq = (int8_t *)priv;
+    *xd = (float *)(priv + (m * dim + 3) / 4 * 4);
+    *xs = *xd + m * nb;
+    float *t = *xs + m * nb;
+    for (int64_t i = 0; i < m; i++) {
+        rms_norm_row(h + i * dim, w, dim, md->eps, t);
+        nf_quantize_row(t, dim, *xq + i * dim, *xd + i * nb, *xs + i * nb);
+    }
+}
+
+/* Rotate one head (neox: halves) at position pos, after its optional rms_norm: in -> out (float32). */
+static void rope_head(const nf_model *md, const float *in, const float *norm_w, int64_t pos, float *out) {
+    const int64_t hd = md->hd, half = hd / 2;
+    if (norm_w) rms_norm_row(in, norm_w, hd, md->eps, out);
+    else memcpy(out, in, hd * 4);
+    const float *cs = md->cos_sin + pos * hd;
+    for (int64_t j = 0; j < half; j++) {
+        const float x1 = out[j], x2 = out[j + half], c = cs[j], s = cs[half + j];
+        out[j] = x1 * c - x2 * s;
+        out[j + half] = x2 * c + x1 * s;
+    }
+}
+
+/* Hidden states after the final norm for one decode step: md->out [m, dim].
+ * Five barriers per layer (after each GEMM, after attention): the norms are computed by every thread
+ * for itself, and each attention task rotates its own copy of the new key (the first task of a KV
+ * head also writes it and the value into the cache; the others take the newest position from
+ * their copy, never from the cache being written). */
+void nf_decode_step(const nf_model *md) {
+    const int64_t m = md->m, dim = md->dim, hq = md->hq, hk = md->hk, hd = md->hd, inter = md->inter;
+    const int64_t nqkv = (hq + 2 * hk) * hd, group = hq / hk, k = kmax(md);
+    const int64_t cb = md->cache_bf16, bs = md->block_size;
+    float *h = (float *)md->scratch;
+    float *qkv = h + m * dim;
+    float *att = qkv + m * nqkv;
+    float *gu = att + m * hq * hd;
+    float *scores = gu + m * 2 * inter;
+    float *xd = scores + m * hq * md->max_ctx;
+    float *xs = xd + m * (k / NF_BLOCK);
+    int8_t *xq = (int8_t *)(xs + m * (k / NF_BLOCK));
+    char *priv_all = (char *)md->scratch + (nf_decode_scratch_bytes(md) - omp_get_max_threads() * private_bytes(md));
+#pragma omp parallel
+    {
+        char *priv = priv_all + omp_get_thread_num() * private_bytes(md);
+        int8_t *pq;
+        float *pd, *ps;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t c = 0; c < dim; c++) h[i * dim + c] = nf_load(md->embed, md->ids[i] * dim + c, md->io_bf16);
+        for (int64_t l = 0; l < md->n_layers; l++) {
+            const nf_layer *ly = &md->layers[l];
+            norm_quantize_private(md, h, ly->in_norm, priv, &pq, &pd, &ps);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < nf_groups(&ly->qkv); g++) nf_gemm_group(&ly->qkv, g, pq, pd, ps, m, qkv, nqkv, 0);
+            /* attention: one task per (sequence, query head); its output is quantized per block at once */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < m * hq; task++) {
+                const int64_t i = task / hq, head = task % hq, g = head / group, ctx = md->context_lens[i];
+                const float *row = qkv + i * nqkv;
+                const float *vnew = row + (hq + hk + g) * hd;
+                float q[512], knew[512];
+                rope_head(md, row + head * hd, ly->q_norm, md->positions[i], q);
+                rope_head(md, row + (hq + g) * hd, ly->k_norm, md->positions[i], knew);
+                if (head % group == 0) {
+                    void *kd = cache_row(ly->k_cache, md->slots[i], hk, g, hd, cb);
+                    void *vd = cache_row(ly->v_cache, md->slots[i], hk, g, hd, cb);
+                    for (int64_t j = 0; j < hd; j++) {
+                        nf_store(kd, j, knew[j], cb);
+                        nf_store(vd, j, vnew[j], cb);
+                    }
+                }
+                /* the new key and value as the cache holds them (rounded to its dtype) */
+                float kr[512], vr[512];
+                for (int64_t j = 0; j < hd; j++) {
+                    kr[j] = cb ? nf_bf16_to_float(nf_float_to_bf16(knew[j])) : knew[j];
+                    vr[j] = cb ? nf_bf16_to_float(nf_float_to_bf16(vnew[j])) : vnew[j];
+                }
+                const int32_t *table = md->block_tables + i * md->table_stride;
+                float *s = scores + task * md->max_ctx, *o = att + i * hq * hd + head * hd;
+                for (int64_t p = 0; p < ctx - 1; p++) {
+                    const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
+                    s[p] = (float)md->scale * dot_cache(q, cache_row(ly->k_cache, slot, hk, g, hd, cb), hd, cb);
+                }
+                s[ctx - 1] = (float)md->scale * dot_cache(q, kr, hd, 0);
+                const float inv = 1.0f / softmax_exp(s, ctx);
+                for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+                for (int64_t p = 0; p < ctx - 1; p++) {
+                    const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
+                    axpy_cache(s[p] * inv, cache_row(ly->v_cache, slot, hk, g, hd, cb), hd, cb, o);
+                }
+                axpy_cache(s[ctx - 1] * inv, vr, hd, 0, o);
+                const int64_t kk = hq * hd, nb = kk / NF_BLOCK;
+                for (int64_t b = head * hd / NF_BLOCK; b < (head + 1) * hd / NF_BLOCK; b++)
+                    xd[i * nb + b] = nf_quantize_block(att + i * kk + b * NF_BLOCK, xq + i * kk + b * NF_BLOCK,
+                                                       xs + i * nb + b);
+            }
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < nf_groups(&ly->o); g++) nf_gemm_group(&ly->o, g, xq, xd, xs, m, h, dim, 1);
+            norm_quantize_private(md, h, ly->post_norm, priv, &pq, &pd, &ps);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < nf_groups(&ly->gate_up); g++)
+                nf_gemm_group(&ly->gate_up, g, pq, pd, ps, m, gu, 2 * inter, 0);
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < m * (inter / NF_BLOCK); task++) {
+                const int64_t i = task / (inter / NF_BLOCK), b = task % (inter / NF_BLOCK), nb = inter / NF_BLOCK;
+                float act[NF_BLOCK];
+                silu_mul_block(gu + i * 2 * inter + b * NF_BLOCK, gu + i * 2 * inter + inter + b * NF_BLOCK, act);
+                xd[i * nb + b] = nf_quantize_block(act, xq + i * inter + b * NF_BLOCK, xs + i * nb + b);
+            }
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < nf_groups(&ly->down); g++) nf_gemm_group(&ly->down, g, xq, xd, xs, m, h, dim, 1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            float *t = (float *)(priv + private_bytes(md)) - dim; /* this thread's row buffer */
+            rms_norm_row(h + i * dim, md->final_norm, dim, md->eps, t);
+            for (int64_t c = 0; c < dim; c++) nf_store(md->out, i * dim + c, t[c], md->io_bf16);
+        }
+    }
+}

@@ -1,0 +1,193 @@
+"""ops.linear_blocks / BlockWeight and the native CPU kernel library (ninefold.ops.cpu_native).
+
+References are float64, built here from the codes and scales: the activations are rounded to int8
+per 32 values with the float32 arithmetic the contract names (dx = max|x| / 127, q = round(x * (127 /
+max|x|))), then everything else is float64. The kernels sum exact int32 block products in float32,
+so they agree with it to float32 rounding. A second check bounds the distance to the unrounded
+product by the rounding itself (sum |w| dx / 2 per output), so the int8 error is what it claims.
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ninefold.ops as ops
+from ninefold.ops import cpu_native
+
+from .helpers import call, impl_params
+
+NATIVE = cpu_native.available()
+
+
+def _weight(n, k, bits, seed=0, terms=1):
+    g = torch.Generator().manual_seed(seed)
+    scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        offsets = (-8 * scales + torch.randn((n, k // 32), generator=g) * 0.01).half().float()
+        dense = codes.double().reshape(n, k // 32, 32) * scales.double()[..., None] + offsets.double()[..., None]
+        return ops.BlockWeight(codes, scales, offsets, 4, activation_terms=terms), dense.reshape(n, k)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    dense = codes.double().reshape(n, k // 32, 32) * scales.double()[..., None]
+    return ops.BlockWeight(codes, scales, None, 8, activation_terms=terms), dense.reshape(n, k)
+
+
+def _round_int8(x: np.ndarray) -> np.ndarray:
+    """Per 32 values: q * dx in float64, q from float32 arithmetic (the contract)."""
+    xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def _reference(x, dense, bias, terms):
+    xf = x.detach().float().numpy().astype(np.float64)
+    xr = _round_int8(xf)
+    if terms == 2:
+        xr = xr + _round_int8((xf.astype(np.float32) - xr.astype(np.float32)).astype(np.float64))
+    out = torch.from_numpy(xr) @ dense.T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("device,impl", impl_params("linear_blocks"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bits,lead,n,k,bias,strided,terms", [
+    (4, (1,), 16, 32, False, False, 1),
+    (4, (3,), 33, 64, True, False, 1),  # N not a multiple of 16: padded rows
+    (4, (2, 5), 70, 256, False, True, 1),  # 3-D, non-contiguous x
+    (4, (17,), 48, 576, True, False, 2),  # more rows than one pass of a group (8)
+    (8, (1,), 40, 96, False, False, 1),
+    (8, (9,), 64, 128, False, True, 2),
+    (8, (4,), 16, 512, True, False, 1),
+])
+def test_linear_blocks_matches_float64(device, impl, dtype, bits, lead, n, k, bias, strided, terms):
+    weight, dense = _weight(n, k, bits, seed=n + k, terms=terms)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((*lead, 2 * k if strided else k), generator=g).to(dtype)
+    if strided:
+        x = x[..., ::2]
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = call("linear_blocks", impl, x, weight, b)
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    want = _reference(x, dense, b, terms)
+    scale = want.abs().max().item()
+    # float32: float32 sums of exact block products; bf16 output: its own rounding (2^-8 relative)
+    tol = 2e-6 * (k / 32) ** 0.5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_rounding_error_is_bounded_by_the_rounding(bits):
+    n, k = 64, 320
+    weight, dense = _weight(n, k, bits, seed=5)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.01, 3, k)
+    out = ops.linear_blocks(x, weight).double()
+    exact = x.double() @ dense.T
+    dx = x.abs().reshape(6, k // 32, 32).amax(-1).double() / 127  # [M, K/32]
+    bound = (dx.repeat_interleave(32, dim=1) / 2) @ dense.abs().T  # sum |w| dx / 2 per output
+    err = (out - exact).abs()
+    assert (err <= bound * 1.001 + 1e-5).all()
+    assert err.max() > 0  # it is a rounding, not the exact product
+    # the two-term rounding is ~127x finer
+    fine = ops.linear_blocks(x, ops.BlockWeight(*_codes_of(weight), bits=bits, activation_terms=2)).double()
+    assert (fine - exact).abs().max() < err.max() / 20
+
+
+def _codes_of(weight):
+    codes, d, m = weight._records()
+    if weight.bits == 8:
+        return (codes.to(torch.int16) - 128).to(torch.int8), d, None
+    return codes, d, m
+
+
+def test_block_weight_stores_the_blocks_exactly():
+    for bits in (4, 8):
+        weight, dense = _weight(37, 96, bits, seed=3)
+        assert torch.equal(weight.dequantize64(), dense)
+        assert weight.dequantize(torch.bfloat16).dtype == torch.bfloat16
+        assert weight.nbytes == 3 * 3 * (320 if bits == 4 else 544)  # 3 groups of 16 rows x 3 blocks
+
+
+def test_block_weight_refuses_bad_input():
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    s = torch.full((16, 2), 0.5)
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+        ops.BlockWeight(codes, s, s, 3)
+    with pytest.raises(ValueError, match="offsets are required with bits=4"):
+        ops.BlockWeight(codes, s, None, 4)
+    with pytest.raises(ValueError, match="must lie in \\[0, 15\\]"):
+        ops.BlockWeight(codes * 2, s, s, 4)
+    with pytest.raises(ValueError, match="K must be a positive multiple of 32"):
+        ops.BlockWeight(codes[:, :48], s[:, :1], s[:, :1], 4)
+    with pytest.raises(ValueError, match="scales must be exactly representable in float16"):
+        ops.BlockWeight(codes, s + 1e-5, s, 4)
+    with pytest.raises(TypeError, match="codes must be an integer tensor"):
+        ops.BlockWeight(codes.float(), s, s, 4)
+    with pytest.raises(ValueError, match="activation_terms must be 1 or 2, got 3"):
+        ops.BlockWeight(codes, s, s, 4, activation_terms=3)
+    weight = ops.BlockWeight(codes, s, s, 4)
+    with pytest.raises(ops.OpError, match="x's last dimension must be weight's K = 64"):
+        ops.linear_blocks(torch.zeros(2, 32), weight)
+    with pytest.raises(TypeError, match="weight must be an ninefold.ops.BlockWeight"):
+        ops.linear_blocks(torch.zeros(2, 64), torch.zeros(16, 64))
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_turned_off_the_torch_paths_run_and_say_so(tmp_path):
+    code = ("import torch, ninefold.ops as ops; from ninefold.ops import cpu_native\n"
+            "w = ops.BlockWeight(torch.ones(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1))\n"
+            "print(cpu_native.available(), ops.choose('linear_blocks', torch.ones(1, 32), w),"
+            " ops.linear_blocks(torch.ones(1, 32), w)[0, 0].item())")
+    off = _run(code, NINEFOLD_CPU_NATIVE="0", NINEFOLD_CACHE_DIR=str(tmp_path))
+    assert off.stdout.split() == ["False", "dequantize", "32.0"], off.stderr
+    assert "native CPU kernels off (NINEFOLD_CPU_NATIVE=0)" in off.stderr
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    nocc = _run(code, PATH=str(empty), CC="", NINEFOLD_CACHE_DIR=str(tmp_path))
+    assert nocc.stdout.split() == ["False", "dequantize", "32.0"], nocc.stderr
+    assert "no C compiler found" in nocc.stderr
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
+def test_first_use_compiles_into_the_cache_then_loads(tmp_path):
+    code = "from ninefold.ops import cpu_native; print(cpu_native.available())"
+    first = _run(code, NINEFOLD_CACHE_DIR=str(tmp_path))
+    assert first.stdout.strip() == "True", first.stderr
+    assert "compiling the native CPU kernels" in first.stderr
+    built = list((tmp_path / "cpu_native").glob("libninefold_cpu-*.so"))
+    assert len(built) == 1 and cpu_native.build_key(cpu_native._compiler()) in built[0].name
+    again = _run(code, NINEFOLD_CACHE_DIR=str(tmp_path))
+    assert again.stdout.strip() == "True" and "compiling" not in again.stderr
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 build flags")
+def test_portable_build_computes_what_the_vnni_build_computes(tmp_path):
+    """The C loops CPUs without AVX-512 VNNI run (compiled here for baseline x86-64) give the same
+    results as the loaded build, on both weight kinds."""
+    so = tmp_path / "portable.so"
+    sources = [str(cpu_native.HERE / n) for n in cpu_native.SOURCES if n.endswith(".c")]
+    flags = [f for f in cpu_native.FLAGS if f != "-march=native"] + ["-march=x86-64"]
+    subprocess.run([cpu_native._compiler(), *flags, *sources, "-o", str(so), "-lm"], check=True, timeout=300)
+    lib = ctypes.CDLL(str(so))
+    cpu_native._declare(lib)
+    assert lib.nf_vnni() == 0
+    for bits in (4, 8):
+        weight, _ = _weight(40, 128, bits, seed=9)
+        x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+        out = torch.empty(5, 40)
+        scratch = torch.empty(lib.nf_linear_scratch_bytes(5, 128), dtype=torch.uint8)
+        lib.nf_linear(weight.mat(), x.data_ptr(), 0, 128, 5, out.data_ptr(), 0, 40, 1, scratch.data_ptr())
+        torch.testing.assert_close(out, ops.linear_blocks(x, weight), rtol=1e-5, atol=1e-5)
