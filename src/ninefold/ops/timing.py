@@ -10,11 +10,12 @@ an eager caller waits for).
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
 import torch
+
+from ninefold.dsl.timing import cycles_per_us
 
 
 def measure(fn, device, *, warmup: int = 3, repeats: int = 20, max_seconds: float = 1.0,
@@ -45,7 +46,7 @@ def measure(fn, device, *, warmup: int = 3, repeats: int = 20, max_seconds: floa
 
 
 def _events(fn, device, repeats: int, max_seconds: float, *, calls: int, cover_us: float) -> float:
-    cycles = int(cover_us * _cycles_per_us(device.index if device.index is not None else torch.cuda.current_device()))
+    cycles = int(cover_us * cycles_per_us(device))
     times = []
     deadline = time.perf_counter() + max_seconds
     for _ in range(repeats):
@@ -61,16 +62,3 @@ def _events(fn, device, repeats: int, max_seconds: float, *, calls: int, cover_u
         if time.perf_counter() > deadline and len(times) >= 3:
             break
     return statistics.median(times)
-
-
-@functools.cache
-def _cycles_per_us(index: int) -> float:
-    """GPU clock cycles per microsecond of ``torch.cuda._sleep``, measured once per device."""
-    with torch.cuda.device(index):
-        torch.cuda._sleep(1000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(2_000_000)
-        end.record()
-        end.synchronize()
-        return 2_000_000 / max(start.elapsed_time(end) * 1e3, 1.0)
