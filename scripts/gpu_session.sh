@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-profile ops-memory ops-attention ops-gemv dsl-sweep cuda-quick ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-memory ops-build cuda-quick ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -31,6 +31,9 @@ step_command() {
     cuda-quick) echo 'python3 -m pytest tests/ops tests/llm tests/dsl tests/runtime -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     ship-table) echo 'cp /tmp/nf-results/ops-bench/tuning-nvidia-h200.json src/ninefold/ops/tables/nvidia-h200.json && echo shipped the new table for the steps after this one' ;;
     ops-gemv) echo 'python3 -m ninefold.bench.ops_gemv' ;;
+    ops-build) echo 'python3 -m ninefold.bench.ops_build --build aot_ops_build_triton39' ;;
+    dsl-sweep-mm) echo 'python3 -m ninefold.bench.dsl --sweep mm' ;;
+    dsl-sweep-memory) echo 'python3 -m ninefold.bench.dsl --sweep memory' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
 }
