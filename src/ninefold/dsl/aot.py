@@ -7,7 +7,13 @@ CUDA driver API (``ctypes`` on ``libcuda``), whatever Triton version is installe
 
 The artifact is generic in sizes and strides (they are run-time arguments; masks kept wherever a
 tile could overhang for some size). What it fixes: dtypes, constexpr sizes and symbols, meta
-symbols, the padded power-of-two tile sizes; a call that disagrees is refused with a ValueError.
+symbols, the padded power-of-two tile sizes, and the specializations Triton's JIT would make for
+the example call (``assume``: 16-byte aligned pointers, unit strides compiled as the constant 1,
+strides that are multiples of 16); a call that disagrees is refused with a ValueError.
+
+:func:`register` puts a directory's artifacts in a process-wide table: a CUDA call of a kernel
+whose generated source matches an artifact's then launches the artifact (no code generation, no
+Triton, no compile) whenever the call matches it, and takes the JIT path otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ import torch
 from ninefold.dsl.expr import BinOp, Const, SizeOf, StrideOf, evaluate
 from ninefold.dsl.symbol import Symbol
 
-FORMAT = 1
+FORMAT = 1  # artifacts gained optional fields ("source_hash", per-argument "divisible") compatibly
+DEFAULT_ASSUME = ("pointers", "unit_strides", "strides")
+ASSUME = ("pointers", "unit_strides", "strides", "sizes")
+_REGISTERED: dict = {}  # kernel source hash -> [Artifact]
+COUNTS = {"aot_launchers": 0, "jit_prepared": 0}  # see stats()
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr\s+\.\w+\s+\.align\s+\d+)?\s+\w+_param_(\d+)")
 
 
@@ -55,15 +65,48 @@ def _normalize(signature):
     return tuple(signature), {}
 
 
-def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_stages=3):  # noqa: A001
+def assumptions(generated, finished, assume=DEFAULT_ASSUME) -> dict:
+    """``{argument name: "one" | "divisible"}``: what the example call lets the artifact assume.
+
+    ``assume`` names the kinds of argument to specialize like Triton's JIT: ``pointers`` (16-byte
+    aligned), ``unit_strides`` (strides equal to 1 become the constant 1), ``strides`` and ``sizes``
+    (multiples of 16). Example tensors on the ``meta`` device count as aligned.
+    """
+    from ninefold.dsl.backends.triton_codegen import argument_values
+
+    unknown = set(assume) - set(ASSUME)
+    if unknown:
+        raise ValueError(f"aot: assume={tuple(assume)!r} names {sorted(unknown)}; accepted: {ASSUME}")
+    out = {}
+    for (name, kind, payload, constexpr), value in zip(generated.arguments, argument_values(generated, finished)):
+        if constexpr:
+            continue
+        if kind == "pointer":
+            aligned = value.device.type == "meta" or value.data_ptr() % 16 == 0
+            if "pointers" in assume and aligned:
+                out[name] = "divisible"
+        elif kind == "leaf" and isinstance(payload, SizeOf) and isinstance(value, int):
+            stride = isinstance(payload, StrideOf)
+            if stride and "unit_strides" in assume and value == 1:
+                out[name] = "one"
+            elif ("strides" if stride else "sizes") in assume and value % 16 == 0 and value:
+                out[name] = "divisible"
+    return out
+
+
+def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_stages=3, assume=DEFAULT_ASSUME):  # noqa: A001
     """Compile ``kernel`` for each signature (example arguments, or ``{"args": ..., "kwargs": ...}``).
 
     Example tensors may live on any device (``cpu``, ``meta``); only their dtypes, ndim and, for
-    constexpr dimensions, sizes matter. Writes into ``out`` and returns the list of JSON paths.
+    constexpr dimensions, sizes matter, and, through ``assume`` (see :func:`assumptions`), their
+    alignment, unit strides and multiples of 16. Writes into ``out`` and returns the JSON paths.
     """
+    from ninefold.dsl.backends.cpu import choose_meta
+    from ninefold.dsl.backends.launch import prepare
     from ninefold.dsl.backends.triton import compile_for_target
     from ninefold.dsl.backends.triton import signature as triton_signature
     from ninefold.dsl.backends.triton_codegen import specialize
+    from ninefold.dsl.tuning import source_hash
 
     if out is None:
         raise ValueError("aot.compile: out (the output directory) is required")
@@ -76,10 +119,17 @@ def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_sta
     for i, signature in enumerate(signatures):
         args, kwargs = _normalize(signature)
         args = tuple(a.new_empty(a.shape, device="cpu") if isinstance(a, torch.Tensor) and a.device.type == "meta" else a for a in args)
+        bound = kernel.bind(args, kwargs, backend="triton")
+        example = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
+        assumed = assumptions(prepare(kernel, example, generic)[0], example, assume)
         compiled, generated, finished = compile_for_target(
-            kernel, args, kwargs, target=target, num_warps=num_warps, num_stages=num_stages, spec=generic
+            kernel, args, kwargs, target=target, num_warps=num_warps, num_stages=num_stages, spec=generic,
+            assumptions=assumed,
         )
         sig, constexprs = triton_signature(generated, finished)
+        for name, kind in assumed.items():
+            if kind == "one":
+                sig[name], constexprs[name] = "constexpr", 1
         ptx = compiled.asm["ptx"]
         ptx_params = [kind for kind, _ in sorted(((k, int(n)) for k, n in _PTX_PARAM.findall(ptx)), key=lambda kn: kn[1])]
         stem = f"{kernel.name}_{i}"
@@ -93,13 +143,17 @@ def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_sta
                 entry["leaf"] = _leaf_json(payload, kernel)
             else:
                 entry["expr"] = expr_to_json(payload, kernel)
-            if constexpr:
+            if constexpr or assumed.get(name) == "one":
+                entry["constexpr"] = True
                 entry["value"] = constexprs[name]
+            if assumed.get(name) == "divisible":
+                entry["divisible"] = 16
             arguments.append(entry)
         first = next((p for p in kernel.params if not p.is_scalar), None)
         meta = {
             "format": FORMAT,
             "kernel": kernel.name,
+            "source_hash": source_hash(kernel),
             "function": compiled.metadata.name,
             "target": target,
             "cubin": f"{stem}.cubin",
@@ -172,6 +226,8 @@ class Artifact:
         for a in self.meta["arguments"]:
             if a["kind"] == "pointer":
                 value = values[a["param"]]
+                if a.get("divisible") and value.data_ptr() % a["divisible"]:
+                    raise ValueError(f"{self.meta['kernel']}: {a['param']} is not {a['divisible']}-byte aligned (the artifact assumes it)")
             elif a["kind"] == "scalar":
                 value = values[a["param"]]
             elif a["kind"] == "leaf":
@@ -183,6 +239,8 @@ class Artifact:
             else:
                 size = eval_json(a["expr"], env)
                 value = 1 if size <= 1 else 1 << (int(size) - 1).bit_length()
+            if a.get("divisible") and a["kind"] != "pointer" and value % a["divisible"]:
+                raise ValueError(f"{self.meta['kernel']}: {a['name']}={value} is not a multiple of {a['divisible']} (the artifact assumes it)")
             if a["constexpr"]:
                 if value != a["value"]:
                     raise ValueError(f"{self.meta['kernel']}: {a['name']} is {value}, artifact compiled for {a['value']}")
@@ -242,3 +300,59 @@ def load(directory, kernel_name=None) -> AotKernel:
     if not artifacts:
         raise ValueError(f"{directory} holds no artifact of {kernel_name!r} (it has {names})")
     return AotKernel(artifacts)
+
+
+# ------------------------------------------------------------------ registry
+def register(directory) -> int:
+    """Add every artifact in ``directory`` (as written by :func:`compile`) to the process-wide
+    table; CUDA calls of the same kernels launch them when they match. Returns how many."""
+    directory = Path(directory)
+    count = 0
+    for path in sorted(directory.glob("*.json")):
+        meta = json.loads(path.read_text())
+        if "source_hash" not in meta:
+            raise ValueError(f"aot.register: {path} has no source_hash (written by an older ninefold); compile it again")
+        artifact = Artifact(meta, directory)
+        entries = _REGISTERED.setdefault(meta["source_hash"], [])
+        if all(a.directory / a.meta["cubin"] != directory / meta["cubin"] for a in entries):
+            entries.append(artifact)
+            count += 1
+    return count
+
+
+def unregister_all() -> None:
+    """Empty the table (tests; a process that switches builds)."""
+    _REGISTERED.clear()
+
+
+def find(kernel, args, kwargs):
+    """The registered artifact of ``kernel`` that matches this call, or None."""
+    if not _REGISTERED:
+        return None
+    from ninefold.dsl.tuning import source_hash
+
+    for artifact in _REGISTERED.get(source_hash(kernel), ()):
+        if artifact.matches(args, kwargs):
+            return artifact
+    return None
+
+
+def launcher(kernel, args, kwargs):
+    """A launcher ``f(args)`` for :meth:`Kernel.__call__` when a registered artifact matches."""
+    artifact = find(kernel, args, kwargs)
+    if artifact is None:
+        return None
+    COUNTS["aot_launchers"] += 1
+    kwargs = dict(kwargs)
+
+    def launch(args):
+        artifact(*args, **kwargs)
+
+    return launch
+
+
+def stats() -> dict:
+    """``aot_launchers``: calls served by a registered artifact (once per distinct call key);
+    ``jit_prepared``: specializations the triton backend generated for Triton's JIT (each may
+    compile, or hit Triton's disk cache)."""
+    return dict(COUNTS)

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ninefold.dsl import aot
 from ninefold.dsl.backends import triton_startup
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
 
@@ -190,6 +191,7 @@ def _entry(kernel, bound, config):
     if entry is None:
         if not interpreting():
             triton_startup.install()  # before Triton's first compile-cache lookup in this process
+        aot.COUNTS["jit_prepared"] += 1
         names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
@@ -247,11 +249,15 @@ def signature(generated, finished) -> tuple[dict, dict]:
 
 
 def compile_for_target(
-    kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, spec=None
+    kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, spec=None,
+    assumptions=None,
 ):
     """Compile the kernel for ``args`` (example tensors, any device) to ``target`` without a GPU.
 
-    ``spec`` is the mask specialization (default: the one for these sizes).
+    ``spec`` is the mask specialization (default: the one for these sizes). ``assumptions`` maps
+    generated argument names to ``"one"`` (compiled as the constant 1, as Triton's JIT does with
+    integers equal to 1) or ``"divisible"`` (a multiple of 16; pointers: 16-byte aligned), the
+    specializations the JIT path would make for this call (see ``ninefold.dsl.aot.assumptions``).
 
     Returns ``(compiled, generated, finished_bound)``; ``compiled.asm`` holds ``cubin``/``ptx``.
     """
@@ -268,7 +274,16 @@ def compile_for_target(
     generated, function = prepare(kernel, finished, spec)
     backend, arch = target.split(":")
     sig, constexprs = signature(generated, finished)
-    source = ASTSource(function, sig, constexprs)
+    attrs = {}
+    names = list(sig)
+    for name, kind in (assumptions or {}).items():
+        if kind == "one":
+            sig[name], constexprs[name] = "constexpr", 1
+        elif kind == "divisible":
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        else:
+            raise ValueError(f"compile_for_target: assumption {kind!r} for {name}; accepted: 'one', 'divisible'")
+    source = ASTSource(function, sig, constexprs, attrs)
     compiled = triton.compile(source, target=GPUTarget(backend, int(arch), 32), options={"num_warps": num_warps, "num_stages": num_stages})
     return compiled, generated, finished
 
