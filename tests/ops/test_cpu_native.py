@@ -191,3 +191,42 @@ def test_portable_build_computes_what_the_vnni_build_computes(tmp_path):
         scratch = torch.empty(lib.nf_linear_scratch_bytes(5, 128), dtype=torch.uint8)
         lib.nf_linear(weight.mat(), x.data_ptr(), 0, 128, 5, out.data_ptr(), 0, 40, 1, scratch.data_ptr())
         torch.testing.assert_close(out, ops.linear_blocks(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def _attention64(q, k, v, cu_q, cu_k, scale):
+    """Causal attention per sequence in float64, queries the last Lq of Lk positions (bottom-right)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for h in range(q.shape[1]):
+            qs = q[cu_q[b]:cu_q[b + 1], h].double()
+            ks, vs = k[cu_k[b]:cu_k[b + 1], h // group].double(), v[cu_k[b]:cu_k[b + 1], h // group].double()
+            s = qs @ ks.T * scale
+            visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+            out[cu_q[b]:cu_q[b + 1], h] = torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ vs
+    return out
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("hq,hk,d,lens", [
+    (9, 3, 64, [(70, 70), (5, 5), (33, 33)]),  # packed prompts, GQA 3, tiles of 32 rows and 16 keys partly filled
+    (4, 4, 32, [(3, 40), (17, 17)]),  # queries after cached keys (Lq < Lk), head size not a multiple of 64
+    (2, 1, 128, [(1, 1), (48, 100)]),
+])
+def test_native_prefill_attention_matches_float64(dtype, hq, hk, d, lens):
+    g = torch.Generator().manual_seed(len(lens) + d)
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).tolist()
+    cu_k = np.cumsum([0] + [b for _, b in lens]).tolist()
+    qkv = torch.randn((cu_q[-1], (hq + 1) * d), generator=g).to(dtype)  # q as a view with a wider row
+    q = qkv[:, : hq * d].view(-1, hq, d)
+    k = torch.randn((cu_k[-1], hk, d), generator=g).to(dtype)
+    v = torch.randn((cu_k[-1], hk, d), generator=g).to(dtype)
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    with ops.use(attention_prefill="cpu_native"):
+        assert ops.choose("attention_prefill", q, k, v, cq, ck) == "cpu_native"
+        out = ops.attention_prefill(q, k, v, cq, ck, scale=0.2)
+    want = _attention64(q, k, v, cu_q, cu_k, 0.2)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)

@@ -2,11 +2,13 @@
 
     python -m ninefold.bench.cpu [--threads N] [--systems ninefold-bf16,ninefold-f32-packed,...,llama.cpp]
 
-ninefold runs four ways: `ninefold-bf16` (bfloat16, `quantization="auto"`: the Q4_1 matrices stay
-packed for torch's int4 kernel, the Q8_0 lm_head runs as two int4 halves, a dense bf16 copy serves
-prefill), `ninefold-f32-packed` (what `ninefold chat` runs by default on a CPU: a float32 model whose
-packed GEMMs take bfloat16 activations, prefill on a dense float32 copy), and `ninefold-bf16-exact` /
-`ninefold-f32`, which dequantize every weight at load (`quantization="none"`).
+ninefold runs five ways: `ninefold-bf16` (bfloat16, `quantization="auto"`: the Q4_1 and Q8_0 matrices
+stay in their blocks for ninefold's native CPU kernels, `ninefold.ops.cpu_native`: int8 activations,
+AVX-512 VNNI, the whole decode step in one native call; a dense bf16 copy serves prefill),
+`ninefold-f32-packed` (what `ninefold chat` runs by default on a CPU: the same in a float32 model,
+prefill on a dense float32 copy), `ninefold-bf16-torch` (bfloat16 "auto" with the native kernels off:
+torch's int4 kernel, the Q8_0 lm_head as two int4 halves, the decode step in torch ops), and
+`ninefold-bf16-exact` / `ninefold-f32`, which dequantize every weight at load (`quantization="none"`).
 
 For each system, in this one process: load time (from the cached .gguf), batch-1 decode tok/s,
 prefill tok/s of a 512-token prompt, and batch-8 decode tok/s (output tokens of all 8 sequences per
@@ -31,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("ninefold-bf16", "ninefold-f32-packed", "ninefold-bf16-exact", "ninefold-f32", "hf-f32", "hf-bf16",
-           "llama.cpp")
-# system -> (dtype, quantization)
-NINEFOLD = {"ninefold-bf16": ("bfloat16", "auto"), "ninefold-f32-packed": ("float32", "auto"),
-            "ninefold-bf16-exact": ("bfloat16", "none"), "ninefold-f32": ("float32", "none")}
+SYSTEMS = ("ninefold-bf16", "ninefold-f32-packed", "ninefold-bf16-torch", "ninefold-bf16-exact", "ninefold-f32",
+           "hf-f32", "hf-bf16", "llama.cpp")
+# system -> (dtype, quantization, native kernels on)
+NINEFOLD = {"ninefold-bf16": ("bfloat16", "auto", True), "ninefold-f32-packed": ("float32", "auto", True),
+            "ninefold-bf16-torch": ("bfloat16", "auto", False),
+            "ninefold-bf16-exact": ("bfloat16", "none", True), "ninefold-f32": ("float32", "none", True)}
 EOS = 2
 
 
@@ -85,13 +88,18 @@ def _best(values):
 
 # ----------------------------------------------------------------------------- ninefold
 
-def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "auto") -> Result:
+def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "auto", native: bool = True) -> Result:
     from ninefold.llm.api import LLM
     from ninefold.llm.sampling import SamplingParams
+    from ninefold.ops import cpu_native
 
     start = time.perf_counter()
-    llm = LLM(str(path), dtype=dtype, device="cpu", enable_prefix_caching=False, max_model_len=2048,
-              max_num_seqs=max(8, len(work.batch)), quantization=quantization)
+    cpu_native.available()  # a first use compiles them (once per machine): not part of the load time
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    with cpu_native.enabled(native):
+        llm = LLM(str(path), dtype=dtype, device="cpu", enable_prefix_caching=False, max_model_len=2048,
+                  max_num_seqs=max(8, len(work.batch)), quantization=quantization)
     load = time.perf_counter() - start
     engine = llm.engine
 
@@ -125,10 +133,16 @@ def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "
         prefill.append(len(work.long) / first)
         _, seconds, tokens = run(work.batch, work.decode_tokens)
         decode8.append(tokens / seconds)
-    packed = "packed int4 (Q4_1 codes; Q8_0 lm_head as 2 int4 halves)" if engine.model.packed else "dequantized at load"
-    label = (" packed" if dtype == "float32" else "") if engine.model.packed else ("" if dtype == "float32" else " exact")
-    return Result(f"ninefold {dtype}{label}", load,
-                  _best(decode1), _best(prefill), _best(decode8), note=f"quantization={quantization!r}: {packed}")
+    model = engine.model
+    on = bool(model.packed) and any(p.blocks is not None for p in model.packed.values())
+    if not model.packed:
+        packed, label = "dequantized at load", "" if dtype == "float32" else " exact"
+    elif on:
+        packed, label = "native kernels (GGUF blocks, int8 activations)", " packed" if dtype == "float32" else ""
+    else:
+        packed, label = "torch int4 (Q8_0 lm_head as 2 int4 halves)", " torch-int4"
+    return Result(f"ninefold {dtype}{label}", load, _best(decode1), _best(prefill), _best(decode8),
+                  note=f"quantization={quantization!r}: {packed}", extra={"native_compile_s": round(compile_s, 2)})
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -297,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         try:
             if system.startswith("ninefold"):
-                dtype, quantization = NINEFOLD[system]
-                result = bench_ninefold(path, dtype, work, quantization)
+                dtype, quantization, native = NINEFOLD[system]
+                result = bench_ninefold(path, dtype, work, quantization, native)
             elif system == "hf-f32":
                 result, hf_model = bench_transformers(path, torch.float32, work)
                 hf_load = result.load_s

@@ -1,7 +1,7 @@
 """ninefold's native CPU kernels: C sources in this folder, compiled on first use, loaded with ctypes.
 
 ``library()`` returns the loaded library (or None). The first call on a machine compiles
-``nf_gemm.c`` and ``nf_decode.c`` with the system C compiler (``$CC``, else ``cc``/``gcc``:
+``nf_gemm.c``, ``nf_decode.c`` and ``nf_attention.c`` with the system C compiler (``$CC``, else ``cc``/``gcc``:
 ``-O3 -march=native -fopenmp -shared -fPIC``, ~2 s, one line on stderr) into
 ``$NINEFOLD_CACHE_DIR/cpu_native/`` under a name keyed by the sources, the compiler's version,
 the flags and the CPU's feature flags, so a changed source, compiler or CPU rebuilds and an
@@ -12,8 +12,9 @@ The OpenMP runtime is torch's own when torch is loaded (both are ``libgomp.so.1`
 kernels use torch's thread count (``torch.set_num_threads``) and its thread pool.
 
 What the kernels compute is in ``nf_cpu.h`` (the block layout, int8 activations) and
-``nf_decode.c`` (the fused decode step); ``ninefold.ops.quantized`` (``BlockWeight``,
-``linear_blocks``) and ``ninefold.llm.models.llama_cpu`` call them.
+``nf_decode.c`` (the fused decode step), ``nf_attention.c`` (causal prefill attention);
+``ninefold.ops.quantized`` (``BlockWeight``, ``linear_blocks``), ``ninefold.ops.cpu_native.attention``
+(``attention_prefill``'s ``cpu_native`` implementation) and ``ninefold.llm.models.llama_cpu`` call them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("nf_cpu.h", "nf_gemm.c", "nf_decode.c")
+SOURCES = ("nf_cpu.h", "nf_gemm.c", "nf_decode.c", "nf_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -131,6 +132,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nf_decode_scratch_bytes.argtypes = [ctypes.POINTER(Model)]
     lib.nf_decode_step.restype = None
     lib.nf_decode_step.argtypes = [ctypes.POINTER(Model)]
+    lib.nf_attention_scratch_floats.restype = i64
+    lib.nf_attention_scratch_floats.argtypes = [p, i64, i64, i64]
+    lib.nf_attention_prefill.restype = None
+    lib.nf_attention_prefill.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64, i64, i64, i64, ctypes.c_double, p, i64,
+                                         p]
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
