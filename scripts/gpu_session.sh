@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-memory ops-build cuda-quick ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-memory ops-build cuda-quick ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -24,6 +24,7 @@ step_command() {
     runtime) echo 'python3 -m ninefold.bench.runtime' ;;
     llm-test) echo 'python3 -m pytest tests/llm -q -n 8 -p no:cacheprovider -k "not gguf"' ;;
     llm-bench) echo 'python3 -m ninefold.bench.llm' ;;
+    llm-bench-gpt-fast) echo 'python3 -m ninefold.bench.llm --gpt-fast .peers/gpt-fast' ;;
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
     ops-memory) echo 'python3 -m ninefold.bench.ops_memory' ;;
     ops-attention) echo 'python3 -m pytest tests/ops/test_attention.py -q -n 4 -k cuda -p no:cacheprovider; python3 -m ninefold.bench.ops_attention' ;;
