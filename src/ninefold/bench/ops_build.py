@@ -6,10 +6,11 @@
 
 Without ``--build`` (or when the directory is missing) the GPU run builds the manifest itself for
 the local GPU first. Then, in a fresh process with ``NINEFOLD_OPS_BUILD`` set and an empty
-``TRITON_CACHE_DIR``, it calls every built Triton operator once at a Llama-3-8B shape (bfloat16)
-and reports per operator: the first call's wall time, the compilations it caused (``triton.compile``
+``TRITON_CACHE_DIR``, it calls every built Triton operator (and the DSL implementations of
+``DSL_OPS``, whose kernels ``ninefold.dsl.aot`` compiled) once at a Llama-3-8B shape (bfloat16)
+and reports per operator and implementation: the first call's wall time, the compilations it caused (``triton.compile``
 calls and Triton JIT cache misses, counted by wrapping ``triton.compile`` and through
-``knobs.runtime.jit_cache_hook``: both must be 0), which binary served it (the JIT's exact
+``knobs.runtime.jit_cache_hook``, and the DSL's JIT specialisations: all must be 0), which binary served it (the JIT's exact
 specialisation or a merged/relaxed one), the result against the float64 reference, and the warm
 device time of the build's binary vs the same operator JIT-compiled in that process (CUDA events
 around back-to-back calls queued behind a sleep kernel, so host time is hidden) and host time per
@@ -33,27 +34,36 @@ import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "softmax", "rope", "reshape_and_cache",
        "attention_decode", "attention_prefill", "linear")
+# Operators whose "dsl" implementation is built too (ninefold.dsl kernels compiled by ninefold.dsl.aot).
+DSL_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "softmax")
 # Which representative call (``ninefold.ops.workloads`` label) each operator is measured at.
 CASE = {"attention_decode": "B=16 ctx=4096", "attention_prefill": "B=4 L=1024", "linear": "qkv T=16"}
 SHAPES = "llama-8b"
 DTYPE = "bfloat16"
 
 
-def manifest_text(target: str, ops=OPS) -> str:
-    """The benchmark's manifest: the Triton implementations of ``ops`` at Llama-3-8B shapes, bfloat16."""
+def entries(ops=OPS, dsl=DSL_OPS) -> list[tuple[str, str]]:
+    """``(operator, implementation)`` pairs the benchmark builds and calls."""
+    return [(op, "triton") for op in ops] + [(op, "dsl") for op in dsl if op in ops]
+
+
+def manifest_text(target: str, ops=OPS, dsl=DSL_OPS) -> str:
+    """The benchmark's manifest: the Triton (and for ``dsl``, DSL) implementations of ``ops`` at
+    Llama-3-8B shapes, bfloat16."""
     lines = [f'target = "{target}"', f'shapes = "{SHAPES}"', 'fallback = "error"', 'uncovered = "jit"']
     for op in ops:
-        lines += [f"[ops.{op}]", f'dtypes = ["{DTYPE}"]', 'impls = ["triton"]']
+        impls = ", ".join(f'"{i}"' for o, i in entries(ops, dsl) if o == op)
+        lines += [f"[ops.{op}]", f'dtypes = ["{DTYPE}"]', f"impls = [{impls}]"]
     return "\n".join(lines) + "\n"
 
 
-def write_build(out: Path, target: str = "cuda:90", ops=OPS):
+def write_build(out: Path, target: str = "cuda:90", ops=OPS, dsl=DSL_OPS):
     """Build the benchmark's manifest for ``target`` into ``out`` (works without a GPU)."""
     from ninefold.ops import build
 
     out.mkdir(parents=True, exist_ok=True)
     manifest = out.parent / f"{out.name}.toml"
-    manifest.write_text(manifest_text(target, ops))
+    manifest.write_text(manifest_text(target, ops, dsl))
     report = build.build(manifest, out)
     manifest.unlink()
     return report
@@ -119,13 +129,13 @@ def _relative_error(got, want) -> float:
     return worst
 
 
-def _call(op: str, case):
-    """``(run, reference)``: a function calling the Triton implementation directly on fresh copies of
-    in-place arguments, and the float64 reference result."""
+def _call(op: str, case, name: str = "triton"):
+    """``(run, reference)``: a function calling implementation ``name`` directly, and the float64
+    reference result."""
     from ninefold.ops import dispatch, references, registry
 
     bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
-    impl = next(i for i in registry.implementations(op) if i.name == "triton")
+    impl = next(i for i in registry.implementations(op) if i.name == name)
     if op == "reshape_and_cache":
         want = references.reshape_and_cache(*bound)
 
@@ -163,8 +173,23 @@ def _timings(fn, reps: int = 50) -> tuple[float, float]:
     return min(times), host_s / reps * 1e6
 
 
-def child(ops, json_path: str, built: bool) -> None:
-    """One fresh process: first calls (and, with the build, warm times vs the JIT)."""
+def _dsl_stat(key: str) -> int:
+    """``ninefold.dsl.aot.stats()[key]`` ("jit_prepared": specialisations the DSL's Triton backend
+    generated for Triton's JIT; "aot_launchers": calls served by registered artifacts)."""
+    try:
+        from ninefold.dsl import aot
+    except ImportError:
+        return 0
+    return aot.stats().get(key, 0)
+
+
+def _dsl_prepared() -> int:
+    return _dsl_stat("jit_prepared")
+
+
+def child(pairs, json_path: str, built: bool) -> None:
+    """One fresh process: first calls of every ``(operator, implementation)`` in ``pairs`` (and, with
+    the build, warm times vs the JIT)."""
     counter = CompileCounter()
     import ninefold.ops  # noqa: F401
     import ninefold.ops.triton  # noqa: F401
@@ -173,45 +198,46 @@ def child(ops, json_path: str, built: bool) -> None:
 
     dtype = getattr(torch, DTYPE)
     rows, runs = [], {}
-    for op in ops:
-        row = {"op": op}
+    for op, name in pairs:
+        row = {"op": op, "impl": name}
         rows.append(row)
         try:
             case = pick_case(op, "cuda", dtype)
             row["case"] = case.label
-            run, want = _call(op, case)
+            run, want = _call(op, case, name)
             torch.cuda.synchronize()
             before = (counter.compiles, counter.jit_misses, prebuilt.STATS["prebuilt"], len(prebuilt.LOADED),
-                      len(prebuilt.MISSES))
+                      len(prebuilt.MISSES), _dsl_prepared(), _dsl_stat("aot_launchers"))
             start = time.perf_counter()
             got = run()
             torch.cuda.synchronize()
             row["first_call_ms"] = (time.perf_counter() - start) * 1e3
             row["triton_compile_calls"] = counter.compiles - before[0]
             row["jit_cache_misses"] = counter.jit_misses - before[1]
-            row["compiles"] = max(row["triton_compile_calls"], row["jit_cache_misses"])
+            row["dsl_jit_prepared"] = _dsl_prepared() - before[5]
+            row["dsl_aot_launchers"] = _dsl_stat("aot_launchers") - before[6]
+            row["compiles"] = max(row["triton_compile_calls"], row["jit_cache_misses"], row["dsl_jit_prepared"])
             row["prebuilt_launches"] = prebuilt.STATS["prebuilt"] - before[2]
             row["binaries"] = prebuilt.LOADED[before[3]:]
             row["uncovered"] = prebuilt.MISSES[before[4]:]
             row["max_rel_error"] = _relative_error(got, want)
             row["correct"] = row["max_rel_error"] <= 5e-2
-            runs[op] = run
+            runs[op, name] = run
         except Exception as error:  # noqa: BLE001  (one operator's failure is reported, the others still run)
             row["error"] = f"{type(error).__name__}: {error}"
     if built:
         for row in rows:
-            if row["op"] in runs:
-                row["built_device_ms"], row["built_host_us"] = _timings(runs[row["op"]])
-        build.activate(None)  # the same operators through Triton's JIT, in the same process
+            if (row["op"], row["impl"]) in runs:
+                row["built_device_ms"], row["built_host_us"] = _timings(runs[row["op"], row["impl"]])
+        build.activate(None)  # the same implementations JIT-compiled, in the same process
         for row in rows:
-            op = row["op"]
-            if op not in runs:
+            if (row["op"], row["impl"]) not in runs:
                 continue
             try:
-                run, _ = _call(op, pick_case(op, "cuda", dtype))
-                before = counter.total()
+                run, _ = _call(row["op"], pick_case(row["op"], "cuda", dtype), row["impl"])
+                before = counter.total() + _dsl_prepared()
                 run()
-                row["jit_compiles_after_build_off"] = counter.total() - before
+                row["jit_compiles_after_build_off"] = counter.total() + _dsl_prepared() - before
                 row["jit_device_ms"], row["jit_host_us"] = _timings(run)
                 row["built_over_jit"] = row["built_device_ms"] / row["jit_device_ms"]
             except Exception as error:  # noqa: BLE001
@@ -219,9 +245,9 @@ def child(ops, json_path: str, built: bool) -> None:
     Path(json_path).write_text(json.dumps({"rows": rows, "counter_hooked": counter.hooked}, indent=1, default=str))
 
 
-def _spawn(ops, env: dict, built: bool, workdir: Path) -> dict:
+def _spawn(pairs, env: dict, built: bool, workdir: Path) -> dict:
     path = workdir / f"child-{'built' if built else 'cold'}.json"
-    code = (f"from ninefold.bench.ops_build import child; child({list(ops)!r}, {str(path)!r}, {built!r})")
+    code = f"from ninefold.bench.ops_build import child; child({list(pairs)!r}, {str(path)!r}, {built!r})"
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     result = {"returncode": run.returncode, "wall_s": time.perf_counter() - start, "stderr_tail": run.stderr[-3000:]}
@@ -278,22 +304,25 @@ def stale(directory: Path) -> list[str]:
 
 # ------------------------------------------------------------------ main
 def _table(built: dict, cold: dict) -> str:
-    cold_rows = {r["op"]: r for r in cold.get("rows", [])}
+    cold_rows = {(r["op"], r["impl"]): r for r in cold.get("rows", [])}
 
     def fmt(value, spec, scale=1):
         return format(value * scale, spec) if isinstance(value, (int, float)) else "-"
 
-    lines = [f"{'operator':18s} {'case':14s} {'1st call ms':>11s} {'compiles':>8s} {'binary':>7s} {'rel err':>8s} "
+    lines = [f"{'operator/impl':25s} {'case':14s} {'1st call ms':>11s} {'compiles':>8s} {'binary':>7s} {'rel err':>8s} "
              f"{'built us':>9s} {'jit us':>8s} {'built/jit':>9s} {'host us b/j':>11s} {'jit compiles':>12s} "
              f"{'cold 1st ms':>11s} {'cold compiles':>13s}"]
     for r in built.get("rows", []):
+        label = f"{r['op']}/{r['impl']}"
         if "error" in r:
-            lines.append(f"{r['op']:18s} ERROR {r['error'][:160]}")
+            lines.append(f"{label:25s} ERROR {r['error'][:160]}")
             continue
         used = r.get("binaries") or []
         kind = "none" if not r.get("prebuilt_launches") else ("exact" if all(b["exact"] for b in used) else "merged")
-        c = cold_rows.get(r["op"], {})
-        lines.append(f"{r['op']:18s} {r.get('case', ''):14s} {fmt(r.get('first_call_ms'), '11.1f')} "
+        if r.get("dsl_aot_launchers"):
+            kind = "dsl aot"
+        c = cold_rows.get((r["op"], r["impl"]), {})
+        lines.append(f"{label:25s} {r.get('case', ''):14s} {fmt(r.get('first_call_ms'), '11.1f')} "
                      f"{fmt(r.get('compiles'), '8d')} {kind:>7s} {fmt(r.get('max_rel_error'), '8.1e')} "
                      f"{fmt(r.get('built_device_ms'), '9.1f', 1e3)} {fmt(r.get('jit_device_ms'), '8.1f', 1e3)} "
                      f"{fmt(r.get('built_over_jit'), '9.3f')} "
@@ -301,7 +330,7 @@ def _table(built: dict, cold: dict) -> str:
                      f"{fmt(r.get('jit_compiles_after_build_off'), '12d')} "
                      f"{fmt(c.get('first_call_ms'), '11.1f')} {fmt(c.get('compiles'), '13d')}")
         if r.get("jit_error"):
-            lines.append(f"{'':18s} JIT comparison failed: {r['jit_error'][:160]}")
+            lines.append(f"{'':25s} JIT comparison failed: {r['jit_error'][:160]}")
     return "\n".join(lines)
 
 
@@ -311,10 +340,12 @@ def main(argv=None) -> int:
     parser.add_argument("--write", type=Path, metavar="DIR", help="only build the manifest for --target into DIR")
     parser.add_argument("--target", default="cuda:90", help="target of --write (default cuda:90)")
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, metavar="OP")
-    parser.add_argument("--dry-run", action="store_true", help="only show which binary serves each call")
+    parser.add_argument("--dsl", nargs="*", default=list(DSL_OPS), choices=DSL_OPS, metavar="OP",
+                        help="operators whose DSL implementation is built and measured too (none: --dsl)")
+    parser.add_argument("--dry-run", action="store_true", help="only show which Triton binary serves each call")
     args = parser.parse_args(argv)
     if args.write:
-        print(write_build(args.write, args.target, args.ops).summary())
+        print(write_build(args.write, args.target, args.ops, args.dsl).summary())
         return 0
     if args.dry_run:
         if args.build is None:
@@ -327,7 +358,8 @@ def main(argv=None) -> int:
         print("ops_build: needs a CUDA GPU (use --write or --dry-run here)", file=sys.stderr)
         return 2
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    result = {"ops": args.ops, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    pairs = entries(args.ops, args.dsl)
+    result = {"entries": pairs, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     import triton
 
     result["triton"] = triton.__version__
@@ -343,25 +375,30 @@ def main(argv=None) -> int:
             major, minor = torch.cuda.get_device_capability()
             directory = tmp / "build"
             start = time.perf_counter()
-            write_build(directory, f"cuda:{major}{minor}", args.ops)
+            write_build(directory, f"cuda:{major}{minor}", args.ops, args.dsl)
             result["built_here_s"] = time.perf_counter() - start
         manifest = json.loads((directory / "manifest.json").read_text())
         result["build"] = {"dir": str(directory), "target": manifest["target"], "versions": manifest.get("versions")}
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "NINEFOLD_OPS_BUILD")}
-        result["built"] = _spawn(args.ops, {**env, "NINEFOLD_OPS_BUILD": str(directory),
+        result["built"] = _spawn(pairs, {**env, "NINEFOLD_OPS_BUILD": str(directory),
                                             "TRITON_CACHE_DIR": str(tmp / "cache-built")}, True, tmp)
-        result["cold"] = _spawn(args.ops, {**env, "TRITON_CACHE_DIR": str(tmp / "cache-cold")}, False, tmp)
+        result["cold"] = _spawn(pairs, {**env, "TRITON_CACHE_DIR": str(tmp / "cache-cold")}, False, tmp)
     table = _table(result["built"], result["cold"])
     print(f"trimmed build {result['build']['dir']} (target {result['build']['target']}, built with "
           f"{(result['build'].get('versions') or {}).get('triton', '?')}) on {result['device']}, Triton {result['triton']}")
     print(table)
     rows = result["built"].get("rows", [])
-    ok = bool(rows) and all(r.get("compiles") == 0 and r.get("correct") for r in rows)
+    ok = bool(rows)
+    for name in sorted({r["impl"] for r in rows}):
+        mine = [r for r in rows if r["impl"] == name]
+        good = all(r.get("compiles") == 0 and r.get("correct") for r in mine)
+        ok = ok and good
+        print(f"{name}: compiles: " + (f"0 on every first call, all {len(mine)} correct" if good else
+                                       "NOT all zero or not all correct (see the table)"))
     for name in ("built", "cold"):
         if result[name]["returncode"]:
             print(f"{name} process failed:\n{result[name]['stderr_tail']}", file=sys.stderr)
             ok = False
-    print("compiles: " + ("0 on every first call" if ok else "NOT all zero / incorrect (see the table)"))
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "ops_build.json").write_text(json.dumps(result, indent=1, default=str))
