@@ -275,3 +275,22 @@ def test_uncovered_calls_follow_the_manifest_cuda(tmp_path, uncovered, expected)
     run = subprocess.run([sys.executable, "-c", PROBE_CUDA], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[-2] == expected
+
+
+def test_active_build_registers_its_dsl_binaries(tmp_path):
+    from ninefold.dsl import aot as dsl_aot
+    from ninefold.ops.kernels import softmax
+
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "tiny"\n[ops.softmax]\ndtypes = ["float16"]\n'
+                                       'impls = ["dsl"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    x = torch.randn(5, 300, dtype=torch.float16)
+    call = ((x, torch.empty_like(x)), {"ROW": 300})
+    try:
+        build.activate(tmp_path / "b")
+        artifact = dsl_aot.find(softmax.kernel, *call)
+        assert artifact is not None and artifact.directory == tmp_path / "b" / "kernels" / "dsl" / "softmax" / "float16"
+        assert dsl_aot.find(softmax.kernel, (x[:, 1:], torch.empty_like(x)[:, 1:]), {"ROW": 299}) is None
+    finally:
+        build.activate(None)
+    assert dsl_aot.find(softmax.kernel, *call) is None
