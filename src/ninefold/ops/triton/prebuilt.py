@@ -41,7 +41,7 @@ _CTYPES = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64
 # Launches through prebuilt binaries / calls handed to the JIT while a build is active.
 STATS = {"prebuilt": 0, "jit": 0}
 MISSES: list[str] = []  # why each call handed to the JIT was not covered
-LOADED: list[dict] = []  # every binary loaded: kernel, file, exact (the JIT's own specialisation) or not
+LOADED: list[dict] = []  # every binary selected: kernel, file, exact (the call's own JIT specialisation) or not
 
 
 class BuildError(RuntimeError):
@@ -297,6 +297,8 @@ class Library:
         ``BuildError`` when the build refuses uncovered calls."""
         binary, why = self.find(kernel, values, num_warps, num_stages)
         if binary is not None:
+            LOADED.append({"kernel": binary.meta["kernel"], "binary": binary.meta["binary"],
+                           "exact": binary.spec == specialisation(kernel, values)})
             return binary
         if self.uncovered == "error":
             raise BuildError(f"{kernel.fn.__name__}: {why}; the trimmed build at {self.directory} says "
@@ -352,7 +354,6 @@ class Kernel:
         self.binary.image()  # missing or corrupt: a BuildError naming the file, before the driver sees it
         self.handle = self.driver.function(binary.path.parent / self.meta["binary"], self.meta, self.device)
         self.arguments = Arguments(binary)
-        LOADED.append({"kernel": self.meta["kernel"], "binary": self.meta["binary"], "exact": self.meta["exact"]})
 
     def run(self, g0, g1, g2, stream, _function, _metadata, _hook, _enter, _exit, *values):
         """Launch a ``g0 x g1 x g2`` grid on ``stream`` with every parameter's value, in order."""
