@@ -4,8 +4,8 @@ With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int
 matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy). The model turns them into
 ``PackedLinear`` layers (``packed_linear``).
 
-Where ninefold's native CPU kernels build (``ninefold.ops.cpu_native``), Q4_0, Q4_1 and Q8_0 matrices
-become ``ops.BlockWeight`` (the same blocks, repacked for AVX-512 VNNI) and run on
+Where ninefold's native CPU kernels build with AVX-512 VNNI (``ninefold.ops.cpu_native``), Q4_0, Q4_1
+and Q8_0 matrices become ``ops.BlockWeight`` (the same blocks, repacked for VNNI) and run on
 ``ninefold.ops.linear_blocks`` (activations rounded to int8 per 32 values, as llama.cpp does); the
 CPU decode step (``llm/models/llama_cpu.py``) then runs whole layers natively. Otherwise (no compiler,
 ``NINEFOLD_CPU_NATIVE=0``, Q4_K, other devices) they run on ``ninefold.ops.linear_int4``:
@@ -185,11 +185,11 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
 
 
 def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | None:
-    """The native kernels' form of ``whole`` when they are available and its scales are fp16 values
-    (Q4_0, Q4_1, Q8_0; not Q4_K, whose sub-block scales are products); else None."""
+    """The native kernels' form of ``whole`` when they are built with AVX-512 VNNI and its scales are
+    fp16 values (Q4_0, Q4_1, Q8_0; not Q4_K, whose sub-block scales are products); else None."""
     from ninefold.ops import cpu_native
 
-    if not cpu_native.available():
+    if not cpu_native.vnni():  # the portable C loops are for correctness, slower than torch's int4 kernel
         return None
     if isinstance(whole, Q8Codes):
         if not ops.BlockWeight.fits(whole.scales):
