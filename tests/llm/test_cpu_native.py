@@ -23,6 +23,7 @@ from ninefold.llm.engine import LLMEngine
 from ninefold.ops import cpu_native
 
 from .test_gguf import hf_weights, write_gguf
+from .test_gguf_packed import _greedy as greedy
 
 pytestmark = pytest.mark.skipif(not cpu_native.vnni(), reason=f"native CPU kernels without AVX-512 VNNI here "
                                                                 f"({cpu_native.reason() or 'portable build'})")
@@ -87,14 +88,7 @@ NEW = 24
 def _greedy(engine, prompts, new=NEW):
     from ninefold.llm.sampling import SamplingParams
 
-    for i, prompt in enumerate(prompts):
-        engine.add_request(engine.build_request(prompt, SamplingParams(max_tokens=new, **GREEDY_KW), f"g{i}"))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"g{i}"] for i in range(len(prompts))]
+    return greedy(engine, prompts, SamplingParams(max_tokens=new, **GREEDY_KW))
 
 
 def _next_logits(engine, ids):

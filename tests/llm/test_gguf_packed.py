@@ -65,9 +65,9 @@ def _first_step_logits(engine) -> torch.Tensor:
     return logits
 
 
-def _greedy(engine, prompts=PROMPTS) -> list[list[int]]:
+def _greedy(engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
-        engine.add_request(engine.build_request(prompt, GREEDY, f"g{i}"))
+        engine.add_request(engine.build_request(prompt, params, f"g{i}"))
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
