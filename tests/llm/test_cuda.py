@@ -55,6 +55,33 @@ def test_float32_greedy_is_token_identical_on_cuda(model_dirs, variant):
         assert out.outputs[0].token_ids == ref
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_mixed_decode_and_prefill_steps_are_token_identical_on_cuda(model_dirs, enforce_eager):
+    """A small token budget makes steps where some sequences decode while others prefill (chunks
+    with and without a cached prefix): the one-token rows go through attention_decode."""
+    path = model_dirs["qwen2"]
+    llm = LLM(str(path), dtype="float32", device="cuda", block_size=16, num_kv_blocks=64, cuda_graph_max_batch=4,
+              max_num_batched_tokens=9, enforce_eager=enforce_eager)
+    seen = []
+    forward = llm.engine.model.forward
+
+    def recording_forward(input_ids, positions, meta):
+        seen.append(0 < meta.num_decodes < input_ids.shape[0])
+        return forward(input_ids, positions, meta)
+
+    llm.engine.model.forward = recording_forward
+    prompts = [[5, 9], list(range(40, 57)), [7, 200, 13, 99] * 8, [3, 4, 5, 6]]
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert any(seen)
+    model = _hf(path, torch.float32)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_matches_eager_decode(model_dirs, dtype):
     path = model_dirs["llama"]

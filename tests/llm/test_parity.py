@@ -155,3 +155,24 @@ def test_cpu_decode_path_matches_the_generic_path(model_dirs, variant, dtype):
         torch.testing.assert_close(fast, generic, rtol=1e-6, atol=1e-5)
         for rid in ids:
             engine.abort_request(rid)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_mixed_steps_send_one_token_rows_through_decode_attention(model_dirs, variant):
+    """Sequences that decode while others prefill (chunked or not, with and without a cached
+    prefix) are computed by attention_decode inside the prefill step, with the same tokens."""
+    path = model_dirs[variant]
+    llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=9)
+    model = llm.engine.model
+    seen = []
+    forward = model.forward
+
+    def recording_forward(input_ids, positions, meta):
+        seen.append((meta.num_decodes, meta.use_cache, input_ids.shape[0]))
+        return forward(input_ids, positions, meta)
+
+    model.forward = recording_forward
+    prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(2, 5, 30, 4))
+    assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
+    mixed = [(nd, cached) for nd, cached, t in seen if 0 < nd < t]
+    assert any(cached for _, cached in mixed) and any(not cached for _, cached in mixed)

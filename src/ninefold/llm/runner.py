@@ -136,30 +136,47 @@ class ModelRunner:
 
     def _prefill(self, step: list[ScheduledSeq]) -> torch.Tensor:
         bs = self.block_size
+        # One-token rows go first and through decode attention (a prefill kernel would spend a
+        # whole query block on each); the others follow as packed variable-length sequences.
+        decodes = [s for s in step if s.num_new_tokens == 1]
+        rest = [s for s in step if s.num_new_tokens != 1]
+        ordered = decodes + rest
         ids, positions, slots = [], [], []
-        cu_q, cu_k, last = [0], [0], []
+        cu_q, cu_k, row_end = [0], [0], {}
         use_cache = False
-        for s in step:
+        max_q = max_k = 1
+        row = 0
+        for index, s in enumerate(ordered):
             seq, start, n = s.seq, s.start, s.num_new_tokens
             pos = np.arange(start, start + n, dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
             ids.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + start + n)
-            use_cache |= start > 0
-            if s.samples:
-                last.append(cu_q[-1] - 1)
+            row += n
+            row_end[id(s)] = row
+            if index >= len(decodes):
+                cu_q.append(cu_q[-1] + n)
+                cu_k.append(cu_k[-1] + start + n)
+                use_cache |= start > 0
+                max_q, max_k = max(max_q, n), max(max_k, start + n)
+        last = [row_end[id(s)] - 1 for s in step if s.samples]
         put = self.buffers.to_device
         meta = AttentionMetadata(
             slot_mapping=put("slots", np.concatenate(slots), torch.int64),
             cu_seqlens_q=put("cu_q", np.asarray(cu_q, dtype=np.int32), torch.int32),
             cu_seqlens_k=put("cu_k", np.asarray(cu_k if use_cache else cu_q, dtype=np.int32), torch.int32),
-            use_cache=use_cache,
+            use_cache=use_cache, num_decodes=len(decodes), max_seqlen_q=max_q,
+            max_seqlen_k=max_k if use_cache else max_q,
         )
-        if use_cache:
-            meta.block_tables = self._block_tables(step, max(len(s.seq.block_table) for s in step), pinned=False)
+        if decodes:
+            meta.decode_context_lens = put("context", np.array([s.start + 1 for s in decodes], dtype=np.int32),
+                                           torch.int32)
+        if use_cache or decodes:
+            # With decode rows, the CUDA graphs' full width: the decode kernels compiled for them serve as they are.
+            wide = decodes and self.graphs is not None
+            width = self.max_blocks if wide else max(len(s.seq.block_table) for s in ordered)
+            meta.block_tables = self._block_tables(ordered, width, pinned=False)
         hidden = self.model.forward(
             put("ids", np.concatenate(ids), torch.int64), put("pos", np.concatenate(positions), torch.int64), meta
         )

@@ -35,6 +35,12 @@ class AttentionMetadata:
     ``cu_seqlens_q`` / ``cu_seqlens_k`` [B+1] int32; ``use_cache`` says whether earlier tokens
     are read from the paged cache (some sequence has context computed in an earlier step).
     ``block_tables`` [B, max_blocks] int32 in both cases.
+
+    A mixed step may put ``num_decodes`` one-token sequences first: their tokens are the first
+    ``num_decodes`` rows, their keys per sequence are ``decode_context_lens`` [num_decodes] and
+    their block tables the first rows of ``block_tables``; ``cu_seqlens_q`` / ``cu_seqlens_k``,
+    ``use_cache`` and ``max_seqlen_q`` / ``max_seqlen_k`` (host ints, the longest query and key
+    lengths) then describe only the sequences after them.
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +49,10 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     use_cache: bool = True
+    num_decodes: int = 0
+    decode_context_lens: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -214,12 +224,25 @@ class LlamaForCausalLM:
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = ops.attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale=self.scale)
-        elif meta.use_cache:
-            o = ops.attention_prefill(q, None, None, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale,
-                                      k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables)
+        elif meta.num_decodes:
+            nd = meta.num_decodes
+            o = torch.cat([
+                ops.attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.decode_context_lens,
+                                     scale=self.scale),
+                self._prefill_attention(q[nd:], k[nd:], v[nd:], i, meta, meta.block_tables[nd:]),
+            ])
         else:
-            o = ops.attention_prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale)
+            o = self._prefill_attention(q, k, v, i, meta, meta.block_tables)
         return _linear(o.reshape(T, self.q_size), layer.o)
+
+    def _prefill_attention(self, q, k, v, i: int, meta: AttentionMetadata, block_tables):
+        if not meta.use_cache:
+            return ops.attention_prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale,
+                                         max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
+        k_cache, v_cache = self.kv_caches[i]
+        return ops.attention_prefill(q, None, None, meta.cu_seqlens_q, meta.cu_seqlens_k, scale=self.scale,
+                                     k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                                     max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[B, V]`` for hidden states ``[B, D]``."""
