@@ -19,6 +19,13 @@ def _hf(path, dtype):
     return model
 
 
+def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_bf16_greedy_agrees_with_transformers_allowing_ties(model_dirs, variant, enforce_eager):
@@ -49,10 +56,7 @@ def test_float32_greedy_is_token_identical_on_cuda(model_dirs, variant):
                         sampling_params=SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     model = _hf(path, torch.float32)
     for prompt, out in zip(PROMPTS, outs):
-        ids = torch.tensor([prompt], device="cuda")
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                             pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 32)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
@@ -76,10 +80,7 @@ def test_mixed_decode_and_prefill_steps_are_token_identical_on_cuda(model_dirs, 
     assert any(seen)
     model = _hf(path, torch.float32)
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt], device="cuda")
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                             pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt, 24)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
