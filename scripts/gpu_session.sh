@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-memory ops-build cuda-quick ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-memory ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -30,6 +30,7 @@ step_command() {
     ops-attention) echo 'python3 -m pytest tests/ops/test_attention.py -q -n 4 -k cuda -p no:cacheprovider; python3 -m ninefold.bench.ops_attention' ;;
     dsl-sweep) echo 'python3 -m ninefold.bench.dsl --sweep all' ;;
     cuda-quick) echo 'python3 -m pytest tests/ops tests/llm tests/dsl tests/runtime -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
+    ops-tune-rest) echo 'python3 -m ninefold.cli.main ops tune --ops linear embedding argmax sample --shapes llama-8b --out src/ninefold/ops/tables/nvidia-h200.json && cp src/ninefold/ops/tables/nvidia-h200.json "$OUT/" && echo merged into the shipped table for the steps after this one' ;;
     ship-table) echo 'cp /tmp/nf-results/ops-bench/tuning-nvidia-h200.json src/ninefold/ops/tables/nvidia-h200.json && echo shipped the new table for the steps after this one' ;;
     ops-gemv) echo 'python3 -m ninefold.bench.ops_gemv' ;;
     ops-build) echo 'python3 -m ninefold.bench.ops_build --build aot_ops_build_triton39' ;;
