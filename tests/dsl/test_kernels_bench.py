@@ -70,3 +70,23 @@ def test_sweeps_check_every_configuration_on_cpu_tensors(tmp_path, monkeypatch):
     assert any(r["config"] == "8 rows w16" for r in rms["rows"])
     assert sum(r["config"].startswith("re-tuned") for r in report["sweeps"][-1]["rows"]) == bench.TUNE_REPEATS
     assert json.loads((tmp_path / "dsl_sweep.json").read_text())["sweeps"]
+
+
+def test_plain_triton_attention_references_are_causal_attention():
+    # the sweep's hand-written Triton kernels (pointer and TMA-descriptor loads) under Triton's
+    # interpreter, against float64 torch
+    code = (
+        "import torch, math\n"
+        "from ninefold.bench import dsl\n"
+        "torch.manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 2, 256, 64, dtype=torch.float16) for _ in range(3))\n"
+        "want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)\n"
+        "for mode in ('pointers', 'tma'):\n"
+        "    got = dsl._plain_attention(q, k, v, mode, 128, 64, 4, 2)\n"
+        "    print(mode, (got.double() - want).abs().max().item())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = dict(line.split() for line in done.stdout.splitlines())
+    assert set(errors) == {"pointers", "tma"} and all(float(e) < 2e-3 for e in errors.values())

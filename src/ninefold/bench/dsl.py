@@ -402,7 +402,9 @@ def _profile_table(stats):
                 picked[label] = picked.get(label, 0.0) + cumulative
         top.append((cumulative, f"{path.rsplit('site-packages/', 1)[-1]}:{line}({func})"))
     top.sort(reverse=True)
-    return {"functions": picked, "top": [[name, round(c, 4)] for c, name in top[:15]]}
+    modules = sorted(((c, name) for c, name in top if name.endswith("(<module>)")), reverse=True)
+    return {"functions": picked, "top": [[name, round(c, 4)] for c, name in top[:15]],
+            "modules_imported": [[name, round(c, 4)] for c, name in modules[:12]]}
 
 
 def probe_cache(names, device, shrink=1, profile=False):
@@ -610,6 +612,8 @@ def probe_summary(probes) -> str:
     prof = probes.get("profiled", {}).get("profile", {})
     for label, seconds in sorted(prof.get("functions", {}).items(), key=lambda kv: -kv[1]):
         lines.append(f"    {label:<50}{seconds:7.3f} s (profiled)")
+    for name, seconds in prof.get("modules_imported", [])[:6]:
+        lines.append(f"    import {name[:-len('(<module>)')]:<43}{seconds:7.3f} s (profiled)")
     return "\n".join(lines)
 
 
@@ -877,7 +881,39 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
             return o
 
         rows.append(_sweep_row(" ".join([f"{bm}x{bn} w{w} s{st}", *flags]), call, reference, dtype, flops, ceiling))
+    if causal and s % 128 == 0 and SWEEP_DEVICE == "cuda":  # what hand-written Triton reaches here
+        for mode, bm, bn, w, st in PLAIN_SDPA:
+            def plain(mode=mode, bm=bm, bn=bn, w=w, st=st):
+                return _plain_attention(q, k, v, mode, bm, bn, w, st)
+
+            rows.append(_sweep_row(f"plain triton {mode} {bm}x{bn} w{w} s{st}", plain, reference, dtype, flops, ceiling))
     return rows
+
+
+PLAIN_SDPA = (  # load mode (pointers, or TMA through host descriptors), BLOCK_M, BLOCK_N, warps, stages
+    ("pointers", 128, 128, 8, 3),
+    ("pointers", 128, 64, 8, 3),
+    ("tma", 128, 128, 8, 3),
+    ("tma", 128, 128, 8, 2),
+    ("tma", 128, 64, 8, 3),
+    ("tma", 128, 64, 8, 4),
+)
+
+
+def _plain_attention(q, k, v, mode, bm, bn, warps, stages):
+    """Causal attention by a hand-written Triton kernel (contiguous [B, H, S, D], S % BLOCK_M == 0)."""
+    b, h, s, d = q.shape
+    o = torch.empty_like(q)
+    grid = (s // bm, b * h)
+    scale = 1.0 / math.sqrt(d)
+    if mode == "pointers":
+        _ref_attention_ptr[grid](q, k, v, o, s, scale, BM=bm, BN=bn, D=d, num_warps=warps, num_stages=stages)
+        return o
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = [TensorDescriptor(t.view(-1, d), [b * h * s, d], [d, 1], [rows, d]) for t, rows in ((q, bm), (k, bn), (v, bn))]
+    _ref_attention_tma[grid](*descs, o, s, scale, BM=bm, BN=bn, D=d, num_warps=warps, num_stages=stages)
+    return o
 
 
 def sweep_memory(shrink=1):
@@ -977,12 +1013,21 @@ def _memory_rows(w, name, inputs, reference, fixed):
     rows.append(_sweep_row("torch", lambda: w.torch(*inputs), reference, w.dtype, w.bytes, ceiling))
     namespace = ninefold_kernels()
     rows.append(_sweep_row("tuned", lambda: w.run(namespace, *inputs), reference, w.dtype, w.bytes, ceiling))
+    rows[-1]["picked"] = _picked(_tuned_kernel(name))
     for label, kernel, blocks in tqdm(fixed, desc=f"{name} paper", file=sys.stderr):
         rows.append(_sweep_row(label, _fixed_call(name, kernel, inputs, blocks), reference, w.dtype, w.bytes, ceiling))
     for row in rows:
         if row.get("seconds") and copy_s:
             row["fraction_of_copy_same"] = copy_s / row["seconds"]
     return {"workload": f"{name} {w.shape} float16 (of a same-bytes copy)", "rows": rows}
+
+
+def _tuned_kernel(name):
+    """The module-level kernel that the public function of workload ``name`` calls at the paper shape."""
+    from ninefold.ops.kernels import activation, add, rms_norm, rope, softmax
+
+    return {"add": add.kernel_flat, "silu": activation.silu_flat_kernel, "rms_norm": rms_norm.kernel,
+            "softmax": softmax.kernel, "rope": rope.neox_kernel}[name]
 
 
 def _fixed_call(name, kernel, inputs, blocks):
@@ -1043,6 +1088,71 @@ else:
             pb += BK * ldb
         tl.store(c + rm[:, None] * ldc + rn[None, :], acc.to(c.dtype.element_ty))
 
+    @triton.jit
+    def _ref_attention_update(q, k, v, acc, m_i, l_i, keep, MASK: tl.constexpr):
+        s = tl.dot(q, tl.trans(k))
+        if MASK:
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+    @triton.jit
+    def _ref_attention_ptr(q_ptr, k_ptr, v_ptr, o_ptr, seq, scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        # causal, contiguous [B, H, S, D], S a multiple of BM; query blocks with the most keys first
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
+        base = tl.program_id(1).to(tl.int64) * seq * D
+        rows = block * BM + tl.arange(0, BM)
+        cols = tl.arange(0, D)
+        q = tl.load(q_ptr + base + rows[:, None] * D + cols[None, :])
+        q = (q * (scale * 1.4426950408889634)).to(q.dtype)
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, D), tl.float32)
+        for start in range(0, block * BM, BN):
+            keys = start + tl.arange(0, BN)
+            k = tl.load(k_ptr + base + keys[:, None] * D + cols[None, :])
+            v = tl.load(v_ptr + base + keys[:, None] * D + cols[None, :])
+            acc, m_i, l_i = _ref_attention_update(q, k, v, acc, m_i, l_i, None, False)
+        for start in range(block * BM, (block + 1) * BM, BN):
+            keys = start + tl.arange(0, BN)
+            k = tl.load(k_ptr + base + keys[:, None] * D + cols[None, :])
+            v = tl.load(v_ptr + base + keys[:, None] * D + cols[None, :])
+            keep = keys[None, :] <= rows[:, None]
+            acc, m_i, l_i = _ref_attention_update(q, k, v, acc, m_i, l_i, keep, True)
+        tl.store(o_ptr + base + rows[:, None] * D + cols[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
+
+    @triton.jit
+    def _ref_attention_tma(q_desc, k_desc, v_desc, o_ptr, seq, scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        # the same with K/V (and Q) read through host-built TMA descriptors of the [B*H*S, D] views.
+        # (tl.range(..., warp_specialize=True) around the first loop changes nothing on sm_90 with
+        # 8 warps and fails in Triton 3.6/3.9's NVGPUWarpSpecialization pass with 4.)
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
+        first = tl.program_id(1) * seq
+        rows = block * BM + tl.arange(0, BM)
+        q = q_desc.load([first + block * BM, 0])
+        q = (q * (scale * 1.4426950408889634)).to(q.dtype)
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, D), tl.float32)
+        for start in range(0, block * BM, BN):
+            k = k_desc.load([first + start, 0])
+            v = v_desc.load([first + start, 0])
+            acc, m_i, l_i = _ref_attention_update(q, k, v, acc, m_i, l_i, None, False)
+        for start in range(block * BM, (block + 1) * BM, BN):
+            keys = start + tl.arange(0, BN)
+            k = k_desc.load([first + start, 0])
+            v = v_desc.load([first + start, 0])
+            keep = keys[None, :] <= rows[:, None]
+            acc, m_i, l_i = _ref_attention_update(q, k, v, acc, m_i, l_i, keep, True)
+        out = o_ptr + (first + rows).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+        tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
 
 def run_sweep(which, out_dir, shrink=1):
     """Run the focused sweeps (``mm``, ``sdpa`` or ``all``), print them and write ``dsl_sweep.json``."""
@@ -1059,7 +1169,8 @@ def run_sweep(which, out_dir, shrink=1):
         lines.append(block["workload"])
         for row in block["rows"]:
             if row.get("seconds") and "fraction_of_copy_same" in row:
-                lines.append(f"  {row['config']:<36}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy")
+                picked = f"  {row['picked']}" if row.get("picked") else ""
+                lines.append(f"  {row['config']:<36}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy{picked}")
             elif row.get("seconds"):
                 picked = f"  {row['picked']}" if row.get("picked") else ""
                 lines.append(
