@@ -43,3 +43,11 @@ def test_cuda_device_time_orders_kernels_by_their_work():
     assert all(len(s) >= timing.MIN_SAMPLES * 2 for s in samples)
     index, summary = timing.choose(samples)
     assert index == 0 and summary[0]["median_ms"] * 10 < summary[1]["median_ms"]
+
+
+def test_only_quiet_measurements_are_steady():
+    quiet = [1.00, 1.01, 0.99, 1.00, 1.00, 1.01, 0.99, 1.00]
+    busy = [1.0, 3.0, 1.0, 5.0, 1.0, 2.5, 1.0, 4.0]  # time-sliced with another process
+    _, summary = timing.choose([quiet, busy])
+    assert timing.steady(summary, 0) and not timing.steady(summary, 1)
+    assert not timing.steady([{"median_ms": 1.0, "stderr_ms": 0.0, "samples": 1}], 0)  # one sample proves nothing

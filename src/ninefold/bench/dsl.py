@@ -1217,8 +1217,8 @@ def main(argv=None):
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; use --cpu for the cpu backend")
     if args.sweep:
-        with tempfile.TemporaryDirectory() as caches:
-            os.environ.setdefault("NINEFOLD_CACHE_DIR", os.path.join(caches, "ninefold"))
+        with tempfile.TemporaryDirectory() as caches:  # own tuning cache: no picks from other runs
+            os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
             run_sweep(args.sweep, args.out, args.shrink)
         return
     if args.probe_cache:

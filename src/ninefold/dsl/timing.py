@@ -26,6 +26,7 @@ ROUND_MS = 8.0  # kernel time per candidate and round (the rest of a round is fl
 MIN_SAMPLES = 3
 MAX_SAMPLES = 40
 NOISE = 0.005  # medians closer than this fraction (or twice their standard errors) count as equal
+STEADY = 0.02  # a choice whose standard error exceeds this fraction of its median is not kept on disk
 _CYCLES: dict = {}
 
 
@@ -124,3 +125,15 @@ def choose(samples: list[list[float]]) -> tuple[int, list[dict]]:
         if s["median_ms"] - b["median_ms"] <= margin:
             return i, summary
     return best, summary
+
+
+def steady(summary: list[dict], index: int, limit: float = STEADY) -> bool:
+    """Whether the chosen candidate's measurement was quiet enough to keep for later processes.
+
+    A GPU shared with other processes (parallel tests, another job) time-slices between them: the
+    samples then scatter and the standard error of the median grows past ``limit`` of it.
+    """
+    chosen = summary[index]
+    if not chosen.get("median_ms") or chosen.get("samples", 0) < 2:
+        return False
+    return chosen["stderr_ms"] <= limit * chosen["median_ms"]
