@@ -191,6 +191,17 @@ def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | N
 
     if not cpu_native.vnni():  # the portable C loops are for correctness, slower than torch's int4 kernel
         return None
+    # A dozen small copies per matrix: on one thread they take as long, and a core taken by another
+    # process does not stall each of them at an OpenMP barrier.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _repack(whole, terms)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _repack(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | None:
     if isinstance(whole, Q8Codes):
         if not ops.BlockWeight.fits(whole.scales):
             return None

@@ -32,10 +32,12 @@ static int64_t kmax(const nf_model *md) {
     return k > md->hq * md->hd ? k : md->hq * md->hd;
 }
 
-/* Per thread: its own int8 copy of a normed row block (m rows of dim), so no barrier separates a
- * norm from the GEMM that reads it. */
+/* Per thread: its own int8 copy of a normed row block (m rows of dim) or, for m <= NF_PRIVATE_SILU,
+ * of silu(gate) * up (m rows of inter), so no barrier separates them from the GEMM that reads them. */
+#define NF_PRIVATE_SILU 2
 static int64_t private_bytes(const nf_model *md) {
-    return (md->m * md->dim + 2 * md->m * (md->dim / NF_BLOCK) * 4 + md->dim * 4 + 63) / 64 * 64;
+    const int64_t k = md->dim > md->inter ? md->dim : md->inter;
+    return (md->m * k + 4 + 2 * md->m * (k / NF_BLOCK) * 4 + md->dim * 4 + 63) / 64 * 64;
 }
 
 int64_t nf_decode_scratch_bytes(const nf_model *md) {
@@ -139,6 +141,22 @@ static void norm_quantize_private(const nf_model *md, const float *h, const floa
     }
 }
 
+/* This thread's int8 rows of silu(gate) * up (all m rows). */
+static void silu_quantize_private(const nf_model *md, const float *gu, char *priv, int8_t **xq, float **xd,
+                                  float **xs) {
+    const int64_t m = md->m, inter = md->inter, nb = inter / NF_BLOCK;
+    *xq = (int8_t *)priv;
+    *xd = (float *)(priv + (m * inter + 3) / 4 * 4);
+    *xs = *xd + m * nb;
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float act[NF_BLOCK];
+            silu_mul_block(gu + i * 2 * inter + b * NF_BLOCK, gu + i * 2 * inter + inter + b * NF_BLOCK, act);
+            (*xd)[i * nb + b] = nf_quantize_block(act, *xq + i * inter + b * NF_BLOCK, *xs + i * nb + b);
+        }
+    }
+}
+
 /* Rotate one head (neox: halves) at position pos, after its optional rms_norm: in -> out (float32). */
 static void rope_head(const nf_model *md, const float *in, const float *norm_w, int64_t pos, float *out) {
     const int64_t hd = md->hd, half = hd / 2;
@@ -153,10 +171,11 @@ static void rope_head(const nf_model *md, const float *in, const float *norm_w, 
 }
 
 /* Hidden states after the final norm for one decode step: md->out [m, dim].
- * Five barriers per layer (after each GEMM, after attention): the norms are computed by every thread
- * for itself, and each attention task rotates its own copy of the new key (the first task of a KV
- * head also writes it and the value into the cache; the others take the newest position from
- * their copy, never from the cache being written). */
+ * Five barriers per layer (after each GEMM and after attention; six for more than NF_PRIVATE_SILU
+ * sequences): every thread computes the norms (and, for few sequences, silu * up) for itself, and
+ * each attention task rotates its own copy of the new key (the first task of a KV head also writes
+ * it and the value into the cache; the others take the newest position from their copy, never from
+ * the cache being written). */
 void nf_decode_step(const nf_model *md) {
     const int64_t m = md->m, dim = md->dim, hq = md->hq, hk = md->hk, hd = md->hd, inter = md->inter;
     const int64_t nqkv = (hq + 2 * hk) * hd, group = hq / hk, k = kmax(md);
@@ -231,15 +250,20 @@ void nf_decode_step(const nf_model *md) {
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < nf_groups(&ly->gate_up); g++)
                 nf_gemm_group(&ly->gate_up, g, pq, pd, ps, m, gu, 2 * inter, 0);
+            if (m <= NF_PRIVATE_SILU) { /* every thread rounds all of silu * up for itself: one barrier less */
+                silu_quantize_private(md, gu, priv, &pq, &pd, &ps);
+            } else {
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < m * (inter / NF_BLOCK); task++) {
-                const int64_t i = task / (inter / NF_BLOCK), b = task % (inter / NF_BLOCK), nb = inter / NF_BLOCK;
-                float act[NF_BLOCK];
-                silu_mul_block(gu + i * 2 * inter + b * NF_BLOCK, gu + i * 2 * inter + inter + b * NF_BLOCK, act);
-                xd[i * nb + b] = nf_quantize_block(act, xq + i * inter + b * NF_BLOCK, xs + i * nb + b);
+                for (int64_t task = 0; task < m * (inter / NF_BLOCK); task++) {
+                    const int64_t i = task / (inter / NF_BLOCK), b = task % (inter / NF_BLOCK), nb = inter / NF_BLOCK;
+                    float act[NF_BLOCK];
+                    silu_mul_block(gu + i * 2 * inter + b * NF_BLOCK, gu + i * 2 * inter + inter + b * NF_BLOCK, act);
+                    xd[i * nb + b] = nf_quantize_block(act, xq + i * inter + b * NF_BLOCK, xs + i * nb + b);
+                }
+                pq = xq, pd = xd, ps = xs;
             }
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < nf_groups(&ly->down); g++) nf_gemm_group(&ly->down, g, xq, xd, xs, m, h, dim, 1);
+            for (int64_t g = 0; g < nf_groups(&ly->down); g++) nf_gemm_group(&ly->down, g, pq, pd, ps, m, h, dim, 1);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) {
