@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-memory ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -10,7 +10,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NINEFOLD_CACHE_DIR=/tmp/nf-cache
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step_command() {
   case "$1" in
     env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
@@ -35,6 +35,7 @@ step_command() {
     ops-gemv) echo 'python3 -m ninefold.bench.ops_gemv' ;;
     ops-build) echo 'python3 -m ninefold.bench.ops_build --build aot_ops_build_triton39' ;;
     dsl-sweep-mm) echo 'python3 -m ninefold.bench.dsl --sweep mm' ;;
+    dsl-sweep-sdpa) echo 'python3 -m ninefold.bench.dsl --sweep sdpa' ;;
     dsl-sweep-memory) echo 'python3 -m ninefold.bench.dsl --sweep memory' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
@@ -44,7 +45,8 @@ for arg in "$@"; do
   echo "=== $name (limit ${limit}s) ==="
   start=$(date +%s)
   mkdir -p "$RESULTS/$name"
-  OUT="$RESULTS/$name" timeout "$limit" bash -c "$(step_command "$name")" > "$RESULTS/$name.log" 2>&1
+  # a fresh ninefold cache per step: DSL choices tuned under one step (e.g. parallel tests) stay there
+  OUT="$RESULTS/$name" NINEFOLD_CACHE_DIR="/tmp/nf-cache/$name" timeout "$limit" bash -c "$(step_command "$name")" > "$RESULTS/$name.log" 2>&1
   rc=$?
   tail -n 25 "$RESULTS/$name.log"
   echo "=== $name rc=$rc in $(( $(date +%s) - start ))s ==="

@@ -20,6 +20,7 @@ from ninefold import ops
 from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
 from ninefold.llm.gguf_packed import QUANTIZED, PackedLinear, packed_linear
 from ninefold.llm.models import llama_cpu
+from ninefold.ops import cpu_native
 from ninefold.runtime.memory import WeightStore
 
 # "auto" keeps a dense copy of packed layer matrices for prefill while it costs at most this.
@@ -138,7 +139,9 @@ class LlamaForCausalLM:
         # scalar path ~20x slower than a dense matmul): on CPUs with bfloat16 support the packed
         # GEMMs run in bfloat16 whatever the model's dtype (the rest of a float32 model stays float32).
         cpu_bf16 = self.device.type == "cpu" and _cpu_has_bf16()
-        self.pack = mode == "int4" or (mode == "auto" and cpu_bf16)
+        # CPUs with AVX-512 VNNI but no bfloat16 (Ice Lake, Cascade Lake) pack for ops.cpu_native's kernels.
+        cpu_vnni = self.device.type == "cpu" and not cpu_bf16 and mode == "auto" and cpu_native.vnni()
+        self.pack = mode == "int4" or (mode == "auto" and (cpu_bf16 or cpu_vnni))
         self.compute_dtype = torch.bfloat16 if cpu_bf16 else None
         c = config
         layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size
