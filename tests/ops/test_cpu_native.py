@@ -191,6 +191,14 @@ def test_portable_build_computes_what_the_vnni_build_computes(tmp_path):
         scratch = torch.empty(lib.nf_linear_scratch_bytes(5, 128), dtype=torch.uint8)
         lib.nf_linear(weight.mat(), x.data_ptr(), 0, 128, 5, out.data_ptr(), 0, 40, 1, scratch.data_ptr())
         torch.testing.assert_close(out, ops.linear_blocks(x, weight), rtol=1e-5, atol=1e-5)
+    # the portable attention loops too (the library's own entry point, packed sequences of 20 and 7 rows)
+    q, k, v = (torch.randn(27, h, 32, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
+    cu = torch.tensor([0, 20, 27], dtype=torch.int64)
+    out = torch.empty(27, 4, 32)
+    scratch = torch.empty(lib.nf_attention_scratch_floats(cu.data_ptr(), 2, 2, 32), dtype=torch.float32)
+    lib.nf_attention_prefill(q.data_ptr(), 128, k.data_ptr(), 64, v.data_ptr(), 64, 0, cu.data_ptr(), cu.data_ptr(),
+                             2, 4, 2, 32, 0.25, out.data_ptr(), 128, scratch.data_ptr())
+    torch.testing.assert_close(out.double(), _attention64(q, k, v, cu.tolist(), cu.tolist(), 0.25), rtol=1e-5, atol=1e-5)
 
 
 def _attention64(q, k, v, cu_q, cu_k, scale):

@@ -4,18 +4,30 @@
  * as ops.attention_prefill specifies), GQA by query-head groups. First the keys become float32 tiles
  * of 16 keys transposed ([d][16]: one FMA multiplies a query value by 16 keys) and the values float32
  * rows, once per (sequence, KV head); then one task per (sequence, KV head, tile of NF_QT query rows)
- * runs an online softmax over the key tiles for each of its query rows and heads. */
+ * takes each of its query rows and heads in three passes: scores, exp(score - max) with their sum,
+ * and the values weighted by them. */
 #include "nf_cpu.h"
 
 #include <omp.h>
 
 #define NF_QT 32 /* query rows per task */
 
-/* Float32 scratch for the keys and values of all sequences (each padded to 16 keys). */
-int64_t nf_attention_scratch_floats(const int64_t *cu_k, int64_t nseq, int64_t hk, int64_t hd) {
+static int64_t longest16(const int64_t *cu_k, int64_t nseq) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseq; s++) n = cu_k[s + 1] - cu_k[s] > n ? cu_k[s + 1] - cu_k[s] : n;
+    return (n + 15) / 16 * 16;
+}
+
+static int64_t kv_floats(const int64_t *cu_k, int64_t nseq, int64_t hk, int64_t hd) {
     int64_t n = 0;
     for (int64_t s = 0; s < nseq; s++) n += (cu_k[s + 1] - cu_k[s] + 15) / 16 * 16;
-    return n * hk * hd * 2 + 64;
+    return n * hk * hd * 2;
+}
+
+/* Float32 scratch: the keys and values of all sequences (each padded to 16 keys), then one row of
+ * scores per thread. */
+int64_t nf_attention_scratch_floats(const int64_t *cu_k, int64_t nseq, int64_t hk, int64_t hd) {
+    return kv_floats(cu_k, nseq, hk, hd) + omp_get_max_threads() * longest16(cu_k, nseq) + 64;
 }
 
 static int64_t tiles_of(int64_t lq) { return (lq + NF_QT - 1) / NF_QT; }
@@ -26,8 +38,11 @@ void nf_attention_prefill(const void *q, int64_t sq, const void *k, int64_t sk, 
     const int64_t group = hq / hk;
     int64_t tasks = 0;
     for (int64_t s = 0; s < nseq; s++) tasks += hk * tiles_of(cu_q[s + 1] - cu_q[s]);
+    float *rows = scratch + kv_floats(cu_k, nseq, hk, hd);
+    const int64_t row_len = longest16(cu_k, nseq);
 #pragma omp parallel
     {
+        float *row = rows + omp_get_thread_num() * row_len;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t sg = 0; sg < nseq * hk; sg++) {
             const int64_t s = sg / hk, g = sg % hk, nk = cu_k[s + 1] - cu_k[s], nk16 = (nk + 15) / 16 * 16;
@@ -66,67 +81,70 @@ void nf_attention_prefill(const void *q, int64_t sq, const void *k, int64_t sk, 
                         qf[d] = nf_load(q, (cu_q[s] + i) * sq + h * hd + d, bf16) * (float)scale;
                         o[d] = 0.0f;
                     }
-                    float m = -INFINITY, l = 0.0f;
-                    for (int64_t t = 0; t * 16 <= limit; t++) {
-                        const float *kb = kt + t * hd * 16;
-                        const int64_t valid = limit - t * 16 + 1 < 16 ? limit - t * 16 + 1 : 16;
-                        float p[16];
+                    /* three passes over the row's keys: scores, exp(score - max) and their sum, values */
+                    const int64_t nk = limit + 1;
+                    float l;
 #if NF_VNNI
+                    const int64_t ntile = (nk + 15) / 16;
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
+                    for (int64_t t = 0; t < ntile; t++) {
+                        const float *kb = kt + t * hd * 16;
                         __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
                         for (int64_t d = 0; d < hd; d += 4) /* four independent chains: FMA latency, not one long chain */
                             for (int c = 0; c < 4; c++)
                                 s4[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[d + c]), _mm512_loadu_ps(kb + (d + c) * 16), s4[c]);
                         __m512 sc = _mm512_add_ps(_mm512_add_ps(s4[0], s4[1]), _mm512_add_ps(s4[2], s4[3]));
+                        const int64_t valid = nk - t * 16;
                         if (valid < 16) sc = _mm512_mask_mov_ps(sc, (__mmask16)(0xFFFFu << valid), _mm512_set1_ps(-INFINITY));
-                        const float mt = _mm512_reduce_max_ps(sc), mnew = mt > m ? mt : m;
-                        const __m512 pe = nf_exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew)));
-                        _mm512_storeu_ps(p, pe);
-                        const float corr = expf(m - mnew);
-                        l = l * corr + _mm512_reduce_add_ps(pe);
-                        if (hd % 64 == 0) { /* values: keys outer, four 16-wide head chunks inner (independent) */
-                            const __m512 cv = _mm512_set1_ps(corr);
-                            for (int64_t d = 0; d < hd; d += 64) {
-                                __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(o + d), cv);
-                                __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(o + d + 16), cv);
-                                __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(o + d + 32), cv);
-                                __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(o + d + 48), cv);
-                                for (int64_t jj = 0; jj < valid; jj++) {
-                                    const __m512 pj = _mm512_set1_ps(p[jj]);
-                                    const float *vr = vf + (t * 16 + jj) * hd + d;
-                                    a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr), a0);
-                                    a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16), a1);
-                                    a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 32), a2);
-                                    a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 48), a3);
-                                }
-                                _mm512_storeu_ps(o + d, a0);
-                                _mm512_storeu_ps(o + d + 16, a1);
-                                _mm512_storeu_ps(o + d + 32, a2);
-                                _mm512_storeu_ps(o + d + 48, a3);
-                            }
-                            m = mnew;
-                            continue;
-                        }
-#else
-                        float mt = -INFINITY;
-                        for (int64_t jj = 0; jj < 16; jj++) {
-                            float acc = 0.0f;
-                            for (int64_t d = 0; d < hd; d++) acc += qf[d] * kb[d * 16 + jj];
-                            p[jj] = jj < valid ? acc : -INFINITY;
-                            mt = p[jj] > mt ? p[jj] : mt;
-                        }
-                        const float mnew = mt > m ? mt : m, corr = expf(m - mnew);
-                        float sum = 0.0f;
-                        for (int64_t jj = 0; jj < 16; jj++) {
-                            p[jj] = jj < valid ? expf(p[jj] - mnew) : 0.0f;
-                            sum += p[jj];
-                        }
-                        l = l * corr + sum;
-#endif
-                        for (int64_t d = 0; d < hd; d++) o[d] *= corr;
-                        for (int64_t jj = 0; jj < valid; jj++)
-                            for (int64_t d = 0; d < hd; d++) o[d] += p[jj] * vf[(t * 16 + jj) * hd + d];
-                        m = mnew;
+                        _mm512_storeu_ps(row + t * 16, sc);
+                        mx = _mm512_max_ps(mx, sc);
                     }
+                    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int64_t t = 0; t < ntile; t++) {
+                        __m512 e = nf_exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t * 16), mv));
+                        const int64_t valid = nk - t * 16;
+                        if (valid < 16) e = _mm512_maskz_mov_ps((__mmask16)(0xFFFFu >> (16 - valid)), e);
+                        _mm512_storeu_ps(row + t * 16, e);
+                        sum = _mm512_add_ps(sum, e);
+                    }
+                    l = _mm512_reduce_add_ps(sum);
+                    if (hd % 64 == 0) { /* four 16-wide head chunks as independent accumulators */
+                        for (int64_t d = 0; d < hd; d += 64) {
+                            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                            for (int64_t j = 0; j < nk; j++) {
+                                const __m512 pj = _mm512_set1_ps(row[j]);
+                                const float *vr = vf + j * hd + d;
+                                a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr), a0);
+                                a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16), a1);
+                                a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 32), a2);
+                                a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 48), a3);
+                            }
+                            _mm512_storeu_ps(o + d, a0);
+                            _mm512_storeu_ps(o + d + 16, a1);
+                            _mm512_storeu_ps(o + d + 32, a2);
+                            _mm512_storeu_ps(o + d + 48, a3);
+                        }
+                    } else {
+                        for (int64_t j = 0; j < nk; j++)
+                            for (int64_t d = 0; d < hd; d++) o[d] += row[j] * vf[j * hd + d];
+                    }
+#else
+                    float m = -INFINITY;
+                    for (int64_t j = 0; j < nk; j++) {
+                        float acc = 0.0f;
+                        for (int64_t d = 0; d < hd; d++) acc += qf[d] * kt[(j / 16) * hd * 16 + d * 16 + j % 16];
+                        row[j] = acc;
+                        m = acc > m ? acc : m;
+                    }
+                    l = 0.0f;
+                    for (int64_t j = 0; j < nk; j++) {
+                        row[j] = expf(row[j] - m);
+                        l += row[j];
+                    }
+                    for (int64_t j = 0; j < nk; j++)
+                        for (int64_t d = 0; d < hd; d++) o[d] += row[j] * vf[j * hd + d];
+#endif
                     const float inv = 1.0f / l;
                     for (int64_t d = 0; d < hd; d++) nf_store(out, (cu_q[s] + i) * so + h * hd + d, o[d] * inv, bf16);
                 }
