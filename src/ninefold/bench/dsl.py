@@ -750,6 +750,7 @@ def _fixed(arrangement, application, tensors, warps, stages, *flags):
 
     kernel = nd.make(arrangement, application, tensors, num_warps=warps, num_stages=stages)
     kernel.persistent = "persistent" in flags
+    kernel.tma = "tma" in flags
     return kernel
 
 
@@ -879,24 +880,37 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
 
     rows.append(_sweep_row("tuned", tuned, reference, dtype, flops, ceiling))
     scale = 1.0 / math.sqrt(d)
-    for bm, bn, w, st, *flags in tqdm(SDPA_SWEEP, desc=f"sdpa S{s} D{d}", file=sys.stderr):
-        kernel = _fixed(attention.arrangement, attention.application, attention.tensors(), w, st, *flags)
-        o = torch.empty_like(q)
 
-        def call(kernel=kernel, o=o, bm=bm, bn=bn):
-            kernel(q, k, v, scale, causal, o, BLOCK_M=bm, BLOCK_N=bn)
-            return o
+    def dsl_rows(configs):
+        for bm, bn, w, st, *flags in tqdm(configs, desc=f"sdpa S{s} D{d}", file=sys.stderr):
+            kernel = _fixed(attention.arrangement, attention.application, attention.tensors(), w, st, *flags)
+            o = torch.empty_like(q)
 
-        rows.append(_sweep_row(" ".join([f"{bm}x{bn} w{w} s{st}", *flags]), call, reference, dtype, flops, ceiling))
+            def call(kernel=kernel, o=o, bm=bm, bn=bn):
+                kernel(q, k, v, scale, causal, o, BLOCK_M=bm, BLOCK_N=bn)
+                return o
+
+            rows.append(_sweep_row(" ".join([f"{bm}x{bn} w{w} s{st}", *flags]), call, reference, dtype, flops, ceiling))
+
+    dsl_rows(SDPA_SWEEP)
     if causal and s % 128 == 0 and SWEEP_DEVICE == "cuda":  # what hand-written Triton reaches here
         for mode, bm, bn, w, st in PLAIN_SDPA:
             def plain(mode=mode, bm=bm, bn=bn, w=w, st=st):
                 return _plain_attention(q, k, v, mode, bm, bn, w, st)
 
             rows.append(_sweep_row(f"plain triton {mode} {bm}x{bn} w{w} s{st}", plain, reference, dtype, flops, ceiling))
+    if SWEEP_DEVICE == "cuda":  # last: the experimental TMA mode of the DSL (Kernel.tma)
+        dsl_rows(SDPA_TMA_SWEEP)
     return rows
 
 
+SDPA_TMA_SWEEP = (  # the same kernel with q/k/v tiles read through TMA descriptors (warm calls take the slow path)
+    (128, 128, 8, 3, "tma"),
+    (128, 128, 8, 2, "tma"),
+    (128, 64, 8, 3, "tma"),
+    (128, 64, 8, 4, "tma"),
+    (64, 64, 4, 3, "tma"),
+)
 PLAIN_SDPA = (  # load mode (pointers, or TMA through host descriptors), BLOCK_M, BLOCK_N, warps, stages
     ("pointers", 128, 128, 8, 3),
     ("pointers", 128, 64, 8, 3),

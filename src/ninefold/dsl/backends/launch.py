@@ -10,20 +10,21 @@ from ninefold.dsl.backends.triton_codegen import argument_values, generate, spec
 from ninefold.dsl.cache import load_module
 
 
-def prepare(kernel, bound, spec=None, interpret=False, persistent=False):
+def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False):
     """Generated code and loaded ``triton.jit`` function for this call's specialization.
 
     ``spec`` overrides the mask specialization (AOT compiles the generic one); ``interpret`` makes
     every integer argument a constexpr (Triton 3.6's interpreter hands other ints over as arrays,
-    which ``range`` rejects); ``persistent`` generates the persistent form (see ``generate``).
+    which ``range`` rejects); ``persistent`` generates the persistent form, ``tma`` the descriptor
+    loads (see ``generate``).
     """
     spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
         isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**30 for v in bound.values.values()
     )
-    key = ("triton", spec, wide, interpret, persistent, repr(sorted((kernel.cache_hints or {}).items())))
+    key = ("triton", spec, wide, interpret, persistent, tma, repr(sorted((kernel.cache_hints or {}).items())))
     if key not in kernel._cache:
-        generated = generate(kernel, spec, wide=wide, interpret=interpret, persistent=persistent)
+        generated = generate(kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma)
         module = load_module(generated.source, generated.key)
         kernel._cache[key] = (generated, getattr(module, generated.function_name))
     return kernel._cache[key]

@@ -92,6 +92,8 @@ def launcher(kernel, bound, args):
         if kind is None:
             values.append(payload)
             continue
+        if kind == "descriptor":
+            return None  # built per call from the tensor: the slow path
         if kind == "scalar" and not isinstance(args[positions[payload]], (bool, int, float)):
             return None  # a 0-dim tensor given for a scalar: the slow path converts it
         slots.append((len(values), positions[payload]))
@@ -170,15 +172,28 @@ def launch(kernel, bound, config):
     function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
     if grid == 0:
         return
-    args = [bound.values[payload] if kind else payload for kind, payload in template]
+    args = _arguments(template, bound)
     with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
         function[(grid,)](*args, num_warps=num_warps, num_stages=num_stages)
+
+
+def _arguments(template, bound):
+    from ninefold.dsl.backends.triton_codegen import descriptor
+
+    out = []
+    for kind, payload in template:
+        if kind == "descriptor":
+            name, block = payload
+            out.append(descriptor(bound.values[name], block))
+        else:
+            out.append(bound.values[payload] if kind else payload)
+    return out
 
 
 def warm(kernel, bound, config):
     """Compile ``config`` without launching it (the tuner compiles its candidates in parallel)."""
     function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
-    args = [bound.values[payload] if kind else payload for kind, payload in template]
+    args = _arguments(template, bound)
     with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
         function.warmup(*args, grid=(max(grid, 1),), num_warps=num_warps, num_stages=num_stages)
 
@@ -186,6 +201,7 @@ def warm(kernel, bound, config):
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
+    key += (bool(config.get("tma", getattr(kernel, "tma", False))),)
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:
@@ -196,9 +212,11 @@ def _entry(kernel, bound, config):
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
         persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
-        generated, function = prepare(kernel, finished, interpret=interpreting(), persistent=persistent)
+        tma = bool(config.get("tma", getattr(kernel, "tma", False)))
+        generated, function = prepare(kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma)
         template = [
-            (kind, payload) if kind in ("pointer", "scalar") else (None, value)
+            (kind, payload) if kind in ("pointer", "scalar")
+            else (kind, (payload[0], value.block_shape)) if kind == "descriptor" else (None, value)
             for (_, kind, payload, _), value in zip(generated.arguments, argument_values(generated, finished))
         ]
         num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
@@ -237,6 +255,8 @@ def signature(generated, finished) -> tuple[dict, dict]:
         if constexpr:
             sig[name] = "constexpr"
             constexprs[name] = value
+        elif kind == "descriptor":
+            sig[name] = f"tensordesc<{DTYPES[value.base.dtype]}[{', '.join(str(n) for n in value.block_shape)}]>"
         elif kind == "pointer":
             sig[name] = "*" + DTYPES[value.dtype]
         elif isinstance(value, bool):
@@ -250,7 +270,7 @@ def signature(generated, finished) -> tuple[dict, dict]:
 
 def compile_for_target(
     kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, spec=None,
-    assumptions=None,
+    assumptions=None, tma=False,
 ):
     """Compile the kernel for ``args`` (example tensors, any device) to ``target`` without a GPU.
 
@@ -258,6 +278,7 @@ def compile_for_target(
     generated argument names to ``"one"`` (compiled as the constant 1, as Triton's JIT does with
     integers equal to 1) or ``"divisible"`` (a multiple of 16; pointers: 16-byte aligned), the
     specializations the JIT path would make for this call (see ``ninefold.dsl.aot.assumptions``).
+    ``tma`` generates the descriptor loads (``Kernel.tma``).
 
     Returns ``(compiled, generated, finished_bound)``; ``compiled.asm`` holds ``cubin``/``ptx``.
     """
@@ -271,7 +292,7 @@ def compile_for_target(
     triton_startup.install()
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
-    generated, function = prepare(kernel, finished, spec)
+    generated, function = prepare(kernel, finished, spec, tma=tma)
     backend, arch = target.split(":")
     sig, constexprs = signature(generated, finished)
     attrs = {}

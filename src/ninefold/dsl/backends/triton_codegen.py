@@ -221,8 +221,10 @@ def _broadcast(node, dim, rank):
 class _Lowering(ast.NodeTransformer):
     """Replace ``_nf`` calls and language references by Triton code."""
 
-    def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False):
+    def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False, tma=False):
         self.interpret = interpret
+        self.tma = tma
+        self.descriptors: dict = {}  # parameter name -> block shape (tile size Expr or None per source dim)
         self.kernel = kernel
         self.spec = spec
         self.namer = namer
@@ -276,6 +278,25 @@ class _Lowering(ast.NodeTransformer):
             mask = node if mask is None else ast.BinOp(mask, ast.BitAnd(), node)
         return pointer, mask, access
 
+    def descriptor_load(self, name, index_nodes):
+        """``{name}_desc.load([...])`` reshaped to the tile, where the tile is a box of the source
+        (each tile dimension walks one source dimension, in order, with unit steps) read with zero
+        fill outside it; None where the access is not such a box (it stays a pointer load)."""
+        access = analyze(self.kernel.param(name).arranged, len(index_nodes), name)
+        if access.top.source.other not in (None, 0) or not access.tile_vars:
+            return None
+        mapping = _box_mapping(access)
+        if mapping is None:
+            return None
+        starts = [substitute(e, {t: 0 for t in access.tile_vars}) for e in access.source_index]
+        block = [access.tile_level._shape[mapping.index(d)] if d in mapping else None for d in range(len(starts))]
+        if self.descriptors.setdefault(name, block) != block:
+            return None  # a second access of another shape: one descriptor per parameter
+        offsets = ast.List([self.render(e, access, index_nodes) for e in starts], ast.Load())
+        loaded = _call(_attr(f"{name}_desc", "load"), offsets)
+        shape = ast.Tuple([self.namer.padded_size(s) for s in access.tile_level._shape], ast.Load())
+        return _call(_attr(TL, "reshape"), loaded, shape)
+
     def visit_For(self, node):
         self.generic_visit(node)
         call = node.iter
@@ -316,6 +337,10 @@ class _Lowering(ast.NodeTransformer):
             return node
         method, name = node.func.attr, node.args[0].value
         index_nodes = [self.visit(e) for e in node.args[1].elts] if len(node.args) > 1 else []
+        if method == "load" and self.tma:
+            loaded = self.descriptor_load(name, index_nodes)
+            if loaded is not None:
+                return loaded
         if method == "load":
             pointer, mask, access = self.pointer_and_mask(name, index_nodes)
             kwargs = {}
@@ -444,17 +469,18 @@ def _check_hints(kernel):
             raise ValueError(f"kernel {kernel.name}: cache_hints {key!r}={value!r}; accepted: {CACHE_HINTS}")
 
 
-def generate(kernel, spec, wide=False, interpret=False, persistent=False) -> Generated:
+def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=False) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
     ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
     ``persistent`` makes each launched program loop over the programs ``program_id(0)``,
     ``+ num_programs(0)``, ... (a nest Triton flattens and pipelines across output tiles); the
-    launch then starts at most one program per SM.
+    launch then starts at most one program per SM. ``tma`` reads the tiles that are boxes of their
+    source through TMA descriptors built at launch (see ``_Lowering.descriptor_load``).
     """
     _check_hints(kernel)
     namer = _Namer(kernel)
-    lowering = _Lowering(kernel, spec, namer, interpret=interpret)
+    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma)
     namer.taken |= lowering.locals
     tree = lowering.visit(copy.deepcopy(kernel.app.tree))
     body = []
@@ -484,6 +510,8 @@ def generate(kernel, spec, wide=False, interpret=False, persistent=False) -> Gen
                 body.insert(0, ast.Assign([ast.Name(p.name, ast.Store())], ast.Constant(p.source.value), lineno=0))
         else:
             arguments.append((f"{p.name}_ptr", "pointer", p.name, False))
+            if p.name in lowering.descriptors:
+                arguments.append((f"{p.name}_desc", "descriptor", (p.name, tuple(lowering.descriptors[p.name])), False))
     leaves = dict(namer.used)
     for name in sorted(leaves, key=_leaf_order(kernel)):
         leaf = leaves[name]
@@ -603,6 +631,53 @@ def argument_values(generated: Generated, bound) -> list:
             values.append(bound.values[payload])
         elif kind == "leaf":
             values.append(bound.env[payload])
+        elif kind == "descriptor":
+            name, block = payload
+            values.append(descriptor(bound.values[name], descriptor_block(block, bound.env)))
         else:
             values.append(_next_power_of_two(int(evaluate(payload, bound.env))))
     return values
+
+
+def descriptor_block(block, env) -> list[int]:
+    """The box of a descriptor argument: padded tile sizes, 1 on the dimensions the tile does not walk."""
+    return [1 if size is None else _next_power_of_two(int(evaluate(size, env))) for size in block]
+
+
+def descriptor(tensor, block):
+    """A host-side TMA descriptor of ``tensor`` with box ``block`` (Triton >= 3.3)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), list(block))
+
+
+def _box_mapping(access):
+    """For each tile dimension, the source dimension it walks with unit steps (in increasing order),
+    or None when the access is not a box. Checked numerically at a few random points."""
+    import random
+
+    rng = random.Random(0)
+    mapping = None
+    exprs = access.source_index
+    leaves = set()
+    for e in exprs:
+        leaves |= e.leaves() if isinstance(e, Expr) else set()
+    for _ in range(3):
+        env = {leaf: rng.randint(3, 40) for leaf in leaves}
+        found = []
+        for t in access.tile_vars:
+            moved = []
+            for d, e in enumerate(exprs):
+                base = [evaluate(e, {**env, **{v: 0 for v in access.tile_vars}}) for _ in (0,)][0]
+                steps = [evaluate(e, {**env, **{v: 0 for v in access.tile_vars}, t: k}) - base for k in (1, 2, 5)]
+                if steps == [1, 2, 5]:
+                    moved.append(d)
+                elif any(steps):
+                    return None
+            if len(moved) != 1:
+                return None
+            found.append(moved[0])
+        if found != sorted(set(found)) or (mapping is not None and found != mapping):
+            return None
+        mapping = found
+    return mapping
