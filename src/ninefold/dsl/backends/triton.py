@@ -9,6 +9,7 @@ import torch
 from ninefold.dsl import aot
 from ninefold.dsl.backends import triton_startup
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
+from ninefold.dsl.backends.triton_codegen import descriptor
 
 DTYPES = {
     torch.float32: "fp32",
@@ -178,8 +179,7 @@ def launch(kernel, bound, config):
 
 
 def _arguments(template, bound):
-    from ninefold.dsl.backends.triton_codegen import descriptor
-
+    """The launch arguments: the call's tensors and scalars in the template, descriptors built."""
     out = []
     for kind, payload in template:
         if kind == "descriptor":
