@@ -17,6 +17,10 @@ tokens. Each figure is the best of `--repeats` runs (the machine may be shared).
 transformers `generate` loading the same file with `gguf_file=` (float32 and bfloat16), and
 llama.cpp through llama-cpp-python (a benchmark-only peer, not a dependency of ninefold).
 Prints a table with ratios to the best peer; writes JSON under $OUT (or --out) when set.
+
+`--kernels` times the operators instead, on SmolLM2's shapes with random weights: `ops.linear_blocks`
+(native, int8 activations) against torch's int4 kernel and a dense bf16 `F.linear` for 1, 8, 16 and
+512 rows, and `attention_prefill` (`cpu_native` against `vendor`) on a 512-token prompt.
 """
 
 from __future__ import annotations
@@ -290,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None, help="a .gguf file (default: the cached SmolLM2-135M-Instruct)")
     parser.add_argument("--out", default=None, help="JSON file for the results (default: $OUT/cpu.json when OUT is set)")
+    parser.add_argument("--kernels", action="store_true", help="time the CPU operators on SmolLM2's shapes instead")
     args = parser.parse_args(argv)
+    if args.kernels:
+        torch.set_num_threads(args.threads)
+        print(bench_kernels(args.repeats))
+        return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -339,6 +348,76 @@ def main(argv: list[str] | None = None) -> int:
         }, indent=2))
         print(f"\nwrote {out}")
     return 0
+
+
+# ----------------------------------------------------------------------------- operators
+
+KERNEL_SHAPES = (("qkv", 960, 576, 4), ("o", 576, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4),
+                 ("lm_head", 49152, 576, 8))
+
+
+def _time_us(fn, args: tuple, repeats: int, calls: int) -> float:
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def bench_kernels(repeats: int) -> str:
+    """A markdown table of per-call times (us, best of ``repeats``) of the CPU operators on SmolLM2's shapes."""
+    import torch.nn.functional as F
+
+    from ninefold import ops
+    from ninefold.ops import cpu_native
+    from ninefold.ops.attention import _attention_prefill_torch
+    from ninefold.ops.cpu_native.attention import _attention_prefill_native
+    from ninefold.ops.quantized import _linear_blocks_native, _linear_int4_cpu
+
+    if not cpu_native.vnni():
+        return f"native kernels without AVX-512 VNNI here ({cpu_native.reason() or 'portable build'}): nothing to time"
+    g = torch.Generator().manual_seed(0)
+    lines = [f"threads={torch.get_num_threads()}, best of {repeats}; GB/s = the native weight's bytes per call time",
+             "| matrix | N x K | rows | native us (GB/s) | torch int4 us | dense bf16 us |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, n, k, bits in KERNEL_SHAPES:
+        scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()
+        if bits == 4:
+            codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+            offsets = (-8 * scales).half().float()
+            blocks = ops.BlockWeight(codes, scales, offsets, 4)
+            int4, doubled = ops.Int4Weight(codes, scales, offsets, 32), False
+        else:
+            codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            blocks = ops.BlockWeight(codes, scales, None, 8)
+            u = codes.to(torch.int16) + 128  # torch's form: two int4 halves over [x, x]
+            int4 = ops.Int4Weight(torch.cat((u >> 4, u & 15), 1), torch.cat((16 * scales, scales), 1),
+                                  torch.cat((torch.zeros_like(scales), -128 * scales), 1), 32)
+            doubled = True
+        dense = blocks.dequantize(torch.bfloat16)
+        for m in (1, 8, 16, 512):
+            if name == "lm_head" and m == 512:
+                continue
+            x = torch.randn((m, k), generator=g).to(torch.bfloat16)
+            xi = torch.cat((x, x), 1) if doubled else x
+            calls = max(1, int(2e5 // (n * k * max(m, 8) // 8 / 1e3)))
+            t_native = _time_us(_linear_blocks_native, (x, blocks, None), repeats, calls)
+            t_int4 = _time_us(_linear_int4_cpu, (xi, int4, None), repeats, calls)
+            t_dense = _time_us(F.linear, (x, dense), repeats, calls)
+            lines.append(f"| {name} | {n} x {k} | {m} | {t_native:.0f} ({blocks.nbytes / t_native / 1e3:.1f}) | "
+                         f"{t_int4:.0f} | {t_dense:.0f} |")
+    t, hq, hk, d = 512, 9, 3, 64
+    qkv = torch.randn((t, (hq + 2 * hk) * d), generator=g).to(torch.bfloat16)
+    q, k_, v = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d: (hq + hk) * d].view(t, hk, d), qkv[:, (hq + hk) * d:].view(t, hk, d)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    args = (q, k_, v, cu, cu, None, None, None, None)
+    native = _time_us(_attention_prefill_native, args, repeats, 5)
+    vendor = _time_us(_attention_prefill_torch, args, repeats, 5)
+    lines += ["", "| attention_prefill, 512 tokens, 9/3 heads of 64, bf16 | cpu_native us | vendor (torch SDPA) us |",
+              "| --- | --- | --- |", f"| one layer | {native:.0f} | {vendor:.0f} |"]
+    return "\n".join(lines)
 
 
 def _cpu_name() -> str:

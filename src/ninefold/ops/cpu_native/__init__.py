@@ -64,7 +64,7 @@ class Model(ctypes.Structure):
         ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("m", ctypes.c_int64),
         ("max_ctx", ctypes.c_int64), ("ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
         ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+        ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("threads", ctypes.c_int64)]
 
 
 def _compiler() -> str | None:

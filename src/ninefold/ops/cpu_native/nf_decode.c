@@ -25,6 +25,7 @@ typedef struct {
     const int32_t *block_tables, *context_lens; /* [m, table_stride], [m] */
     void *out;                                  /* [m, dim] in the io dtype */
     void *scratch;                              /* nf_decode_scratch_bytes(model) bytes */
+    int64_t threads;                            /* this step's OpenMP threads (<= 0: the runtime's default) */
 } nf_model;
 
 static int64_t kmax(const nf_model *md) {
@@ -189,7 +190,8 @@ void nf_decode_step(const nf_model *md) {
     float *xs = xd + m * (k / NF_BLOCK);
     int8_t *xq = (int8_t *)(xs + m * (k / NF_BLOCK));
     char *priv_all = (char *)md->scratch + (nf_decode_scratch_bytes(md) - omp_get_max_threads() * private_bytes(md));
-#pragma omp parallel
+    const int nt = md->threads > 0 ? (int)md->threads : omp_get_max_threads();
+#pragma omp parallel num_threads(nt)
     {
         char *priv = priv_all + omp_get_thread_num() * private_bytes(md);
         int8_t *pq;
