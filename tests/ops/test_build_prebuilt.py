@@ -294,3 +294,13 @@ def test_active_build_registers_its_dsl_binaries(tmp_path):
     finally:
         build.activate(None)
     assert dsl_aot.find(softmax.kernel, *call) is None
+
+
+def test_rebuilding_into_a_build_directory_leaves_no_stale_binaries(tmp_path):
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "smollm2"\n[ops.rms_norm]\ndtypes = ["bfloat16"]\n'
+                                       'impls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    stale = tmp_path / "b" / "kernels" / "triton" / "rms_norm" / "bfloat16" / "old-0.json"
+    stale.write_text("{}")
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert not stale.exists() and len(_library(tmp_path / "b")) > 0

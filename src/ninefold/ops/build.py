@@ -190,6 +190,10 @@ def build(manifest_path, out, target: str | None = None) -> Report:
     manifest["target"] = target
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "manifest.json").exists() and (out / "kernels").is_dir():  # rebuilding: no stale binaries stay
+        import shutil
+
+        shutil.rmtree(out / "kernels")
     report = Report(out, target)
     if target != "cpu":
         _compile_triton(manifest, target, out, report)
