@@ -304,3 +304,27 @@ def test_rebuilding_into_a_build_directory_leaves_no_stale_binaries(tmp_path):
     stale.write_text("{}")
     build.build(tmp_path / "ops.toml", tmp_path / "b")
     assert not stale.exists() and len(_library(tmp_path / "b")) > 0
+
+
+PROBE_RELAXED = """
+import torch, ninefold.ops as ops
+from ninefold.ops import references
+from ninefold.ops.triton import prebuilt
+x = torch.randn(16, 4104, device="cuda", dtype=torch.bfloat16)[:, :4096]  # row stride 4104: not a multiple of 16
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+y = ops.rms_norm(x, w, 1e-5)
+err = (y.double().cpu() - references.rms_norm(x, w, 1e-5)).abs().max().item()
+print(err < 5e-2, prebuilt.STATS["prebuilt"], prebuilt.STATS["jit"], [b["exact"] for b in prebuilt.LOADED])
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_off_shape_call_runs_the_relaxed_binary_cuda(tmp_path):
+    major, minor = torch.cuda.get_device_capability()
+    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "error"\n'
+                                       '[ops.rms_norm]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", PROBE_RELAXED], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "True 1 0 [False]"  # served by a relaxed binary, nothing compiled
