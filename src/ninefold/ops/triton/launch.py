@@ -136,6 +136,7 @@ def reset() -> None:
     _direct.clear()
     for launcher in _launchers:
         launcher.compiled.clear()
+        launcher.uncovered.clear()
 
 
 class recording:
@@ -211,6 +212,7 @@ class Launcher:
                              f"{tuple(constexprs)}, got parameters {tuple(names)}")
         self.kernel = kernel
         self.compiled: dict = {}
+        self.uncovered: set = set()  # specialisations the active build holds no binary for
         self.usable = True  # False once hooks or an unexpected compiled-kernel type were seen
         _launchers.append(self)
 
@@ -230,10 +232,12 @@ class Launcher:
             return
         key = (device_index, *self.key(args, consts, num_warps, num_stages))  # loaded modules are per device
         compiled = self.compiled.get(key)
-        if compiled is None and lib is not None:
+        if compiled is None and lib is not None and key not in self.uncovered:
             compiled = _from_build(lib, self.kernel, (*args, *consts), num_warps, num_stages, device_index)
             if compiled is not None:
                 self.compiled[key] = compiled
+            else:
+                self.uncovered.add(key)  # the JIT serves it from now on
         if compiled is None:
             if not ENABLED:
                 self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)

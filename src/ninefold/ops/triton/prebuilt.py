@@ -305,6 +305,7 @@ class Library:
                              f'uncovered = "error" (build for these shapes, or set uncovered = "jit")')
         STATS["jit"] += 1
         MISSES.append(f"{kernel.fn.__name__}: {why}")
+        del MISSES[:-100]
         return None
 
 
