@@ -380,9 +380,12 @@ def main(argv=None) -> int:
         manifest = json.loads((directory / "manifest.json").read_text())
         result["build"] = {"dir": str(directory), "target": manifest["target"], "versions": manifest.get("versions")}
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "NINEFOLD_OPS_BUILD")}
+        # Each child with its own empty Triton cache and ninefold cache (DSL tuning choices, stored keys).
         result["built"] = _spawn(pairs, {**env, "NINEFOLD_OPS_BUILD": str(directory),
-                                            "TRITON_CACHE_DIR": str(tmp / "cache-built")}, True, tmp)
-        result["cold"] = _spawn(pairs, {**env, "TRITON_CACHE_DIR": str(tmp / "cache-cold")}, False, tmp)
+                                         "TRITON_CACHE_DIR": str(tmp / "cache-built"),
+                                         "NINEFOLD_CACHE_DIR": str(tmp / "nf-built")}, True, tmp)
+        result["cold"] = _spawn(pairs, {**env, "TRITON_CACHE_DIR": str(tmp / "cache-cold"),
+                                        "NINEFOLD_CACHE_DIR": str(tmp / "nf-cold")}, False, tmp)
     table = _table(result["built"], result["cold"])
     print(f"trimmed build {result['build']['dir']} (target {result['build']['target']}, built with "
           f"{(result['build'].get('versions') or {}).get('triton', '?')}) on {result['device']}, Triton {result['triton']}")
