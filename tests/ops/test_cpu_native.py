@@ -238,3 +238,29 @@ def test_native_prefill_attention_matches_float64(dtype, hq, hk, d, lens):
     want = _attention64(q, k, v, cu_q, cu_k, 0.2)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not cpu_native.vnni(), reason="native CPU kernels without AVX-512 VNNI here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_row_operators_run_natively_and_round_like_vendor(dtype):
+    """add_rms_norm, silu_and_mul and rope on many rows dispatch to cpu_native (one row does not) and
+    round at the vendor formulas' points: equal to vendor up to float32 summation order."""
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(37, 96, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(96, generator=g) + 0.5
+    gu = torch.randn(37, 2 * 80, generator=g).to(dtype)
+    qkv = torch.randn(37, 6 * 64, generator=g).to(dtype)
+    q, k = qkv[:, :256].view(37, 4, 64), qkv[:, 256:].view(37, 2, 64)
+    cache = torch.randn(100, 48, generator=g)  # rotary over the first 48 of 64 features
+    pos = torch.randint(0, 100, (37,), generator=g)
+    cases = (("add_rms_norm", (x, r, w, 1e-6)), ("silu_and_mul", (gu,)), ("rope", (q, k, pos, cache, True)))
+    for op, args in cases:
+        assert ops.choose(op, *args) == "cpu_native", op
+        with ops.use(**{op: "vendor"}):
+            want = getattr(ops, op)(*args)
+        got = getattr(ops, op)(*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert a.dtype == dtype and a.shape == b.shape
+            ulp = 2e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding step apart at most
+            torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=ulp)
+    assert ops.choose("add_rms_norm", x[:1], r[:1], w, 1e-6) != "cpu_native"

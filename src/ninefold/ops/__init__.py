@@ -36,6 +36,7 @@ def _load_triton() -> None:
 
 _load_triton()
 import ninefold.ops.cpu_native.attention  # noqa: E402,F401  (native CPU attention_prefill)
+import ninefold.ops.cpu_native.rows  # noqa: E402,F401  (native CPU add_rms_norm, silu_and_mul, rope)
 import ninefold.ops.dsl_impls  # noqa: E402,F401  (registers the DSL kernels; they import on first use)
 import ninefold.ops.norm_row  # noqa: E402,F401  (one-row CPU rms_norm / add_rms_norm)
 

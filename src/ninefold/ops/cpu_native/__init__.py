@@ -1,7 +1,7 @@
 """ninefold's native CPU kernels: C sources in this folder, compiled on first use, loaded with ctypes.
 
 ``library()`` returns the loaded library (or None). The first call on a machine compiles
-``nf_gemm.c``, ``nf_decode.c`` and ``nf_attention.c`` with the system C compiler (``$CC``, else ``cc``/``gcc``:
+``nf_gemm.c``, ``nf_decode.c``, ``nf_attention.c`` and ``nf_rows.c`` with the system C compiler (``$CC``, else ``cc``/``gcc``:
 ``-O3 -march=native -fopenmp -shared -fPIC``, ~2 s, one line on stderr) into
 ``$NINEFOLD_CACHE_DIR/cpu_native/`` under a name keyed by the sources, the compiler's version,
 the flags and the CPU's feature flags, so a changed source, compiler or CPU rebuilds and an
@@ -12,9 +12,11 @@ The OpenMP runtime is torch's own when torch is loaded (both are ``libgomp.so.1`
 kernels use torch's thread count (``torch.set_num_threads``) and its thread pool.
 
 What the kernels compute is in ``nf_cpu.h`` (the block layout, int8 activations) and
-``nf_decode.c`` (the fused decode step), ``nf_attention.c`` (causal prefill attention);
-``ninefold.ops.quantized`` (``BlockWeight``, ``linear_blocks``), ``ninefold.ops.cpu_native.attention``
-(``attention_prefill``'s ``cpu_native`` implementation) and ``ninefold.llm.models.llama_cpu`` call them.
+``nf_decode.c`` (the fused decode step), ``nf_attention.c`` (causal prefill attention), ``nf_rows.c``
+(add + rms_norm, silu * up, rope over many rows); ``ninefold.ops.quantized`` (``BlockWeight``,
+``linear_blocks``), ``ninefold.ops.cpu_native.attention`` and ``.rows`` (``cpu_native`` implementations
+of ``attention_prefill``, ``add_rms_norm``, ``silu_and_mul``, ``rope``) and
+``ninefold.llm.models.llama_cpu`` call them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("nf_cpu.h", "nf_gemm.c", "nf_decode.c", "nf_attention.c")
+SOURCES = ("nf_cpu.h", "nf_gemm.c", "nf_decode.c", "nf_attention.c", "nf_rows.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -134,6 +136,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nf_decode_step.argtypes = [ctypes.POINTER(Model)]
     lib.nf_attention_scratch_floats.restype = i64
     lib.nf_attention_scratch_floats.argtypes = [p, i64, i64, i64]
+    lib.nf_add_rms_norm.restype = None
+    lib.nf_add_rms_norm.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_double, i64, p, p]
+    lib.nf_silu_and_mul.restype = None
+    lib.nf_silu_and_mul.argtypes = [p, i64, i64, i64, i64, p]
+    lib.nf_rope_neox.restype = None
+    lib.nf_rope_neox.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, p, p]
     lib.nf_attention_prefill.restype = None
     lib.nf_attention_prefill.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64, i64, i64, i64, ctypes.c_double, p, i64,
                                          p]
