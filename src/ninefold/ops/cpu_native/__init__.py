@@ -128,8 +128,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nf_linear_scratch_bytes.argtypes = [i64, i64]
     lib.nf_linear.restype = None
     lib.nf_linear.argtypes = [ctypes.POINTER(Mat), p, i64, i64, i64, p, i64, i64, i64, p]
-    lib.nf_quantize.restype = None
-    lib.nf_quantize.argtypes = [p, i64, i64, i64, i64, p, p, p, p]
     lib.nf_decode_scratch_bytes.restype = i64
     lib.nf_decode_scratch_bytes.argtypes = [ctypes.POINTER(Model)]
     lib.nf_decode_step.restype = None

@@ -11,21 +11,6 @@ int64_t nf_linear_scratch_bytes(int64_t m, int64_t k) {
     return 2 * m * k * 4 + 4 * m * (k / NF_BLOCK) * 4 + 2 * m * k + 64;
 }
 
-/* Quantize m rows of x (float32 or bf16, row stride ldx) into xq [m, k], xd and xs [m, k / 32]. */
-void nf_quantize(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx, float *tmp, int8_t *xq,
-                 float *xd, float *xs) {
-    for (int64_t i = 0; i < m; i++) {
-        const float *row;
-        if (x_bf16) {
-            for (int64_t c = 0; c < k; c++) tmp[c] = nf_bf16_to_float(((const uint16_t *)x)[i * ldx + c]);
-            row = tmp;
-        } else {
-            row = (const float *)x + i * ldx;
-        }
-        nf_quantize_row(row, k, xq + i * k, xd + i * (k / NF_BLOCK), xs + i * (k / NF_BLOCK));
-    }
-}
-
 /* y[m, n] = x[m, k] W^T (+ bias), x and y float32 or bf16 (row strides ldx, ldy), on all OpenMP
  * threads: the rows are quantized, then the groups of W are split between the threads.
  * terms == 2: each row is quantized twice, x ~ q1 dx1 + q2 dx2 with the second term the int8
