@@ -204,8 +204,13 @@ class NativeDecoder:
         m, md = self.model, self.md
         if m.kv_caches is not self._kv:
             self._bind_caches()
-        ids = input_ids.contiguous()
-        pos = positions.contiguous()
+        ids = input_ids.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        # the C code indexes the embedding and rotary tables with these: out of range must not read memory
+        if int(ids.min()) < 0 or int(ids.max()) >= m.embed.shape[0]:
+            raise ValueError(f"token ids must lie in [0, {m.embed.shape[0]}), got {ids.tolist()}")
+        if int(pos.min()) < 0 or int(pos.max()) >= m.cos_sin.shape[0]:
+            raise ValueError(f"positions must lie in [0, {m.cos_sin.shape[0]}), got {pos.tolist()}")
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
         tables = meta.block_tables.to(torch.int32)
