@@ -106,3 +106,14 @@ def test_bad_requests_fail_alone(llm):
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=greedy)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.pool.num_free + len(llm.engine.blocks._evictable) == 32
+
+
+def test_a_token_budget_above_max_model_len_is_profiled_within_the_rotary_table(llama_dir):
+    """The activation profile (run at start-up on GPUs, before the KV pool is sized) packs a budget
+    longer than max_model_len as several sequences: positions past the rotary table would read out
+    of bounds (an illegal memory access on CUDA)."""
+    from ninefold.llm.engine import LLMEngine
+
+    engine = LLMEngine(str(llama_dir), device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=200)
+    assert engine.model.cos_sin.shape[0] == 64
+    engine._profile_forward()  # raised IndexError before (positions up to 199)

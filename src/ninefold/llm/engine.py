@@ -96,11 +96,14 @@ class LLMEngine:
         scratch = torch.zeros((1, cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=dev)
         self.model.kv_caches = [(scratch, scratch)] * mc.num_layers
         T = cfg.max_num_batched_tokens
-        cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+        # A step never holds a sequence longer than the rotary table (max_model_len): a budget above
+        # it is profiled as several sequences.
+        L = min(T, self.model.cos_sin.shape[0])
+        cu = torch.tensor([*range(0, T, L), T], dtype=torch.int32, device=dev)
         meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
-                                 cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False)
+                                 cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False, max_seqlen_q=L, max_seqlen_k=L)
         ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        hidden = self.model.forward(ids, torch.arange(T, device=dev), meta)
+        hidden = self.model.forward(ids, torch.arange(T, device=dev) % L, meta)
         self.model.compute_logits(hidden[: cfg.max_num_seqs])
         self.model.kv_caches = []
 
