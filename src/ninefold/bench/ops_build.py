@@ -234,7 +234,7 @@ def child(pairs, json_path: str, built: bool) -> None:
             if (row["op"], row["impl"]) not in runs:
                 continue
             if row["impl"] == "dsl":  # the DSL kernel's call cache keeps the artifact's launcher: no JIT here
-                row["jit_error"] = "no in-process JIT comparison for DSL kernels (see the cold columns)"
+                row["jit_note"] = "no in-process JIT comparison for DSL kernels (see the cold columns)"
                 continue
             try:
                 run, _ = _call(row["op"], pick_case(row["op"], "cuda", dtype), row["impl"])
@@ -334,6 +334,8 @@ def _table(built: dict, cold: dict) -> str:
                      f"{fmt(c.get('first_call_ms'), '11.1f')} {fmt(c.get('compiles'), '13d')}")
         if r.get("jit_error"):
             lines.append(f"{'':25s} JIT comparison failed: {r['jit_error'][:160]}")
+        elif r.get("jit_note"):
+            lines.append(f"{'':25s} note: {r['jit_note']}")
     return "\n".join(lines)
 
 
