@@ -135,3 +135,24 @@ def test_smollm2_native_decode_follows_the_float32_model(dtype, tie):
     # sensible answers: at least one follows the float32 model for 8+ tokens (measured: float32 all 24 tokens
     # of all three, bfloat16 19, 22 and 12)
     assert max(agree) >= 8, agree
+
+
+def test_native_step_refuses_ids_and_positions_outside_its_tables(tmp_path):
+    """The C step indexes the embedding and rotary tables directly: out-of-range values are refused
+    before it runs (the engine validates prompts, this guards direct callers of the model)."""
+    from ninefold.llm.models.llama import AttentionMetadata
+
+    path = write_gguf(tmp_path / "llama-Q4_1.gguf", _weights("llama", tied=True), T.Q4_1, arch="llama")
+    model = _engine(path, "float32").model
+    vocab, positions = model.embed.shape[0], model.cos_sin.shape[0]
+
+    def meta():
+        return AttentionMetadata(slot_mapping=torch.tensor([0]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
+                                 context_lens=torch.tensor([1], dtype=torch.int32))
+
+    model.forward(torch.tensor([1]), torch.tensor([0]), meta())
+    assert model._cpu_decoder.native is not None
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {vocab}\)"):
+        model.forward(torch.tensor([vocab]), torch.tensor([0]), meta())
+    with pytest.raises(ValueError, match=rf"positions must lie in \[0, {positions}\)"):
+        model.forward(torch.tensor([1]), torch.tensor([positions]), meta())
