@@ -24,6 +24,7 @@ from ninefold.ops import cpu_native
 
 from .test_gguf import hf_weights, write_gguf
 from .test_gguf_packed import _greedy as greedy
+from .test_parity import decode_step_both_ways
 
 pytestmark = pytest.mark.skipif(not cpu_native.vnni(), reason=f"native CPU kernels without AVX-512 VNNI here "
                                                                 f"({cpu_native.reason() or 'portable build'})")
@@ -59,27 +60,12 @@ def test_native_step_matches_the_generic_path(tmp_path, arch, qtype, dtype):
         for name in ("qkv", "o", "gate_up", "down"):
             getattr(layer, name).blocks.activation_terms = 1
     prompts = _prompts(engine.model_config.vocab_size)
-    for batch in (prompts, prompts[:1]):
-        ids = [f"{len(batch)}-{i}" for i in range(len(batch))]
-        for rid, prompt in zip(ids, batch):
-            engine.add_request(engine.build_request(prompt, SamplingParams(max_tokens=8, **GREEDY_KW), rid))
-        for _ in range(3):  # prefill, then two decode steps
-            engine.step()
-        step = engine.scheduler.schedule()
-        assert all(s.num_new_tokens == 1 for s in step) and len(step) == len(batch)
-        model = engine.model
-        model.cpu_fast_decode = False
-        generic = engine.runner.forward_logits(step)
-        model.cpu_fast_decode = True
-        native = engine.runner.forward_logits(step)  # rewrites the same cache slots with the same values
-        assert model._cpu_decoder.native is not None
+    for generic, native in decode_step_both_ways(engine, prompts, SamplingParams(max_tokens=8, **GREEDY_KW)):
+        assert engine.model._cpu_decoder.native is not None
         scale = generic.abs().max().item()
         tol = 0.01 if dtype == "float32" else 0.05
         torch.testing.assert_close(native, generic, rtol=0, atol=tol * scale)
         assert (native - generic).abs().mean() <= tol / 4 * scale
-        for rid in ids:
-            engine.abort_request(rid)
-
 
 CHAT = ("What is the capital of France?", "Name three colors.", "Write a haiku about rain.")
 NEW = 24

@@ -138,21 +138,27 @@ def test_cpu_decode_path_matches_the_generic_path(model_dirs, variant, dtype):
     engine = LLMEngine(str(path), device="cpu", dtype=dtype, block_size=4, num_kv_blocks=64,
                        enable_prefix_caching=False)
     prompts = prompts_for(engine.model_config.vocab_size, lengths=(5, 23, 9))
+    for generic, fast in decode_step_both_ways(engine, prompts, GREEDY):
+        assert engine.model._cpu_decoder is not None
+        torch.testing.assert_close(fast, generic, rtol=1e-6, atol=1e-5)
+
+
+def decode_step_both_ways(engine, prompts, params):
+    """For ``prompts`` batched and for the first alone: after their prefill and two decode steps, the
+    logits of the next decode step through the ops-by-ops forward and then through the CPU decode
+    step (which rewrites the same cache slots with the same values); yields ``(generic, fast)``."""
     for batch in (prompts, prompts[:1]):
         ids = [f"{len(batch)}-{i}" for i in range(len(batch))]
         for rid, prompt in zip(ids, batch):
-            engine.add_request(engine.build_request(prompt, GREEDY, rid))
+            engine.add_request(engine.build_request(prompt, params, rid))
         for _ in range(3):  # prefill, then two decode steps
             engine.step()
         step = engine.scheduler.schedule()
         assert all(s.num_new_tokens == 1 for s in step) and len(step) == len(batch)
-        model = engine.model
-        model.cpu_fast_decode = False
+        engine.model.cpu_fast_decode = False
         generic = engine.runner.forward_logits(step)
-        model.cpu_fast_decode = True
-        fast = engine.runner.forward_logits(step)  # rewrites the same cache slots with the same values
-        assert model._cpu_decoder is not None
-        torch.testing.assert_close(fast, generic, rtol=1e-6, atol=1e-5)
+        engine.model.cpu_fast_decode = True
+        yield generic, engine.runner.forward_logits(step)
         for rid in ids:
             engine.abort_request(rid)
 
