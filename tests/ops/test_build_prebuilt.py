@@ -267,14 +267,20 @@ except prebuilt.BuildError as error:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("uncovered,expected", [("jit", "ran True 0 True"), ("error", "refused True")])
 def test_uncovered_calls_follow_the_manifest_cuda(tmp_path, uncovered, expected):
+    assert _probe_rms_norm_build(tmp_path, uncovered, PROBE_CUDA) == expected
+
+
+def _probe_rms_norm_build(tmp_path, uncovered: str, probe: str) -> str:
+    """Build rms_norm (Triton, bfloat16) for this GPU with ``uncovered``, run ``probe`` in a fresh
+    process under that build; returns the probe's last line."""
     major, minor = torch.cuda.get_device_capability()
     (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "{uncovered}"\n'
                                        '[ops.rms_norm]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
     build.build(tmp_path / "ops.toml", tmp_path / "b")
     env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-c", PROBE_CUDA], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == expected
+    return run.stdout.split("\n")[-2]
 
 
 def test_active_build_registers_its_dsl_binaries(tmp_path):
@@ -320,11 +326,5 @@ print(err < 5e-2, prebuilt.STATS["prebuilt"], prebuilt.STATS["jit"], [b["exact"]
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_off_shape_call_runs_the_relaxed_binary_cuda(tmp_path):
-    major, minor = torch.cuda.get_device_capability()
-    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "error"\n'
-                                       '[ops.rms_norm]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
-    build.build(tmp_path / "ops.toml", tmp_path / "b")
-    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-c", PROBE_RELAXED], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "True 1 0 [False]"  # served by a relaxed binary, nothing compiled
+    # served by a relaxed binary, nothing compiled
+    assert _probe_rms_norm_build(tmp_path, "error", PROBE_RELAXED) == "True 1 0 [False]"
