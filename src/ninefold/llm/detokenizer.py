@@ -81,10 +81,8 @@ class IncrementalDetokenizer:
     def _push(self, token_id: int) -> None:
         self._ids.append(token_id)
         self._text += self._delta()
-        if self._prefix > 64:  # drop ids that no window can reach any more
-            del self._ids[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
+        if self._prefix > 64:
+            self._drop_unreachable_ids()
 
     def _catch_up(self) -> None:
         queued, self._queued = self._queued, []
@@ -105,12 +103,16 @@ class IncrementalDetokenizer:
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
                 self._text += new_text[len(prefix_text) :]
                 self._prefix, self._read = max(self._read, end - PREFIX_WINDOW), end
-                del self._ids[: self._prefix]
-                self._read -= self._prefix
-                self._prefix = 0
+                self._drop_unreachable_ids()
                 return True
         del self._ids[base:]
         return False
+
+    def _drop_unreachable_ids(self) -> None:
+        """Forget the ids before the decode window's start: no later window reaches them."""
+        del self._ids[: self._prefix]
+        self._read -= self._prefix
+        self._prefix = 0
 
     def _delta(self) -> str:
         decode = self.tokenizer.decode
