@@ -184,6 +184,7 @@ def check_correctness(engine) -> dict:
     # decode: graph replay against eager on the same state
     engine.add_request(engine.build_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "g"))
     engine.step()
+    engine.sync()  # with async scheduling the prefill's token is read one step later
     step = engine.scheduler.schedule()
     graphs = engine.runner.graphs  # None on the CPU: then this compares eager with itself
     graph_logits = engine.runner.forward_logits(step).clone()
@@ -382,7 +383,8 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
               "bound_terms_s": {"compute": flops / mm_rate, "weights": weight_reads / bandwidth,
                                 "kv": kv_reads / bandwidth},
               "fraction_of_roofline": (out_tokens + prompt_tokens) / elapsed / (total / bound_s),
-              "preemptions": engine.scheduler.num_preemptions}
+              "preemptions": engine.scheduler.num_preemptions, "async_scheduling": engine.async_scheduling,
+              "steps_launched_ahead": engine.num_steps_ahead}
     note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
           f"total tok/s; roofline {result['roofline_total_tok_per_s']:.0f} total tok/s "

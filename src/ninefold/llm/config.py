@@ -208,6 +208,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # Prepare and launch step n+1 while the device runs step n (None: on for CUDA devices). A
+    # sequence that stops at step n (EOS, stop string) has one wasted row in step n+1.
+    async_scheduling: bool | None = None
     load_format: str = "auto"
     # GGUF 4-bit and Q8_0 matrices: "auto" keeps them packed where that is the fast path (bfloat16
     # on CPUs), "int4" keeps them packed on any device and dtype, "none" dequantizes everything to
@@ -226,6 +229,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer or None")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling: got {self.async_scheduling!r}; expected True, False or None (auto)")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction: got {self.kv_cache_memory_fraction!r}; expected (0, 1]")
         if self.load_format not in ("auto", "dummy"):

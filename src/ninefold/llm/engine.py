@@ -73,6 +73,9 @@ class LLMEngine:
             gc.freeze()
         self.requests: dict[str, Request] = {}
         self.stream_outputs = True
+        self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None else self.device.type == "cuda"
+        self._in_flight = None  # a launched step whose tokens are not read yet (async_scheduling)
+        self.num_steps_ahead = 0  # steps launched before the previous one's tokens were read
         self._auto_ids = itertools.count()
 
     def _make_pool(self, max_len: int) -> KVCachePool:
@@ -199,35 +202,84 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             if not seq.finished:
+                seq.drop_placeholder()
                 self.scheduler.finish(seq, "abort")
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     # -- stepping ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of requests that changed (only finished ones when
-        ``stream_outputs`` is False)."""
+        ``stream_outputs`` is False).
+
+        With ``async_scheduling`` a step's tokens are read one call later: each call launches the
+        next step before reading the tokens of the one in flight, so the host's work (scheduling,
+        inputs, stop checks, outputs) overlaps the device's.
+        """
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            launched = self._launch(None)
+            if launched is None:
+                return []
+            if self.async_scheduling and self._may_run_ahead(launched):
+                self._in_flight = launched
+                return []
+            return self._complete(launched)
+        ahead = self._launch(previous) if self._may_run_ahead(previous) else None
+        self.num_steps_ahead += ahead is not None
+        outputs = self._complete(previous)
+        self._in_flight = ahead
+        return outputs
+
+    def sync(self) -> list[RequestOutput]:
+        """Finish the step in flight, if any (``async_scheduling``); returns its outputs."""
+        previous, self._in_flight = self._in_flight, None
+        return self._complete(previous) if previous is not None else []
+
+    def _may_run_ahead(self, launched) -> bool:
+        """Whether the next step may be scheduled before ``launched``'s tokens are read."""
+        if launched.tokens is None:
+            return True
+        if launched.tokens.read_back:  # logprobs were asked for: already read
+            return False
+        # Penalties read every earlier token on the host.
+        return not any(seq.params.has_penalties for seq in launched.samplers)
+
+    def _launch(self, previous):
+        """Schedule and enqueue a step; ``previous``: the step in flight, whose tokens are not read yet."""
+        if previous is not None:
+            for row, seq in enumerate(previous.samplers):
+                if seq.status is Status.RUNNING and not self._ends_by_length(seq, 1):
+                    seq.add_placeholder(row)
         step = self.scheduler.schedule()
         if not step:
-            return []
-        sampled = self.runner.execute(step)
+            return None
+        for s in step:  # counted at launch: the next step is scheduled before this one's tokens are read
+            s.seq.num_computed_tokens += s.num_new_tokens
+        return self.runner.launch(step, previous)
+
+    def _complete(self, launched) -> list[RequestOutput]:
+        """Read ``launched``'s tokens and append them, checking stop conditions."""
+        sampled = launched.read()
         touched: dict[str, Request] = {}
         tokens, logprobs = sampled.token_ids, sampled.logprobs
         commit = self.blocks.commit if self.blocks.enable_prefix_caching else None
         j = 0
-        for s in step:
+        for s in launched.step:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            if commit is not None:
-                commit(seq)
             if s.samples:
-                self._append(seq, tokens[j], logprobs[j])
+                token, token_logprobs = tokens[j], logprobs[j]
                 j += 1
+                if seq.status is Status.FINISHED:  # ended (stop, abort) while this step was in flight
+                    continue
+                self._append(seq, token, token_logprobs, commit)
                 if self.stream_outputs or seq.status is Status.FINISHED:
                     touched[seq.request_id] = self.requests[seq.request_id]
+            elif commit is not None and seq.status is not Status.FINISHED:
+                commit(seq)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -237,8 +289,16 @@ class LLMEngine:
                 outputs.append(self._output(request))
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+    def _ends_by_length(self, seq: Sequence, extra: int) -> bool:
+        """Whether ``seq`` reaches max_tokens or max_model_len with ``extra`` more tokens."""
+        p = seq.params
+        return ((p.max_tokens is not None and len(seq.output_ids) + extra >= p.max_tokens)
+                or len(seq.token_ids) + extra >= self.max_model_len)
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, commit=None) -> None:
         seq.append(token)
+        if commit is not None:  # after the token: it may fill a placeholder inside a computed block
+            commit(seq)
         p = seq.params
         if logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(logprobs)

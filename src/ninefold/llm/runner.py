@@ -4,6 +4,12 @@ Inputs are built on the host in page-locked buffers and copied to the device wit
 the only host synchronisation of a step is reading the sampled tokens. On GPUs, pure decode
 steps replay CUDA graphs captured for a set of batch sizes (padded up to the nearest one); on
 CPUs, or with ``enforce_eager``, every step runs eagerly.
+
+``launch`` returns before the step's tokens are back, so the engine can prepare the next step
+while the device runs this one. A sequence whose last token is still on the device (a
+``PLACEHOLDER``, see ``Sequence.pending_row``) gets it from the previous step's token tensor on
+the device. The staging buffers alternate between two sets, so filling one step's inputs never
+overwrites those of a step whose copies may still be queued.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import numpy as np
 import torch
 
 from ninefold.llm.models.llama import AttentionMetadata
-from ninefold.llm.sampler import SampledTokens, Sampler
+from ninefold.llm.sampler import PendingTokens, SampledTokens, Sampler
 from ninefold.llm.scheduler import ScheduledSeq
+from ninefold.llm.sequence import Sequence
 
 
 class _HostBuffers:
@@ -69,6 +76,21 @@ class _HostBuffers:
         return n
 
 
+class LaunchedStep:
+    """A step handed to the device: its sequences, the ones that sample (row order), their tokens."""
+
+    def __init__(self, step: list[ScheduledSeq], samplers: list[Sequence], tokens: PendingTokens | None):
+        self.step = step
+        self.samplers = samplers
+        self.tokens = tokens
+
+    def read(self) -> SampledTokens:
+        """The sampled tokens on the host (waits for this step's device work)."""
+        if self.tokens is None:
+            return SampledTokens([], [])
+        return self.tokens.read()
+
+
 class ModelRunner:
     """Runs one engine step on the model: inputs, forward, logits, sampling."""
 
@@ -80,7 +102,10 @@ class ModelRunner:
         self.device = model.device
         self.block_size = pool.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.buffers = _HostBuffers(self.device)
+        self._buffer_sets = [_HostBuffers(self.device), _HostBuffers(self.device)]
+        self._set_free: list = [None, None]  # per set: an event after the last step that used it
+        self._launches = 0
+        self.buffers = self._buffer_sets[0]
         model.bind_kv_cache(pool)
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
@@ -91,15 +116,54 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: list[ScheduledSeq]) -> SampledTokens:
         """Run ``step``; returns one sampled token per sequence that samples, in step order."""
-        logits = self.forward_logits(step)
-        return self.sampler(logits, [s.seq for s in step if s.samples])
+        return self.launch(step).read()
 
     @torch.inference_mode()
-    def forward_logits(self, step: list[ScheduledSeq]) -> torch.Tensor:
-        """Float32 logits ``[S, V]`` at the last token of every sequence in ``step`` that samples."""
+    def launch(self, step: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue ``step`` (forward and sampling) and return without waiting for its tokens.
+
+        ``previous``: the step in flight whose tokens some of ``step``'s sequences still hold as
+        placeholders (they are taken from its token tensor on the device).
+        """
+        self._switch_buffers()
+        prev_tokens = previous.tokens.tokens if previous is not None and previous.tokens is not None else None
+        logits = self.forward_logits(step, prev_tokens)
+        samplers = [s.seq for s in step if s.samples]
+        tokens = self.sampler.sample(logits, samplers) if samplers else None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._set_free[self._launches % 2] = event
+        return LaunchedStep(step, samplers, tokens)
+
+    def _switch_buffers(self) -> None:
+        self._launches += 1
+        index = self._launches % 2
+        event = self._set_free[index]
+        if event is not None:  # its last step's input copies must have left the host buffers
+            event.synchronize()
+        self.buffers = self._buffer_sets[index]
+
+    @torch.inference_mode()
+    def forward_logits(self, step: list[ScheduledSeq], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[S, V]`` at the last token of every sequence in ``step`` that samples.
+
+        ``prev_tokens``: the device tokens of the step in flight, for sequences holding a placeholder.
+        """
         if all(s.num_new_tokens == 1 for s in step):
-            return self._decode(step)
-        return self._prefill(step)
+            return self._decode(step, prev_tokens)
+        return self._prefill(step, prev_tokens)
+
+    def _device_ids(self, ids: np.ndarray, rows: list[int], sources: list[int], prev_tokens) -> torch.Tensor:
+        """Token ids on the device, rows ``rows`` replaced by ``prev_tokens[sources]``."""
+        dev = self.buffers.to_device("ids", ids, torch.int64)
+        if rows:
+            if prev_tokens is None:
+                raise RuntimeError("a sequence waits for a token of a step that is not in flight")  # an engine bug
+            where = self.buffers.to_device("src_rows", np.asarray(rows, dtype=np.int64), torch.int64)
+            src = self.buffers.to_device("src_index", np.asarray(sources, dtype=np.int64), torch.int64)
+            dev.index_copy_(0, where, prev_tokens.index_select(0, src))
+        return dev
 
     def _block_tables(self, step: list[ScheduledSeq], width: int, *, pinned: bool) -> torch.Tensor:
         """``[B, width]`` int32 block tables on the device, or in pinned host memory with ``pinned``.
@@ -113,19 +177,25 @@ class ModelRunner:
             table[row, : len(blocks)] = blocks
         return host if pinned else self.buffers.upload("tables", host)
 
-    def _decode(self, step: list[ScheduledSeq]) -> torch.Tensor:
+    def _decode(self, step: list[ScheduledSeq], prev_tokens=None) -> torch.Tensor:
         bs = self.block_size
         ids, positions, slots = [], [], []
-        for s in step:
+        rows, sources = [], []
+        for row, s in enumerate(step):
             seq, start = s.seq, s.start
             ids.append(seq.token_ids[start])
             positions.append(start)
             slots.append(seq.block_table[start // bs] * bs + start % bs)
+            if seq.pending_row >= 0:
+                rows.append(row)
+                sources.append(seq.pending_row)
         graphs = self.graphs is not None and self.graphs.fits(len(step))
         width = self.max_blocks if graphs else max(len(s.seq.block_table) for s in step)
         put = self.buffers.to_device if not graphs else self.buffers.pinned_host
         pos = np.array(positions, dtype=np.int64)
-        args = (put("ids", np.array(ids, dtype=np.int64), torch.int64), put("pos", pos, torch.int64),
+        ids = np.array(ids, dtype=np.int64)
+        token_ids = self._device_ids(ids, rows, sources, prev_tokens) if rows else put("ids", ids, torch.int64)
+        args = (token_ids, put("pos", pos, torch.int64),
                 put("slots", np.array(slots, dtype=np.int64), torch.int64),
                 put("context", (pos + 1).astype(np.int32), torch.int32),
                 self._block_tables(step, width, pinned=graphs))
@@ -134,7 +204,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3])
         return self.model.compute_logits(self.model.forward(args[0], args[1], meta))
 
-    def _prefill(self, step: list[ScheduledSeq]) -> torch.Tensor:
+    def _prefill(self, step: list[ScheduledSeq], prev_tokens=None) -> torch.Tensor:
         bs = self.block_size
         # One-token rows go first and through decode attention (a prefill kernel would spend a
         # whole query block on each); the others follow as packed variable-length sequences.
@@ -161,6 +231,7 @@ class ModelRunner:
                 use_cache |= start > 0
                 max_q, max_k = max(max_q, n), max(max_k, start + n)
         last = [row_end[id(s)] - 1 for s in step if s.samples]
+        waiting = [(row, s.seq.pending_row) for row, s in enumerate(decodes) if s.seq.pending_row >= 0]
         put = self.buffers.to_device
         meta = AttentionMetadata(
             slot_mapping=put("slots", np.concatenate(slots), torch.int64),
@@ -177,12 +248,9 @@ class ModelRunner:
             wide = decodes and self.graphs is not None
             width = self.max_blocks if wide else max(len(s.seq.block_table) for s in ordered)
             meta.block_tables = self._block_tables(ordered, width, pinned=False)
-        hidden = self.model.forward(
-            put("ids", np.concatenate(ids), torch.int64), put("pos", np.concatenate(positions), torch.int64), meta
-        )
-        if not last:
-            if self.device.type == "cuda":  # no token read back: keep the staging buffers safe to refill
-                torch.cuda.current_stream().synchronize()
+        token_ids = self._device_ids(np.concatenate(ids), [r for r, _ in waiting], [j for _, j in waiting], prev_tokens)
+        hidden = self.model.forward(token_ids, put("pos", np.concatenate(positions), torch.int64), meta)
+        if not last:  # (the staging buffers stay safe: ``launch`` alternates them behind events)
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = put("last", np.asarray(last, dtype=np.int64), torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))

@@ -19,6 +19,43 @@ class SampledTokens:
     logprobs: list[dict[int, float] | None]
 
 
+class PendingTokens:
+    """The sampled tokens of one step on their way to the host.
+
+    On CUDA a non-blocking copy into page-locked memory and an event follow the sampling, so
+    ``read`` waits for this step's work only, not for steps enqueued after it.
+    """
+
+    def __init__(self, sampler: Sampler, tokens: torch.Tensor):
+        self.sampler = sampler
+        self.tokens = tokens  # on the device: int64 [rows]
+        self._result: SampledTokens | None = None
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def read_back(self) -> bool:
+        """True once the tokens are on the host (``read`` returns at once)."""
+        return self._result is not None
+
+    def read(self) -> SampledTokens:
+        """The tokens as host ints; the first call waits for this step's device work."""
+        if self._result is None:
+            waited = time.perf_counter()
+            if self._event is not None:
+                self._event.synchronize()  # the one host synchronisation of a step
+                token_list = self._host.tolist()
+            else:
+                token_list = self.tokens.tolist()
+            self.sampler.sync_seconds += time.perf_counter() - waited
+            self._result = SampledTokens(token_list, [None] * len(token_list))
+        return self._result
+
+
 class Sampler:
     """Applies each row's ``SamplingParams`` and draws one token per row."""
 
@@ -30,10 +67,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Sample one token for each row of ``logits`` ``[B, V]`` (float32), row b for ``seqs[b]``."""
+        return self.sample(logits, seqs).read()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens:
+        """Enqueue the sampling of ``logits`` on the device; ``.read()`` on the result gives the tokens.
+
+        Without logprobs nothing waits for the device here: on CUDA the tokens are copied to
+        page-locked memory behind the step's work, so the host can prepare the next step meanwhile.
+        """
         params = [s.params for s in seqs]
         logits = logits[:, : self.vocab_size]
         if all(s.plain_greedy for s in seqs):  # the common case, kept short: no per-row work
-            return self._read(ops.argmax(logits, dim=-1), len(seqs))
+            return PendingTokens(self, ops.argmax(logits, dim=-1))
         want_logprobs = [p.logprobs is not None for p in params]
         raw = logits if any(want_logprobs) else None
         if any(p.has_penalties for p in params):
@@ -55,16 +100,10 @@ class Sampler:
             tokens = ops.argmax(logits, dim=-1)
         else:
             tokens = self._sample(logits, seqs)
-        result = self._read(tokens, len(seqs))
+        pending = PendingTokens(self, tokens)
         if raw is not None:
-            result.logprobs = self._logprobs(raw, tokens, params, want_logprobs)
-        return result
-
-    def _read(self, tokens: torch.Tensor, rows: int) -> SampledTokens:
-        waited = time.perf_counter()
-        token_list = tokens.tolist()  # the one host synchronisation of a step
-        self.sync_seconds += time.perf_counter() - waited
-        return SampledTokens(token_list, [None] * rows)
+            pending.read().logprobs = self._logprobs(raw, tokens, params, want_logprobs)
+        return pending
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -64,6 +64,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if n == 0:  # its next token is still being sampled by the step in flight
+                i += 1
+                continue
             end = seq.num_computed_tokens + n
             while end > len(seq.block_table) * bs and not self.blocks.ensure(seq, end):
                 victim = self.running.pop()

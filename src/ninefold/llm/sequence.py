@@ -10,6 +10,7 @@ from typing import Any
 from ninefold.llm.sampling import SamplingParams
 
 _ids = itertools.count()
+PLACEHOLDER = -1  # a sampled token not read back from the device yet (see ``Sequence.pending_row``)
 
 
 class Status(enum.Enum):
@@ -41,6 +42,9 @@ class Sequence:
     stop_reason: int | str | None = None
     plain_greedy: bool = False  # params.plain_greedy, read once (the sampler checks it every step)
     output_ids: list[int] = field(default_factory=list)  # the generated tokens (grows in place)
+    # With overlapped scheduling, a token still on the device: its row in the step in flight, and
+    # PLACEHOLDER stands at the end of ``token_ids``/``output_ids`` until the engine reads it.
+    pending_row: int = -1
 
     def __post_init__(self) -> None:
         self.plain_greedy = self.params.plain_greedy
@@ -54,9 +58,27 @@ class Sequence:
         return len(self.output_ids)
 
     def append(self, token: int) -> None:
-        """Add a generated token."""
-        self.token_ids.append(token)
-        self.output_ids.append(token)
+        """Add a generated token (in place of the placeholder when one is pending)."""
+        if self.pending_row >= 0:
+            self.token_ids[-1] = token
+            self.output_ids[-1] = token
+            self.pending_row = -1
+        else:
+            self.token_ids.append(token)
+            self.output_ids.append(token)
+
+    def add_placeholder(self, row: int) -> None:
+        """Stand in for the token that row ``row`` of the step in flight is sampling."""
+        self.token_ids.append(PLACEHOLDER)
+        self.output_ids.append(PLACEHOLDER)
+        self.pending_row = row
+
+    def drop_placeholder(self) -> None:
+        """Forget a pending token (the sequence ended before it was read)."""
+        if self.pending_row >= 0:
+            self.token_ids.pop()
+            self.output_ids.pop()
+            self.pending_row = -1
 
     @property
     def finished(self) -> bool:
