@@ -84,9 +84,62 @@ def test_plain_triton_attention_references_are_causal_attention():
         "for mode in ('pointers', 'tma'):\n"
         "    got = dsl._plain_attention(q, k, v, mode, 128, 64, 4, 2)\n"
         "    print(mode, (got.double() - want).abs().max().item())\n"
+        "for flags in ((), ('pipe', 'lazy'), ('pipe', 'persist')):\n"
+        "    got = dsl._fa_attention_call(q, k, v, 64, 32, 4, 2, flags)\n"
+        "    print('fa-' + '-'.join(flags), (got.double() - want).abs().max().item())\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     errors = dict(line.split() for line in done.stdout.splitlines())
-    assert set(errors) == {"pointers", "tma"} and all(float(e) < 2e-3 for e in errors.values())
+    assert set(errors) == {"pointers", "tma", "fa-", "fa-pipe-lazy", "fa-pipe-persist"}
+    assert all(float(e) < 2e-3 for e in errors.values()), errors
+
+
+def test_hand_written_fa_attention_compiles_for_sm90():
+    # every flag of the FA-trick kernel at once (pipelined q k^T, lazy rescale, persistent grid)
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"q_desc": "tensordesc<bf16[128, 128]>", "k_desc": "tensordesc<bf16[64, 128]>", "v_desc": "tensordesc<bf16[64, 128]>",
+           "o_ptr": "*bf16", "seq": "i32", "heads": "i32", "scale": "fp32"}
+    const = {"BM": 128, "BN": 64, "D": 128, "PIPE": True, "LAZY": True, "PERSIST": True}
+    sig.update({name: "constexpr" for name in const})
+    compiled = triton.compile(ASTSource(bench._fa_attention, sig, const), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
+
+
+def test_longest_first_arrangement_and_torch_rows_on_cpu(monkeypatch):
+    # the sweep's reordered DSL kernel and its torch rows, checked against float64 on the cpu
+    import math
+
+    import ninefold.dsl as nd
+    from ninefold.ops.kernels import attention
+
+    monkeypatch.setattr(bench, "_gpu_time", _cpu_timer)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 160, 32) for _ in range(3))
+    want = bench._sdpa_float64(q, k, v, True)
+    assert want.dtype == torch.float64
+    kernel = nd.make(bench._lpt_arrangement, attention.application, attention.tensors(), num_warps=4, num_stages=2)
+    assert "program_0 = program\n" in kernel.source  # the query-block level is the outermost (slowest) one
+    o = torch.empty_like(q)
+    kernel(q, k, v, 1 / math.sqrt(32), True, o, BLOCK_M=64, BLOCK_N=32)
+    assert (o.double() - want).abs().max().item() < 1e-5
+    rows = bench._torch_sdpa_rows(q, k, v, True, want, torch.float32, 1.0)
+    assert rows[0]["ok"] and rows[0]["config"].startswith("torch sdpa (dispatch: ")
+    assert [r["config"] for r in rows[1:]] == ["torch sdpa flash_attention", "torch sdpa efficient_attention", "torch sdpa cudnn_attention"]
+
+
+def test_rms_norm_timers_time_every_call_on_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "SWEEP_DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_gpu_time", _cpu_timer)
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    (block,) = bench.rms_norm_timers(shrink=64, repeats=2)
+    labels = [r["config"] for r in block["rows"]]
+    assert labels[0] == "ninefold rms_norm (tuned)" and labels[-1] == "copy of the same bytes"
+    for row in block["rows"]:
+        assert row["ok"] and len(row["do_bench_s"]) == 2 and row["host_s_per_call"] > 0, row
+        assert bench._timer_line(row).strip().startswith(row["config"])

@@ -764,7 +764,8 @@ def _sweep_row(label, fn, reference, dtype, flops, ceiling):
         if row["ok"]:
             row["seconds"] = _gpu_time(fn)
             row["tflops"] = flops / row["seconds"] / 1e12
-            row["fraction_of_cublas"] = flops / row["seconds"] / ceiling
+            if ceiling:
+                row["fraction_of_cublas"] = flops / row["seconds"] / ceiling
     except Exception as error:  # a config that does not compile or fit is a row, not a crash
         row["error"] = f"{type(error).__name__}: {error}"[:300]
         row["ok"] = False
@@ -863,17 +864,61 @@ def sweep_sdpa(shrink=1):
     return results
 
 
+def _sdpa_float64(q, k, v, causal):
+    """Attention in float64 on the inputs' device, one batch entry at a time (the sweep's reference)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for i in range(q.shape[0]):
+        out[i] = sdpa(q[i : i + 1].double(), k[i : i + 1].double(), v[i : i + 1].double(), is_causal=causal)[0]
+    return out
+
+
+def _torch_sdpa_rows(q, k, v, causal, reference, dtype, flops):
+    """torch SDPA as dispatched, then each fused backend forced (flash, efficient, cuDNN)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    choice = None
+    if hasattr(torch, "_fused_sdp_choice"):
+        try:
+            choice = SDPBackend(int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal))).name
+        except Exception as error:  # private API: report, do not fail
+            choice = f"unknown ({type(error).__name__})"
+    rows = [_sweep_row(f"torch sdpa (dispatch: {choice})", lambda: sdpa(q, k, v, is_causal=causal), reference, dtype, flops, None)]
+    rows[-1]["backend"] = choice
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+
+        def forced(backend=backend):
+            with sdpa_kernel([backend]):
+                return sdpa(q, k, v, is_causal=causal)
+
+        rows.append(_sweep_row(f"torch sdpa {backend.name.lower()}", forced, reference, dtype, flops, None))
+    return rows
+
+
+def _lpt_arrangement(q, k, v, scale, is_causal, o, BLOCK_M=None, BLOCK_N=None):
+    """The ops kernel's arrangement with the query-block level outermost: programs walk the blocks
+    with the most keys first over all heads (longest-processing-time order), heads inner."""
+    from ninefold.ops.kernels import attention
+
+    blocks = {"BLOCK_M": BLOCK_M or attention.BLOCK_M, "BLOCK_N": BLOCK_N or attention.BLOCK_N}
+    arranged = attention.arrangement(q, k, v, scale, is_causal, o, **blocks)
+    return tuple(t.permute((2, 0, 1, 3)) if t.ndim == 4 else t for t in arranged)
+
+
 def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
     from ninefold.ops.kernels import attention
 
     torch.manual_seed(0)
     q, k, v = (_randn((b, h, s, d), dtype, SWEEP_DEVICE) for _ in range(3))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    reference = sdpa(q, k, v, is_causal=causal)
+    reference = _sdpa_float64(q, k, v, causal)  # every row is checked against float64 first
     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
-    torch_s = _gpu_time(lambda: sdpa(q, k, v, is_causal=causal))
-    ceiling = flops / torch_s  # fractions here are of torch SDPA's rate
-    rows = [{"config": "torch sdpa", "ok": True, "seconds": torch_s, "tflops": flops / torch_s / 1e12, "fraction_of_cublas": 1.0}]
+    rows = _torch_sdpa_rows(q, k, v, causal, reference, dtype, flops)
+    torch_s = rows[0].get("seconds")
+    ceiling = flops / torch_s if torch_s else None  # fractions here are of torch SDPA's rate (as dispatched)
+    for row in rows:
+        if row.get("seconds") and ceiling:
+            row["fraction_of_cublas"] = flops / row["seconds"] / ceiling
 
     def tuned():
         return attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -881,42 +926,51 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
     rows.append(_sweep_row("tuned", tuned, reference, dtype, flops, ceiling))
     scale = 1.0 / math.sqrt(d)
 
-    def dsl_rows(configs):
-        for bm, bn, w, st, *flags in tqdm(configs, desc=f"sdpa S{s} D{d}", file=sys.stderr):
-            kernel = _fixed(attention.arrangement, attention.application, attention.tensors(), w, st, *flags)
+    def dsl_rows(configs, arrangement=attention.arrangement, application=attention.application, prefix=""):
+        for bm, bn, w, st, *flags in tqdm(configs, desc=f"sdpa S{s} D{d} {prefix}", file=sys.stderr):
+            kernel = _fixed(arrangement, application, attention.tensors(), w, st, *flags)
             o = torch.empty_like(q)
 
             def call(kernel=kernel, o=o, bm=bm, bn=bn):
                 kernel(q, k, v, scale, causal, o, BLOCK_M=bm, BLOCK_N=bn)
                 return o
 
-            rows.append(_sweep_row(" ".join([f"{bm}x{bn} w{w} s{st}", *flags]), call, reference, dtype, flops, ceiling))
+            label = " ".join([prefix, f"{bm}x{bn} w{w} s{st}", *flags]).strip()
+            rows.append(_sweep_row(label, call, reference, dtype, flops, ceiling))
 
     dsl_rows(SDPA_SWEEP)
+    dsl_rows(SDPA_LPT_SWEEP, arrangement=_lpt_arrangement, prefix="dsl longest-first")
     if causal and s % 128 == 0 and SWEEP_DEVICE == "cuda":  # what hand-written Triton reaches here
         for mode, bm, bn, w, st in PLAIN_SDPA:
             def plain(mode=mode, bm=bm, bn=bn, w=w, st=st):
                 return _plain_attention(q, k, v, mode, bm, bn, w, st)
 
             rows.append(_sweep_row(f"plain triton {mode} {bm}x{bn} w{w} s{st}", plain, reference, dtype, flops, ceiling))
+        for bm, bn, w, st, flags in tqdm(FA_VARIANTS, desc="hand-written FA tricks", file=sys.stderr):
+            def fa(bm=bm, bn=bn, w=w, st=st, flags=flags):
+                return _fa_attention_call(q, k, v, bm, bn, w, st, flags)
+
+            label = " ".join(["triton tma longest-first", f"{bm}x{bn} w{w} s{st}", *flags])
+            rows.append(_sweep_row(label, fa, reference, dtype, flops, ceiling))
     if SWEEP_DEVICE == "cuda":  # last: the experimental TMA mode of the DSL (Kernel.tma)
         dsl_rows(SDPA_TMA_SWEEP)
     return rows
 
 
+SDPA_LPT_SWEEP = (  # the ops kernel's application under _lpt_arrangement
+    (128, 128, 8, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (64, 64, 4, 3),
+    (128, 64, 8, 2),
+)
 SDPA_TMA_SWEEP = (  # the same kernel with q/k/v tiles read through TMA descriptors (warm calls take the slow path)
     (128, 128, 8, 3, "tma"),
-    (128, 128, 8, 2, "tma"),
-    (128, 64, 8, 3, "tma"),
-    (128, 64, 8, 4, "tma"),
     (64, 64, 4, 3, "tma"),
 )
 PLAIN_SDPA = (  # load mode (pointers, or TMA through host descriptors), BLOCK_M, BLOCK_N, warps, stages
     ("pointers", 128, 128, 8, 3),
-    ("pointers", 128, 64, 8, 3),
     ("tma", 128, 128, 8, 3),
-    ("tma", 128, 128, 8, 2),
-    ("tma", 128, 64, 8, 3),
     ("tma", 128, 64, 8, 4),
 )
 
@@ -1174,6 +1228,184 @@ else:
         out = o_ptr + (first + rows).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
         tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _fa_softmax_step(s, v, acc, m_i, l_i, LAZY: tl.constexpr):
+        # one online-softmax step on scores s (base 2, already scaled); LAZY keeps a stale row max
+        # (and skips the rescale of acc) until some row's max grows by more than 2**8
+        m_cur = tl.max(s, 1)
+        if LAZY:
+            if tl.max(m_cur - m_i) > 8.0:
+                m_new = tl.maximum(m_i, m_cur)
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.math.exp2(s - m_i[:, None])
+        else:
+            m_new = tl.maximum(m_i, m_cur)
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, m_i, l_i + tl.sum(p, 1)
+
+    @triton.jit
+    def _fa_tile(q_desc, k_desc, v_desc, o_ptr, first, block, m_i, l_i, acc, scale,
+                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PIPE: tl.constexpr, LAZY: tl.constexpr):
+        rows = block * BM + tl.arange(0, BM)
+        q = q_desc.load([first + block * BM, 0])
+        q = (q * (scale * 1.4426950408889634)).to(q.dtype)
+        n_full = block * (BM // BN)
+        if PIPE:  # the next tile's q k^T is issued before this tile's softmax (FA3's intra-warpgroup overlap)
+            s = tl.dot(q, tl.trans(k_desc.load([first, 0])))
+            for j in range(0, n_full):
+                s_next = tl.dot(q, tl.trans(k_desc.load([first + (j + 1) * BN, 0])))
+                acc, m_i, l_i = _fa_softmax_step(s, v_desc.load([first + j * BN, 0]), acc, m_i, l_i, LAZY)
+                s = s_next
+            for i in tl.static_range(BM // BN):
+                j = n_full + i
+                if i > 0:
+                    s = tl.dot(q, tl.trans(k_desc.load([first + j * BN, 0])))
+                keys = j * BN + tl.arange(0, BN)
+                s = tl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
+                acc, m_i, l_i = _fa_softmax_step(s, v_desc.load([first + j * BN, 0]), acc, m_i, l_i, LAZY)
+        else:
+            for j in range(0, n_full):
+                s = tl.dot(q, tl.trans(k_desc.load([first + j * BN, 0])))
+                acc, m_i, l_i = _fa_softmax_step(s, v_desc.load([first + j * BN, 0]), acc, m_i, l_i, LAZY)
+            for i in tl.static_range(BM // BN):
+                j = n_full + i
+                s = tl.dot(q, tl.trans(k_desc.load([first + j * BN, 0])))
+                keys = j * BN + tl.arange(0, BN)
+                s = tl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
+                acc, m_i, l_i = _fa_softmax_step(s, v_desc.load([first + j * BN, 0]), acc, m_i, l_i, LAZY)
+        out = o_ptr + (first + rows).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+        tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _fa_attention(q_desc, k_desc, v_desc, o_ptr, seq, heads, scale, BM: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, PIPE: tl.constexpr, LAZY: tl.constexpr, PERSIST: tl.constexpr):
+        # causal, [B*H*S, D] descriptors, S % BM == 0. One 1-D grid in longest-first order over all
+        # heads: query block nb-1 of every head, then nb-2, ... (PERSIST: one program per SM walks
+        # that order with a stride of the grid)
+        n_blocks = seq // BM
+        total = n_blocks * heads
+        if PERSIST:
+            for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+                block = n_blocks - 1 - tile // heads
+                first = (tile % heads) * seq
+                _fa_tile(q_desc, k_desc, v_desc, o_ptr, first, block, tl.full((BM,), float("-inf"), tl.float32),
+                         tl.zeros((BM,), tl.float32), tl.zeros((BM, D), tl.float32), scale, BM, BN, D, PIPE, LAZY)
+        else:
+            tile = tl.program_id(0)
+            block = n_blocks - 1 - tile // heads
+            first = (tile % heads) * seq
+            _fa_tile(q_desc, k_desc, v_desc, o_ptr, first, block, tl.full((BM,), float("-inf"), tl.float32),
+                     tl.zeros((BM,), tl.float32), tl.zeros((BM, D), tl.float32), scale, BM, BN, D, PIPE, LAZY)
+
+
+FA_VARIANTS = (  # hand-written TMA attention with FlashAttention-3 tricks: BM, BN, warps, stages, flags
+    (128, 128, 8, 3, ()),
+    (128, 128, 8, 3, ("pipe",)),
+    (128, 64, 8, 3, ("pipe",)),
+    (128, 64, 8, 4, ("pipe",)),
+    (128, 128, 8, 3, ("lazy",)),
+    (128, 128, 8, 3, ("pipe", "lazy")),
+    (128, 64, 8, 3, ("pipe", "lazy")),
+    (128, 128, 8, 3, ("persist",)),
+    (128, 128, 8, 3, ("pipe", "persist")),
+    (128, 64, 8, 3, ()),
+    (128, 64, 8, 4, ()),
+    (128, 128, 8, 2, ("pipe",)),
+    (64, 64, 4, 3, ()),  # one warpgroup per program: two programs share an SM
+    (64, 64, 4, 3, ("pipe",)),
+    (64, 128, 4, 2, ("pipe",)),
+)
+
+
+def _fa_attention_call(q, k, v, bm, bn, warps, stages, flags=()):
+    """Causal attention by the hand-written FA-trick kernel (contiguous [B, H, S, D], S % bm == 0)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, s, d = q.shape
+    o = torch.empty_like(q)
+    descs = [TensorDescriptor(t.view(-1, d), [b * h * s, d], [d, 1], [rows, d]) for t, rows in ((q, bm), (k, bn), (v, bn))]
+    total = (s // bm) * b * h
+    persist = "persist" in flags
+    grid = (min(total, torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4),) if persist else (total,)
+    _fa_attention[grid](
+        *descs, o, s, b * h, 1.0 / math.sqrt(d), BM=bm, BN=bn, D=d, PIPE="pipe" in flags, LAZY="lazy" in flags,
+        PERSIST=persist, num_warps=warps, num_stages=stages,
+    )
+    return o
+
+
+def rms_norm_timers(shrink=1, repeats=3):
+    """rms_norm at the paper shape (fp16 4096^2) timed several ways in one process, next to torch and
+    a same-bytes copy: do_bench (the bench's timer: L2 flushed, host launch path included when it
+    outlasts the flush), do_bench of a CUDA graph holding the same call (no host path), and the
+    tuner's device-time sampler (launches queued behind a spin). Where do_bench alone is slower,
+    the host's launch path, not the kernel, set the bench's figure."""
+    from ninefold.dsl import timing
+    from ninefold.ops.kernels import rms_norm
+
+    n = 4096 // shrink
+    x, w = _randn((n, 4096), torch.float16, SWEEP_DEVICE), _randn((4096,), torch.float16, SWEEP_DEVICE)
+    y = torch.empty_like(x)
+    reference = torch.nn.functional.rms_norm(x.double(), (4096,), w.double(), 1e-6)
+    from ninefold.dsl import Tensor
+
+    tensors = (Tensor(2), Tensor(1), Tensor(0), Tensor(2))
+    fixed = {f"one row per program w{warps}": _fixed(rms_norm.arrangement, rms_norm.application, tensors, warps, 1) for warps in (4, 8)}
+    src = torch.empty(2 * x.numel(), dtype=torch.uint8, device=SWEEP_DEVICE)  # half the bytes read, half written
+    dst = torch.empty_like(src)
+    calls = {
+        "ninefold rms_norm (tuned)": lambda: rms_norm.rms_norm(x, w, 1e-6),
+        **{label: (lambda k=k: (k(x, w, 1e-6, y, ROW=4096), y)[1]) for label, k in fixed.items()},
+        "torch F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6),
+        "copy of the same bytes": lambda: dst.copy_(src),
+    }
+    rows = []
+    for label, fn in calls.items():
+        row = {"config": label}
+        try:
+            out = fn()
+            fn()
+            if label != "copy of the same bytes":
+                row["rel_error"] = relative_error(out, reference)
+                row["ok"] = row["rel_error"] <= TOLERANCE[torch.float16]
+                if not row["ok"]:
+                    rows.append(row)
+                    continue
+            row["ok"] = True
+            row["do_bench_s"] = [_gpu_time(fn) for _ in range(repeats)]
+            row["host_s_per_call"] = _call_wall(fn, torch.cuda.synchronize if SWEEP_DEVICE == "cuda" else (lambda: None))
+            if SWEEP_DEVICE == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                row["graph_do_bench_s"] = _gpu_time(graph.replay)
+                samples = timing.sample([fn], SWEEP_DEVICE)[0]
+                row["device_time_s"] = sorted(samples)[len(samples) // 2] * 1e-3
+            row["seconds"] = min(row["do_bench_s"])
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+            row["ok"] = False
+        rows.append(row)
+    return [{"workload": f"rms_norm {n}x4096 float16: timers", "rows": rows}]
+
+
+def _timer_line(row):
+    parts = [f"do_bench {' '.join(f'{t * 1e3:.4f}' for t in row['do_bench_s'])} ms"]
+    if "graph_do_bench_s" in row:
+        parts.append(f"graph {row['graph_do_bench_s'] * 1e3:.4f}")
+    if "device_time_s" in row:
+        parts.append(f"sampler {row['device_time_s'] * 1e3:.4f}")
+    parts.append(f"host {row['host_s_per_call'] * 1e6:.1f} us/call")
+    return f"  {row['config']:<52}" + ", ".join(parts)
+
 
 def run_sweep(which, out_dir, shrink=1):
     """Run the focused sweeps (``mm``, ``sdpa`` or ``all``), print them and write ``dsl_sweep.json``."""
@@ -1183,23 +1415,25 @@ def run_sweep(which, out_dir, shrink=1):
         results += sweep_mm(shrink)
     if which in ("sdpa", "all"):
         results += sweep_sdpa(shrink)
+        results += rms_norm_timers(shrink)
     if which in ("memory", "all"):
         results += sweep_memory(shrink)
     lines = []
     for block in results:
         lines.append(block["workload"])
         for row in block["rows"]:
-            if row.get("seconds") and "fraction_of_copy_same" in row:
+            if row.get("do_bench_s"):
+                lines.append(_timer_line(row))
+            elif row.get("seconds") and "fraction_of_copy_same" in row:
                 picked = f"  {row['picked']}" if row.get("picked") else ""
-                lines.append(f"  {row['config']:<36}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy{picked}")
+                lines.append(f"  {row['config']:<52}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy{picked}")
             elif row.get("seconds"):
                 picked = f"  {row['picked']}" if row.get("picked") else ""
-                lines.append(
-                    f"  {row['config']:<36}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {row['fraction_of_cublas'] * 100:6.1f}%{picked}"
-                )
+                share = f"{row['fraction_of_cublas'] * 100:6.1f}%" if "fraction_of_cublas" in row else "     -"
+                lines.append(f"  {row['config']:<52}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {share}{picked}")
             else:
                 why = row.get("error") or f"FAIL rel_error {row.get('rel_error', float('nan')):.3g}"
-                lines.append(f"  {row['config']:<36}{why}")
+                lines.append(f"  {row['config']:<52}{why}")
     print("\n".join(lines))
     report = {
         "device": torch.cuda.get_device_name() if SWEEP_DEVICE == "cuda" else SWEEP_DEVICE,
