@@ -1,0 +1,52 @@
+"""``python -m ninefold.bench.decode_chain --smoke``: every CPU path of the decode-chain benchmark."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, out=None):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    if out is not None:
+        env["OUT"] = str(out)
+    return subprocess.run([sys.executable, "-m", "ninefold.bench.decode_chain", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_checks_every_variant_against_cublas(tmp_path):
+    done = _run("--smoke", out=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "decode_chain.json").read_text())
+    variants = result["variants"]
+    assert set(variants) == {"cublas", "gemv", "gemv_pdl", "fused", "fused_pdl"}
+    for name in ("cublas", "gemv", "fused"):
+        assert variants[name]["ok"] and variants[name]["cos_logits"] >= 0.995, (name, variants[name])
+    assert variants["cublas"]["max_rel_logits"] == 0.0
+    for name in ("gemv_pdl", "fused_pdl"):
+        assert "PDL not available" in variants[name]["skipped"]
+    assert result["weight_bytes"] > 0 and "gemv " in done.stdout
+
+
+def test_bad_arguments_exit_with_usage():
+    done = _run("--smoke", "--iters", "0")
+    assert done.returncode == 2 and "--iters must be >= 1" in done.stderr
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_two_layers_agree_and_time(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-m", "ninefold.bench.decode_chain", "--layers", "2", "--iters", "5",
+                           "--no-tune", "--no-profile"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "decode_chain.json").read_text())
+    for name, entry in result["variants"].items():
+        assert entry.get("skipped") or (entry["ok"] and entry["ms_per_token"] > 0), (name, entry)
