@@ -1321,7 +1321,7 @@ FA_VARIANTS = (  # hand-written TMA attention with FlashAttention-3 tricks: BM, 
     (128, 128, 8, 2, ("pipe",)),
     (64, 64, 4, 3, ()),  # one warpgroup per program: two programs share an SM
     (64, 64, 4, 3, ("pipe",)),
-    (64, 128, 4, 2, ("pipe",)),
+    (64, 64, 4, 4, ("pipe",)),
 )
 
 
@@ -1330,6 +1330,8 @@ def _fa_attention_call(q, k, v, bm, bn, warps, stages, flags=()):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b, h, s, d = q.shape
+    if bm % bn or s % bm:
+        raise ValueError(f"bn must divide bm and bm the sequence length, got bm={bm}, bn={bn}, S={s}")
     o = torch.empty_like(q)
     descs = [TensorDescriptor(t.view(-1, d), [b * h * s, d], [d, 1], [rows, d]) for t, rows in ((q, bm), (k, bn), (v, bn))]
     total = (s // bm) * b * h
