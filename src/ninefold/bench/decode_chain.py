@@ -220,14 +220,13 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * n / best
 
 
-def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 120.0) -> tuple[dict, list]:
+def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[dict, list]:
     """The fastest GEMV candidate per GEMM shape (graph of ``calls`` back-to-back calls each; with PDL
     when ``pdl``, falling back to plain launches for a shape where no PDL graph worked), and cuBLAS's
-    time for the same graph of ``torch.nn.functional.linear`` calls. Past ``budget_s`` seconds each
-    remaining shape keeps the best of the candidates tried so far (at least one)."""
+    time for the same graph of ``torch.nn.functional.linear`` calls. Past ``budget_s`` seconds on one
+    shape, it keeps the best of the candidates tried so far (at least one)."""
     from ninefold.ops.triton.gemv_pdl import gemv_pdl
 
-    deadline = time.perf_counter() + budget_s
     w0 = m.layers[0]
     shapes = {"qkv": w0["qkv"], "o": w0["o"], "gate_up": w0["gate_up"], "down": w0["down"], "lm_head": m.lm_head}
     chosen, rows = {}, []
@@ -238,6 +237,7 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 120.0) -> tuple
         cublas_us = cublas_ms * 1e3 / calls
         rows.append(dict(shape=name, config="cublas", us=cublas_us))
         best = None
+        deadline = time.perf_counter() + budget_s
         for use_pdl in dict.fromkeys((pdl, False)):
             for cand in CANDIDATES:
                 bn, bk, sk, nw, ns, dot = cand
