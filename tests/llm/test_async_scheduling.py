@@ -142,3 +142,24 @@ def test_async_scheduling_is_validated():
 
     with pytest.raises(ValueError, match="async_scheduling"):
         split_engine_args({"async_scheduling": "yes"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_overlapped_scheduling_on_cuda_matches_the_synchronous_engine(llama_dir, graphs):
+    kwargs = dict(dtype="float32", device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=40,
+                  cuda_graph_max_batch=4, enforce_eager=not graphs)
+    sync = LLM(str(llama_dir), async_scheduling=False, **kwargs)
+    overlapped = LLM(str(llama_dir), **kwargs)  # on by default on CUDA
+    assert overlapped.engine.async_scheduling
+    prompts = prompts_for(sync.engine.model_config.vocab_size)
+    greedy = sync.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 24, 7)]
+    params += [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[greedy[6]], ignore_eos=True),
+               SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=16, ignore_eos=True)]
+    want = _summary(sync.generate(prompt_token_ids=prompts, sampling_params=params))
+    assert _summary(overlapped.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+    assert overlapped.engine.num_steps_ahead > 10
+    _assert_no_leak(overlapped)
