@@ -16,6 +16,7 @@ from ninefold.ops.norm import add_rms_norm, rms_norm, softmax
 from ninefold.ops.quantized import BlockWeight, Int4Weight, linear_blocks, linear_int4
 from ninefold.ops.registry import Impl, register
 from ninefold.ops.rope import rope
+from ninefold.ops.rope_cache import rope_and_cache
 from ninefold.ops.sampling import argmax, sample
 from ninefold.ops.spec import OpError, UnsupportedError
 from ninefold.ops.torch_library import register_torch_library
@@ -42,7 +43,7 @@ import ninefold.ops.norm_row  # noqa: E402,F401  (one-row CPU rms_norm / add_rms
 
 __all__ = [
     "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
-    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "sample", "silu_and_mul", "softmax",
+    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "sample", "silu_and_mul", "softmax",
     "BlockWeight", "Impl", "Int4Weight", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
     "register_torch_library", "reload_environment", "run", "use",
 ]

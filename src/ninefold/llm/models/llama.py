@@ -222,9 +222,13 @@ class LlamaForCausalLM:
         if layer.q_norm is not None:
             q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q, k = ops.rope(q, k, positions, self.cos_sin, is_neox=True)
         k_cache, v_cache = self.kv_caches[i]
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        try:  # one kernel on GPUs; elsewhere exactly rope then reshape_and_cache
+            q, k = ops.rope_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                      is_neox=True)
+        except ops.UnsupportedError:  # a trimmed build without the fused operator
+            q, k = ops.rope(q, k, positions, self.cos_sin, is_neox=True)
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = ops.attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale=self.scale)
         elif meta.num_decodes:

@@ -12,7 +12,7 @@ import torch
 
 from ninefold.ops.registry import register
 from ninefold.ops.spec import FLOAT_DTYPES
-from ninefold.ops.triton import activation, cache, decode, gemv, norm, prefill, rope, softmax
+from ninefold.ops.triton import activation, cache, decode, gemv, norm, prefill, rope, rope_cache, softmax
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
@@ -28,6 +28,7 @@ KERNELS = [
     ("softmax", softmax.softmax, softmax.supports),
     ("rope", rope.rope, rope.supports),
     ("reshape_and_cache", cache.reshape_and_cache, cache.supports),
+    ("rope_and_cache", rope_cache.rope_and_cache, rope_cache.supports),
     ("attention_decode", decode.attention_decode, decode.supports),
     ("attention_prefill", prefill.attention_prefill, prefill.supports),
 ]

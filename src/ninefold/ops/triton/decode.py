@@ -2,8 +2,14 @@
 
 Program ``(b * Hk + kv_head, split)`` (or sequences fastest) streams its slice of sequence
 ``b``'s keys from the paged cache once, for all the query heads of that KV head (GQA rows
-padded to 16 for ``tl.dot``), with an online softmax; a second kernel merges the splits by their
-log-sum-exp (skipped when one split covers the context). The number of splits comes from the
+padded to 16 for ``tl.dot``), with an online softmax, and stores its partial result. The splits
+are merged by their log-sum-exp in the same launch: each program of a (sequence, KV head) bumps
+an atomic counter after its partial is stored (release), and the one that arrives last (acquire)
+merges them, writes the output and resets the counter to 0 (so a replayed CUDA graph finds it
+zeroed). The counters live in a persistent zeroed buffer per device (``counters``); launches on
+one device must be stream-ordered (they are in the engine). With ``one_kernel=0`` a second
+kernel merges instead (the previous design, kept for comparison). One split writes the output
+directly. The number of splits comes from the
 shapes (batch, KV heads, block-table capacity, SM count), never from the context lengths, so
 nothing is read back from the device; on the device each sequence's real length is divided
 among its splits, so a table much wider than the context (CUDA graphs size it for the longest
@@ -29,7 +35,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # and ``ninefold.bench.ops_attention`` sweep candidates and report the fastest).
 # ``per_sm``: programs per SM the split count aims at; ``min_tiles``: fewest key tiles per split.
 # ``heads_fastest``: launch order with the KV heads of one sequence adjacent (else sequences adjacent).
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0}
+# ``one_kernel``: the last split of a (sequence, KV head) merges (1), or a second kernel does (0).
+CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0,
+          "one_kernel": 1}
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
@@ -58,12 +66,37 @@ def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, st
     return m_new, l_i, acc, page
 
 
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, out_ptr, rows, out_offs, gm, num_splits, D: tl.constexpr):
+    """Combine the ``num_splits`` partial results of ``rows`` (``[BLOCK_G]`` indices of
+    ``[B, Hq]``; ``gm`` masks the real ones) by their log-sum-exp and store the output.
+    Partials written by other programs are read through L2 (``.cg``), never a stale L1 line."""
+    e = tl.arange(0, D)
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    total = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros([rows.shape[0], D], tl.float32)
+    for s in range(num_splits):  # splits hold keys in order: an empty one (lse -inf) only follows live ones
+        lse = tl.load(lse_ptr + rows * num_splits + s, mask=gm, other=0.0, cache_modifier=".cg")
+        live = gm & (lse > float("-inf"))
+        part = tl.load(part_ptr + (rows * num_splits + s)[:, None] * D + e[None, :], mask=live[:, None], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a context of 0 keys (padded graph rows): all -inf
+        alpha = tl.exp2(m - safe)
+        w = tl.exp2(lse - safe)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        total = total * alpha + w
+        m = m_new
+    out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=gm[:, None])
+
+
 @triton.jit(do_not_specialize=["num_splits", "batch", "kv_heads", "heads_fastest", "stride_btb", "bt_ptr", "lens_ptr"])
-def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, scale_log2e,
-                        stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch, stride_btb,
-                        num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                        D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
-                        STATIC_ITERS: tl.constexpr):
+def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, counters_ptr,
+                        scale_log2e, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch,
+                        stride_btb, num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr,
+                        BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                        PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr):
     pid = tl.program_id(0)
     if heads_fastest:  # the KV heads of one block run side by side (they share its DRAM pages)
         b = (pid // kv_heads).to(tl.int64)
@@ -100,15 +133,24 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                                                stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE,
                                                PRECISION)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out_offs = b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + e[None, :]
     if num_splits == 1:  # the whole context in one program: the output itself, no merge
-        tl.store(out_ptr + b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + e[None, :],
-                 (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
+        tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
     else:
-        row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
+        rows = b * heads + kvh * GROUP + g  # [B, Hq] flattened; partials are [B, Hq, splits]
+        row = rows * num_splits + split
         live = gm[:, None] & (e[None, :] < tl.where(start < end, D, 0))  # an empty split writes no partial
         tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=live)
         lse = tl.where(start < end, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=gm)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores precede the release below
+            counter = counters_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + b * kv_heads + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of this (sequence, KV head): all partials are stored
+                tl.debug_barrier()
+                tl.store(counter, 0)  # ready for the next launch (a CUDA-graph replay) without a memset
+                _merge_splits(part_ptr, lse_ptr, out_ptr, rows, out_offs, gm, num_splits, D)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh"])
@@ -137,13 +179,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
-    """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for ``ninefold.ops.triton.aot``."""
+    """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for
+    ``ninefold.ops.triton.aot``: the split kernel (merging in place unless ``one_kernel=0``), and
+    the merge kernel of the two-kernel path."""
     group = shapes.heads // shapes.kv_heads
     block_n = CONFIG["block_n"] if dtype != torch.float32 else min(32, CONFIG["block_n"])
     return [{"kernel": decode_split_kernel, "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
              "constexprs": {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "D": shapes.head_dim,
                             "BLOCK_N": block_n, "PAGE": shapes.block_size,
-                            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0}},
+                            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0,
+                            "MERGE": _merges_in_place(CONFIG)}},
             {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
 
 
@@ -151,6 +196,29 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
 def _unused(device: torch.device) -> torch.Tensor:
     """A float32 placeholder for the partial-result pointers of an unsplit launch (never written)."""
     return torch.empty(1, dtype=torch.float32, device=device)
+
+
+# Arrival counters of the one-kernel merge, per device: int32, zero between launches. Every buffer
+# ever made is kept, since a captured CUDA graph holds its address.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+MIN_COUNTERS = 1 << 16  # (sequence, KV head) pairs: 8192 sequences of 8 KV heads before it grows
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 arrival counters on ``device`` (persistent: the merging program
+    of every launch leaves its counter at 0). Growing it inside CUDA-graph capture is refused:
+    run the batch size once eagerly before capturing it (``ninefold.llm.cuda_graphs`` does)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attention_decode: {n} split counters needed on {device} during CUDA-graph capture "
+                               f"(have {kept[-1].numel() if kept else 0}); run this batch size once before capture")
+        kept.append(torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
+def _merges_in_place(config: dict) -> int:
+    return int(config.get("one_kernel", 1))
 
 
 def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
@@ -188,19 +256,22 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    merge = _merges_in_place(config)
     if splits > 1:
         scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
         part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
+        arrivals = counters(q.device, b * hk) if merge else _unused(q.device)
     else:  # the split kernel writes ``out`` itself
-        part = lse = _unused(q.device)
+        part = lse = arrivals = _unused(q.device)
     call(decode_split_kernel, (b * hk, splits),
-        q, k_cache, v_cache, block_tables, context_lens, part, lse, out, scale * LOG2E, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), splits, b, hk,
-        int(config.get("heads_fastest", 0)), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
-        STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
-    if splits > 1:
+         q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, scale * LOG2E, q.stride(0),
+         q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), GROUP=group,
+         BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
+         STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
+         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, num_warps=config["num_warps"],
+         num_stages=config["num_stages"])
+    if splits > 1 and not merge:
         call(decode_merge_kernel, (b, hq), part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
-                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+             BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -118,7 +118,11 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (for ``ninefold.ops.triton.aot``)."""
     hq, hk, d = shapes.heads, shapes.kv_heads, shapes.head_dim
     names = ("HALF", "IS_NEOX", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "BLOCK_TAIL")
-    configs = (OVERRIDE,) if OVERRIDE else table_configs(CONFIGS, (hq, hk, d), default_config((hq, hk, d)))
     return [{"kernel": rope_qk_kernel, "num_warps": cfg["num_warps"],
              "constexprs": dict(zip(names, _constexprs(hq, hk, d, d // 2, neox, cfg)))}
-            for cfg in configs for neox in (True, False)]
+            for cfg in aot_configs(hq, hk, d) for neox in (True, False)]
+
+
+def aot_configs(hq: int, hk: int, d: int) -> list[dict]:
+    """Every launch configuration ``config`` can pick for these heads (``rope_cache`` shares them)."""
+    return [OVERRIDE] if OVERRIDE else table_configs(CONFIGS, (hq, hk, d), default_config((hq, hk, d)))

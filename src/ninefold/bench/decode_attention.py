@@ -1,0 +1,391 @@
+"""The attention-side kernels of one decode step, timed inside CUDA graphs (as the engine runs them).
+
+    OUT=DIR python -m ninefold.bench.decode_attention        # H200, Llama-3-8B heads, bfloat16, < 4 min
+    TRITON_INTERPRET=1 python -m ninefold.bench.decode_attention --device cpu   # plumbing check (tiny, eager)
+
+1. Correctness on the device first: the one-kernel decode attention (last split merges) and the
+   two-kernel one (split + merge kernel) against a float64 evaluation on ragged lengths with a
+   CUDA-graph-wide block table; the one-kernel path replayed in a CUDA graph (counters reset by
+   the kernel: every replay equal); the fused ``rope_and_cache`` kernel bit-equal to ``rope`` then
+   ``reshape_and_cache`` (outputs and both caches), eagerly and in a graph.
+2. Timings: each variant captured ``L`` times in one CUDA graph (``L`` layers with their own caches
+   and queries, so consecutive calls read different memory, as in a model step), the graph replayed
+   many times; microseconds per call = replay time / L. Decode attention old (two kernels) vs new
+   (one kernel) at (batch, context) in ``DECODE_CASES`` with block tables as wide as the engine's
+   graphs (``--width`` tokens, the LLM bench's 17408); rope + reshape_and_cache vs rope_and_cache
+   at batch 1 and 256.
+3. Sweep (``--sweep``, default on CUDA): launch configurations of the one-kernel decode at the
+   batch-256 cases, each checked against float64 before it is timed.
+
+Prints a table and writes ``$OUT/decode_attention.json``. Exit 1 if a correctness check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+DECODE_CASES = ((1, 256), (1, 4096), (64, 600), (256, 600), (256, 1200))
+ROPE_BATCHES = (1, 256)
+SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s, heads_fastest=hf, per_sm=p, min_tiles=mt)
+         for hf in (1, 0) for p, mt in ((4, 2), (8, 1))
+         for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3),
+                          (128, 8, 2), (32, 2, 4))]
+
+
+def _shapes(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return dict(hq=32, hk=8, d=128, block=16, dtype=torch.bfloat16, cases=DECODE_CASES, rope=ROPE_BATCHES)
+    return dict(hq=4, hk=2, d=16, block=8, dtype=torch.float32, cases=((3, 70),), rope=(3,))
+
+
+def _paged(lengths, width_tokens, hk, d, block, dtype, device, seed):
+    """Caches with each sequence's blocks at random places; tables ``width_tokens`` wide (padding -> block 0)."""
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-n // block) for n in lengths]
+    num_blocks = sum(per) + 1
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    width = max(max(per), -(-width_tokens // block))
+    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(per):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    dev_g = torch.Generator(device=device).manual_seed(seed)  # gigabytes of keys: drawn on the device
+    k_cache = torch.randn(num_blocks, block, hk, d, generator=dev_g, device=device).to(dtype)
+    v_cache = torch.randn(num_blocks, block, hk, d, generator=dev_g, device=device).to(dtype)
+    return k_cache, v_cache, tables.to(device)
+
+
+def decode64(q, k_cache, v_cache, tables, lens) -> torch.Tensor:
+    """Float64 decode attention, one sequence at a time (GQA by repeating KV heads)."""
+    b, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(b, hq, d, dtype=torch.float64, device=q.device)
+    for i, n in enumerate(lens.tolist()):
+        pages = tables[i, : -(-n // bs)].long()
+        k = k_cache[pages].flatten(0, 1)[:n].double().repeat_interleave(hq // hk, 1)  # [n, Hq, D]
+        v = v_cache[pages].flatten(0, 1)[:n].double().repeat_interleave(hq // hk, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k) / math.sqrt(d)
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return out
+
+
+def _close(out, want, tol=2e-2) -> float:
+    err = (out.double() - want).abs().max().item()
+    if not err <= tol + tol * want.abs().max().item():
+        raise AssertionError(f"max abs error {err:.3g}")
+    return err
+
+
+def _graph_time(fns, device, replays: int) -> float:
+    """Microseconds per call of ``fns`` (one per layer) captured in order into one CUDA graph."""
+    if device.type != "cuda":
+        for fn in fns:
+            fn()
+        start = time.perf_counter()
+        for fn in fns:
+            fn()
+        return (time.perf_counter() - start) * 1e6 / len(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles, allocates the persistent counters) before capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):  # best of three batches of replays
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(fns)))
+    del graph
+    return best
+
+
+def _layers(per_layer_bytes: int, device) -> int:
+    """Layers in a graph: enough distinct memory per replay to leave the 50 MB L2 behind (2..32)."""
+    if device.type != "cuda":
+        return 2
+    return max(2, min(32, math.ceil((256 << 20) / max(per_layer_bytes, 1))))
+
+
+# ----------------------------------------------------------------------------- decode attention
+def check_decode(sh, device, width) -> list[dict]:
+    from ninefold.ops.triton import decode
+
+    rows = []
+    lengths = [1, 17, 1000, 4097, 300, 600] if device.type == "cuda" else [1, 5, 40, 23]
+    k_cache, v_cache, tables = _paged(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 1)
+    q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=torch.Generator().manual_seed(2)).to(device, sh["dtype"])
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    want = decode64(q, k_cache, v_cache, tables, lens)
+    padded = torch.cat([lens, torch.zeros(2, dtype=torch.int32, device=device)])  # graph padding rows: context 0
+    qp = torch.cat([q, q[:2]])
+    tp = torch.cat([tables, torch.zeros_like(tables[:2])])
+    for name, one in (("two kernels", 0), ("one kernel", 1)):
+        config = dict(decode.CONFIG, one_kernel=one)
+        row = {"check": f"decode {name} ragged {lengths} width {tables.shape[1] * sh['block']}"}
+        try:
+            row["max_abs_err"] = _close(decode.launch(q, k_cache, v_cache, tables, lens, None, config), want)
+            wide = decode.launch(qp, k_cache, v_cache, tp, padded, None, config)
+            _close(wide[: len(lengths)], want)
+            if one and not bool((wide[len(lengths):] == 0).all()):
+                raise AssertionError("rows of context 0 are not zero")
+            if one and device.type == "cuda":  # replays: the counters must come back to zero every time
+                out = torch.empty_like(q)
+                graph = torch.cuda.CUDAGraph()
+                decode.launch(q, k_cache, v_cache, tables, lens, None, config)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    out.copy_(decode.launch(q, k_cache, v_cache, tables, lens, None, config))
+                results = []
+                for _ in range(5):
+                    graph.replay()
+                    results.append(out.clone())
+                torch.cuda.synchronize()
+                _close(results[0], want)
+                if not all(torch.equal(results[0], r) for r in results[1:]):
+                    raise AssertionError("CUDA-graph replays differ")
+                if int(decode.counters(device, 1).abs().sum()) != 0:
+                    raise AssertionError("arrival counters not reset to zero")
+                row["graph_replays_equal"] = True
+            row["ok"] = True
+        except Exception as error:  # noqa: BLE001  (reported; the run goes on and exits 1)
+            row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:300]}")
+        rows.append(row)
+    return rows
+
+
+def time_decode(sh, device, width, replays) -> list[dict]:
+    from ninefold.ops.triton import decode
+
+    rows = []
+    for batch, context in tqdm(sh["cases"], desc="decode", file=sys.stdout, disable=None):
+        item = sh["dtype"].itemsize
+        kv_bytes = 2 * batch * context * sh["hk"] * sh["d"] * item
+        n_layers = _layers(kv_bytes, device)
+        layers = []
+        for i in range(n_layers):
+            k_cache, v_cache, tables = _paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+                                              device, 10 + i)
+            q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
+            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            layers.append((q, k_cache, v_cache, tables, lens))
+        block_n = decode.CONFIG["block_n"] if sh["dtype"] != torch.float32 else min(32, decode.CONFIG["block_n"])
+        _, splits = decode._split(layers[0][3].shape[1] * sh["block"], batch * sh["hk"], decode._sm_count(device),
+                                  block_n, decode.CONFIG["per_sm"], decode.CONFIG["min_tiles"])
+        row = {"batch": batch, "context": context, "table_tokens": layers[0][3].shape[1] * sh["block"],
+               "splits": splits, "layers_per_graph": n_layers, "kv_bytes": kv_bytes}
+        for name, one in (("two_kernels_us", 0), ("one_kernel_us", 1)):
+            config = dict(decode.CONFIG, one_kernel=one)
+            fns = [lambda a=a, c=config: decode.launch(*a, None, c) for a in layers]
+            row[name] = round(_graph_time(fns, device, replays), 2)
+        row["one_kernel_GBps"] = round(kv_bytes / row["one_kernel_us"] / 1e3, 1)
+        rows.append(row)
+        print(f"decode B={batch:<4d} ctx={context:<5d} splits={splits:<3d} two kernels {row['two_kernels_us']:8.2f} us  "
+              f"one kernel {row['one_kernel_us']:8.2f} us  ({row['one_kernel_GBps']:.0f} GB/s of KV)")
+        del layers
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_decode(sh, device, width, replays, deadline) -> list[dict]:
+    """One-kernel launch configurations at the batch-256 cases, each checked against float64 first."""
+    from ninefold.ops.triton import decode
+
+    big = [c for c in sh["cases"] if c[0] == max(b for b, _ in sh["cases"])]
+    check_lens = [1, 17, 1000, 300, 600] if device.type == "cuda" else [1, 5, 40]
+    kc, vc, tb = _paged(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 3)
+    qc = torch.randn(len(check_lens), sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
+    lc = torch.tensor(check_lens, dtype=torch.int32, device=device)
+    want = decode64(qc, kc, vc, tb, lc)
+    inputs = {}
+    for batch, context in big:
+        inputs[(batch, context)] = [_paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+                                           device, 20 + i) + (torch.randn(batch, sh["hq"], sh["d"], device=device,
+                                                                          dtype=sh["dtype"]),) for i in range(2)]
+    rows = []
+    for cfg in tqdm(SWEEP, desc="sweep", file=sys.stdout, disable=None):
+        if time.perf_counter() > deadline:
+            rows.append({"config": cfg, "skipped": "time budget"})
+            continue
+        config = dict(decode.CONFIG, **cfg, one_kernel=1)
+        row = {"config": cfg}
+        try:
+            _close(decode.launch(qc, kc, vc, tb, lc, None, config), want)
+            for (batch, context), layers in inputs.items():
+                lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                fns = [lambda k=k, v=v, t=t, q=q, n=lens, c=config: decode.launch(q, k, v, t, n, None, c)
+                       for k, v, t, q in layers]
+                row[f"B={batch} ctx={context}"] = round(_graph_time(fns, device, max(5, replays // 10)), 2)
+        except Exception as error:  # noqa: BLE001  (a failing config is reported, not fatal)
+            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        rows.append(row)
+    timed = [r for r in rows if "error" not in r and "skipped" not in r]
+    for batch, context in big:
+        key = f"B={batch} ctx={context}"
+        best = min(timed, key=lambda r: r[key], default=None)
+        if best:
+            print(f"sweep {key:16s} best {best['config']} {best[key]:.2f} us")
+    return rows
+
+
+# ----------------------------------------------------------------------------- rope + cache
+def _rope_inputs(batch, sh, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    hq, hk, d, dt = sh["hq"], sh["hk"], sh["d"], sh["dtype"]
+    qkv = torch.randn(batch, (hq + 2 * hk) * d, generator=g).to(device, dt)  # a fused projection's rows
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(batch, hq, d), k.view(batch, hk, d), v.view(batch, hk, d)
+    positions = torch.randint(0, 4096, (batch,), generator=g).to(device)
+    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(4096, dtype=torch.float64)[:, None] * inv[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1).float().to(device)
+    blocks = batch * 2 + 8
+    slots = torch.randperm(blocks * sh["block"], generator=g)[:batch].to(device)
+    k_cache = torch.zeros(blocks, sh["block"], hk, d, device=device, dtype=dt)
+    v_cache = torch.zeros_like(k_cache)
+    return q, k, v, positions, cos_sin, k_cache, v_cache, slots
+
+
+def _unfused(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
+    from ninefold.ops.triton import cache, rope
+
+    q2, k2 = rope.rope(q, k, positions, cos_sin, True)
+    cache.reshape_and_cache(k2, v, k_cache, v_cache, slots)
+    return q2, k2
+
+
+def _fused(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
+    from ninefold.ops.triton import rope_cache
+
+    return rope_cache.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slots, True)
+
+
+def check_rope(sh, device) -> list[dict]:
+    rows = []
+    for batch in sh["rope"]:
+        a = _rope_inputs(batch, sh, device, 5)
+        b = _rope_inputs(batch, sh, device, 5)
+        row = {"check": f"rope_and_cache B={batch} bit-equal to rope + reshape_and_cache"}
+        try:
+            q1, k1 = _unfused(*a)
+            q2, k2 = _fused(*b)
+            if not (torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(a[5], b[5]) and torch.equal(a[6], b[6])):
+                raise AssertionError("fused results differ from the unfused kernels")
+            if device.type == "cuda":
+                c = _rope_inputs(batch, sh, device, 5)
+                qo, ko = torch.empty_like(q1), torch.empty_like(k1)
+                _fused(*c)
+                torch.cuda.synchronize()
+                c[5].zero_()
+                c[6].zero_()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    q3, k3 = _fused(*c)
+                    qo.copy_(q3)
+                    ko.copy_(k3)
+                graph.replay()
+                torch.cuda.synchronize()
+                if not (torch.equal(qo, q1) and torch.equal(ko, k1) and torch.equal(c[5], a[5])
+                        and torch.equal(c[6], a[6])):
+                    raise AssertionError("fused results in a CUDA graph differ")
+            row["ok"] = True
+        except Exception as error:  # noqa: BLE001
+            row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:300]}")
+        rows.append(row)
+    return rows
+
+
+def time_rope(sh, device, replays) -> list[dict]:
+    rows = []
+    for batch in sh["rope"]:
+        layers = [_rope_inputs(batch, sh, device, 30 + i) for i in range(32 if device.type == "cuda" else 2)]
+        row = {"batch": batch, "layers_per_graph": len(layers)}
+        row["rope_plus_cache_us"] = round(_graph_time([lambda a=a: _unfused(*a) for a in layers], device, replays), 2)
+        row["fused_us"] = round(_graph_time([lambda a=a: _fused(*a) for a in layers], device, replays), 2)
+        rows.append(row)
+        print(f"rope+cache B={batch:<4d} rope + reshape_and_cache {row['rope_plus_cache_us']:8.2f} us  "
+              f"rope_and_cache {row['fused_us']:8.2f} us")
+    return rows
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sh = _shapes(device)
+    import triton
+
+    start = time.perf_counter()
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "triton": triton.__version__, "dtype": str(sh["dtype"]),
+               "heads": [sh["hq"], sh["hk"], sh["d"]], "block_size": sh["block"], "table_tokens": args.width,
+               "command": "python -m ninefold.bench.decode_attention " + " ".join(args.argv)}
+    print(f"ninefold.bench.decode_attention on {results['device']}, torch {torch.__version__}, triton "
+          f"{triton.__version__}, heads {sh['hq']}/{sh['hk']}x{sh['d']} {sh['dtype']}")
+    results["checks"] = check_decode(sh, device, args.width) + check_rope(sh, device)
+    for row in results["checks"]:
+        print(f"check {row['check']:80s} " + ("ok" if row["ok"] else "FAILED " + row["error"]))
+    failed = sum(not r["ok"] for r in results["checks"])
+    results["decode"] = time_decode(sh, device, args.width, args.replays)
+    results["rope_and_cache"] = time_rope(sh, device, args.replays)
+    if args.sweep:
+        results["sweep"] = sweep_decode(sh, device, args.width, args.replays, start + args.budget)
+    print("\n| case | two kernels (us) | one kernel (us) | splits |\n|---|---|---|---|")
+    for r in results["decode"]:
+        print(f"| decode B={r['batch']} ctx={r['context']} | {r['two_kernels_us']:.2f} | {r['one_kernel_us']:.2f} | "
+              f"{r['splits']} |")
+    for r in results["rope_and_cache"]:
+        print(f"| rope+cache B={r['batch']} | {r['rope_plus_cache_us']:.2f} | {r['fused_us']:.2f} (fused) | |")
+    results["failed_checks"] = failed
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"done in {results['seconds']} s; {failed} failed checks")
+    return results
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.decode_attention",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--device", help="cuda (default when present) or cpu (Triton through TRITON_INTERPRET=1)")
+    parser.add_argument("--width", type=int, help="block-table width in tokens (default: the CUDA graphs' 17408 of "
+                        "the LLM bench; 128 on the CPU)")
+    parser.add_argument("--replays", type=int, default=200, help="graph replays per timing (best of 3)")
+    parser.add_argument("--budget", type=float, default=150.0, help="seconds after which the sweep starts no config")
+    parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
+                        help="sweep one-kernel launch configurations at the largest batch (default: on CUDA)")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    args.sweep = on_cuda if args.sweep is None else args.sweep
+    args.width = args.width or (17408 if on_cuda else 128)
+    results = run(args)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "decode_attention.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {Path(out) / 'decode_attention.json'}")
+    return 1 if results["failed_checks"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Triton decode attention merged in one launch: the last split of a (sequence, KV head) merges.
+
+Runs under Triton's interpreter (TRITON_INTERPRET=1, tiny sizes) or on CUDA; skipped otherwise.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ninefold.ops import references as ref
+
+from .helpers import assert_close
+from .test_attention import ATTENTION_SCALE, paged_cache
+
+TRITON_RUNS = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not TRITON_RUNS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _case(lengths, hq, hk, d, dtype, seed, extra_columns=0):
+    device = _device()
+    k_cache, v_cache, tables = paged_cache(lengths, hk, d, 16, dtype, device, seed=seed)
+    if extra_columns:  # CUDA graphs' full-width tables: padding columns point at a spare block
+        tables = torch.cat([tables, tables[:, -1:].expand(-1, extra_columns)], 1)
+    q = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, tables, lens
+
+
+def _config(**extra):
+    from ninefold.ops.triton import decode
+
+    return {**decode.CONFIG, "block_n": 32, "num_stages": 1, "per_sm": 16, "min_tiles": 1, **extra}
+
+
+@pytest.mark.parametrize("heads_fastest", [0, 1], ids=["cpu-triton-seqs-fastest", "cpu-triton-heads-fastest"])
+def test_one_kernel_merge_matches_reference_and_two_kernel_path(heads_fastest):
+    from ninefold.ops.triton import decode
+
+    args = _case([1, 50, 200, 17, 96], 8, 2, 16, torch.float32, seed=61, extra_columns=9)
+    with decode_launches() as kernels:
+        one = decode.launch(*args, None, _config(one_kernel=1, heads_fastest=heads_fastest))
+    assert kernels == ["decode_split_kernel"]
+    with decode_launches() as kernels:
+        two = decode.launch(*args, None, _config(one_kernel=0, heads_fastest=heads_fastest))
+    assert kernels == ["decode_split_kernel", "decode_merge_kernel"]
+    want = ref.attention_decode(*args)
+    assert_close(one, want, torch.float32, scale=ATTENTION_SCALE)
+    torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
+
+
+def test_counters_return_to_zero_so_launches_repeat():
+    # What a CUDA-graph replay relies on: no memset between launches, the merging program resets its counter.
+    from ninefold.ops.triton import decode
+
+    args = _case([70, 33, 5], 4, 2, 16, torch.float32, seed=62, extra_columns=4)
+    first = decode.launch(*args, None, _config())
+    used = decode.counters(args[0].device, 3 * 2)
+    assert int(used.abs().sum()) == 0
+    again = decode.launch(*args, None, _config())
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    assert used is decode.counters(args[0].device, 6)  # persistent: the same buffer serves later launches
+
+
+def test_counter_buffer_grows_and_keeps_old_buffers():
+    from ninefold.ops.triton import decode
+
+    device = torch.device(_device())
+    small = decode.counters(device, 1)
+    assert small.numel() >= decode.MIN_COUNTERS and small.dtype == torch.int32 and int(small.abs().sum()) == 0
+    big = decode.counters(device, decode.MIN_COUNTERS + 1)
+    assert big.numel() == decode.MIN_COUNTERS + 1 and int(big.abs().sum()) == 0
+    assert any(t is small for t in decode._COUNTERS[device])  # a captured graph may still point at it
+
+
+def test_context_of_zero_keys_gives_zeros_not_nan():
+    # Padded rows of a CUDA graph batch carry context length 0: every split is empty.
+    from ninefold.ops.triton import decode
+
+    q, k_cache, v_cache, tables, lens = _case([40, 1], 4, 1, 16, torch.float32, seed=63, extra_columns=3)
+    lens[1] = 0
+    out = decode.launch(q, k_cache, v_cache, tables, lens, None, _config())
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[:1], ref.attention_decode(q[:1], k_cache, v_cache, tables[:1], lens[:1]), torch.float32,
+                 scale=ATTENTION_SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter computes bfloat16 dots wrongly (both paths)"))],
+    ids=["cpu-triton-f16", "cpu-triton-bf16"])
+def test_one_kernel_merge_half_precision(dtype):
+    from ninefold.ops.triton import decode
+
+    args = _case([90, 3, 64], 8, 2, 32, dtype, seed=64, extra_columns=2)
+    out = decode.launch(*args, None, _config())
+    assert_close(out, ref.attention_decode(*args), dtype, scale=ATTENTION_SCALE)
+
+
+class decode_launches:
+    """``with decode_launches() as names:`` the names of the kernels the decode launcher runs (they run too)."""
+
+    def __enter__(self) -> list:
+        from ninefold.ops.triton import decode
+
+        self.names, self.real = [], decode.call
+
+        def recording_call(kernel, *args, **kwargs):
+            self.names.append(kernel.fn.__name__)
+            return self.real(kernel, *args, **kwargs)
+
+        decode.call = recording_call
+        return self.names
+
+    def __exit__(self, *exc) -> None:
+        from ninefold.ops.triton import decode
+
+        decode.call = self.real
