@@ -25,11 +25,11 @@ def test_smoke_checks_every_variant_against_cublas(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "decode_chain.json").read_text())
     variants = result["variants"]
-    assert set(variants) == {"cublas", "gemv", "gemv_pdl", "fused", "fused_pdl"}
-    for name in ("cublas", "gemv", "fused"):
+    assert set(variants) == {"cublas", "gemv", "gemv_pdl", "fused", "fused_pdl", "mixed", "mixed_pdl"}
+    for name in ("cublas", "gemv", "fused", "mixed"):
         assert variants[name]["ok"] and variants[name]["cos_logits"] >= 0.995, (name, variants[name])
     assert variants["cublas"]["max_rel_logits"] == 0.0
-    for name in ("gemv_pdl", "fused_pdl"):
+    for name in ("gemv_pdl", "fused_pdl", "mixed_pdl"):
         assert "PDL not available" in variants[name]["skipped"]
     assert result["weight_bytes"] > 0 and "gemv " in done.stdout
 

@@ -12,7 +12,10 @@ replayed ``--iters`` times (device time per token from CUDA events) in these var
   ``gdc_wait``);
 - ``fused``: the GEMV with the residual add + RMSNorm in qkv's, gate_up's and lm_head's prologues and
   silu*mul in down's (no separate norm/activation kernels), no PDL;
-- ``fused_pdl``: ``fused`` launched with PDL.
+- ``fused_pdl``: ``fused`` launched with PDL;
+- ``mixed``, ``mixed_pdl``: ``fused``/``fused_pdl`` except that the GEMMs where the sweep found
+  cuBLAS faster than the best GEMV stay on ``ops.linear`` with the separate norm/activation ops
+  (``--smoke``/``--no-tune``: gate_up and down).
 
 rope, the cache write and ``ops.attention_decode`` are the same ninefold ops in every variant. Each
 variant's logits and final residual stream are first compared with ``cublas``'s (cosine >= 0.995),
@@ -41,7 +44,7 @@ FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
             context=256, block_size=16)
 SMOKE = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=512, layers=2,
              context=16, block_size=16)
-VARIANTS = ("cublas", "gemv", "gemv_pdl", "fused", "fused_pdl")
+VARIANTS = ("cublas", "gemv", "gemv_pdl", "fused", "fused_pdl", "mixed", "mixed_pdl")
 # (block_n, block_k, split_k, num_warps, num_stages, dot): dot=1 runs tl.dot on the row padded to
 # 16 (Triton pipelines its loads over num_stages), dot=0 register double-buffered multiply-adds.
 CANDIDATES = [(32, 256, 1, 4, 2, 0), (16, 256, 1, 4, 2, 0), (16, 512, 1, 4, 2, 0), (64, 128, 1, 4, 2, 0),
@@ -121,48 +124,47 @@ def step_cublas(m: Model, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor
     return ops.linear(x, m.lm_head)[0], res[0]
 
 
-def step_gemv(m: Model, cfgs: dict, *, pdl: bool, fused: bool, eps: float = 1e-5):
-    """One decode step with the batch-1 Triton GEMV (``fused``: norms and activation in prologues)."""
+def step_gemv(m: Model, cfgs: dict, *, pdl: bool, fused: bool, vendor=frozenset(), eps: float = 1e-5):
+    """One decode step with the batch-1 Triton GEMV (``fused``: norms and activation in prologues;
+    GEMMs named in ``vendor`` stay on ``ops.linear`` with the separate norm/activation ops)."""
     from ninefold import ops
     from ninefold.ops.triton.gemv_pdl import gemv_pdl
 
     def lin(x, w, name, **kw):
+        if name in vendor:
+            return ops.linear(x[None], w)[0]
         bn, bk, sk, nw, ns, dot = cfgs[name]
         return gemv_pdl(x, w, split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
                         dot=bool(dot), **kw)
 
+    def norm_lin(h, res, g, w, name):
+        if fused and name not in vendor:
+            res_new = torch.empty_like(res)
+            return lin(h, w, name, prologue="add_rms_norm", residual=res, norm_weight=g, eps=eps,
+                       residual_out=res_new), res_new
+        x, res = ops.add_rms_norm(h[None], res[None], g, eps)
+        return lin(x[0], w, name), res[0]
+
+    def act_lin(gu, w, name):
+        if fused and name not in vendor:
+            return lin(gu, w, name, prologue="silu_and_mul")
+        return lin(ops.silu_and_mul(gu[None])[0], w, name)
+
     h, res = m.h0, m.res0
     for i, w in enumerate(m.layers):
-        if fused:
-            res_new = torch.empty_like(res)
-            qkv = lin(h, w["qkv"], "qkv", prologue="add_rms_norm", residual=res, norm_weight=w["norm1"], eps=eps,
-                      residual_out=res_new)
-            res = res_new
-            o = lin(m.attention(i, qkv), w["o"], "o")
-            res_new = torch.empty_like(res)
-            gu = lin(o, w["gate_up"], "gate_up", prologue="add_rms_norm", residual=res, norm_weight=w["norm2"],
-                     eps=eps, residual_out=res_new)
-            res = res_new
-            h = lin(gu, w["down"], "down", prologue="silu_and_mul")
-        else:
-            x, res = ops.add_rms_norm(h[None], res[None], w["norm1"], eps)
-            o = lin(m.attention(i, lin(x[0], w["qkv"], "qkv")), w["o"], "o")
-            x, res = ops.add_rms_norm(o[None], res, w["norm2"], eps)
-            res = res[0]
-            h = lin(ops.silu_and_mul(lin(x[0], w["gate_up"], "gate_up")[None])[0], w["down"], "down")
-    if fused:
-        res_new = torch.empty_like(res)
-        logits = lin(h, m.lm_head, "lm_head", prologue="add_rms_norm", residual=res, norm_weight=m.final_norm,
-                     eps=eps, residual_out=res_new)
-        return logits, res_new
-    x, res = ops.add_rms_norm(h[None], res[None], m.final_norm, eps)
-    return lin(x[0], m.lm_head, "lm_head"), res[0]
+        qkv, res = norm_lin(h, res, w["norm1"], w["qkv"], "qkv")
+        o = lin(m.attention(i, qkv), w["o"], "o")
+        gu, res = norm_lin(o, res, w["norm2"], w["gate_up"], "gate_up")
+        h = act_lin(gu, w["down"], "down")
+    return norm_lin(h, res, m.final_norm, m.lm_head, "lm_head")
 
 
-def step_fn(m: Model, variant: str, cfgs: dict):
+def step_fn(m: Model, variant: str, cfgs: dict, vendor=frozenset()):
+    """The step function of ``variant`` (``vendor``: the GEMMs ``mixed*`` variants leave on cuBLAS)."""
     if variant == "cublas":
         return lambda: step_cublas(m)
-    return lambda: step_gemv(m, cfgs, pdl=variant.endswith("_pdl"), fused=variant.startswith("fused"))
+    return lambda: step_gemv(m, cfgs, pdl=variant.endswith("_pdl"), fused=not variant.startswith("gemv"),
+                             vendor=vendor if variant.startswith("mixed") else frozenset())
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -273,6 +275,17 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[
     return chosen, rows
 
 
+def vendor_faster(rows: list, cfgs: dict) -> frozenset:
+    """The GEMM shapes whose cuBLAS time in the sweep beat the chosen GEMV configuration's."""
+    found = set()
+    for name, cand in cfgs.items():
+        cublas = [r["us"] for r in rows if r["shape"] == name and r["config"] == "cublas"]
+        mine = [r["us"] for r in rows if r["shape"] == name and r["config"] == list(cand) and r.get("error") is None]
+        if cublas and mine and cublas[0] < min(mine):
+            found.add(name)
+    return frozenset(found)
+
+
 def profile(fn, replays: int = 5) -> dict | None:
     """Kernel device time per replay of ``fn``'s CUDA graph by kernel name (``None`` if tracing fails)."""
     try:
@@ -347,9 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke or args.no_tune:
         cfg = SMOKE_CONFIG if args.smoke else CANDIDATES[0]
         cfgs = dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), cfg)
+        vendor = frozenset({"gate_up", "down"})
     else:
         print("GEMV launch configurations (graph of 20 back-to-back calls" + (", PDL)" if pdl_ok else ")"), flush=True)
         cfgs, result["tuning"] = tune(model, pdl_ok)
+        vendor = vendor_faster(result["tuning"], cfgs)
+    result["mixed_on_cublas"] = sorted(vendor)
     result["configs"] = {k: list(v) for k, v in cfgs.items()}
     failed = False
     ref_logits, ref_hidden = step_fn(model, "cublas", cfgs)()
@@ -359,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["skipped"] = "PDL not available (needs Triton's launch_pdl, sm_90+, no interpreter)"
             print(f"{variant:10s} skipped: {entry['skipped']}", flush=True)
             continue
-        fn = step_fn(model, variant, cfgs)
+        fn = step_fn(model, variant, cfgs, vendor)
         try:
             logits, hidden = fn()
         except Exception as error:  # e.g. a Triton without launch_pdl: reported, the others still run
