@@ -37,7 +37,7 @@ step_command() {
     dsl-sweep-mm) echo 'python3 -m ninefold.bench.dsl --sweep mm' ;;
     dsl-sweep-sdpa) echo 'python3 -m ninefold.bench.dsl --sweep sdpa' ;;
     dsl-sweep-memory) echo 'python3 -m ninefold.bench.dsl --sweep memory' ;;
-    decode-chain) echo 'python3 -m ninefold.bench.decode_chain' ;;
+    decode-chain) echo 'python3 -m pytest tests/ops/test_gemv_pdl.py tests/bench/test_decode_chain.py -q -p no:cacheprovider -k "cuda or sm90"; python3 -m ninefold.bench.decode_chain' ;;
     decode-attention) echo 'python3 -m ninefold.bench.decode_attention' ;;
     llm-cuda) echo 'python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider' ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
