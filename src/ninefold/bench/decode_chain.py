@@ -270,9 +270,43 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[
             raise RuntimeError(f"no GEMV candidate worked for {name} {tuple(w.shape)}: {rows[-1]}")
         chosen[name] = best[1]
         gbps = w.nbytes / (best[0] * 1e-6) / 1e9
-        print(f"  {name:8s} {tuple(w.shape)}: best {best[1]} {best[0]:.1f} us ({gbps:.0f} GB/s); cuBLAS "
+        plain = ""
+        if pdl and use_pdl:  # the same configuration without PDL: what PDL itself buys back to back
+            bn, bk, sk, nw, ns, dot = best[1]
+            ms, error, _ = graph_time(lambda x=x, w=w, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot: [
+                gemv_pdl(x, w, split_k=sk, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=bool(dot))
+                for _ in range(calls)], 5)
+            rows.append(dict(shape=name, config=list(best[1]), pdl=False, us=ms * 1e3 / calls, error=error))
+            plain = f"; same without PDL {ms * 1e3 / calls:.1f} us"
+        print(f"  {name:8s} {tuple(w.shape)}: best {best[1]} {best[0]:.1f} us ({gbps:.0f} GB/s){plain}; cuBLAS "
               f"{cublas_us:.1f} us ({w.nbytes / (cublas_us * 1e-6) / 1e9:.0f} GB/s)", flush=True)
     return chosen, rows
+
+
+def pdl_graph_probe(device: torch.device) -> str | None:
+    """``None`` when two PDL-launched GEMVs captured in a CUDA graph replay to the eager result,
+    else what went wrong."""
+    from ninefold.ops.triton.gemv_pdl import gemv_pdl
+
+    try:
+        w1 = torch.randn(512, 1024, device=device, dtype=torch.bfloat16)
+        w2 = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+        x = torch.randn(1024, device=device, dtype=torch.bfloat16)
+
+        def fn():
+            return gemv_pdl(gemv_pdl(x, w1, pdl=True, split_k=2), w2, prologue="silu_and_mul", pdl=True, split_k=2)
+        want = fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fn()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        return None if torch.equal(got, want) else "graph replay differs from the eager result"
+    except Exception as error:
+        torch.cuda.synchronize()
+        return f"{error!r}"[:800]
 
 
 def vendor_faster(rows: list, cfgs: dict) -> frozenset:
@@ -354,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         result["copy_GBps"] = bw / 1e9
         print(f"{result['gpu']}, torch {torch.__version__}, Triton {triton.__version__}, PDL "
               f"{'available' if pdl_ok else 'NOT available'}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    if pdl_ok:
+        problem = pdl_graph_probe(device)
+        result["pdl_graph_capture"] = problem or "ok"
+        print(f"PDL launches in a captured CUDA graph: {problem or 'ok (replay equals eager)'}", flush=True)
+        if problem:
+            pdl_ok = False
     model = Model(shapes, device, dtype)
     result["weight_bytes"] = model.weight_bytes()
     result["kv_bytes"] = model.kv_bytes()
@@ -372,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         entry = result["variants"].setdefault(variant, {})
         if variant.endswith("_pdl") and not pdl_ok:
-            entry["skipped"] = "PDL not available (needs Triton's launch_pdl, sm_90+, no interpreter)"
+            entry["skipped"] = ("PDL not available (needs Triton's launch_pdl, sm_90+, no interpreter, and "
+                                "PDL launches that survive CUDA-graph capture)")
             print(f"{variant:10s} skipped: {entry['skipped']}", flush=True)
             continue
         fn = step_fn(model, variant, cfgs, vendor)
