@@ -37,13 +37,16 @@ def _config(**extra):
     return {**decode.CONFIG, "block_n": 32, "num_stages": 1, "per_sm": 16, "min_tiles": 1, **extra}
 
 
-@pytest.mark.parametrize("heads_fastest", [0, 1], ids=["cpu-triton-seqs-fastest", "cpu-triton-heads-fastest"])
-def test_one_kernel_merge_matches_reference_and_two_kernel_path(heads_fastest):
+@pytest.mark.parametrize("heads_fastest", [0, 1], ids=["seqs-fastest", "heads-fastest"])
+@pytest.mark.parametrize("hq,hk,merge_rows", [(8, 2, 32), (6, 2, 4), (4, 4, 1)],
+                         ids=["group4-one-step", "group3-many-steps", "group1-split-per-step"])
+def test_one_kernel_merge_matches_reference_and_two_kernel_path(heads_fastest, hq, hk, merge_rows):
+    # merge_rows below the live splits: the merge combines them over several steps.
     from ninefold.ops.triton import decode
 
-    args = _case([1, 50, 200, 17, 96], 8, 2, 16, torch.float32, seed=61, extra_columns=9)
+    args = _case([1, 50, 200, 17, 96], hq, hk, 16, torch.float32, seed=61, extra_columns=9)
     with decode_launches() as kernels:
-        one = decode.launch(*args, None, _config(one_kernel=1, heads_fastest=heads_fastest))
+        one = decode.launch(*args, None, _config(one_kernel=1, heads_fastest=heads_fastest, merge_rows=merge_rows))
     assert kernels == ["decode_split_kernel"]
     with decode_launches() as kernels:
         two = decode.launch(*args, None, _config(one_kernel=0, heads_fastest=heads_fastest))

@@ -35,7 +35,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # and ``ninefold.bench.ops_attention`` sweep candidates and report the fastest).
 # ``per_sm``: programs per SM the split count aims at; ``min_tiles``: fewest key tiles per split.
 # ``heads_fastest``: launch order with the KV heads of one sequence adjacent (else sequences adjacent).
-# ``one_kernel``: the last split of a (sequence, KV head) merges (1), or a second kernel does (0).
+# ``one_kernel``: the last split of a (sequence, KV head) merges (1), or a second kernel does (0);
+# ``merge_rows``: partial rows (query heads x splits) the in-place merge reads per step.
 CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0,
           "one_kernel": 1}
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
@@ -67,28 +68,33 @@ def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, st
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, out_ptr, rows, out_offs, gm, num_splits, D: tl.constexpr):
-    """Combine the ``num_splits`` partial results of ``rows`` (``[BLOCK_G]`` indices of
-    ``[B, Hq]``; ``gm`` masks the real ones) by their log-sum-exp and store the output.
-    Partials written by other programs are read through L2 (``.cg``), never a stale L1 line."""
-    e = tl.arange(0, D)
-    m = tl.full(rows.shape, float("-inf"), tl.float32)
-    total = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], D], tl.float32)
-    for s in range(num_splits):  # splits hold keys in order: an empty one (lse -inf) only follows live ones
-        lse = tl.load(lse_ptr + rows * num_splits + s, mask=gm, other=0.0, cache_modifier=".cg")
-        live = gm & (lse > float("-inf"))
-        part = tl.load(part_ptr + (rows * num_splits + s)[:, None] * D + e[None, :], mask=live[:, None], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a context of 0 keys (padded graph rows): all -inf
+def _merge_splits(part_ptr, lse_ptr, out_ptr, row0, out_base, stride_oh, num_splits, n_live, GROUP: tl.constexpr,
+                  G2: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Combine the first ``n_live`` of the ``num_splits`` partial results of query heads
+    ``row0 .. row0 + GROUP`` (rows of ``[B, Hq]``) by their log-sum-exp, ``BLOCK_S`` splits at a
+    time, and store the output. Partials written by other programs are read through L2 (``.cg``),
+    never from a stale L1 line."""
+    g = tl.arange(0, G2)[:, None, None]
+    s = tl.arange(0, BLOCK_S)[None, :, None]
+    e = tl.arange(0, D)[None, None, :]
+    gm = g < GROUP
+    m = tl.full([G2, 1, 1], float("-inf"), tl.float32)
+    total = tl.zeros([G2, 1, 1], tl.float32)
+    acc = tl.zeros([G2, 1, D], tl.float32)
+    for s0 in range(0, n_live, BLOCK_S):
+        sm = gm & (s0 + s < n_live)
+        rows = (row0 + g) * num_splits + s0 + s
+        lse = tl.load(lse_ptr + rows, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_ptr + rows * D + e, mask=sm, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1, keep_dims=True))
+        safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding rows (g >= GROUP) stay -inf
         alpha = tl.exp2(m - safe)
         w = tl.exp2(lse - safe)
-        acc = acc * alpha[:, None] + part * w[:, None]
-        total = total * alpha + w
+        acc = acc * alpha + tl.sum(part * w, 1, keep_dims=True)
+        total = total * alpha + tl.sum(w, 1, keep_dims=True)
         m = m_new
-    out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=gm[:, None])
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + out_base + g * stride_oh + e, out.to(out_ptr.dtype.element_ty), mask=gm)
 
 
 @triton.jit(do_not_specialize=["num_splits", "batch", "kv_heads", "heads_fastest", "stride_btb", "bt_ptr", "lens_ptr"])
@@ -96,7 +102,8 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                         scale_log2e, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch,
                         stride_btb, num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                        PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr):
+                        PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr,
+                        G2: tl.constexpr, BLOCK_S: tl.constexpr):
     pid = tl.program_id(0)
     if heads_fastest:  # the KV heads of one block run side by side (they share its DRAM pages)
         b = (pid // kv_heads).to(tl.int64)
@@ -134,23 +141,36 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                                                PRECISION)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out_offs = b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + e[None, :]
-    if num_splits == 1:  # the whole context in one program: the output itself, no merge
+    if MERGE:
+        # Splits holding keys: the first n_live (none for a context of 0 keys: padded CUDA-graph rows).
+        n_live = tl.where(length > 0, tl.cdiv(length, tl.maximum(per_split, 1)), 0)
+        if start < end:
+            if n_live == 1:  # this program saw the whole context: the output itself
+                tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
+            else:
+                row = (b * heads + kvh * GROUP + g) * num_splits + split  # partials are [B, Hq, splits]
+                tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=gm[:, None])
+                tl.store(lse_ptr + row, m_i + tl.log2(safe_l), mask=gm)
+                tl.debug_barrier()  # every thread's stores precede the release below
+                counter = counters_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + b * kv_heads + kvh
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_live - 1:  # the last live split of this (sequence, KV head) to finish
+                    tl.debug_barrier()
+                    tl.store(counter, 0)  # ready for the next launch (a CUDA-graph replay) without a memset
+                    _merge_splits(part_ptr, lse_ptr, out_ptr, b * heads + kvh * GROUP, b * stride_ob +
+                                  kvh * GROUP * stride_oh, stride_oh, num_splits, n_live, GROUP, G2, D,
+                                  BLOCK_S)
+        elif split == 0:  # no keys at all: zeros (what the unsplit program writes)
+            tl.store(out_ptr + out_offs, tl.zeros([BLOCK_G, D], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=gm[:, None])
+    elif num_splits == 1:  # the whole context in one program: the output itself, no merge
         tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None])
     else:
-        rows = b * heads + kvh * GROUP + g  # [B, Hq] flattened; partials are [B, Hq, splits]
-        row = rows * num_splits + split
+        row = (b * heads + kvh * GROUP + g) * num_splits + split  # [B, Hq, splits] flattened
         live = gm[:, None] & (e[None, :] < tl.where(start < end, D, 0))  # an empty split writes no partial
         tl.store(part_ptr + row[:, None] * D + e[None, :], acc / safe_l[:, None], mask=live)
         lse = tl.where(start < end, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=gm)
-        if MERGE:
-            tl.debug_barrier()  # every thread's stores precede the release below
-            counter = counters_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + b * kv_heads + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last split of this (sequence, KV head): all partials are stored
-                tl.debug_barrier()
-                tl.store(counter, 0)  # ready for the next launch (a CUDA-graph replay) without a memset
-                _merge_splits(part_ptr, lse_ptr, out_ptr, rows, out_offs, gm, num_splits, D)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh"])
@@ -188,7 +208,7 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
              "constexprs": {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "D": shapes.head_dim,
                             "BLOCK_N": block_n, "PAGE": shapes.block_size,
                             "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0,
-                            "MERGE": _merges_in_place(CONFIG)}},
+                            "MERGE": _merges_in_place(CONFIG), **_merge_tile(group, CONFIG)}},
             {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
 
 
@@ -219,6 +239,13 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _merges_in_place(config: dict) -> int:
     return int(config.get("one_kernel", 1))
+
+
+def _merge_tile(group: int, config: dict) -> dict:
+    """The in-place merge's tile: the group's query heads (padded to a power of two) x ``BLOCK_S``
+    splits, about ``merge_rows`` (default 32) partial rows of D floats at a time."""
+    g2 = triton.next_power_of_2(group)
+    return {"G2": g2, "BLOCK_S": max(1, config.get("merge_rows", 32) // g2)}
 
 
 def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
@@ -269,7 +296,8 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
          block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), GROUP=group,
          BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
          STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
-         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, num_warps=config["num_warps"],
+         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, **_merge_tile(group, config),
+         num_warps=config["num_warps"],
          num_stages=config["num_stages"])
     if splits > 1 and not merge:
         call(decode_merge_kernel, (b, hq), part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
