@@ -35,10 +35,13 @@ from tqdm import tqdm
 
 DECODE_CASES = ((1, 256), (1, 4096), (64, 600), (256, 600), (256, 1200))
 ROPE_BATCHES = (1, 256)
-SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s, heads_fastest=hf, per_sm=p, min_tiles=mt)
-         for hf in (1, 0) for p, mt in ((4, 2), (8, 1))
-         for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3),
-                          (128, 8, 2), (32, 2, 4))]
+# Most promising first (the sweep stops starting configs at the budget): at batch 256 one program per
+# (sequence, KV head) leaves a partial last wave; per_sm 16/32 splits each sequence in two or more.
+SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (32, 4, 4), (128, 8, 3), (64, 8, 3), (128, 4, 2))
+SWEEP = [dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=0, per_sm=4, min_tiles=2)]  # the default
+SWEEP += [c for c in (dict(block_n=bn, num_warps=w, num_stages=s, heads_fastest=hf, per_sm=p, min_tiles=2)
+                      for p in (16, 4, 32) for hf in (1, 0) for bn, w, s in SWEEP_TILES) if c != SWEEP[0]]
+SWEEP_CASES = ((1, 4096), (256, 600), (256, 1200))
 
 
 def _shapes(device: torch.device) -> dict:
@@ -210,10 +213,10 @@ def time_decode(sh, device, width, replays) -> list[dict]:
 
 
 def sweep_decode(sh, device, width, replays, deadline) -> list[dict]:
-    """One-kernel launch configurations at the batch-256 cases, each checked against float64 first."""
+    """One-kernel launch configurations at ``SWEEP_CASES``, each checked against float64 first."""
     from ninefold.ops.triton import decode
 
-    big = [c for c in sh["cases"] if c[0] == max(b for b, _ in sh["cases"])]
+    big = [c for c in sh["cases"] if c in SWEEP_CASES or device.type != "cuda"]
     check_lens = [1, 17, 1000, 300, 600] if device.type == "cuda" else [1, 5, 40]
     kc, vc, tb = _paged(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 3)
     qc = torch.randn(len(check_lens), sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
@@ -242,11 +245,18 @@ def sweep_decode(sh, device, width, replays, deadline) -> list[dict]:
             row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         rows.append(row)
     timed = [r for r in rows if "error" not in r and "skipped" not in r]
+    default = {k: decode.CONFIG[k] for k in SWEEP[0]}
+    base = next((r for r in timed if r["config"] == default), None)
     for batch, context in big:
         key = f"B={batch} ctx={context}"
         best = min(timed, key=lambda r: r[key], default=None)
         if best:
-            print(f"sweep {key:16s} best {best['config']} {best[key]:.2f} us")
+            print(f"sweep {key:16s} best {best['config']} {best[key]:.2f} us"
+                  + (f" (default config {base[key]:.2f} us)" if base else ""))
+    large = [f"B={b} ctx={c}" for b, c in big if b == max(b for b, _ in big)]
+    if timed:
+        overall = min(timed, key=lambda r: sum(r[k] for k in large))
+        print(f"sweep best over {', '.join(large)}: {overall['config']}")
     return rows
 
 
