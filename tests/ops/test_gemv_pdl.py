@@ -96,7 +96,7 @@ def _compile_sm90(prologue: int, split_k: int, dot: bool):
 
     kernel = gp.gemv_pdl_kernel
     consts = dict(PROLOGUE=prologue, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_GDC=True, DOT=dot,
-                  PRECISION="tf32")
+                  PRECISION="tf32", NORM_BLOCK=4096)
     types = dict(ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32", stride_wn="i32", eps="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)

@@ -74,7 +74,7 @@ def _x_chunk(x_ptr, r_ptr, g_ptr, kk, rstd, K, PROLOGUE: tl.constexpr):
 def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr, DOT: tl.constexpr = False,
-                    PRECISION: tl.constexpr = "ieee"):
+                    PRECISION: tl.constexpr = "ieee", NORM_BLOCK: tl.constexpr = 1024):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if USE_GDC:
@@ -91,13 +91,17 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
         tl.extra.cuda.gdc_wait()
     rstd = 0.0
     if PROLOGUE == 1:
-        sq = tl.zeros([BLOCK_K], tl.float32)
+        # The whole row in one or few wide steps: each step is one round trip to L2.
+        kn = tl.arange(0, NORM_BLOCK)
+        sq = tl.zeros([NORM_BLOCK], tl.float32)
         first = (pid_n == 0) & (pid_k == 0)
-        for k0 in range(0, K, BLOCK_K):
-            s = tl.load(x_ptr + k0 + k).to(tl.float32) + tl.load(r_ptr + k0 + k).to(tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            ok = k0 + kn < K
+            s = (tl.load(x_ptr + k0 + kn, mask=ok, other=0.0).to(tl.float32)
+                 + tl.load(r_ptr + k0 + kn, mask=ok, other=0.0).to(tl.float32))
             s = s.to(x_ptr.dtype.element_ty)
             if first:
-                tl.store(r_out_ptr + k0 + k, s)
+                tl.store(r_out_ptr + k0 + kn, s, mask=ok)
             s = s.to(tl.float32)
             sq += s * s
         rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
@@ -117,14 +121,17 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
     else:
         # Register double buffering (Triton does not pipeline loads that feed no dot): tile i + 1 is
         # requested before tile i is used.
+        # The activation chunk is double-buffered the same way.
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(k_start, k_start + k_len - BLOCK_K, BLOCK_K):
+        x = _x_chunk(x_ptr, r_ptr, g_ptr, k_start + k, rstd, K, PROLOGUE)
+        for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
             w_ptrs += BLOCK_K
             w_next = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)[None, :]
+            x_next = _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)
+            acc += w.to(tl.float32) * x[None, :]
             w = w_next
-        acc += w.to(tl.float32) * _x_chunk(x_ptr, r_ptr, g_ptr, k_start + k_len - BLOCK_K + k, rstd, K,
-                                           PROLOGUE)[None, :]
+            x = x_next
+        acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, 1)
     if SPLIT_K == 1:
         tl.store(y_ptr + n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -223,6 +230,6 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
         x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         residual_out if residual_out is not None else x, ws, cnt, n, k, weight.stride(0), eps,
         PROLOGUE=PROLOGUES[prologue], BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_GDC=pdl, DOT=dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NORM_BLOCK=min(triton.next_power_of_2(k), 8192),
         num_warps=num_warps or CONFIG["num_warps"], num_stages=num_stages or CONFIG["num_stages"], **extra)
     return y
