@@ -131,3 +131,19 @@ def test_triton_kernel_in_the_interpreter():
     summary = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 0, run.stdout[-3000:]
     assert int(summary.split(" passed")[0].split()[-1]) >= 20, summary
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_triton_kernel_compiles_for_sm90(dtype):
+    # What the launcher runs at Llama-3-8B heads (both rotary layouts), compiled here for the H200.
+    pytest.importorskip("triton")
+    from ninefold.ops import workloads
+    from ninefold.ops.triton import aot, rope_cache
+
+    target = aot.parse_target("cuda:90")
+    variants = [aot.Variant("rope_and_cache", **v)
+                for v in rope_cache.aot_variants("rope_and_cache", dtype, workloads.shapes("llama-8b"))]
+    assert {v.constexprs["IS_NEOX"] for v in variants} == {True, False}
+    for variant in variants:
+        compiled = aot.compile_variant(variant, dtype, target)
+        assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
