@@ -750,7 +750,7 @@ def _fixed(arrangement, application, tensors, warps, stages, *flags):
 
     kernel = nd.make(arrangement, application, tensors, num_warps=warps, num_stages=stages)
     kernel.persistent = "persistent" in flags
-    kernel.tma = "tma" in flags
+    kernel.tma = "rows" if "rows" in flags else "tma" in flags
     return kernel
 
 
@@ -939,6 +939,7 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
             rows.append(_sweep_row(label, call, reference, dtype, flops, ceiling))
 
     dsl_rows(SDPA_SWEEP)
+    dsl_rows(SDPA_ROWS_SWEEP)
     dsl_rows(SDPA_LPT_SWEEP, arrangement=_lpt_arrangement, prefix="dsl longest-first")
     if causal and s % 128 == 0 and SWEEP_DEVICE == "cuda":  # what hand-written Triton reaches here
         for mode, bm, bn, w, st in PLAIN_SDPA:
@@ -962,7 +963,15 @@ SDPA_LPT_SWEEP = (  # the ops kernel's application under _lpt_arrangement
     (128, 64, 8, 3),
     (128, 64, 8, 4),
     (64, 64, 4, 3),
-    (128, 64, 8, 2),
+    (128, 128, 8, 3, "rows"),
+    (128, 64, 8, 4, "rows"),
+    (64, 64, 4, 3, "rows"),
+)
+SDPA_ROWS_SWEEP = (  # Kernel.tma = "rows": TMA descriptors over the [B*H*S, D] views where the call allows
+    (128, 128, 8, 3, "rows"),
+    (128, 64, 8, 3, "rows"),
+    (128, 64, 8, 4, "rows"),
+    (64, 64, 4, 3, "rows"),
 )
 SDPA_TMA_SWEEP = (  # the same kernel with q/k/v tiles read through TMA descriptors (warm calls take the slow path)
     (128, 128, 8, 3, "tma"),

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ninefold.dsl.backends.triton_codegen import argument_values, generate, specialize
+from ninefold.dsl.backends.triton_codegen import argument_values, collapsible, generate, specialize
 from ninefold.dsl.cache import load_module
 
 
@@ -16,15 +16,18 @@ def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=Fal
     ``spec`` overrides the mask specialization (AOT compiles the generic one); ``interpret`` makes
     every integer argument a constexpr (Triton 3.6's interpreter hands other ints over as arrays,
     which ``range`` rejects); ``persistent`` generates the persistent form, ``tma`` the descriptor
-    loads (see ``generate``).
+    loads (see ``generate``; ``"rows"``: 2-D-style descriptors where the call's strides allow).
     """
     spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
         isinstance(v, torch.Tensor) and v.numel() > 0 and _span(v) >= 2**30 for v in bound.values.values()
     )
-    key = ("triton", spec, wide, interpret, persistent, tma, repr(sorted((kernel.cache_hints or {}).items())))
+    collapse = ()
+    if tma == "rows":  # which tensors' leading dimensions can be read as one (part of the key)
+        collapse = tuple((n, collapsible(v)) for n, v in sorted(bound.values.items()) if isinstance(v, torch.Tensor) and v.dim() > 1)
+    key = ("triton", spec, wide, interpret, persistent, tma, collapse, repr(sorted((kernel.cache_hints or {}).items())))
     if key not in kernel._cache:
-        generated = generate(kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma)
+        generated = generate(kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma, collapse=collapse)
         module = load_module(generated.source, generated.key)
         kernel._cache[key] = (generated, getattr(module, generated.function_name))
     return kernel._cache[key]

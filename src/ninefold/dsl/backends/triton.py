@@ -88,13 +88,16 @@ def launcher(kernel, bound, args):
     if grid == 0:
         return _nothing
     positions = {p.name: i for i, p in enumerate(p for p in kernel.params if p.passed)}
-    values, slots = [], []
+    values, slots, descriptors = [], [], []
     for kind, payload in template:
         if kind is None:
             values.append(payload)
             continue
-        if kind == "descriptor":
-            return None  # built per call from the tensor: the slow path
+        if kind == "descriptor":  # rebuilt per call around the call's tensor (the box is fixed)
+            name, block, rows = payload
+            descriptors.append((len(values), positions[name], block, rows))
+            values.append(None)
+            continue
         if kind == "scalar" and not isinstance(args[positions[payload]], (bool, int, float)):
             return None  # a 0-dim tensor given for a scalar: the slow path converts it
         slots.append((len(values), positions[payload]))
@@ -102,11 +105,18 @@ def launcher(kernel, bound, args):
     run = function[(grid,)]
     options = {"num_warps": num_warps, "num_stages": num_stages}
     device = bound.device
+
+    def fill(out, args):
+        for i, j, block, rows in descriptors:
+            out[i] = descriptor(args[j], block, rows)
+
     if device.type != "cuda":
         def launch_here(args):
             out = values.copy()
             for i, j in slots:
                 out[i] = args[j]
+            if descriptors:
+                fill(out, args)
             run(*out, **options)
 
         return launch_here
@@ -115,12 +125,16 @@ def launcher(kernel, bound, args):
     first = values.copy()
     for i, j in slots:
         first[i] = args[j]
+    if descriptors:
+        fill(first, args)
     direct = [_compiled_runner(function, first, grid, options, index)]
 
     def launch_on_device(args):
         out = values.copy()
         for i, j in slots:
             out[i] = args[j]
+        if descriptors:
+            fill(out, args)
         with _null() if current() == index else torch.cuda.device(index):
             if direct[0] is not None:
                 runner, stream = direct[0]
@@ -183,8 +197,8 @@ def _arguments(template, bound):
     out = []
     for kind, payload in template:
         if kind == "descriptor":
-            name, block = payload
-            out.append(descriptor(bound.values[name], block))
+            name, block, rows = payload
+            out.append(descriptor(bound.values[name], block, rows))
         else:
             out.append(bound.values[payload] if kind else payload)
     return out
@@ -198,10 +212,16 @@ def warm(kernel, bound, config):
         function.warmup(*args, grid=(max(grid, 1),), num_warps=num_warps, num_stages=num_stages)
 
 
+def _tma_mode(kernel, config):
+    """``Kernel.tma`` or the configuration's ``"tma"``: False, True (boxes) or ``"rows"``."""
+    mode = config.get("tma", getattr(kernel, "tma", False))
+    return "rows" if mode == "rows" else bool(mode)
+
+
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
-    key += (bool(config.get("tma", getattr(kernel, "tma", False))),)
+    key += (_tma_mode(kernel, config),)
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:
@@ -212,11 +232,11 @@ def _entry(kernel, bound, config):
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
         persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
-        tma = bool(config.get("tma", getattr(kernel, "tma", False)))
+        tma = _tma_mode(kernel, config)
         generated, function = prepare(kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma)
         template = [
             (kind, payload) if kind in ("pointer", "scalar")
-            else (kind, (payload[0], value.block_shape)) if kind == "descriptor" else (None, value)
+            else (kind, (payload[0], value.block_shape, payload[2])) if kind == "descriptor" else (None, value)
             for (_, kind, payload, _), value in zip(generated.arguments, argument_values(generated, finished))
         ]
         num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
@@ -278,7 +298,7 @@ def compile_for_target(
     generated argument names to ``"one"`` (compiled as the constant 1, as Triton's JIT does with
     integers equal to 1) or ``"divisible"`` (a multiple of 16; pointers: 16-byte aligned), the
     specializations the JIT path would make for this call (see ``ninefold.dsl.aot.assumptions``).
-    ``tma`` generates the descriptor loads (``Kernel.tma``).
+    ``tma`` generates the descriptor loads (``Kernel.tma``: True, or ``"rows"``).
 
     Returns ``(compiled, generated, finished_bound)``; ``compiled.asm`` holds ``cubin``/``ptx``.
     """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -221,10 +222,12 @@ def _broadcast(node, dim, rank):
 class _Lowering(ast.NodeTransformer):
     """Replace ``_nf`` calls and language references by Triton code."""
 
-    def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False, tma=False):
+    def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False, tma=False,
+                 collapse=None):
         self.interpret = interpret
         self.tma = tma
-        self.descriptors: dict = {}  # parameter name -> block shape (tile size Expr or None per source dim)
+        self.collapse = dict(collapse or ())  # parameter name -> leading dims its strides let be read as one
+        self.descriptors: dict = {}  # parameter name -> (collapsed dims r, box: tile size Expr or None per dim >= r)
         self.kernel = kernel
         self.spec = spec
         self.namer = namer
@@ -281,7 +284,15 @@ class _Lowering(ast.NodeTransformer):
     def descriptor_load(self, name, index_nodes):
         """``{name}_desc.load([...])`` reshaped to the tile, where the tile is a box of the source
         (each tile dimension walks one source dimension, in order, with unit steps) read with zero
-        fill outside it; None where the access is not such a box (it stays a pointer load)."""
+        fill outside it; None where the access is not such a box (it stays a pointer load).
+
+        In the ``"rows"`` mode the source dimensions up to the first one the tile walks (``r``)
+        are read as one, through a descriptor of the ``[size_0 * ... * size_r, size_r+1, ...]``
+        view, when the call's strides allow that view (``collapse[name] >= r``) and no tile can
+        overhang dimensions ``0..r`` (their mask terms are dead for the call's sizes): the box is
+        then the tile itself, with no reshape. Live conditions on the program and middle indices
+        (a tile wholly outside the source) move the box past the view's last row, so it reads zeros.
+        """
         access = analyze(self.kernel.param(name).arranged, len(index_nodes), name)
         if access.top.source.other not in (None, 0) or not access.tile_vars:
             return None
@@ -290,12 +301,53 @@ class _Lowering(ast.NodeTransformer):
             return None
         starts = [substitute(e, {t: 0 for t in access.tile_vars}) for e in access.source_index]
         block = [access.tile_level._shape[mapping.index(d)] if d in mapping else None for d in range(len(starts))]
-        if self.descriptors.setdefault(name, block) != block:
+        rows, guard = self._collapse(name, access, mapping, index_nodes)
+        if self.descriptors.setdefault(name, (rows, tuple(block[rows:]))) != (rows, tuple(block[rows:])):
             return None  # a second access of another shape: one descriptor per parameter
-        offsets = ast.List([self.render(e, access, index_nodes) for e in starts], ast.Load())
-        loaded = _call(_attr(f"{name}_desc", "load"), offsets)
+        if rows:
+            source = access.top.source
+            row = starts[0]
+            for d in range(1, rows + 1):
+                row = row * SizeOf(source, d) + starts[d]
+            offsets = [self.render(row, access, index_nodes)]
+            if guard is not None:
+                total = Const(1)
+                for d in range(rows + 1):
+                    total = total * SizeOf(source, d)
+                offsets[0] = _call(_attr(TL, "where"), guard, offsets[0], self.render(total, access, index_nodes))
+            offsets += [self.render(e, access, index_nodes) for e in starts[rows + 1 :]]
+        else:
+            offsets = [self.render(e, access, index_nodes) for e in starts]
+        loaded = _call(_attr(f"{name}_desc", "load"), ast.List(offsets, ast.Load()))
         shape = ast.Tuple([self.namer.padded_size(s) for s in access.tile_level._shape], ast.Load())
+        if rows and len(access.tile_vars) == len(starts) - rows:
+            return loaded  # the box is the tile
         return _call(_attr(TL, "reshape"), loaded, shape)
+
+    def _collapse(self, name, access, mapping, index_nodes):
+        """``(r, guard)`` for the ``"rows"`` mode (see ``descriptor_load``), ``(0, None)`` otherwise."""
+        if self.tma != "rows" or not mapping or mapping[0] == 0:
+            return 0, None
+        rows = mapping[0]
+        if self.collapse.get(name, 0) < rows:
+            return 0, None
+        terms = _mask_terms(access)
+        live = self.spec[self.order.index((name, len(index_nodes)))]
+        tile_dims = {t: mapping[i] for i, t in enumerate(access.tile_vars)}
+        guard, seen = None, set()
+        for term, keep in zip(terms, live):
+            if not keep:
+                continue
+            dims = {tile_dims[leaf] for leaf in term.leaves() if leaf in tile_dims}
+            if any(d <= rows for d in dims):
+                return 0, None  # a tile may overhang a collapsed dimension: it would read the next rows
+            if dims:
+                continue  # past the rows: the descriptor's zero fill stands for it
+            node = self.render(term, access, index_nodes)
+            if ast.dump(node) not in seen:
+                seen.add(ast.dump(node))
+                guard = node if guard is None else ast.BinOp(guard, ast.BitAnd(), node)
+        return rows, guard
 
     def visit_For(self, node):
         self.generic_visit(node)
@@ -469,18 +521,20 @@ def _check_hints(kernel):
             raise ValueError(f"kernel {kernel.name}: cache_hints {key!r}={value!r}; accepted: {CACHE_HINTS}")
 
 
-def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=False) -> Generated:
+def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=()) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
     ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
     ``persistent`` makes each launched program loop over the programs ``program_id(0)``,
     ``+ num_programs(0)``, ... (a nest Triton flattens and pipelines across output tiles); the
     launch then starts at most one program per SM. ``tma`` reads the tiles that are boxes of their
-    source through TMA descriptors built at launch (see ``_Lowering.descriptor_load``).
+    source through TMA descriptors built at launch (see ``_Lowering.descriptor_load``); ``"rows"``
+    also reads leading dimensions as one where ``collapse`` (``(name, dims)`` pairs from
+    :func:`collapsible`) and the mask specialization allow it.
     """
     _check_hints(kernel)
     namer = _Namer(kernel)
-    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma)
+    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma, collapse=collapse)
     namer.taken |= lowering.locals
     tree = lowering.visit(copy.deepcopy(kernel.app.tree))
     body = []
@@ -511,7 +565,8 @@ def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=Fa
         else:
             arguments.append((f"{p.name}_ptr", "pointer", p.name, False))
             if p.name in lowering.descriptors:
-                arguments.append((f"{p.name}_desc", "descriptor", (p.name, tuple(lowering.descriptors[p.name])), False))
+                rows, block = lowering.descriptors[p.name]
+                arguments.append((f"{p.name}_desc", "descriptor", (p.name, block, rows), False))
     leaves = dict(namer.used)
     for name in sorted(leaves, key=_leaf_order(kernel)):
         leaf = leaves[name]
@@ -632,8 +687,8 @@ def argument_values(generated: Generated, bound) -> list:
         elif kind == "leaf":
             values.append(bound.env[payload])
         elif kind == "descriptor":
-            name, block = payload
-            values.append(descriptor(bound.values[name], descriptor_block(block, bound.env)))
+            name, block, rows = payload
+            values.append(descriptor(bound.values[name], descriptor_block(block, bound.env), rows))
         else:
             values.append(_next_power_of_two(int(evaluate(payload, bound.env))))
     return values
@@ -644,11 +699,41 @@ def descriptor_block(block, env) -> list[int]:
     return [1 if size is None else _next_power_of_two(int(evaluate(size, env))) for size in block]
 
 
-def descriptor(tensor, block):
-    """A host-side TMA descriptor of ``tensor`` with box ``block`` (Triton >= 3.3)."""
+def descriptor(tensor, block, rows=0):
+    """A host-side TMA descriptor of ``tensor`` with box ``block`` (Triton >= 3.3); with ``rows``
+    > 0, of the view that reads dimensions ``0..rows`` as one (see :func:`collapsible`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), list(block))
+    shape, strides = list(tensor.shape), list(tensor.stride())
+    if rows:
+        shape = [math.prod(shape[: rows + 1])] + shape[rows + 1 :]
+        strides = [_implied_strides(tensor)[rows]] + strides[rows + 1 :]
+    return TensorDescriptor(tensor, shape, strides, list(block))
+
+
+def _implied_strides(tensor) -> list[int]:
+    """The strides, except that a size-1 dimension (before the last) gets the one a contiguous
+    layout of the dimensions after it implies: its own stride is never used to address."""
+    implied = list(tensor.stride())
+    for d in range(tensor.dim() - 2, -1, -1):
+        if tensor.shape[d] == 1:
+            implied[d] = tensor.shape[d + 1] * implied[d + 1]
+    return implied
+
+
+def collapsible(tensor) -> int:
+    """How many leading dimensions of ``tensor`` can be read together with the next one as a
+    single dimension of stride ``stride(r)``: ``r`` such that every ``d < r`` is of size 1 or has
+    ``stride(d) == size(d + 1) * stride(d + 1)`` (the stride of a size-1 dimension does not count:
+    it is the one implied by the dimensions after it)."""
+    shape, stride = tensor.shape, tensor.stride()
+    implied = _implied_strides(tensor)
+    r = 0
+    for d in range(tensor.dim() - 1):
+        if shape[d] != 1 and stride[d] != shape[d + 1] * implied[d + 1]:
+            break
+        r = d + 1
+    return r
 
 
 def _box_mapping(access):
