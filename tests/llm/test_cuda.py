@@ -93,6 +93,7 @@ def test_cuda_graph_decode_matches_eager_decode(model_dirs, dtype):
     for i, prompt in enumerate(PROMPTS * 2):
         engine.add_request(engine.build_request(prompt, params, str(i)))
     engine.step()  # prefill everything
+    engine.sync()  # (overlapped scheduling reads the prefill's tokens one call later)
     for _ in range(5):
         step = engine.scheduler.schedule()
         assert all(s.num_new_tokens == 1 for s in step) and len(step) == 6
