@@ -956,7 +956,23 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
         dsl_rows(SDPA_ROWS_SWEEP)
         dsl_rows(SDPA_LPT_ROWS_SWEEP, arrangement=_lpt_arrangement, prefix="dsl longest-first")
         dsl_rows(SDPA_TMA_SWEEP)
+        rows.append(_tuned_with_tma(attention.kernel, tuned, reference, dtype, flops, ceiling))
     return rows
+
+
+def _tuned_with_tma(kernel, call, reference, dtype, flops, ceiling):
+    """The tuner re-run on a fresh cache with its TMA candidates on (``NINEFOLD_DSL_TUNE_TMA=1``)."""
+    previous = os.environ.get("NINEFOLD_DSL_TUNE_TMA")
+    os.environ["NINEFOLD_DSL_TUNE_TMA"] = "1"
+    try:
+        row = _sweep_row("re-tuned with TMA candidates", lambda: _retuned(kernel, call), reference, dtype, flops, ceiling)
+        row["picked"] = _picked(kernel)
+    finally:
+        if previous is None:
+            os.environ.pop("NINEFOLD_DSL_TUNE_TMA", None)
+        else:
+            os.environ["NINEFOLD_DSL_TUNE_TMA"] = previous
+    return row
 
 
 SDPA_LPT_SWEEP = (  # the ops kernel's application under _lpt_arrangement

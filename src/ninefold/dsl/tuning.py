@@ -82,7 +82,34 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
     else:
         out = _plain_configs(kernel, names, shapes, sm_count)
     limit = kernel.max_num_configs or (DOT_MAX_CONFIGS if _dot_in_loop(kernel) else DEFAULT_MAX_CONFIGS)
-    return out[:limit] or [{"meta": {}, "num_warps": kernel.num_warps or 4, "num_stages": kernel.num_stages or 3}]
+    out = out[:limit] or [{"meta": {}, "num_warps": kernel.num_warps or 4, "num_stages": kernel.num_stages or 3}]
+    if _dot_in_loop(kernel) and tma_candidates_apply(kernel, bound):
+        # after the pointer-load configurations: on a tie the tuner keeps the earlier one
+        out += [dict(c, tma="rows") for c in out if not c.get("persistent")][:TMA_CONFIGS]
+    return out
+
+
+TMA_CONFIGS = 4
+
+
+def tma_tuning_enabled() -> bool:
+    """Whether the tuner also times TMA-descriptor loads (``NINEFOLD_DSL_TUNE_TMA``: "1" on, else off)."""
+    return os.environ.get("NINEFOLD_DSL_TUNE_TMA", "0") == "1"
+
+
+def tma_candidates_apply(kernel, bound) -> bool:
+    """TMA candidates (``Kernel.tma = "rows"``) for this call: enabled, the kernel's own ``tma``
+    unset, a CUDA device of compute capability >= 9 whose tensors TMA can read, and a tensor of
+    three or more dimensions whose leading dimensions read as one (the case where the descriptors
+    replace the most index arithmetic)."""
+    from ninefold.dsl.backends.triton import tma_ready
+    from ninefold.dsl.backends.triton_codegen import collapsible
+
+    if not tma_tuning_enabled() or getattr(kernel, "tma", False) or bound.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(bound.device) < (9, 0) or not tma_ready(bound):
+        return False
+    return any(isinstance(v, torch.Tensor) and v.dim() >= 3 and collapsible(v) for v in bound.values.values())
 
 
 DOT_MAX_CONFIGS = 9

@@ -218,10 +218,28 @@ def _tma_mode(kernel, config):
     return "rows" if mode == "rows" else bool(mode)
 
 
+def tma_ready(bound) -> bool:
+    """Whether TMA descriptors can read this call's tensors: 16-byte aligned, unit last stride,
+    other strides multiples of 16 bytes (size-1 dimensions aside), on a CUDA device of compute
+    capability 9 or more (or under the interpreter)."""
+    for value in bound.values.values():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if value.device.type == "cuda" and torch.cuda.get_device_capability(value.device) < (9, 0):
+            return False
+        if value.device.type not in ("cuda", "cpu") or value.data_ptr() % 16 or value.stride(-1) != 1:
+            return False
+        if any(n != 1 and (s * value.element_size()) % 16 for n, s in zip(value.shape[:-1], value.stride()[:-1])):
+            return False
+    return True
+
+
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
-    key += (_tma_mode(kernel, config),)
+    tma = _tma_mode(kernel, config)
+    tma = tma if tma and tma_ready(bound) else False  # otherwise pointer loads (the launch key holds the alignment)
+    key += (tma,)
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:
@@ -232,7 +250,6 @@ def _entry(kernel, bound, config):
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
         persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
-        tma = _tma_mode(kernel, config)
         generated, function = prepare(kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma)
         template = [
             (kind, payload) if kind in ("pointer", "scalar")
