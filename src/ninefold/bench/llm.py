@@ -311,6 +311,9 @@ def bench_ttft(engine, rng, mc, mm_rate: float, lengths) -> list[dict]:
 
 
 def bench_host(engine, rng, batches) -> list[dict]:
+    """Host time per decode step at each batch size, and (on CUDA) how long the device sits idle
+    between steps waiting for the host: with overlapped scheduling the host's work hides behind
+    the device's, so the idle share, not the host time, is the overhead a user pays."""
     from ninefold.llm.sampling import SamplingParams
 
     vocab = engine.model_config.vocab_size
@@ -328,21 +331,64 @@ def bench_host(engine, rng, batches) -> list[dict]:
             engine.step()
         steps, wall, waited = 20, 0.0, 0.0
         cpu = time.process_time()
-        for _ in range(steps):
-            sampler.sync_seconds = 0.0
-            start = time.perf_counter()
-            engine.step()
-            wall += time.perf_counter() - start
-            waited += sampler.sync_seconds
+        with _device_timeline(engine) as timeline:
+            for _ in range(steps):
+                sampler.sync_seconds = 0.0
+                start = time.perf_counter()
+                engine.step()
+                wall += time.perf_counter() - start
+                waited += sampler.sync_seconds
         cpu = time.process_time() - cpu
         for rid in ids:
             engine.abort_request(rid)
+        engine.sync()
         host = (wall - waited) / steps
-        rows.append({"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": host * 1e3,
-                     "process_cpu_ms": cpu / steps * 1e3, "host_fraction": host / (wall / steps)})
+        row = {"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": host * 1e3,
+               "process_cpu_ms": cpu / steps * 1e3, "host_fraction": host / (wall / steps)}
+        row.update(timeline.summary())
+        rows.append(row)
+        idle = f", device idle between steps {row['device_idle_fraction']:.0%}" if "device_idle_fraction" in row else ""
         print(f"batch {batch:>3}: step {wall / steps * 1e3:6.2f} ms, host (not waiting on the GPU) "
-              f"{host * 1e3:6.2f} ms = {host / (wall / steps):.0%}")
+              f"{host * 1e3:6.2f} ms = {host / (wall / steps):.0%}{idle}")
     return rows
+
+
+class _device_timeline:
+    """Records CUDA events around every ``runner.launch`` in its block: the device's busy span per
+    step and its idle gaps between steps (waiting for the host to enqueue the next one)."""
+
+    def __init__(self, engine):
+        self.runner = engine.runner
+        self.events: list = []
+        self.cuda = engine.device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            launch = self.runner.launch
+
+            def timed(step, previous=None):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                launched = launch(step, previous)
+                end.record()
+                self.events.append((start, end))
+                return launched
+
+            self.runner.launch = timed
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            del self.runner.launch  # back to the class's method
+            torch.cuda.synchronize()
+
+    def summary(self) -> dict:
+        if len(self.events) < 2:
+            return {}
+        gaps = [a[1].elapsed_time(b[0]) for a, b in zip(self.events, self.events[1:])]
+        span = self.events[0][0].elapsed_time(self.events[-1][1])
+        return {"device_span_ms": span, "device_idle_ms_per_step": sum(gaps) / len(gaps),
+                "device_idle_fraction": sum(gaps) / span}
 
 
 def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm_rate: float) -> dict:
@@ -405,8 +451,9 @@ def print_table(r: dict) -> None:
         lines.append(f"| TTFT {t['prompt_tokens']} tokens (ms) | {t['ttft_s'] * 1e3:.1f} | {t['roofline_s'] * 1e3:.1f} | "
                      f"{t['fraction_of_roofline']:.0%} |")
     for h in r["host_overhead"]:
+        idle = f", device idle {h['device_idle_fraction']:.0%}" if "device_idle_fraction" in h else ""
         lines.append(f"| host ms per decode step, batch {h['batch']} | {h['host_ms']:.2f} of {h['step_ms']:.2f} | | "
-                     f"{h['host_fraction']:.0%} host |")
+                     f"{h['host_fraction']:.0%} host{idle} |")
     lines.append(f"\ntotal {r['total_s']:.0f} s")
     print("\n".join(lines))
 

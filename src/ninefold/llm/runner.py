@@ -146,7 +146,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, step: list[ScheduledSeq], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits ``[S, V]`` at the last token of every sequence in ``step`` that samples.
+        """Logits ``[S, V]`` (``compute_logits``'s dtype) at the last token of every sequence in ``step`` that samples.
 
         ``prev_tokens``: the device tokens of the step in flight, for sequences holding a placeholder.
         """

@@ -66,7 +66,7 @@ class Sampler:
         self.sync_seconds = 0.0  # time spent waiting for the device to hand back tokens (benchmarks)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
-        """Sample one token for each row of ``logits`` ``[B, V]`` (float32), row b for ``seqs[b]``."""
+        """Sample one token for each row of ``logits`` ``[B, V]`` (any float dtype), row b for ``seqs[b]``."""
         return self.sample(logits, seqs).read()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens:
@@ -78,7 +78,9 @@ class Sampler:
         params = [s.params for s in seqs]
         logits = logits[:, : self.vocab_size]
         if all(s.plain_greedy for s in seqs):  # the common case, kept short: no per-row work
+            # (on logits in the model's dtype: widening is exact, so the maximum and ties are the same)
             return PendingTokens(self, ops.argmax(logits, dim=-1))
+        logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
         raw = logits if any(want_logprobs) else None
         if any(p.has_penalties for p in params):
