@@ -147,3 +147,23 @@ def test_triton_kernel_compiles_for_sm90(dtype):
     for variant in variants:
         compiled = aot.compile_variant(variant, dtype, target)
         assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+
+
+def test_trimmed_build_without_it_raises_unsupported(tmp_path):
+    # llama's attention catches exactly this and falls back to rope + reshape_and_cache.
+    from ninefold.ops import build
+
+    (tmp_path / "ops.toml").write_text('[ops.rope]\nimpls = ["vendor"]\n[ops.reshape_and_cache]\nimpls = ["vendor"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    code = ("import torch, ninefold.ops as ops\n"
+            "from tests.ops.test_rope_cache import _inputs\n"
+            "args = _inputs(3, 4, 2, 16, 16, torch.float32, 'cpu')\n"
+            "try:\n    ops.rope_and_cache(*args)\nexcept ops.UnsupportedError as e:\n    print('unsupported:', e)\n"
+            "q, k = ops.rope(args[0], args[1], args[3], args[4])\n"
+            "ops.reshape_and_cache(k, args[2], args[5], args[6], args[7])\nprint('pair ran')\n")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b")},
+                         capture_output=True, text=True, cwd=root, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith("unsupported: rope_and_cache") and lines[-1] == "pair ran", lines

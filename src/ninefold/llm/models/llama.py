@@ -223,10 +223,14 @@ class LlamaForCausalLM:
             q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
         k_cache, v_cache = self.kv_caches[i]
-        try:  # one kernel on GPUs; elsewhere exactly rope then reshape_and_cache
-            q, k = ops.rope_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                      is_neox=True)
-        except ops.UnsupportedError:  # a trimmed build without the fused operator
+        fused = getattr(self, "_rope_and_cache", True)
+        if fused:
+            try:  # one kernel on GPUs; elsewhere exactly rope then reshape_and_cache
+                q, k = ops.rope_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                          is_neox=True)
+            except ops.UnsupportedError:  # a trimmed build without the fused operator: the pair from now on
+                self._rope_and_cache = fused = False
+        if not fused:
             q, k = ops.rope(q, k, positions, self.cos_sin, is_neox=True)
             ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
