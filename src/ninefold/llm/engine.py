@@ -65,7 +65,7 @@ class LLMEngine:
             cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
         )
         if self.device.type == "cuda":
-            self._warm_up_cached_prefill()
+            self._warm_up_prefill()
             # Weights, graphs, compiled kernels and caches built so far live as long as the engine:
             # moved out of the collector's generations, a collection during a step scans only what
             # the step allocated (GPU steps are short enough for a full scan to show).
@@ -93,28 +93,32 @@ class LLMEngine:
     @torch.inference_mode()
     def _profile_forward(self) -> None:
         """The activation peak: the largest prefill step plus the largest batch of logits."""
-        from ninefold.llm.models.llama import AttentionMetadata
-
         mc, cfg, dev = self.model_config, self.config, self.device
         scratch = torch.zeros((1, cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=dev)
         self.model.kv_caches = [(scratch, scratch)] * mc.num_layers
-        T = cfg.max_num_batched_tokens
-        # A step never holds a sequence longer than the rotary table (max_model_len): a budget above
-        # it is profiled as several sequences.
+        self._packed_prefill(cfg.max_num_batched_tokens, logits_rows=cfg.max_num_seqs)
+        self.model.kv_caches = []
+
+    def _packed_prefill(self, num_tokens: int, logits_rows: int = 1) -> None:
+        """A prefill step of ``num_tokens`` tokens writing no cache slot. A step never holds a
+        sequence longer than the rotary table (max_model_len): more tokens are packed as several."""
+        from ninefold.llm.models.llama import AttentionMetadata
+
+        dev, T = self.device, num_tokens
         L = min(T, self.model.cos_sin.shape[0])
         cu = torch.tensor([*range(0, T, L), T], dtype=torch.int32, device=dev)
         meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
                                  cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False, max_seqlen_q=L, max_seqlen_k=L)
         ids = torch.zeros(T, dtype=torch.int64, device=dev)
         hidden = self.model.forward(ids, torch.arange(T, device=dev) % L, meta)
-        self.model.compute_logits(hidden[: cfg.max_num_seqs])
-        self.model.kv_caches = []
+        self.model.compute_logits(hidden[:logits_rows])
 
     @torch.inference_mode()
-    def _warm_up_cached_prefill(self) -> None:
-        """Run one prefill chunk over cached context (writing nowhere), so that its kernels are
-        compiled before the first request rather than while requests wait (the first pure prefill
-        is compiled by ``_profile_forward``, decode by the CUDA-graph capture)."""
+    def _warm_up_prefill(self) -> None:
+        """Compile, before the first request, the prefill kernels a run would otherwise compile
+        while requests wait: a chunk over cached context, and full-budget steps whose token count is
+        not a multiple of the kernels' tiles or of 16 (Triton and the DSL specialise on both; the
+        activation profile ran the budget itself, decode sizes are compiled by the graph capture)."""
         from ninefold.llm.models.llama import AttentionMetadata
 
         dev, bs = self.device, self.config.block_size
@@ -125,7 +129,10 @@ class LLMEngine:
         hidden = self.model.forward(torch.zeros(bs, dtype=torch.int64, device=dev),
                                     torch.arange(bs, 2 * bs, device=dev), meta)
         self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(dev)
+        budget = self.config.max_num_batched_tokens
+        for tokens in sorted({budget - 1, budget - 16} - {budget}):
+            if tokens > 1:
+                self._packed_prefill(tokens)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's ``generation_config.json`` defaults (used when none are given).
