@@ -34,7 +34,7 @@ def _case(lengths, hq, hk, d, dtype, seed, extra_columns=0):
 def _config(**extra):
     from ninefold.ops.triton import decode
 
-    return {**decode.CONFIG, "block_n": 32, "num_stages": 1, "per_sm": 16, "min_tiles": 1, **extra}
+    return {**decode.CONFIG, "block_n": 32, "num_stages": 1, "per_sm": 16, "min_tiles": 1, "min_split": 0, **extra}
 
 
 @pytest.mark.parametrize("heads_fastest", [0, 1], ids=["seqs-fastest", "heads-fastest"])
@@ -54,6 +54,15 @@ def test_one_kernel_merge_matches_reference_and_two_kernel_path(heads_fastest, h
     want = ref.attention_decode(*args)
     assert_close(one, want, torch.float32, scale=ATTENTION_SCALE)
     torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("one_kernel", [1, 0], ids=["one-kernel", "two-kernels"])
+def test_min_split_gives_fewer_longer_splits(one_kernel):
+    from ninefold.ops.triton import decode
+
+    args = _case([1, 50, 200, 17, 96], 8, 2, 16, torch.float32, seed=65, extra_columns=9)
+    out = decode.launch(*args, None, _config(one_kernel=one_kernel, min_split=70))  # rounded up to 96 keys
+    assert_close(out, ref.attention_decode(*args), torch.float32, scale=ATTENTION_SCALE)
 
 
 def test_counters_return_to_zero_so_launches_repeat():

@@ -127,7 +127,7 @@ def test_triton_kernel_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     files = [str(root / "tests" / "ops" / f) for f in ("test_rope_cache.py", "test_attention_decode_merge.py")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *files,
-                          "-k", "(cpu-triton and not f16 and not bf16) or direct or counter or zero_keys or merge"], env=env, capture_output=True, text=True, cwd=root, timeout=600)
+                          "-k", "(cpu-triton and not f16 and not bf16) or direct or counter or zero_keys or merge or min_split"], env=env, capture_output=True, text=True, cwd=root, timeout=600)
     summary = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 0, run.stdout[-3000:]
     assert int(summary.split(" passed")[0].split()[-1]) >= 20, summary

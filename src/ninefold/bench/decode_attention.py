@@ -39,9 +39,10 @@ ROPE_BATCHES = (1, 256)
 # (sequence, KV head) leaves a partial last wave; per_sm 16/32 splits each sequence in two or more.
 SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (32, 4, 4), (128, 8, 3), (64, 8, 3), (128, 4, 2))
 SWEEP = [dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=0, per_sm=4, min_tiles=2)]  # the default
+SWEEP += [dict(SWEEP[0], min_split=n) for n in (128, 256, 512)]  # batch 1: fewer, longer splits
 SWEEP += [c for c in (dict(block_n=bn, num_warps=w, num_stages=s, heads_fastest=hf, per_sm=p, min_tiles=2)
                       for p in (16, 4, 32) for hf in (1, 0) for bn, w, s in SWEEP_TILES) if c != SWEEP[0]]
-SWEEP_CASES = ((1, 4096), (256, 600), (256, 1200))
+SWEEP_CASES = ((1, 256), (1, 4096), (256, 600), (256, 1200))
 
 
 def _shapes(device: torch.device) -> dict:

@@ -36,9 +36,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # ``per_sm``: programs per SM the split count aims at; ``min_tiles``: fewest key tiles per split.
 # ``heads_fastest``: launch order with the KV heads of one sequence adjacent (else sequences adjacent).
 # ``one_kernel``: the last split of a (sequence, KV head) merges (1), or a second kernel does (0);
-# ``merge_rows``: partial rows (query heads x splits) the in-place merge reads per step.
+# ``merge_rows``: partial rows (query heads x splits) the in-place merge reads per step;
+# ``min_split``: fewest keys per split (rounded up to block_n): short contexts take fewer, longer splits.
 CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0,
-          "one_kernel": 1}
+          "one_kernel": 1, "merge_rows": 32, "min_split": 0}
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
@@ -97,10 +98,11 @@ def _merge_splits(part_ptr, lse_ptr, out_ptr, row0, out_base, stride_oh, num_spl
     tl.store(out_ptr + out_base + g * stride_oh + e, out.to(out_ptr.dtype.element_ty), mask=gm)
 
 
-@triton.jit(do_not_specialize=["num_splits", "batch", "kv_heads", "heads_fastest", "stride_btb", "bt_ptr", "lens_ptr"])
+@triton.jit(do_not_specialize=["num_splits", "batch", "kv_heads", "heads_fastest", "min_split", "stride_btb", "bt_ptr",
+                              "lens_ptr"])
 def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, counters_ptr,
                         scale_log2e, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch,
-                        stride_btb, num_splits, batch, kv_heads, heads_fastest, GROUP: tl.constexpr,
+                        stride_btb, num_splits, batch, kv_heads, heads_fastest, min_split, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                         PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr,
                         G2: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -115,7 +117,8 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     heads = kv_heads * GROUP
     length = tl.load(lens_ptr + b)
     # Splits share the sequence's real length (not the table's capacity): whole tiles, the last ones empty.
-    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    # ``min_split`` (a multiple of BLOCK_N): fewer, longer splits for short contexts.
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N, min_split)
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     g = tl.arange(0, BLOCK_G)
@@ -284,6 +287,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
     if b == 0:
         return out
     merge = _merges_in_place(config)
+    min_split = triton.cdiv(config.get("min_split", 0), block_n) * block_n
     if splits > 1:
         scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
         part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
@@ -293,9 +297,9 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
     call(decode_split_kernel, (b * hk, splits),
          q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, scale * LOG2E, q.stride(0),
          q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-         block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), GROUP=group,
+         block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), min_split, GROUP=group,
          BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
-         STATIC_ITERS=triton.cdiv(per_split, block_n) if INTERPRETED else 0,
+         STATIC_ITERS=triton.cdiv(max(per_split, min_split), block_n) if INTERPRETED else 0,
          PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, **_merge_tile(group, config),
          num_warps=config["num_warps"],
          num_stages=config["num_stages"])
