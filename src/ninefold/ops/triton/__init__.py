@@ -12,7 +12,18 @@ import torch
 
 from ninefold.ops.registry import register
 from ninefold.ops.spec import FLOAT_DTYPES
-from ninefold.ops.triton import activation, cache, decode, gemv, norm, prefill, rope, rope_cache, softmax
+from ninefold.ops.triton import (
+    activation,
+    argmax,
+    cache,
+    decode,
+    gemv,
+    norm,
+    prefill,
+    rope,
+    rope_cache,
+    softmax,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
@@ -31,6 +42,7 @@ KERNELS = [
     ("rope_and_cache", rope_cache.rope_and_cache, rope_cache.supports),
     ("attention_decode", decode.attention_decode, decode.supports),
     ("attention_prefill", prefill.attention_prefill, prefill.supports),
+    ("argmax", argmax.argmax, argmax.supports),
 ]
 
 for _op, _fn, _supports in KERNELS:
