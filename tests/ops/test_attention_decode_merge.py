@@ -65,6 +65,22 @@ def test_min_split_gives_fewer_longer_splits(one_kernel):
     assert_close(out, ref.attention_decode(*args), torch.float32, scale=ATTENTION_SCALE)
 
 
+def test_split_config_applies_only_when_the_context_is_split():
+    from ninefold.ops.triton import decode
+
+    config = _config(split_config={"one_kernel": 0, "min_split": 64})
+    few = _case([50, 200], 8, 2, 16, torch.float32, seed=66, extra_columns=3)  # 4 programs: split
+    with decode_launches() as kernels:
+        out = decode.launch(*few, None, config)
+    assert kernels == ["decode_split_kernel", "decode_merge_kernel"]
+    assert_close(out, ref.attention_decode(*few), torch.float32, scale=ATTENTION_SCALE)
+    many = _case([40] * 32, 8, 2, 16, torch.float32, seed=67)  # 64 programs = per_sm 16 x 4 "SMs": unsplit
+    with decode_launches() as kernels:
+        out = decode.launch(*many, None, config)
+    assert kernels == ["decode_split_kernel"]
+    assert_close(out, ref.attention_decode(*many), torch.float32, scale=ATTENTION_SCALE)
+
+
 def test_counters_return_to_zero_so_launches_repeat():
     # What a CUDA-graph replay relies on: no memset between launches, the merging program resets its counter.
     from ninefold.ops.triton import decode

@@ -35,14 +35,21 @@ from tqdm import tqdm
 
 DECODE_CASES = ((1, 256), (1, 4096), (64, 600), (256, 600), (256, 1200))
 ROPE_BATCHES = (1, 256)
-# Most promising first (the sweep stops starting configs at the budget): at batch 256 one program per
-# (sequence, KV head) leaves a partial last wave; per_sm 16/32 splits each sequence in two or more.
-SWEEP_TILES = ((64, 4, 2), (64, 4, 3), (32, 4, 4), (128, 8, 3), (64, 8, 3), (128, 4, 2))
-SWEEP = [dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=0, per_sm=4, min_tiles=2)]  # the default
-SWEEP += [dict(SWEEP[0], min_split=n) for n in (128, 256, 512)]  # batch 1: fewer, longer splits
-SWEEP += [c for c in (dict(block_n=bn, num_warps=w, num_stages=s, heads_fastest=hf, per_sm=p, min_tiles=2)
-                      for p in (16, 4, 32) for hf in (1, 0) for bn, w, s in SWEEP_TILES) if c != SWEEP[0]]
-SWEEP_CASES = ((1, 256), (1, 4096), (256, 600), (256, 1200))
+# The configuration before the one-kernel merge (the "old" column): two kernels, no split regime of its own.
+OLD = dict(block_n=64, num_warps=4, num_stages=2, per_sm=4, min_tiles=2, heads_fastest=0, one_kernel=0, split_config={})
+# Sweeps (the budget stops starting configs). Split regime (few programs: batch 1, 64): keys per step,
+# warps, stages, fewest keys per split, merge tile; timed at SPLIT_CASES as decode.CONFIG["split_config"].
+SWEEP_SPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, min_split=ms, merge_rows=mr, heads_fastest=hf)
+               for bn, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 4, 3))
+               for ms in (0, 256, 512) for mr in (64, 128) for hf in (0, 1)]
+# Unsplit regime (one program per sequence and KV head: batch 256): timed at UNSPLIT_CASES.
+SWEEP_UNSPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, heads_fastest=hf)
+                 for bn, w, st in ((64, 4, 2), (32, 4, 4), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 4, 4), (32, 2, 4),
+                                   (64, 2, 3), (32, 4, 5), (128, 4, 3))
+                 for hf in (0, 1)]
+SPLIT_CASES = ((1, 256), (1, 4096), (64, 600))
+UNSPLIT_CASES = ((256, 600), (256, 1200))
+
 
 
 def _shapes(device: torch.device) -> dict:
@@ -194,71 +201,83 @@ def time_decode(sh, device, width, replays) -> list[dict]:
             q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
             layers.append((q, k_cache, v_cache, tables, lens))
-        block_n = decode.CONFIG["block_n"] if sh["dtype"] != torch.float32 else min(32, decode.CONFIG["block_n"])
-        _, splits = decode._split(layers[0][3].shape[1] * sh["block"], batch * sh["hk"], decode._sm_count(device),
-                                  block_n, decode.CONFIG["per_sm"], decode.CONFIG["min_tiles"])
-        row = {"batch": batch, "context": context, "table_tokens": layers[0][3].shape[1] * sh["block"],
-               "splits": splits, "layers_per_graph": n_layers, "kv_bytes": kv_bytes}
-        for name, one in (("two_kernels_us", 0), ("one_kernel_us", 1)):
-            config = dict(decode.CONFIG, one_kernel=one)
+        capacity, sms = layers[0][3].shape[1] * sh["block"], decode._sm_count(device)
+        _, _, splits = decode._sizing(capacity, batch * sh["hk"], sms, sh["dtype"], decode.CONFIG)
+        if splits > 1 and decode.CONFIG.get("split_config"):
+            _, _, splits = decode._sizing(capacity, batch * sh["hk"], sms, sh["dtype"],
+                                          {**decode.CONFIG, **decode.CONFIG["split_config"]})
+        row = {"batch": batch, "context": context, "table_tokens": capacity, "splits": splits,
+               "layers_per_graph": n_layers, "kv_bytes": kv_bytes}
+        # old: the two-kernel launch as it was; two kernels now: today's configuration, merged by the second kernel.
+        for name, config in (("old_us", OLD), ("two_kernels_us", dict(decode.CONFIG, one_kernel=0)),
+                             ("one_kernel_us", dict(decode.CONFIG, one_kernel=1))):
             fns = [lambda a=a, c=config: decode.launch(*a, None, c) for a in layers]
             row[name] = round(_graph_time(fns, device, replays), 2)
         row["one_kernel_GBps"] = round(kv_bytes / row["one_kernel_us"] / 1e3, 1)
         rows.append(row)
-        print(f"decode B={batch:<4d} ctx={context:<5d} splits={splits:<3d} two kernels {row['two_kernels_us']:8.2f} us  "
-              f"one kernel {row['one_kernel_us']:8.2f} us  ({row['one_kernel_GBps']:.0f} GB/s of KV)")
+        print(f"decode B={batch:<4d} ctx={context:<5d} splits={splits:<3d} old {row['old_us']:8.2f} us  two kernels "
+              f"{row['two_kernels_us']:8.2f} us  one kernel {row['one_kernel_us']:8.2f} us  "
+              f"({row['one_kernel_GBps']:.0f} GB/s of KV)")
         del layers
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def sweep_decode(sh, device, width, replays, deadline) -> list[dict]:
-    """One-kernel launch configurations at ``SWEEP_CASES``, each checked against float64 first."""
+def sweep_decode(sh, device, width, replays, deadline) -> dict:
+    """Launch configurations of the split regime (``SWEEP_SPLIT`` at ``SPLIT_CASES``, as ``split_config``) and
+    of the unsplit one (``SWEEP_UNSPLIT`` at ``UNSPLIT_CASES``), each checked against float64 first."""
     from ninefold.ops.triton import decode
 
-    big = [c for c in sh["cases"] if c in SWEEP_CASES or device.type != "cuda"]
-    check_lens = [1, 17, 1000, 300, 600] if device.type == "cuda" else [1, 5, 40]
+    cuda = device.type == "cuda"
+    check_lens = [1, 17, 1000, 300, 600] if cuda else [1, 5, 40]
     kc, vc, tb = _paged(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 3)
     qc = torch.randn(len(check_lens), sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
     lc = torch.tensor(check_lens, dtype=torch.int32, device=device)
     want = decode64(qc, kc, vc, tb, lc)
-    inputs = {}
-    for batch, context in big:
-        inputs[(batch, context)] = [_paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
-                                           device, 20 + i) + (torch.randn(batch, sh["hq"], sh["d"], device=device,
-                                                                          dtype=sh["dtype"]),) for i in range(2)]
-    rows = []
-    for cfg in tqdm(SWEEP, desc="sweep", file=sys.stdout, disable=None):
-        if time.perf_counter() > deadline:
-            rows.append({"config": cfg, "skipped": "time budget"})
-            continue
-        config = dict(decode.CONFIG, **cfg, one_kernel=1)
-        row = {"config": cfg}
-        try:
-            _close(decode.launch(qc, kc, vc, tb, lc, None, config), want)
-            for (batch, context), layers in inputs.items():
-                lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-                fns = [lambda k=k, v=v, t=t, q=q, n=lens, c=config: decode.launch(q, k, v, t, n, None, c)
-                       for k, v, t, q in layers]
-                row[f"B={batch} ctx={context}"] = round(_graph_time(fns, device, max(5, replays // 10)), 2)
-        except Exception as error:  # noqa: BLE001  (a failing config is reported, not fatal)
-            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
-        rows.append(row)
-    timed = [r for r in rows if "error" not in r and "skipped" not in r]
-    default = {k: decode.CONFIG[k] for k in SWEEP[0]}
-    base = next((r for r in timed if r["config"] == default), None)
-    for batch, context in big:
-        key = f"B={batch} ctx={context}"
-        best = min(timed, key=lambda r: r[key], default=None)
-        if best:
-            print(f"sweep {key:16s} best {best['config']} {best[key]:.2f} us"
-                  + (f" (default config {base[key]:.2f} us)" if base else ""))
-    large = [f"B={b} ctx={c}" for b, c in big if b == max(b for b, _ in big)]
-    if timed:
-        overall = min(timed, key=lambda r: sum(r[k] for k in large))
-        print(f"sweep best over {', '.join(large)}: {overall['config']}")
-    return rows
+    results = {}
+    groups = (("split", SWEEP_SPLIT, SPLIT_CASES if cuda else sh["cases"]),
+              ("unsplit", SWEEP_UNSPLIT, UNSPLIT_CASES if cuda else sh["cases"]))
+    for name, candidates, cases in groups:
+        inputs = {}
+        for batch, context in cases:
+            inputs[(batch, context)] = [
+                (*_paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 20 + i),
+                 torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"]),
+                 torch.full((batch,), context, dtype=torch.int32, device=device)) for i in range(2)]
+        rows = []
+        for cfg in tqdm(candidates if cuda else candidates[:2], desc=f"sweep {name}", file=sys.stdout, disable=None):
+            if time.perf_counter() > deadline:
+                rows.append({"config": cfg, "skipped": "time budget"})
+                continue
+            config = dict(decode.CONFIG, one_kernel=1, split_config=cfg) if name == "split" else \
+                dict(decode.CONFIG, **cfg, one_kernel=1)
+            row = {"config": cfg}
+            try:
+                _close(decode.launch(qc, kc, vc, tb, lc, None, config), want)
+                for (batch, context), layers in inputs.items():
+                    fns = [lambda a=a, c=config: decode.launch(a[3], a[0], a[1], a[2], a[4], None, c) for a in layers]
+                    row[f"B={batch} ctx={context}"] = round(_graph_time(fns, device, max(5, replays // 10)), 2)
+            except Exception as error:  # noqa: BLE001  (a failing config is reported, not fatal)
+                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            rows.append(row)
+        timed = [r for r in rows if "error" not in r and "skipped" not in r]
+        keys = [f"B={b} ctx={c}" for b, c in inputs]
+        for key in keys:
+            best = min(timed, key=lambda r: r[key], default=None)
+            if best:
+                print(f"sweep {name:7s} {key:16s} best {best['config']} {best[key]:.2f} us (first config "
+                      f"{timed[0][key]:.2f} us)")
+        if timed:
+            overall = min(timed, key=lambda r: sum(r[k] / timed[0][k] for k in keys))
+            print(f"sweep {name:7s} best over {', '.join(keys)} (sum of times relative to the first config): "
+                  f"{overall['config']} " + ", ".join(f"{overall[k]:.2f}" for k in keys) + " us")
+            results[f"best_{name}"] = overall
+        results[name] = rows
+        del inputs
+        if cuda:
+            torch.cuda.empty_cache()
+    return results
 
 
 # ----------------------------------------------------------------------------- rope + cache
@@ -346,6 +365,8 @@ def run(args) -> dict:
     sh = _shapes(device)
     import triton
 
+    from ninefold.ops.triton import decode
+
     start = time.perf_counter()
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "triton": triton.__version__, "dtype": str(sh["dtype"]),
@@ -361,12 +382,15 @@ def run(args) -> dict:
     results["rope_and_cache"] = time_rope(sh, device, args.replays)
     if args.sweep:
         results["sweep"] = sweep_decode(sh, device, args.width, args.replays, start + args.budget)
-    print("\n| case | two kernels (us) | one kernel (us) | splits |\n|---|---|---|---|")
+    print("\n| case | old (us) | two kernels now (us) | one kernel (us) | splits |\n|---|---|---|---|---|")
     for r in results["decode"]:
-        print(f"| decode B={r['batch']} ctx={r['context']} | {r['two_kernels_us']:.2f} | {r['one_kernel_us']:.2f} | "
-              f"{r['splits']} |")
+        print(f"| decode B={r['batch']} ctx={r['context']} | {r['old_us']:.2f} | {r['two_kernels_us']:.2f} | "
+              f"{r['one_kernel_us']:.2f} | {r['splits']} |")
     for r in results["rope_and_cache"]:
-        print(f"| rope+cache B={r['batch']} | {r['rope_plus_cache_us']:.2f} | {r['fused_us']:.2f} (fused) | |")
+        print(f"| rope+cache B={r['batch']} | {r['rope_plus_cache_us']:.2f} (rope + reshape_and_cache) | | "
+              f"{r['fused_us']:.2f} (rope_and_cache) | |")
+    print(f"decode CONFIG: {decode.CONFIG}")
+    results["config"] = dict(decode.CONFIG)
     results["failed_checks"] = failed
     results["seconds"] = round(time.perf_counter() - start, 1)
     print(f"done in {results['seconds']} s; {failed} failed checks")

@@ -37,9 +37,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # ``heads_fastest``: launch order with the KV heads of one sequence adjacent (else sequences adjacent).
 # ``one_kernel``: the last split of a (sequence, KV head) merges (1), or a second kernel does (0);
 # ``merge_rows``: partial rows (query heads x splits) the in-place merge reads per step;
-# ``min_split``: fewest keys per split (rounded up to block_n): short contexts take fewer, longer splits.
+# ``min_split``: fewest keys per split (rounded up to block_n): short contexts take fewer, longer splits;
+# ``split_config``: keys that replace these when the launch splits the context (few programs: small batches).
 CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0,
-          "one_kernel": 1, "merge_rows": 32, "min_split": 0}
+          "one_kernel": 1, "merge_rows": 64, "min_split": 0}
+SPLIT_CONFIG: dict = {}  # CONFIG["split_config"]
+CONFIG["split_config"] = SPLIT_CONFIG
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
@@ -203,16 +206,20 @@ def _sm_count(device: torch.device) -> int:
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for
-    ``ninefold.ops.triton.aot``: the split kernel (merging in place unless ``one_kernel=0``), and
-    the merge kernel of the two-kernel path."""
+    ``ninefold.ops.triton.aot``: the split kernel unsplit (MERGE 0: large batches) and split with
+    the in-place merge (MERGE 1, unless ``one_kernel=0``), and the merge kernel of the two-kernel path."""
     group = shapes.heads // shapes.kv_heads
     block_n = CONFIG["block_n"] if dtype != torch.float32 else min(32, CONFIG["block_n"])
-    return [{"kernel": decode_split_kernel, "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
-             "constexprs": {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "D": shapes.head_dim,
-                            "BLOCK_N": block_n, "PAGE": shapes.block_size,
-                            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0,
-                            "MERGE": _merges_in_place(CONFIG), **_merge_tile(group, CONFIG)}},
-            {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
+    split = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "D": shapes.head_dim,
+             "BLOCK_N": block_n, "PAGE": shapes.block_size, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+             "STATIC_ITERS": 0, **_merge_tile(group, CONFIG)}
+    found = []
+    for merge in sorted({0, _merges_in_place(CONFIG)}):
+        cfg = {**CONFIG, **CONFIG.get("split_config", {})} if merge else CONFIG  # merging launches are split ones
+        block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
+        found.append({"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                      "constexprs": {**split, "BLOCK_N": block_n, **_merge_tile(group, cfg), "MERGE": merge}})
+    return [*found, {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
 
 
 @functools.cache
@@ -246,9 +253,9 @@ def _merges_in_place(config: dict) -> int:
 
 def _merge_tile(group: int, config: dict) -> dict:
     """The in-place merge's tile: the group's query heads (padded to a power of two) x ``BLOCK_S``
-    splits, about ``merge_rows`` (default 32) partial rows of D floats at a time."""
+    splits, about ``merge_rows`` (default 64) partial rows of D floats at a time."""
     g2 = triton.next_power_of_2(group)
-    return {"G2": g2, "BLOCK_S": max(1, config.get("merge_rows", 32) // g2)}
+    return {"G2": g2, "BLOCK_S": max(1, config.get("merge_rows", 64) // g2)}
 
 
 def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
@@ -269,6 +276,12 @@ def _split(capacity: int, programs: int, sms: int, block_n: int, per_sm: int, mi
     return per_split, triton.cdiv(capacity, per_split)
 
 
+def _sizing(capacity: int, programs: int, sms: int, dtype: torch.dtype, config: dict) -> tuple[int, int, int]:
+    """(keys per loop step, most keys per split, number of splits) under ``config``."""
+    block_n = config["block_n"] if dtype != torch.float32 else min(32, config["block_n"])
+    return (block_n, *_split(capacity, programs, sms, block_n, config.get("per_sm", 4), config.get("min_tiles", 2)))
+
+
 def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG)
 
@@ -279,14 +292,15 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
     _, page, hk, _ = k_cache.shape
     group = hq // hk
     scale = scale or 1.0 / math.sqrt(d)
-    block_n = config["block_n"] if q.dtype != torch.float32 else min(32, config["block_n"])
     capacity = block_tables.shape[1] * page
-    per_split, splits = _split(capacity, b * hk, _sm_count(q.device), block_n, config.get("per_sm", 4),
-                               config.get("min_tiles", 2))
+    block_n, per_split, splits = _sizing(capacity, b * hk, _sm_count(q.device), q.dtype, config)
+    if splits > 1 and config.get("split_config"):  # few programs: the split regime's own launch configuration
+        config = {**config, **config["split_config"]}
+        block_n, per_split, splits = _sizing(capacity, b * hk, _sm_count(q.device), q.dtype, config)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    merge = _merges_in_place(config)
+    merge = _merges_in_place(config) if splits > 1 else 0  # one split: nothing to merge (the lighter kernel)
     min_split = triton.cdiv(config.get("min_split", 0), block_n) * block_n
     if splits > 1:
         scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
