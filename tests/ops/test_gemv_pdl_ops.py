@@ -1,4 +1,5 @@
-"""Op-level entry points of the PDL GEMV (``ninefold.ops.triton.gemv_pdl_ops``) against float64."""
+"""The one-row GEMV implementations (``ninefold.ops.triton.gemv_pdl_ops``) behind ``ops.linear``,
+``ops.add_rms_norm_linear`` and ``ops.silu_and_mul_linear``, against float64 references."""
 
 import os
 import subprocess
@@ -10,54 +11,47 @@ import torch
 
 pytest.importorskip("triton")
 
-from ninefold.ops import references as ref  # noqa: E402
 from ninefold.ops.triton import gemv_pdl_ops as go  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Runs with TRITON_INTERPRET=1: one row takes the fused kernel, three rows the ops fallback.
+# Runs with TRITON_INTERPRET=1: the implementations register for the CPU in float32 (pinned).
 CHECK = r"""
 import torch
+import ninefold.ops as ops
 from ninefold.ops import references as ref
-from ninefold.ops.triton import gemv_pdl_ops as go
 torch.manual_seed(0)
 n, k = 40, 512
-w = torch.randn(n, k)
-g = torch.randn(k)
-for rows, fused in ((1, True), (3, False)):
-    x, r = torch.randn(rows, k), torch.randn(rows, k)
-    assert (go.supports(x, w) is None) == fused
-    y, total = go.add_rms_norm_linear(x, r, g, w, 1e-5)
+w, g = torch.randn(n, k), torch.randn(k)
+x, r, a = torch.randn(1, k), torch.randn(1, k), torch.randn(1, 2 * k)
+with ops.use(linear="triton_row", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
+    assert ops.choose("add_rms_norm_linear", x, r, g, w, 1e-5, None) == "triton"
+    assert ops.choose("silu_and_mul_linear", a, w, None) == "triton"
+    assert ops.choose("linear", x, w, None) == "triton_row"
+    y, total = ops.add_rms_norm_linear(x, r, g, w, 1e-5)
     normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
-    want = ref.linear(normed, w)
-    assert y.shape == (rows, n) and total.shape == (rows, k)
+    assert y.shape == (1, n) and total.shape == (1, k)
     assert torch.allclose(total.double(), want_total, atol=1e-6), "residual"
-    assert torch.allclose(y.double(), want, atol=1e-3, rtol=1e-4), ("add_rms_norm_linear", rows)
-    a = torch.randn(rows, 2 * k)
-    y = go.silu_and_mul_linear(a, w)
-    assert torch.allclose(y.double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-3, rtol=1e-4), ("silu", rows)
-x = torch.randn(1, 1, k)
-assert go.supports(x, w) is None
-assert torch.allclose(go.linear(x, w).double(), ref.linear(x, w), atol=1e-3, rtol=1e-4)
+    assert torch.allclose(y.double(), ref.linear(normed, w), atol=1e-3, rtol=1e-4), "add_rms_norm_linear"
+    y = ops.silu_and_mul_linear(a, w)
+    assert torch.allclose(y.double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-3, rtol=1e-4), "silu"
+    x3 = torch.randn(1, 1, k)
+    assert torch.allclose(ops.linear(x3, w).double(), ref.linear(x3, w), atol=1e-3, rtol=1e-4), "linear"
+    # three rows: the pinned implementation steps aside (with a warning) and the vendor pair runs
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x2, r2 = torch.randn(3, k), torch.randn(3, k)
+        assert ops.choose("add_rms_norm_linear", x2, r2, g, w, 1e-5, None) == "vendor"
 print("ok")
 """
 
 
-def test_fused_kernel_and_fallback_match_float64_in_the_interpreter():
+def test_implementations_match_float64_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-
-
-def test_cpu_without_interpreter_falls_back_to_the_ops():
-    torch.manual_seed(1)
-    x, r, g, w = torch.randn(1, 64), torch.randn(1, 64), torch.randn(64), torch.randn(24, 64)
-    y, total = go.add_rms_norm_linear(x, r, g, w, 1e-6)
-    normed, want_total = ref.add_rms_norm(x, r, g, 1e-6)
-    assert torch.allclose(total.double(), want_total) and torch.allclose(y.double(), ref.linear(normed, w), atol=1e-4)
-    a = torch.randn(1, 128)
-    assert torch.allclose(go.silu_and_mul_linear(a, w).double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-4)
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -69,28 +63,61 @@ def test_supports_names_the_reason(args, reason):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter accepts CPU tensors")
     assert reason in go.supports(*args)
+    assert reason in go.supports_silu_and_mul_linear(torch.cat([args[0], args[0]], -1), *args[1:])
 
 
-def test_linear_refuses_a_bias():
-    with pytest.raises(ValueError, match="bias"):
-        go.linear(torch.randn(1, 64), torch.randn(8, 64), torch.randn(8))
+def test_strided_residual_is_refused():
+    x, w, g = torch.randn(1, 64), torch.randn(8, 64), torch.randn(64)
+    residual = torch.randn(1, 128)[:, ::2]
+    assert "contiguous" in go.supports_add_rms_norm_linear(x, residual, g, w)
 
 
-def test_default_config_splits_narrow_outputs():
-    assert go.config(4096, 4096)[2] == 2 and go.config(28672, 4096)[2] == 1
-    n, k = 4096, 14336
-    bn, bk, sk, *_ = go.config(n, k)
-    assert k % (bk * sk) == 0
+def test_configs_cover_their_shapes():
+    for (n, k), (_bn, bk, sk, *_rest) in go.TABLE.items():
+        assert k % (bk * sk) == 0, (n, k)
+    assert go.config(1000, 4096)[2] == 2 and go.config(28672, 8192)[2] == 1
+    assert go.config(24, 64)[1] == 64
+
+
+def test_pdl_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("NINEFOLD_GEMV_PDL", raising=False)
+    assert not go.pdl_enabled()
+    monkeypatch.setenv("NINEFOLD_GEMV_PDL", "1")
+    assert go.pdl_enabled()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_fused_ops_match_float64():
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, monkeypatch):
+    import ninefold.ops as ops
+    from ninefold.ops import references as ref
+    from ninefold.ops.triton import gemv_pdl
+
+    if pdl == "1" and not gemv_pdl.pdl_available():
+        pytest.skip("no PDL here")
+    monkeypatch.setenv("NINEFOLD_GEMV_PDL", pdl)
     torch.manual_seed(0)
     dev, dt, k, n = "cuda", torch.bfloat16, 4096, 6144
-    x, r, g = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(3))
+    x, r = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
+    g = torch.randn(k, device=dev, dtype=dt)
     w = torch.randn(n, k, device=dev, dtype=dt) / 64
-    y, total = go.add_rms_norm_linear(x, r, g[0], w, 1e-5)
-    normed, want_total = ref.add_rms_norm(x, r, g[0], 1e-5)
+    w2 = torch.randn(k, n // 2, device=dev, dtype=dt) / 64
+    assert ops.choose("add_rms_norm_linear", x, r, g, w, 1e-5, None) == "triton"
+
+    def step():
+        y, total = ops.add_rms_norm_linear(x, r, g, w, 1e-5)
+        return ops.silu_and_mul_linear(y, w2), y, total
+
+    out, y, total = step()
+    normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
     want = ref.linear(normed.to(dt), w)
     assert torch.equal(total.double(), want_total)
     assert ((y.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+    want_out = ref.linear(ref.silu_and_mul(y).to(dt), w2)
+    assert ((out.double() - want_out).abs().max() / want_out.abs().max()).item() < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, _, _ = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out)

@@ -7,10 +7,11 @@ it, hand-written Triton kernels (``ninefold.ops.triton``) and ``ninefold.dsl`` k
 which would run. See ``docs/architecture.md`` for the contract of every operator.
 """
 
-from ninefold.ops import registry, tuning  # noqa: F401  (ops.registry, ops.tuning)
+from ninefold.ops import fused_linear, registry, tuning  # noqa: F401  (ops.registry, ops.tuning)
 from ninefold.ops.attention import attention_decode, attention_prefill, reshape_and_cache
 from ninefold.ops.dispatch import candidates, choose, implementation, operators, reload_environment, run, use
 from ninefold.ops.elementwise import add, gelu_and_mul, mul, silu_and_mul
+from ninefold.ops.fused_linear import add_rms_norm_linear, silu_and_mul_linear
 from ninefold.ops.linear import embedding, linear
 from ninefold.ops.norm import add_rms_norm, rms_norm, softmax
 from ninefold.ops.quantized import BlockWeight, Int4Weight, linear_blocks, linear_int4
@@ -36,14 +37,15 @@ def _load_triton() -> None:
 
 
 _load_triton()
+fused_linear.register_triton()  # the one-row GEMV behind linear and the *_linear fused operators
 import ninefold.ops.cpu_native.attention  # noqa: E402,F401  (native CPU attention_prefill)
 import ninefold.ops.cpu_native.rows  # noqa: E402,F401  (native CPU add_rms_norm, silu_and_mul, rope)
 import ninefold.ops.dsl_impls  # noqa: E402,F401  (registers the DSL kernels; they import on first use)
 import ninefold.ops.norm_row  # noqa: E402,F401  (one-row CPU rms_norm / add_rms_norm)
 
 __all__ = [
-    "add", "add_rms_norm", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
-    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "sample", "silu_and_mul", "softmax",
+    "add", "add_rms_norm", "add_rms_norm_linear", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
+    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "sample", "silu_and_mul", "silu_and_mul_linear", "softmax",
     "BlockWeight", "Impl", "Int4Weight", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
     "register_torch_library", "reload_environment", "run", "use",
 ]
