@@ -15,7 +15,12 @@ replayed ``--iters`` times (device time per token from CUDA events) in these var
 - ``fused_pdl``: ``fused`` launched with PDL;
 - ``mixed``, ``mixed_pdl``: ``fused``/``fused_pdl`` except that the GEMMs where the sweep found
   cuBLAS faster than the best GEMV stay on ``ops.linear`` with the separate norm/activation ops
-  (``--smoke``/``--no-tune``: gate_up and down).
+  (``--smoke``/``--no-tune``: gate_up and down);
+- ``ops``, ``ops_pdl``: what the engine's model calls at one row (``ops.add_rms_norm_linear``,
+  ``ops.silu_and_mul_linear``, ``ops.linear`` through dispatch, shipped launch table), with
+  ``NINEFOLD_GEMV_PDL`` 0 / 1.
+
+``cublas``, ``gemv*``, ``fused*`` and ``mixed*`` pin ``ops.linear`` to cuBLAS (``vendor``) where they use it.
 
 rope, the cache write and ``ops.attention_decode`` are the same ninefold ops in every variant. Each
 variant's logits and final residual stream are first compared with ``cublas``'s (cosine >= 0.995),
@@ -44,7 +49,7 @@ FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
             context=256, block_size=16)
 SMOKE = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=512, layers=2,
              context=16, block_size=16)
-VARIANTS = ("cublas", "gemv", "gemv_pdl", "fused", "fused_pdl", "mixed", "mixed_pdl")
+VARIANTS = ("cublas", "gemv", "gemv_pdl", "fused", "fused_pdl", "mixed", "mixed_pdl", "ops", "ops_pdl")
 # (block_n, block_k, split_k, num_warps, num_stages, dot): dot=1 runs tl.dot on the row padded to
 # 16 (Triton pipelines its loads over num_stages), dot=0 register double-buffered multiply-adds.
 CANDIDATES = [(32, 256, 1, 4, 2, 0), (16, 256, 1, 4, 2, 0), (16, 512, 1, 4, 2, 0), (64, 128, 1, 4, 2, 0),
@@ -159,12 +164,56 @@ def step_gemv(m: Model, cfgs: dict, *, pdl: bool, fused: bool, vendor=frozenset(
     return norm_lin(h, res, m.final_norm, m.lm_head, "lm_head")
 
 
+def step_ops(m: Model, pdl: bool, eps: float = 1e-5):
+    """One decode step through the operator API the engine's model calls at one row:
+    ``ops.add_rms_norm_linear``, ``ops.silu_and_mul_linear`` and ``ops.linear`` (dispatch picks the
+    one-row GEMV where it applies); ``pdl`` sets ``NINEFOLD_GEMV_PDL`` for the call."""
+    from ninefold import ops
+
+    saved = os.environ.get("NINEFOLD_GEMV_PDL")
+    os.environ["NINEFOLD_GEMV_PDL"] = "1" if pdl else "0"
+    try:
+        h, res = m.h0[None], m.res0[None]
+        for i, w in enumerate(m.layers):
+            qkv, res = ops.add_rms_norm_linear(h, res, w["norm1"], w["qkv"], eps)
+            o = ops.linear(m.attention(i, qkv[0])[None], w["o"])
+            gu, res = ops.add_rms_norm_linear(o, res, w["norm2"], w["gate_up"], eps)
+            h = ops.silu_and_mul_linear(gu, w["down"])
+        x, res = ops.add_rms_norm(h, res, m.final_norm, eps)
+        return ops.linear(x, m.lm_head)[0], res[0]
+    finally:
+        if saved is None:
+            os.environ.pop("NINEFOLD_GEMV_PDL", None)
+        else:
+            os.environ["NINEFOLD_GEMV_PDL"] = saved
+
+
 def step_fn(m: Model, variant: str, cfgs: dict, vendor=frozenset()):
-    """The step function of ``variant`` (``vendor``: the GEMMs ``mixed*`` variants leave on cuBLAS)."""
-    if variant == "cublas":
-        return lambda: step_cublas(m)
-    return lambda: step_gemv(m, cfgs, pdl=variant.endswith("_pdl"), fused=not variant.startswith("gemv"),
+    """The step function of ``variant`` (``vendor``: the GEMMs ``mixed*`` variants leave on cuBLAS).
+    Every variant but ``ops*`` pins ``ops.linear`` to cuBLAS (``vendor``), the path before the one-row GEMV."""
+    from ninefold import ops
+
+    if variant.startswith("ops"):
+        return lambda: step_ops(m, pdl=variant.endswith("_pdl"))
+
+    def run():
+        with ops.use(linear="vendor"):
+            if variant == "cublas":
+                return step_cublas(m)
+            return step_gemv(m, cfgs, pdl=variant.endswith("_pdl"), fused=not variant.startswith("gemv"),
                              vendor=vendor if variant.startswith("mixed") else frozenset())
+    return run
+
+
+def recommend_pdl(variants: dict) -> int:
+    """1 when a PDL variant was correct and >= 0.5% faster than its plain twin (``ops_pdl`` vs ``ops``,
+    else ``fused_pdl`` vs ``fused``), else 0."""
+    for plain, pdl in (("ops", "ops_pdl"), ("fused", "fused_pdl")):
+        a, b = variants.get(plain, {}), variants.get(pdl, {})
+        ms_a, ms_b = a.get("ms_per_token"), b.get("ms_per_token")
+        if ms_a == ms_a and ms_b == ms_b and ms_a and ms_b and a.get("ok") and b.get("ok"):
+            return int(ms_b < 0.995 * ms_a)
+    return 0
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -223,19 +272,22 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
 
 
 def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[dict, list]:
-    """The fastest GEMV candidate per GEMM shape (graph of ``calls`` back-to-back calls each; with PDL
+    """The fastest GEMV candidate per GEMM shape (graph of ``calls`` back-to-back calls each, cycling
+    through the layers' weights so that L2 does not serve them; with PDL
     when ``pdl``, falling back to plain launches for a shape where no PDL graph worked), and cuBLAS's
     time for the same graph of ``torch.nn.functional.linear`` calls. Past ``budget_s`` seconds on one
     shape, it keeps the best of the candidates tried so far (at least one)."""
     from ninefold.ops.triton.gemv_pdl import gemv_pdl
 
-    w0 = m.layers[0]
-    shapes = {"qkv": w0["qkv"], "o": w0["o"], "gate_up": w0["gate_up"], "down": w0["down"], "lm_head": m.lm_head}
     chosen, rows = {}, []
-    for name, w in shapes.items():
+    for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        # Back-to-back calls cycle through the layers' copies: one weight reread from L2 is not a decode step.
+        ws = [m.lm_head] if name == "lm_head" else [layer[name] for layer in m.layers]
+        w = ws[0]
         x = torch.randn(w.shape[1], device=w.device).to(w.dtype)
         ref = (w.float() @ x.float())
-        cublas_ms, _, _ = graph_time(lambda x=x, w=w: [torch.nn.functional.linear(x[None], w) for _ in range(calls)], 5)
+        cublas_ms, _, _ = graph_time(lambda x=x, ws=ws: [torch.nn.functional.linear(x[None], ws[i % len(ws)])
+                                                         for i in range(calls)], 5)
         cublas_us = cublas_ms * 1e3 / calls
         rows.append(dict(shape=name, config="cublas", us=cublas_us))
         best = None
@@ -250,9 +302,9 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[
                     return gemv_pdl(x, w, split_k=sk, pdl=use_pdl, block_n=bn, block_k=bk, num_warps=nw,
                                     num_stages=ns, dot=bool(dot))
 
-                def fn(once=once):
-                    for _ in range(calls):
-                        once()
+                def fn(once=once, ws=ws):
+                    for i in range(calls):
+                        once(w=ws[i % len(ws)])
                 try:
                     y = once()
                     err = float((y.float() - ref).abs().max() / ref.abs().max())
@@ -273,9 +325,9 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[
         plain = ""
         if pdl and use_pdl:  # the same configuration without PDL: what PDL itself buys back to back
             bn, bk, sk, nw, ns, dot = best[1]
-            ms, error, _ = graph_time(lambda x=x, w=w, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot: [
-                gemv_pdl(x, w, split_k=sk, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=bool(dot))
-                for _ in range(calls)], 5)
+            ms, error, _ = graph_time(lambda x=x, ws=ws, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot: [
+                gemv_pdl(x, ws[i % len(ws)], split_k=sk, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                         dot=bool(dot)) for i in range(calls)], 5)
             rows.append(dict(shape=name, config=list(best[1]), pdl=False, us=ms * 1e3 / calls, error=error))
             plain = f"; same without PDL {ms * 1e3 / calls:.1f} us"
         print(f"  {name:8s} {tuple(w.shape)}: best {best[1]} {best[0]:.1f} us ({gbps:.0f} GB/s){plain}; cuBLAS "
@@ -294,7 +346,8 @@ def pdl_graph_probe(device: torch.device) -> str | None:
         x = torch.randn(1024, device=device, dtype=torch.bfloat16)
 
         def fn():
-            return gemv_pdl(gemv_pdl(x, w1, pdl=True, split_k=2), w2, prologue="silu_and_mul", pdl=True, split_k=2)
+            a = gemv_pdl(x, w1, pdl=True, split_k=2, block_k=256)
+            return gemv_pdl(a, w2, prologue="silu_and_mul", pdl=True, split_k=2, block_k=128)
         want = fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -470,12 +523,20 @@ def main(argv: list[str] | None = None) -> int:
             e["roofline_fraction"] = roof_ms / ms
             speed = f"{base / ms:.3f}x" if base else "-"
             print(f"{variant:10s} {ms:9.3f} {1e3 / ms:8.1f} {100 * roof_ms / ms:8.1f}% {speed:>9s}")
+        print("launch configurations (block_n, block_k, split_k, warps, stages, dot) by (N, K): "
+              + ", ".join(f"{tuple(model.layers[0][k].shape if k != 'lm_head' else model.lm_head.shape)}: "
+                          f"{tuple(v)}" for k, v in cfgs.items()))
+    result["recommend_NINEFOLD_GEMV_PDL"] = recommend_pdl(result["variants"])
     result["seconds"] = time.perf_counter() - t0
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "decode_chain.json"), "w") as f:
             json.dump(result, f, indent=1)
+        with open(os.path.join(out, "gemv_pdl.env"), "w") as f:
+            f.write(f"NINEFOLD_GEMV_PDL={result['recommend_NINEFOLD_GEMV_PDL']}\n")
+    print(f"NINEFOLD_GEMV_PDL={result['recommend_NINEFOLD_GEMV_PDL']} recommended (1 when the PDL chain was "
+          f"correct and at least 0.5% faster than the same chain without PDL)")
     print(f"total {result['seconds']:.1f} s" + ("; a variant disagreed with cublas" if failed else ""))
     return 1 if failed else 0
 
