@@ -1,19 +1,23 @@
-"""Triton paged decode attention (split-K, "flash decoding").
+"""Triton paged decode attention (split-K, "flash decoding") in one launch.
 
 Program ``(b * Hk + kv_head, split)`` (or sequences fastest) streams its slice of sequence
 ``b``'s keys from the paged cache once, for all the query heads of that KV head (GQA rows
-padded to 16 for ``tl.dot``), with an online softmax, and stores its partial result. The splits
-are merged by their log-sum-exp in the same launch: each program of a (sequence, KV head) bumps
-an atomic counter after its partial is stored (release), and the one that arrives last (acquire)
-merges them, writes the output and resets the counter to 0 (so a replayed CUDA graph finds it
-zeroed). The counters live in a persistent zeroed buffer per device (``counters``); launches on
-one device must be stream-ordered (they are in the engine). With ``one_kernel=0`` a second
-kernel merges instead (the previous design, kept for comparison). One split writes the output
-directly. The number of splits comes from the
+padded to 16 for ``tl.dot``), with an online softmax. The number of splits comes from the
 shapes (batch, KV heads, block-table capacity, SM count), never from the context lengths, so
 nothing is read back from the device; on the device each sequence's real length is divided
 among its splits, so a table much wider than the context (CUDA graphs size it for the longest
-sequence) costs empty programs, not long ones, and the merge reads only splits that hold keys.
+sequence) costs empty programs (they read no keys and store nothing), not long ones.
+
+Merging in the same launch: a split holding keys stores its partial result and log-sum-exp, then
+bumps an atomic counter of its (sequence, KV head) (release, after a CTA barrier); the program
+that arrives last among the splits holding keys (acquire) merges them, writes the output and
+resets the counter to 0, so the next launch or CUDA-graph replay finds it zeroed without a
+memset. The counters live in a persistent zeroed buffer per device (``counters``), so launches on
+one device must be stream-ordered (they are in the engine). A sequence whose keys fit one split
+writes the output directly; a launch with one split per sequence (large batches) runs the
+specialisation without the merge code (``MERGE=0``: it needs fewer registers). With
+``one_kernel=0`` a second kernel merges instead (the previous design, kept for comparison and
+for the benchmark's "old" column).
 """
 
 from __future__ import annotations
