@@ -6,7 +6,7 @@ padded to 16 for ``tl.dot``), with an online softmax. The number of splits comes
 shapes (batch, KV heads, block-table capacity, SM count), never from the context lengths, so
 nothing is read back from the device; on the device each sequence's real length is divided
 among its splits, so a table much wider than the context (CUDA graphs size it for the longest
-sequence) costs empty programs (they read no keys and store nothing), not long ones.
+sequence) costs empty programs (they read no keys), not long ones.
 
 Merging in the same launch: a split holding keys stores its partial result and log-sum-exp, then
 bumps an atomic counter of its (sequence, KV head) (release, after a CTA barrier); the program
