@@ -198,23 +198,34 @@ class LlamaForCausalLM:
             return self._cpu_decoder.forward(input_ids, positions, meta)
         eps = self.config.rms_norm_eps
         hidden = ops.embedding(input_ids, self.embed)
+        # One row on a GPU (batch-1 decode): the norms run in the prologues of the q/k/v and gate_up
+        # GEMVs and the SwiGLU gate in down's (ops.*_linear; one kernel each where the one-row GEMV
+        # applies, the unfused pair otherwise). Other shapes and the CPU take the unfused path.
+        fuse = hidden.shape[0] == 1 and hidden.is_cuda and not self.packed
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = hidden
-                x = ops.rms_norm(hidden, layer.input_norm, eps)
+                qkv = _linear(ops.rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+            elif fuse:
+                qkv, residual = ops.add_rms_norm_linear(hidden, residual, layer.input_norm, layer.qkv, eps,
+                                                        layer.qkv_bias)
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
-            x = self._attention(i, layer, x, positions, meta)
-            x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
-            hidden = _linear(ops.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
+                qkv = _linear(x, layer.qkv, layer.qkv_bias)
+            x = self._attention(i, layer, qkv, positions, meta)
+            if fuse:
+                gate_up, residual = ops.add_rms_norm_linear(x, residual, layer.post_norm, layer.gate_up, eps)
+                hidden = ops.silu_and_mul_linear(gate_up, layer.down)
+            else:
+                x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
+                hidden = _linear(ops.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
         out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 
-    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, positions, meta: AttentionMetadata):
+    def _attention(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions, meta: AttentionMetadata):
         c = self.config
-        T = x.shape[0]
-        qkv = _linear(x, layer.qkv, layer.qkv_bias)
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, c.num_heads, c.head_dim)
         k = k.reshape(T, c.num_kv_heads, c.head_dim)
@@ -256,8 +267,9 @@ class LlamaForCausalLM:
                                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[B, V]`` for hidden states ``[B, D]``."""
-        return _linear(hidden, self.lm_head).float()
+        """Logits ``[B, V]`` in the model's dtype for hidden states ``[B, D]`` (the sampler casts to
+        float32 where it needs to; greedy argmax reads them as they are)."""
+        return _linear(hidden, self.lm_head)
 
 
 def _cpu_has_bf16() -> bool:

@@ -25,6 +25,7 @@ Without them (or under the interpreter) the same kernel runs with ``USE_GDC=Fals
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -47,10 +48,15 @@ def pdl_api() -> bool:
 
 def pdl_available(device: torch.device | None = None) -> bool:
     """PDL usable here: the Triton API, a CUDA device of compute capability >= 9, no interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() or not pdl_api():
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
     index = (device.index if device is not None and device.index is not None else torch.cuda.current_device())
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_on(index)
+
+
+@functools.cache
+def _pdl_on(index: int) -> bool:
+    return pdl_api() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit

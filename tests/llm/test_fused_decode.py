@@ -1,0 +1,47 @@
+"""Batch-1 decode on CUDA runs the norm/gate-fused one-row GEMVs (``ops.add_rms_norm_linear``,
+``ops.silu_and_mul_linear``): CUDA-graph logits equal eager ones and agree with the unfused path."""
+
+import pytest
+import torch
+
+import ninefold.ops as ops
+from ninefold import SamplingParams
+from ninefold.llm.engine import LLMEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+UNFUSED = dict(add_rms_norm_linear="vendor", silu_and_mul_linear="vendor", linear="vendor")
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_batch1_decode_graph_eager_and_unfused_agree(model_dirs, variant, pdl, monkeypatch):
+    from ninefold.ops.triton import gemv_pdl
+
+    if pdl == "1" and not gemv_pdl.pdl_available():
+        pytest.skip("no PDL on this GPU/Triton")
+    monkeypatch.setenv("NINEFOLD_GEMV_PDL", pdl)
+    engine = LLMEngine(str(model_dirs[variant]), dtype=torch.bfloat16, device="cuda", block_size=16,
+                       num_kv_blocks=64, cuda_graph_max_batch=4)
+    model = engine.runner.model
+    layer = model.layers[0]
+    x = torch.randn(1, layer.gate_up.shape[1], device="cuda", dtype=torch.bfloat16)
+    assert ops.choose("add_rms_norm_linear", x, x, layer.post_norm, layer.gate_up, 1e-6, None) == "triton"
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine.add_request(engine.build_request([7, 200, 13, 99] * 5, params, "0"))
+    engine.step()
+    engine.sync()
+    for _ in range(4):
+        step = engine.scheduler.schedule()
+        assert len(step) == 1 and step[0].num_new_tokens == 1
+        graph_logits = engine.runner.forward_logits(step).clone()
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        eager = engine.runner.forward_logits(step).clone()
+        with ops.use(**UNFUSED):
+            unfused = engine.runner.forward_logits(step).clone()
+        engine.runner.graphs = graphs
+        torch.testing.assert_close(graph_logits.float(), eager.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(eager.float(), unfused.float(), atol=3e-2, rtol=3e-2)
+        token = int(eager.float().argmax(-1))
+        step[0].seq.num_computed_tokens += 1
+        step[0].seq.append(token)
