@@ -11,6 +11,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The engine launches its one-row GEMVs with PDL only where the decode-chain step measured it faster.
+PDL_ENV='f=$(find /tmp/nf-results -name gemv_pdl.env 2>/dev/null | head -1); if [ -n "$f" ]; then set -a; . "$f"; set +a; echo "PDL env: $(cat $f)"; fi;'
 step_command() {
   case "$1" in
     env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
@@ -23,7 +25,7 @@ step_command() {
     ops-bench) echo "python3 -m ninefold.bench.ops ${OPS_BENCH_ARGS:-}" ;;
     runtime) echo 'python3 -m ninefold.bench.runtime' ;;
     llm-test) echo 'python3 -m pytest tests/llm -q -n 8 -p no:cacheprovider -k "not gguf"' ;;
-    llm-bench) echo 'python3 -m ninefold.bench.llm' ;;
+    llm-bench) echo "$PDL_ENV python3 -m ninefold.bench.llm" ;;
     llm-bench-gpt-fast) echo 'python3 -m ninefold.bench.llm --gpt-fast .peers/gpt-fast' ;;
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
     ops-memory) echo 'python3 -m ninefold.bench.ops_memory' ;;
@@ -37,9 +39,9 @@ step_command() {
     dsl-sweep-mm) echo 'python3 -m ninefold.bench.dsl --sweep mm' ;;
     dsl-sweep-sdpa) echo 'python3 -m ninefold.bench.dsl --sweep sdpa' ;;
     dsl-sweep-memory) echo 'python3 -m ninefold.bench.dsl --sweep memory' ;;
-    decode-chain) echo 'python3 -m pytest tests/ops/test_gemv_pdl.py tests/bench/test_decode_chain.py -q -p no:cacheprovider -k "cuda or sm90"; python3 -m ninefold.bench.decode_chain' ;;
+    decode-chain) echo 'python3 -m pytest tests/ops/test_gemv_pdl.py tests/ops/test_gemv_pdl_ops.py tests/ops/test_fused_linear.py tests/bench/test_decode_chain.py tests/llm/test_fused_decode.py -q -p no:cacheprovider -k "cuda or sm90 or graph"; python3 -m ninefold.bench.decode_chain' ;;
     decode-attention) echo 'python3 -m ninefold.bench.decode_attention' ;;
-    llm-cuda) echo 'python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider' ;;
+    llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
