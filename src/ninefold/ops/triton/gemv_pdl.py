@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.launch import Launcher
+
 PROLOGUES = {"none": 0, "add_rms_norm": 1, "silu_and_mul": 2}
 
 
@@ -153,6 +155,10 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
+_LAUNCH = Launcher(gemv_pdl_kernel, ("PROLOGUE", "BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_GDC", "DOT", "PRECISION",
+                                      "NORM_BLOCK"))
+
+
 class Workspace:
     """Split-K partials and arrival counters per device (counters stay zero between calls)."""
 
@@ -231,11 +237,10 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
     y = out if out is not None else torch.empty(n, dtype=x.dtype, device=x.device)
     n_blocks = triton.cdiv(n, block_n)
     ws, cnt = (WORKSPACE.get(x.device, n, split_k, n_blocks) if split_k > 1 else (y, y))
-    extra = {"launch_pdl": True} if pdl else {}
-    gemv_pdl_kernel[(n_blocks, split_k)](
-        x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        residual_out if residual_out is not None else x, ws, cnt, n, k, weight.stride(0), eps,
-        PROLOGUE=PROLOGUES[prologue], BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_GDC=pdl, DOT=dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NORM_BLOCK=min(triton.next_power_of_2(k), 8192),
-        num_warps=num_warps or CONFIG["num_warps"], num_stages=num_stages or CONFIG["num_stages"], **extra)
+    args = (x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+            residual_out if residual_out is not None else x, ws, cnt, n, k, weight.stride(0), float(eps))
+    consts = (PROLOGUES[prologue], block_n, block_k, split_k, pdl, dot,
+              "ieee" if x.dtype == torch.float32 else "tf32", min(triton.next_power_of_2(k), 8192))
+    _LAUNCH((n_blocks, split_k), args, consts, num_warps=num_warps or CONFIG["num_warps"],
+            num_stages=num_stages or CONFIG["num_stages"], device_index=x.device.index or 0, launch_pdl=pdl)
     return y

@@ -222,15 +222,22 @@ class Launcher:
         classes = [(_CLASS.get(type(a)) or _other_class)(a) for a in args]
         return num_warps, num_stages, consts, *classes
 
-    def __call__(self, grid, args, consts, *, num_warps: int = 4, num_stages: int = 2, device_index: int = 0):
+    def __call__(self, grid, args, consts, *, num_warps: int = 4, num_stages: int = 2, device_index: int = 0,
+                 launch_pdl: bool = False):
+        """``launch_pdl``: compile and launch with programmatic dependent launch (Triton's option; the
+        compiled kernel remembers it, so direct launches keep it)."""
         if _recorded is not None:
             _recorded.append((self.kernel, (*args, *consts), num_warps, num_stages))
             return
         lib = library()
+        extra = {"launch_pdl": True} if launch_pdl else {}
         if not ((ENABLED or lib is not None) and self.usable):
-            self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+            self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **extra)
             return
         key = (device_index, *self.key(args, consts, num_warps, num_stages))  # loaded modules are per device
+        if launch_pdl:
+            key = ("pdl", *key)
+            lib = None  # builds hold no PDL binaries: the JIT compiles these
         compiled = self.compiled.get(key)
         if compiled is None and lib is not None and key not in self.uncovered:
             compiled = _from_build(lib, self.kernel, (*args, *consts), num_warps, num_stages, device_index)
@@ -240,9 +247,9 @@ class Launcher:
                 self.uncovered.add(key)  # the JIT serves it from now on
         if compiled is None:
             if not ENABLED:
-                self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+                self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **extra)
                 return
-            compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+            compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **extra)
             if hasattr(compiled, "result"):  # Triton 3.6 may hand back a future under async compilation
                 compiled = compiled.result()
             if _hooks_installed() or not hasattr(compiled, "run"):
