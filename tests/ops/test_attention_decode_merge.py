@@ -65,6 +65,19 @@ def test_min_split_gives_fewer_longer_splits(one_kernel):
     assert_close(out, ref.attention_decode(*args), torch.float32, scale=ATTENTION_SCALE)
 
 
+@pytest.mark.parametrize("heads,hq,hk,one_kernel", [(2, 8, 2, 1), (4, 16, 4, 1), (2, 6, 2, 0), (4, 4, 4, 1), (3, 8, 2, 1)],
+                         ids=["2-of-2-group4", "4-of-4-group4", "2-of-2-group3-two-kernels", "4-mha", "3-falls-back"])
+@pytest.mark.parametrize("per_sm", [1, 16], ids=["unsplit", "split"])
+def test_several_kv_heads_per_program(heads, hq, hk, one_kernel, per_sm):
+    # One program reads a token's adjacent KV heads; each query row sees only its own head's keys.
+    from ninefold.ops.triton import decode
+
+    args = _case([1, 50, 200, 17], hq, hk, 16, torch.float32, seed=68, extra_columns=5)
+    config = _config(heads_per_program=heads, one_kernel=one_kernel, per_sm=per_sm)
+    out = decode.launch(*args, None, config)
+    assert_close(out, ref.attention_decode(*args), torch.float32, scale=ATTENTION_SCALE)
+
+
 def test_split_config_applies_only_when_the_context_is_split():
     from ninefold.ops.triton import decode
 

@@ -123,7 +123,7 @@ def test_triton_kernel_equals_unfused_kernels(dtype, is_neox, tokens):
 
 @pytest.mark.skipif(TRITON_RUNS, reason="already under the interpreter or on CUDA")
 @pytest.mark.parametrize("file,select,least", [("test_rope_cache.py", "(cpu-triton and not f16 and not bf16) or direct", 14),
-                                               ("test_attention_decode_merge.py", "", 12)])
+                                               ("test_attention_decode_merge.py", "", 20)])
 def test_triton_kernels_in_the_interpreter(file, select, least):
     # This file's Triton cases and the one-kernel decode attention's tests, through Triton's interpreter.
     root = Path(__file__).resolve().parents[2]

@@ -40,13 +40,16 @@ OLD = dict(block_n=64, num_warps=4, num_stages=2, per_sm=4, min_tiles=2, heads_f
 # Sweeps (the budget stops starting configs). Split regime (few programs: batch 1, 64): keys per step,
 # warps, stages, fewest keys per split, merge tile; timed at SPLIT_CASES as decode.CONFIG["split_config"].
 SWEEP_SPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, min_split=ms, merge_rows=mr, heads_fastest=hf)
-               for bn, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 4, 3))
-               for ms in (0, 256, 512) for mr in (64, 16, 128) for hf in (0, 1)]
-# Unsplit regime (one program per sequence and KV head: batch 256): timed at UNSPLIT_CASES. (Compiled for
-# sm_90 with the JIT's specialisations: 64/4/2 takes 128 registers and 39 KB of shared memory, 32/4/3 80 and 38 KB.)
-SWEEP_UNSPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, heads_fastest=hf)
-                 for bn, w, st in ((64, 4, 2), (32, 4, 3), (32, 4, 2), (32, 4, 4), (64, 4, 3), (16, 4, 3), (16, 4, 4),
-                                   (16, 2, 4), (32, 2, 3), (64, 8, 3), (128, 8, 2), (128, 4, 2))
+               for bn, w, st in ((64, 4, 2), (128, 4, 2), (64, 4, 3))
+               for ms in (0, 256, 512) for mr in (64, 16) for hf in (0, 1)]
+# Unsplit regime (one program per sequence and KV head(s): batch 256): timed at UNSPLIT_CASES. Compiled for
+# sm_90 with the JIT's specialisations, 64/4/2 takes 128 registers and 39 KB of shared memory, as does
+# 16 keys x 4 KV heads per program (64 tile rows: a token's 4 heads are 1 KB contiguous; 4x fewer programs).
+SWEEP_UNSPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, heads_fastest=hf, heads_per_program=h)
+                 for bn, w, st, h in ((64, 4, 2, 1), (16, 4, 2, 4), (16, 4, 3, 4), (8, 4, 3, 4), (16, 8, 3, 4),
+                                      (32, 8, 2, 4), (16, 4, 2, 2), (32, 4, 2, 2), (32, 4, 3, 1), (32, 4, 2, 1),
+                                      (32, 4, 4, 1), (64, 4, 3, 1), (16, 4, 3, 1), (16, 2, 4, 1), (64, 8, 3, 1),
+                                      (128, 4, 2, 1))
                  for hf in (0, 1)]
 SPLIT_CASES = ((1, 256), (1, 4096), (64, 600))
 UNSPLIT_CASES = ((256, 600), (256, 1200))
@@ -203,10 +206,7 @@ def time_decode(sh, device, width, replays) -> list[dict]:
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
             layers.append((q, k_cache, v_cache, tables, lens))
         capacity, sms = layers[0][3].shape[1] * sh["block"], decode._sm_count(device)
-        _, _, splits = decode._sizing(capacity, batch * sh["hk"], sms, sh["dtype"], decode.CONFIG)
-        if splits > 1 and decode.CONFIG.get("split_config"):
-            _, _, splits = decode._sizing(capacity, batch * sh["hk"], sms, sh["dtype"],
-                                          {**decode.CONFIG, **decode.CONFIG["split_config"]})
+        splits = decode.plan(batch, sh["hk"], capacity, sms, sh["dtype"], decode.CONFIG)[-1]
         row = {"batch": batch, "context": context, "table_tokens": capacity, "splits": splits,
                "layers_per_graph": n_layers, "kv_bytes": kv_bytes}
         # old: the two-kernel launch as it was; two kernels now: today's configuration, merged by the second kernel.
@@ -249,7 +249,8 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
                  torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"]),
                  torch.full((batch,), context, dtype=torch.int32, device=device)) for i in range(2)]
         rows = []
-        for cfg in tqdm(candidates if cuda else candidates[:2], desc=f"sweep {name}", file=sys.stdout, disable=None):
+        for cfg in tqdm(candidates if cuda else [candidates[0], candidates[2]], desc=f"sweep {name}", file=sys.stdout,
+                        disable=None):
             if time.perf_counter() > stop:
                 rows.append({"config": cfg, "skipped": "time budget"})
                 continue

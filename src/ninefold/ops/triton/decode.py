@@ -42,9 +42,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # ``one_kernel``: the last split of a (sequence, KV head) merges (1), or a second kernel does (0);
 # ``merge_rows``: partial rows (query heads x splits) the in-place merge reads per step;
 # ``min_split``: fewest keys per split (rounded up to block_n): short contexts take fewer, longer splits;
-# ``split_config``: keys that replace these when the launch splits the context (few programs: small batches).
+# ``split_config``: keys that replace these when the launch splits the context (few programs: small batches);
+# ``heads_per_program``: adjacent KV heads one program reads (a token's heads are contiguous in the cache).
 CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0,
-          "one_kernel": 1, "merge_rows": 64, "min_split": 0}
+          "one_kernel": 1, "merge_rows": 64, "min_split": 0, "heads_per_program": 1}
 SPLIT_CONFIG: dict = {}  # CONFIG["split_config"]
 CONFIG["split_config"] = SPLIT_CONFIG
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
@@ -53,20 +54,28 @@ CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
 
 @triton.jit
 def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co, stride_ch, stride_btb,
-                 scale_log2e, m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Keys ``[n0, n0 + BLOCK_N)`` (masked at ``end``; at least one is live; ``page``: their blocks)
-    into the online softmax; also returns the next tile's blocks (read a tile ahead)."""
+                 scale_log2e, m_i, l_i, acc, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, HEADS: tl.constexpr):
+    """Keys ``[n0, n0 + BLOCK_N)`` of KV heads ``kvh .. kvh + HEADS`` (masked at ``end``; at least
+    one is live; ``page``: their blocks) into the online softmax; also returns the next tile's
+    blocks (read a tile ahead). Tile row ``j`` is token ``n0 + j // HEADS`` of head ``kvh + j % HEADS``
+    (a token's heads are adjacent in the cache); query row ``g`` belongs to head ``kvh + g // GROUP``."""
     e = tl.arange(0, D)
-    n = n0 + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, BLOCK_N * HEADS)
+    n = n0 + j // HEADS
     nm = n < end
-    offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_co + kvh * stride_ch
+    offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_co + (kvh + j % HEADS) * stride_ch
     k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
     v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
     nxt = n + BLOCK_N
     page = tl.load(bt_ptr + b * stride_btb + nxt // PAGE, mask=nxt < end, other=0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    s = tl.where(nm[None, :], s, float("-inf"))
+    if HEADS == 1:
+        s = tl.where(nm[None, :], s, float("-inf"))
+    else:  # a query row sees its own head's keys (padding rows, beyond GROUP * HEADS, see all: no -inf rows)
+        g = tl.arange(0, BLOCK_G)
+        own = ((g // GROUP)[:, None] == (j % HEADS)[None, :]) | (g >= GROUP * HEADS)[:, None]
+        s = tl.where(nm[None, :] & own, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2e - m_new[:, None])
@@ -112,14 +121,16 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                         stride_btb, num_splits, batch, kv_heads, heads_fastest, min_split, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                         PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr,
-                        G2: tl.constexpr, BLOCK_S: tl.constexpr):
+                        G2: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr):
+    # A program takes HEADS adjacent KV heads (their GROUP * HEADS query heads are its rows).
     pid = tl.program_id(0)
+    kv_groups = kv_heads // HEADS
     if heads_fastest:  # the KV heads of one block run side by side (they share its DRAM pages)
-        b = (pid // kv_heads).to(tl.int64)
-        kvh = pid % kv_heads
+        b = (pid // kv_groups).to(tl.int64)
+        kvh = (pid % kv_groups) * HEADS
     else:
         b = (pid % batch).to(tl.int64)
-        kvh = pid // batch
+        kvh = (pid // batch) * HEADS
     split = tl.program_id(1)
     heads = kv_heads * GROUP
     length = tl.load(lens_ptr + b)
@@ -129,26 +140,26 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     g = tl.arange(0, BLOCK_G)
-    gm = g < GROUP
+    gm = g < GROUP * HEADS
     e = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + e[None, :], mask=gm[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    first = start + tl.arange(0, BLOCK_N)
+    first = start + tl.arange(0, BLOCK_N * HEADS) // HEADS
     page = tl.load(bt_ptr + b * stride_btb + first // PAGE, mask=first < end, other=0)
     if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
         for i in range(STATIC_ITERS):
             n0 = start + i * BLOCK_N
             if n0 < end:
                 m_i, l_i, acc, page = _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb,
-                                                   stride_co, stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D,
-                                                   BLOCK_N, PAGE, PRECISION)
+                                                   stride_co, stride_ch, stride_btb, scale_log2e, m_i, l_i, acc,
+                                                   GROUP, BLOCK_G, D, BLOCK_N, PAGE, PRECISION, HEADS)
     else:
         for n0 in range(start, end, BLOCK_N):  # every tile holds at least one key: finite maxima
             m_i, l_i, acc, page = _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co,
-                                               stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, D, BLOCK_N, PAGE,
-                                               PRECISION)
+                                               stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, GROUP, BLOCK_G, D,
+                                               BLOCK_N, PAGE, PRECISION, HEADS)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out_offs = b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + e[None, :]
     if MERGE:
@@ -168,7 +179,7 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                     tl.debug_barrier()
                     tl.store(counter, 0)  # ready for the next launch (a CUDA-graph replay) without a memset
                     _merge_splits(part_ptr, lse_ptr, out_ptr, b * heads + kvh * GROUP, b * stride_ob +
-                                  kvh * GROUP * stride_oh, stride_oh, num_splits, n_live, GROUP, G2, D,
+                                  kvh * GROUP * stride_oh, stride_oh, num_splits, n_live, GROUP * HEADS, G2, D,
                                   BLOCK_S)
         elif split == 0:  # no keys at all: zeros (what the unsplit program writes)
             tl.store(out_ptr + out_offs, tl.zeros([BLOCK_G, D], tl.float32).to(out_ptr.dtype.element_ty),
@@ -214,15 +225,16 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     the in-place merge (MERGE 1, unless ``one_kernel=0``), and the merge kernel of the two-kernel path."""
     group = shapes.heads // shapes.kv_heads
     block_n = CONFIG["block_n"] if dtype != torch.float32 else min(32, CONFIG["block_n"])
-    split = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "D": shapes.head_dim,
-             "BLOCK_N": block_n, "PAGE": shapes.block_size, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-             "STATIC_ITERS": 0, **_merge_tile(group, CONFIG)}
+    split = {"GROUP": group, "D": shapes.head_dim, "PAGE": shapes.block_size,
+             "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0}
     found = []
     for merge in sorted({0, _merges_in_place(CONFIG)}):
         cfg = {**CONFIG, **CONFIG.get("split_config", {})} if merge else CONFIG  # merging launches are split ones
         block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
+        heads = _heads_per_program(shapes.kv_heads, cfg)
         found.append({"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-                      "constexprs": {**split, "BLOCK_N": block_n, **_merge_tile(group, cfg), "MERGE": merge}})
+                      "constexprs": {**split, "BLOCK_N": block_n, "BLOCK_G": max(16, triton.next_power_of_2(group * heads)),
+                                     **_merge_tile(group * heads, cfg), "MERGE": merge, "HEADS": heads}})
     return [*found, {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
 
 
@@ -280,10 +292,28 @@ def _split(capacity: int, programs: int, sms: int, block_n: int, per_sm: int, mi
     return per_split, triton.cdiv(capacity, per_split)
 
 
+def _heads_per_program(kv_heads: int, config: dict) -> int:
+    """KV heads one program takes (``heads_per_program``: a power of two dividing them, else 1)."""
+    n = int(config.get("heads_per_program", 1))
+    return n if n >= 1 and n & (n - 1) == 0 and kv_heads % n == 0 else 1
+
+
 def _sizing(capacity: int, programs: int, sms: int, dtype: torch.dtype, config: dict) -> tuple[int, int, int]:
     """(keys per loop step, most keys per split, number of splits) under ``config``."""
     block_n = config["block_n"] if dtype != torch.float32 else min(32, config["block_n"])
     return (block_n, *_split(capacity, programs, sms, block_n, config.get("per_sm", 4), config.get("min_tiles", 2)))
+
+
+def plan(batch: int, kv_heads: int, capacity: int, sms: int, dtype: torch.dtype, config: dict) -> tuple:
+    """``(config, KV heads per program, keys per step, most keys per split, splits)`` of a launch:
+    ``config`` with its ``split_config`` applied when the context is split (few programs)."""
+    heads = _heads_per_program(kv_heads, config)
+    block_n, per_split, splits = _sizing(capacity, batch * kv_heads // heads, sms, dtype, config)
+    if splits > 1 and config.get("split_config"):
+        config = {**config, **config["split_config"]}
+        heads = _heads_per_program(kv_heads, config)
+        block_n, per_split, splits = _sizing(capacity, batch * kv_heads // heads, sms, dtype, config)
+    return config, heads, block_n, per_split, splits
 
 
 def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -297,10 +327,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
     group = hq // hk
     scale = scale or 1.0 / math.sqrt(d)
     capacity = block_tables.shape[1] * page
-    block_n, per_split, splits = _sizing(capacity, b * hk, _sm_count(q.device), q.dtype, config)
-    if splits > 1 and config.get("split_config"):  # few programs: the split regime's own launch configuration
-        config = {**config, **config["split_config"]}
-        block_n, per_split, splits = _sizing(capacity, b * hk, _sm_count(q.device), q.dtype, config)
+    config, heads, block_n, per_split, splits = plan(b, hk, capacity, _sm_count(q.device), q.dtype, config)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -312,13 +339,14 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
         arrivals = counters(q.device, b * hk) if merge else _unused(q.device)
     else:  # the split kernel writes ``out`` itself
         part = lse = arrivals = _unused(q.device)
-    call(decode_split_kernel, (b * hk, splits),
+    call(decode_split_kernel, (b * hk // heads, splits),
          q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, scale * LOG2E, q.stride(0),
          q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), min_split, GROUP=group,
-         BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n, PAGE=page,
+         BLOCK_G=max(16, triton.next_power_of_2(group * heads)), D=d, BLOCK_N=block_n, PAGE=page,
          STATIC_ITERS=triton.cdiv(max(per_split, min_split), block_n) if INTERPRETED else 0,
-         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, **_merge_tile(group, config),
+         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, **_merge_tile(group * heads, config),
+         HEADS=heads,
          num_warps=config["num_warps"],
          num_stages=config["num_stages"])
     if splits > 1 and not merge:
