@@ -104,7 +104,7 @@ def test_hand_written_fa_attention_compiles_for_sm90():
 
     sig = {"q_desc": "tensordesc<bf16[128, 128]>", "k_desc": "tensordesc<bf16[64, 128]>", "v_desc": "tensordesc<bf16[64, 128]>",
            "o_ptr": "*bf16", "seq": "i32", "heads": "i32", "scale": "fp32"}
-    const = {"BM": 128, "BN": 64, "D": 128, "PIPE": True, "LAZY": True, "PERSIST": True}
+    const = {"BM": 128, "BN": 64, "D": 128, "PIPE": True, "LAZY": True, "PERSIST": True, "LPT": False}
     sig.update({name: "constexpr" for name in const})
     compiled = triton.compile(ASTSource(bench._fa_attention, sig, const), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 8, "num_stages": 3})
@@ -143,3 +143,56 @@ def test_rms_norm_timers_time_every_call_on_cpu(monkeypatch, tmp_path):
     for row in block["rows"]:
         assert row["ok"] and len(row["do_bench_s"]) == 2 and row["host_s_per_call"] > 0, row
         assert bench._timer_line(row).strip().startswith(row["config"])
+
+
+SWEEP_APPS = """
+import math, sys, torch
+import ninefold.dsl as nd
+from ninefold.ops.kernels import attention as A
+from ninefold.bench import dsl as bench
+torch.manual_seed(0)
+backend = sys.argv[1]
+dtype = torch.float16 if backend == "triton" else torch.float32
+for app in (bench._attention_loads_first, bench._attention_pipelined):
+    for grouped in (True, False):
+        kernel = nd.make(A.arrangement, app, A.tensors(), num_warps=4, num_stages=2)
+        kernel.grouped = grouped
+        kernel.tma = "rows" if backend == "triton" else False
+        for causal, s, sk, bm, bn in ((True, 256, 256, 64, 32), (True, 200, 200, 64, 32), (True, 64, 160, 32, 32), (False, 96, 96, 64, 32)):
+            q = torch.randn(2, 2, s, 32, dtype=dtype)
+            k, v = (torch.randn(2, 2, sk, 32, dtype=dtype) for _ in range(2))
+            o = torch.empty_like(q)
+            kernel(q, k, v, 1 / math.sqrt(32), causal, o, BLOCK_M=bm, BLOCK_N=bn, backend=backend)
+            mask = torch.ones(s, sk, dtype=torch.bool).tril(sk - s) if causal else None
+            want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+            print(app.__name__, grouped, causal, s, sk, (o.double() - want).abs().max().item())
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_sweep_attention_applications_match_float64(backend):
+    # the sweep's DSL variants (tiles loaded first; next scores before this softmax, last tile
+    # peeled) in both launch orders, on the cpu backend and (TMA rows mode) under the interpreter
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1" if backend == "triton" else "0"}
+    done = subprocess.run([sys.executable, "-c", SWEEP_APPS, backend], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = [float(line.split()[-1]) for line in done.stdout.splitlines()]
+    assert len(errors) == 16 and max(errors) < (2e-3 if backend == "triton" else 1e-5), done.stdout
+
+
+def test_pipelined_attention_in_rows_mode_compiles_for_sm90_without_grouping():
+    import ninefold.dsl as nd
+    from ninefold.dsl.backends.triton import compile_for_target
+    from ninefold.ops.kernels import attention
+
+    kernel = nd.make(attention.arrangement, bench._attention_pipelined, attention.tensors())
+    kernel.grouped = False
+    q = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16)
+    compiled, generated, _ = compile_for_target(
+        kernel, (q, q, q, 0.08, True, q), {"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3, tma="rows"
+    )
+    assert "group_width" not in generated.source and "tl.reshape" not in generated.source
+    assert compiled.asm["ttgir"].count("async_tma_copy_global_to_local") >= 5
+    kernel.grouped = True
+    _, grouped, _ = compile_for_target(kernel, (q, q, q, 0.08, True, q), {"BLOCK_M": 128, "BLOCK_N": 64}, tma="rows")
+    assert "group_width" in grouped.source

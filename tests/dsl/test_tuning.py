@@ -70,7 +70,7 @@ def test_generated_modules_are_cached_by_source_hash(tmp_path, monkeypatch):
     assert generate(mm, specialize(mm, None)).key == generated.key
 
 
-def test_tma_candidates_follow_the_pointer_ones_and_stay_off_by_default(monkeypatch):
+def test_tma_candidates_follow_the_pointer_ones_in_both_launch_orders(monkeypatch):
     import math
 
     import ninefold.dsl as nd
@@ -81,13 +81,18 @@ def test_tma_candidates_follow_the_pointer_ones_and_stay_off_by_default(monkeypa
     q = torch.empty(2, 4, 1024, 128, dtype=torch.float16)
     bound = kernel.bind((q, q, q, 1 / math.sqrt(128), True, q), {})
     monkeypatch.delenv("NINEFOLD_DSL_TUNE_TMA", raising=False)
-    assert not tuning.tma_candidates_apply(kernel, bound)  # off by default (and a cpu call besides)
+    assert tuning.tma_tuning_enabled()
+    assert not tuning.tma_candidates_apply(kernel, bound)  # a cpu call
+    monkeypatch.setenv("NINEFOLD_DSL_TUNE_TMA", "0")
+    assert not tuning.tma_tuning_enabled()
     plain = tuning.candidates(kernel, bound)
     assert all("tma" not in c for c in plain)
     monkeypatch.setattr(tuning, "tma_candidates_apply", lambda kernel, bound: True)
     both = tuning.candidates(kernel, bound)
     assert both[: len(plain)] == plain
     extra = both[len(plain) :]
-    assert 1 <= len(extra) <= tuning.TMA_CONFIGS
+    assert len(extra) == 2 * tuning.TMA_CONFIGS
     assert all(c["tma"] == "rows" and not c.get("persistent") for c in extra)
-    assert [dict(c, tma=None) for c in extra] == [dict(c, tma=None) for c in plain if not c.get("persistent")][: len(extra)]
+    assert [c.get("grouped", True) for c in extra] == [True, False] * tuning.TMA_CONFIGS
+    base = [c for c in plain if not c.get("persistent")][: tuning.TMA_CONFIGS]
+    assert [{k: v for k, v in c.items() if k not in ("tma", "grouped")} for c in extra[::2]] == base

@@ -728,18 +728,12 @@ MM_SWEEP = (  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, "persistent"]
     (128, 128, 64, 8, 3, "persistent"),
     (128, 128, 64, 4, 4, "persistent"),
 )
-SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages[, "persistent"]
+SDPA_SWEEP = (  # BLOCK_M, BLOCK_N, num_warps, num_stages[, "persistent"]: the ops kernel with pointer loads
     (128, 64, 8, 3),
     (128, 64, 8, 4),
-    (128, 64, 4, 3),
     (128, 128, 8, 3),
-    (128, 128, 8, 2),
-    (128, 32, 8, 3),
     (64, 64, 4, 3),
-    (64, 64, 4, 4),
-    (64, 128, 4, 3),
     (128, 128, 4, 3),
-    (128, 64, 8, 2),
     (64, 64, 4, 2),
     (128, 128, 8, 3, "persistent"),
 )
@@ -751,6 +745,7 @@ def _fixed(arrangement, application, tensors, warps, stages, *flags):
     kernel = nd.make(arrangement, application, tensors, num_warps=warps, num_stages=stages)
     kernel.persistent = "persistent" in flags
     kernel.tma = "rows" if "rows" in flags else "tma" in flags
+    kernel.grouped = "row-major" not in flags
     return kernel
 
 
@@ -896,6 +891,96 @@ def _torch_sdpa_rows(q, k, v, causal, reference, dtype, flops):
     return rows
 
 
+def _attention_loads_first(q, k, v, scale, is_causal, o):
+    """The ops kernel's application with each key and value tile read at the top of its iteration
+    (as hand-written kernels do: one barrier for both TMA copies)."""
+    q_scaled = (q * (scale * 1.4426950408889634)).to(q.dtype)
+    shift = k.source.shape[-2] - q.source.shape[-2]
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    n_tiles = k.shape[0]
+    n_full = k.source.shape[-2] // k[0].shape[0]
+    if is_causal:
+        n_tiles = nl.minimum(n_tiles, nl.cdiv(nl.max(q.offsets(-2)) + shift + 1, k[0].shape[0]))
+        n_full = nl.minimum(n_full, (nl.min(q.offsets(-2)) + shift + 1) // k[0].shape[0])
+    for j in range(n_full):
+        key = k[j]
+        value = v[j]
+        scores = nl.dot(q_scaled, nl.trans(key))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), value)
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
+    for j in range(n_full, n_tiles):
+        key = k[j]
+        value = v[j]
+        scores = nl.dot(q_scaled, nl.trans(key))
+        keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
+        if is_causal:
+            keep = keep & (k[j].offsets(-2)[None, :] <= q.offsets(-2)[:, None] + shift)
+        scores = nl.where(keep, scores, float("-inf"))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), value)
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
+def _attention_pipelined(q, k, v, scale, is_causal, o):
+    """Attention whose loop computes the next key tile's scores before this tile's softmax (the
+    software-pipelined form FlashAttention-3 uses inside a warpgroup); the last tile is peeled."""
+    q_scaled = (q * (scale * 1.4426950408889634)).to(q.dtype)
+    shift = k.source.shape[-2] - q.source.shape[-2]
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    n_tiles = k.shape[0]
+    n_full = k.source.shape[-2] // k[0].shape[0]
+    if is_causal:
+        n_tiles = nl.minimum(n_tiles, nl.cdiv(nl.max(q.offsets(-2)) + shift + 1, k[0].shape[0]))
+        n_full = nl.minimum(n_full, (nl.min(q.offsets(-2)) + shift + 1) // k[0].shape[0])
+    n_full = nl.minimum(n_full, n_tiles - 1)  # the last tile always goes through the peeled, masked step
+    scores = nl.dot(q_scaled, nl.trans(k[0]))
+    for j in range(n_full):
+        following = nl.dot(q_scaled, nl.trans(k[j + 1]))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), v[j])
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
+        scores = following
+    for j in range(n_full, n_tiles - 1):
+        keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
+        if is_causal:
+            keep = keep & (k[j].offsets(-2)[None, :] <= q.offsets(-2)[:, None] + shift)
+        scores = nl.where(keep, scores, float("-inf"))
+        following = nl.dot(q_scaled, nl.trans(k[j + 1]))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), v[j])
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
+        scores = following
+    for j in range(n_tiles - 1, n_tiles):  # the last tile (one iteration; a loop keeps j uniform on the cpu backend)
+        keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
+        if is_causal:
+            keep = keep & (k[j].offsets(-2)[None, :] <= q.offsets(-2)[:, None] + shift)
+        scores = nl.where(keep, scores, float("-inf"))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), v[j])
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
 def _lpt_arrangement(q, k, v, scale, is_causal, o, BLOCK_M=None, BLOCK_N=None):
     """The ops kernel's arrangement with the query-block level outermost: programs walk the blocks
     with the most keys first over all heads (longest-processing-time order), heads inner."""
@@ -924,6 +1009,7 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
         return attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     rows.append(_sweep_row("tuned", tuned, reference, dtype, flops, ceiling))
+    rows[-1]["picked"] = _picked(attention.kernel)
     scale = 1.0 / math.sqrt(d)
 
     def dsl_rows(configs, arrangement=attention.arrangement, application=attention.application, prefix=""):
@@ -939,7 +1025,6 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
             rows.append(_sweep_row(label, call, reference, dtype, flops, ceiling))
 
     dsl_rows(SDPA_SWEEP)
-    dsl_rows(SDPA_LPT_SWEEP, arrangement=_lpt_arrangement, prefix="dsl longest-first")
     if causal and s % 128 == 0 and SWEEP_DEVICE == "cuda":  # what hand-written Triton reaches here
         for mode, bm, bn, w, st in PLAIN_SDPA:
             def plain(mode=mode, bm=bm, bn=bn, w=w, st=st):
@@ -950,22 +1035,27 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
             def fa(bm=bm, bn=bn, w=w, st=st, flags=flags):
                 return _fa_attention_call(q, k, v, bm, bn, w, st, flags)
 
-            label = " ".join(["triton tma longest-first", f"{bm}x{bn} w{w} s{st}", *flags])
-            rows.append(_sweep_row(label, fa, reference, dtype, flops, ceiling))
-    if SWEEP_DEVICE == "cuda":  # last (if one of them crashed the context): the DSL's TMA modes
-        dsl_rows(SDPA_ROWS_SWEEP)
-        dsl_rows(SDPA_LPT_ROWS_SWEEP, arrangement=_lpt_arrangement, prefix="dsl longest-first")
-        dsl_rows(SDPA_TMA_SWEEP)
-        rows.append(_tuned_with_tma(attention.kernel, tuned, reference, dtype, flops, ceiling))
+            rows.append(_sweep_row(" ".join(["triton tma", f"{bm}x{bn} w{w} s{st}", *flags]), fa, reference, dtype, flops, ceiling))
+    # the DSL: three applications x launch order (grouped / row-major) x loads (pointers / TMA rows)
+    for name, application in (("ops", attention.application), ("loads-first", _attention_loads_first),
+                              ("pipelined", _attention_pipelined)):
+        configs = [(*tile, *flags) for flags in SDPA_VARIANT_FLAGS for tile in SDPA_VARIANT_TILES if flags or name != "ops"]
+        dsl_rows(configs, application=application, prefix=f"dsl {name}")
+    if SWEEP_DEVICE == "cuda":
+        rows.append(_tuned_without_tma(attention.kernel, tuned, reference, dtype, flops, ceiling))
     return rows
 
 
-def _tuned_with_tma(kernel, call, reference, dtype, flops, ceiling):
-    """The tuner re-run on a fresh cache with its TMA candidates on (``NINEFOLD_DSL_TUNE_TMA=1``)."""
+SDPA_VARIANT_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3))
+SDPA_VARIANT_FLAGS = ((), ("row-major",), ("rows",), ("rows", "row-major"))
+
+
+def _tuned_without_tma(kernel, call, reference, dtype, flops, ceiling):
+    """The tuner re-run on a fresh cache without its TMA candidates (``NINEFOLD_DSL_TUNE_TMA=0``)."""
     previous = os.environ.get("NINEFOLD_DSL_TUNE_TMA")
-    os.environ["NINEFOLD_DSL_TUNE_TMA"] = "1"
+    os.environ["NINEFOLD_DSL_TUNE_TMA"] = "0"
     try:
-        row = _sweep_row("re-tuned with TMA candidates", lambda: _retuned(kernel, call), reference, dtype, flops, ceiling)
+        row = _sweep_row("re-tuned without TMA candidates", lambda: _retuned(kernel, call), reference, dtype, flops, ceiling)
         row["picked"] = _picked(kernel)
     finally:
         if previous is None:
@@ -975,27 +1065,6 @@ def _tuned_with_tma(kernel, call, reference, dtype, flops, ceiling):
     return row
 
 
-SDPA_LPT_SWEEP = (  # the ops kernel's application under _lpt_arrangement
-    (128, 128, 8, 3),
-    (128, 64, 8, 3),
-    (128, 64, 8, 4),
-    (64, 64, 4, 3),
-)
-SDPA_LPT_ROWS_SWEEP = (
-    (128, 128, 8, 3, "rows"),
-    (128, 64, 8, 4, "rows"),
-    (64, 64, 4, 3, "rows"),
-)
-SDPA_ROWS_SWEEP = (  # Kernel.tma = "rows": TMA descriptors over the [B*H*S, D] views where the call allows
-    (128, 128, 8, 3, "rows"),
-    (128, 64, 8, 3, "rows"),
-    (128, 64, 8, 4, "rows"),
-    (64, 64, 4, 3, "rows"),
-)
-SDPA_TMA_SWEEP = (  # the same kernel with q/k/v tiles read through TMA descriptors (warm calls take the slow path)
-    (128, 128, 8, 3, "tma"),
-    (64, 64, 4, 3, "tma"),
-)
 PLAIN_SDPA = (  # load mode (pointers, or TMA through host descriptors), BLOCK_M, BLOCK_N, warps, stages
     ("pointers", 128, 128, 8, 3),
     ("tma", 128, 128, 8, 3),
@@ -1313,24 +1382,30 @@ else:
         tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
 
     @triton.jit
+    def _fa_place(tile, n_blocks, heads, LPT: tl.constexpr):
+        # (first row of the head in the [B*H*S, D] view / seq, query block) of a tile index: heads
+        # in turn with their blocks longest-first (as _ref_attention_tma), or (LPT) block nb-1 of
+        # every head, then nb-2, ... over all heads
+        if LPT:
+            return tile % heads, n_blocks - 1 - tile // heads
+        return tile // n_blocks, n_blocks - 1 - tile % n_blocks
+
+    @triton.jit
     def _fa_attention(q_desc, k_desc, v_desc, o_ptr, seq, heads, scale, BM: tl.constexpr, BN: tl.constexpr,
-                      D: tl.constexpr, PIPE: tl.constexpr, LAZY: tl.constexpr, PERSIST: tl.constexpr):
-        # causal, [B*H*S, D] descriptors, S % BM == 0. One 1-D grid in longest-first order over all
-        # heads: query block nb-1 of every head, then nb-2, ... (PERSIST: one program per SM walks
-        # that order with a stride of the grid)
+                      D: tl.constexpr, PIPE: tl.constexpr, LAZY: tl.constexpr, PERSIST: tl.constexpr,
+                      LPT: tl.constexpr):
+        # causal, [B*H*S, D] descriptors, S % BM == 0; one 1-D grid (PERSIST: one program per SM
+        # walking the tiles with a stride of the grid)
         n_blocks = seq // BM
         total = n_blocks * heads
         if PERSIST:
             for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-                block = n_blocks - 1 - tile // heads
-                first = (tile % heads) * seq
-                _fa_tile(q_desc, k_desc, v_desc, o_ptr, first, block, tl.full((BM,), float("-inf"), tl.float32),
+                head, block = _fa_place(tile, n_blocks, heads, LPT)
+                _fa_tile(q_desc, k_desc, v_desc, o_ptr, head * seq, block, tl.full((BM,), float("-inf"), tl.float32),
                          tl.zeros((BM,), tl.float32), tl.zeros((BM, D), tl.float32), scale, BM, BN, D, PIPE, LAZY)
         else:
-            tile = tl.program_id(0)
-            block = n_blocks - 1 - tile // heads
-            first = (tile % heads) * seq
-            _fa_tile(q_desc, k_desc, v_desc, o_ptr, first, block, tl.full((BM,), float("-inf"), tl.float32),
+            head, block = _fa_place(tl.program_id(0), n_blocks, heads, LPT)
+            _fa_tile(q_desc, k_desc, v_desc, o_ptr, head * seq, block, tl.full((BM,), float("-inf"), tl.float32),
                      tl.zeros((BM,), tl.float32), tl.zeros((BM, D), tl.float32), scale, BM, BN, D, PIPE, LAZY)
 
 
@@ -1339,17 +1414,13 @@ FA_VARIANTS = (  # hand-written TMA attention with FlashAttention-3 tricks: BM, 
     (128, 128, 8, 3, ("pipe",)),
     (128, 64, 8, 3, ("pipe",)),
     (128, 64, 8, 4, ("pipe",)),
-    (128, 128, 8, 3, ("lazy",)),
-    (128, 128, 8, 3, ("pipe", "lazy")),
-    (128, 64, 8, 3, ("pipe", "lazy")),
-    (128, 128, 8, 3, ("persist",)),
-    (128, 128, 8, 3, ("pipe", "persist")),
-    (128, 64, 8, 3, ()),
     (128, 64, 8, 4, ()),
-    (128, 128, 8, 2, ("pipe",)),
-    (64, 64, 4, 3, ()),  # one warpgroup per program: two programs share an SM
+    (128, 128, 8, 3, ("lazy",)),
+    (128, 128, 8, 3, ("persist",)),
+    (64, 64, 4, 3, ()),
     (64, 64, 4, 3, ("pipe",)),
-    (64, 64, 4, 4, ("pipe",)),
+    (128, 128, 8, 3, ("lpt",)),  # run 1: longest-first over all heads loses L2 reuse of K/V
+    (128, 128, 8, 3, ("pipe", "lpt")),
 )
 
 
@@ -1367,7 +1438,7 @@ def _fa_attention_call(q, k, v, bm, bn, warps, stages, flags=()):
     grid = (min(total, torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4),) if persist else (total,)
     _fa_attention[grid](
         *descs, o, s, b * h, 1.0 / math.sqrt(d), BM=bm, BN=bn, D=d, PIPE="pipe" in flags, LAZY="lazy" in flags,
-        PERSIST=persist, num_warps=warps, num_stages=stages,
+        PERSIST=persist, LPT="lpt" in flags, num_warps=warps, num_stages=stages,
     )
     return o
 

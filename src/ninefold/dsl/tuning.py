@@ -84,17 +84,19 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
     limit = kernel.max_num_configs or (DOT_MAX_CONFIGS if _dot_in_loop(kernel) else DEFAULT_MAX_CONFIGS)
     out = out[:limit] or [{"meta": {}, "num_warps": kernel.num_warps or 4, "num_stages": kernel.num_stages or 3}]
     if _dot_in_loop(kernel) and tma_candidates_apply(kernel, bound):
-        # after the pointer-load configurations: on a tie the tuner keeps the earlier one
-        out += [dict(c, tma="rows") for c in out if not c.get("persistent")][:TMA_CONFIGS]
+        # after the pointer-load configurations (on a tie the tuner keeps the earlier one): the
+        # first TMA_CONFIGS of them with TMA loads, in the grouped and in the row-major launch order
+        for c in [c for c in out if not c.get("persistent")][:TMA_CONFIGS]:
+            out += [dict(c, tma="rows"), dict(c, tma="rows", grouped=False)]
     return out
 
 
-TMA_CONFIGS = 4
+TMA_CONFIGS = 2
 
 
 def tma_tuning_enabled() -> bool:
-    """Whether the tuner also times TMA-descriptor loads (``NINEFOLD_DSL_TUNE_TMA``: "1" on, else off)."""
-    return os.environ.get("NINEFOLD_DSL_TUNE_TMA", "0") == "1"
+    """Whether the tuner also times TMA-descriptor loads (``NINEFOLD_DSL_TUNE_TMA``: on unless "0")."""
+    return os.environ.get("NINEFOLD_DSL_TUNE_TMA", "1") != "0"
 
 
 def tma_candidates_apply(kernel, bound) -> bool:

@@ -10,13 +10,14 @@ from ninefold.dsl.backends.triton_codegen import argument_values, collapsible, g
 from ninefold.dsl.cache import load_module
 
 
-def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False):
+def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False, grouped=True):
     """Generated code and loaded ``triton.jit`` function for this call's specialization.
 
     ``spec`` overrides the mask specialization (AOT compiles the generic one); ``interpret`` makes
     every integer argument a constexpr (Triton 3.6's interpreter hands other ints over as arrays,
     which ``range`` rejects); ``persistent`` generates the persistent form, ``tma`` the descriptor
-    loads (see ``generate``; ``"rows"``: 2-D-style descriptors where the call's strides allow).
+    loads (see ``generate``; ``"rows"``: 2-D-style descriptors where the call's strides allow);
+    ``grouped`` False visits the programs in row-major order (the last grid dimension fastest).
     """
     spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
@@ -25,9 +26,12 @@ def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=Fal
     collapse = ()
     if tma == "rows":  # which tensors' leading dimensions can be read as one (part of the key)
         collapse = tuple((n, collapsible(v)) for n, v in sorted(bound.values.items()) if isinstance(v, torch.Tensor) and v.dim() > 1)
-    key = ("triton", spec, wide, interpret, persistent, tma, collapse, repr(sorted((kernel.cache_hints or {}).items())))
+    hints = repr(sorted((kernel.cache_hints or {}).items()))
+    key = ("triton", spec, wide, interpret, persistent, tma, collapse, grouped, hints)
     if key not in kernel._cache:
-        generated = generate(kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma, collapse=collapse)
+        generated = generate(
+            kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma, collapse=collapse, grouped=grouped
+        )
         module = load_module(generated.source, generated.key)
         kernel._cache[key] = (generated, getattr(module, generated.function_name))
     return kernel._cache[key]

@@ -237,6 +237,8 @@ def tma_ready(bound) -> bool:
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
+    grouped = bool(config.get("grouped", getattr(kernel, "grouped", True)))
+    key += (grouped,)
     tma = _tma_mode(kernel, config)
     tma = tma if tma and tma_ready(bound) else False  # otherwise pointer loads (the launch key holds the alignment)
     key += (tma,)
@@ -250,7 +252,9 @@ def _entry(kernel, bound, config):
         meta = {names[n]: v for n, v in config.get("meta", {}).items() if n in names}
         finished = kernel.finish(bound, meta)
         persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
-        generated, function = prepare(kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma)
+        generated, function = prepare(
+            kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma, grouped=grouped
+        )
         template = [
             (kind, payload) if kind in ("pointer", "scalar")
             else (kind, (payload[0], value.block_shape, payload[2])) if kind == "descriptor" else (None, value)
@@ -329,7 +333,7 @@ def compile_for_target(
     triton_startup.install()
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
-    generated, function = prepare(kernel, finished, spec, tma=tma)
+    generated, function = prepare(kernel, finished, spec, tma=tma, grouped=getattr(kernel, "grouped", True))
     backend, arch = target.split(":")
     sig, constexprs = signature(generated, finished)
     attrs = {}

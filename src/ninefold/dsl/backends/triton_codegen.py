@@ -521,7 +521,7 @@ def _check_hints(kernel):
             raise ValueError(f"kernel {kernel.name}: cache_hints {key!r}={value!r}; accepted: {CACHE_HINTS}")
 
 
-def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=()) -> Generated:
+def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=(), grouped=True) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
     ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
@@ -530,7 +530,8 @@ def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=Fa
     launch then starts at most one program per SM. ``tma`` reads the tiles that are boxes of their
     source through TMA descriptors built at launch (see ``_Lowering.descriptor_load``); ``"rows"``
     also reads leading dimensions as one where ``collapse`` (``(name, dims)`` pairs from
-    :func:`collapsible`) and the mask specialization allow it.
+    :func:`collapsible`) and the mask specialization allow it. ``grouped`` False drops the grouped
+    launch order of dot-in-loop kernels (see ``_program_indices``) for the row-major one.
     """
     _check_hints(kernel)
     namer = _Namer(kernel)
@@ -541,7 +542,7 @@ def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=Fa
     first = next((p for p in kernel.params if not p.is_scalar), None)
     grid_shape = first.arranged._shape if first is not None else ()
     if grid_shape:
-        body += _program_indices(kernel, grid_shape, namer, wide)
+        body += _program_indices(kernel, grid_shape, namer, wide, grouped)
     if persistent and grid_shape:
         total = None
         for size in grid_shape:
@@ -625,7 +626,7 @@ def _dot_in_loop(kernel) -> bool:
     return False
 
 
-def _program_indices(kernel, grid_shape, namer, wide):
+def _program_indices(kernel, grid_shape, namer, wide, grouped=True):
     """Statements that split ``tl.program_id(0)`` into ``program_<d>`` (row-major, or grouped).
 
     Kernels that accumulate dots in a loop visit the last two grid dimensions in groups of
@@ -642,7 +643,7 @@ def _program_indices(kernel, grid_shape, namer, wide):
     dims = [d for d in range(len(grid_shape)) if const_value(grid_shape[d]) != 1]
     # another parameter's grid size there may not be a constant 1: its index is still 0
     out += [_assign(f"program_{d}", ast.Constant(0)) for d in range(len(grid_shape)) if d not in dims]
-    if len(dims) >= 2 and _dot_in_loop(kernel):
+    if len(dims) >= 2 and grouped and _dot_in_loop(kernel):
         m, n = dims[-2], dims[-1]
         tiles = ast.BinOp(size(m), ast.Mult(), size(n))
         out += [
