@@ -1039,7 +1039,8 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
     # the DSL: three applications x launch order (grouped / row-major) x loads (pointers / TMA rows)
     for name, application in (("ops", attention.application), ("loads-first", _attention_loads_first),
                               ("pipelined", _attention_pipelined)):
-        configs = [(*tile, *flags) for flags in SDPA_VARIANT_FLAGS for tile in SDPA_VARIANT_TILES if flags or name != "ops"]
+        tiles = SDPA_VARIANT_TILES if causal else SDPA_VARIANT_TILES_PAPER
+        configs = [(*tile, *flags) for flags in SDPA_VARIANT_FLAGS for tile in tiles if flags or name != "ops"]
         dsl_rows(configs, application=application, prefix=f"dsl {name}")
     if SWEEP_DEVICE == "cuda":
         rows.append(_tuned_without_tma(attention.kernel, tuned, reference, dtype, flops, ceiling))
@@ -1047,6 +1048,7 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
 
 
 SDPA_VARIANT_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3))
+SDPA_VARIANT_TILES_PAPER = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 4, 3))
 SDPA_VARIANT_FLAGS = ((), ("row-major",), ("rows",), ("rows", "row-major"))
 
 
