@@ -34,6 +34,8 @@ def test_smoke_checks_every_variant_against_cublas(tmp_path):
         assert "PDL not available" in variants[name]["skipped"]
     assert result["weight_bytes"] > 0 and "gemv " in done.stdout
     assert (tmp_path / "gemv_pdl.env").read_text() == "NINEFOLD_GEMV_PDL=0\n"
+    table = json.loads((tmp_path / "gemv_table.json").read_text())
+    assert {(e["n"], e["k"], e["prologue"]) for e in table} >= {(512, 256, "add_rms_norm"), (256, 512, "silu_and_mul")}
 
 
 def test_bad_arguments_exit_with_usage():

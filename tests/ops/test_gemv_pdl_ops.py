@@ -121,3 +121,23 @@ def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, out)
+
+
+def test_launch_table_file_and_override(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps([{"n": 6144, "k": 4096, "prologue": "add_rms_norm", "config": [64, 128, 2, 8, 3, 1]}]))
+    monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(path))
+    assert go.config(6144, 4096, "add_rms_norm") == (64, 128, 2, 8, 3, 1)
+    assert go.config(6144, 4096) == go.TABLE[(6144, 4096)]  # not in the file: the shipped table
+    monkeypatch.setitem(go.OVERRIDE, (6144, 4096, "add_rms_norm"), (16, 256, 1, 4, 2, 0))
+    assert go.config(6144, 4096, "add_rms_norm") == (16, 256, 1, 4, 2, 0)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"n": 1, "k": 2, "prologue": "none", "config": [1, 2]}]))
+    monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(bad))
+    with pytest.raises(ValueError, match="NINEFOLD_GEMV_TABLE=.*6 integers"):
+        go.config(1, 2)
+    monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="NINEFOLD_GEMV_TABLE=.*JSON list"):
+        go.config(1, 2)

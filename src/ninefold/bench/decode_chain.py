@@ -58,6 +58,9 @@ CANDIDATES = [(32, 256, 1, 4, 2, 0), (16, 256, 1, 4, 2, 0), (16, 512, 1, 4, 2, 0
               (32, 512, 1, 4, 3, 1), (32, 128, 2, 4, 4, 1), (32, 128, 4, 4, 4, 1), (64, 256, 1, 8, 3, 1)]
 SMOKE_CONFIG = (16, 64, 2, 4, 2, 0)  # the interpreter's bf16 tl.dot is wrong in Triton 3.9
 COS_MIN = 0.995
+GEMMS = ("qkv", "o", "gate_up", "down", "lm_head")
+# The prologue each GEMM runs with in the fused variants (o has none).
+FUSED_PROLOGUES = {"qkv": "add_rms_norm", "gate_up": "add_rms_norm", "down": "silu_and_mul", "lm_head": "add_rms_norm"}
 
 
 class Model:
@@ -271,25 +274,47 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * n / best
 
 
-def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[dict, list]:
-    """The fastest GEMV candidate per GEMM shape (graph of ``calls`` back-to-back calls each, cycling
-    through the layers' weights so that L2 does not serve them; with PDL
-    when ``pdl``, falling back to plain launches for a shape where no PDL graph worked), and cuBLAS's
-    time for the same graph of ``torch.nn.functional.linear`` calls. Past ``budget_s`` seconds on one
-    shape, it keeps the best of the candidates tried so far (at least one)."""
+def _tuning_inputs(w: torch.Tensor, prologue: str, eps: float = 1e-5) -> tuple[dict, torch.Tensor]:
+    """Keyword arguments of a ``gemv_pdl`` call with ``prologue`` for weight ``w`` and the float
+    activation row the GEMV should see (the prologue applied in torch, rounded like the model)."""
+    k, dt, dev = w.shape[1], w.dtype, w.device
+    if prologue == "add_rms_norm":
+        x, r, g = (torch.randn(k, device=dev).to(dt) for _ in range(3))
+        s = (x.float() + r.float()).to(dt).float()
+        xin = ((s * torch.rsqrt((s * s).mean() + eps)).to(dt).float() * g.float()).to(dt).float()
+        return dict(x=x, prologue=prologue, residual=r, norm_weight=g, eps=eps,
+                    residual_out=torch.empty_like(r)), xin
+    if prologue == "silu_and_mul":
+        a = torch.randn(2 * k, device=dev).to(dt)
+        xin = (torch.nn.functional.silu(a[:k].float()).to(dt).float() * a[k:].float()).to(dt).float()
+        return dict(x=a, prologue=prologue), xin
+    x = torch.randn(k, device=dev).to(dt)
+    return dict(x=x), x.float()
+
+
+def tune(m: Model, pdl: bool, prologues: dict, calls: int = 20, budget_s: float = 20.0) -> tuple[dict, list]:
+    """The fastest GEMV candidate per GEMM (``prologues``: name -> prologue it runs with) from graphs
+    of ``calls`` back-to-back calls, cycling through the layers' weights so that L2 does not serve
+    them; with PDL when ``pdl`` (falling back to plain launches for a shape where no PDL graph
+    worked). Plain GEMMs are also timed with cuBLAS (``torch.nn.functional.linear``). Past
+    ``budget_s`` seconds on one shape, it keeps the best of the candidates tried so far."""
     from ninefold.ops.triton.gemv_pdl import gemv_pdl
 
     chosen, rows = {}, []
-    for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+    for name, prologue in prologues.items():
         # Back-to-back calls cycle through the layers' copies: one weight reread from L2 is not a decode step.
         ws = [m.lm_head] if name == "lm_head" else [layer[name] for layer in m.layers]
         w = ws[0]
-        x = torch.randn(w.shape[1], device=w.device).to(w.dtype)
-        ref = (w.float() @ x.float())
-        cublas_ms, _, _ = graph_time(lambda x=x, ws=ws: [torch.nn.functional.linear(x[None], ws[i % len(ws)])
-                                                         for i in range(calls)], 5)
-        cublas_us = cublas_ms * 1e3 / calls
-        rows.append(dict(shape=name, config="cublas", us=cublas_us))
+        kwargs, xin = _tuning_inputs(w, prologue)
+        ref = w.float() @ xin
+        tag = name if prologue == "none" else f"{name}+{prologue}"
+        cublas_us = None
+        if prologue == "none":
+            x = kwargs["x"]
+            cublas_ms, _, _ = graph_time(lambda x=x, ws=ws: [torch.nn.functional.linear(x[None], ws[i % len(ws)])
+                                                             for i in range(calls)], 5)
+            cublas_us = cublas_ms * 1e3 / calls
+            rows.append(dict(shape=name, prologue=prologue, config="cublas", us=cublas_us))
         best = None
         deadline = time.perf_counter() + budget_s
         for use_pdl in dict.fromkeys((pdl, False)):
@@ -298,9 +323,9 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[
                 if w.shape[1] % (bk * sk) or (best is not None and time.perf_counter() > deadline):
                     continue
 
-                def once(x=x, w=w, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot, use_pdl=use_pdl):
-                    return gemv_pdl(x, w, split_k=sk, pdl=use_pdl, block_n=bn, block_k=bk, num_warps=nw,
-                                    num_stages=ns, dot=bool(dot))
+                def once(w=w, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot, use_pdl=use_pdl, kwargs=kwargs):
+                    return gemv_pdl(weight=w, split_k=sk, pdl=use_pdl, block_n=bn, block_k=bk, num_warps=nw,
+                                    num_stages=ns, dot=bool(dot), **kwargs)
 
                 def fn(once=once, ws=ws):
                     for i in range(calls):
@@ -312,26 +337,30 @@ def tune(m: Model, pdl: bool, calls: int = 20, budget_s: float = 20.0) -> tuple[
                 except Exception as e:  # a candidate that does not compile or launch is skipped
                     err, ms, error = float("nan"), float("nan"), repr(e)[:500]
                 us = ms * 1e3 / calls
-                rows.append(dict(shape=name, config=list(cand), pdl=use_pdl, us=us, rel_err=err, error=error))
+                rows.append(dict(shape=name, prologue=prologue, config=list(cand), pdl=use_pdl, us=us, rel_err=err,
+                                 error=error))
                 if error is None and err < 2e-2 and (best is None or us < best[0]):
                     best = (us, cand)
             if best is not None:
                 break
-            print(f"  {name}: no candidate worked with PDL={use_pdl}: {rows[-1]}", flush=True)
+            print(f"  {tag}: no candidate worked with PDL={use_pdl}: {rows[-1]}", flush=True)
         if best is None:
-            raise RuntimeError(f"no GEMV candidate worked for {name} {tuple(w.shape)}: {rows[-1]}")
+            raise RuntimeError(f"no GEMV candidate worked for {tag} {tuple(w.shape)}: {rows[-1]}")
         chosen[name] = best[1]
         gbps = w.nbytes / (best[0] * 1e-6) / 1e9
         plain = ""
         if pdl and use_pdl:  # the same configuration without PDL: what PDL itself buys back to back
             bn, bk, sk, nw, ns, dot = best[1]
-            ms, error, _ = graph_time(lambda x=x, ws=ws, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot: [
-                gemv_pdl(x, ws[i % len(ws)], split_k=sk, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
-                         dot=bool(dot)) for i in range(calls)], 5)
-            rows.append(dict(shape=name, config=list(best[1]), pdl=False, us=ms * 1e3 / calls, error=error))
+            ms, error, _ = graph_time(lambda ws=ws, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot, kwargs=kwargs: [
+                gemv_pdl(weight=ws[i % len(ws)], split_k=sk, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                         dot=bool(dot), **kwargs) for i in range(calls)], 5)
+            rows.append(dict(shape=name, prologue=prologue, config=list(best[1]), pdl=False, us=ms * 1e3 / calls,
+                             error=error))
             plain = f"; same without PDL {ms * 1e3 / calls:.1f} us"
-        print(f"  {name:8s} {tuple(w.shape)}: best {best[1]} {best[0]:.1f} us ({gbps:.0f} GB/s){plain}; cuBLAS "
-              f"{cublas_us:.1f} us ({w.nbytes / (cublas_us * 1e-6) / 1e9:.0f} GB/s)", flush=True)
+        vendor = "" if cublas_us is None else (f"; cuBLAS {cublas_us:.1f} us "
+                                              f"({w.nbytes / (cublas_us * 1e-6) / 1e9:.0f} GB/s)")
+        print(f"  {tag:21s} {tuple(w.shape)}: best {best[1]} {best[0]:.1f} us ({gbps:.0f} GB/s){plain}{vendor}",
+              flush=True)
     return chosen, rows
 
 
@@ -360,6 +389,17 @@ def pdl_graph_probe(device: torch.device) -> str | None:
     except Exception as error:
         torch.cuda.synchronize()
         return f"{error!r}"[:800]
+
+
+def launch_table(m: Model, cfgs: dict, fused_cfgs: dict) -> list[dict]:
+    """The sweep's picks as ``gemv_pdl_ops`` launch-table entries (``NINEFOLD_GEMV_TABLE`` format)."""
+    shapes = {name: tuple((m.lm_head if name == "lm_head" else m.layers[0][name]).shape) for name in GEMMS}
+    table = [dict(n=shapes[name], k=None, prologue="none", config=list(cfg)) for name, cfg in cfgs.items()]
+    table += [dict(n=shapes[name], k=None, prologue=prologue, config=list(fused_cfgs[name]))
+              for name, prologue in FUSED_PROLOGUES.items()]
+    for entry in table:
+        entry["n"], entry["k"] = entry["n"]
+    return table
 
 
 def vendor_faster(rows: list, cfgs: dict) -> frozenset:
@@ -452,14 +492,23 @@ def main(argv: list[str] | None = None) -> int:
     result["kv_bytes"] = model.kv_bytes()
     if args.smoke or args.no_tune:
         cfg = SMOKE_CONFIG if args.smoke else CANDIDATES[0]
-        cfgs = dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), cfg)
+        cfgs = dict.fromkeys(GEMMS, cfg)
+        fused_cfgs = dict(cfgs)
         vendor = frozenset({"gate_up", "down"})
     else:
         print("GEMV launch configurations (graph of 20 back-to-back calls" + (", PDL)" if pdl_ok else ")"), flush=True)
-        cfgs, result["tuning"] = tune(model, pdl_ok)
-        vendor = vendor_faster(result["tuning"], cfgs)
+        cfgs, rows = tune(model, pdl_ok, dict.fromkeys(GEMMS, "none"))
+        vendor = vendor_faster(rows, cfgs)
+        fused_cfgs, fused_rows = tune(model, pdl_ok, FUSED_PROLOGUES)
+        fused_cfgs["o"] = cfgs["o"]
+        result["tuning"] = rows + fused_rows
     result["mixed_on_cublas"] = sorted(vendor)
     result["configs"] = {k: list(v) for k, v in cfgs.items()}
+    result["fused_configs"] = {k: list(v) for k, v in fused_cfgs.items()}
+    result["gemv_table"] = launch_table(model, cfgs, fused_cfgs)
+    from ninefold.ops.triton import gemv_pdl_ops
+
+    gemv_pdl_ops.OVERRIDE.update({(e["n"], e["k"], e["prologue"]): tuple(e["config"]) for e in result["gemv_table"]})
     failed = False
     ref_logits, ref_hidden = step_fn(model, "cublas", cfgs)()
     for variant in args.variants:
@@ -469,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "PDL launches that survive CUDA-graph capture)")
             print(f"{variant:10s} skipped: {entry['skipped']}", flush=True)
             continue
-        fn = step_fn(model, variant, cfgs, vendor)
+        fn = step_fn(model, variant, fused_cfgs if variant.startswith(("fused", "mixed")) else cfgs, vendor)
         try:
             logits, hidden = fn()
         except Exception as error:  # e.g. a Triton without launch_pdl: reported, the others still run
@@ -533,8 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "decode_chain.json"), "w") as f:
             json.dump(result, f, indent=1)
+        table_path = os.path.abspath(os.path.join(out, "gemv_table.json"))
+        with open(table_path, "w") as f:
+            json.dump(result["gemv_table"], f, indent=1)
         with open(os.path.join(out, "gemv_pdl.env"), "w") as f:
             f.write(f"NINEFOLD_GEMV_PDL={result['recommend_NINEFOLD_GEMV_PDL']}\n")
+            if not args.smoke:
+                f.write(f"NINEFOLD_GEMV_TABLE={table_path}\n")
     print(f"NINEFOLD_GEMV_PDL={result['recommend_NINEFOLD_GEMV_PDL']} recommended (1 when the PDL chain was "
           f"correct and at least 0.5% faster than the same chain without PDL)")
     print(f"total {result['seconds']:.1f} s" + ("; a variant disagreed with cublas" if failed else ""))

@@ -16,6 +16,8 @@ Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors without PDL (how the
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 import torch
@@ -35,10 +37,38 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def config(n: int, k: int) -> tuple:
-    """The launch configuration for an ``[n, k]`` weight: ``TABLE``'s entry, else split-K over 2 for
-    narrow outputs (fewer than 8192 columns leave SMs idle) and one K pass otherwise."""
-    found = TABLE.get((n, k))
+OVERRIDE: dict[tuple[int, int, str], tuple] = {}  # (N, K, prologue) -> config; benchmarks set it
+
+
+@functools.cache
+def _file_table(path: str) -> dict:
+    """``NINEFOLD_GEMV_TABLE``: a JSON list of ``{"n", "k", "prologue", "config"}`` (what
+    ``python -m ninefold.bench.decode_chain`` writes as ``$OUT/gemv_table.json``)."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        table = {(int(e["n"]), int(e["k"]), str(e["prologue"])): tuple(int(v) for v in e["config"]) for e in entries}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"NINEFOLD_GEMV_TABLE={path!r}: expected a JSON list of {{n, k, prologue, config}} "
+                         f"entries with 6-integer configs ({error})") from None
+    for key, cfg in table.items():
+        if len(cfg) != 6:
+            raise ValueError(f"NINEFOLD_GEMV_TABLE={path!r}: config of {key} must have 6 integers "
+                             f"(block_n, block_k, split_k, num_warps, num_stages, dot), got {cfg}")
+    return table
+
+
+def config(n: int, k: int, prologue: str = "none") -> tuple:
+    """The launch configuration for an ``[n, k]`` weight with ``prologue``: ``OVERRIDE``, then the
+    ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE``; else split-K over 2 for narrow outputs (fewer than
+    8192 columns leave SMs idle) and one K pass otherwise."""
+    key = (n, k, prologue)
+    found = OVERRIDE.get(key)
+    path = os.environ.get("NINEFOLD_GEMV_TABLE")
+    if found is None and path:
+        found = _file_table(path).get(key)
+    if found is None:
+        found = TABLE.get(key) or TABLE.get((n, k))
     if found is not None:
         return found
     block_k = 256 if k % 256 == 0 else 64
@@ -46,7 +76,7 @@ def config(n: int, k: int) -> tuple:
     return 16, block_k, split_k, 4, 2, 0
 
 
-def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int) -> str | None:
+def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str = "none") -> str | None:
     if x.device.type == "cuda":
         if pdl_enabled() and not gemv_pdl.pdl_available(x.device):
             return "NINEFOLD_GEMV_PDL=1 needs Triton's PDL API (launch_pdl, gdc_wait) and a GPU of sm_90+"
@@ -56,7 +86,7 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int) -> str | None:
         return f"device {x.device.type}: CUDA only (or the CPU under TRITON_INTERPRET=1)"
     if weight.stride(1) != 1 or not x.is_contiguous():
         return "weight rows and x must be contiguous"
-    _, block_k, split_k, *_ = config(weight.shape[0], k)
+    _, block_k, split_k, *_ = config(weight.shape[0], k, prologue)
     if k % (block_k * split_k):
         return f"K = {k} is not a multiple of {block_k * split_k}"
     return None
@@ -80,10 +110,10 @@ def pdl_enabled() -> bool:
     return os.environ.get("NINEFOLD_GEMV_PDL", "0") == "1"
 
 
-def _launch(x, weight, **kw) -> torch.Tensor:
-    bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1])
+def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
+    bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue)
     pdl = x.device.type == "cuda" and pdl_enabled()
-    return gemv_pdl.gemv_pdl(x.reshape(-1), weight, split_k=sk, pdl=pdl, block_n=bn,
+    return gemv_pdl.gemv_pdl(x.reshape(-1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
                              block_k=bk, num_warps=nw, num_stages=ns, dot=bool(dot), **kw)
 
 
@@ -98,7 +128,11 @@ def supports_add_rms_norm_linear(x, residual, norm_weight, weight, eps=1e-6, bia
     """``None`` when :func:`add_rms_norm_linear` runs this call, else the reason it does not."""
     if not (residual.is_contiguous() and norm_weight.is_contiguous()):
         return "residual and norm_weight must be contiguous"
-    return supports(x, weight, bias)
+    if bias is not None:
+        return "no bias"
+    if _rows(x) != 1:
+        return f"{_rows(x)} rows: one row only"
+    return _kernel_reason(x, weight, weight.shape[1], "add_rms_norm")
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -117,7 +151,7 @@ def supports_silu_and_mul_linear(x, weight, bias=None) -> str | None:
         return "no bias"
     if _rows(x) != 1:
         return f"{_rows(x)} rows: one row only"
-    return _kernel_reason(x, weight, weight.shape[1])
+    return _kernel_reason(x, weight, weight.shape[1], "silu_and_mul")
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
