@@ -25,26 +25,28 @@ def rms(s, g, eps):
     return s / torch.sqrt((s * s).mean() + eps) * g
 
 # The interpreter's bfloat16 tl.dot is wrong (Triton 3.9), so the dot loop is checked in float32 only.
-for dtype, tol, dot in ((torch.float32, 1e-4, False), (torch.float32, 1e-4, True), (torch.bfloat16, 2e-2, False)):
+for dtype, tol, dot in ((torch.float32, 1e-4, False), (torch.float32, 1e-4, True), (torch.bfloat16, 2e-2, False),
+                        (torch.float32, 1e-4, 2)):
     for n, k, split_k, block_k in ((50, 256, 1, 64), (50, 256, 2, 64), (33, 512, 4, 128), (16, 128, 1, 128)):
         w = torch.randn(n, k).to(dtype)
         x, r, g = torch.randn(k).to(dtype), torch.randn(k).to(dtype), torch.randn(k).to(dtype)
         a = torch.randn(2 * k).to(dtype)
+        kw = dict(dot=dot is True, depth=2 if dot == 2 and k // split_k >= 2 * block_k else 1)
         for rep in range(2):  # the second call checks that split-K counters were reset
-            y = gemv_pdl(x, w, split_k=split_k, block_n=16, block_k=block_k, dot=dot)
+            y = gemv_pdl(x, w, split_k=split_k, block_n=16, block_k=block_k, **kw)
             ref = w.double() @ x.double()
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             assert y.shape == (n,) and y.dtype == dtype and err < tol, ("none", dtype, n, k, split_k, err)
         r_out = torch.full_like(r, float("nan"))
         y = gemv_pdl(x, w, prologue="add_rms_norm", residual=r, norm_weight=g, residual_out=r_out, eps=1e-5,
-                     split_k=split_k, block_n=16, block_k=block_k, dot=dot)
+                     split_k=split_k, block_n=16, block_k=block_k, **kw)
         s = (x.double() + r.double()).to(dtype).double()
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
         assert ((r_out.double() - s).abs() <= ulp * s.abs() + 1e-30).all(), "residual_out"
         ref = w.double() @ rms(s, g.double(), 1e-5)
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, ("add_rms_norm", dtype, n, k, split_k, err)
-        y = gemv_pdl(a, w, prologue="silu_and_mul", split_k=split_k, block_n=16, block_k=block_k, dot=dot)
+        y = gemv_pdl(a, w, prologue="silu_and_mul", split_k=split_k, block_n=16, block_k=block_k, **kw)
         h = a.double()
         ref = w.double() @ (torch.nn.functional.silu(h[:k]) * h[k:])
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
@@ -68,6 +70,9 @@ def test_matches_float64_in_the_interpreter():
     (dict(split_k=3), "multiple of split_k"),
     (dict(prologue="add_rms_norm"), "needs a contiguous residual"),
     (dict(prologue="silu_and_mul"), "one contiguous row of 512"),
+    (dict(depth=3), "depth must be 1, or 2"),
+    (dict(depth=2, split_k=4), "depth must be 1, or 2"),
+    (dict(depth=2, dot=True), "depth must be 1, or 2"),
 ])
 def test_bad_arguments_raise_value_error(kwargs, match):
     w, x = torch.randn(8, 256), torch.randn(256)
@@ -90,13 +95,13 @@ def test_pdl_refused_without_a_hopper_gpu():
         gp.gemv_pdl(torch.randn(64), torch.randn(8, 64), pdl=True, block_k=64)
 
 
-def _compile_sm90(prologue: int, split_k: int, dot: bool):
+def _compile_sm90(prologue: int, split_k: int, dot: bool, depth: int = 1):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = gp.gemv_pdl_kernel
     consts = dict(PROLOGUE=prologue, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_GDC=True, DOT=dot,
-                  PRECISION="tf32", NORM_BLOCK=4096)
+                  PRECISION="tf32", NORM_BLOCK=4096, DEPTH=depth)
     types = dict(ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32", stride_wn="i32", eps="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
@@ -106,15 +111,15 @@ def _compile_sm90(prologue: int, split_k: int, dot: bool):
 
 
 @pytest.mark.skipif(not gp.pdl_api(), reason="this Triton has no gdc_wait/launch_pdl")
-@pytest.mark.parametrize("prologue, split_k, dot", [(0, 1, False), (1, 2, False), (2, 4, False), (0, 1, True),
-                                                    (1, 2, True)])
-def test_sm90_code_loads_weights_before_waiting(prologue, split_k, dot):
-    compiled = _compile_sm90(prologue, split_k, dot)
+@pytest.mark.parametrize("prologue, split_k, dot, depth", [(0, 1, False, 1), (1, 2, False, 1), (2, 4, False, 1),
+                                                           (0, 1, True, 1), (1, 2, True, 1), (1, 1, False, 2)])
+def test_sm90_code_loads_weights_before_waiting(prologue, split_k, dot, depth):
+    compiled = _compile_sm90(prologue, split_k, dot, depth)
     ptx = compiled.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
     trigger = next(i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line)
     early = [line for line in ptx[:wait] if "ld.global" in line]
-    assert trigger < wait and len(early) >= 8 and all("evict_first" in line for line in early)
+    assert trigger < wait and len(early) >= 8 * depth and all("evict_first" in line for line in early)
     assert compiled.metadata.launch_pdl
     if dot:  # Triton pipelines the weight stream of the tl.dot loop (asynchronous copies)
         assert any("cp.async" in line for line in ptx[wait:])

@@ -50,12 +50,14 @@ FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
 SMOKE = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=512, layers=2,
              context=16, block_size=16)
 VARIANTS = ("cublas", "gemv", "gemv_pdl", "fused", "fused_pdl", "mixed", "mixed_pdl", "ops", "ops_pdl")
-# (block_n, block_k, split_k, num_warps, num_stages, dot): dot=1 runs tl.dot on the row padded to
-# 16 (Triton pipelines its loads over num_stages), dot=0 register double-buffered multiply-adds.
+# (block_n, block_k, split_k, num_warps, num_stages, variant): variant 1 runs tl.dot on the row padded
+# to 16 (Triton pipelines its loads over num_stages), 0 register double-buffered multiply-adds, 2 the
+# same with two tiles in flight (ring of three).
 CANDIDATES = [(32, 256, 1, 4, 2, 0), (16, 256, 1, 4, 2, 0), (16, 512, 1, 4, 2, 0), (64, 128, 1, 4, 2, 0),
               (64, 256, 1, 8, 2, 0), (32, 256, 2, 4, 2, 0), (16, 256, 2, 4, 2, 0), (32, 256, 4, 4, 2, 0),
               (32, 128, 1, 4, 4, 1), (32, 256, 1, 4, 3, 1), (64, 128, 1, 4, 4, 1), (16, 256, 1, 4, 4, 1),
-              (32, 512, 1, 4, 3, 1), (32, 128, 2, 4, 4, 1), (32, 128, 4, 4, 4, 1), (64, 256, 1, 8, 3, 1)]
+              (32, 512, 1, 4, 3, 1), (32, 128, 2, 4, 4, 1), (32, 128, 4, 4, 4, 1), (64, 256, 1, 8, 3, 1),
+              (16, 256, 1, 4, 2, 2), (32, 256, 1, 4, 2, 2), (16, 512, 1, 4, 2, 2), (32, 256, 2, 4, 2, 2)]
 SMOKE_CONFIG = (16, 64, 2, 4, 2, 0)  # the interpreter's bf16 tl.dot is wrong in Triton 3.9
 COS_MIN = 0.995
 GEMMS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -143,7 +145,7 @@ def step_gemv(m: Model, cfgs: dict, *, pdl: bool, fused: bool, vendor=frozenset(
             return ops.linear(x[None], w)[0]
         bn, bk, sk, nw, ns, dot = cfgs[name]
         return gemv_pdl(x, w, split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
-                        dot=bool(dot), **kw)
+                        dot=dot == 1, depth=2 if dot == 2 else 1, **kw)
 
     def norm_lin(h, res, g, w, name):
         if fused and name not in vendor:
@@ -325,7 +327,7 @@ def tune(m: Model, pdl: bool, prologues: dict, calls: int = 20, budget_s: float 
 
                 def once(w=w, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot, use_pdl=use_pdl, kwargs=kwargs):
                     return gemv_pdl(weight=w, split_k=sk, pdl=use_pdl, block_n=bn, block_k=bk, num_warps=nw,
-                                    num_stages=ns, dot=bool(dot), **kwargs)
+                                    num_stages=ns, dot=dot == 1, depth=2 if dot == 2 else 1, **kwargs)
 
                 def fn(once=once, ws=ws):
                     for i in range(calls):
@@ -353,7 +355,7 @@ def tune(m: Model, pdl: bool, prologues: dict, calls: int = 20, budget_s: float 
             bn, bk, sk, nw, ns, dot = best[1]
             ms, error, _ = graph_time(lambda ws=ws, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns, dot=dot, kwargs=kwargs: [
                 gemv_pdl(weight=ws[i % len(ws)], split_k=sk, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
-                         dot=bool(dot), **kwargs) for i in range(calls)], 5)
+                         dot=dot == 1, depth=2 if dot == 2 else 1, **kwargs) for i in range(calls)], 5)
             rows.append(dict(shape=name, prologue=prologue, config=list(best[1]), pdl=False, us=ms * 1e3 / calls,
                              error=error))
             plain = f"; same without PDL {ms * 1e3 / calls:.1f} us"

@@ -82,7 +82,8 @@ def _x_chunk(x_ptr, r_ptr, g_ptr, kk, rstd, K, PROLOGUE: tl.constexpr):
 def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr, DOT: tl.constexpr = False,
-                    PRECISION: tl.constexpr = "ieee", NORM_BLOCK: tl.constexpr = 1024):
+                    PRECISION: tl.constexpr = "ieee", NORM_BLOCK: tl.constexpr = 1024,
+                    DEPTH: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if USE_GDC:
@@ -93,8 +94,10 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
     k_len = K // SPLIT_K
     k_start = pid_k * k_len
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
-    # The first weight tile is requested before waiting for the kernel that produced x.
+    # The first weight tile(s) are requested before waiting for the kernel that produced x.
     w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    if DEPTH == 2:
+        w1 = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     rstd = 0.0
@@ -132,13 +135,27 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
         # The activation chunk is double-buffered the same way.
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         x = _x_chunk(x_ptr, r_ptr, g_ptr, k_start + k, rstd, K, PROLOGUE)
-        for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
+        if DEPTH == 2:  # two tiles in flight per program (a ring of three)
+            x1 = _x_chunk(x_ptr, r_ptr, g_ptr, k_start + BLOCK_K + k, rstd, K, PROLOGUE)
             w_ptrs += BLOCK_K
-            w_next = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            x_next = _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)
-            acc += w.to(tl.float32) * x[None, :]
-            w = w_next
-            x = x_next
+            for k0 in range(k_start + 2 * BLOCK_K, k_start + k_len, BLOCK_K):
+                w_ptrs += BLOCK_K
+                w2 = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                x2 = _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)
+                acc += w.to(tl.float32) * x[None, :]
+                w = w1
+                x = x1
+                w1 = w2
+                x1 = x2
+            acc += w1.to(tl.float32) * x1[None, :]
+        else:
+            for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
+                w_ptrs += BLOCK_K
+                w_next = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                x_next = _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)
+                acc += w.to(tl.float32) * x[None, :]
+                w = w_next
+                x = x_next
         acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, 1)
     if SPLIT_K == 1:
@@ -156,7 +173,7 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
 
 
 _LAUNCH = Launcher(gemv_pdl_kernel, ("PROLOGUE", "BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_GDC", "DOT", "PRECISION",
-                                      "NORM_BLOCK"))
+                                      "NORM_BLOCK", "DEPTH"))
 
 
 class Workspace:
@@ -212,18 +229,22 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual_out: torch.Tensor | None = None,
              split_k: int = 1, pdl: bool = False, out: torch.Tensor | None = None, block_n: int | None = None,
              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-             dot: bool = False) -> torch.Tensor:
+             dot: bool = False, depth: int = 1) -> torch.Tensor:
     """``prologue(x) @ weight.T`` for one row ``x``; returns ``y [N]`` (``out`` when given).
 
     ``prologue="add_rms_norm"`` needs ``residual``, ``norm_weight`` and ``residual_out`` (receives
     ``x + residual``); ``"silu_and_mul"`` takes gate_up's ``[2K]`` output as ``x``. ``pdl=True``
     launches with programmatic dependent launch (only where :func:`pdl_available`). ``dot=True``
     runs the K loop as ``tl.dot`` on the row padded to 16 (pipelined by Triton) instead of
-    register double-buffered multiply-adds.
+    register double-buffered multiply-adds; ``depth=2`` keeps two weight tiles in flight in the
+    register loop (both requested before ``gdc_wait``).
     """
     block_n = block_n or CONFIG["block_n"]
     block_k = min(block_k or CONFIG["block_k"], weight.shape[1])
     k = check(x, weight, prologue, split_k, block_k)
+    if depth not in (1, 2) or (depth == 2 and (dot or k // split_k < 2 * block_k)):
+        raise ValueError(f"gemv_pdl: depth must be 1, or 2 without dot and with K / split_k >= 2 * block_k, "
+                         f"got depth={depth!r} (dot={dot}, K={k}, split_k={split_k}, block_k={block_k})")
     n = weight.shape[0]
     if prologue == "add_rms_norm":
         for name, t in (("residual", residual), ("norm_weight", norm_weight), ("residual_out", residual_out)):
@@ -240,7 +261,7 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
     args = (x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
             residual_out if residual_out is not None else x, ws, cnt, n, k, weight.stride(0), float(eps))
     consts = (PROLOGUES[prologue], block_n, block_k, split_k, pdl, dot,
-              "ieee" if x.dtype == torch.float32 else "tf32", min(triton.next_power_of_2(k), 8192))
+              "ieee" if x.dtype == torch.float32 else "tf32", min(triton.next_power_of_2(k), 8192), depth)
     _LAUNCH((n_blocks, split_k), args, consts, num_warps=num_warps or CONFIG["num_warps"],
             num_stages=num_stages or CONFIG["num_stages"], device_index=x.device.index or 0, launch_pdl=pdl)
     return y

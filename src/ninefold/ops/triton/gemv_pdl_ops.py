@@ -24,7 +24,8 @@ import torch
 
 from ninefold.ops.triton import gemv_pdl
 
-# (N, K) -> (block_n, block_k, split_k, num_warps, num_stages, dot): the H200 sweep's picks
+# (N, K) -> (block_n, block_k, split_k, num_warps, num_stages, variant): the H200 sweep's picks
+# (variant 0: register loop, 1: tl.dot loop, 2: register loop with two tiles in flight)
 # (bench.decode_chain, Llama-3-8B shapes).
 TABLE: dict[tuple[int, int], tuple] = {
     (6144, 4096): (32, 256, 2, 4, 2, 0),  # q/k/v
@@ -86,9 +87,11 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str 
         return f"device {x.device.type}: CUDA only (or the CPU under TRITON_INTERPRET=1)"
     if weight.stride(1) != 1 or not x.is_contiguous():
         return "weight rows and x must be contiguous"
-    _, block_k, split_k, *_ = config(weight.shape[0], k, prologue)
+    _, block_k, split_k, *_, variant = config(weight.shape[0], k, prologue)
     if k % (block_k * split_k):
         return f"K = {k} is not a multiple of {block_k * split_k}"
+    if variant == 2 and k // split_k < 2 * block_k:
+        return f"K = {k} is too short for two tiles of {block_k} in flight per split"
     return None
 
 
@@ -114,7 +117,7 @@ def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
     bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue)
     pdl = x.device.type == "cuda" and pdl_enabled()
     return gemv_pdl.gemv_pdl(x.reshape(-1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
-                             block_k=bk, num_warps=nw, num_stages=ns, dot=bool(dot), **kw)
+                             block_k=bk, num_warps=nw, num_stages=ns, dot=dot == 1, depth=2 if dot == 2 else 1, **kw)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
