@@ -147,3 +147,51 @@ def test_cuda_rows_mode_attention_matches_sdpa():
             o = torch.empty_like(q)
             kernel(q, k, v, 1 / math.sqrt(128), causal, o, BLOCK_M=128, BLOCK_N=64)
             assert (o.double() - want).abs().max().item() < 2e-2
+
+
+def test_hoisting_moves_only_loads_whose_offsets_are_ready():
+    import ast
+
+    from ninefold.dsl.backends.triton_codegen import _hoist_descriptor_loads
+
+    body = ast.parse(
+        "s = a + 1\n"
+        "k_0 = k_desc.load([j * 4, 0])\n"  # offsets ready at the top: moves
+        "m = s * 2\n"
+        "v_0 = tl.reshape(v_desc.load([m, 0]), (4, 8))\n"  # reads m, assigned above: stays
+        "w = k_0 + v_0\n"
+        "u_0 = u_desc.load([w, 0])\n"  # reads w: stays
+    ).body
+    moved = [ast.unparse(s).split(" =")[0] for s in _hoist_descriptor_loads(body)]
+    assert moved == ["k_0", "s", "m", "v_0", "w", "u_0"]
+
+
+HOISTED = """
+import math, torch
+import ninefold.dsl as nd
+from ninefold.ops.kernels import attention as A
+torch.manual_seed(0)
+kernel = nd.make(A.arrangement, A.application, A.tensors(), num_warps=4, num_stages=2)
+kernel.tma, kernel.hoist = "rows", True
+for causal, s in ((True, 256), (False, 96)):
+    q, k, v = (torch.randn(1, 2, s, 64, dtype=torch.float16) for _ in range(3))
+    o = torch.empty_like(q)
+    kernel(q, k, v, 1 / math.sqrt(64), causal, o, BLOCK_M=64, BLOCK_N=32, backend="triton")
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    print("error", (o.double() - want).abs().max().item())
+for key, value in kernel._cache.items():
+    if isinstance(key, tuple) and key[0] == "triton":
+        lines = [line.strip() for line in value[0].source.splitlines()]
+        first = next(i for i, line in enumerate(lines) if line.startswith("for j in range("))
+        print("loop", lines[first + 1][:3], lines[first + 2][:3])
+"""
+
+
+def test_hoisted_tma_attention_requests_key_and_value_first_and_is_right():
+    done = subprocess.run([sys.executable, "-c", HOISTED], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert all(float(line[1]) < 2e-3 for line in lines if line[0] == "error")
+    loops = [line[1:] for line in lines if line[0] == "loop"]
+    assert loops and all(loop == ["k_0", "v_0"] for loop in loops), loops

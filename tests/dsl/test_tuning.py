@@ -92,7 +92,7 @@ def test_tma_candidates_follow_the_pointer_ones_in_both_launch_orders(monkeypatc
     assert both[: len(plain)] == plain
     extra = both[len(plain) :]
     assert len(extra) == 2 * tuning.TMA_CONFIGS
-    assert all(c["tma"] == "rows" and not c.get("persistent") for c in extra)
+    assert all(c["tma"] == "rows" and c["hoist"] and not c.get("persistent") for c in extra)
     assert [c.get("grouped", True) for c in extra] == [True, False] * tuning.TMA_CONFIGS
     base = [c for c in plain if not c.get("persistent")][: tuning.TMA_CONFIGS]
-    assert [{k: v for k, v in c.items() if k not in ("tma", "grouped")} for c in extra[::2]] == base
+    assert [{k: v for k, v in c.items() if k not in ("tma", "grouped", "hoist")} for c in extra[::2]] == base

@@ -746,6 +746,7 @@ def _fixed(arrangement, application, tensors, warps, stages, *flags):
     kernel.persistent = "persistent" in flags
     kernel.tma = "rows" if "rows" in flags else "tma" in flags
     kernel.grouped = "row-major" not in flags
+    kernel.hoist = "hoist" in flags
     return kernel
 
 
@@ -1040,7 +1041,8 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
     for name, application in (("ops", attention.application), ("loads-first", _attention_loads_first),
                               ("pipelined", _attention_pipelined)):
         tiles = SDPA_VARIANT_TILES if causal else SDPA_VARIANT_TILES_PAPER
-        configs = [(*tile, *flags) for flags in SDPA_VARIANT_FLAGS for tile in tiles if flags or name != "ops"]
+        configs = [(*tile, *flags) for flags in SDPA_VARIANT_FLAGS for tile in tiles
+                   if (flags or name != "ops") and ("hoist" not in flags or name == "ops")]
         dsl_rows(configs, application=application, prefix=f"dsl {name}")
     if SWEEP_DEVICE == "cuda":
         rows.append(_tuned_without_tma(attention.kernel, tuned, reference, dtype, flops, ceiling))
@@ -1049,7 +1051,7 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
 
 SDPA_VARIANT_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3))
 SDPA_VARIANT_TILES_PAPER = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 4, 3))
-SDPA_VARIANT_FLAGS = ((), ("row-major",), ("rows",), ("rows", "row-major"))
+SDPA_VARIANT_FLAGS = ((), ("row-major",), ("rows",), ("rows", "row-major"), ("rows", "hoist"), ("rows", "hoist", "row-major"))
 
 
 def _tuned_without_tma(kernel, call, reference, dtype, flops, ceiling):

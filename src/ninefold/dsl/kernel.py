@@ -107,6 +107,7 @@ class Kernel:
         self._launchers: dict = {}  # call_key(...) -> prebuilt launch (see backends.triton.launcher)
         self.persistent = False  # triton backend: one program per SM looping over the tiles
         self.grouped = True  # triton backend: dot-in-loop kernels visit the last two grid dims in groups (L2 reuse)
+        self.hoist = False  # triton backend, with tma: a loop iteration's descriptor loads first in its body
         self.tma = False  # triton backend: box-shaped tiles read through TMA descriptors (experimental)
         # triton backend: {"load": eviction policy of every load ("evict_first", "evict_last"),
         # "store": cache modifier of every store (".cs" streams past L2, ".wb", ".cg", ".wt")}

@@ -85,9 +85,10 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
     out = out[:limit] or [{"meta": {}, "num_warps": kernel.num_warps or 4, "num_stages": kernel.num_stages or 3}]
     if _dot_in_loop(kernel) and tma_candidates_apply(kernel, bound):
         # after the pointer-load configurations (on a tie the tuner keeps the earlier one): the
-        # first TMA_CONFIGS of them with TMA loads, in the grouped and in the row-major launch order
+        # first TMA_CONFIGS of them with TMA loads (each iteration's tiles requested at its top), in
+        # the grouped and in the row-major launch order
         for c in [c for c in out if not c.get("persistent")][:TMA_CONFIGS]:
-            out += [dict(c, tma="rows"), dict(c, tma="rows", grouped=False)]
+            out += [dict(c, tma="rows", hoist=True), dict(c, tma="rows", hoist=True, grouped=False)]
     return out
 
 

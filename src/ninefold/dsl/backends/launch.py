@@ -10,14 +10,15 @@ from ninefold.dsl.backends.triton_codegen import argument_values, collapsible, g
 from ninefold.dsl.cache import load_module
 
 
-def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False, grouped=True):
+def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False, grouped=True, hoist=False):
     """Generated code and loaded ``triton.jit`` function for this call's specialization.
 
     ``spec`` overrides the mask specialization (AOT compiles the generic one); ``interpret`` makes
     every integer argument a constexpr (Triton 3.6's interpreter hands other ints over as arrays,
     which ``range`` rejects); ``persistent`` generates the persistent form, ``tma`` the descriptor
     loads (see ``generate``; ``"rows"``: 2-D-style descriptors where the call's strides allow);
-    ``grouped`` False visits the programs in row-major order (the last grid dimension fastest).
+    ``grouped`` False visits the programs in row-major order (the last grid dimension fastest);
+    ``hoist`` moves descriptor loads to the top of their loop iteration.
     """
     spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
@@ -27,10 +28,12 @@ def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=Fal
     if tma == "rows":  # which tensors' leading dimensions can be read as one (part of the key)
         collapse = tuple((n, collapsible(v)) for n, v in sorted(bound.values.items()) if isinstance(v, torch.Tensor) and v.dim() > 1)
     hints = repr(sorted((kernel.cache_hints or {}).items()))
-    key = ("triton", spec, wide, interpret, persistent, tma, collapse, grouped, hints)
+    hoist = bool(hoist and tma)
+    key = ("triton", spec, wide, interpret, persistent, tma, collapse, grouped, hoist, hints)
     if key not in kernel._cache:
         generated = generate(
-            kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma, collapse=collapse, grouped=grouped
+            kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma, collapse=collapse,
+            grouped=grouped, hoist=hoist,
         )
         module = load_module(generated.source, generated.key)
         kernel._cache[key] = (generated, getattr(module, generated.function_name))

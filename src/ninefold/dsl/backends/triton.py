@@ -238,7 +238,8 @@ def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
     grouped = bool(config.get("grouped", getattr(kernel, "grouped", True)))
-    key += (grouped,)
+    hoist = bool(config.get("hoist", getattr(kernel, "hoist", False)))
+    key += (grouped, hoist)
     tma = _tma_mode(kernel, config)
     tma = tma if tma and tma_ready(bound) else False  # otherwise pointer loads (the launch key holds the alignment)
     key += (tma,)
@@ -253,7 +254,7 @@ def _entry(kernel, bound, config):
         finished = kernel.finish(bound, meta)
         persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
         generated, function = prepare(
-            kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma, grouped=grouped
+            kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma, grouped=grouped, hoist=hoist
         )
         template = [
             (kind, payload) if kind in ("pointer", "scalar")
@@ -333,7 +334,9 @@ def compile_for_target(
     triton_startup.install()
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
-    generated, function = prepare(kernel, finished, spec, tma=tma, grouped=getattr(kernel, "grouped", True))
+    generated, function = prepare(
+        kernel, finished, spec, tma=tma, grouped=getattr(kernel, "grouped", True), hoist=getattr(kernel, "hoist", False)
+    )
     backend, arch = target.split(":")
     sig, constexprs = signature(generated, finished)
     attrs = {}

@@ -223,9 +223,10 @@ class _Lowering(ast.NodeTransformer):
     """Replace ``_nf`` calls and language references by Triton code."""
 
     def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False, tma=False,
-                 collapse=None):
+                 collapse=None, hoist=False):
         self.interpret = interpret
         self.tma = tma
+        self.hoist = hoist
         self.collapse = dict(collapse or ())  # parameter name -> leading dims its strides let be read as one
         self.descriptors: dict = {}  # parameter name -> (collapsed dims r, box: tile size Expr or None per dim >= r)
         self.kernel = kernel
@@ -351,6 +352,8 @@ class _Lowering(ast.NodeTransformer):
 
     def visit_For(self, node):
         self.generic_visit(node)
+        if self.hoist:
+            node.body = _hoist_descriptor_loads(node.body)
         call = node.iter
         if self.interpret and isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range":
             # Triton 3.6's interpreter hands scalars over as 1-element arrays, which range() rejects
@@ -490,6 +493,39 @@ class _Lowering(ast.NodeTransformer):
         return node
 
 
+def _names(nodes, ctx) -> set:
+    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _is_descriptor_load(value) -> bool:
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "reshape" and value.args:
+        value = value.args[0]  # tl.reshape(x_desc.load([...]), shape)
+    return (
+        isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "load"
+        and isinstance(value.func.value, ast.Name) and value.func.value.id.endswith("_desc")
+    )
+
+
+def _hoist_descriptor_loads(body: list) -> list:
+    """Move ``t = x_desc.load([...])`` statements of a loop body to its top, where nothing before
+    them in the body assigns a name their offsets read, nor reads or assigns ``t``: every tile of an
+    iteration is then requested at once (one barrier for all of them, as hand-written TMA kernels
+    do). Loads have no side effects, so the order of the reads does not matter otherwise."""
+    hoisted, rest = [], []
+    for stmt in body:
+        if (
+            isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and _is_descriptor_load(stmt.value)
+        ):
+            target = stmt.targets[0].id
+            assigned, read = _names(rest, ast.Store), _names(rest, ast.Load)
+            if not (_names([stmt.value], ast.Load) & assigned) and target not in assigned | read:
+                hoisted.append(stmt)
+                continue
+        rest.append(stmt)
+    return hoisted + rest
+
+
 def _helper_functions(kernel, spec, namer, lowering) -> list:
     """``@triton.jit`` versions of the plain Python functions the application calls (transitively)."""
     from ninefold.dsl.compiler.frontend import parse
@@ -521,7 +557,9 @@ def _check_hints(kernel):
             raise ValueError(f"kernel {kernel.name}: cache_hints {key!r}={value!r}; accepted: {CACHE_HINTS}")
 
 
-def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=(), grouped=True) -> Generated:
+def generate(
+    kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=(), grouped=True, hoist=False
+) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
     ``wide`` computes offsets in 64 bits (tensors spanning 2**31 elements or more).
@@ -531,11 +569,12 @@ def generate(kernel, spec, wide=False, interpret=False, persistent=False, tma=Fa
     source through TMA descriptors built at launch (see ``_Lowering.descriptor_load``); ``"rows"``
     also reads leading dimensions as one where ``collapse`` (``(name, dims)`` pairs from
     :func:`collapsible`) and the mask specialization allow it. ``grouped`` False drops the grouped
-    launch order of dot-in-loop kernels (see ``_program_indices``) for the row-major one.
+    launch order of dot-in-loop kernels (see ``_program_indices``) for the row-major one; ``hoist``
+    moves each loop iteration's descriptor loads to the top of its body (``_hoist_descriptor_loads``).
     """
     _check_hints(kernel)
     namer = _Namer(kernel)
-    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma, collapse=collapse)
+    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma, collapse=collapse, hoist=hoist)
     namer.taken |= lowering.locals
     tree = lowering.visit(copy.deepcopy(kernel.app.tree))
     body = []
