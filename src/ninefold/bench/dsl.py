@@ -1042,7 +1042,7 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
                               ("pipelined", _attention_pipelined)):
         tiles = SDPA_VARIANT_TILES if causal else SDPA_VARIANT_TILES_PAPER
         configs = [(*tile, *flags) for flags in SDPA_VARIANT_FLAGS for tile in tiles
-                   if (flags or name != "ops") and ("hoist" not in flags or name == "ops")]
+                   if (flags or name != "ops") and ("hoist" not in flags or name != "loads-first")]
         dsl_rows(configs, application=application, prefix=f"dsl {name}")
     if SWEEP_DEVICE == "cuda":
         rows.append(_tuned_without_tma(attention.kernel, tuned, reference, dtype, flops, ceiling))
