@@ -574,7 +574,9 @@ def _probe(names, device, shrink, *extra, env=None):
 
 def _config_label(config):
     meta = ",".join(f"{k}={v}" for k, v in sorted(config.get("meta", {}).items())) or "-"
-    return f"{meta} w{config.get('num_warps')} s{config.get('num_stages')}{' persistent' if config.get('persistent') else ''}"
+    flags = [" persistent" if config.get("persistent") else "", f" tma={config['tma']}" if config.get("tma") else "",
+             " hoist" if config.get("hoist") else "", " row-major" if config.get("grouped") is False else ""]
+    return f"{meta} w{config.get('num_warps')} s{config.get('num_stages')}{''.join(flags)}"
 
 
 def tuning_summary(workloads) -> str:
