@@ -752,6 +752,9 @@ def _fixed(arrangement, application, tensors, warps, stages, *flags):
     return kernel
 
 
+PROGRESS_LINES = True
+
+
 def _sweep_row(label, fn, reference, dtype, flops, ceiling):
     row = {"config": label}
     try:
@@ -767,6 +770,8 @@ def _sweep_row(label, fn, reference, dtype, flops, ceiling):
     except Exception as error:  # a config that does not compile or fit is a row, not a crash
         row["error"] = f"{type(error).__name__}: {error}"[:300]
         row["ok"] = False
+    if PROGRESS_LINES:  # each row as soon as it is measured (a run cut short keeps what it had)
+        print("  ." + _row_line(row)[1:], flush=True)
     return row
 
 
@@ -1514,6 +1519,20 @@ def _timer_line(row):
     return f"  {row['config']:<52}" + ", ".join(parts)
 
 
+def _row_line(row) -> str:
+    """One sweep row as printed."""
+    picked = f"  {row['picked']}" if row.get("picked") else ""
+    if row.get("do_bench_s"):
+        return _timer_line(row)
+    if row.get("seconds") and "fraction_of_copy_same" in row:
+        return f"  {row['config']:<52}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy{picked}"
+    if row.get("seconds"):
+        share = f"{row['fraction_of_cublas'] * 100:6.1f}%" if "fraction_of_cublas" in row else "     -"
+        return f"  {row['config']:<52}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {share}{picked}"
+    why = row.get("error") or f"FAIL rel_error {row.get('rel_error', float('nan')):.3g}"
+    return f"  {row['config']:<52}{why}"
+
+
 def run_sweep(which, out_dir, shrink=1):
     """Run the focused sweeps (``mm``, ``sdpa`` or ``all``), print them and write ``dsl_sweep.json``."""
     start = time.perf_counter()
@@ -1528,19 +1547,7 @@ def run_sweep(which, out_dir, shrink=1):
     lines = []
     for block in results:
         lines.append(block["workload"])
-        for row in block["rows"]:
-            if row.get("do_bench_s"):
-                lines.append(_timer_line(row))
-            elif row.get("seconds") and "fraction_of_copy_same" in row:
-                picked = f"  {row['picked']}" if row.get("picked") else ""
-                lines.append(f"  {row['config']:<52}{row['seconds'] * 1e3:9.4f} ms {row['fraction_of_copy_same'] * 100:6.1f}% of the copy{picked}")
-            elif row.get("seconds"):
-                picked = f"  {row['picked']}" if row.get("picked") else ""
-                share = f"{row['fraction_of_cublas'] * 100:6.1f}%" if "fraction_of_cublas" in row else "     -"
-                lines.append(f"  {row['config']:<52}{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s {share}{picked}")
-            else:
-                why = row.get("error") or f"FAIL rel_error {row.get('rel_error', float('nan')):.3g}"
-                lines.append(f"  {row['config']:<52}{why}")
+        lines += [_row_line(row) for row in block["rows"]]
     print("\n".join(lines))
     report = {
         "device": torch.cuda.get_device_name() if SWEEP_DEVICE == "cuda" else SWEEP_DEVICE,
