@@ -83,8 +83,9 @@ def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0) -
     schedule = engine.scheduler.schedule
 
     def recording_schedule():
-        planned[:] = schedule()
-        return planned
+        step = schedule()
+        planned[:] = step
+        return step  # the engine keeps the list of a step in flight: never hand it one that changes
 
     engine.scheduler.schedule = recording_schedule
     steps = []
@@ -100,6 +101,7 @@ def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0) -
     elapsed = time.perf_counter() - start
     for rid in list(engine.requests):
         engine.abort_request(rid)
+    engine.sync()
     buckets: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for s in steps:
         kind = "decode" if s["new_tokens"] == s["seqs"] else "prefill/mixed"

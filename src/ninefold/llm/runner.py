@@ -134,7 +134,7 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
             self._set_free[self._launches % 2] = event
-        return LaunchedStep(step, samplers, tokens)
+        return LaunchedStep(list(step), samplers, tokens)  # its own list: callers may reuse theirs
 
     def _switch_buffers(self) -> None:
         self._launches += 1
