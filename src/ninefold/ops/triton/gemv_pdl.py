@@ -15,11 +15,16 @@ Prologues (``PROLOGUE``):
   ``residual_out`` (a different buffer: other programs still read ``residual``).
 - ``2``: SwiGLU: ``x[k] = silu(a[k]) * a[K + k]`` for ``a`` of length ``2K`` (gate_up's output).
 
+The K loop multiplies register-buffered weight tiles with the row (``DEPTH`` 1 or 2 tiles in flight
+ahead, all requested before ``gdc_wait``), or with ``DOT`` runs ``tl.dot`` on the row padded to 16 so
+Triton pipelines the weight stream. Measured on the H200 it beats cuBLAS at one row on every
+Llama-3-8B shape (``docs/perf/ops.md``, ``python -m ninefold.bench.decode_chain``).
+
 Split-K (``SPLIT_K > 1``): programs write float32 partials, the last to arrive at a column block
 (atomic counter) sums them, writes ``y`` and resets the counter to 0, so the call needs no separate
 reduction kernel and replays in CUDA graphs.
 
-PDL needs Triton's ``gdc_wait``/``launch_pdl`` (Triton >= 3.4, sm_90+): :func:`pdl_available`.
+PDL needs Triton's ``gdc_wait``/``launch_pdl`` (Triton 3.6 and 3.9 checked; sm_90+): :func:`pdl_available`.
 Without them (or under the interpreter) the same kernel runs with ``USE_GDC=False``.
 """
 
