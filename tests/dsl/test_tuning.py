@@ -91,8 +91,14 @@ def test_tma_candidates_follow_the_pointer_ones_in_both_launch_orders(monkeypatc
     both = tuning.candidates(kernel, bound)
     assert both[: len(plain)] == plain
     extra = both[len(plain) :]
-    assert len(extra) == 2 * tuning.TMA_CONFIGS
+    tiles = []
+    for c in plain:
+        if not c.get("persistent") and c["meta"] not in [t["meta"] for t in tiles]:
+            tiles.append(c)
+    tiles = tiles[: tuning.TMA_CONFIGS]
+    assert len(tiles) >= 3  # the attention's 128x64, 128x128 and 64x64 tiles (H200 sweep: 128x128 gains most)
+    assert len(extra) == 2 * len(tiles)
     assert all(c["tma"] == "rows" and c["hoist"] and not c.get("persistent") for c in extra)
-    assert [c.get("grouped", True) for c in extra] == [True, False] * tuning.TMA_CONFIGS
-    base = [c for c in plain if not c.get("persistent")][: tuning.TMA_CONFIGS]
-    assert [{k: v for k, v in c.items() if k not in ("tma", "grouped", "hoist")} for c in extra[::2]] == base
+    assert [c.get("grouped", True) for c in extra] == [True] * len(tiles) + [False] * len(tiles)
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("tma", "grouped", "hoist")}  # noqa: E731
+    assert [strip(c) for c in extra] == tiles + tiles
