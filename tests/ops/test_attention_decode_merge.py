@@ -34,7 +34,8 @@ def _case(lengths, hq, hk, d, dtype, seed, extra_columns=0):
 def _config(**extra):
     from ninefold.ops.triton import decode
 
-    return {**decode.CONFIG, "block_n": 32, "num_stages": 1, "per_sm": 16, "min_tiles": 1, "min_split": 0, **extra}
+    return {**decode.CONFIG, "block_n": 32, "num_stages": 1, "per_sm": 16, "min_tiles": 1, "min_split": 0,
+            "heads_per_program": 1, "heads_fastest": 0, "merge_rows": 64, "split_config": {}, **extra}
 
 
 @pytest.mark.parametrize("heads_fastest", [0, 1], ids=["seqs-fastest", "heads-fastest"])

@@ -39,7 +39,8 @@ ROPE_BATCHES = (1, 256)
 OLD = dict(block_n=64, num_warps=4, num_stages=2, per_sm=4, min_tiles=2, heads_fastest=0, one_kernel=0, split_config={})
 # Sweeps (the budget stops starting configs). Split regime (few programs: batch 1, 64): keys per step,
 # warps, stages, fewest keys per split, merge tile; timed at SPLIT_CASES as decode.CONFIG["split_config"].
-SWEEP_SPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, min_split=ms, merge_rows=mr, heads_fastest=hf)
+SWEEP_SPLIT = [dict(block_n=bn, num_warps=w, num_stages=st, min_split=ms, merge_rows=mr, heads_fastest=hf,
+                    heads_per_program=1)
                for bn, w, st in ((64, 4, 2), (128, 4, 2), (64, 4, 3))
                for ms in (0, 256, 512) for mr in (64, 16) for hf in (0, 1)]
 # Unsplit regime (one program per sequence and KV head(s): batch 256): timed at UNSPLIT_CASES. Compiled for
@@ -243,19 +244,21 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
         # The split regime may use half of the time left; the unsplit one the rest.
         stop = time.perf_counter() + 0.5 * (deadline - time.perf_counter()) if name == "split" else deadline
         inputs = {}
-        for batch, context in cases:
+        for batch, context in cases:  # as many layers as the timings use (small cases: graph overhead, L2)
+            n_layers = _layers(2 * batch * context * sh["hk"] * sh["d"] * sh["dtype"].itemsize, device)
             inputs[(batch, context)] = [
                 (*_paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 20 + i),
                  torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"]),
-                 torch.full((batch,), context, dtype=torch.int32, device=device)) for i in range(2)]
+                 torch.full((batch,), context, dtype=torch.int32, device=device)) for i in range(n_layers)]
         rows = []
         for cfg in tqdm(candidates if cuda else [candidates[0], candidates[2]], desc=f"sweep {name}", file=sys.stdout,
                         disable=None):
             if time.perf_counter() > stop:
                 rows.append({"config": cfg, "skipped": "time budget"})
                 continue
+            # Split candidates as the split_config of today's CONFIG; unsplit ones alone (no split_config).
             config = dict(decode.CONFIG, one_kernel=1, split_config=cfg) if name == "split" else \
-                dict(decode.CONFIG, **cfg, one_kernel=1)
+                dict(decode.CONFIG, **cfg, one_kernel=1, split_config={})
             row = {"config": cfg}
             try:
                 _close(decode.launch(qc, kc, vc, tb, lc, None, config), want)

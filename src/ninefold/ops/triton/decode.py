@@ -44,9 +44,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # ``min_split``: fewest keys per split (rounded up to block_n): short contexts take fewer, longer splits;
 # ``split_config``: keys that replace these when the launch splits the context (few programs: small batches);
 # ``heads_per_program``: adjacent KV heads one program reads (a token's heads are contiguous in the cache).
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 0,
-          "one_kernel": 1, "merge_rows": 64, "min_split": 0, "heads_per_program": 1}
-SPLIT_CONFIG: dict = {}  # CONFIG["split_config"]
+# Defaults measured on the H200 (bf16, Llama-3-8B heads, ``python -m ninefold.bench.decode_attention``, .notes/gpu10):
+# unsplit (batch 256, contexts 600/1200) 32 keys x 2 KV heads per step, KV heads of a sequence adjacent:
+# 150.5 / 291.7 us vs 157.7 / 293.5 us for the previous 64/4/2; split (batch 1 and 64) 64 keys, 16-row merge steps.
+CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tiles": 2, "heads_fastest": 1,
+          "one_kernel": 1, "merge_rows": 64, "min_split": 0, "heads_per_program": 2}
+SPLIT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_fastest": 0, "heads_per_program": 1,
+                "merge_rows": 16, "min_split": 0}
 CONFIG["split_config"] = SPLIT_CONFIG
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
@@ -221,20 +225,24 @@ def _sm_count(device: torch.device) -> int:
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for
-    ``ninefold.ops.triton.aot``: the split kernel unsplit (MERGE 0: large batches) and split with
-    the in-place merge (MERGE 1, unless ``one_kernel=0``), and the merge kernel of the two-kernel path."""
+    ``ninefold.ops.triton.aot``: the split kernel unsplit under ``CONFIG`` (MERGE 0: large batches)
+    and under its ``split_config`` with the in-place merge (MERGE 1, unless ``one_kernel=0``) or
+    without (one split after all), and the merge kernel of the two-kernel path."""
     group = shapes.heads // shapes.kv_heads
-    block_n = CONFIG["block_n"] if dtype != torch.float32 else min(32, CONFIG["block_n"])
     split = {"GROUP": group, "D": shapes.head_dim, "PAGE": shapes.block_size,
              "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0}
     found = []
-    for merge in sorted({0, _merges_in_place(CONFIG)}):
-        cfg = {**CONFIG, **CONFIG.get("split_config", {})} if merge else CONFIG  # merging launches are split ones
+    # Unsplit launches under CONFIG; split ones under its split_config, merging (or, one split after all, not).
+    for cfg, merges in ((CONFIG, (0,)), ({**CONFIG, **CONFIG.get("split_config", {})}, (0, _merges_in_place(CONFIG)))):
         block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
         heads = _heads_per_program(shapes.kv_heads, cfg)
-        found.append({"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-                      "constexprs": {**split, "BLOCK_N": block_n, "BLOCK_G": max(16, triton.next_power_of_2(group * heads)),
-                                     **_merge_tile(group * heads, cfg), "MERGE": merge, "HEADS": heads}})
+        for merge in sorted(set(merges)):
+            variant = {"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                       "constexprs": {**split, "BLOCK_N": block_n, "MERGE": merge, "HEADS": heads,
+                                      "BLOCK_G": max(16, triton.next_power_of_2(group * heads)),
+                                      **_merge_tile(group * heads, cfg)}}
+            if variant not in found:
+                found.append(variant)
     return [*found, {"kernel": decode_merge_kernel, "num_warps": 4, "constexprs": {"D": shapes.head_dim, "BLOCK_S": 16}}]
 
 
