@@ -161,3 +161,15 @@ class decode_launches:
         from ninefold.ops.triton import decode
 
         decode.call = self.real
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_default_config_at_large_and_small_batch_cuda(dtype):
+    # The shipped CONFIG at Llama-3-8B heads: unsplit (several KV heads per program) and split (merged in place).
+    from ninefold.ops.triton import decode
+
+    for lengths in ([1, 700, 33, 4097], [int(n) for n in torch.randint(1, 900, (200,))]):
+        args = _case(lengths, 32, 8, 128, dtype, seed=len(lengths), extra_columns=40)
+        out = decode.launch(*args, None, decode.CONFIG)
+        assert_close(out, ref.attention_decode(*args), dtype, scale=ATTENTION_SCALE)

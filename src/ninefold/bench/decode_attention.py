@@ -148,7 +148,7 @@ def _layers(per_layer_bytes: int, device) -> int:
 def check_decode(sh, device, width) -> list[dict]:
     from ninefold.ops.triton import decode
 
-    rows = []
+    rows = [check_decode_large_batch(sh, device, width)] if device.type == "cuda" else []
     lengths = [1, 17, 1000, 4097, 300, 600] if device.type == "cuda" else [1, 5, 40, 23]
     k_cache, v_cache, tables = _paged(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 1)
     q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=torch.Generator().manual_seed(2)).to(device, sh["dtype"])
@@ -189,6 +189,27 @@ def check_decode(sh, device, width) -> list[dict]:
             row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:300]}")
         rows.append(row)
     return rows
+
+
+def check_decode_large_batch(sh, device, width) -> dict:
+    """The default configuration where one program takes a whole sequence (no split): 264 ragged sequences."""
+    from ninefold.ops.triton import decode
+
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(1, 1500, (264,), generator=g).tolist()
+    k_cache, v_cache, tables = _paged(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 5)
+    q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=g).to(device, sh["dtype"])
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    splits = decode.plan(len(lengths), sh["hk"], tables.shape[1] * sh["block"], decode._sm_count(device), sh["dtype"],
+                         decode.CONFIG)[-1]
+    row = {"check": f"decode default config, {len(lengths)} ragged sequences ({splits} split)"}
+    try:
+        row["max_abs_err"] = _close(decode.launch(q, k_cache, v_cache, tables, lens, None, decode.CONFIG),
+                                    decode64(q, k_cache, v_cache, tables, lens))
+        row["ok"] = True
+    except Exception as error:  # noqa: BLE001
+        row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:300]}")
+    return row
 
 
 def time_decode(sh, device, width, replays) -> list[dict]:
