@@ -42,7 +42,7 @@ step_command() {
     dsl-sweep-memory) echo 'python3 -m ninefold.bench.dsl --sweep memory' ;;
     decode-chain) echo 'python3 -m pytest tests/ops/test_gemv_pdl.py tests/ops/test_gemv_pdl_ops.py tests/ops/test_fused_linear.py tests/bench/test_decode_chain.py tests/llm/test_fused_decode.py -q -p no:cacheprovider -k "cuda or sm90 or graph"; python3 -m ninefold.bench.decode_chain' ;;
     decode-attention) echo 'python3 -m pytest tests/ops/test_attention_decode_merge.py tests/ops/test_rope_cache.py tests/ops/test_attention.py tests/ops/test_argmax_triton.py -q -n 4 -p no:cacheprovider; python3 -m ninefold.bench.decode_attention' ;;
-    dsl-bench-attention) echo 'python3 -m ninefold.bench.dsl --deadline 0 --only sdpa_causal,sdpa,mm' ;;
+    dsl-bench-attention) echo 'python3 -m ninefold.bench.dsl --deadline 0 --only sdpa_causal,sdpa' ;;
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     *) echo "echo unknown step $1; false" ;;
