@@ -137,6 +137,50 @@ def test_abort_while_a_step_is_in_flight_frees_blocks_and_drops_the_placeholder(
     _assert_no_leak(overlapped)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_a_step_that_fails_at_launch_can_be_retried(llama_dir, overlap):
+    llm = LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64, async_scheduling=overlap)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)[0].outputs[0].token_ids
+    engine.add_request(engine.build_request([5, 6, 7], params, "a"))
+    launch, calls = engine.runner.launch, [0]
+
+    def flaky(step, previous=None):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("a transient failure in one step")
+        return launch(step, previous)
+
+    engine.runner.launch = flaky
+    finished, errors = [], 0
+    for _ in range(30):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            finished += [o for o in engine.step() if o.finished]
+        except RuntimeError:
+            errors += 1
+    assert errors == 1
+    assert [o.outputs[0].token_ids for o in finished] == [want]
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_a_one_token_prompt_chunk_beside_sampled_decodes(llama_dir, overlap):
+    # A budget of 3 tokens leaves one token of the third prompt beside two decodes: a one-token
+    # row that samples nothing yet. Non-greedy sampling must get one row of logits per sampler.
+    llm = LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64, max_num_batched_tokens=3,
+              async_scheduling=overlap)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[[5, 6], [7, 8], [9, 10, 11, 12, 13]], sampling_params=params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
+    reference = LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64, async_scheduling=False)
+    again = reference.generate(prompt_token_ids=[[5, 6], [7, 8], [9, 10, 11, 12, 13]], sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again]
+    _assert_no_leak(llm)
+
+
 def test_async_scheduling_is_validated():
     from ninefold.llm.config import split_engine_args
 

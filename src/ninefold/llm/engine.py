@@ -235,7 +235,11 @@ class LLMEngine:
                 self._in_flight = launched
                 return []
             return self._complete(launched)
-        ahead = self._launch(previous) if self._may_run_ahead(previous) else None
+        try:
+            ahead = self._launch(previous) if self._may_run_ahead(previous) else None
+        except BaseException:
+            self._in_flight = previous  # still to be read: a retry (or sync) completes it
+            raise
         self.num_steps_ahead += ahead is not None
         outputs = self._complete(previous)
         self._in_flight = ahead
@@ -261,12 +265,17 @@ class LLMEngine:
             for row, seq in enumerate(previous.samplers):
                 if seq.status is Status.RUNNING and not self._ends_by_length(seq, 1):
                     seq.add_placeholder(row)
-        step = self.scheduler.schedule()
-        if not step:
-            return None
+        try:
+            step = self.scheduler.schedule()
+            launched = self.runner.launch(step, previous) if step else None
+        except BaseException:  # nothing was enqueued: leave the sequences as they were, for a retry
+            if previous is not None:
+                for seq in previous.samplers:
+                    seq.drop_placeholder()
+            raise
         for s in step:  # counted at launch: the next step is scheduled before this one's tokens are read
             s.seq.num_computed_tokens += s.num_new_tokens
-        return self.runner.launch(step, previous)
+        return launched
 
     def _complete(self, launched) -> list[RequestOutput]:
         """Read ``launched``'s tokens and append them, checking stop conditions."""

@@ -125,15 +125,10 @@ class ModelRunner:
         ``previous``: the step in flight whose tokens some of ``step``'s sequences still hold as
         placeholders (they are taken from its token tensor on the device).
         """
-        self._switch_buffers()
         prev_tokens = previous.tokens.tokens if previous is not None and previous.tokens is not None else None
         logits = self.forward_logits(step, prev_tokens)
         samplers = [s.seq for s in step if s.samples]
         tokens = self.sampler.sample(logits, samplers) if samplers else None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._set_free[self._launches % 2] = event
         return LaunchedStep(list(step), samplers, tokens)  # its own list: callers may reuse theirs
 
     def _switch_buffers(self) -> None:
@@ -150,9 +145,19 @@ class ModelRunner:
 
         ``prev_tokens``: the device tokens of the step in flight, for sequences holding a placeholder.
         """
+        self._switch_buffers()
         if all(s.num_new_tokens == 1 for s in step):
-            return self._decode(step, prev_tokens)
-        return self._prefill(step, prev_tokens)
+            logits = self._decode(step, prev_tokens)
+            if not all(s.samples for s in step):  # a one-token prompt chunk: no token to sample yet
+                rows = np.array([i for i, s in enumerate(step) if s.samples], dtype=np.int64)
+                logits = logits.index_select(0, self.buffers.to_device("sampling_rows", rows, torch.int64))
+        else:
+            logits = self._prefill(step, prev_tokens)
+        if self.device.type == "cuda":  # the copies out of this buffer set are queued before this point
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._set_free[self._launches % 2] = event
+        return logits
 
     def _device_ids(self, ids: np.ndarray, rows: list[int], sources: list[int], prev_tokens) -> torch.Tensor:
         """Token ids on the device, rows ``rows`` replaced by ``prev_tokens[sources]``."""

@@ -35,7 +35,7 @@ class PendingTokens:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tokens.device))
 
     @property
     def read_back(self) -> bool:
