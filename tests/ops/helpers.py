@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +18,7 @@ DTYPE_IDS = ["f32", "f16", "bf16"]
 # (atol, rtol) against float64 references, for elementwise/normalisation outputs.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[2]
 DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))]
 
@@ -55,3 +61,24 @@ def randn(*shape, dtype=torch.float32, device="cpu", strided: bool = False, seed
     out = wide[..., ::2]
     assert not out.is_contiguous() or out.numel() <= 1
     return out
+
+
+def run_interpreted(args: list[str], timeout: float | None = 600) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root with TRITON_INTERPRET=1 (set before Triton is
+    imported, which a running test process cannot do); asserts that it exits 0."""
+    run = subprocess.run([sys.executable, *args], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                         text=True, cwd=ROOT, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def run_interpreted_tests(files: list[str], select: str = "", at_least: int = 1,
+                          timeout: float | None = 600) -> subprocess.CompletedProcess:
+    """The test ``files`` of tests/ops (cases matching ``select``) under Triton's interpreter;
+    asserts that at least ``at_least`` of them passed."""
+    paths = [str(ROOT / "tests" / "ops" / f) for f in files]
+    run = run_interpreted(["-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *paths,
+                           *(["-k", select] if select else [])], timeout)
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and int(summary.split(" passed")[0].split()[-1]) >= at_least, summary
+    return run

@@ -5,12 +5,11 @@ TRITON_INTERPRET=1 when neither the interpreter nor CUDA is on) and on CUDA.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from .helpers import run_interpreted_tests
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_RUNS = INTERPRETED or torch.cuda.is_available()
@@ -66,14 +65,7 @@ def test_supports_names_what_it_refuses():
 
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="runs the file itself when Triton cannot")
 def test_triton_argmax_in_the_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                          str(root / "tests" / "ops" / "test_argmax_triton.py")],
-                         env=env, capture_output=True, text=True, cwd=root, timeout=600)
-    summary = run.stdout.strip().splitlines()[-1]
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert int(summary.split(" passed")[0].split()[-1]) >= 8, summary
+    run_interpreted_tests(["test_argmax_triton.py"], at_least=8)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the kernels it would compile")

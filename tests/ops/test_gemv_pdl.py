@@ -1,10 +1,6 @@
 """The batch-1 PDL GEMV (``ninefold.ops.triton.gemv_pdl``): float64 references in the interpreter,
 argument errors, the sm_90 code (weight loads before ``griddepcontrol.wait``), and PDL on CUDA."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +9,7 @@ triton = pytest.importorskip("triton")
 
 from ninefold.ops.triton import gemv_pdl as gp  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+from .helpers import run_interpreted  # noqa: E402
 
 # Runs in a child process with TRITON_INTERPRET=1 (set before Triton is imported).
 CHECK = r"""
@@ -58,10 +54,8 @@ print("ok")
 
 
 def test_matches_float64_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    done = run_interpreted(["-c", CHECK])
+    assert done.stdout.strip().endswith("ok"), done.stdout[-3000:]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -2,9 +2,6 @@
 ``ops.add_rms_norm_linear`` and ``ops.silu_and_mul_linear``, against float64 references."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ pytest.importorskip("triton")
 
 from ninefold.ops.triton import gemv_pdl_ops as go  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+from .helpers import run_interpreted  # noqa: E402
 
 # Runs with TRITON_INTERPRET=1: the implementations register for the CPU in float32 (pinned).
 CHECK = r"""
@@ -48,10 +45,8 @@ print("ok")
 
 
 def test_implementations_match_float64_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    done = run_interpreted(["-c", CHECK])
+    assert done.stdout.strip().endswith("ok"), done.stdout[-3000:]
 
 
 @pytest.mark.parametrize("args, reason", [

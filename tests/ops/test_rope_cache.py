@@ -15,7 +15,7 @@ import torch
 import ninefold.ops as ops
 from ninefold.ops import references as ref
 
-from .helpers import DTYPE_IDS, DTYPES, assert_close, call, impl_params
+from .helpers import DTYPE_IDS, DTYPES, assert_close, call, impl_params, run_interpreted_tests
 from .test_rope import cos_sin_cache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -126,14 +126,7 @@ def test_triton_kernel_equals_unfused_kernels(dtype, is_neox, tokens):
                                                ("test_attention_decode_merge.py", "", 20)])
 def test_triton_kernels_in_the_interpreter(file, select, least):
     # This file's Triton cases and the one-kernel decode attention's tests, through Triton's interpreter.
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                          str(root / "tests" / "ops" / file), *(["-k", select] if select else [])], env=env,
-                         capture_output=True, text=True, cwd=root, timeout=600)
-    summary = run.stdout.strip().splitlines()[-1]
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert int(summary.split(" passed")[0].split()[-1]) >= least, summary
+    run_interpreted_tests([file], select, at_least=least)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])

@@ -1,9 +1,5 @@
 """The Triton kernels: they compile for the H200 (sm_90) here, and run under Triton's interpreter."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +8,10 @@ triton = pytest.importorskip("triton")
 
 from ninefold.ops import workloads  # noqa: E402
 
+from .helpers import run_interpreted_tests  # noqa: E402
+
 OPS = ["rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "gelu_and_mul", "rope", "reshape_and_cache",
        "attention_decode", "attention_prefill"]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # Elementwise kernels compile the same code for every dtype: bfloat16 covers them; attention
@@ -41,15 +38,8 @@ def test_bad_target_is_named():
 
 def test_triton_kernels_match_references_in_the_interpreter():
     # The same reference tests, run on the CPU through Triton's interpreter (float32, tiny sizes).
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    files = [str(ROOT / "tests" / "ops" / f) for f in ("test_norm.py", "test_elementwise.py", "test_rope.py",
-                                                       "test_attention.py")]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *files,
-                          "-k", "cpu-triton and not f16 and not bf16"], env=env, capture_output=True, text=True,
-                         cwd=ROOT)
-    summary = run.stdout.strip().splitlines()[-1]
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in summary and int(summary.split(" passed")[0].split()[-1]) >= 15, summary
+    run_interpreted_tests(["test_norm.py", "test_elementwise.py", "test_rope.py", "test_attention.py"],
+                          "cpu-triton and not f16 and not bf16", at_least=15, timeout=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])

@@ -1,16 +1,12 @@
 """The Triton GEMV behind ``linear`` for a few rows: compiles for sm_90, matches float64 in the interpreter."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
+from .helpers import run_interpreted  # noqa: E402
 
 # Runs in a child process with TRITON_INTERPRET=1 (set before Triton is imported).
 CHECK = r"""
@@ -39,9 +35,8 @@ print("gemv ok")
 
 
 def test_gemv_matches_float64_in_the_interpreter():
-    run = subprocess.run([sys.executable, "-c", CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert run.returncode == 0 and "gemv ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    run = run_interpreted(["-c", CHECK], timeout=300)
+    assert "gemv ok" in run.stdout, run.stdout[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
