@@ -340,7 +340,7 @@ def bench_host(engine, rng, batches) -> list[dict]:
             engine.step()
         steps, wall, waited = 20, 0.0, 0.0
         cpu = time.process_time()
-        with _device_timeline(engine) as timeline:
+        with _DeviceTimeline(engine) as timeline:
             for _ in range(steps):
                 sampler.sync_seconds = 0.0
                 start = time.perf_counter()
@@ -362,7 +362,7 @@ def bench_host(engine, rng, batches) -> list[dict]:
     return rows
 
 
-class _device_timeline:
+class _DeviceTimeline:
     """Records CUDA events around every ``runner.launch`` in its block: the device's busy span per
     step and its idle gaps between steps (waiting for the host to enqueue the next one)."""
 

@@ -133,6 +133,7 @@ class LLMEngine:
         for tokens in sorted({budget - 1, budget - 16} - {budget}):
             if tokens > 1:
                 self._packed_prefill(tokens)
+        torch.cuda.synchronize(dev)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's ``generation_config.json`` defaults (used when none are given).
@@ -328,7 +329,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", token)
         elif stop_string is not None:
             self.scheduler.finish(seq, "stop", stop_string)
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.token_ids) >= self.max_model_len:
+        elif self._ends_by_length(seq, 0):
             self.scheduler.finish(seq, "length")
 
     def _output(self, request: Request) -> RequestOutput:

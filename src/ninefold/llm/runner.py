@@ -104,7 +104,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // self.block_size)
         self._buffer_sets = [_HostBuffers(self.device), _HostBuffers(self.device)]
         self._set_free: list = [None, None]  # per set: an event after the last step that used it
-        self._launches = 0
+        self._forwards = 0
         self.buffers = self._buffer_sets[0]
         model.bind_kv_cache(pool)
         self.graphs = None
@@ -132,8 +132,8 @@ class ModelRunner:
         return LaunchedStep(list(step), samplers, tokens)  # its own list: callers may reuse theirs
 
     def _switch_buffers(self) -> None:
-        self._launches += 1
-        index = self._launches % 2
+        self._forwards += 1
+        index = self._forwards % 2
         event = self._set_free[index]
         if event is not None:  # its last step's input copies must have left the host buffers
             event.synchronize()
@@ -156,7 +156,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # the copies out of this buffer set are queued before this point
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._set_free[self._launches % 2] = event
+            self._set_free[self._forwards % 2] = event
         return logits
 
     def _device_ids(self, ids: np.ndarray, rows: list[int], sources: list[int], prev_tokens) -> torch.Tensor:
@@ -255,7 +255,7 @@ class ModelRunner:
             meta.block_tables = self._block_tables(ordered, width, pinned=False)
         token_ids = self._device_ids(np.concatenate(ids), [r for r, _ in waiting], [j for _, j in waiting], prev_tokens)
         hidden = self.model.forward(token_ids, put("pos", np.concatenate(positions), torch.int64), meta)
-        if not last:  # (the staging buffers stay safe: ``launch`` alternates them behind events)
+        if not last:  # (the staging buffers stay safe: ``forward_logits`` alternates them behind events)
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = put("last", np.asarray(last, dtype=np.int64), torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))
