@@ -12,12 +12,13 @@ import torch
 from ninefold import LLM, SamplingParams
 from ninefold.llm.sequence import PLACEHOLDER
 
+from .test_parity import prompts_for
+
 PROMPT_LENGTHS = (3, 17, 45, 9, 30)
 
 
-def prompts_for(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 7) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+def _prompts(vocab: int) -> list[list[int]]:
+    return prompts_for(vocab, PROMPT_LENGTHS, seed=7)
 
 
 def _summary(outputs):
@@ -44,7 +45,7 @@ def _assert_no_leak(llm):
 ], ids=["batched", "chunked", "preempted", "queued"])
 def test_greedy_batches_match_the_synchronous_engine(llama_dir, kwargs):
     sync, overlapped = _pair(llama_dir, **kwargs)
-    prompts = prompts_for(sync.engine.model_config.vocab_size)
+    prompts = _prompts(sync.engine.model_config.vocab_size)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 24, 7, 31, 2)]
     want = _summary(sync.generate(prompt_token_ids=prompts, sampling_params=params))
     got = _summary(overlapped.generate(prompt_token_ids=prompts, sampling_params=params))
@@ -60,7 +61,7 @@ def test_greedy_batches_match_the_synchronous_engine(llama_dir, kwargs):
 def test_stops_sampling_and_logprobs_match_the_synchronous_engine(llama_dir):
     sync, overlapped = _pair(llama_dir, block_size=4, num_kv_blocks=256)
     vocab = sync.engine.model_config.vocab_size
-    prompts = prompts_for(vocab)
+    prompts = _prompts(vocab)
     greedy = sync.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(
         temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids
     eos = sync.engine.eos_token_ids[0]
@@ -95,7 +96,7 @@ def test_stop_strings_match_the_synchronous_engine(llama_dir):
 def test_streamed_outputs_never_show_a_placeholder_and_only_grow(llama_dir):
     llm = LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=128, async_scheduling=True)
     engine = llm.engine
-    prompts = prompts_for(engine.model_config.vocab_size)
+    prompts = _prompts(engine.model_config.vocab_size)
     seen: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(engine.build_request(prompt, SamplingParams(temperature=0, max_tokens=10 + i,
@@ -116,7 +117,7 @@ def test_streamed_outputs_never_show_a_placeholder_and_only_grow(llama_dir):
 
 def test_abort_while_a_step_is_in_flight_frees_blocks_and_drops_the_placeholder(llama_dir):
     sync, overlapped = _pair(llama_dir, block_size=4, num_kv_blocks=128)
-    prompts = prompts_for(sync.engine.model_config.vocab_size)[:3]
+    prompts = _prompts(sync.engine.model_config.vocab_size)[:3]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in sync.generate(prompt_token_ids=prompts, sampling_params=params)]
     engine = overlapped.engine
@@ -197,7 +198,7 @@ def test_overlapped_scheduling_on_cuda_matches_the_synchronous_engine(llama_dir,
     sync = LLM(str(llama_dir), async_scheduling=False, **kwargs)
     overlapped = LLM(str(llama_dir), **kwargs)  # on by default on CUDA
     assert overlapped.engine.async_scheduling
-    prompts = prompts_for(sync.engine.model_config.vocab_size)
+    prompts = _prompts(sync.engine.model_config.vocab_size)
     greedy = sync.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 24, 7)]
