@@ -5,6 +5,8 @@ import torch
 
 from ninefold.runtime import Device
 
+from .helpers import cpu_peak_of_temporary
+
 
 def meminfo_bytes(key):
     with open("/proc/meminfo") as f:
@@ -61,7 +63,7 @@ def test_pin_on_cpu_returns_the_tensor_and_checks_input():
 
 
 def test_peak_bytes_sees_a_temporary():
-    peak = Device("cpu").peak_bytes(lambda: torch.ones(32 * 2**20, dtype=torch.float32).sum())
+    peak = cpu_peak_of_temporary(32 * 2**20)
     assert 100 * 2**20 < peak < 1024 * 2**20  # the 128 MiB tensor, plus a little
 
 

@@ -1,7 +1,5 @@
 """KVCachePool: block bookkeeping as a hypothesis state machine, swaps, sizing and errors."""
 
-import subprocess
-import sys
 
 import psutil
 import pytest
@@ -11,6 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ninefold.runtime import Device, KVCacheExhausted, KVCachePool
+
+from .helpers import cpu_peak_of_temporary
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 3
 
@@ -236,18 +236,8 @@ def test_from_memory_counts_headroom_and_reserve():
     assert pool.k_cache(0).shape == (pool.num_blocks, 16, 2, 32)
 
 
-_PEAK_PROBE = """
-import torch
-from ninefold.runtime import Device
-print(Device("cpu").peak_bytes(lambda: torch.ones(16 * 2**20, dtype=torch.float32).sum()))
-"""
-
-
 def test_from_memory_subtracts_profiled_activation_peak(monkeypatch):
-    # In a fresh process: a test worker may hold freed memory resident, which the tensor then reuses.
-    probe = subprocess.run([sys.executable, "-c", _PEAK_PROBE], capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    assert int(probe.stdout.split()[-1]) >= 60 * 2**20  # the 64 MiB tensor was resident at the peak
+    assert cpu_peak_of_temporary(16 * 2**20) >= 60 * 2**20  # the 64 MiB tensor was resident at the peak
     # Fixed free/total figures: other test processes allocating and freeing must not move the budget.
     gib = 2**30
     monkeypatch.setattr(Device, "available_bytes", lambda self: 2 * gib)
