@@ -247,6 +247,59 @@ def time_decode(sh, device, width, replays) -> list[dict]:
     return rows
 
 
+# Ragged batches as the offline workload has them mid-run: (batch, shortest, longest context).
+RAGGED_CASES = ((200, 400, 1900), (128, 700, 2000))
+RAGGED_VARIANTS = (("default", {}), ("per_sm 8", {"per_sm": 8}), ("per_sm 16", {"per_sm": 16}),
+                   ("1 head/program", {"heads_per_program": 1}))
+
+
+def time_ragged(sh, device, width, replays) -> list[dict]:
+    """Decode attention on ragged context lengths, the rows in random order and longest first, under
+    ``RAGGED_VARIANTS`` of ``decode.CONFIG``; each variant checked against float64 before it is timed."""
+    from ninefold.ops.triton import decode
+
+    cuda = device.type == "cuda"
+    rows = []
+    for batch, lo, hi in (RAGGED_CASES if cuda else ((5, 3, 60),)):
+        g = torch.Generator().manual_seed(batch)
+        lengths = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+        item = sh["dtype"].itemsize
+        kv_bytes = 2 * sum(lengths) * sh["hk"] * sh["d"] * item
+        n_layers = _layers(kv_bytes, device)
+        for order in ("random", "longest first"):
+            lens_list = sorted(lengths, reverse=True) if order == "longest first" else lengths
+            layers = []
+            for i in range(n_layers):
+                k_cache, v_cache, tables = _paged(lens_list, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+                                                  device, 20 + i)
+                q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
+                lens = torch.tensor(lens_list, dtype=torch.int32, device=device)
+                layers.append((q, k_cache, v_cache, tables, lens))
+            want = decode64(*layers[0])
+            for name, change in RAGGED_VARIANTS:
+                config = dict(decode.CONFIG, **change)
+                row = {"batch": batch, "lengths": [lo, hi], "order": order, "variant": name, "kv_bytes": kv_bytes,
+                       "splits": decode.plan(batch, sh["hk"], layers[0][3].shape[1] * sh["block"],
+                                             decode._sm_count(device), sh["dtype"], config)[-1]}
+                try:
+                    _close(decode.launch(*layers[0], None, config), want)
+                except AssertionError as e:
+                    row["error"] = str(e)
+                    rows.append(row)
+                    print(f"ragged B={batch} {order:13s} {name:15s} FAILED {e}")
+                    continue
+                fns = [lambda a=a, c=config: decode.launch(*a, None, c) for a in layers]
+                row["us"] = round(_graph_time(fns, device, replays), 2)
+                row["GBps"] = round(kv_bytes / row["us"] / 1e3, 1)
+                rows.append(row)
+                print(f"ragged B={batch} ctx {lo}..{hi} {order:13s} {name:15s} splits={row['splits']:<3d} "
+                      f"{row['us']:8.2f} us ({row['GBps']:.0f} GB/s of KV)")
+            del layers
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_decode(sh, device, width, replays, deadline) -> dict:
     """Launch configurations of the split regime (``SWEEP_SPLIT`` at ``SPLIT_CASES``, as ``split_config``) and
     of the unsplit one (``SWEEP_UNSPLIT`` at ``UNSPLIT_CASES``), each checked against float64 first."""
@@ -402,12 +455,18 @@ def run(args) -> dict:
                "command": "python -m ninefold.bench.decode_attention " + " ".join(args.argv)}
     print(f"ninefold.bench.decode_attention on {results['device']}, torch {torch.__version__}, triton "
           f"{triton.__version__}, heads {sh['hq']}/{sh['hk']}x{sh['d']} {sh['dtype']}")
+    if args.ragged_only:
+        results["ragged"] = time_ragged(sh, device, args.width, args.replays)
+        results["failed_checks"] = sum("error" in r for r in results["ragged"])
+        return results
     results["checks"] = check_decode(sh, device, args.width) + check_rope(sh, device)
     for row in results["checks"]:
         print(f"check {row['check']:80s} " + ("ok" if row["ok"] else "FAILED " + row["error"]))
     failed = sum(not r["ok"] for r in results["checks"])
     results["decode"] = time_decode(sh, device, args.width, args.replays)
     results["rope_and_cache"] = time_rope(sh, device, args.replays)
+    results["ragged"] = time_ragged(sh, device, args.width, args.replays)
+    failed += sum("error" in r for r in results["ragged"])
     if args.sweep:
         results["sweep"] = sweep_decode(sh, device, args.width, args.replays, start + args.budget)
     print("\n| case | old (us) | two kernels now (us) | one kernel (us) | splits |\n|---|---|---|---|---|")
@@ -436,6 +495,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=150.0, help="seconds after which the sweep starts no config")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
                         help="sweep one-kernel launch configurations at the largest batch (default: on CUDA)")
+    parser.add_argument("--ragged-only", action="store_true", help="only the ragged-length timings")
     args = parser.parse_args(argv)
     args.argv = argv
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"

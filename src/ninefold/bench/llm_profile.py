@@ -69,8 +69,12 @@ def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
     return {"batch": batch, "context": context, "wall_ms": wall_ms, "kernel_ms": gpu_us / 1e3, "kernels": kernels}
 
 
-def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0) -> dict:
-    """Run the offline workload of ``ninefold.bench.llm`` for ``limit_s`` seconds, timing every step."""
+def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0,
+                     profile_steps: tuple[int, ...] = (0, 300, 700)) -> dict:
+    """Run the offline workload of ``ninefold.bench.llm`` for ``limit_s`` seconds, timing every step
+    (each followed by a device sync), and the kernels of the steps numbered in ``profile_steps``."""
+    from torch.profiler import ProfilerActivity, profile
+
     from ninefold.llm.sampling import SamplingParams
 
     rng = random.Random(seed)
@@ -88,15 +92,34 @@ def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0) -
         return step  # the engine keeps the list of a step in flight: never hand it one that changes
 
     engine.scheduler.schedule = recording_schedule
-    steps = []
+    steps, profiled = [], []
     start = time.perf_counter()
     while engine.has_unfinished_requests() and time.perf_counter() - start < limit_s:
+        watched = len(steps) in profile_steps
+        prof = profile(activities=[ProfilerActivity.CUDA]) if watched else None
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.__enter__()
         engine.step()
         torch.cuda.synchronize()
+        if prof is not None:
+            prof.__exit__(None, None, None)
         dt = time.perf_counter() - t0
         steps.append({"ms": dt * 1e3, "seqs": len(planned), "waiting": len(engine.scheduler.waiting),
-                      "new_tokens": sum(s.num_new_tokens for s in planned)})
+                      "new_tokens": sum(s.num_new_tokens for s in planned),
+                      "context_tokens": sum(s.start + s.num_new_tokens for s in planned),
+                      "longest_context": max((s.start + s.num_new_tokens for s in planned), default=0)})
+        if prof is not None:
+            kernels = _kernel_table(prof, 1)
+            gpu_us = sum(r["us_per_step"] for r in kernels)
+            info = steps[-1]
+            print(f"\noffline step {len(steps) - 1}: {info['seqs']} seqs, {info['new_tokens']} new tokens, "
+                  f"{info['context_tokens']} context tokens (longest {info['longest_context']}): "
+                  f"{dt * 1e3:.2f} ms wall (profiler on), kernels {gpu_us / 1e3:.2f} ms")
+            for r in kernels[:12]:
+                print(f"  {r['us_per_step']:8.1f} us {r['us_per_step'] / max(gpu_us, 1e-9):5.1%} "
+                      f"x{r['calls_per_step']:5.1f}  {r['kernel']}")
+            profiled.append({"step": len(steps) - 1, **info, "kernel_ms": gpu_us / 1e3, "kernels": kernels})
     engine.scheduler.schedule = schedule
     elapsed = time.perf_counter() - start
     for rid in list(engine.requests):
@@ -112,7 +135,7 @@ def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0) -
     print(f"\noffline: {len(steps)} steps in {elapsed:.1f} s")
     for key, (ms, n) in sorted(buckets.items(), key=lambda kv: -kv[1][0]):
         print(f"  {key:28s} {n:5d} steps {ms / 1e3:7.2f} s  {ms / n:7.2f} ms/step")
-    return {"elapsed_s": elapsed, "steps": steps, "buckets": {k: {"s": v[0] / 1e3, "steps": v[1]} for k, v in buckets.items()}}
+    return {"elapsed_s": elapsed, "steps": steps, "profiled": profiled, "buckets": {k: {"s": v[0] / 1e3, "steps": v[1]} for k, v in buckets.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

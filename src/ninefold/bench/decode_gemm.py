@@ -1,0 +1,122 @@
+"""The linear layers of a batched decode step (Llama-3.1-8B shapes) at the batch sizes of the offline run.
+
+    OUT=DIR python -m ninefold.bench.decode_gemm        # one CUDA device, bfloat16, about a minute
+
+For each layer shape (qkv, o, gate_up, down, lm_head) and each batch ``M`` in ``--batches``, times
+``linear`` through each implementation ``ninefold.ops`` has for it on the device (cuBLAS as
+``vendor``, the DSL matmul as ``dsl``, tuned on its first call), every one first checked against a
+float32 product. Each timing is a CUDA graph of the call over several copies of the weight (so the
+weight streams from memory, as in a model step), replayed; the figure is microseconds per call
+next to its bound: max(weight bytes / copy bandwidth, FLOPs / cuBLAS bf16 rate), both measured in
+the same process. Prints a table and writes ``$OUT/decode_gemm.json``. A diagnostic for the
+engine's offline throughput, not a benchmark with targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+BATCHES = (16, 64, 128, 160, 192, 224, 256)
+
+
+def _graph_us(fns, replays: int = 50) -> float:
+    """Microseconds per call of ``fns`` captured in order into one CUDA graph (best of three batches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(fns)))
+    return best
+
+
+def run(batches, names) -> dict:
+    import ninefold.ops  # noqa: F401  (registers the implementations)
+    from ninefold.ops.registry import implementations
+    from ninefold.runtime.profile import profile_device
+
+    device = torch.device("cuda")
+    profile = profile_device(device)
+    bw, rate = profile.bandwidth["copy"], profile.compute["bfloat16"]
+    print(f"ceilings: copy {bw / 1e9:.0f} GB/s, cuBLAS bf16 {rate / 1e12:.0f} TFLOP/s")
+    impls = {i.name: i for i in implementations("linear") if "cuda" in i.devices and torch.bfloat16 in i.dtypes}
+    rows = []
+    for layer in names:
+        n, k = SHAPES[layer]
+        copies = max(2, min(8, (512 << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            want = x.float() @ weights[0].float().T
+            bound_us = max(n * k * 2 / bw, 2 * m * n * k / rate) * 1e6
+            row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound_us, 2)}
+            for impl, entry in impls.items():
+                fn = entry.fn
+                reason = entry.reason((x, weights[0], None))
+                if reason:
+                    row[impl] = f"not supported: {reason}"
+                    continue
+                try:
+                    got = fn(x, weights[0], None).float()
+                    err = ((got - want).abs().max() / want.abs().max()).item()
+                    if not err < 2e-2:
+                        row[impl] = f"wrong (relative error {err:.3g})"
+                        continue
+                    row[impl] = round(_graph_us([lambda w=w, f=fn, x=x: f(x, w, None) for w in weights]), 2)
+                except Exception as e:  # an implementation that cannot run this shape: say why, keep going
+                    row[impl] = f"{type(e).__name__}: {str(e)[:80]}"
+            rows.append(row)
+            cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound_us / row[i]:4.0%})" if isinstance(row[i], float)
+                              else f"{i} {row[i]}" for i in impls)
+            print(f"{layer:8s} M={m:<4d} bound {bound_us:8.2f} us  {cells}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(device), "copy_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
+            "rows": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.decode_gemm", description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--layers", default=",".join(SHAPES))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ninefold.bench.decode_gemm needs a CUDA device; nothing measured.", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    results = run([int(b) for b in args.batches.split(",")], args.layers.split(","))
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "decode_gemm.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
