@@ -28,35 +28,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 BATCHES = (16, 64, 128, 160, 192, 224, 256)
 
 
-def _graph_us(fns, replays: int = 50) -> float:
-    """Microseconds per call of ``fns`` captured in order into one CUDA graph (best of three batches)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(fns)))
-    return best
-
-
 def run(batches, names) -> dict:
     import ninefold.ops  # noqa: F401  (registers the implementations)
+    from ninefold.bench.decode_attention import _graph_time as graph_time
     from ninefold.ops.registry import implementations
     from ninefold.runtime.profile import profile_device
 
@@ -87,7 +61,7 @@ def run(batches, names) -> dict:
                     if not err < 2e-2:
                         row[impl] = f"wrong (relative error {err:.3g})"
                         continue
-                    row[impl] = round(_graph_us([lambda w=w, f=fn, x=x: f(x, w, None) for w in weights]), 2)
+                    row[impl] = round(graph_time([lambda w=w, f=fn, x=x: f(x, w, None) for w in weights], device, 50), 2)
                 except Exception as e:  # an implementation that cannot run this shape: say why, keep going
                     row[impl] = f"{type(e).__name__}: {str(e)[:80]}"
             rows.append(row)
