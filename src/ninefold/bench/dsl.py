@@ -1044,6 +1044,7 @@ def _sweep_sdpa_shape(b, h, s, d, dtype, causal):
                 return _fa_attention_call(q, k, v, bm, bn, w, st, flags)
 
             rows.append(_sweep_row(" ".join(["triton tma", f"{bm}x{bn} w{w} s{st}", *flags]), fa, reference, dtype, flops, ceiling))
+        rows += _ws_rows(q, k, v, reference, dtype, flops, ceiling)
     # the DSL: three applications x launch order (grouped / row-major) x loads (pointers / TMA rows)
     for name, application in (("ops", attention.application), ("loads-first", _attention_loads_first),
                               ("pipelined", _attention_pipelined)):
@@ -1420,6 +1421,54 @@ else:
                      tl.zeros((BM,), tl.float32), tl.zeros((BM, D), tl.float32), scale, BM, BN, D, PIPE, LAZY)
 
 
+    @triton.jit
+    def _ws_step(q, k, v, acc, m_i, l_i, keep, MASK: tl.constexpr):
+        s = tl.dot(q, tl.trans(k))
+        if MASK:
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _ws_attention(q_ptr, k_ptr, v_ptr, o_ptr, seq, total, scale, BM: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, WS: tl.constexpr, ONE_LOOP: tl.constexpr):
+        # causal, contiguous [B*H*S, D] rows, S % BM == 0, TMA descriptors made on the device. With
+        # WS and 4 warps, sm_90's NVGPUWarpSpecialization pass (Triton 3.6 and 3.9) turns the key loop
+        # into a producer warpgroup (TMA) and two consumer warpgroups that each take BM/2 query rows
+        # (data partitioning: it splits device-made descriptors' tiles, not host-made ones). It takes one
+        # warp-specialized loop per function, so ONE_LOOP masks every tile (two loops fail the pass).
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
+        first = tl.program_id(1) * seq
+        q_desc = tl.make_tensor_descriptor(q_ptr, [total, D], [D, 1], [BM, D])
+        k_desc = tl.make_tensor_descriptor(k_ptr, [total, D], [D, 1], [BN, D])
+        v_desc = tl.make_tensor_descriptor(v_ptr, [total, D], [D, 1], [BN, D])
+        o_desc = tl.make_tensor_descriptor(o_ptr, [total, D], [D, 1], [BM, D])
+        rows = block * BM + tl.arange(0, BM)
+        q = q_desc.load([first + block * BM, 0])
+        q = (q * (scale * 1.4426950408889634)).to(q.dtype)
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, D), tl.float32)
+        if ONE_LOOP:
+            for start in tl.range(0, (block + 1) * BM, BN, warp_specialize=WS):
+                keys = start + tl.arange(0, BN)
+                acc, m_i, l_i = _ws_step(q, k_desc.load([first + start, 0]), v_desc.load([first + start, 0]), acc,
+                                         m_i, l_i, keys[None, :] <= rows[:, None], True)
+        else:
+            for start in tl.range(0, block * BM, BN, warp_specialize=WS):
+                acc, m_i, l_i = _ws_step(q, k_desc.load([first + start, 0]), v_desc.load([first + start, 0]), acc,
+                                         m_i, l_i, None, False)
+            for start in tl.range(block * BM, (block + 1) * BM, BN, warp_specialize=WS):
+                keys = start + tl.arange(0, BN)
+                acc, m_i, l_i = _ws_step(q, k_desc.load([first + start, 0]), v_desc.load([first + start, 0]), acc,
+                                         m_i, l_i, keys[None, :] <= rows[:, None], True)
+        o_desc.store([first + block * BM, 0], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
+
 FA_VARIANTS = (  # hand-written TMA attention with FlashAttention-3 tricks: BM, BN, warps, stages, flags
     (128, 128, 8, 3, ()),
     (128, 128, 8, 3, ("pipe",)),
@@ -1452,6 +1501,114 @@ def _fa_attention_call(q, k, v, bm, bn, warps, stages, flags=()):
         PERSIST=persist, LPT="lpt" in flags, num_warps=warps, num_stages=stages,
     )
     return o
+
+
+WS_VARIANTS = (  # hand-written warp-specialized attention: BM, BN, warps, stages, flags
+    (128, 128, 4, 2, ("ws",)),
+    (128, 64, 4, 2, ("ws",)),
+    (128, 64, 4, 3, ("ws",)),
+    (128, 64, 4, 4, ("ws",)),
+    (64, 64, 4, 3, ("ws",)),
+    (64, 64, 4, 2, ("ws", "two-loops")),
+    (128, 128, 8, 2, ()),  # the same kernel without warp specialization
+    (128, 64, 8, 3, ()),
+    (64, 64, 4, 3, ()),
+)
+_ALLOCATOR_SET = []
+
+
+def _device_descriptor_scratch():
+    """Triton needs an allocator for descriptors made on the device (``tl.make_tensor_descriptor``)."""
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=SWEEP_DEVICE))
+        _ALLOCATOR_SET.append(True)
+
+
+def _ws_attention_call(q, k, v, bm, bn, warps, stages, flags=(), info=None):
+    """Causal attention by ``_ws_attention`` (contiguous [B, H, S, D], S % bm == 0). ``info``, a dict,
+    receives what the compiler made of it: warps in all (12 = producer + two consumer warpgroups),
+    registers and spills per thread."""
+    b, h, s, d = q.shape
+    if s % bm or bm % bn:
+        raise ValueError(f"bn must divide bm and bm the sequence length, got bm={bm}, bn={bn}, S={s}")
+    _device_descriptor_scratch()
+    o = torch.empty_like(q)
+    compiled = _ws_attention[(s // bm, b * h)](
+        q, k, v, o, s, b * h * s, 1.0 / math.sqrt(d), BM=bm, BN=bn, D=d, WS="ws" in flags,
+        ONE_LOOP="two-loops" not in flags, num_warps=warps, num_stages=stages,
+    )
+    if info is not None:
+        info.update(_compiled_info(compiled))
+    return o
+
+
+def _compiled_info(compiled):
+    """Warps, registers, spills and shared memory of a Triton ``CompiledKernel`` (what is known)."""
+    info = {}
+    metadata = getattr(compiled, "metadata", None)
+    for key in ("num_warps", "shared"):
+        if metadata is not None and hasattr(metadata, key):
+            info[key] = getattr(metadata, key)
+    for key in ("n_regs", "n_spills"):
+        if getattr(compiled, key, None) is not None:
+            info[key] = getattr(compiled, key)
+    asm = getattr(compiled, "asm", {}) or {}
+    if "ptx" in asm:
+        info["setmaxnreg"] = asm["ptx"].count("setmaxnreg")
+    return info
+
+
+def _ws_rows(q, k, v, reference, dtype, flops, ceiling, variants=WS_VARIANTS):
+    """Rows of the hand-written warp-specialized kernel; a variant that fails to compile is a row."""
+    rows = []
+    for bm, bn, w, st, flags in tqdm(variants, desc="warp-specialized attention", file=sys.stderr):
+        info = {}
+
+        def call(bm=bm, bn=bn, w=w, st=st, flags=flags, info=info):
+            return _ws_attention_call(q, k, v, bm, bn, w, st, flags, info)
+
+        label = " ".join(["triton device-tma", f"{bm}x{bn} w{w} s{st}", *flags])
+        rows.append(_sweep_row(label, call, reference, dtype, flops, ceiling))
+        rows[-1]["compiled"] = info
+        if info:
+            print(f"    compiled: {info}", flush=True)
+    return rows
+
+
+def sweep_sdpa_ws(shrink=1):
+    """Causal B4 H32 S4096 D128 bf16 only: torch SDPA, session 4's best DSL row, the hand-written TMA
+    kernel, then the warp-specialized rows (hand-written, and the DSL's)."""
+    from ninefold.ops.kernels import attention
+
+    b, h, s, d, dtype = 4, 32, 4096 // shrink, 128, torch.bfloat16
+    torch.manual_seed(0)
+    q, k, v = (_randn((b, h, s, d), dtype, SWEEP_DEVICE) for _ in range(3))
+    reference = _sdpa_float64(q, k, v, True)
+    flops = 4.0 * b * h * s * s * d * 0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = [_sweep_row("torch sdpa (as dispatched)", lambda: sdpa(q, k, v, is_causal=True), reference, dtype, flops, None)]
+    torch_s = rows[0].get("seconds")
+    ceiling = flops / torch_s if torch_s else None
+    if ceiling:
+        rows[0]["fraction_of_cublas"] = 1.0
+    scale = 1.0 / math.sqrt(d)
+
+    def dsl_row(label, application, bm, bn, w, st, *flags):
+        kernel = _fixed(attention.arrangement, application, attention.tensors(), w, st, *flags)
+        o = torch.empty_like(q)
+
+        def call():
+            kernel(q, k, v, scale, True, o, BLOCK_M=bm, BLOCK_N=bn)
+            return o
+
+        rows.append(_sweep_row(label, call, reference, dtype, flops, ceiling))
+
+    dsl_row("dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)", _attention_pipelined, 64, 64, 4, 3, "rows", "hoist")
+    if SWEEP_DEVICE == "cuda" and s % 128 == 0:
+        rows.append(_sweep_row("triton tma 128x128 w8 s3 (host descriptors)",
+                               lambda: _plain_attention(q, k, v, "tma", 128, 128, 8, 3), reference, dtype, flops, ceiling))
+        rows += _ws_rows(q, k, v, reference, dtype, flops, ceiling)
+    return [{"workload": f"sdpa causal B{b} H{h} S{s} D{d} bfloat16: warp specialization", "rows": rows}]
 
 
 def rms_norm_timers(shrink=1, repeats=3):
@@ -1544,6 +1701,8 @@ def run_sweep(which, out_dir, shrink=1):
         results += rms_norm_timers(shrink)
     if which in ("memory", "all"):
         results += sweep_memory(shrink)
+    if which == "sdpa-ws":
+        results += sweep_sdpa_ws(shrink)
     lines = []
     for block in results:
         lines.append(block["workload"])
@@ -1577,7 +1736,8 @@ def main(argv=None):
     parser.add_argument("--only", help="comma-separated workload names (e.g. mm,sdpa_causal); default all")
     parser.add_argument("--shrink", type=int, default=1, help="divide the GPU sizes by this (smoke runs)")
     parser.add_argument(
-        "--sweep", choices=("mm", "sdpa", "memory", "all"), help="time fixed configurations of mm / sdpa (GPU; dsl_sweep.json)"
+        "--sweep", choices=("mm", "sdpa", "sdpa-ws", "memory", "all"),
+        help="time fixed configurations of mm / sdpa (GPU; dsl_sweep.json); sdpa-ws: warp-specialized attention rows only",
     )
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
