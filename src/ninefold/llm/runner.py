@@ -91,6 +91,17 @@ class LaunchedStep:
         return self.tokens.read()
 
 
+def longest_context_first(step: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """``step`` reordered by context length after the step, longest first (stable).
+
+    Attention launches one program per row and head in row order, so the longest rows start
+    first and the short ones fill the last wave instead of a long one starting last. On an H200,
+    decode attention over 200 contexts of 400..1900 tokens took 212 us instead of 254 us in
+    arrival order (``python -m ninefold.bench.decode_attention --ragged-only``).
+    """
+    return sorted(step, key=lambda s: s.start + s.num_new_tokens, reverse=True)
+
+
 class ModelRunner:
     """Runs one engine step on the model: inputs, forward, logits, sampling."""
 
@@ -114,18 +125,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.max_blocks, cuda_graph_max_batch)
 
     @torch.inference_mode()
-    def execute(self, step: list[ScheduledSeq]) -> SampledTokens:
-        """Run ``step``; returns one sampled token per sequence that samples, in step order."""
-        return self.launch(step).read()
-
-    @torch.inference_mode()
     def launch(self, step: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueue ``step`` (forward and sampling) and return without waiting for its tokens.
+
+        The rows run longest context first (``longest_context_first``); the returned step and its
+        samplers are in that order.
 
         ``previous``: the step in flight whose tokens some of ``step``'s sequences still hold as
         placeholders (they are taken from its token tensor on the device).
         """
         prev_tokens = previous.tokens.tokens if previous is not None and previous.tokens is not None else None
+        step = longest_context_first(step)
         logits = self.forward_logits(step, prev_tokens)
         samplers = [s.seq for s in step if s.samples]
         tokens = self.sampler.sample(logits, samplers) if samplers else None
