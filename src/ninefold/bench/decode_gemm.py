@@ -28,7 +28,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 BATCHES = (16, 64, 128, 160, 192, 224, 256)
 
 
-def run(batches, names) -> dict:
+def run(batches, names, only=None) -> dict:
     import ninefold.ops  # noqa: F401  (registers the implementations)
     from ninefold.bench.decode_attention import _graph_time as graph_time
     from ninefold.ops.registry import implementations
@@ -38,7 +38,8 @@ def run(batches, names) -> dict:
     profile = profile_device(device)
     bw, rate = profile.bandwidth["copy"], profile.compute["bfloat16"]
     print(f"ceilings: copy {bw / 1e9:.0f} GB/s, cuBLAS bf16 {rate / 1e12:.0f} TFLOP/s")
-    impls = {i.name: i for i in implementations("linear") if "cuda" in i.devices and torch.bfloat16 in i.dtypes}
+    impls = {i.name: i for i in implementations("linear") if "cuda" in i.devices and torch.bfloat16 in i.dtypes
+             and (only is None or i.name in only)}
     rows = []
     for layer in names:
         n, k = SHAPES[layer]
@@ -78,17 +79,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.decode_gemm", description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--layers", default=",".join(SHAPES))
+    parser.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                        help="torch.backends.cuda.preferred_blas_library for the vendor rows")
+    parser.add_argument("--impls", default=None, help="comma-separated implementations to time (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ninefold.bench.decode_gemm needs a CUDA device; nothing measured.", file=sys.stderr)
         return 2
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    print(f"BLAS library: {torch.backends.cuda.preferred_blas_library()}; "
+          f"CUBLASLT_WORKSPACE_SIZE={os.environ.get('CUBLASLT_WORKSPACE_SIZE', '(unset)')}")
     start = time.perf_counter()
-    results = run([int(b) for b in args.batches.split(",")], args.layers.split(","))
+    results = run([int(b) for b in args.batches.split(",")], args.layers.split(","),
+                  args.impls.split(",") if args.impls else None)
     results["seconds"] = round(time.perf_counter() - start, 1)
+    results["blas"] = str(torch.backends.cuda.preferred_blas_library())
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "decode_gemm.json").write_text(json.dumps(results, indent=1))
+        (Path(out) / f"decode_gemm_{args.blas}.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -749,6 +749,7 @@ def _fixed(arrangement, application, tensors, warps, stages, *flags):
     kernel.tma = "rows" if "rows" in flags else "tma" in flags
     kernel.grouped = "row-major" not in flags
     kernel.hoist = "hoist" in flags
+    kernel.warp_specialize = "ws" in flags
     return kernel
 
 
@@ -986,6 +987,34 @@ def _attention_pipelined(q, k, v, scale, is_causal, o):
         alpha = nl.exp2(row_max - new_max)
         acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), v[j])
         row_sum = row_sum * alpha + nl.sum(p, 1)
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
+def _attention_one_loop(q, k, v, scale, is_causal, o):
+    """Attention in one loop over the key tiles, every tile masked: the form Triton's sm_90
+    warp-specialization pass accepts (one loop with a ``dot`` per kernel; ``Kernel.warp_specialize``)."""
+    q_scaled = (q * (scale * 1.4426950408889634)).to(q.dtype)
+    shift = k.source.shape[-2] - q.source.shape[-2]
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    n_tiles = k.shape[0]
+    if is_causal:
+        n_tiles = nl.minimum(n_tiles, nl.cdiv(nl.max(q.offsets(-2)) + shift + 1, k[0].shape[0]))
+    for j in range(n_tiles):
+        key = k[j]
+        value = v[j]
+        scores = nl.dot(q_scaled, nl.trans(key))
+        keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
+        if is_causal:
+            keep = keep & (k[j].offsets(-2)[None, :] <= q.offsets(-2)[:, None] + shift)
+        scores = nl.where(keep, scores, float("-inf"))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(q_scaled.dtype), value)
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
     o = acc / row_sum[:, None]  # noqa: F841
 
 
@@ -1514,6 +1543,16 @@ WS_VARIANTS = (  # hand-written warp-specialized attention: BM, BN, warps, stage
     (128, 64, 8, 3, ()),
     (64, 64, 4, 3, ()),
 )
+DSL_WS_SWEEP = (  # the DSL's one-loop attention: BM, BN, warps, stages, flags ("ws": Kernel.warp_specialize)
+    (128, 128, 4, 2, "ws"),
+    (128, 64, 4, 2, "ws"),
+    (128, 64, 4, 3, "ws"),
+    (128, 128, 4, 2, "ws", "row-major"),
+    (128, 64, 4, 2, "ws", "row-major"),
+    (64, 64, 4, 3, "ws"),  # 64 rows: the pass finds nothing to split, both consumers compute the whole tile
+    (128, 128, 8, 3, "rows", "hoist"),  # the same application without warp specialization
+    (64, 64, 4, 3, "rows", "hoist"),
+)
 _ALLOCATOR_SET = []
 
 
@@ -1608,6 +1647,8 @@ def sweep_sdpa_ws(shrink=1):
         rows.append(_sweep_row("triton tma 128x128 w8 s3 (host descriptors)",
                                lambda: _plain_attention(q, k, v, "tma", 128, 128, 8, 3), reference, dtype, flops, ceiling))
         rows += _ws_rows(q, k, v, reference, dtype, flops, ceiling)
+    for bm, bn, w, st, *flags in tqdm(DSL_WS_SWEEP, desc="dsl one-loop", file=sys.stderr):
+        dsl_row(" ".join(["dsl one-loop", f"{bm}x{bn} w{w} s{st}", *flags]), _attention_one_loop, bm, bn, w, st, *flags)
     return [{"workload": f"sdpa causal B{b} H{h} S{s} D{d} bfloat16: warp specialization", "rows": rows}]
 
 

@@ -414,7 +414,8 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
     for r in requests:
         engine.add_request(r)
     _sync(engine)
-    elapsed, complete = _run_until_done(engine, args.offline_time_limit)
+    with _DeviceTimeline(engine) as timeline:
+        elapsed, complete = _run_until_done(engine, args.offline_time_limit)
     out_tokens = sum(s.num_output_tokens for r in requests for s in r.seqs)
     prompt_tokens = sum(min(s.num_computed_tokens, s.num_prompt_tokens) if not s.finished else s.num_prompt_tokens
                         for r in requests for s in r.seqs)
@@ -439,11 +440,14 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
                                 "kv": kv_reads / bandwidth},
               "fraction_of_roofline": (out_tokens + prompt_tokens) / elapsed / (total / bound_s),
               "preemptions": engine.scheduler.num_preemptions, "async_scheduling": engine.async_scheduling,
-              "steps_launched_ahead": engine.num_steps_ahead}
+              "steps_launched_ahead": engine.num_steps_ahead, **timeline.summary()}
     note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
           f"total tok/s; roofline {result['roofline_total_tok_per_s']:.0f} total tok/s "
           f"({result['fraction_of_roofline']:.0%}){note}")
+    if "device_idle_fraction" in result:
+        print(f"offline: device idle between steps {result['device_idle_fraction']:.1%} "
+              f"({result['device_idle_ms_per_step']:.2f} ms per step)")
     return result
 
 
