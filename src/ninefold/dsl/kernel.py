@@ -109,6 +109,9 @@ class Kernel:
         self.grouped = True  # triton backend: dot-in-loop kernels visit the last two grid dims in groups (L2 reuse)
         self.hoist = False  # triton backend, with tma: a loop iteration's descriptor loads first in its body
         self.tma = False  # triton backend: box-shaped tiles read through TMA descriptors (experimental)
+        # triton backend, sm_90: the one dot loop warp-specialized (producer + two consumer warpgroups),
+        # tiles read through TMA descriptors made in the kernel ("rows" mode); needs 4 warps
+        self.warp_specialize = False
         # triton backend: {"load": eviction policy of every load ("evict_first", "evict_last"),
         # "store": cache modifier of every store (".cs" streams past L2, ".wb", ".cg", ".wt")}
         self.cache_hints: dict | None = None

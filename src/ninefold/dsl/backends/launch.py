@@ -10,7 +10,7 @@ from ninefold.dsl.backends.triton_codegen import argument_values, collapsible, g
 from ninefold.dsl.cache import load_module
 
 
-def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False, grouped=True, hoist=False):
+def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=False, grouped=True, hoist=False, ws=False):
     """Generated code and loaded ``triton.jit`` function for this call's specialization.
 
     ``spec`` overrides the mask specialization (AOT compiles the generic one); ``interpret`` makes
@@ -18,7 +18,8 @@ def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=Fal
     which ``range`` rejects); ``persistent`` generates the persistent form, ``tma`` the descriptor
     loads (see ``generate``; ``"rows"``: 2-D-style descriptors where the call's strides allow);
     ``grouped`` False visits the programs in row-major order (the last grid dimension fastest);
-    ``hoist`` moves descriptor loads to the top of their loop iteration.
+    ``hoist`` moves descriptor loads to the top of their loop iteration; ``ws`` warp-specializes the
+    dot loop, with descriptors made in the kernel.
     """
     spec = specialize(kernel, bound.env) if spec is None else spec
     wide = any(
@@ -29,11 +30,12 @@ def prepare(kernel, bound, spec=None, interpret=False, persistent=False, tma=Fal
         collapse = tuple((n, collapsible(v)) for n, v in sorted(bound.values.items()) if isinstance(v, torch.Tensor) and v.dim() > 1)
     hints = repr(sorted((kernel.cache_hints or {}).items()))
     hoist = bool(hoist and tma)
-    key = ("triton", spec, wide, interpret, persistent, tma, collapse, grouped, hoist, hints)
+    ws = bool(ws and tma)
+    key = ("triton", spec, wide, interpret, persistent, tma, collapse, grouped, hoist, hints) + (("ws",) if ws else ())
     if key not in kernel._cache:
         generated = generate(
             kernel, spec, wide=wide, interpret=interpret, persistent=persistent, tma=tma, collapse=collapse,
-            grouped=grouped, hoist=hoist,
+            grouped=grouped, hoist=hoist, ws=ws,
         )
         module = load_module(generated.source, generated.key)
         kernel._cache[key] = (generated, getattr(module, generated.function_name))

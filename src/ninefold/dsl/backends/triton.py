@@ -9,7 +9,7 @@ import torch
 from ninefold.dsl import aot
 from ninefold.dsl.backends import triton_startup
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
-from ninefold.dsl.backends.triton_codegen import descriptor
+from ninefold.dsl.backends.triton_codegen import _implied_strides, descriptor
 
 DTYPES = {
     torch.float32: "fp32",
@@ -105,6 +105,9 @@ def launcher(kernel, bound, args):
     run = function[(grid,)]
     options = {"num_warps": num_warps, "num_stages": num_stages}
     device = bound.device
+    scratch = _makes_descriptors(function)
+    if scratch:
+        device_allocator()
 
     def fill(out, args):
         for i, j, block, rows in descriptors:
@@ -135,6 +138,8 @@ def launcher(kernel, bound, args):
             out[i] = args[j]
         if descriptors:
             fill(out, args)
+        if scratch:
+            device_allocator()  # (per call: Triton's allocator is per thread)
         with _null() if current() == index else torch.cuda.device(index):
             if direct[0] is not None:
                 runner, stream = direct[0]
@@ -188,8 +193,15 @@ def launch(kernel, bound, config):
     if grid == 0:
         return
     args = _arguments(template, bound)
+    if _makes_descriptors(function):
+        device_allocator()
     with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():
         function[(grid,)](*args, num_warps=num_warps, num_stages=num_stages)
+
+
+def _makes_descriptors(function) -> bool:
+    """Whether the generated function makes TMA descriptors on the device (needs an allocator)."""
+    return "make_tensor_descriptor" in getattr(function, "src", "")
 
 
 def _arguments(template, bound):
@@ -234,15 +246,45 @@ def tma_ready(bound) -> bool:
     return True
 
 
+def ws_ready(bound) -> bool:
+    """Whether the warp-specialized form can run this call: Triton >= 3.4 (``tl.make_tensor_descriptor``
+    and ``tl.range(warp_specialize=)``), and every size-1 dimension's stride the one a contiguous layout
+    of the later dimensions implies (the kernel builds the ``[rows, ...]`` view from the strides)."""
+    import triton.language as tl
+
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    for value in bound.values.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 1 and list(value.stride()) != _implied_strides(value):
+            return False
+    return True
+
+
+def device_allocator():
+    """Kernels that make TMA descriptors on the device need global scratch memory at launch, which
+    Triton takes from ``triton.set_allocator``: set a torch one where none is set (in this thread)."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _entry(kernel, bound, config):
     key = ("launch", repr(sorted(config.get("meta", {}).items())), config.get("num_warps"), config.get("num_stages"))
     key += (config.get("persistent", getattr(kernel, "persistent", False)), repr(sorted((kernel.cache_hints or {}).items())))
     grouped = bool(config.get("grouped", getattr(kernel, "grouped", True)))
     hoist = bool(config.get("hoist", getattr(kernel, "hoist", False)))
     key += (grouped, hoist)
-    tma = _tma_mode(kernel, config)
+    ws = bool(config.get("ws", getattr(kernel, "warp_specialize", False)))
+    tma = "rows" if ws else _tma_mode(kernel, config)
     tma = tma if tma and tma_ready(bound) else False  # otherwise pointer loads (the launch key holds the alignment)
-    key += (tma,)
+    ws = ws and tma == "rows" and ws_ready(bound)  # otherwise the plain loop
+    key += (tma,) + (("ws",) if ws else ())
     key += _env_key(kernel, bound)
     entry = kernel._cache.get(key)
     if entry is None:
@@ -254,8 +296,11 @@ def _entry(kernel, bound, config):
         finished = kernel.finish(bound, meta)
         persistent = bool(config.get("persistent", getattr(kernel, "persistent", False)))
         generated, function = prepare(
-            kernel, finished, interpret=interpreting(), persistent=persistent, tma=tma, grouped=grouped, hoist=hoist
+            kernel, finished, interpret=interpreting(), persistent=persistent and not ws, tma=tma, grouped=grouped,
+            hoist=hoist, ws=ws,
         )
+        if ws:
+            device_allocator()
         template = [
             (kind, payload) if kind in ("pointer", "scalar")
             else (kind, (payload[0], value.block_shape, payload[2])) if kind == "descriptor" else (None, value)
@@ -264,7 +309,7 @@ def _entry(kernel, bound, config):
         num_warps = kernel.num_warps or config.get("num_warps") or DEFAULT_NUM_WARPS
         num_stages = kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES
         grid = grid_size(finished)
-        if persistent:
+        if persistent and not ws:
             grid = min(grid, _sm_count(bound.device))
         entry = (function, grid, template, num_warps, num_stages)
         kernel._cache[key] = entry
@@ -312,7 +357,7 @@ def signature(generated, finished) -> tuple[dict, dict]:
 
 def compile_for_target(
     kernel, args, kwargs=None, target="cuda:90", num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, spec=None,
-    assumptions=None, tma=False,
+    assumptions=None, tma=False, ws=False,
 ):
     """Compile the kernel for ``args`` (example tensors, any device) to ``target`` without a GPU.
 
@@ -320,7 +365,8 @@ def compile_for_target(
     generated argument names to ``"one"`` (compiled as the constant 1, as Triton's JIT does with
     integers equal to 1) or ``"divisible"`` (a multiple of 16; pointers: 16-byte aligned), the
     specializations the JIT path would make for this call (see ``ninefold.dsl.aot.assumptions``).
-    ``tma`` generates the descriptor loads (``Kernel.tma``: True, or ``"rows"``).
+    ``tma`` generates the descriptor loads (``Kernel.tma``: True, or ``"rows"``); ``ws`` (or
+    ``Kernel.warp_specialize``) the warp-specialized dot loop with descriptors made in the kernel.
 
     Returns ``(compiled, generated, finished_bound)``; ``compiled.asm`` holds ``cubin``/``ptx``.
     """
@@ -334,8 +380,10 @@ def compile_for_target(
     triton_startup.install()
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
+    ws = bool(ws or getattr(kernel, "warp_specialize", False))
     generated, function = prepare(
-        kernel, finished, spec, tma=tma, grouped=getattr(kernel, "grouped", True), hoist=getattr(kernel, "hoist", False)
+        kernel, finished, spec, tma="rows" if ws else tma, grouped=getattr(kernel, "grouped", True),
+        hoist=getattr(kernel, "hoist", False), ws=ws,
     )
     backend, arch = target.split(":")
     sig, constexprs = signature(generated, finished)

@@ -223,10 +223,11 @@ class _Lowering(ast.NodeTransformer):
     """Replace ``_nf`` calls and language references by Triton code."""
 
     def __init__(self, kernel, spec, namer, tree=None, namespace=None, helpers=None, interpret=False, tma=False,
-                 collapse=None, hoist=False):
+                 collapse=None, hoist=False, ws=False):
         self.interpret = interpret
         self.tma = tma
         self.hoist = hoist
+        self.ws = ws  # the dot loop becomes tl.range(..., warp_specialize=True); descriptors made in the kernel
         self.collapse = dict(collapse or ())  # parameter name -> leading dims its strides let be read as one
         self.descriptors: dict = {}  # parameter name -> (collapsed dims r, box: tile size Expr or None per dim >= r)
         self.kernel = kernel
@@ -358,6 +359,8 @@ class _Lowering(ast.NodeTransformer):
         if self.interpret and isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range":
             # Triton 3.6's interpreter hands scalars over as 1-element arrays, which range() rejects
             call.args = [_call("python_int", a) for a in call.args]
+        if self.ws and _calls_dot(node) and isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range":
+            node.iter = _call(_attr(TL, "range"), *call.args, warp_specialize=ast.Constant(True))
         return node
 
     def _is_language_function(self, func, name) -> bool:
@@ -493,6 +496,56 @@ class _Lowering(ast.NodeTransformer):
         return node
 
 
+def _calls_dot(node) -> bool:
+    """Whether lowered code under ``node`` calls ``tl.dot``."""
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "dot"
+        and isinstance(n.func.value, ast.Name) and n.func.value.id == TL
+        for n in ast.walk(node)
+    )
+
+
+def dot_loops(kernel) -> int:
+    """How many loops of the application (outermost ones, helpers not followed) contain a ``dot``."""
+    count = 0
+
+    def visit(node):
+        nonlocal count
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.For, ast.While)):
+                if any(isinstance(n, ast.Attribute) and n.attr == "dot" for n in ast.walk(child)):
+                    count += 1
+                continue
+            visit(child)
+
+    visit(kernel.app.tree)
+    return count
+
+
+def _device_descriptor(lowering, name, rows, block) -> ast.stmt:
+    """``{name}_desc = tl.make_tensor_descriptor(...)``: the descriptor that ``descriptor`` would build
+    on the host (the ``[size_0 * ... * size_rows, ...]`` view when ``rows``), made by the kernel."""
+    source = lowering.kernel.param(name).source
+    ndim = len(source._shape)
+    shape = [SizeOf(source, d) for d in range(ndim)]
+    if rows:
+        total = shape[0]
+        for d in range(1, rows + 1):
+            total = total * shape[d]
+        shape = [total] + shape[rows + 1 :]
+    strides = [StrideOf(source, d) for d in range(rows, ndim - 1)]
+    namer = lowering.namer
+    return _assign(
+        f"{name}_desc",
+        _call(
+            _attr(TL, "make_tensor_descriptor"), _name(f"{name}_ptr"),
+            ast.List([namer.expr(e) for e in shape], ast.Load()),
+            ast.List([namer.expr(e) for e in strides] + [ast.Constant(1)], ast.Load()),
+            ast.List([ast.Constant(1) if b is None else namer.padded_size(b) for b in block], ast.Load()),
+        ),
+    )
+
+
 def _names(nodes, ctx) -> set:
     return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
 
@@ -558,7 +611,8 @@ def _check_hints(kernel):
 
 
 def generate(
-    kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=(), grouped=True, hoist=False
+    kernel, spec, wide=False, interpret=False, persistent=False, tma=False, collapse=(), grouped=True, hoist=False,
+    ws=False,
 ) -> Generated:
     """Triton module source for ``kernel`` under ``spec`` (see :func:`specialize`).
 
@@ -571,12 +625,26 @@ def generate(
     :func:`collapsible`) and the mask specialization allow it. ``grouped`` False drops the grouped
     launch order of dot-in-loop kernels (see ``_program_indices``) for the row-major one; ``hoist``
     moves each loop iteration's descriptor loads to the top of its body (``_hoist_descriptor_loads``).
+    ``ws`` (with ``tma``) marks the application's one loop with a ``dot`` ``tl.range(...,
+    warp_specialize=True)`` and makes the descriptors in the kernel (``tl.make_tensor_descriptor``)
+    instead of taking them as arguments: on sm_90 Triton's warp-specialization pass then gives the
+    loop's loads to a producer warpgroup and splits the tiles' rows over two consumer warpgroups (it
+    splits device-made descriptors only, and fails on a second loop with a ``dot``; see
+    ``docs/perf/dsl.md``).
     """
     _check_hints(kernel)
+    if ws and (not tma or persistent):
+        raise ValueError(f"kernel {kernel.name}: warp_specialize needs TMA loads (tma) and no persistent launch")
+    if ws and dot_loops(kernel) != 1:
+        raise ValueError(
+            f"kernel {kernel.name}: warp_specialize needs exactly one loop with a dot in the application, "
+            f"it has {dot_loops(kernel)} (Triton's sm_90 pass takes one such loop per kernel)"
+        )
     namer = _Namer(kernel)
-    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma, collapse=collapse, hoist=hoist)
+    lowering = _Lowering(kernel, spec, namer, interpret=interpret, tma=tma, collapse=collapse, hoist=hoist, ws=ws)
     namer.taken |= lowering.locals
     tree = lowering.visit(copy.deepcopy(kernel.app.tree))
+    made = [_device_descriptor(lowering, name, *lowering.descriptors[name]) for name in sorted(lowering.descriptors)] if ws else []
     body = []
     first = next((p for p in kernel.params if not p.is_scalar), None)
     grid_shape = first.arranged._shape if first is not None else ()
@@ -594,7 +662,7 @@ def generate(
         loop = ast.For(ast.Name("program_linear", ast.Store()), loop_range, body + tree.body, [], lineno=0)
         body = [_assign(name, value) for name, value in namer.hoisted.values()] + [loop]
     else:
-        body = [_assign(name, value) for name, value in namer.hoisted.values()] + body + tree.body
+        body = [_assign(name, value) for name, value in namer.hoisted.values()] + body + made + tree.body
     arguments = []
     for p in kernel.params:
         if p.is_scalar:
@@ -604,7 +672,7 @@ def generate(
                 body.insert(0, ast.Assign([ast.Name(p.name, ast.Store())], ast.Constant(p.source.value), lineno=0))
         else:
             arguments.append((f"{p.name}_ptr", "pointer", p.name, False))
-            if p.name in lowering.descriptors:
+            if p.name in lowering.descriptors and not ws:
                 rows, block = lowering.descriptors[p.name]
                 arguments.append((f"{p.name}_desc", "descriptor", (p.name, block, rows), False))
     leaves = dict(namer.used)
