@@ -28,6 +28,7 @@ step_command() {
     llm-bench) echo "$PDL_ENV python3 -m ninefold.bench.llm" ;;
     llm-bench-gpt-fast) echo 'python3 -m ninefold.bench.llm --gpt-fast .peers/gpt-fast' ;;
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
+    llm-profile-offline) echo 'python3 -m ninefold.bench.llm_profile --whole-offline' ;;
     gpu-state) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv' ;;
     ops-memory) echo 'python3 -m ninefold.bench.ops_memory' ;;
     ops-attention) echo 'python3 -m pytest tests/ops/test_attention.py -q -n 4 -k cuda -p no:cacheprovider; python3 -m ninefold.bench.ops_attention' ;;

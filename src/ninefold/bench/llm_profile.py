@@ -138,10 +138,64 @@ def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0,
     return {"elapsed_s": elapsed, "steps": steps, "profiled": profiled, "buckets": {k: {"s": v[0] / 1e3, "steps": v[1]} for k, v in buckets.items()}}
 
 
+KERNEL_KINDS = (("attention", ("decode_split", "decode_merge", "prefill_kernel", "attention")),
+                ("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass", "gemv", "sm90_xmma")),
+                ("norm", ("rms_norm", "application_fused", "norm")), ("activation", ("swiglu", "gated", "silu")),
+                ("rope+cache", ("rope", "cache")), ("sampling", ("argmax", "sample", "softmax")),
+                ("copies", ("Memcpy", "Memset", "copy", "gather", "index")))
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel by its name (``KERNEL_KINDS``; "other" when none matches)."""
+    for kind, keys in KERNEL_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def offline_kernel_totals(engine, num_requests: int, seed: int = 0) -> dict:
+    """The whole offline workload run as ``ninefold.bench.llm`` runs it (no sync per step), with
+    every kernel recorded: device seconds per kind of kernel against the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninefold.llm.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    for i in range(num_requests):
+        p, o = rng.randint(100, 1024), rng.randint(100, 1024)
+        sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(p)], sp, f"full{i}"))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kinds: dict[str, float] = collections.defaultdict(float)
+    names: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            kinds[kernel_kind(event.name)] += us / 1e6
+            names[event.name[:100]] += us / 1e6
+    busy = sum(kinds.values())
+    print(f"\noffline, whole run with every kernel recorded: {wall:.2f} s wall (profiler on), {busy:.2f} s of kernels")
+    for kind, sec in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:12s} {sec:7.2f} s {sec / busy:6.1%}")
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:15]
+    for name, sec in top:
+        print(f"    {sec:7.3f} s  {name}")
+    return {"wall_s": wall, "kernel_s": busy, "kinds_s": dict(kinds), "top_kernels_s": dict(top)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_profile", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--offline-seconds", type=float, default=40.0)
+    parser.add_argument("--whole-offline", action="store_true",
+                        help="only: the whole offline run with every kernel recorded, by kind of kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ninefold.bench.llm_profile needs a CUDA device; nothing measured.", file=sys.stderr)
@@ -151,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=17408,
                        max_num_seqs=256, max_num_batched_tokens=16384)
     engine.stream_outputs = False
+    if args.whole_offline:
+        results = {"offline_kernels": offline_kernel_totals(engine, 256)}
+        out = os.environ.get("OUT")
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "llm_profile_offline.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     results = {"decode": [profile_decode(engine, b, c) for b, c in ((1, 256), (1, 4096), (64, 600), (256, 600))]}
     results["offline"] = offline_step_log(engine, 256, args.offline_seconds)
     out = os.environ.get("OUT")
