@@ -149,19 +149,23 @@ class decode_launches:
     def __enter__(self) -> list:
         from ninefold.ops.triton import decode
 
-        self.names, self.real = [], decode.call
+        self.names, self.real, self.real_pdl = [], decode.call, decode._SPLIT_PDL
 
         def recording_call(kernel, *args, **kwargs):
             self.names.append(kernel.fn.__name__)
             return self.real(kernel, *args, **kwargs)
 
-        decode.call = recording_call
+        def recording_pdl(*args, **kwargs):  # the split kernel's PDL launches (CUDA, sm_90+)
+            self.names.append(self.real_pdl.kernel.fn.__name__)
+            return self.real_pdl(*args, **kwargs)
+
+        decode.call, decode._SPLIT_PDL = recording_call, recording_pdl
         return self.names
 
     def __exit__(self, *exc) -> None:
         from ninefold.ops.triton import decode
 
-        decode.call = self.real
+        decode.call, decode._SPLIT_PDL = self.real, self.real_pdl
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA")

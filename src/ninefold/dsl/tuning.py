@@ -94,7 +94,40 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
                 firsts.setdefault(repr(sorted(c["meta"].items())), c)
         chosen = list(firsts.values())[:TMA_CONFIGS]
         out += [dict(c, tma="rows", hoist=True) for c in chosen] + [dict(c, tma="rows", hoist=True, grouped=False) for c in chosen]
+        if ws_candidates_apply(kernel, bound):
+            # the same tile shapes warp-specialized (4 warps asked for: a producer and two consumer
+            # warpgroups), 2 stages (each stage holds every loop tile; 3 where they are small)
+            for c in chosen:
+                stage = _stage_bytes(kernel, bound, c)
+                out += [dict(c, tma="rows", ws=True, num_warps=4, num_stages=n) for n in (2, 3) if n == 2 or stage * n <= WS_SHARED_MEMORY]
     return out
+
+
+WS_SHARED_MEMORY = 112 * 1024  # the loop tiles' share (the rest: the q tile, barriers, layout conversions)
+
+
+def ws_tuning_enabled() -> bool:
+    """Whether the tuner also times warp-specialized candidates (``NINEFOLD_DSL_TUNE_WS``: on unless "0")."""
+    return os.environ.get("NINEFOLD_DSL_TUNE_WS", "1") != "0"
+
+
+def ws_candidates_apply(kernel, bound) -> bool:
+    """Warp-specialized candidates (``Kernel.warp_specialize``) for this call: where TMA candidates
+    apply, the application has exactly one loop with a ``dot`` (what Triton's sm_90 pass takes),
+    Triton can make descriptors on the device, and the kernel does not fix another number of warps."""
+    from ninefold.dsl.backends.triton import ws_ready
+    from ninefold.dsl.backends.triton_codegen import dot_loops
+
+    if not ws_tuning_enabled() or getattr(kernel, "warp_specialize", False) or kernel.num_warps not in (None, 4):
+        return False
+    return dot_loops(kernel) == 1 and ws_ready(bound)
+
+
+def _stage_bytes(kernel, bound, config):
+    """Bytes of the tiles read in the loop (those indexed by a middle level) for ``config``'s meta."""
+    names = {kernel.symbol_names[s]: s for s in kernel.meta_symbols}
+    shape = _tile_sizes(kernel, bound, {names[n]: v for n, v in config["meta"].items() if n in names})
+    return sum(b for _, _, b in shape[0]) if shape else 0
 
 
 TMA_CONFIGS = 4

@@ -18,6 +18,14 @@ writes the output directly; a launch with one split per sequence (large batches)
 specialisation without the merge code (``MERGE=0``: it needs fewer registers). With
 ``one_kernel=0`` a second kernel merges instead (the previous design, kept for comparison and
 for the benchmark's "old" column).
+
+Programmatic dependent launch (``USE_GDC``; where :func:`pdl_wanted`): the split kernel lets the
+next PDL kernel (the o-projection GEMV, which streams its weights before it waits) launch at once,
+reads the context length and the first block-table entries (copied from the host before the step)
+while the kernel before it (``rope_and_cache``, which writes this step's keys) finishes, and then
+waits for it (``gdc_wait``, in every program) before it reads q or the cache or writes anything.
+The merge kernel of the two-kernel path is launched plainly after it (it waits for the whole split
+kernel). The arrival counters are touched only after the wait, so PDL does not change the merge.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import call
+from ninefold.ops.triton import gemv_pdl
+from ninefold.ops.triton import launch as launch_module
+from ninefold.ops.triton.launch import Launcher, call
 
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -125,8 +135,10 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                         stride_btb, num_splits, batch, kv_heads, heads_fastest, min_split, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                         PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr,
-                        G2: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr):
+                        G2: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, USE_GDC: tl.constexpr = False):
     # A program takes HEADS adjacent KV heads (their GROUP * HEADS query heads are its rows).
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_groups = kv_heads // HEADS
     if heads_fastest:  # the KV heads of one block run side by side (they share its DRAM pages)
@@ -146,12 +158,17 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     g = tl.arange(0, BLOCK_G)
     gm = g < GROUP * HEADS
     e = tl.arange(0, D)
-    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + e[None, :], mask=gm[:, None], other=0.0)
+    q_ptrs = q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + e[None, :]
+    if not USE_GDC:
+        q = tl.load(q_ptrs, mask=gm[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     first = start + tl.arange(0, BLOCK_N * HEADS) // HEADS
     page = tl.load(bt_ptr + b * stride_btb + first // PAGE, mask=first < end, other=0)
+    if USE_GDC:  # q and this step's keys come from the kernels before; nothing is written before this point
+        tl.extra.cuda.gdc_wait()
+        q = tl.load(q_ptrs, mask=gm[:, None], other=0.0)
     if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
         for i in range(STATIC_ITERS):
             n0 = start + i * BLOCK_N
@@ -238,7 +255,7 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
         heads = _heads_per_program(shapes.kv_heads, cfg)
         for merge in sorted(set(merges)):
             variant = {"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-                       "constexprs": {**split, "BLOCK_N": block_n, "MERGE": merge, "HEADS": heads,
+                       "constexprs": {**split, "BLOCK_N": block_n, "MERGE": merge, "HEADS": heads, "USE_GDC": False,
                                       "BLOCK_G": max(16, triton.next_power_of_2(group * heads)),
                                       **_merge_tile(group * heads, cfg)}}
             if variant not in found:
@@ -324,12 +341,42 @@ def plan(batch: int, kv_heads: int, capacity: int, sms: int, dtype: torch.dtype,
     return config, heads, block_n, per_split, splits
 
 
+def pdl_wanted(device: torch.device) -> bool:
+    """Whether the attention-side decode kernels (``rope_and_cache``, the split kernel) launch with
+    programmatic dependent launch on ``device``: a CUDA device where
+    :func:`ninefold.ops.triton.gemv_pdl.pdl_available` holds, unless ``NINEFOLD_GEMV_PDL=0`` (PDL
+    off everywhere) or ``NINEFOLD_DECODE_PDL=0`` (off for these kernels only), and not while a
+    trimmed build is active or recorded (its binaries are plain launches). Read at every call, so at
+    CUDA-graph capture."""
+    if device.type != "cuda" or os.environ.get("NINEFOLD_GEMV_PDL", "1") == "0":
+        return False
+    if launch_module._recorded is not None or launch_module.library() is not None:
+        return False  # a trimmed build (or one being recorded) serves these kernels: it holds no PDL binaries
+    return os.environ.get("NINEFOLD_DECODE_PDL", "1") != "0" and gemv_pdl.pdl_available(device)
+
+
+def check_pdl(pdl, device: torch.device, op: str) -> bool:
+    """``pdl`` as a bool, refusing ``True`` where PDL is not available on ``device``."""
+    if not isinstance(pdl, bool):
+        raise TypeError(f"{op}: pdl must be a bool or None, got {type(pdl).__name__}")
+    if pdl and not (device.type == "cuda" and gemv_pdl.pdl_available(device)):
+        raise ValueError(f"{op}: pdl=True needs a CUDA device of compute capability >= 9 and a Triton with "
+                         f"launch_pdl/gdc_wait (not the interpreter); got device {device}")
+    return pdl
+
+
+_SPLIT_CONSTEXPRS = ("GROUP", "BLOCK_G", "D", "BLOCK_N", "PAGE", "PRECISION", "STATIC_ITERS", "MERGE", "G2", "BLOCK_S",
+                     "HEADS", "USE_GDC")
+_SPLIT_PDL = Launcher(decode_split_kernel, _SPLIT_CONSTEXPRS)
+
+
 def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG)
 
 
-def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict):
-    """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``)."""
+def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None):
+    """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``); ``pdl``:
+    launch the split kernel with programmatic dependent launch (``None``: where :func:`pdl_wanted`)."""
     b, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     group = hq // hk
@@ -347,16 +394,21 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict)
         arrivals = counters(q.device, b * hk) if merge else _unused(q.device)
     else:  # the split kernel writes ``out`` itself
         part = lse = arrivals = _unused(q.device)
-    call(decode_split_kernel, (b * hk // heads, splits),
-         q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, scale * LOG2E, q.stride(0),
-         q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-         block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), min_split, GROUP=group,
-         BLOCK_G=max(16, triton.next_power_of_2(group * heads)), D=d, BLOCK_N=block_n, PAGE=page,
-         STATIC_ITERS=triton.cdiv(max(per_split, min_split), block_n) if INTERPRETED else 0,
-         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, **_merge_tile(group * heads, config),
-         HEADS=heads,
-         num_warps=config["num_warps"],
-         num_stages=config["num_stages"])
+    pdl = pdl_wanted(q.device) if pdl is None else check_pdl(pdl, q.device, "attention_decode")
+    args = (q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, scale * LOG2E, q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), min_split)
+    consts = dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group * heads)), D=d, BLOCK_N=block_n,
+                  PAGE=page, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  STATIC_ITERS=triton.cdiv(max(per_split, min_split), block_n) if INTERPRETED else 0, MERGE=merge,
+                  **_merge_tile(group * heads, config), HEADS=heads)
+    if pdl:  # a direct launch (builds hold no PDL binaries)
+        _SPLIT_PDL((b * hk // heads, splits), args, (*(consts[n] for n in _SPLIT_CONSTEXPRS[:-1]), True),
+                   num_warps=config["num_warps"], num_stages=config["num_stages"], device_index=q.get_device(),
+                   launch_pdl=True)
+    else:
+        call(decode_split_kernel, (b * hk // heads, splits), *args, **consts, num_warps=config["num_warps"],
+             num_stages=config["num_stages"])
     if splits > 1 and not merge:
         call(decode_merge_kernel, (b, hq), part, lse, out, splits, out.stride(0), out.stride(1), hq, D=d,
              BLOCK_S=triton.next_power_of_2(splits), num_warps=4)

@@ -6,6 +6,12 @@ and into ``k_cache`` at the token's slot), and copies v into ``v_cache`` (float3
 rounding of ``rope``). Caches are contiguous ``[num_blocks, block_size, Hk, D]``, so slot ``s``
 starts at element ``s * Hk * D``; slot ``-1`` writes nothing to the caches. Launch
 configurations follow ``rope``'s (``ninefold.ops.triton.rope.config``).
+
+Programmatic dependent launch (``USE_GDC``, CUDA sm_90+, see :func:`ninefold.ops.triton.decode.pdl_wanted`):
+the kernel lets the next PDL kernel launch at once (``gdc_launch_dependents``), reads what the host
+copied before the step (positions, slots) and the constant cos/sin table while the kernel before it
+(the qkv projection) finishes, and waits for that kernel (``gdc_wait``, in every program) before it
+reads q, k, v or writes anything.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton import decode
 from ninefold.ops.triton import rope as rope_module
 from ninefold.ops.triton.launch import Launcher, empty
 
@@ -64,7 +71,9 @@ def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_
                           n_tokens, hq, hk, d, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_cache, HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
     tmask = tok < n_tokens
     pos = tl.load(pos_ptr + tok, mask=tmask, other=0).to(tl.int64)
@@ -75,6 +84,8 @@ def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_
     cmask = tmask & (i < HALF)
     cos = tl.load(cache_ptr + pos * stride_cache + i, mask=cmask, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=cmask, other=0.0).to(tl.float32)
+    if USE_GDC:  # q, k, v come from the kernel before; nothing is written before this point
+        tl.extra.cuda.gdc_wait()
     _rotate_heads_to(q_ptr, q_out_ptr, q_out_ptr, tok, tmask, slot_off, smask, cos, sin, hq, d, stride_qt, stride_qh,
                      HALF, IS_NEOX, BLOCK_HQ, BLOCK_HALF, BLOCK_TAIL, False)
     _rotate_heads_to(k_ptr, k_out_ptr, kc_ptr, tok, tmask, slot_off, smask, cos, sin, hk, d, stride_kt, stride_kh,
@@ -86,7 +97,7 @@ def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_
              mask=vmask)
 
 
-_NAMES = ("HALF", "IS_NEOX", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "BLOCK_TAIL", "BLOCK_D")
+_NAMES = ("HALF", "IS_NEOX", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "BLOCK_TAIL", "BLOCK_D", "USE_GDC")
 _KERNEL = Launcher(rope_and_cache_kernel, _NAMES)
 
 
@@ -98,24 +109,28 @@ def supports(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, 
     return None
 
 
-def _constexprs(hq, hk, d, half, is_neox, cfg) -> tuple:
+def _constexprs(hq, hk, d, half, is_neox, cfg, use_gdc: bool = False) -> tuple:
     p2 = triton.next_power_of_2
     tail = d - 2 * half
-    return (half, is_neox, cfg["tokens"], p2(hq), p2(hk), p2(half), p2(tail) if tail else 0, p2(d))
+    return (half, is_neox, cfg["tokens"], p2(hq), p2(hk), p2(half), p2(tail) if tail else 0, p2(d), use_gdc)
 
 
-def rope_and_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox):
-    """Rotated copies of q ``[T, Hq, D]`` and k ``[T, Hk, D]``; rotated k and v written to the caches (one launch)."""
+def rope_and_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, pdl=None):
+    """Rotated copies of q ``[T, Hq, D]`` and k ``[T, Hk, D]``; rotated k and v written to the caches (one launch).
+
+    ``pdl``: launch with programmatic dependent launch (``None``: where
+    :func:`ninefold.ops.triton.decode.pdl_wanted` says so; ``True`` needs it available)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     q_out, k_out = empty(q), empty(k)
     if t:
+        pdl = decode.pdl_wanted(q.device) if pdl is None else decode.check_pdl(pdl, q.device, "rope_and_cache")
         cfg = rope_module.config(hq, hk, d, t)
         _KERNEL((triton.cdiv(t, cfg["tokens"]),),
                 (q, k, v, q_out, k_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache, t, hq, hk, d,
                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0)),
-                _constexprs(hq, hk, d, cos_sin_cache.shape[1] // 2, is_neox, cfg), num_warps=cfg["num_warps"],
-                device_index=q.get_device())
+                _constexprs(hq, hk, d, cos_sin_cache.shape[1] // 2, is_neox, cfg, pdl), num_warps=cfg["num_warps"],
+                device_index=q.get_device(), launch_pdl=pdl)
     return q_out, k_out
 
 
