@@ -248,7 +248,7 @@ def time_decode(sh, device, width, replays) -> list[dict]:
 
 
 # Ragged batches as the offline workload has them mid-run: (batch, shortest, longest context).
-RAGGED_CASES = ((200, 400, 1900), (128, 700, 2000))
+RAGGED_CASES = ((200, 400, 1900), (128, 700, 2000), (88, 900, 2000))
 RAGGED_VARIANTS = (("default", {}), ("per_sm 8", {"per_sm": 8}), ("per_sm 16", {"per_sm": 16}),
                    ("1 head/program", {"heads_per_program": 1}))
 
