@@ -115,16 +115,22 @@ def _constexprs(hq, hk, d, half, is_neox, cfg, use_gdc: bool = False) -> tuple:
     return (half, is_neox, cfg["tokens"], p2(hq), p2(hk), p2(half), p2(tail) if tail else 0, p2(d), use_gdc)
 
 
+def pdl_wanted(device: torch.device) -> bool:
+    """Whether this kernel launches with PDL on ``device`` (the decode kernels' switch,
+    :func:`ninefold.ops.triton.decode.pdl_wanted`; a name of its own so benchmarks can set it apart)."""
+    return decode.pdl_wanted(device)
+
+
 def rope_and_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, pdl=None):
     """Rotated copies of q ``[T, Hq, D]`` and k ``[T, Hk, D]``; rotated k and v written to the caches (one launch).
 
-    ``pdl``: launch with programmatic dependent launch (``None``: where
-    :func:`ninefold.ops.triton.decode.pdl_wanted` says so; ``True`` needs it available)."""
+    ``pdl``: launch with programmatic dependent launch (``None``: where :func:`pdl_wanted` says so;
+    ``True`` needs it available)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     q_out, k_out = empty(q), empty(k)
     if t:
-        pdl = decode.pdl_wanted(q.device) if pdl is None else decode.check_pdl(pdl, q.device, "rope_and_cache")
+        pdl = pdl_wanted(q.device) if pdl is None else decode.check_pdl(pdl, q.device, "rope_and_cache")
         cfg = rope_module.config(hq, hk, d, t)
         _KERNEL((triton.cdiv(t, cfg["tokens"]),),
                 (q, k, v, q_out, k_out, k_cache, v_cache, positions, slot_mapping, cos_sin_cache, t, hq, hk, d,

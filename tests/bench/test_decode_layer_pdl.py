@@ -1,0 +1,55 @@
+"""``python -m ninefold.bench.decode_layer_pdl``: its CPU paths (``--smoke``), arguments and PDL switches."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, out=None):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    if out is not None:
+        env["OUT"] = str(out)
+    return subprocess.run([sys.executable, "-m", "ninefold.bench.decode_layer_pdl", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_checks_the_step_and_skips_pdl_without_a_gpu(tmp_path):
+    done = _run("--smoke", "--context", "33", out=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "decode_layer_pdl.json").read_text())
+    assert result["shapes"]["context"] == 33 and result["cos_vs_unfused"] >= 0.995
+    variants = result["variants"]
+    assert set(variants) == {"no_pdl", "pdl_gemv", "pdl_rope", "pdl_attn", "pdl_all"}
+    assert variants["no_pdl"]["ok"] and variants["no_pdl"]["eager"]["bit_equal"]
+    for name in ("pdl_gemv", "pdl_rope", "pdl_attn", "pdl_all"):
+        assert "PDL not available" in variants[name]["skipped"]
+    assert "no_pdl step vs the unfused ops" in done.stdout
+
+
+@pytest.mark.parametrize("args,message", [(["--iters", "0"], "--iters must be >= 1, got 0"),
+                                          (["--context", "0"], "--context must be in 1..128, got 0"),
+                                          (["--variants", "fast"], "invalid choice: 'fast'")])
+def test_bad_arguments_are_named(args, message):
+    done = _run("--smoke", *args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_switches_set_each_kernel_and_restore(monkeypatch):
+    from ninefold.bench.decode_layer_pdl import switches
+    from ninefold.ops.triton import decode, rope_cache
+
+    monkeypatch.delenv("NINEFOLD_GEMV_PDL", raising=False)
+    before = decode.pdl_wanted, rope_cache.pdl_wanted
+    with switches(True, False, True):
+        assert os.environ["NINEFOLD_GEMV_PDL"] == "1"
+        assert rope_cache.pdl_wanted(torch.device("cpu")) is False
+        assert decode.pdl_wanted(torch.device("cpu")) is False  # no PDL on a CPU whatever the switch
+    assert (decode.pdl_wanted, rope_cache.pdl_wanted) == before and "NINEFOLD_GEMV_PDL" not in os.environ
