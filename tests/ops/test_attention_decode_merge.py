@@ -178,3 +178,22 @@ def test_default_config_at_large_and_small_batch_cuda(dtype):
         args = _case(lengths, 32, 8, 128, dtype, seed=len(lengths), extra_columns=40)
         out = decode.launch(*args, None, decode.CONFIG)
         assert_close(out, ref.attention_decode(*args), dtype, scale=ATTENTION_SCALE)
+
+
+def test_medium_batch_keeps_the_unsplit_config_with_one_head_per_program(monkeypatch):
+    # CONFIG (2 KV heads per program) would split; split_config's 1 head per program leaves one split:
+    # the launch then runs CONFIG's settings with one head per program, unsplit.
+    from ninefold.ops.triton import decode
+
+    config = _config(heads_per_program=2, heads_fastest=1, per_sm=4, min_tiles=2, block_n=32,
+                     split_config={"block_n": 64, "heads_fastest": 0, "heads_per_program": 1, "merge_rows": 16})
+    used, heads, block_n, _, splits = decode.plan(12, 2, 1024, 4, torch.float16, config)  # 12 programs / 4 "SMs"
+    assert (heads, block_n, splits, used["heads_fastest"]) == (1, 32, 1, 1)
+    used, heads, block_n, _, splits = decode.plan(2, 2, 1024, 4, torch.float16, config)  # few programs: split
+    assert (heads, block_n, used["heads_fastest"]) == (1, 64, 0) and splits > 1
+    used, heads, _, _, splits = decode.plan(40, 2, 1024, 4, torch.float16, config)  # many: unsplit, 2 heads
+    assert (heads, splits) == (2, 1)
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 4)
+    args = _case([40, 3, 90, 17, 64, 5, 33, 70, 1, 20, 48, 9], 8, 2, 16, torch.float32, seed=69, extra_columns=3)
+    out = decode.launch(*args, None, {**config, "block_n": 16})
+    assert_close(out, ref.attention_decode(*args), torch.float32, scale=ATTENTION_SCALE)

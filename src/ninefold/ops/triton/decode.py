@@ -242,15 +242,17 @@ def _sm_count(device: torch.device) -> int:
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for
-    ``ninefold.ops.triton.aot``: the split kernel unsplit under ``CONFIG`` (MERGE 0: large batches)
-    and under its ``split_config`` with the in-place merge (MERGE 1, unless ``one_kernel=0``) or
-    without (one split after all), and the merge kernel of the two-kernel path."""
+    ``ninefold.ops.triton.aot``: the split kernel unsplit under ``CONFIG`` (MERGE 0: large batches;
+    also with one KV head per program: medium batches, see :func:`plan`) and under its
+    ``split_config`` with the in-place merge (MERGE 1, unless ``one_kernel=0``) or without, and the
+    merge kernel of the two-kernel path."""
     group = shapes.heads // shapes.kv_heads
     split = {"GROUP": group, "D": shapes.head_dim, "PAGE": shapes.block_size,
              "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STATIC_ITERS": 0}
     found = []
     # Unsplit launches under CONFIG; split ones under its split_config, merging (or, one split after all, not).
-    for cfg, merges in ((CONFIG, (0,)), ({**CONFIG, **CONFIG.get("split_config", {})}, (0, _merges_in_place(CONFIG)))):
+    for cfg, merges in ((CONFIG, (0,)), ({**CONFIG, "heads_per_program": 1}, (0,)),
+                        ({**CONFIG, **CONFIG.get("split_config", {})}, (0, _merges_in_place(CONFIG)))):
         block_n = cfg["block_n"] if dtype != torch.float32 else min(32, cfg["block_n"])
         heads = _heads_per_program(shapes.kv_heads, cfg)
         for merge in sorted(set(merges)):
@@ -331,13 +333,23 @@ def _sizing(capacity: int, programs: int, sms: int, dtype: torch.dtype, config: 
 
 def plan(batch: int, kv_heads: int, capacity: int, sms: int, dtype: torch.dtype, config: dict) -> tuple:
     """``(config, KV heads per program, keys per step, most keys per split, splits)`` of a launch:
-    ``config`` with its ``split_config`` applied when the context is split (few programs)."""
+    ``config`` with its ``split_config`` applied when the context is split (few programs). When
+    ``config`` would split only because it packs several KV heads per program, and the split
+    configuration's one head per program leaves a single split, the launch keeps ``config`` with one
+    head per program (H200, ragged batch 128 longest context first: 167.2 us vs 178.7 us with the
+    split configuration run unsplit, .notes/gpu12/decode-attention-ragged.log)."""
     heads = _heads_per_program(kv_heads, config)
     block_n, per_split, splits = _sizing(capacity, batch * kv_heads // heads, sms, dtype, config)
     if splits > 1 and config.get("split_config"):
-        config = {**config, **config["split_config"]}
-        heads = _heads_per_program(kv_heads, config)
-        block_n, per_split, splits = _sizing(capacity, batch * kv_heads // heads, sms, dtype, config)
+        split = {**config, **config["split_config"]}
+        heads = _heads_per_program(kv_heads, split)
+        block_n, per_split, splits = _sizing(capacity, batch * kv_heads // heads, sms, dtype, split)
+        if splits > 1:
+            config = split
+        else:  # more programs, yet one split each: the unsplit settings with one KV head per program
+            config = {**config, "heads_per_program": 1}
+            heads = 1
+            block_n, per_split, splits = _sizing(capacity, batch * kv_heads, sms, dtype, config)
     return config, heads, block_n, per_split, splits
 
 
