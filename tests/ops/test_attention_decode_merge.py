@@ -197,3 +197,23 @@ def test_medium_batch_keeps_the_unsplit_config_with_one_head_per_program(monkeyp
     args = _case([40, 3, 90, 17, 64, 5, 33, 70, 1, 20, 48, 9], 8, 2, 16, torch.float32, seed=69, extra_columns=3)
     out = decode.launch(*args, None, {**config, "block_n": 16})
     assert_close(out, ref.attention_decode(*args), torch.float32, scale=ATTENTION_SCALE)
+
+
+@pytest.mark.parametrize("per_sm,one_kernel", [(16, 1), (16, 0), (1, 1)], ids=["split", "split-two-kernels", "unsplit"])
+def test_early_first_tile_gives_the_same_bits(per_sm, one_kernel):
+    # EARLY_KV (the PDL launch's option): the first tile's older keys are loaded up front and the
+    # newest key (position length - 1) after; nothing else changes.
+    from ninefold.ops.triton import decode
+
+    q, k_cache, v_cache, tables, lens = _case([1, 50, 200, 17, 96, 33], 8, 2, 16, torch.float32, seed=70,
+                                              extra_columns=4)
+    lens[3] = 0  # a padded CUDA-graph row
+    config = _config(per_sm=per_sm, one_kernel=one_kernel)
+    plain = decode.launch(q, k_cache, v_cache, tables, lens, None, config, early_kv=False)
+    early = decode.launch(q, k_cache, v_cache, tables, lens, None, config, early_kv=True)
+    rows = [0, 1, 2, 4, 5]  # the two-kernel path leaves a context-0 row undefined (NaN)
+    assert torch.equal(plain[rows], early[rows])
+    if one_kernel:
+        assert torch.equal(early[3], torch.zeros_like(early[3]))
+    assert_close(early[rows], ref.attention_decode(q[rows], k_cache, v_cache, tables[rows], lens[rows]), torch.float32,
+                 scale=ATTENTION_SCALE)

@@ -83,6 +83,20 @@ def test_sm90_decode_split_kernel_reads_lengths_and_tables_before_waiting():
             assert "atom" in compiled.asm["ptx"]
 
 
+@pytest.mark.skipif(not gemv_pdl.pdl_api(), reason="this Triton has no gdc_wait/launch_pdl")
+def test_sm90_decode_split_kernel_with_early_kv_loads_keys_before_waiting():
+    # NINEFOLD_DECODE_EARLY_KV: the first tile's older keys/values are requested before the wait, still no writes.
+    variants = [v for v in decode.aot_variants("attention_decode", torch.bfloat16, workloads.shapes("llama-8b"))
+                if v["kernel"] is decode.decode_split_kernel]
+    for variant in variants:
+        compiled = _compile_pdl({**variant, "constexprs": {**variant["constexprs"], "EARLY_KV": True}}, torch.bfloat16)
+        ttir = compiled.asm["ttir"].splitlines()
+        wait = _first(ttir, WAITS)
+        early = [line for line in ttir[:wait] if "tt.load" in line]
+        assert sum("!tt.ptr<bf16>" in line for line in early) == 2  # keys and values; q after the wait
+        assert not any(op in line for line in ttir[:wait] for op in ("tt.store", "tt.atomic"))
+
+
 def test_switch_and_errors_on_the_cpu(monkeypatch):
     cpu = torch.device("cpu")
     assert not decode.pdl_wanted(cpu)
@@ -132,7 +146,7 @@ class _Layer:
     def caches(self):
         return self.k_cache.clone(), self.v_cache.clone()
 
-    def step(self, k_cache, v_cache, pdl: bool, config=None):
+    def step(self, k_cache, v_cache, pdl: bool, config=None, early_kv=False):
         """qkv projection -> rope_and_cache -> decode attention -> o projection (GEMVs at batch 1)."""
         b, hq, hk, d = self.x.shape[0], self.hq, self.hk, self.d
         if b == 1:
@@ -142,7 +156,8 @@ class _Layer:
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q, k = rope_cache.rope_and_cache(q.view(b, hq, d), k.view(b, hk, d), v.view(b, hk, d), self.positions,
                                          self.cos_sin, k_cache, v_cache, self.slots, True, pdl=pdl)
-        o = decode.launch(q, k_cache, v_cache, self.tables, self.lens, None, config or decode.CONFIG, pdl=pdl)
+        o = decode.launch(q, k_cache, v_cache, self.tables, self.lens, None, config or decode.CONFIG, pdl=pdl,
+                          early_kv=early_kv)
         if b == 1:
             return q, k, o, gemv_pdl.gemv_pdl(o.reshape(-1), self.w_o, pdl=pdl, split_k=4)[None]
         return q, k, o, o.reshape(b, -1) @ self.w_o.T
@@ -154,24 +169,25 @@ REGIMES = {"batch1-long": [4097], "batch1-short": [37], "batch3-ragged-split": [
 
 
 @pdl_cuda
+@pytest.mark.parametrize("early_kv", [False, True], ids=["", "early-kv"])
 @pytest.mark.parametrize("one_kernel", [1, 0], ids=["one-kernel", "two-kernels"])
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_pdl_chain_is_bit_identical_eager_and_in_a_graph_cuda(regime, one_kernel):
+def test_pdl_chain_is_bit_identical_eager_and_in_a_graph_cuda(regime, one_kernel, early_kv):
     layer = _Layer(REGIMES[regime], seed=len(regime))
     config = {**decode.CONFIG, "one_kernel": one_kernel}
     plain_caches, pdl_caches = layer.caches(), layer.caches()
     plain = layer.step(*plain_caches, pdl=False, config=config)
     for _ in range(2):  # a second launch finds the merge counters reset
-        eager = layer.step(*pdl_caches, pdl=True, config=config)
+        eager = layer.step(*pdl_caches, pdl=True, config=config, early_kv=early_kv)
         for a, b in zip(plain, eager):
             assert torch.equal(a, b)
         assert torch.equal(plain_caches[0], pdl_caches[0]) and torch.equal(plain_caches[1], pdl_caches[1])
     graph_caches = layer.caches()
-    layer.step(*graph_caches, pdl=True, config=config)  # compiled before capture
+    layer.step(*graph_caches, pdl=True, config=config, early_kv=early_kv)  # compiled before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = layer.step(*graph_caches, pdl=True, config=config)
+        captured = layer.step(*graph_caches, pdl=True, config=config, early_kv=early_kv)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

@@ -11,13 +11,15 @@ Variants (each captured in a CUDA graph; the switches are read at capture):
 - ``no_pdl``: ``NINEFOLD_GEMV_PDL=0`` (no PDL anywhere);
 - ``pdl_gemv``: PDL on the GEMVs only (``NINEFOLD_DECODE_PDL=0``: the engine before this change);
 - ``pdl_rope``, ``pdl_attn``: PDL on the GEMVs and on ``rope_and_cache`` / decode attention only;
-- ``pdl_all``: PDL on every kernel of the layer (the default now).
+- ``pdl_all``: PDL on every kernel of the layer (the default now);
+- ``pdl_all_early``: ``pdl_all`` with ``NINEFOLD_DECODE_EARLY_KV=1`` (attention reads its first key
+  tile before waiting; off by default).
 
 Correctness first: the step without PDL against the unfused ops (cosine of the logits >= 0.995);
 every variant's logits, final residual and KV caches, eagerly and from its graph,
 against ``no_pdl`` run eagerly (bit-identical expected: PDL changes when kernels start, not what
 they compute; a difference fails the run, exit 1). Then the graphs are replayed in interleaved
-rounds (median ms per token). Prints a table; JSON in ``$OUT/decode_layer_pdl.json``.
+rounds (median ms per token) and checked again. Prints a table; JSON in ``$OUT/decode_layer_pdl.json``.
 ``--smoke`` runs tiny shapes on the CPU (Triton interpreter, no PDL, no graphs, no timing).
 """
 
@@ -37,28 +39,33 @@ from ninefold.bench import decode_chain
 
 FULL = dict(decode_chain.FULL, context=256, table_tokens=17408)
 SMOKE = dict(decode_chain.SMOKE, context=40, table_tokens=128)
-# variant: (NINEFOLD_GEMV_PDL, rope_and_cache PDL, decode attention PDL)
-VARIANTS = {"no_pdl": (False, False, False), "pdl_gemv": (True, False, False), "pdl_rope": (True, True, False),
-            "pdl_attn": (True, False, True), "pdl_all": (True, True, True)}
+# variant: (NINEFOLD_GEMV_PDL, rope_and_cache PDL, decode attention PDL, NINEFOLD_DECODE_EARLY_KV)
+VARIANTS = {"no_pdl": (False, False, False, False), "pdl_gemv": (True, False, False, False),
+            "pdl_rope": (True, True, False, False), "pdl_attn": (True, False, True, False),
+            "pdl_all": (True, True, True, False), "pdl_all_early": (True, True, True, True)}
 
 
 @contextlib.contextmanager
-def switches(gemv: bool, rope: bool, attention: bool):
-    """PDL of the GEMVs (``NINEFOLD_GEMV_PDL``), of ``rope_and_cache`` and of decode attention, for the block."""
+def switches(gemv: bool, rope: bool, attention: bool, early: bool = False):
+    """PDL of the GEMVs (``NINEFOLD_GEMV_PDL``), of ``rope_and_cache`` and of decode attention, and
+    attention's early first tile (``NINEFOLD_DECODE_EARLY_KV``), for the block."""
     from ninefold.ops.triton import decode, rope_cache
 
-    saved = os.environ.get("NINEFOLD_GEMV_PDL"), rope_cache.pdl_wanted, decode.pdl_wanted
+    saved = (os.environ.get("NINEFOLD_GEMV_PDL"), rope_cache.pdl_wanted, decode.pdl_wanted,
+             os.environ.get("NINEFOLD_DECODE_EARLY_KV"))
     real = decode.pdl_wanted
     os.environ["NINEFOLD_GEMV_PDL"] = "1" if gemv else "0"
+    os.environ["NINEFOLD_DECODE_EARLY_KV"] = "1" if early else "0"
     rope_cache.pdl_wanted = lambda device: rope and real(device)
     decode.pdl_wanted = lambda device: attention and real(device)
     try:
         yield
     finally:
-        if saved[0] is None:
-            os.environ.pop("NINEFOLD_GEMV_PDL", None)
-        else:
-            os.environ["NINEFOLD_GEMV_PDL"] = saved[0]
+        for name, value in (("NINEFOLD_GEMV_PDL", saved[0]), ("NINEFOLD_DECODE_EARLY_KV", saved[3])):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         rope_cache.pdl_wanted, decode.pdl_wanted = saved[1], saved[2]
 
 
@@ -202,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                         graph.replay()
                     torch.cuda.synchronize()
                     entry["graph"] = compare(out, want, graph_caches, ref_caches)
-                    graphs[name] = graph
+                    # The graph writes into these caches and its outputs: they must outlive it (each
+                    # capture empties the allocator's cache, so freed memory would go back to the driver).
+                    graphs[name] = (graph, out, graph_caches)
         except Exception as error:  # reported; the other variants still run
             entry["error"] = f"{error!r}"[:800]
             failed = True
@@ -217,17 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     if graphs:
         rounds = {name: [] for name in graphs}
         for _ in range(args.rounds):
-            for name, graph in graphs.items():
+            for name, (graph, _, _) in graphs.items():
                 rounds[name].append(replay_ms(graph, args.iters))
+        for name, (_, out, graph_caches) in graphs.items():  # the last replay's results, after the timing
+            entry = result["variants"][name]
+            entry["after_timing"] = compare(out, want, graph_caches, ref_caches)
+            if not entry["after_timing"]["bit_equal"]:
+                entry["ok"], failed = False, True
+                print(f"{name:9s} DIFFERS from no_pdl after the timed replays  FAILED", flush=True)
         base = statistics.median(rounds["pdl_gemv"]) if "pdl_gemv" in rounds else None
         print(f"\nbatch-1 decode step in a CUDA graph ({args.rounds} rounds x {args.iters} replays, median)")
-        print(f"{'variant':9s} {'ms/token':>9s} {'tok/s':>8s} {'us/layer vs pdl_gemv':>21s}")
+        print(f"{'variant':13s} {'ms/token':>9s} {'tok/s':>8s} {'us/layer vs pdl_gemv':>21s}")
         for name, times in rounds.items():
             ms = statistics.median(times)
             entry = result["variants"][name]
             entry.update(ms_per_token=ms, tok_per_s=1e3 / ms, rounds_ms=times)
             delta = f"{(ms - base) * 1e3 / shapes['layers']:+.2f}" if base else "-"
-            print(f"{name:9s} {ms:9.4f} {1e3 / ms:8.1f} {delta:>21s}")
+            print(f"{name:13s} {ms:9.4f} {1e3 / ms:8.1f} {delta:>21s}")
     result["seconds"] = time.perf_counter() - t0
     out = os.environ.get("OUT")
     if out:

@@ -99,6 +99,31 @@ def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, st
 
 
 @triton.jit
+def _decode_first_early(q, k, v, n0, end, b, bt_ptr, stride_btb, scale_log2e, m_i, l_i, acc, GROUP: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+                        HEADS: tl.constexpr):
+    """``_decode_step`` for the first tile, whose keys ``k``/values ``v`` were loaded already (``EARLY_KV``)."""
+    j = tl.arange(0, BLOCK_N * HEADS)
+    n = n0 + j // HEADS
+    nm = n < end
+    nxt = n + BLOCK_N
+    page = tl.load(bt_ptr + b * stride_btb + nxt // PAGE, mask=nxt < end, other=0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if HEADS == 1:
+        s = tl.where(nm[None, :], s, float("-inf"))
+    else:
+        g = tl.arange(0, BLOCK_G)
+        own = ((g // GROUP)[:, None] == (j % HEADS)[None, :]) | (g >= GROUP * HEADS)[:, None]
+        s = tl.where(nm[None, :] & own, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc, page
+
+
+@triton.jit
 def _merge_splits(part_ptr, lse_ptr, out_ptr, row0, out_base, stride_oh, num_splits, n_live, GROUP: tl.constexpr,
                   G2: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Combine the first ``n_live`` of the ``num_splits`` partial results of query heads
@@ -135,7 +160,8 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                         stride_btb, num_splits, batch, kv_heads, heads_fastest, min_split, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                         PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr,
-                        G2: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, USE_GDC: tl.constexpr = False):
+                        G2: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, USE_GDC: tl.constexpr = False,
+                        EARLY_KV: tl.constexpr = False):
     # A program takes HEADS adjacent KV heads (their GROUP * HEADS query heads are its rows).
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -166,18 +192,35 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     first = start + tl.arange(0, BLOCK_N * HEADS) // HEADS
     page = tl.load(bt_ptr + b * stride_btb + first // PAGE, mask=first < end, other=0)
+    if EARLY_KV:  # the first tile's keys before this step's token, written by earlier steps
+        jj = tl.arange(0, BLOCK_N * HEADS)
+        kv_offs = (page.to(tl.int64) * stride_cb + (first % PAGE) * stride_co + (kvh + jj % HEADS) * stride_ch)[:, None] \
+            + e[None, :]
+        old = ((first < end) & (first < length - 1))[:, None]
+        k_first = tl.load(kc_ptr + kv_offs, mask=old, other=0.0)
+        v_first = tl.load(vc_ptr + kv_offs, mask=old, other=0.0)
     if USE_GDC:  # q and this step's keys come from the kernels before; nothing is written before this point
         tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptrs, mask=gm[:, None], other=0.0)
+    tiles_from = start
+    if EARLY_KV:
+        tiles_from = start + BLOCK_N
+        if start < end:  # this step's token (position length - 1), read after the wait
+            new = ((first < end) & (first == length - 1))[:, None]
+            k_first = tl.where(new, tl.load(kc_ptr + kv_offs, mask=new, other=0.0), k_first)
+            v_first = tl.where(new, tl.load(vc_ptr + kv_offs, mask=new, other=0.0), v_first)
+            m_i, l_i, acc, page = _decode_first_early(q, k_first, v_first, start, end, b, bt_ptr, stride_btb,
+                                                      scale_log2e, m_i, l_i, acc, GROUP, BLOCK_G, BLOCK_N, PAGE,
+                                                      PRECISION, HEADS)
     if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
         for i in range(STATIC_ITERS):
-            n0 = start + i * BLOCK_N
+            n0 = tiles_from + i * BLOCK_N
             if n0 < end:
                 m_i, l_i, acc, page = _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb,
                                                    stride_co, stride_ch, stride_btb, scale_log2e, m_i, l_i, acc,
                                                    GROUP, BLOCK_G, D, BLOCK_N, PAGE, PRECISION, HEADS)
     else:
-        for n0 in range(start, end, BLOCK_N):  # every tile holds at least one key: finite maxima
+        for n0 in range(tiles_from, end, BLOCK_N):  # every tile holds at least one key: finite maxima
             m_i, l_i, acc, page = _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, stride_co,
                                                stride_ch, stride_btb, scale_log2e, m_i, l_i, acc, GROUP, BLOCK_G, D,
                                                BLOCK_N, PAGE, PRECISION, HEADS)
@@ -258,6 +301,7 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
         for merge in sorted(set(merges)):
             variant = {"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
                        "constexprs": {**split, "BLOCK_N": block_n, "MERGE": merge, "HEADS": heads, "USE_GDC": False,
+                                      "EARLY_KV": False,
                                       "BLOCK_G": max(16, triton.next_power_of_2(group * heads)),
                                       **_merge_tile(group * heads, cfg)}}
             if variant not in found:
@@ -378,7 +422,7 @@ def check_pdl(pdl, device: torch.device, op: str) -> bool:
 
 
 _SPLIT_CONSTEXPRS = ("GROUP", "BLOCK_G", "D", "BLOCK_N", "PAGE", "PRECISION", "STATIC_ITERS", "MERGE", "G2", "BLOCK_S",
-                     "HEADS", "USE_GDC")
+                     "HEADS", "USE_GDC", "EARLY_KV")
 _SPLIT_PDL = Launcher(decode_split_kernel, _SPLIT_CONSTEXPRS)
 
 
@@ -386,9 +430,21 @@ def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG)
 
 
-def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None):
+def early_kv_wanted() -> bool:
+    """``NINEFOLD_DECODE_EARLY_KV=1``: PDL launches read the first key tile before ``gdc_wait`` (off by default).
+
+    Sound only when the kernels of the step before attention wrote no key or value of a decoded
+    sequence other than its newest token (position ``length - 1``, read after the wait): true in
+    the engine's decode steps (``rope_and_cache`` writes the step's new tokens; prefill rows write
+    their own blocks), not for a caller that rewrites older cache rows in the same step."""
+    return os.environ.get("NINEFOLD_DECODE_EARLY_KV", "0") == "1"
+
+
+def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None, early_kv=None):
     """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``); ``pdl``:
-    launch the split kernel with programmatic dependent launch (``None``: where :func:`pdl_wanted`)."""
+    launch the split kernel with programmatic dependent launch (``None``: where :func:`pdl_wanted`);
+    ``early_kv``: load the first key/value tile before waiting (``None``: with PDL where
+    :func:`early_kv_wanted`; the same result either way)."""
     b, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     group = hq // hk
@@ -413,9 +469,10 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict,
     consts = dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group * heads)), D=d, BLOCK_N=block_n,
                   PAGE=page, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   STATIC_ITERS=triton.cdiv(max(per_split, min_split), block_n) if INTERPRETED else 0, MERGE=merge,
-                  **_merge_tile(group * heads, config), HEADS=heads)
+                  **_merge_tile(group * heads, config), HEADS=heads, USE_GDC=pdl,
+                  EARLY_KV=bool(pdl and early_kv_wanted()) if early_kv is None else bool(early_kv))
     if pdl:  # a direct launch (builds hold no PDL binaries)
-        _SPLIT_PDL((b * hk // heads, splits), args, (*(consts[n] for n in _SPLIT_CONSTEXPRS[:-1]), True),
+        _SPLIT_PDL((b * hk // heads, splits), args, tuple(consts[n] for n in _SPLIT_CONSTEXPRS),
                    num_warps=config["num_warps"], num_stages=config["num_stages"], device_index=q.get_device(),
                    launch_pdl=True)
     else:
