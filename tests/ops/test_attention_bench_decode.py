@@ -20,3 +20,7 @@ def test_bench_decode_attention_runs_on_the_cpu(tmp_path):
     assert (row["batch"], row["context"]) == (3, 70) and row["one_kernel_us"] > 0 and row["two_kernels_us"] > 0
     assert [r["batch"] for r in results["rope_and_cache"]] == [3]
     assert "| decode B=3 ctx=70 |" in run.stdout
+    ragged = results["ragged"]  # each variant checked against float64 before it is timed
+    assert {(r["order"], r["variant"]) for r in ragged} == {(o, v) for o in ("random", "longest first")
+                                                           for v in ("default", "per_sm 8", "per_sm 16", "1 head/program")}
+    assert all("error" not in r and r["us"] > 0 for r in ragged)
