@@ -246,6 +246,19 @@ def tma_ready(bound) -> bool:
     return True
 
 
+WS_MAX_STAGES = 2
+
+
+def check_ws_stages(kernel, num_stages):
+    """Warp specialization only with ``num_stages <= WS_MAX_STAGES``: on an H200 under Triton 3.6, the
+    warp-specialized attention returned NaN with 3 and 4 stages (DSL and hand-written alike; session 5)."""
+    if num_stages > WS_MAX_STAGES:
+        raise ValueError(
+            f"kernel {kernel.name}: warp_specialize with num_stages={num_stages}; accepted: num_stages <= "
+            f"{WS_MAX_STAGES} (Triton's sm_90 warp-specialized code computed NaN with 3-4 stages on an H200)"
+        )
+
+
 def ws_ready(bound) -> bool:
     """Whether the warp-specialized form can run this call: Triton >= 3.4 (``tl.make_tensor_descriptor``
     and ``tl.range(warp_specialize=)``), and every size-1 dimension's stride the one a contiguous layout
@@ -281,6 +294,8 @@ def _entry(kernel, bound, config):
     hoist = bool(config.get("hoist", getattr(kernel, "hoist", False)))
     key += (grouped, hoist)
     ws = bool(config.get("ws", getattr(kernel, "warp_specialize", False)))
+    if ws:
+        check_ws_stages(kernel, kernel.num_stages or config.get("num_stages") or DEFAULT_NUM_STAGES)
     tma = "rows" if ws else _tma_mode(kernel, config)
     tma = tma if tma and tma_ready(bound) else False  # otherwise pointer loads (the launch key holds the alignment)
     ws = ws and tma == "rows" and ws_ready(bound)  # otherwise the plain loop
@@ -381,6 +396,8 @@ def compile_for_target(
 
     finished = kernel.finish(bound, choose_meta(kernel, bound, gpu=True))
     ws = bool(ws or getattr(kernel, "warp_specialize", False))
+    if ws:
+        check_ws_stages(kernel, num_stages)
     generated, function = prepare(
         kernel, finished, spec, tma="rows" if ws else tma, grouped=getattr(kernel, "grouped", True),
         hoist=getattr(kernel, "hoist", False), ws=ws,
