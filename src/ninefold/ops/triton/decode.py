@@ -81,28 +81,16 @@ def _decode_step(q, n0, end, page, b, kvh, kc_ptr, vc_ptr, bt_ptr, stride_cb, st
     offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_co + (kvh + j % HEADS) * stride_ch
     k = tl.load(kc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
     v = tl.load(vc_ptr + offs[:, None] + e[None, :], mask=nm[:, None], other=0.0)
-    nxt = n + BLOCK_N
-    page = tl.load(bt_ptr + b * stride_btb + nxt // PAGE, mask=nxt < end, other=0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if HEADS == 1:
-        s = tl.where(nm[None, :], s, float("-inf"))
-    else:  # a query row sees its own head's keys (padding rows, beyond GROUP * HEADS, see all: no -inf rows)
-        g = tl.arange(0, BLOCK_G)
-        own = ((g // GROUP)[:, None] == (j % HEADS)[None, :]) | (g >= GROUP * HEADS)[:, None]
-        s = tl.where(nm[None, :] & own, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * scale_log2e - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc, page
+    return _decode_tile(q, k, v, n0, end, b, bt_ptr, stride_btb, scale_log2e, m_i, l_i, acc, GROUP, BLOCK_G, BLOCK_N,
+                        PAGE, PRECISION, HEADS)
 
 
 @triton.jit
-def _decode_first_early(q, k, v, n0, end, b, bt_ptr, stride_btb, scale_log2e, m_i, l_i, acc, GROUP: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
-                        HEADS: tl.constexpr):
-    """``_decode_step`` for the first tile, whose keys ``k``/values ``v`` were loaded already (``EARLY_KV``)."""
+def _decode_tile(q, k, v, n0, end, b, bt_ptr, stride_btb, scale_log2e, m_i, l_i, acc, GROUP: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+                 HEADS: tl.constexpr):
+    """The online-softmax update of ``_decode_step`` for a tile whose keys ``k`` and values ``v`` are
+    loaded (by ``_decode_step``, or before ``gdc_wait`` under ``EARLY_KV``); also reads the next tile's blocks."""
     j = tl.arange(0, BLOCK_N * HEADS)
     n = n0 + j // HEADS
     nm = n < end
@@ -111,7 +99,7 @@ def _decode_first_early(q, k, v, n0, end, b, bt_ptr, stride_btb, scale_log2e, m_
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HEADS == 1:
         s = tl.where(nm[None, :], s, float("-inf"))
-    else:
+    else:  # a query row sees its own head's keys (padding rows, beyond GROUP * HEADS, see all: no -inf rows)
         g = tl.arange(0, BLOCK_G)
         own = ((g // GROUP)[:, None] == (j % HEADS)[None, :]) | (g >= GROUP * HEADS)[:, None]
         s = tl.where(nm[None, :] & own, s, float("-inf"))
@@ -209,7 +197,7 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
             new = ((first < end) & (first == length - 1))[:, None]
             k_first = tl.where(new, tl.load(kc_ptr + kv_offs, mask=new, other=0.0), k_first)
             v_first = tl.where(new, tl.load(vc_ptr + kv_offs, mask=new, other=0.0), v_first)
-            m_i, l_i, acc, page = _decode_first_early(q, k_first, v_first, start, end, b, bt_ptr, stride_btb,
+            m_i, l_i, acc, page = _decode_tile(q, k_first, v_first, start, end, b, bt_ptr, stride_btb,
                                                       scale_log2e, m_i, l_i, acc, GROUP, BLOCK_G, BLOCK_N, PAGE,
                                                       PRECISION, HEADS)
     if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
