@@ -69,12 +69,9 @@ def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
     return {"batch": batch, "context": context, "wall_ms": wall_ms, "kernel_ms": gpu_us / 1e3, "kernels": kernels}
 
 
-def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0,
-                     profile_steps: tuple[int, ...] = (0, 300, 700)) -> dict:
-    """Run the offline workload of ``ninefold.bench.llm`` for ``limit_s`` seconds, timing every step
-    (each followed by a device sync), and the kernels of the steps numbered in ``profile_steps``."""
-    from torch.profiler import ProfilerActivity, profile
-
+def add_offline_requests(engine, num_requests: int, seed: int, prefix: str) -> None:
+    """Queue the offline workload of ``ninefold.bench.llm``: prompt and output lengths uniform in
+    100..1024, random token ids, greedy, ``ignore_eos``; request ids ``<prefix><i>``."""
     from ninefold.llm.sampling import SamplingParams
 
     rng = random.Random(seed)
@@ -82,7 +79,16 @@ def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0,
     for i in range(num_requests):
         p, o = rng.randint(100, 1024), rng.randint(100, 1024)
         sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(p)], sp, f"off{i}"))
+        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(p)], sp, f"{prefix}{i}"))
+
+
+def offline_step_log(engine, num_requests: int, limit_s: float, seed: int = 0,
+                     profile_steps: tuple[int, ...] = (0, 300, 700)) -> dict:
+    """Run the offline workload of ``ninefold.bench.llm`` for ``limit_s`` seconds, timing every step
+    (each followed by a device sync), and the kernels of the steps numbered in ``profile_steps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    add_offline_requests(engine, num_requests, seed, "off")
     planned: list = []
     schedule = engine.scheduler.schedule
 
@@ -158,14 +164,7 @@ def offline_kernel_totals(engine, num_requests: int, seed: int = 0) -> dict:
     every kernel recorded: device seconds per kind of kernel against the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ninefold.llm.sampling import SamplingParams
-
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    for i in range(num_requests):
-        p, o = rng.randint(100, 1024), rng.randint(100, 1024)
-        sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(p)], sp, f"full{i}"))
+    add_offline_requests(engine, num_requests, seed, "full")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
