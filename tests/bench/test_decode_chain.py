@@ -1,23 +1,16 @@
 """``python -m ninefold.bench.decode_chain --smoke``: every CPU path of the decode-chain benchmark."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from .helpers import run_bench
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, out=None):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    if out is not None:
-        env["OUT"] = str(out)
-    return subprocess.run([sys.executable, "-m", "ninefold.bench.decode_chain", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_bench("decode_chain", *args, out=out)
 
 
 def test_smoke_checks_every_variant_against_cublas(tmp_path):
@@ -45,11 +38,8 @@ def test_bad_arguments_exit_with_usage():
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_cuda_two_layers_agree_and_time(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path))
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-m", "ninefold.bench.decode_chain", "--layers", "2", "--iters", "5",
-                           "--no-tune", "--no-profile"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = run_bench("decode_chain", "--layers", "2", "--iters", "5", "--no-tune", "--no-profile", out=tmp_path,
+                     interpret=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "decode_chain.json").read_text())
     for name, entry in result["variants"].items():

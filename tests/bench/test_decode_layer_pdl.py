@@ -2,23 +2,17 @@
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from .helpers import run_bench
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, out=None):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    if out is not None:
-        env["OUT"] = str(out)
-    return subprocess.run([sys.executable, "-m", "ninefold.bench.decode_layer_pdl", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_bench("decode_layer_pdl", *args, out=out)
 
 
 def test_smoke_checks_the_step_and_skips_pdl_without_a_gpu(tmp_path):
