@@ -4,7 +4,7 @@
 
 For each layer shape (qkv, o, gate_up, down, lm_head) and each batch ``M`` in ``--batches``, times
 ``linear`` through each implementation ``ninefold.ops`` has for it on the device (cuBLAS as
-``vendor``, the DSL matmul as ``dsl``, tuned on its first call), every one first checked against a
+``vendor``, the DSL matmul as ``dsl``, the split-K GEMM as ``triton_gemm``, each tuned on its first call), every one first checked against a
 float32 product. Each timing is a CUDA graph of the call over several copies of the weight (so the
 weight streams from memory, as in a model step), replayed; the figure is microseconds per call
 next to its bound: max(weight bytes / copy bandwidth, FLOPs / cuBLAS bf16 rate), both measured in
@@ -32,6 +32,7 @@ def run(batches, names, only=None) -> dict:
     import ninefold.ops  # noqa: F401  (registers the implementations)
     from ninefold.bench.decode_attention import _graph_time as graph_time
     from ninefold.ops.registry import implementations
+    from ninefold.ops.triton import gemm_tuning
     from ninefold.runtime.profile import profile_device
 
     device = torch.device("cuda")
@@ -57,7 +58,13 @@ def run(batches, names, only=None) -> dict:
                     row[impl] = f"not supported: {reason}"
                     continue
                 try:
-                    got = fn(x, weights[0], None).float()
+                    with gemm_tuning.autotune():  # the split-K GEMM measures its configurations first
+                        got = fn(x, weights[0], None).float()
+                    if impl == "triton_gemm":
+                        cfg = gemm_tuning.choice(m, n, k, x.dtype, device, False)
+                        row["triton_gemm_config"] = gemm_tuning.VENDOR if cfg is None else gemm_tuning.describe(cfg)
+                        row["triton_gemm_tuning_us"] = next((t for key, t in gemm_tuning.measured.items()
+                                                             if key.endswith(f"|{gemm_tuning.bucket(m)}|{n}|{k}|0")), None)
                     err = ((got - want).abs().max() / want.abs().max()).item()
                     if not err < 2e-2:
                         row[impl] = f"wrong (relative error {err:.3g})"
@@ -68,6 +75,9 @@ def run(batches, names, only=None) -> dict:
             rows.append(row)
             cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound_us / row[i]:4.0%})" if isinstance(row[i], float)
                               else f"{i} {row[i]}" for i in impls)
+            if "triton_gemm_config" in row:
+                top = list((row["triton_gemm_tuning_us"] or {}).items())[:3]
+                cells += f"  [{row['triton_gemm_config']}; tuner: {', '.join(f'{c} {t:.1f}' for c, t in top)}]"
             print(f"{layer:8s} M={m:<4d} bound {bound_us:8.2f} us  {cells}", flush=True)
         del weights
         torch.cuda.empty_cache()

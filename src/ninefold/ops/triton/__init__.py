@@ -17,6 +17,7 @@ from ninefold.ops.triton import (
     argmax,
     cache,
     decode,
+    gemm,
     gemv,
     norm,
     prefill,
@@ -50,3 +51,6 @@ for _op, _fn, _supports in KERNELS:
 # Below cuBLAS by default (see gemv's docstring): chosen only where tuning measured it faster.
 register("linear", "triton", devices=DEVICES, dtypes=DTYPES, supports=gemv.supports,
          priority={"cuda": -5, "cpu": -10})(gemv.linear)
+# Above cuBLAS: it runs cuBLAS itself wherever its tuning did not measure a faster configuration.
+register("linear", "triton_gemm", devices=DEVICES, dtypes=DTYPES, supports=gemm.supports,
+         priority={"cuda": 5, "cpu": -10})(gemm.linear)

@@ -1,0 +1,147 @@
+"""Triton ``linear`` for batched decode steps: ``x [M, K] @ weight[N, K].T`` with 17 <= M <= 512.
+
+At these sizes a linear layer sits between streaming the weight and filling the tensor cores, and
+cuBLAS loses most where the output has few tiles: a 4096-wide output at 192 rows is 64 tiles of
+128x128 for 132 SMs, so half the card idles while the other half runs a long K loop (measured on the
+H200: o_proj 17.2 us against a bound of 8.4, ``python -m ninefold.bench.decode_gemm``). This kernel
+splits K across ``split_k`` programs per output tile. Each writes its float32 partial tile to a
+workspace and bumps the tile's arrival counter; the last program to arrive adds the partials in split
+order (so the result does not depend on arrival order), applies the bias, stores the output and
+resets the counter for the next call. One launch, no separate reduction kernel.
+
+Which tile shape, split and pipeline depth to use is measured per (device, dtype, M rounded up to 16,
+N, K) by ``ninefold.ops.triton.gemm_tuning``, with cuBLAS timed in the same run as one of the
+candidates: where it wins, ``linear`` calls it. Counters live in one zeroed buffer per (device,
+stream), so concurrent calls on two streams do not share counters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ninefold.ops.triton.launch import call
+
+MIN_M, MAX_M = 17, 512
+COUNTERS = 1 << 16
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    # Programs next to each other share a weight tile (different row tiles), so it comes from DRAM once.
+    tile_m = tile % tiles_m
+    tile_n = tile // tiles_m
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Out-of-range rows and columns read a valid row instead (masked at the store): loads stay unmasked.
+    xm = rm % M
+    wn = rn % N
+    total_steps = tl.cdiv(K, BLOCK_K)
+    k_steps = tl.cdiv(total_steps, SPLIT_K)
+    first = split * k_steps
+    last = first + k_steps
+    if last > total_steps:
+        last = total_steps
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * BLOCK_K + rk)[None, :]
+    w_ptrs = w_ptr + wn.to(tl.int64)[:, None] * stride_wn + (first * BLOCK_K + rk)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(first, last):
+        k0 = step * BLOCK_K
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
+    out_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + wn).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_ws = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
+        tl.store(tile_ws + split * BLOCK_M * BLOCK_N + cell, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(tile_ws + s * BLOCK_M * BLOCK_N + cell, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + wn).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+def supports(x, weight, bias=None) -> str | None:
+    m = x.numel() // max(x.shape[-1], 1)
+    if not MIN_M <= m <= MAX_M:
+        return f"{m} rows: the split-K GEMM covers {MIN_M}..{MAX_M} (fewer: the GEMV; more: cuBLAS)"
+    if weight.stride(1) != 1 or x.stride(-1) != 1:
+        return "weight rows and x's last dimension must be contiguous"
+    if x.dim() > 2 and not x.is_contiguous():
+        return "x with more than two dimensions must be contiguous"
+    if weight.shape[1] < 16:
+        return f"K = {weight.shape[1]} is below 16"
+    return None
+
+
+_counters: dict = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The arrival counters of ``device``'s current stream (zero between calls)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _counters.get(key)
+    if buf is None:  # during graph capture the zeroing is captured too, and kernels reset what they use
+        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, cfg: dict, count: torch.Tensor) -> None:
+    """Run ``gemm_kernel`` with configuration ``cfg`` (block_m, block_n, block_k, split_k, num_warps,
+    num_stages) on 2-D ``x2`` into ``y``."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    bm, bn, split = cfg["block_m"], cfg["block_n"], cfg["split_k"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split > 1 and tiles > COUNTERS:
+        raise ValueError(f"split-K GEMM: {tiles} output tiles exceed the {COUNTERS} arrival counters")
+    ws = torch.empty(tiles * split * bm * bn if split > 1 else 1, dtype=torch.float32, device=x2.device)
+    call(gemm_kernel, (tiles, split),
+         x2, weight, bias if bias is not None else weight, y, ws, count, m, n, k, split,
+         x2.stride(0), weight.stride(0), y.stride(0),
+         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
+         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [..., K]`` with ``MIN_M..MAX_M`` rows, with the configuration
+    measured fastest for this shape (cuBLAS where it measured faster)."""
+    from ninefold.ops.triton import gemm_tuning
+
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = gemm_tuning.choice(m, n, k, x2.dtype, x2.device, bias is not None)
+    if cfg is None:
+        return F.linear(x, weight, bias)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    launch(x2, weight, bias, y, cfg, counters(x2.device))
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,220 @@
+"""Measured configurations of the split-K GEMM (``ninefold.ops.triton.gemm``), per shape.
+
+For one (device, dtype, M rounded up to 16, N, K, bias or not) the tuner times every candidate (tile
+shape x split of K x pipeline depth, chosen so the launch covers the SMs one to four times) and
+cuBLAS, each over rotating copies of the weight so it streams from memory as in a model step, and
+keeps the fastest; a candidate whose result differs from cuBLAS's is dropped with a warning. Results
+persist in ``$NINEFOLD_CACHE_DIR/ops/gemm-<fingerprint>.json`` (the fingerprint of
+``ninefold.ops.tuning``), so a second process pays nothing.
+
+Tuning runs only where it is asked for (``with autotune():``, as the engine does before capturing its
+decode graphs, or ``NINEFOLD_GEMM_AUTOTUNE=1``); an untuned shape elsewhere runs cuBLAS, so a prefill
+chunk of an odd size never stalls a step to tune. ``forced(cfg)`` pins one configuration (tests,
+sweeps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ninefold.ops import timing, tuning
+
+VENDOR = "vendor"
+# (block_m, block_n, block_k, num_warps, num_stages)
+TILES = (
+    (64, 64, 128, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 4, 3),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+)
+SPLITS = (1, 2, 3, 4, 6, 8)
+MIN_K_STEPS = 4  # each split runs at least this many BLOCK_K steps
+SCRATCH_BYTES = 256 << 20
+
+_choices: dict | None = None
+measured: dict = {}  # this process's tuning runs: shape key -> {candidate: us}, fastest first
+_forced: list[dict] = []
+_autotune_depth = 0
+
+
+def bucket(m: int) -> int:
+    """Rows are tuned in multiples of 16 (the engine's decode graphs are captured at those sizes)."""
+    return -(-m // 16) * 16
+
+
+def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """Configurations worth timing for an ``[m, k] x [n, k]^T`` product on a card with ``sms`` SMs."""
+    out = []
+    for bm, bn, bk, warps, stages in TILES:
+        if bm > 2 * bucket(m) or bk > k:
+            continue
+        tiles = -(-m // bm) * -(-n // bn)
+        for split in SPLITS:
+            steps = -(-k // bk)
+            if split > 1 and (steps // split < MIN_K_STEPS or tiles * split > 4 * sms):
+                continue
+            if split == 1 or tiles < 2 * sms:
+                out.append({"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split,
+                            "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def _path():
+    ops_file = tuning.cache_file()  # tuning-<fingerprint>.json
+    return ops_file.with_name(ops_file.name.replace("tuning-", "gemm-", 1))
+
+
+def _key(device_name: str, dtype: torch.dtype, m: int, n: int, k: int, has_bias: bool) -> str:
+    return f"{device_name}|{str(dtype).removeprefix('torch.')}|{bucket(m)}|{n}|{k}|{int(has_bias)}"
+
+
+def _load() -> dict:
+    global _choices
+    if _choices is None:
+        _choices = {}
+        path = _path()
+        if path.exists():
+            try:
+                _choices = json.loads(path.read_text())["choices"]
+            except (OSError, ValueError, KeyError):
+                warnings.warn(f"ignoring the unreadable GEMM tuning cache {path}", stacklevel=3)
+    return _choices
+
+
+def _save() -> None:
+    path = _path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"versions": tuning.versions(), "choices": _choices}, indent=1))
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def autotune():
+    """Inside this block, shapes without a measured configuration are tuned on their first call."""
+    global _autotune_depth
+    _autotune_depth += 1
+    try:
+        yield
+    finally:
+        _autotune_depth -= 1
+
+
+@contextlib.contextmanager
+def forced(cfg: dict | str):
+    """Use ``cfg`` (a configuration dict, or ``"vendor"``) for every call inside this block."""
+    _forced.append(cfg)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _autotune_on() -> bool:
+    return _autotune_depth > 0 or os.environ.get("NINEFOLD_GEMM_AUTOTUNE") == "1"
+
+
+def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_bias: bool) -> dict | None:
+    """The configuration to run (``None``: cuBLAS), tuning it first when allowed and not yet known."""
+    if _forced:
+        cfg = _forced[-1]
+        return None if cfg == VENDOR else cfg
+    if device.type != "cuda":
+        return None
+    from ninefold.ops.dispatch import device_model
+
+    key = _key(device_model(device), dtype, m, n, k, has_bias)
+    known = _load().get(key)
+    if known is None:
+        if not _autotune_on() or torch.cuda.is_current_stream_capturing():
+            return None
+        known = tune(m, n, k, dtype, device, has_bias)["choice"]
+    return None if known == VENDOR else known
+
+
+def _weights(n: int, k: int, dtype, device) -> list[torch.Tensor]:
+    nbytes = n * k * torch.finfo(dtype).bits // 8
+    free = torch.cuda.mem_get_info(device)[0]
+    copies = max(1, min(8, min(SCRATCH_BYTES, free // 4) // max(nbytes, 1)))
+    return [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+
+
+def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False,
+         progress: bool = True) -> dict:
+    """Time every candidate and cuBLAS for this shape, remember the fastest, and return
+    ``{"choice": cfg or "vendor", "times_us": {...}}``."""
+    from tqdm import tqdm
+
+    from ninefold.ops.dispatch import device_model
+    from ninefold.ops.triton import gemm
+
+    mb = bucket(m)
+    x = torch.randn(mb, k, device=device, dtype=dtype)
+    weights = _weights(n, k, dtype, device)
+    bias = torch.randn(n, device=device, dtype=dtype) * 0.1 if has_bias else None
+    want = F.linear(x, weights[0], bias).float()
+    count = gemm.counters(device)
+    turn = [0]
+
+    def rotating(run):
+        def step():
+            turn[0] = (turn[0] + 1) % len(weights)
+            run(weights[turn[0]])
+        return step
+
+    times = {VENDOR: timing.measure(rotating(lambda w: F.linear(x, w, bias)), device, repeats=10)}
+    results = {}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    todo = candidates(mb, n, k, sms)
+    for cfg in tqdm(todo, desc=f"tuning linear M={mb} N={n} K={k}", unit="cfg", disable=not progress, leave=False):
+        name = describe(cfg)
+        y = torch.empty(mb, n, device=device, dtype=dtype)
+        try:
+            gemm.launch(x, weights[0], bias, y, cfg, count)
+        except Exception as error:  # noqa: BLE001  (a tile shape the card cannot hold: skip it)
+            if "out of resource" not in str(error).lower() and "OutOfResources" not in type(error).__name__:
+                raise
+            continue
+        err = (y.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        if not err <= 2e-2:
+            warnings.warn(f"split-K GEMM {name} disagrees with cuBLAS at M={mb} N={n} K={k} "
+                          f"(relative error {err:.3g}); not used", stacklevel=2)
+            continue
+        out = torch.empty(mb, n, device=device, dtype=dtype)
+        times[name] = timing.measure(rotating(lambda w, cfg=cfg, out=out: gemm.launch(x, w, bias, out, cfg, count)),
+                                     device, repeats=5)
+        results[name] = cfg
+    finalists = sorted(results, key=times.get)[:3]
+    for name in finalists:
+        cfg, out = results[name], torch.empty(mb, n, device=device, dtype=dtype)
+        times[name] = timing.measure(rotating(lambda w, cfg=cfg, out=out: gemm.launch(x, w, bias, out, cfg, count)),
+                                     device, repeats=20)
+    best = min([VENDOR, *finalists], key=times.get)
+    picked = VENDOR if best == VENDOR else results[best]
+    key = _key(device_model(device), dtype, mb, n, k, has_bias)
+    _load()[key] = picked
+    _save()
+    measured[key] = {name: round(t, 3) for name, t in sorted(times.items(), key=lambda item: item[1])}
+    return {"choice": picked, "times_us": measured[key]}
+
+
+def describe(cfg: dict) -> str:
+    """A configuration in one line: ``128x128x64 split2 w8 s4``."""
+    return (f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} split{cfg['split_k']} "
+            f"w{cfg['num_warps']} s{cfg['num_stages']}")
+
+
+def forget() -> None:
+    """Drop the in-memory choices (the file is re-read on the next call)."""
+    global _choices
+    _choices = None
