@@ -15,6 +15,7 @@ from ninefold.ops.triton import gemm, gemm_tuning
 torch.manual_seed(0)
 cases = [  # m, n, k, bias, config
     (17, 40, 64, False, (16, 16, 16, 1)),
+    (18, 40, 64, False, (16, 16, 16, 2)),   # even m: rows with a padded stride (TMA: 16-byte aligned)
     (33, 50, 200, True, (16, 32, 32, 2)),   # K not a multiple of BLOCK_K; splits of uneven length
     (20, 24, 96, False, (32, 16, 16, 3)),   # one row tile wider than M
     (48, 64, 256, True, (16, 16, 32, 4)),
@@ -22,18 +23,20 @@ cases = [  # m, n, k, bias, config
 ]
 count = gemm.counters(torch.device("cpu"))
 for m, n, k, with_bias, (bm, bn, bk, split) in cases:
-    x = torch.randn(m, k) if m % 2 else torch.randn(m, k + 7)[:, :k]  # even m: rows with a padded stride
+    x = torch.randn(m, k) if m % 2 else torch.randn(m, k + 8)[:, :k]  # even m: rows with a padded stride
     w = torch.randn(n, k)
     b = torch.randn(n) if with_bias else None
     assert gemm.supports(x, w, b) is None, gemm.supports(x, w, b)
-    cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split, "num_warps": 4, "num_stages": 2}
-    with gemm_tuning.forced(cfg):
-        y = gemm.linear(x, w, b)
-    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
-    err = (y.double() - ref).abs().max().item()
-    assert y.shape == (m, n) and y.dtype == torch.float32, (y.shape, y.dtype)
-    assert err < 1e-3 * k ** 0.5, (m, n, k, split, err)
-    assert int(count.abs().sum()) == 0, "arrival counters not reset"
+    for tma in (False, True):
+        cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split, "num_warps": 4, "num_stages": 2,
+               "tma": tma}
+        with gemm_tuning.forced(cfg):
+            y = gemm.linear(x, w, b)
+        ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+        err = (y.double() - ref).abs().max().item()
+        assert y.shape == (m, n) and y.dtype == torch.float32, (y.shape, y.dtype)
+        assert err < 1e-3 * k ** 0.5, (m, n, k, split, tma, err)
+        assert int(count.abs().sum()) == 0, "arrival counters not reset"
 x = torch.randn(3, 7, 40)
 w = torch.randn(24, 40)
 with gemm_tuning.forced({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 2, "num_warps": 4, "num_stages": 2}):
@@ -66,6 +69,8 @@ def test_candidates_cover_the_sms_and_respect_the_k_steps():
     for m, n, k in ((192, 4096, 4096), (256, 4096, 14336), (32, 6144, 4096), (512, 28672, 4096)):
         found = gemm_tuning.candidates(m, n, k, sms=132)
         assert found, (m, n, k)
+        with_tma = gemm_tuning.candidates(m, n, k, sms=132, tma=True)
+        assert len(with_tma) == 2 * len(found) and sum(c["tma"] for c in with_tma) == len(found)
         assert any(c["split_k"] == 1 for c in found)
         for c in found:
             tiles = -(-m // c["block_m"]) * -(-n // c["block_n"])
@@ -130,7 +135,8 @@ def test_gemm_cuda_every_split_matches_float64_and_repeats_bit_exactly(dtype):
         w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dtype)
         b = torch.randn(n, device="cuda", generator=g).to(dtype)
         ref = x.double() @ w.double().T + b.double()
-        for cfg in gemm_tuning.candidates(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count):
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for cfg in gemm_tuning.candidates(m, n, k, sms, tma=gemm_tuning.tma_available(x.device)):
             with gemm_tuning.forced(cfg):
                 first = gemm.linear(x, w, b)
                 torch.testing.assert_close(first.double(), ref, atol=6e-2, rtol=6e-2, msg=lambda s, cfg=cfg: f"{cfg}: {s}")

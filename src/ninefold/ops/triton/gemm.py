@@ -7,7 +7,9 @@ H200: o_proj 17.2 us against a bound of 8.4, ``python -m ninefold.bench.decode_g
 splits K across ``split_k`` programs per output tile. Each writes its float32 partial tile to a
 workspace and bumps the tile's arrival counter; the last program to arrive adds the partials in split
 order (so the result does not depend on arrival order), applies the bias, stores the output and
-resets the counter for the next call. One launch, no separate reduction kernel.
+resets the counter for the next call. One launch, no separate reduction kernel. Operands load either
+through pointers (out-of-range rows re-read a valid row, masked at the store) or, on cards with a TMA
+engine, through tensor descriptors (``gemm_tma_kernel``).
 
 Which tile shape, split and pipeline depth to use is measured per (device, dtype, M rounded up to 16,
 N, K) by ``ninefold.ops.triton.gemm_tuning``, with cuBLAS timed in the same run as one of the
@@ -22,59 +24,49 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton import gemv
 from ninefold.ops.triton.launch import call
 
 MIN_M, MAX_M = 17, 512
 COUNTERS = 1 << 16
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, stride_xm, stride_wn, stride_ym,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+@triton.jit
+def _tile_of(M, BLOCK_M: tl.constexpr):
+    # Programs next to each other share a weight tile (different row tiles), so it comes from DRAM once.
     tiles_m = tl.cdiv(M, BLOCK_M)
     tile = tl.program_id(0)
-    split = tl.program_id(1)
-    # Programs next to each other share a weight tile (different row tiles), so it comes from DRAM once.
-    tile_m = tile % tiles_m
-    tile_n = tile // tiles_m
-    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # Out-of-range rows and columns read a valid row instead (masked at the store): loads stay unmasked.
-    xm = rm % M
-    wn = rn % N
+    return tile, tile % tiles_m, tile // tiles_m
+
+
+@triton.jit
+def _k_steps(K, SPLIT_K, BLOCK_K: tl.constexpr):
+    """The BLOCK_K steps ``[first, last)`` of this program's split of K."""
     total_steps = tl.cdiv(K, BLOCK_K)
     k_steps = tl.cdiv(total_steps, SPLIT_K)
-    first = split * k_steps
+    first = tl.program_id(1) * k_steps
     last = first + k_steps
     if last > total_steps:
         last = total_steps
-    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * BLOCK_K + rk)[None, :]
-    w_ptrs = w_ptr + wn.to(tl.int64)[:, None] * stride_wn + (first * BLOCK_K + rk)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(first, last):
-        k0 = step * BLOCK_K
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-        else:
-            k_ok = (k0 + rk) < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    return first, last
+
+
+@triton.jit
+def _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SPLIT_K, stride_ym,
+            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a program's float32 tile: directly without a split, else through the last-arrival reduction."""
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
     out_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + wn).to(tl.float32)[None, :]
+            acc += tl.load(b_ptr + rn % N).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tile_ws = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
-        tl.store(tile_ws + split * BLOCK_M * BLOCK_N + cell, acc, cache_modifier=".cg")
+        tl.store(tile_ws + tl.program_id(1) * BLOCK_M * BLOCK_N + cell, acc, cache_modifier=".cg")
         tl.debug_barrier()  # every thread's partial is written before the arrival is published
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
@@ -82,22 +74,60 @@ def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K,
             for s in range(0, SPLIT_K):
                 total += tl.load(tile_ws + s * BLOCK_M * BLOCK_N + cell, cache_modifier=".cg")
             if HAS_BIAS:
-                total += tl.load(b_ptr + wn).to(tl.float32)[None, :]
+                total += tl.load(b_ptr + rn % N).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    tile, tile_m, tile_n = _tile_of(M, BLOCK_M)
+    first, last = _k_steps(K, SPLIT_K, BLOCK_K)
+    rk = tl.arange(0, BLOCK_K)
+    # Out-of-range rows and columns read a valid row instead (masked at the store): loads stay unmasked.
+    xm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    wn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * BLOCK_K + rk)[None, :]
+    w_ptrs = w_ptr + wn.to(tl.int64)[:, None] * stride_wn + (first * BLOCK_K + rk)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(first, last):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = (step * BLOCK_K + rk) < K
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SPLIT_K, stride_ym,
+            HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def gemm_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, stride_ym,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """``gemm_kernel`` with both operands loaded by the TMA engine (rows and K past the end read zeros)."""
+    tile, tile_m, tile_n = _tile_of(M, BLOCK_M)
+    first, last = _k_steps(K, SPLIT_K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(first, last):
+        x = x_desc.load([tile_m * BLOCK_M, step * BLOCK_K])
+        w = w_desc.load([tile_n * BLOCK_N, step * BLOCK_K])
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SPLIT_K, stride_ym,
+            HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def supports(x, weight, bias=None) -> str | None:
     m = x.numel() // max(x.shape[-1], 1)
     if not MIN_M <= m <= MAX_M:
         return f"{m} rows: the split-K GEMM covers {MIN_M}..{MAX_M} (fewer: the GEMV; more: cuBLAS)"
-    if weight.stride(1) != 1 or x.stride(-1) != 1:
-        return "weight rows and x's last dimension must be contiguous"
-    if x.dim() > 2 and not x.is_contiguous():
-        return "x with more than two dimensions must be contiguous"
-    if weight.shape[1] < 16:
-        return f"K = {weight.shape[1]} is below 16"
-    return None
+    return gemv.layout_reason(x, weight)
 
 
 _counters: dict = {}
@@ -113,9 +143,15 @@ def counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def tma_ready(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether both operands can be read through TMA descriptors (16-byte aligned bases and row strides)."""
+    size = x2.element_size()
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 for t in (x2, weight))
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, cfg: dict, count: torch.Tensor) -> None:
-    """Run ``gemm_kernel`` with configuration ``cfg`` (block_m, block_n, block_k, split_k, num_warps,
-    num_stages) on 2-D ``x2`` into ``y``."""
+    """Run the GEMM with configuration ``cfg`` (block_m, block_n, block_k, split_k, num_warps, num_stages,
+    and ``tma``: load through tensor descriptors) on 2-D ``x2`` into ``y``."""
     m, k = x2.shape
     n = weight.shape[0]
     bm, bn, split = cfg["block_m"], cfg["block_n"], cfg["split_k"]
@@ -123,11 +159,20 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, cfg: d
     if split > 1 and tiles > COUNTERS:
         raise ValueError(f"split-K GEMM: {tiles} output tiles exceed the {COUNTERS} arrival counters")
     ws = torch.empty(tiles * split * bm * bn if split > 1 else 1, dtype=torch.float32, device=x2.device)
-    call(gemm_kernel, (tiles, split),
-         x2, weight, bias if bias is not None else weight, y, ws, count, m, n, k, split,
+    bk, b = cfg["block_k"], bias if bias is not None else weight
+    precision = "ieee" if x2.dtype == torch.float32 else "tf32"
+    if cfg.get("tma") and tma_ready(x2, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [bm, bk])
+        w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
+        call(gemm_tma_kernel, (tiles, split), x_desc, w_desc, b, y, ws, count, m, n, k, split, y.stride(0),
+             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
+    call(gemm_kernel, (tiles, split), x2, weight, b, y, ws, count, m, n, k, split,
          x2.stride(0), weight.stride(0), y.stride(0),
-         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
-         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, PRECISION=precision,
          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -1,7 +1,8 @@
 """Measured configurations of the split-K GEMM (``ninefold.ops.triton.gemm``), per shape.
 
 For one (device, dtype, M rounded up to 16, N, K, bias or not) the tuner times every candidate (tile
-shape x split of K x pipeline depth, chosen so the launch covers the SMs one to four times) and
+shape x split of K x pipeline depth, chosen so the launch covers the SMs one to four times, each with
+pointer and, on sm_90+, TMA loads) and
 cuBLAS, each over rotating copies of the weight so it streams from memory as in a model step, and
 keeps the fastest; a candidate whose result differs from cuBLAS's is dropped with a warning. Results
 persist in ``$NINEFOLD_CACHE_DIR/ops/gemm-<fingerprint>.json`` (the fingerprint of
@@ -52,8 +53,9 @@ def bucket(m: int) -> int:
     return -(-m // 16) * 16
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    """Configurations worth timing for an ``[m, k] x [n, k]^T`` product on a card with ``sms`` SMs."""
+def candidates(m: int, n: int, k: int, sms: int, tma: bool = False) -> list[dict]:
+    """Configurations worth timing for an ``[m, k] x [n, k]^T`` product on a card with ``sms`` SMs
+    (each twice with ``tma``: pointer loads and TMA loads)."""
     out = []
     for bm, bn, bk, warps, stages in TILES:
         if bm > 2 * bucket(m) or bk > k:
@@ -64,9 +66,20 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
             if split > 1 and (steps // split < MIN_K_STEPS or tiles * split > 4 * sms):
                 continue
             if split == 1 or tiles < 2 * sms:
-                out.append({"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split,
-                            "num_warps": warps, "num_stages": stages})
+                for loads in (False, True) if tma else (False,):
+                    out.append({"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split,
+                                "num_warps": warps, "num_stages": stages, "tma": loads})
     return out
+
+
+def tma_available(device: torch.device) -> bool:
+    """Whether TMA candidates apply: a CUDA card of compute capability 9.0+ and a Triton with host
+    tensor descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _path():
@@ -175,7 +188,7 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_b
     times = {VENDOR: timing.measure(rotating(lambda w: F.linear(x, w, bias)), device, repeats=10)}
     results = {}
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    todo = candidates(mb, n, k, sms)
+    todo = candidates(mb, n, k, sms, tma=tma_available(device))
     for cfg in tqdm(todo, desc=f"tuning linear M={mb} N={n} K={k}", unit="cfg", disable=not progress, leave=False):
         name = describe(cfg)
         y = torch.empty(mb, n, device=device, dtype=dtype)
@@ -211,7 +224,7 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_b
 def describe(cfg: dict) -> str:
     """A configuration in one line: ``128x128x64 split2 w8 s4``."""
     return (f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} split{cfg['split_k']} "
-            f"w{cfg['num_warps']} s{cfg['num_stages']}")
+            f"w{cfg['num_warps']} s{cfg['num_stages']}{' tma' if cfg.get('tma') else ''}")
 
 
 def forget() -> None:

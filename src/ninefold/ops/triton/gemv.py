@@ -64,6 +64,11 @@ def supports(x, weight, bias=None) -> str | None:
     m = x.numel() // max(x.shape[-1], 1)
     if m > MAX_M:
         return f"{m} rows: the Triton GEMV covers at most {MAX_M} (larger calls are matrix multiplies)"
+    return layout_reason(x, weight)
+
+
+def layout_reason(x, weight) -> str | None:
+    """Why the Triton linear kernels cannot read ``x`` and ``weight`` as laid out (``None``: they can)."""
     if weight.stride(1) != 1 or x.stride(-1) != 1:
         return "weight rows and x's last dimension must be contiguous"
     if x.dim() > 2 and not x.is_contiguous():
