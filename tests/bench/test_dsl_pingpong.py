@@ -81,6 +81,8 @@ bench.PROGRESS_LINES = False
 rows = pp.attention_rows(b=1, h=2, s=128, d=16, dtype=torch.float16, hand=((32, 16, 4, 2, ()), (16, 32, 4, 2, ())),
                          dsl=((32, 16, 4, 2, "rows", "hoist"),), unscaled=((32, 16, 4, 2),))
 print(pp.table(rows))
+late = pp.attention_rows(b=1, h=1, s=64, d=16, dtype=torch.float16, deadline_s=0)
+print(json.dumps([r.get("error", "")[:8] for r in late[1:]]))
 print(json.dumps([{k: r.get(k) for k in ("config", "ok", "error")} for r in rows]))
 """
 
@@ -94,12 +96,15 @@ def test_rows_are_checked_then_timed_and_a_bad_configuration_is_a_row():
     rows = json.loads(done.stdout.splitlines()[-1])
     assert [r["config"] for r in rows] == [
         "torch sdpa (as dispatched)", "dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)",
-        "triton pair 2x32x16 w4 s2", "triton pair 2x16x32 w4 s2", "dsl pair 2x32x16 w4 s2 rows hoist",
-        "dsl pipelined q-unscaled 32x16 w4 s2",
+        "dsl pair 2x32x16 w4 s2 rows hoist", "dsl pipelined q-unscaled 32x16 w4 s2",
+        "triton pair 2x32x16 w4 s2", "triton pair 2x16x32 w4 s2",
     ]
+    late = json.loads(done.stdout.splitlines()[-2])  # past the deadline: every row after torch's skipped
+    assert len(late) == 1 + len(pp.DSL_CONFIGS) + len(pp.UNSCALED_CONFIGS) + len(pp.HAND_CONFIGS)
+    assert set(late) == {"skipped:"}
     ok = {r["config"]: r["ok"] for r in rows}
     assert ok["triton pair 2x16x32 w4 s2"] is False  # bn must divide bm
-    assert "ValueError" in rows[3]["error"]
+    assert "ValueError" in rows[5]["error"]
     assert all(value for label, value in ok.items() if label != "triton pair 2x16x32 w4 s2")
     assert "1.000" in done.stdout  # the table's ms column
 

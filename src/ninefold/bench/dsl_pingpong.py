@@ -315,32 +315,43 @@ HAND_CONFIGS = (  # BM (rows per half), BN, warps, stages, flags ("serial": a's 
     (64, 64, 8, 2, ()),
     (64, 64, 8, 3, ()),
     (64, 64, 4, 2, ()),
-    (64, 64, 4, 3, ()),
+    (64, 32, 4, 2, ()),
     (64, 32, 4, 3, ()),
     (128, 64, 8, 2, ()),
     (64, 64, 8, 2, ("serial",)),
     (64, 64, 4, 2, ("serial",)),
 )
+# Per-SM occupancy decides much here: sm_90 has 64K registers and ~227 KiB shared memory per SM;
+# compiled for sm_90 (Triton 3.9, ptxas -v): pair 2x64x32 w4 254 registers (two programs per SM),
+# 2x64x64 w8 ~230-245 (one); the q-unscaled pipelined 64x32 w4 s3 155 registers and 73 KiB (three
+# programs per SM), 64x64 w4 s2 198 and 97 KiB (two), 64x64 w4 s3 206 and 129 KiB (one).
 DSL_CONFIGS = (  # BLOCK_M (per half), BLOCK_N, warps, stages, lowering flags
     (64, 64, 8, 2, "rows", "hoist"),
-    (64, 64, 8, 3, "rows", "hoist"),
-    (64, 64, 4, 2, "rows", "hoist"),
-    (64, 64, 4, 3, "rows", "hoist"),
+    (64, 32, 4, 2, "rows", "hoist"),
     (64, 32, 4, 3, "rows", "hoist"),
+    (64, 64, 4, 2, "rows", "hoist"),
+    (64, 64, 8, 3, "rows", "hoist"),
     (128, 64, 8, 2, "rows", "hoist"),
     (64, 64, 8, 2, "rows", "hoist", "row-major"),
+    (64, 32, 4, 2, "rows", "hoist", "row-major"),
     (64, 64, 8, 3),  # pointer loads
 )
 UNSCALED_CONFIGS = (  # the single-tile pipelined application with q left unscaled: BM, BN, warps, stages, flags
+    (64, 32, 4, 3, "rows", "hoist"),
+    (64, 64, 4, 2, "rows", "hoist"),
+    (64, 32, 4, 2, "rows", "hoist"),
     (64, 64, 4, 3, "rows", "hoist"),
     (128, 64, 8, 3, "rows", "hoist"),
-    (128, 128, 8, 3, "rows", "hoist"),
 )
 
 
-def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True,
-                   hand=HAND_CONFIGS, dsl=DSL_CONFIGS, unscaled=UNSCALED_CONFIGS, baseline=True):
-    """Check then time every row at one shape; returns the rows (``ninefold.bench.dsl`` sweep rows)."""
+def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True, hand=HAND_CONFIGS,
+                   dsl=DSL_CONFIGS, unscaled=UNSCALED_CONFIGS, baseline=True, deadline_s=None):
+    """Check then time every row at one shape, in this order: torch SDPA, session 4's best DSL
+    kernel, the two-half DSL kernel, the q-unscaled pipelined DSL kernel, the hand-written
+    two-half kernel. Rows not started ``deadline_s`` seconds after the first are listed as skipped.
+    Returns ``ninefold.bench.dsl`` sweep rows."""
+    start = time.perf_counter()
     torch.manual_seed(0)
     q, k, v = (bench._randn((b, h, s, d), dtype, DEVICE) for _ in range(3))
     reference = bench._sdpa_float64(q, k, v, causal)
@@ -354,34 +365,41 @@ def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True,
         rows[0]["fraction_of_cublas"] = 1.0
     scale = 1.0 / math.sqrt(d)
 
-    def dsl_row(label, kernel, bm, bn):
+    def dsl_call(kernel, bm, bn):
         o = torch.empty_like(q)
 
         def call():
             kernel(q, k, v, scale, causal, o, BLOCK_M=bm, BLOCK_N=bn)
             return o
 
-        rows.append(bench._sweep_row(label, call, reference, dtype, flops, ceiling))
+        return call
 
+    plans = []  # (label, make the call, compiler info dict or None)
     if baseline:
-        best = bench._fixed(attention.arrangement, bench._attention_pipelined, attention.tensors(), 4, 3, "rows", "hoist")
-        dsl_row("dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)", best, 64, 64)
-    for bm, bn, w, st, flags in tqdm(hand, desc="hand-written two-half", file=sys.stderr):
+        plans.append(("dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)", lambda: dsl_call(
+            bench._fixed(attention.arrangement, bench._attention_pipelined, attention.tensors(), 4, 3, "rows", "hoist"),
+            64, 64), None))
+    for bm, bn, w, st, *flags in dsl:
+        plans.append((" ".join(["dsl pair", f"2x{bm}x{bn} w{w} s{st}", *flags]),
+                      lambda bm=bm, bn=bn, w=w, st=st, flags=flags: dsl_call(pair_kernel(w, st, *flags), bm, bn), None))
+    for bm, bn, w, st, *flags in unscaled:
+        plans.append((" ".join(["dsl pipelined q-unscaled", f"{bm}x{bn} w{w} s{st}", *flags]),
+                      lambda bm=bm, bn=bn, w=w, st=st, flags=flags: dsl_call(bench._fixed(
+                          attention.arrangement, pipelined_unscaled_application, attention.tensors(), w, st, *flags), bm, bn),
+                      None))
+    for bm, bn, w, st, flags in hand:
         info = {}
-
-        def call(bm=bm, bn=bn, w=w, st=st, flags=flags, info=info):
-            return pair_attention(q, k, v, causal, bm, bn, w, st, issue_both="serial" not in flags, info=info)
-
-        label = " ".join(["triton pair", f"2x{bm}x{bn} w{w} s{st}", *flags])
-        rows.append(bench._sweep_row(label, call, reference, dtype, flops, ceiling))
-        rows[-1]["compiled"] = info
+        plans.append((" ".join(["triton pair", f"2x{bm}x{bn} w{w} s{st}", *flags]),
+                      lambda bm=bm, bn=bn, w=w, st=st, flags=flags, info=info: lambda: pair_attention(
+                          q, k, v, causal, bm, bn, w, st, issue_both="serial" not in flags, info=info), info))
+    for label, make, info in tqdm(plans, desc="two query halves", file=sys.stderr):
+        if deadline_s is not None and time.perf_counter() - start > deadline_s:
+            rows.append({"config": label, "ok": False, "error": f"skipped: past the {deadline_s:.0f} s deadline"})
+            continue
+        rows.append(bench._sweep_row(label, make(), reference, dtype, flops, ceiling))
         if info:
+            rows[-1]["compiled"] = info
             print(f"    compiled: {info}", flush=True)
-    for bm, bn, w, st, *flags in tqdm(dsl, desc="dsl two-half", file=sys.stderr):
-        dsl_row(" ".join(["dsl pair", f"2x{bm}x{bn} w{w} s{st}", *flags]), pair_kernel(w, st, *flags), bm, bn)
-    for bm, bn, w, st, *flags in tqdm(unscaled, desc="dsl pipelined, q unscaled", file=sys.stderr):
-        kernel = bench._fixed(attention.arrangement, pipelined_unscaled_application, attention.tensors(), w, st, *flags)
-        dsl_row(" ".join(["dsl pipelined q-unscaled", f"{bm}x{bn} w{w} s{st}", *flags]), kernel, bm, bn)
     return rows
 
 
@@ -402,6 +420,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.dsl_pingpong", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for dsl_pingpong.json (default $OUT)")
     parser.add_argument("--shrink", type=int, default=1, help="divide the sequence length by this (smoke runs)")
+    parser.add_argument("--deadline", type=float, default=200.0, help="seconds after which rows are skipped")
     args = parser.parse_args(argv)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device")
@@ -410,7 +429,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as caches:  # own tuning cache, as the sweeps
         os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
         s = 4096 // args.shrink
-        rows = attention_rows(s=s)
+        rows = attention_rows(s=s, deadline_s=args.deadline)
     title = f"sdpa causal B4 H32 S{s} D128 bfloat16: two query halves per program"
     print(title)
     print(table(rows))
