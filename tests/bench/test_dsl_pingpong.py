@@ -109,6 +109,30 @@ def test_rows_are_checked_then_timed_and_a_bad_configuration_is_a_row():
     assert "1.000" in done.stdout  # the table's ms column
 
 
+MAIN = """
+import sys, torch
+from ninefold.bench import dsl as bench, dsl_pingpong as pp
+pp.DEVICE = bench.SWEEP_DEVICE = "cpu"
+bench._gpu_time = lambda fn: 1e-3
+pp.HAND_CONFIGS, pp.DSL_CONFIGS, pp.UNSCALED_CONFIGS = ((32, 16, 4, 2, ()),), ((32, 16, 4, 2),), ()
+pp.main(["--shape", "1,1,128,16", "--out", sys.argv[1]])
+"""
+
+
+def test_main_prints_the_table_and_writes_json(tmp_path):
+    import json
+
+    done = subprocess.run([sys.executable, "-c", MAIN, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sdpa causal B1 H1 S128 D16 float16" in done.stdout
+    report = json.loads((tmp_path / "dsl_pingpong.json").read_text())
+    assert [r["config"] for r in report["rows"]] == [
+        "torch sdpa (as dispatched)", "dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)",
+        "dsl pair 2x32x16 w4 s2", "triton pair 2x32x16 w4 s2"]
+    assert all(r["ok"] and r["seconds"] == 1e-3 for r in report["rows"])
+
+
 def test_pair_attention_rejects_bad_input():
     q = torch.empty(1, 2, 64, 16)
     with pytest.raises(ValueError, match="q/k/v"):

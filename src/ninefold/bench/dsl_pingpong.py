@@ -345,12 +345,16 @@ UNSCALED_CONFIGS = (  # the single-tile pipelined application with q left unscal
 )
 
 
-def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True, hand=HAND_CONFIGS,
-                   dsl=DSL_CONFIGS, unscaled=UNSCALED_CONFIGS, baseline=True, deadline_s=None):
+def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True, hand=None, dsl=None, unscaled=None,
+                   baseline=True, deadline_s=None):
     """Check then time every row at one shape, in this order: torch SDPA, session 4's best DSL
     kernel, the two-half DSL kernel, the q-unscaled pipelined DSL kernel, the hand-written
     two-half kernel. Rows not started ``deadline_s`` seconds after the first are listed as skipped.
+    ``hand``/``dsl``/``unscaled`` default to ``HAND_CONFIGS``/``DSL_CONFIGS``/``UNSCALED_CONFIGS``.
     Returns ``ninefold.bench.dsl`` sweep rows."""
+    hand = HAND_CONFIGS if hand is None else hand
+    dsl = DSL_CONFIGS if dsl is None else dsl
+    unscaled = UNSCALED_CONFIGS if unscaled is None else unscaled
     start = time.perf_counter()
     torch.manual_seed(0)
     q, k, v = (bench._randn((b, h, s, d), dtype, DEVICE) for _ in range(3))
@@ -419,18 +423,22 @@ def table(rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.dsl_pingpong", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for dsl_pingpong.json (default $OUT)")
-    parser.add_argument("--shrink", type=int, default=1, help="divide the sequence length by this (smoke runs)")
+    parser.add_argument("--shape", default="4,32,4096,128", help="B,H,S,D of the causal bf16 attention (default 4,32,4096,128)")
     parser.add_argument("--deadline", type=float, default=200.0, help="seconds after which rows are skipped")
     args = parser.parse_args(argv)
+    try:
+        b, h, s, d = (int(n) for n in args.shape.split(","))
+    except ValueError:
+        parser.error(f"--shape: expected four integers B,H,S,D, got {args.shape!r}")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device")
     start = time.perf_counter()
     bench.PROGRESS_LINES = True
     with tempfile.TemporaryDirectory() as caches:  # own tuning cache, as the sweeps
         os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
-        s = 4096 // args.shrink
-        rows = attention_rows(s=s, deadline_s=args.deadline)
-    title = f"sdpa causal B4 H32 S{s} D128 bfloat16: two query halves per program"
+        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter computes bf16 wrongly
+        rows = attention_rows(b, h, s, d, dtype, deadline_s=args.deadline)
+    title = f"sdpa causal B{b} H{h} S{s} D{d} {str(dtype)[6:]}: two query halves per program"
     print(title)
     print(table(rows))
     report = {
