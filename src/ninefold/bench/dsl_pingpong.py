@@ -338,6 +338,8 @@ DSL_CONFIGS = (  # BLOCK_M (per half), BLOCK_N, warps, stages, lowering flags
 )
 UNSCALED_CONFIGS = (  # the single-tile pipelined application with q left unscaled: BM, BN, warps, stages, flags
     (64, 32, 4, 3, "rows", "hoist"),
+    (64, 32, 4, 3, "rows", "hoist", "row-major"),
+    (64, 32, 4, 4, "rows", "hoist"),
     (64, 64, 4, 2, "rows", "hoist"),
     (64, 32, 4, 2, "rows", "hoist"),
     (64, 64, 4, 3, "rows", "hoist"),
