@@ -13,13 +13,13 @@ CHECK = r"""
 import torch
 from ninefold.ops.triton import gemm, gemm_tuning
 torch.manual_seed(0)
-cases = [  # m, n, k, bias, config
+cases = [  # m, n, k, bias, (block_m, block_n, block_k, split_k)
     (17, 40, 64, False, (16, 16, 16, 1)),
     (18, 40, 64, False, (16, 16, 16, 2)),   # even m: rows with a padded stride (TMA: 16-byte aligned)
-    (33, 50, 200, True, (16, 32, 32, 2)),   # K not a multiple of BLOCK_K; splits of uneven length
+    (33, 50, 200, True, (16, 32, 32, 7)),   # K not a multiple of BLOCK_K: the last step is masked
     (20, 24, 96, False, (32, 16, 16, 3)),   # one row tile wider than M
     (48, 64, 256, True, (16, 16, 32, 4)),
-    (40, 30, 80, False, (16, 16, 16, 8)),   # more splits than some tiles have K steps left: empty splits
+    (40, 30, 80, False, (16, 16, 16, 5)),   # one step per split
 ]
 count = gemm.counters(torch.device("cpu"))
 for m, n, k, with_bias, (bm, bn, bk, split) in cases:
@@ -39,9 +39,17 @@ for m, n, k, with_bias, (bm, bn, bk, split) in cases:
         assert int(count.abs().sum()) == 0, "arrival counters not reset"
 x = torch.randn(3, 7, 40)
 w = torch.randn(24, 40)
-with gemm_tuning.forced({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 2, "num_warps": 4, "num_stages": 2}):
+with gemm_tuning.forced({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 3, "num_warps": 4, "num_stages": 2}):
     y = gemm.linear(x, w)
 assert y.shape == (3, 7, 24) and torch.allclose(y, x @ w.T, atol=1e-4)
+try:
+    with gemm_tuning.forced({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 3, "num_warps": 4,
+                             "num_stages": 2}):
+        gemm.linear(x, w)  # 40 = 3 steps of 16 (the last partial) split 3 ways: fine
+        gemm.linear(torch.randn(20, 64), torch.randn(24, 64))  # 4 steps cannot split 3 ways
+    raise AssertionError("a split that does not divide K's steps was accepted")
+except ValueError as error:
+    assert "split_k=3" in str(error) and "4 steps" in str(error), error
 with gemm_tuning.forced("vendor"):
     assert torch.equal(gemm.linear(x, w), torch.nn.functional.linear(x, w))
 print("gemm ok")
@@ -74,6 +82,7 @@ def test_candidates_cover_the_sms_and_respect_the_k_steps():
         assert any(c["split_k"] == 1 for c in found)
         for c in found:
             tiles = -(-m // c["block_m"]) * -(-n // c["block_n"])
+            assert -(-k // c["block_k"]) % c["split_k"] == 0
             if c["split_k"] > 1:
                 assert tiles * c["split_k"] <= 4 * 132
                 assert -(-k // c["block_k"]) // c["split_k"] >= gemm_tuning.MIN_K_STEPS
@@ -106,7 +115,7 @@ def test_gemm_compiles_for_sm90(split):
             spec.append(("*fp32", "D"))
         elif name == "count_ptr":
             spec.append(("*i32", "D"))
-        elif name in ("M", "SPLIT_K"):
+        elif name in ("M", "SPLIT_K", "SPLIT_STEPS"):
             spec.append(("i32", ""))
         elif name in ("N", "K", "stride_xm", "stride_wn", "stride_ym"):
             spec.append(("i32", "D"))

@@ -4,7 +4,7 @@ At these sizes a linear layer sits between streaming the weight and filling the 
 cuBLAS loses most where the output has few tiles: a 4096-wide output at 192 rows is 64 tiles of
 128x128 for 132 SMs, so half the card idles while the other half runs a long K loop (measured on the
 H200: o_proj 17.2 us against a bound of 8.4, ``python -m ninefold.bench.decode_gemm``). This kernel
-splits K across ``split_k`` programs per output tile. Each writes its float32 partial tile to a
+splits K evenly across ``split_k`` programs per output tile. Each writes its float32 partial tile to a
 workspace and bumps the tile's arrival counter; the last program to arrive adds the partials in split
 order (so the result does not depend on arrival order), applies the bias, stores the output and
 resets the counter for the next call. One launch, no separate reduction kernel. Operands load either
@@ -40,18 +40,6 @@ def _tile_of(M, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _k_steps(K, SPLIT_K, BLOCK_K: tl.constexpr):
-    """The BLOCK_K steps ``[first, last)`` of this program's split of K."""
-    total_steps = tl.cdiv(K, BLOCK_K)
-    k_steps = tl.cdiv(total_steps, SPLIT_K)
-    first = tl.program_id(1) * k_steps
-    last = first + k_steps
-    if last > total_steps:
-        last = total_steps
-    return first, last
-
-
-@triton.jit
 def _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SPLIT_K, stride_ym,
             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Store a program's float32 tile: directly without a split, else through the last-arrival reduction."""
@@ -80,11 +68,12 @@ def _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SP
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, stride_xm, stride_wn, stride_ym,
+def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, SPLIT_STEPS,
+                stride_xm, stride_wn, stride_ym,
                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     tile, tile_m, tile_n = _tile_of(M, BLOCK_M)
-    first, last = _k_steps(K, SPLIT_K, BLOCK_K)
+    first = tl.program_id(1) * SPLIT_STEPS  # every split has SPLIT_STEPS steps of BLOCK_K (the host checks)
     rk = tl.arange(0, BLOCK_K)
     # Out-of-range rows and columns read a valid row instead (masked at the store): loads stay unmasked.
     xm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
@@ -92,12 +81,12 @@ def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K,
     x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * BLOCK_K + rk)[None, :]
     w_ptrs = w_ptr + wn.to(tl.int64)[:, None] * stride_wn + (first * BLOCK_K + rk)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(first, last):
+    for i in range(0, SPLIT_STEPS):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs, eviction_policy="evict_first")
         else:
-            k_ok = (step * BLOCK_K + rk) < K
+            k_ok = ((first + i) * BLOCK_K + rk) < K
             x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -108,16 +97,16 @@ def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K,
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def gemm_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, stride_ym,
+def gemm_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, SPLIT_STEPS, stride_ym,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr):
     """``gemm_kernel`` with both operands loaded by the TMA engine (rows and K past the end read zeros)."""
     tile, tile_m, tile_n = _tile_of(M, BLOCK_M)
-    first, last = _k_steps(K, SPLIT_K, BLOCK_K)
+    first = tl.program_id(1) * SPLIT_STEPS
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(first, last):
-        x = x_desc.load([tile_m * BLOCK_M, step * BLOCK_K])
-        w = w_desc.load([tile_n * BLOCK_N, step * BLOCK_K])
+    for i in range(0, SPLIT_STEPS):
+        x = x_desc.load([tile_m * BLOCK_M, (first + i) * BLOCK_K])
+        w = w_desc.load([tile_n * BLOCK_N, (first + i) * BLOCK_K])
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SPLIT_K, stride_ym,
             HAS_BIAS, BLOCK_M, BLOCK_N)
@@ -160,17 +149,22 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, cfg: d
         raise ValueError(f"split-K GEMM: {tiles} output tiles exceed the {COUNTERS} arrival counters")
     ws = torch.empty(tiles * split * bm * bn if split > 1 else 1, dtype=torch.float32, device=x2.device)
     bk, b = cfg["block_k"], bias if bias is not None else weight
+    steps = triton.cdiv(k, bk)
+    if steps % split:
+        raise ValueError(f"split-K GEMM: split_k={split} must divide the {steps} steps of block_k={bk} over K={k}")
+    split_steps = steps // split
     precision = "ieee" if x2.dtype == torch.float32 else "tf32"
     if cfg.get("tma") and tma_ready(x2, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [bm, bk])
         w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
-        call(gemm_tma_kernel, (tiles, split), x_desc, w_desc, b, y, ws, count, m, n, k, split, y.stride(0),
+        call(gemm_tma_kernel, (tiles, split), x_desc, w_desc, b, y, ws, count, m, n, k, split, split_steps,
+             y.stride(0),
              HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
-    call(gemm_kernel, (tiles, split), x2, weight, b, y, ws, count, m, n, k, split,
+    call(gemm_kernel, (tiles, split), x2, weight, b, y, ws, count, m, n, k, split, split_steps,
          x2.stride(0), weight.stride(0), y.stride(0),
          HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, PRECISION=precision,
          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
