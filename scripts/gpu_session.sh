@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -26,6 +26,7 @@ step_command() {
     runtime) echo 'python3 -m ninefold.bench.runtime' ;;
     llm-test) echo 'python3 -m pytest tests/llm -q -n 8 -p no:cacheprovider -k "not gguf"' ;;
     llm-bench) echo "$PDL_ENV python3 -m ninefold.bench.llm" ;;
+    llm-bench-vendor-linear) echo "$PDL_ENV NINEFOLD_OPS=linear=vendor python3 -m ninefold.bench.llm" ;;
     llm-bench-gpt-fast) echo 'python3 -m ninefold.bench.llm --gpt-fast .peers/gpt-fast' ;;
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
     llm-profile-offline) echo 'python3 -m ninefold.bench.llm_profile --whole-offline' ;;

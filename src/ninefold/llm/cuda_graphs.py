@@ -4,8 +4,7 @@ The captured function is the model's decode forward plus the logits, taking five
 inputs: token ids, positions, cache slots, context lengths and block tables (full width,
 ``max_blocks`` columns). Rows past the batch are padded to write nowhere (slot -1) and read one
 cached token. Every batch size is run once eagerly before capture, so kernels are chosen and
-compiled outside the capture
-(and the split-K GEMM tunes its decode sizes: ``ninefold.ops.triton.gemm_tuning``).
+compiled outside the capture.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ninefold.llm.models.llama import AttentionMetadata
-from ninefold.ops.triton import gemm_tuning
 from ninefold.runtime.cuda_graph import CudaGraphRunner
 
 
@@ -40,7 +38,7 @@ class DecodeGraphs:
             torch.zeros((M, max_blocks), dtype=torch.int32, device=dev),  # block tables
         )
         self.runner = CudaGraphRunner(self._forward, self.sizes, examples, pad_values=(0, 0, -1, 1, 0))
-        with torch.inference_mode(), gemm_tuning.autotune():  # decode-size GEMMs tune here, before capture
+        with torch.inference_mode():
             for size in reversed(self.sizes):
                 self._forward(*(x[:size] for x in examples))
             torch.cuda.synchronize()

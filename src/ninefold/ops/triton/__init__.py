@@ -51,6 +51,7 @@ for _op, _fn, _supports in KERNELS:
 # Below cuBLAS by default (see gemv's docstring): chosen only where tuning measured it faster.
 register("linear", "triton", devices=DEVICES, dtypes=DTYPES, supports=gemv.supports,
          priority={"cuda": -5, "cpu": -10})(gemv.linear)
-# Above cuBLAS: it runs cuBLAS itself wherever its tuning did not measure a faster configuration.
+# Below cuBLAS (see gemm's docstring: in the engine it did not beat cuBLAS): runs where pinned
+# (NINEFOLD_OPS=linear=triton_gemm) or a tuning table picks it, with its own per-shape configuration.
 register("linear", "triton_gemm", devices=DEVICES, dtypes=DTYPES, supports=gemm.supports,
-         priority={"cuda": 5, "cpu": -10})(gemm.linear)
+         priority={"cuda": -5, "cpu": -10})(gemm.linear)

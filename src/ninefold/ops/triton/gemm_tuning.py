@@ -8,9 +8,9 @@ keeps the fastest; a candidate whose result differs from cuBLAS's is dropped wit
 persist in ``$NINEFOLD_CACHE_DIR/ops/gemm-<fingerprint>.json`` (the fingerprint of
 ``ninefold.ops.tuning``), so a second process pays nothing.
 
-Tuning runs only where it is asked for (``with autotune():``, as the engine does before capturing its
-decode graphs, or ``NINEFOLD_GEMM_AUTOTUNE=1``); an untuned shape elsewhere runs cuBLAS, so a prefill
-chunk of an odd size never stalls a step to tune. ``forced(cfg)`` pins one configuration (tests,
+Tuning runs only where it is asked for (``with autotune():``, as ``bench.decode_gemm`` does, or
+``NINEFOLD_GEMM_AUTOTUNE=1``); an untuned shape elsewhere runs cuBLAS, so a prefill chunk of an odd
+size never stalls a step to tune. ``forced(cfg)`` pins one configuration (tests,
 sweeps).
 """
 
