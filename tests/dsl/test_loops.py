@@ -63,3 +63,33 @@ def test_per_program_loop_bounds(backend, cols):
     want_totals, want_prefix = reference(x, cols)
     torch.testing.assert_close(totals[:, 0].double(), want_totals, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(prefix.double(), want_prefix, atol=1e-4, rtol=1e-5)
+
+
+def application_tuples(x, totals, prefix):
+    """``application`` with its running sum updated by tuple assignments (flat and nested)."""
+    row = nl.max(totals.offsets(0))
+    first = nl.minimum(row + 1, x.shape[0])
+    acc = nl.zeros((), dtype=nl.float32)
+    steps = nl.zeros((), dtype=nl.float32)
+    for j in range(first):
+        acc, steps = acc + nl.sum(x[j].to(nl.float32)), steps + 1
+        prefix[j] = x[j] * 0 + acc
+    for j in range(first, x.shape[0]):
+        (acc, (steps, _)) = (acc + 10 * nl.sum(x[j].to(nl.float32)), (steps + 1, j))
+    totals = acc + steps * 0  # noqa: F841
+
+
+tuple_kernel = nd.make(arrangement, application_tuples, (Tensor(2), Tensor(2), Tensor(2)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "interpret"])
+def test_tuple_assignments_keep_the_values_of_programs_outside_their_range(backend):
+    # Rows have different loop ranges; a tuple assignment must not overwrite the values of the rows
+    # whose range is over (it did on the cpu backend: only single-name targets were blended).
+    x = torch.randn(7, 37, generator=torch.Generator().manual_seed(3))
+    totals = torch.empty(7, 1)
+    prefix = torch.full((7, 37), -1.0)
+    tuple_kernel(x, totals, prefix, COLS=8, backend=backend)
+    want_totals, want_prefix = reference(x, 8)
+    torch.testing.assert_close(totals[:, 0].double(), want_totals, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(prefix.double(), want_prefix, atol=1e-4, rtol=1e-5)

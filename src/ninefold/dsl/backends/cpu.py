@@ -205,7 +205,8 @@ class _BatchSubscripts(ast.NodeTransformer):
 
 
 class _Blend(ast.NodeTransformer):
-    """``x = e`` / ``x op= e`` become ``x = _nf.blend(e, <x if bound>)`` (nested loops do their own)."""
+    """``x = e`` / ``x op= e`` become ``x = _nf.blend(e, <x if bound>)``, and ``a, (b, c) = e``
+    becomes ``a, (b, c) = _nf.blend_each(e, (<a>, (<b>, <c>)))`` (nested loops do their own)."""
 
     def visit_For(self, node):
         return node
@@ -216,6 +217,10 @@ class _Blend(ast.NodeTransformer):
     def visit_Assign(self, node):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             node.value = _blend_call(node.value, node.targets[0].id)
+        elif len(node.targets) == 1 and _names_only(node.targets[0]):
+            previous = _previous_values(node.targets[0])
+            node.value = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "blend_each", ast.Load()),
+                                  [node.value, previous], [])
         return node
 
     def visit_AugAssign(self, node):
@@ -224,6 +229,19 @@ class _Blend(ast.NodeTransformer):
         name = node.target.id
         value = ast.BinOp(ast.Name(name, ast.Load()), node.op, node.value)
         return ast.copy_location(ast.Assign([ast.Name(name, ast.Store())], _blend_call(value, name), lineno=node.lineno), node)
+
+
+def _names_only(target) -> bool:
+    """A tuple/list target made of plain names only (nested allowed; no starred, item or attribute)."""
+    return isinstance(target, (ast.Tuple, ast.List)) and all(
+        isinstance(e, ast.Name) or _names_only(e) for e in target.elts)
+
+
+def _previous_values(target):
+    """The current values of a tuple target's names, in its shape: ``(locals().get('a'), (...))``."""
+    return ast.Tuple([_previous_values(e) if isinstance(e, (ast.Tuple, ast.List)) else
+                      ast.Call(ast.Attribute(ast.Call(ast.Name("locals", ast.Load()), [], []), "get", ast.Load()),
+                               [ast.Constant(e.id)], []) for e in target.elts], ast.Load())
 
 
 def _blend_call(value, name):
@@ -276,6 +294,15 @@ class ValueOps:
         if not isinstance(value, torch.Tensor) and not isinstance(previous, torch.Tensor):
             value = torch.as_tensor(value)
         return torch.where(mask, value, previous)
+
+    def blend_each(self, values, previous: tuple):
+        """``blend`` for each element of a tuple assignment (``previous`` holds the targets' values
+        in the target's shape)."""
+        values = tuple(values)
+        if len(values) != len(previous):
+            raise ValueError(f"cannot unpack {len(values)} values into {len(previous)} targets")
+        return tuple(self.blend_each(v, p) if isinstance(p, tuple) else self.blend(v, p)
+                     for v, p in zip(values, previous))
 
     def condition(self, value):
         """An ``if`` test: per-program tensors must agree across the programs run together."""
