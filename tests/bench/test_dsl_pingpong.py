@@ -115,7 +115,9 @@ from ninefold.bench import dsl as bench, dsl_pingpong as pp
 pp.DEVICE = bench.SWEEP_DEVICE = "cpu"
 bench._gpu_time = lambda fn: 1e-3
 pp.HAND_CONFIGS, pp.DSL_CONFIGS, pp.UNSCALED_CONFIGS = ((32, 16, 4, 2, ()),), ((32, 16, 4, 2),), ()
+pp.STAGES_SET = {"pipelined": (("pipelined", 32, 16, 4, 3),), "dsl": (), "hand": (), "unscaled": ()}
 pp.main(["--shape", "1,1,128,16", "--out", sys.argv[1]])
+pp.main(["--shape", "1,1,128,16", "--set", "stages"])
 """
 
 
@@ -131,6 +133,7 @@ def test_main_prints_the_table_and_writes_json(tmp_path):
         "torch sdpa (as dispatched)", "dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)",
         "dsl pair 2x32x16 w4 s2", "triton pair 2x32x16 w4 s2"]
     assert all(r["ok"] and r["seconds"] == 1e-3 for r in report["rows"])
+    assert "dsl pipelined 32x16 w4 s3 " in done.stdout and done.stdout.count("dsl pair") == 2  # --set stages
 
 
 def test_pair_attention_rejects_bad_input():

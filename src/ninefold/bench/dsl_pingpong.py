@@ -336,6 +336,18 @@ DSL_CONFIGS = (  # BLOCK_M (per half), BLOCK_N, warps, stages, lowering flags
     (64, 32, 4, 2, "rows", "hoist", "row-major"),
     (64, 64, 8, 3),  # pointer loads
 )
+# --set stages (GPU run 2): run 1 showed pipeline depth and programs per SM deciding (pair 2x64x32 w4:
+# s2 1.460, s3 1.154 ms; anything at one program per SM slow). Triton 3.6 for sm_90 (ptxas -v): session
+# 4's pipelined application at 64x32 w4 168 registers, 57 KiB (s3) / 73 KiB (s4) shared: three programs
+# per SM (the ops and loads-first applications: 151 registers, 48 / 64 KiB, also three); pair 2x64x32 w4 s4 / s5 229 registers, 97 / 113 KiB: two per SM (113 KiB: as session 4's best).
+SINGLE_TILE = {"pipelined": bench._attention_pipelined, "ops": attention.application,
+               "loads-first": bench._attention_loads_first}  # one query tile per program (bench.dsl's)
+STAGES_SET = {
+    "pipelined": tuple((name, 64, 32, 4, st, "rows", "hoist") for name in SINGLE_TILE for st in (3, 4)),
+    "dsl": ((64, 64, 4, 2, "rows", "hoist"), (64, 32, 4, 4, "rows", "hoist"), (64, 32, 4, 5, "rows", "hoist")),
+    "hand": ((64, 32, 4, 4, ()), (64, 32, 4, 5, ())),
+    "unscaled": (),
+}
 UNSCALED_CONFIGS = (  # the single-tile pipelined application with q left unscaled: BM, BN, warps, stages, flags
     (64, 32, 4, 3, "rows", "hoist"),
     (64, 32, 4, 3, "rows", "hoist", "row-major"),
@@ -348,11 +360,13 @@ UNSCALED_CONFIGS = (  # the single-tile pipelined application with q left unscal
 
 
 def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True, hand=None, dsl=None, unscaled=None,
-                   baseline=True, deadline_s=None):
+                   baseline=True, deadline_s=None, pipelined=()):
     """Check then time every row at one shape, in this order: torch SDPA, session 4's best DSL
     kernel, the two-half DSL kernel, the q-unscaled pipelined DSL kernel, the hand-written
     two-half kernel. Rows not started ``deadline_s`` seconds after the first are listed as skipped.
-    ``hand``/``dsl``/``unscaled`` default to ``HAND_CONFIGS``/``DSL_CONFIGS``/``UNSCALED_CONFIGS``.
+    ``hand``/``dsl``/``unscaled`` default to ``HAND_CONFIGS``/``DSL_CONFIGS``/``UNSCALED_CONFIGS``;
+    ``pipelined``: ``(application, BM, BN, warps, stages, *flags)`` rows of the one-tile applications
+    (``SINGLE_TILE``) after the baseline.
     Returns ``ninefold.bench.dsl`` sweep rows."""
     hand = HAND_CONFIGS if hand is None else hand
     dsl = DSL_CONFIGS if dsl is None else dsl
@@ -385,6 +399,11 @@ def attention_rows(b=4, h=32, s=4096, d=128, dtype=torch.bfloat16, causal=True, 
         plans.append(("dsl pipelined 64x64 w4 s3 rows hoist (session 4 best)", lambda: dsl_call(
             bench._fixed(attention.arrangement, bench._attention_pipelined, attention.tensors(), 4, 3, "rows", "hoist"),
             64, 64), None))
+    for name, bm, bn, w, st, *flags in pipelined:
+        plans.append((" ".join([f"dsl {name}", f"{bm}x{bn} w{w} s{st}", *flags]),
+                      lambda name=name, bm=bm, bn=bn, w=w, st=st, flags=flags: dsl_call(bench._fixed(
+                          attention.arrangement, SINGLE_TILE[name], attention.tensors(), w, st, *flags), bm, bn),
+                      None))
     for bm, bn, w, st, *flags in dsl:
         plans.append((" ".join(["dsl pair", f"2x{bm}x{bn} w{w} s{st}", *flags]),
                       lambda bm=bm, bn=bn, w=w, st=st, flags=flags: dsl_call(pair_kernel(w, st, *flags), bm, bn), None))
@@ -426,6 +445,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.dsl_pingpong", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for dsl_pingpong.json (default $OUT)")
     parser.add_argument("--shape", default="4,32,4096,128", help="B,H,S,D of the causal bf16 attention (default 4,32,4096,128)")
+    parser.add_argument("--set", choices=("all", "stages"), default="all",
+                        help="rows: all (run 1) or stages (deeper pipelines at two programs per SM: run 2)")
     parser.add_argument("--deadline", type=float, default=200.0, help="seconds after which rows are skipped")
     args = parser.parse_args(argv)
     try:
@@ -439,7 +460,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as caches:  # own tuning cache, as the sweeps
         os.environ["NINEFOLD_CACHE_DIR"] = os.path.join(caches, "ninefold")
         dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter computes bf16 wrongly
-        rows = attention_rows(b, h, s, d, dtype, deadline_s=args.deadline)
+        chosen = STAGES_SET if args.set == "stages" else {}
+        rows = attention_rows(b, h, s, d, dtype, deadline_s=args.deadline, **chosen)
     title = f"sdpa causal B{b} H{h} S{s} D{d} {str(dtype)[6:]}: two query halves per program"
     print(title)
     print(table(rows))
