@@ -4,7 +4,8 @@
 
 For each layer shape (qkv, o, gate_up, down, lm_head) and each batch ``M`` in ``--batches``, times
 ``linear`` through each implementation ``ninefold.ops`` has for it on the device (cuBLAS as
-``vendor``, the DSL matmul as ``dsl``, the split-K GEMM as ``triton_gemm``, each tuned on its first call), every one first checked against a
+``vendor``, the DSL matmul as ``dsl``, the split-K GEMM as ``triton_gemm``, cuBLASLt with a measured algorithm as
+``cublaslt``, each tuned on its first call), every one first checked against a
 float32 product. Each timing is a CUDA graph of the call over several copies of the weight (so the
 weight streams from memory, as in a model step), replayed; the figure is microseconds per call
 next to its bound: max(weight bytes / copy bandwidth, FLOPs / cuBLAS bf16 rate), both measured in
@@ -31,6 +32,7 @@ BATCHES = (16, 64, 128, 160, 192, 224, 256)
 def run(batches, names, only=None) -> dict:
     import ninefold.ops  # noqa: F401  (registers the implementations)
     from ninefold.bench.decode_attention import _graph_time as graph_time
+    from ninefold.ops.cublaslt import tuning as cublaslt_tuning
     from ninefold.ops.registry import implementations
     from ninefold.ops.triton import gemm_tuning
     from ninefold.runtime.profile import profile_device
@@ -58,8 +60,12 @@ def run(batches, names, only=None) -> dict:
                     row[impl] = f"not supported: {reason}"
                     continue
                 try:
-                    with gemm_tuning.autotune():  # the split-K GEMM measures its configurations first
+                    with gemm_tuning.autotune(), cublaslt_tuning.autotune():  # tuned implementations measure first
                         got = fn(x, weights[0], None).float()
+                    if impl == "cublaslt":
+                        times = cublaslt_tuning.measured_times(m, n, k, x.dtype, device) or {}
+                        row["cublaslt_tuning_us"] = times
+                        row["cublaslt_config"] = next(iter(times), "tuned in an earlier process")
                     if impl == "triton_gemm":
                         cfg = gemm_tuning.choice(m, n, k, x.dtype, device, False)
                         row["triton_gemm_config"] = gemm_tuning.VENDOR if cfg is None else gemm_tuning.describe(cfg)
@@ -74,9 +80,10 @@ def run(batches, names, only=None) -> dict:
             rows.append(row)
             cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound_us / row[i]:4.0%})" if isinstance(row[i], float)
                               else f"{i} {row[i]}" for i in impls)
-            if "triton_gemm_config" in row:
-                top = list((row["triton_gemm_tuning_us"] or {}).items())[:3]
-                cells += f"  [{row['triton_gemm_config']}; tuner: {', '.join(f'{c} {t:.1f}' for c, t in top)}]"
+            for impl in impls:
+                if f"{impl}_config" in row:
+                    top = list((row[f"{impl}_tuning_us"] or {}).items())[:3]
+                    cells += f"  [{impl}: {row[f'{impl}_config']}; tuner: {', '.join(f'{c} {t:.1f}' for c, t in top)}]"
             print(f"{layer:8s} M={m:<4d} bound {bound_us:8.2f} us  {cells}", flush=True)
         del weights
         torch.cuda.empty_cache()

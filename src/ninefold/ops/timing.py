@@ -62,3 +62,23 @@ def _events(fn, device, repeats: int, max_seconds: float, *, calls: int, cover_u
         if time.perf_counter() > deadline and len(times) >= 3:
             break
     return statistics.median(times)
+
+
+class RotatingWeights:
+    """Copies of a random ``[n, k]`` weight (as many as fit ``budget`` bytes, at most 8) and timed steps
+    that cycle through them, so a GEMM's weight streams from memory as it does in a model step rather
+    than staying in L2."""
+
+    def __init__(self, n: int, k: int, dtype: torch.dtype, device, budget: int = 256 << 20):
+        nbytes = n * k * torch.finfo(dtype).bits // 8
+        free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else budget * 4
+        copies = max(1, min(8, min(budget, free // 4) // max(nbytes, 1)))
+        self.weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+        self._turn = 0
+
+    def step(self, run):
+        """A no-argument function calling ``run(weight)`` with the next copy each time."""
+        def call():
+            self._turn = (self._turn + 1) % len(self.weights)
+            run(self.weights[self._turn])
+        return call

@@ -17,15 +17,13 @@ sweeps).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from ninefold.dsl.cache import write_atomic
-from ninefold.ops import timing, tuning
+from ninefold.ops import timing
+from ninefold.ops.choice_cache import ChoiceCache
 
 VENDOR = "vendor"
 # (block_m, block_n, block_k, num_warps, num_stages): the shapes that won or came second somewhere in
@@ -40,16 +38,14 @@ TILES = (
 )
 SPLITS = (1, 2, 3, 4, 6, 7, 8)  # those dividing K's steps
 MIN_K_STEPS = 4  # each split runs at least this many BLOCK_K steps
-SCRATCH_BYTES = 256 << 20
 
-_choices: dict | None = None
 measured: dict = {}  # this process's tuning runs: shape key -> {candidate: us}, fastest first
 _forced: list[dict] = []
-_autotune_depth = 0
 
 
 def bucket(m: int) -> int:
-    """Rows are tuned in multiples of 16 (the engine's decode graphs are captured at those sizes)."""
+    """Rows are tuned in multiples of 16 (the engine captures decode graphs every 8 rows; two sizes share one
+    tuning, which is valid for any row count up to its bucket)."""
     return -(-m // 16) * 16
 
 
@@ -82,43 +78,12 @@ def tma_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _path():
-    ops_file = tuning.cache_file()  # tuning-<fingerprint>.json
-    return ops_file.with_name(ops_file.name.replace("tuning-", "gemm-", 1))
+CACHE = ChoiceCache("gemm", "NINEFOLD_GEMM_AUTOTUNE")
+autotune = CACHE.autotune  # inside ``with autotune():`` untuned shapes are tuned on their first call
 
 
 def _key(device_name: str, dtype: torch.dtype, m: int, n: int, k: int, has_bias: bool) -> str:
     return f"{device_name}|{str(dtype).removeprefix('torch.')}|{bucket(m)}|{n}|{k}|{int(has_bias)}"
-
-
-def _load() -> dict:
-    global _choices
-    if _choices is None:
-        _choices = {}
-        path = _path()
-        if path.exists():
-            try:
-                _choices = json.loads(path.read_text())["choices"]
-            except (OSError, ValueError, KeyError):
-                warnings.warn(f"ignoring the unreadable GEMM tuning cache {path}", stacklevel=3)
-    return _choices
-
-
-def _save() -> None:
-    path = _path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"versions": tuning.versions(), "choices": _choices}, indent=1))
-
-
-@contextlib.contextmanager
-def autotune():
-    """Inside this block, shapes without a measured configuration are tuned on their first call."""
-    global _autotune_depth
-    _autotune_depth += 1
-    try:
-        yield
-    finally:
-        _autotune_depth -= 1
 
 
 @contextlib.contextmanager
@@ -131,10 +96,6 @@ def forced(cfg: dict | str):
         _forced.pop()
 
 
-def _autotune_on() -> bool:
-    return _autotune_depth > 0 or os.environ.get("NINEFOLD_GEMM_AUTOTUNE") == "1"
-
-
 def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_bias: bool) -> dict | None:
     """The configuration to run (``None``: cuBLAS), tuning it first when allowed and not yet known."""
     if _forced:
@@ -145,19 +106,12 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has
     from ninefold.ops.dispatch import device_model
 
     key = _key(device_model(device), dtype, m, n, k, has_bias)
-    known = _load().get(key)
+    known = CACHE.choices().get(key)
     if known is None:
-        if not _autotune_on() or torch.cuda.is_current_stream_capturing():
+        if not CACHE.autotune_on() or torch.cuda.is_current_stream_capturing():
             return None
         known = tune(m, n, k, dtype, device, has_bias)["choice"]
     return None if known == VENDOR else known
-
-
-def _weights(n: int, k: int, dtype, device) -> list[torch.Tensor]:
-    nbytes = n * k * torch.finfo(dtype).bits // 8
-    free = torch.cuda.mem_get_info(device)[0]
-    copies = max(1, min(8, min(SCRATCH_BYTES, free // 4) // max(nbytes, 1)))
-    return [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
 
 
 def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False,
@@ -172,17 +126,12 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_b
 
     mb = bucket(m)
     x = torch.randn(mb, k, device=device, dtype=dtype)
-    weights = _weights(n, k, dtype, device)
+    rotation = timing.RotatingWeights(n, k, dtype, device)
+    weights = rotation.weights
     bias = torch.randn(n, device=device, dtype=dtype) * 0.1 if has_bias else None
     want = F.linear(x, weights[0], bias).float()
     count = gemm.counters(device)
-    turn = [0]
-
-    def rotating(run):
-        def step():
-            turn[0] = (turn[0] + 1) % len(weights)
-            run(weights[turn[0]])
-        return step
+    rotating = rotation.step
 
     def time_config(cfg: dict, repeats: int) -> float:
         out = torch.empty(mb, n, device=device, dtype=dtype)
@@ -212,8 +161,7 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, has_b
     best = min([VENDOR, *finalists], key=times.get)
     picked = VENDOR if best == VENDOR else results[best]
     key = _key(device_model(device), dtype, mb, n, k, has_bias)
-    _load()[key] = picked
-    _save()
+    CACHE.store(key, picked)
     measured[key] = {name: round(t, 3) for name, t in sorted(times.items(), key=lambda item: item[1])}
     return {"choice": picked, "times_us": measured[key]}
 
@@ -234,5 +182,4 @@ def describe(cfg: dict) -> str:
 
 def forget() -> None:
     """Drop the in-memory choices (the file is re-read on the next call)."""
-    global _choices
-    _choices = None
+    CACHE.forget()

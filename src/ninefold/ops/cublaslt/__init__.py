@@ -1,0 +1,58 @@
+"""``linear`` through cuBLASLt with a measured algorithm per shape (``linear`` implementation ``cublaslt``).
+
+torch's ``F.linear`` runs the algorithm cuBLAS's heuristic ranks first. Between 160 and 256 rows
+(the large decode batches of the engine) that choice leaves much of an H200 idle. This
+implementation runs, for shapes ``ninefold.ops.cublaslt.tuning`` has measured, the fastest of the
+algorithms cuBLASLt offers, and ``F.linear`` everywhere else (untuned shapes, a bias, layouts it does
+not take), so it is never slower than the vendor path by more than a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninefold.ops.cublaslt import binding, tuning
+from ninefold.ops.registry import register
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def supports(x, weight, bias=None) -> str | None:
+    """``None`` when the cuBLASLt path can take these arguments, else why not."""
+    if x.device.type != "cuda":
+        return "CUDA tensors only"
+    if not weight.is_contiguous():
+        return "the weight must be contiguous"
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with the tuned cuBLASLt algorithm for this shape, or ``F.linear``."""
+    k = x.shape[-1]
+    if bias is not None or x.numel() == 0 or not x.is_contiguous():
+        return F.linear(x, weight, bias)
+    m, n = x.numel() // k, weight.shape[0]
+    algo = tuning.choice(m, n, k, x.dtype, x.device) if _usable() else None
+    if algo is None:
+        return F.linear(x, weight, bias)
+    out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    binding.matmul(x.view(m, k), weight, out.view(m, n), algo)
+    return out
+
+
+_state: dict = {}
+
+
+def _usable() -> bool:
+    if "ok" not in _state:  # loaded on the first call, not at import (no CUDA context before it is needed)
+        _state["ok"] = binding.available()
+    return _state["ok"]
+
+
+def register_cuda() -> None:
+    """Register ``linear`` implementation ``cublaslt``, below cuBLAS: it runs where pinned
+    (``NINEFOLD_OPS=linear=cublaslt``) or a tuning table picks it (see docs/perf/llm.md, seventh session)."""
+    if torch.cuda.is_available():
+        register("linear", "cublaslt", devices=("cuda",), dtypes=DTYPES, supports=supports,
+                 priority={"cuda": -5})(linear)

@@ -1,0 +1,264 @@
+"""A ctypes binding to the parts of cuBLASLt that ``linear`` needs: plans, candidate algorithms, matmul.
+
+torch calls cuBLAS with the algorithm its heuristic ranks first; cuBLASLt can list the others
+(``cublasLtMatmulAlgoGetHeuristic`` with a count), and any of them can be launched with an explicit
+``cublasLtMatmulAlgo_t``. That is what ``ninefold.ops.cublaslt.tuning`` measures. The library is
+the one torch already loaded (found in this process's memory map), so the two never disagree on
+versions. Every handle and descriptor lives as long as the process.
+
+``y = x @ w.T`` with row-major ``x [M, K]``, ``w [N, K]``, ``y [M, N]`` is, in cuBLAS's
+column-major terms, ``y^T [N, M] = op_T(w^T [K, N]) @ x^T [K, M]``: A is the weight (transposed),
+B the activations, and the output's leading dimension is N.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from dataclasses import dataclass
+
+import torch
+
+# cudaDataType_t, cublasComputeType_t, cublasOperation_t and attribute ids (cublasLt.h, library_types.h)
+CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14, torch.float32: 0}
+CUDA_R_32F = 0
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB = 3, 4
+PREF_MAX_WORKSPACE_BYTES = 1
+ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
+               "inner": 7, "cluster": 8}
+WORKSPACE_BYTES = 32 << 20
+
+
+class CublasLtError(RuntimeError):
+    """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS."""
+
+
+class Algo(ctypes.Structure):
+    """``cublasLtMatmulAlgo_t``: opaque, 8 x uint64, valid for the cuBLASLt version that made it."""
+
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+_P = ctypes.c_void_p
+_SIGNATURES = {
+    "cublasLtCreate": [ctypes.POINTER(_P)],
+    "cublasLtGetVersion": [],
+    "cublasLtMatmulDescCreate": [ctypes.POINTER(_P), ctypes.c_int, ctypes.c_int],
+    "cublasLtMatmulDescSetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t],
+    "cublasLtMatrixLayoutCreate": [ctypes.POINTER(_P), ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+    "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(_P)],
+    "cublasLtMatmulPreferenceSetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t],
+    "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(_Heuristic),
+                                       ctypes.POINTER(ctypes.c_int)],
+    "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(Algo), ctypes.c_int, _P, ctypes.c_size_t,
+                                             ctypes.POINTER(ctypes.c_size_t)],
+    "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.POINTER(Algo), _P, ctypes.c_size_t, _P],
+}
+
+_lock = threading.Lock()
+_lib = None
+_handles: dict[int, _P] = {}
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_plans: dict[tuple, Plan] = {}
+_ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+
+def _library_path() -> str | None:
+    """The cuBLASLt that this process has loaded (torch loads it on its first CUDA matmul)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libcublasLt.so" in path:
+                    return path
+    except OSError:
+        pass
+    return ctypes.util.find_library("cublasLt")
+
+
+def library():
+    """The loaded cuBLASLt (``ctypes.CDLL``) with argument types set; raises ``CublasLtError`` if absent."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                if torch.cuda.is_available():
+                    a = torch.ones(8, 8, device="cuda", dtype=torch.float16)
+                    (a @ a).sum().item()  # makes torch load cuBLAS(Lt)
+                path = _library_path()
+                if path is None:
+                    raise CublasLtError("cuBLASLt is not loaded in this process and no libcublasLt was found")
+                lib = ctypes.CDLL(path)
+                for name, argtypes in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes = argtypes
+                    fn.restype = ctypes.c_size_t if name == "cublasLtGetVersion" else ctypes.c_int
+                _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """Whether cuBLASLt can be called here (a CUDA device and the library)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        library()
+    except (CublasLtError, OSError, AttributeError):
+        return False
+    return True
+
+
+def version() -> int:
+    """``cublasLtGetVersion()``, e.g. 130100 (algorithms are only valid within one version)."""
+    return int(library().cublasLtGetVersion())
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{what} failed with cuBLAS status {status}")
+
+
+def _handle(device: torch.device) -> _P:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _handles:
+        with torch.cuda.device(index):
+            handle = _P()
+            _check(library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+        _handles[index] = handle
+    return _handles[index]
+
+
+def _workspace(device: torch.device, stream: int) -> torch.Tensor:
+    # one per stream: two streams running matmuls at once must not share scratch memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, stream)
+    if key not in _workspaces:
+        _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+    return _workspaces[key]
+
+
+def _layout(dtype: torch.dtype, rows: int, cols: int, ld: int) -> _P:
+    layout = _P()
+    _check(library().cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_TYPES[dtype], rows, cols, ld),
+           "cublasLtMatrixLayoutCreate")
+    return layout
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Descriptors of one ``[m, k] x [n, k]^T`` product in one dtype on one device."""
+
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    device_index: int
+    desc: _P
+    a: _P
+    b: _P
+    d: _P
+
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Plan:
+    """The (cached) descriptors for this product."""
+    if dtype not in CUDA_TYPES:
+        raise CublasLtError(f"cuBLASLt linear: dtype {dtype} not supported (float16, bfloat16, float32)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (m, n, k, dtype, index)
+    found = _plans.get(key)
+    if found is None:
+        lib = library()
+        desc = _P()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate")
+        for attr, op in ((DESC_TRANSA, CUBLAS_OP_T), (DESC_TRANSB, CUBLAS_OP_N)):
+            value = ctypes.c_int32(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), 4), "cublasLtMatmulDescSetAttribute")
+        found = Plan(m, n, k, dtype, index, desc, _layout(dtype, k, n, k), _layout(dtype, k, m, k), _layout(dtype, n, m, n))
+        _plans[key] = found
+    return found
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One algorithm the heuristic offers for a plan, with its needs and its configuration."""
+
+    algo: Algo
+    workspace_bytes: int
+    waves: float
+    config: dict
+
+    def name(self) -> str:
+        """A short label: ``id23 tile20 split1 stages8 cluster2``."""
+        c = self.config
+        return (f"id{c['id']} tile{c['tile']} split{c['splitk']} red{c['reduction']} sw{c['swizzle']} "
+                f"stages{c['stages']} cluster{c['cluster']} custom{c['custom']}")
+
+
+def _config(algo: Algo) -> dict:
+    lib = library()
+    out = {}
+    for name, attr in ALGO_CONFIG.items():
+        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+                                                          ctypes.byref(written))
+        out[name] = int(value.value) if status == 0 else None
+    return out
+
+
+def candidates(p: Plan, count: int = 32) -> list[Candidate]:
+    """Up to ``count`` algorithms cuBLASLt's heuristic proposes for ``p``, its favourite first."""
+    lib = library()
+    pref = _P()
+    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    limit = ctypes.c_uint64(WORKSPACE_BYTES)
+    _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+           "cublasLtMatmulPreferenceSetAttribute")
+    results = (_Heuristic * count)()
+    found = ctypes.c_int(0)
+    with torch.cuda.device(p.device_index):
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(torch.device("cuda", p.device_index)), p.desc, p.a, p.b,
+                                                  p.d, p.d, pref, count, results, ctypes.byref(found)),
+               "cublasLtMatmulAlgoGetHeuristic")
+    out = []
+    for r in results[: found.value]:
+        if r.state == 0:
+            algo = Algo()
+            ctypes.memmove(ctypes.byref(algo), ctypes.byref(r.algo), ctypes.sizeof(Algo))
+            out.append(Candidate(algo, int(r.workspace_size), float(r.waves_count), _config(algo)))
+    return out
+
+
+def algo_from_words(words: list[int]) -> Algo:
+    """An ``Algo`` from its 8 words (as persisted by the tuner)."""
+    algo = Algo()
+    for i, word in enumerate(words):
+        algo.data[i] = word
+    return algo
+
+
+def algo_words(algo: Algo) -> list[int]:
+    """The 8 words of an ``Algo`` (JSON-friendly)."""
+    return [int(w) for w in algo.data]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: Algo) -> torch.Tensor:
+    """``out = x @ w.T`` with ``algo`` on the current stream. x ``[M, K]``, w ``[N, K]``, out ``[M, N]``,
+    all contiguous, one dtype, one CUDA device (the caller checks)."""
+    m, k = x.shape
+    n = w.shape[0]
+    p = plan(m, n, k, x.dtype, x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    workspace = _workspace(x.device, stream)
+    _check(library().cublasLtMatmul(_handle(x.device), p.desc, ctypes.byref(_ONE), w.data_ptr(), p.a, x.data_ptr(),
+                                    p.b, ctypes.byref(_ZERO), out.data_ptr(), p.d, out.data_ptr(), p.d,
+                                    ctypes.byref(algo), workspace.data_ptr(), WORKSPACE_BYTES, stream),
+           "cublasLtMatmul")
+    return out

@@ -1,0 +1,122 @@
+"""Measured cuBLASLt algorithms for ``linear``, per exact shape.
+
+For one (device, dtype, M, N, K) the tuner asks cuBLASLt's heuristic for its candidate algorithms,
+checks each one's result against torch's ``F.linear`` (what cuBLAS runs by default), times each and
+``F.linear`` over rotating copies of the weight (so the weight streams from memory, as in a decode
+step) and keeps the fastest, or ``"vendor"`` when none beats ``F.linear`` by ``MIN_GAIN``. Results
+persist in ``$NINEFOLD_CACHE_DIR/ops/cublaslt-<fingerprint>.json`` keyed also by the cuBLASLt
+version (an algorithm is only valid within one), so a second process pays nothing.
+
+Tuning runs only where it is asked for (``with autotune():``, as the engine does for its decode
+batch sizes before capturing CUDA graphs, or ``NINEFOLD_CUBLASLT_AUTOTUNE=1``); an untuned shape runs
+``F.linear``, so an eager prefill chunk of an odd size never stalls to tune.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ninefold.ops import timing
+from ninefold.ops.choice_cache import ChoiceCache
+from ninefold.ops.cublaslt import binding
+
+VENDOR = "vendor"
+MIN_GAIN = 0.02  # an algorithm must be this much faster than F.linear to replace it
+ROUNDS = ((5, None), (20, 4))  # (repeats, keep the best n of the previous round)
+
+measured: dict = {}  # this process's tuning runs: key -> {candidate: us}, fastest first
+_algos: dict = {}  # key -> binding.Algo of the persisted choice
+CACHE = ChoiceCache("cublaslt", "NINEFOLD_CUBLASLT_AUTOTUNE")
+autotune = CACHE.autotune  # inside ``with autotune():`` untuned shapes are tuned on their first call
+
+
+def key(device_name: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
+    """The cache key of one product shape."""
+    return f"{device_name}|cublaslt{binding.version()}|{str(dtype).removeprefix('torch.')}|{m}|{n}|{k}"
+
+
+def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> binding.Algo | None:
+    """The algorithm to run (``None``: ``F.linear``), tuning first when allowed and not yet known."""
+    from ninefold.ops.dispatch import device_model
+
+    name = key(device_model(device), dtype, m, n, k)
+    if name in _algos:
+        return _algos[name]
+    known = CACHE.choices().get(name)
+    if known is None:
+        if not CACHE.autotune_on() or torch.cuda.is_current_stream_capturing():
+            return None
+        known = tune(m, n, k, dtype, device)["choice"]
+    algo = None if known == VENDOR else binding.algo_from_words(known["algo"])
+    _algos[name] = algo
+    return algo
+
+
+def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, progress: bool = True) -> dict:
+    """Time ``F.linear`` and every algorithm the heuristic offers for this shape, remember the fastest
+    and return ``{"choice": {"algo": [...], "name": ...} or "vendor", "times_us": {...}}``."""
+    from tqdm import tqdm
+
+    from ninefold.ops.dispatch import device_model
+
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    rotation = timing.RotatingWeights(n, k, dtype, device)
+    weights = rotation.weights
+    want = F.linear(x, weights[0]).float()
+    scale = max(want.abs().max().item(), 1e-6)
+    rotating = rotation.step
+
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    runs = {VENDOR: rotating(lambda w: F.linear(x, w))}
+    found = {}
+    offered = binding.candidates(binding.plan(m, n, k, dtype, device))
+    for cand in tqdm(offered, desc=f"cuBLASLt linear M={m} N={n} K={k}", unit="algo", disable=not progress, leave=False):
+        name = cand.name()
+        if name in found:
+            continue
+        try:
+            binding.matmul(x, weights[0], out, cand.algo)
+        except binding.CublasLtError as e:
+            warnings.warn(f"cuBLASLt algorithm {name} failed at M={m} N={n} K={k}: {e}; not used", stacklevel=2)
+            continue
+        err = (out.float() - want).abs().max().item() / scale
+        if not err <= 2e-2:
+            warnings.warn(f"cuBLASLt algorithm {name} disagrees with F.linear at M={m} N={n} K={k} "
+                          f"(relative error {err:.3g}); not used", stacklevel=2)
+            continue
+        found[name] = cand
+        runs[name] = rotating(lambda w, a=cand.algo: binding.matmul(x, w, out, a))
+    times: dict[str, float] = {}
+    field = list(runs)
+    for repeats, keep in ROUNDS:
+        if keep is not None:
+            field = sorted(field, key=times.get)[:keep]
+            if VENDOR not in field:
+                field.append(VENDOR)
+        for name in field:
+            times[name] = timing.measure(runs[name], device, repeats=repeats)
+    best = min(field, key=times.get)
+    if best != VENDOR and times[best] > (1 - MIN_GAIN) * times[VENDOR]:
+        best = VENDOR
+    picked = VENDOR if best == VENDOR else {"algo": binding.algo_words(found[best].algo), "name": best}
+    name = key(device_model(device), dtype, m, n, k)
+    CACHE.store(name, picked)
+    _algos.pop(name, None)
+    measured[name] = {c: round(t, 3) for c, t in sorted(times.items(), key=lambda item: item[1])}
+    return {"choice": picked, "times_us": measured[name]}
+
+
+def measured_times(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict | None:
+    """What this process's tuning run of the shape measured (``{candidate: us}``, fastest first)."""
+    from ninefold.ops.dispatch import device_model
+
+    return measured.get(key(device_model(device), dtype, m, n, k))
+
+
+def forget() -> None:
+    """Drop the in-memory choices (the file is re-read on the next call)."""
+    CACHE.forget()
+    _algos.clear()
