@@ -103,8 +103,9 @@ def test_choice_runs_cublas_where_nothing_was_measured():
     assert [gemm_tuning.bucket(m) for m in (17, 32, 33, 200)] == [32, 32, 48, 208]
 
 
+@pytest.mark.parametrize("gdc", [False, True])
 @pytest.mark.parametrize("split", [1, 3])
-def test_gemm_compiles_for_sm90(split):
+def test_gemm_compiles_for_sm90(split, gdc):
     from ninefold.ops.triton import aot, gemm
 
     spec = []
@@ -121,13 +122,14 @@ def test_gemm_compiles_for_sm90(split):
             spec.append(("i32", "D"))
         else:
             value = {"HAS_BIAS": False, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "EVEN_K": True,
-                     "PRECISION": "tf32"}[name]
+                     "PRECISION": "tf32", "USE_GDC": gdc}[name]
             spec.append(("constexpr", value))
     compiled = aot.compile_spec(gemm.gemm_kernel, spec, 8, 4, aot.parse_target("cuda:90"))
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx
     assert "wgmma" in ptx or "mma" in ptx
     assert "atom" in ptx  # the arrival counter
+    assert ("griddepcontrol.wait" in ptx) == gdc  # PDL: wait for the kernel before only when launched so
 
 
 CUDA = torch.cuda.is_available()
@@ -152,6 +154,33 @@ def test_gemm_cuda_every_split_matches_float64_and_repeats_bit_exactly(dtype):
                 for _ in range(20):  # the last-arrival reduction is ordered: every call gives the same bits
                     assert torch.equal(gemm.linear(x, w, b), first), cfg
         assert int(gemm.counters(x.device).abs().sum()) == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gemm_cuda_pdl_launch_gives_the_plain_launch_bits(monkeypatch):
+    from ninefold.ops.triton import gemm, gemm_tuning, pdl
+
+    if not pdl.wanted(torch.device("cuda"), "NINEFOLD_GEMM_PDL"):
+        pytest.skip("PDL is not available on this card or Triton")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(96, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(4096, 4096, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in gemm_tuning.candidates(96, 4096, 4096, sms, tma=gemm_tuning.tma_available(x.device)):
+        with gemm_tuning.forced(cfg):
+            monkeypatch.setenv("NINEFOLD_GEMM_PDL", "0")
+            plain = gemm.linear(x, w)
+            monkeypatch.setenv("NINEFOLD_GEMM_PDL", "1")
+            # a chain of PDL launches: each reads what the one before wrote
+            h = x
+            for _ in range(3):
+                h = gemm.linear(h, w)
+            assert torch.equal(gemm.linear(x, w), plain), cfg
+            monkeypatch.setenv("NINEFOLD_GEMM_PDL", "0")
+            want = x
+            for _ in range(3):
+                want = gemm.linear(want, w)
+            assert torch.equal(h, want), cfg
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -4,8 +4,9 @@ The captured function is the model's decode forward plus the logits, taking five
 inputs: token ids, positions, cache slots, context lengths and block tables (full width,
 ``max_blocks`` columns). Rows past the batch are padded to write nowhere (slot -1) and read one
 cached token. Every batch size is run once eagerly before capture, so kernels are chosen and
-compiled outside the capture, and the linear layers' cuBLASLt algorithms are measured for each size
-(``ninefold.ops.cublaslt.tuning``; once per card, then read from the cache).
+compiled outside the capture, and where ``linear`` runs a self-tuning implementation (``cublaslt``,
+``triton_gemm``: pinned or chosen by a table) its choice is measured for each size (once per card,
+then read from the cache).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import torch
 
 from ninefold.llm.models.llama import AttentionMetadata
 from ninefold.ops.cublaslt import tuning as cublaslt_tuning
+from ninefold.ops.triton import gemm_tuning
 from ninefold.runtime.cuda_graph import CudaGraphRunner
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every 8 up to ``max_batch`` (and ``max_batch``).
+    """Batch sizes to capture: 1, 2, 4, 8, then every 16 up to ``max_batch`` (and ``max_batch``).
 
-    A batch runs the smallest graph that holds it; the padding rows cost little while a step streams
-    weights, but above ~170 rows the GEMMs are compute-bound on an H200 and every padded row costs
-    its share, so the step is 8 rows, not 16."""
-    sizes = [s for s in (1, 2, 4) if s <= max_batch] + list(range(8, max_batch + 1, 8))
+    Every 8 rows was measured too (docs/perf/llm.md, seventh session): less padding, but cuBLAS runs
+    some row counts that are not multiples of 16 slower than the next multiple, and offline
+    throughput did not improve."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch] + list(range(16, max_batch + 1, 16))
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
@@ -44,7 +46,7 @@ class DecodeGraphs:
             torch.zeros((M, max_blocks), dtype=torch.int32, device=dev),  # block tables
         )
         self.runner = CudaGraphRunner(self._forward, self.sizes, examples, pad_values=(0, 0, -1, 1, 0))
-        with torch.inference_mode(), cublaslt_tuning.autotune():
+        with torch.inference_mode(), cublaslt_tuning.autotune(), gemm_tuning.autotune():
             for size in reversed(self.sizes):
                 self._forward(*(x[:size] for x in examples))
             torch.cuda.synchronize()

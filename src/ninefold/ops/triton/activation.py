@@ -6,7 +6,9 @@ GELU takes erf from a rational approximation (Abramowitz & Stegun 7.1.26, |error
 a few float32 ulps of libdevice's erff) because libdevice's erff costs ~44 instructions per element,
 which made the kernel compute-bound on the H200 (84% of copy bandwidth against silu's 89%).
 Launch configurations: ``CONFIGS`` (per ``d``, measured on the H200 with
-``python -m ninefold.bench.ops_memory``), else ``BLOCK`` with 4 warps.
+``python -m ninefold.bench.ops_memory``), else ``BLOCK`` with 4 warps. With PDL
+(:func:`ninefold.ops.triton.pdl.wanted`, switch ``NINEFOLD_ROWS_PDL``) each program lets the next
+kernel launch and waits for the previous one before it reads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton import pdl as pdl_module
 from ninefold.ops.triton.launch import Launcher, pick, table_configs
 
 BLOCK = 1024
@@ -31,7 +34,10 @@ def _erf(x):
 
 @triton.jit
 def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                 FLAT: tl.constexpr, STORE: tl.constexpr, LOAD: tl.constexpr):
+                 FLAT: tl.constexpr, STORE: tl.constexpr, LOAD: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if FLAT:
         blocks = tl.cdiv(d, BLOCK)
         row = (tl.program_id(0) // blocks).to(tl.int64)
@@ -55,7 +61,7 @@ def gated_kernel(x_ptr, out_ptr, d, stride_x, stride_out, ACT: tl.constexpr, BLO
              cache_modifier=STORE)
 
 
-_LAUNCH = Launcher(gated_kernel, ("ACT", "BLOCK", "FLAT", "STORE", "LOAD"))
+_LAUNCH = Launcher(gated_kernel, ("ACT", "BLOCK", "FLAT", "STORE", "LOAD", "USE_GDC"))
 
 # Measured winners: {(d, act): [(max_rows or None, {"block": BLOCK, "num_warps": w}), ...]} with act
 # "silu" or "gelu", optionally "flat": True (1-D grid), "libdevice_erf": True (exact GELU through
@@ -90,8 +96,10 @@ def _gated(x: torch.Tensor, act: int) -> torch.Tensor:
         blocks, flat = triton.cdiv(d, cfg["block"]), cfg.get("flat", False)
         if act == 1 and cfg.get("libdevice_erf"):
             act = 3
+        pdl = pdl_module.wanted(x2.device, "NINEFOLD_ROWS_PDL")
         _LAUNCH((x2.shape[0] * blocks,) if flat else (x2.shape[0], blocks), (x2, out, d, x2.stride(0), out.stride(0)),
-                (act, cfg["block"], flat, cfg.get("store", ""), cfg.get("load", "evict_first")), num_warps=cfg["num_warps"], device_index=x2.get_device())
+                (act, cfg["block"], flat, cfg.get("store", ""), cfg.get("load", "evict_first"), pdl),
+                num_warps=cfg["num_warps"], device_index=x2.get_device(), launch_pdl=pdl)
     return out.view(*x.shape[:-1], d)
 
 
@@ -113,6 +121,7 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
         acts = [0] if op == "silu_and_mul" else [3 if cfg.get("libdevice_erf") else 1, 2]
         found += [{"kernel": gated_kernel, "num_warps": cfg["num_warps"],
                    "constexprs": {"ACT": a, "BLOCK": cfg["block"], "FLAT": cfg.get("flat", False),
-                                  "STORE": cfg.get("store", ""), "LOAD": cfg.get("load", "evict_first")}}
+                                  "STORE": cfg.get("store", ""), "LOAD": cfg.get("load", "evict_first"),
+                                  "USE_GDC": False}}
                   for a in acts]
     return found

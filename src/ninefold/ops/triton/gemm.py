@@ -24,6 +24,10 @@ runs well below cuBLAS's per-SM rate. With every decode size tuned in the engine
 (``python -m ninefold.bench.llm``) read 54% of its bound against 57% with cuBLAS in the same session.
 So it registers below cuBLAS: it runs where pinned (``NINEFOLD_OPS=linear=triton_gemm``, with
 ``NINEFOLD_GEMM_AUTOTUNE=1`` to tune shapes on their first call) or chosen by a tuning table.
+
+With PDL (:func:`ninefold.ops.triton.pdl.wanted`, switch ``NINEFOLD_GEMM_PDL``) each program lets the
+next kernel launch, requests its first weight tile, and only then waits for the kernel that wrote x:
+the weight stream starts while the kernel before finishes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ninefold.ops.triton import gemv
+from ninefold.ops.triton import pdl as pdl_module
 from ninefold.ops.triton.launch import call
 
 MIN_M, MAX_M = 17, 512
@@ -80,7 +85,9 @@ def _finish(acc, tile, tile_m, tile_n, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, SP
 def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, SPLIT_STEPS,
                 stride_xm, stride_wn, stride_ym,
                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tile, tile_m, tile_n = _tile_of(M, BLOCK_M)
     first = tl.program_id(1) * SPLIT_STEPS  # every split has SPLIT_STEPS steps of BLOCK_K (the host checks)
     rk = tl.arange(0, BLOCK_K)
@@ -90,7 +97,17 @@ def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K,
     x_ptrs = x_ptr + xm[:, None] * stride_xm + (first * BLOCK_K + rk)[None, :]
     w_ptrs = w_ptr + wn.to(tl.int64)[:, None] * stride_wn + (first * BLOCK_K + rk)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for i in range(0, SPLIT_STEPS):
+    start = 0
+    if USE_GDC:  # the first weight tile is requested before waiting for the kernel that wrote x
+        k_ok = (first * BLOCK_K + rk) < K
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        start = 1
+    for i in range(start, SPLIT_STEPS):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -108,12 +125,21 @@ def gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K,
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def gemm_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_K, SPLIT_STEPS, stride_ym,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, USE_GDC: tl.constexpr = False):
     """``gemm_kernel`` with both operands loaded by the TMA engine (rows and K past the end read zeros)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tile, tile_m, tile_n = _tile_of(M, BLOCK_M)
     first = tl.program_id(1) * SPLIT_STEPS
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for i in range(0, SPLIT_STEPS):
+    start = 0
+    if USE_GDC:
+        w = w_desc.load([tile_n * BLOCK_N, first * BLOCK_K])
+        tl.extra.cuda.gdc_wait()
+        x = x_desc.load([tile_m * BLOCK_M, first * BLOCK_K])
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        start = 1
+    for i in range(start, SPLIT_STEPS):
         x = x_desc.load([tile_m * BLOCK_M, (first + i) * BLOCK_K])
         w = w_desc.load([tile_n * BLOCK_N, (first + i) * BLOCK_K])
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -163,20 +189,23 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, cfg: d
         raise ValueError(f"split-K GEMM: split_k={split} must divide the {steps} steps of block_k={bk} over K={k}")
     split_steps = steps // split
     precision = "ieee" if x2.dtype == torch.float32 else "tf32"
+    pdl = pdl_module.wanted(x2.device, "NINEFOLD_GEMM_PDL")
+    # PDL launches go to the JIT (trimmed builds hold plain launches only)
+    run = (lambda kernel, grid, *args, **kw: kernel[grid](*args, **kw, USE_GDC=True, launch_pdl=True)) if pdl else call
     if cfg.get("tma") and tma_ready(x2, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [bm, bk])
         w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [bn, bk])
-        call(gemm_tma_kernel, (tiles, split), x_desc, w_desc, b, y, ws, count, m, n, k, split, split_steps,
-             y.stride(0),
-             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
-             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        run(gemm_tma_kernel, (tiles, split), x_desc, w_desc, b, y, ws, count, m, n, k, split, split_steps,
+            y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
-    call(gemm_kernel, (tiles, split), x2, weight, b, y, ws, count, m, n, k, split, split_steps,
-         x2.stride(0), weight.stride(0), y.stride(0),
-         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, PRECISION=precision,
-         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    run(gemm_kernel, (tiles, split), x2, weight, b, y, ws, count, m, n, k, split, split_steps,
+        x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,6 +11,10 @@ residual or not, and token-count bucket; measured on the H200 with
 ``python -m ninefold.bench.ops_memory``), else from ``default_config``. A persistent grid (programs
 per SM looping over rows, with and without pipelining) measured 4-13 points slower there and was
 dropped.
+
+With PDL (:func:`ninefold.ops.triton.pdl.wanted`, switch ``NINEFOLD_ROWS_PDL``) each program lets the
+next kernel launch and waits for the previous one before it reads anything, so a batched decode
+step's norm overlaps the launch of the projection after it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton import pdl as pdl_module
 from ninefold.ops.triton.launch import Launcher, empty, pick, table_configs
 from ninefold.ops.triton.launch import rows as as_rows
 
@@ -28,7 +33,10 @@ MAX_D = 32768
 @triton.jit
 def _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row0, n_rows, d, stride_x, stride_res, stride_out,
           stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-          STORE: tl.constexpr, LOAD: tl.constexpr):
+          STORE: tl.constexpr, LOAD: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < n_rows) & (cols < d)
@@ -47,21 +55,22 @@ def _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row0, n_rows, d, stride_x
 @triton.jit(do_not_specialize=["n_rows"])
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res, stride_out,
                     stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
-                    LOAD: tl.constexpr):
+                    LOAD: tl.constexpr, USE_GDC: tl.constexpr = False):
     _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0), n_rows, d, stride_x, stride_res,
-          stride_out, stride_res_out, eps, HAS_RESIDUAL, 1, BLOCK_D, STORE, LOAD)
+          stride_out, stride_res_out, eps, HAS_RESIDUAL, 1, BLOCK_D, STORE, LOAD, USE_GDC)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
 def rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, d, stride_x, stride_res, stride_out,
                          stride_res_out, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, STORE: tl.constexpr, LOAD: tl.constexpr):
+                         BLOCK_D: tl.constexpr, STORE: tl.constexpr, LOAD: tl.constexpr,
+                         USE_GDC: tl.constexpr = False):
     _rows(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0) * BLOCK_R, n_rows, d, stride_x, stride_res,
-          stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D, STORE, LOAD)
+          stride_out, stride_res_out, eps, HAS_RESIDUAL, BLOCK_R, BLOCK_D, STORE, LOAD, USE_GDC)
 
 
-_ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D", "STORE", "LOAD"))
-_MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D", "STORE", "LOAD"))
+_ONE = Launcher(rms_norm_kernel, ("HAS_RESIDUAL", "BLOCK_D", "STORE", "LOAD", "USE_GDC"))
+_MANY = Launcher(rms_norm_rows_kernel, ("HAS_RESIDUAL", "BLOCK_R", "BLOCK_D", "STORE", "LOAD", "USE_GDC"))
 
 # Measured winners: {(d, has_residual): [(max_rows or None, {"rows": BLOCK_R, "num_warps": w}), ...]};
 # optional "store": a cache modifier for the stores (".cs": streaming) and "load": the eviction
@@ -99,12 +108,14 @@ def _launch(x2, r2, weight, out, total, eps, has_residual):
     cfg = config(d, n, has_residual)
     block, rows = triton.next_power_of_2(d), cfg["rows"]
     args = (x2, r2, weight, out, total, n, d, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0), eps)
-    hints = (cfg.get("store", ""), cfg.get("load", "evict_first"))
+    pdl = pdl_module.wanted(x2.device, "NINEFOLD_ROWS_PDL")
+    hints = (cfg.get("store", ""), cfg.get("load", "evict_first"), pdl)
     if rows == 1:
-        _ONE((n,), args, (has_residual, block, *hints), num_warps=cfg["num_warps"], device_index=x2.get_device())
+        _ONE((n,), args, (has_residual, block, *hints), num_warps=cfg["num_warps"], device_index=x2.get_device(),
+             launch_pdl=pdl)
     else:
         _MANY((triton.cdiv(n, rows),), args, (has_residual, rows, block, *hints), num_warps=cfg["num_warps"],
-              device_index=x2.get_device())
+              device_index=x2.get_device(), launch_pdl=pdl)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,9 +144,10 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
         if cfg["rows"] == 1:
             found.append({"kernel": rms_norm_kernel, "num_warps": cfg["num_warps"],
                           "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_D": block, "STORE": cfg.get("store", ""),
-                                         "LOAD": cfg.get("load", "evict_first")}})
+                                         "LOAD": cfg.get("load", "evict_first"), "USE_GDC": False}})
         else:
             found.append({"kernel": rms_norm_rows_kernel, "num_warps": cfg["num_warps"],
                           "constexprs": {"HAS_RESIDUAL": residual, "BLOCK_R": cfg["rows"], "BLOCK_D": block,
-                                         "STORE": cfg.get("store", ""), "LOAD": cfg.get("load", "evict_first")}})
+                                         "STORE": cfg.get("store", ""), "LOAD": cfg.get("load", "evict_first"),
+                                         "USE_GDC": False}})
     return found
