@@ -16,6 +16,10 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_supports_names_what_it_takes():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     assert cublaslt.supports(x, w) == "CUDA tensors only"
+    if CUDA:
+        xc, wc = x.cuda(), w.cuda()
+        assert cublaslt.supports(xc, wc) == "dtype torch.float32: float16 or bfloat16 only"
+        assert cublaslt.supports(xc.half(), wc.half()) is None
 
 
 def test_not_registered_without_cuda():

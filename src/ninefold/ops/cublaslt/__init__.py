@@ -22,6 +22,8 @@ def supports(x, weight, bias=None) -> str | None:
     """``None`` when the cuBLASLt path can take these arguments, else why not."""
     if x.device.type != "cuda":
         return "CUDA tensors only"
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype}: float16 or bfloat16 only"
     if not weight.is_contiguous():
         return "the weight must be contiguous"
     return None
