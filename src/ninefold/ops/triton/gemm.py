@@ -20,8 +20,9 @@ Measured on the H200 (``python -m ninefold.bench.decode_gemm --impls vendor,trit
 layers, bf16): the tuned kernel beats cuBLAS by more than 2% only at a few shapes (lm_head at 32-64 rows
 by 3-8%, gate_up at 64 and 128 rows by 2-4%, down at 64 rows by 4%). Where cuBLAS is furthest from its
 bound (o and down at 160-224 rows) nothing beat it: splitting K fills the SMs, but each program's tile
-runs well below cuBLAS's per-SM rate. With every decode size tuned in the engine, offline throughput
-(``python -m ninefold.bench.llm``) read 54% of its bound against 57% with cuBLAS in the same session.
+runs well below cuBLAS's per-SM rate. With every decode size tuned in the engine and PDL on, offline
+throughput (``python -m ninefold.bench.llm``, runs interleaved with cuBLAS-only runs in one call) read
+21283 and 21204 total tok/s against 21257 and 21164: no difference (docs/perf/llm.md, seventh session).
 So it registers below cuBLAS: it runs where pinned (``NINEFOLD_OPS=linear=triton_gemm``, with
 ``NINEFOLD_GEMM_AUTOTUNE=1`` to tune shapes on their first call) or chosen by a tuning table.
 
