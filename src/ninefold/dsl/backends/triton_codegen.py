@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import hashlib
 import math
 import types
@@ -274,13 +275,23 @@ class _Lowering(ast.NodeTransformer):
         terms = _mask_terms(access)
         live = self.spec[self.order.index((name, n))]
         kept = [t for t, keep in zip(terms, live) if keep]
-        mask, seen = None, set()
+        mask, seen, scalars = None, set(), []
+        tile_vars = set(access.tile_vars)
         for t in kept:
             node = self.render(t, access, index_nodes)
             if ast.dump(node) in seen:
                 continue
             seen.add(ast.dump(node))
+            if self.interpret and tile_vars and not (t.leaves() & tile_vars):
+                scalars.append(node)  # a condition on the program and middle indices alone
+                continue
             mask = node if mask is None else ast.BinOp(mask, ast.BitAnd(), node)
+        for node in scalars:
+            if mask is None:  # no block term at all: the scalar conditions combine as usual
+                mask = functools.reduce(lambda a, b: ast.BinOp(a, ast.BitAnd(), b), scalars)
+                break
+            # Triton's interpreter (3.9) rejects `scalar condition & block` as a mask: select instead
+            mask = _call(_attr(TL, "where"), node, mask, ast.Constant(False))
         return pointer, mask, access
 
     def descriptor_load(self, name, index_nodes):
