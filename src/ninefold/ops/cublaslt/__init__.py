@@ -38,7 +38,7 @@ def supports(x, weight, bias=None) -> str | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with the tuned cuBLASLt algorithm for this shape, or ``F.linear``."""
     k = x.shape[-1]
-    if bias is not None or x.numel() == 0 or not x.is_contiguous():
+    if bias is not None or x.numel() == 0 or not x.is_contiguous() or not _aligned(x, weight):
         return F.linear(x, weight, bias)
     m, n = x.numel() // k, weight.shape[0]
     algo = tuning.choice(m, n, k, x.dtype, x.device) if _usable() else None
@@ -50,6 +50,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 _state: dict = {}
+ALIGNMENT = 256  # the heuristic's default assumption about operand addresses (cuBLASLt's MIN_ALIGNMENT_*)
+
+
+def _aligned(*tensors) -> bool:
+    """Whether every operand starts at an address the offered algorithms may assume (a view into the
+    middle of a buffer may not; it then runs ``F.linear``)."""
+    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
 def _usable() -> bool:
