@@ -17,6 +17,21 @@ def test_smoke_run_measures_every_part(tmp_path, monkeypatch):
     assert results["decode_batch1"]["tok_per_s"] > 0
     assert results["decode_batch1"]["gpt_fast_measured"] is False  # no checkout given: DESIGN.md's figure
     assert results["offline"]["complete"] and results["offline"]["output_tokens"] > 0
+    # the CPU run compiles no Triton kernel (its count is there when Triton's cache is readable)
+    assert results["offline"].get("triton_kernels_compiled", 0) == 0
+
+
+def test_triton_cache_entries_counts_the_cache_directory(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    assert llm.triton_cache_entries() == 0
+    (tmp_path / "abc").mkdir()
+    (tmp_path / "def").mkdir()
+    assert llm.triton_cache_entries() == 2
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "missing"))
+    assert llm.triton_cache_entries() is None
 
 
 def test_gpt_fast_peer_needs_a_checkout(tmp_path):

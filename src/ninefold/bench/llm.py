@@ -414,8 +414,10 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
     for r in requests:
         engine.add_request(r)
     _sync(engine)
+    cached_before = triton_cache_entries()
     with _DeviceTimeline(engine) as timeline:
         elapsed, complete = _run_until_done(engine, args.offline_time_limit)
+    cached_after = triton_cache_entries()
     out_tokens = sum(s.num_output_tokens for r in requests for s in r.seqs)
     prompt_tokens = sum(min(s.num_computed_tokens, s.num_prompt_tokens) if not s.finished else s.num_prompt_tokens
                         for r in requests for s in r.seqs)
@@ -441,14 +443,35 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
               "fraction_of_roofline": (out_tokens + prompt_tokens) / elapsed / (total / bound_s),
               "preemptions": engine.scheduler.num_preemptions, "async_scheduling": engine.async_scheduling,
               "steps_launched_ahead": engine.num_steps_ahead, **timeline.summary()}
+    if cached_before is not None and cached_after is not None:
+        # kernels compiled during the timed run (a later process loads them from this cache instead)
+        result["triton_kernels_compiled"] = cached_after - cached_before
     note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
           f"total tok/s; roofline {result['roofline_total_tok_per_s']:.0f} total tok/s "
           f"({result['fraction_of_roofline']:.0%}){note}")
+    if result.get("triton_kernels_compiled"):
+        print(f"offline: {result['triton_kernels_compiled']} Triton kernels compiled during the timed run "
+              "(new entries in Triton's cache; a second run loads them)")
     if "device_idle_fraction" in result:
         print(f"offline: device idle between steps {result['device_idle_fraction']:.1%} "
               f"({result['device_idle_ms_per_step']:.2f} ms per step)")
     return result
+
+
+def triton_cache_entries() -> int | None:
+    """How many entries Triton's on-disk kernel cache holds (``None`` without Triton or a readable cache)."""
+    try:
+        from triton import knobs
+
+        path = knobs.cache.dir
+    except (ImportError, AttributeError):
+        path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        with os.scandir(path) as entries:
+            return sum(1 for _ in entries)
+    except OSError:
+        return None
 
 
 def print_table(r: dict) -> None:
