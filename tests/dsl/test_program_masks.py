@@ -1,7 +1,8 @@
 """Middle levels whose tiles may lie wholly outside the source for some programs only: the mask then
-has a term on the program index alone (a scalar) beside the tile's own terms. Each backend must load
-``other`` there and store nothing; Triton 3.9's interpreter rejects a scalar condition ``&`` a block
-one as a mask, so the interpret backend's code must not build one."""
+has a term on the program and middle indices alone (a scalar) beside the tile's own terms. Each
+backend must load ``other`` there and store nothing (here the tile's row terms exclude those rows too);
+Triton 3.9's interpreter rejects a scalar condition ``&`` a block one as a mask, so the interpret
+backend's code must not build one (before the fix these cases raised "mask has unsupported dtype")."""
 
 import pytest
 import torch
@@ -35,8 +36,10 @@ def test_a_program_whose_second_tile_is_outside_stores_nothing_there(backend, ro
     # (12, 8): only the program's condition is live (rows and columns fill whole tiles)
     bm = 4
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
-    y = torch.full((rows, cols), -7.0)
+    buffer = torch.full((rows + 2 * bm, cols), -7.0)
+    y = buffer[:rows]  # a store past y's rows would land in the buffer's tail
     kernel(x, y, BM=bm, backend=backend)
+    assert (buffer[rows:] == -7.0).all()
     tile_of_row = torch.arange(rows) // bm
     want = x * 2 + (tile_of_row % 2).to(x.dtype)[:, None]
     torch.testing.assert_close(y, want)

@@ -108,7 +108,29 @@ def test_falls_back_to_f_linear_for_bias_and_untuned_shapes(fresh_cache):
     assert torch.equal(cublaslt.linear(x, w), F.linear(x, w))  # untuned, outside autotune
     shifted = torch.randn(3 * 5 * 256 + 8, device="cuda", dtype=torch.bfloat16)[8:].view(3, 5, 256)
     assert not cublaslt._aligned(shifted)  # 16 bytes into a buffer: the algorithms may not take it
+    assert torch.equal(cublaslt.linear(shifted, w), F.linear(shifted, w))
     with tuning.autotune():
         y = cublaslt.linear(x, w)  # tunes 15 x 384 x 256, then runs the choice on the 3-d input
     assert y.shape == (3, 5, 384)
     assert (y.float() - F.linear(x, w).float()).abs().max().item() < 2e-2 * F.linear(x, w).float().abs().max().item()
+
+
+@needs_cuda
+def test_linear_runs_the_persisted_algorithm(fresh_cache):
+    from ninefold.ops.dispatch import device_model
+
+    m, n, k = 64, 2048, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+    offered = binding.candidates(binding.plan(m, n, k, x.dtype, x.device))
+    # not the heuristic's favourite (F.linear's), and without split-K, so two runs give the same bits
+    picks = [c for c in offered[1:] if c.config["splitk"] in (0, 1)]
+    if not picks:
+        pytest.skip(f"cuBLASLt offered no second split-free algorithm: {[c.name() for c in offered]}")
+    pick = picks[-1]
+    tuning.CACHE.store(tuning.key(device_model(x.device), x.dtype, m, n, k),
+                       {"algo": binding.algo_words(pick.algo), "name": pick.name()})
+    tuning.forget()  # read back from the file, as a new process would
+    want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    binding.matmul(x, w, want, pick.algo)
+    assert torch.equal(cublaslt.linear(x, w), want)

@@ -38,8 +38,10 @@ def supports(x, weight, bias=None) -> str | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with the tuned cuBLASLt algorithm for this shape, or ``F.linear``."""
     k = x.shape[-1]
-    if bias is not None or x.numel() == 0 or not x.is_contiguous() or not _aligned(x, weight):
-        return F.linear(x, weight, bias)
+    if (bias is not None or x.numel() == 0 or not x.is_contiguous() or not weight.is_contiguous()
+            or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype or weight.device != x.device
+            or x.dtype not in DTYPES or not _aligned(x, weight)):
+        return F.linear(x, weight, bias)  # including what it should refuse: its error names the problem
     m, n = x.numel() // k, weight.shape[0]
     algo = tuning.choice(m, n, k, x.dtype, x.device) if _usable() else None
     if algo is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -27,8 +28,9 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
-ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
-               "inner": 7, "cluster": 8}
+# name: (attribute id, bytes): the inner and cluster shape ids are uint16_t, the others 32-bit
+ALGO_CONFIG = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4),
+               "custom": (5, 4), "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
 WORKSPACE_BYTES = 32 << 20
 
 
@@ -56,6 +58,7 @@ _SIGNATURES = {
     "cublasLtMatrixLayoutCreate": [ctypes.POINTER(_P), ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
     "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(_P)],
     "cublasLtMatmulPreferenceSetAttribute": [_P, ctypes.c_int, _P, ctypes.c_size_t],
+    "cublasLtMatmulPreferenceDestroy": [_P],
     "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(_Heuristic),
                                        ctypes.POINTER(ctypes.c_int)],
     "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(Algo), ctypes.c_int, _P, ctypes.c_size_t,
@@ -66,7 +69,7 @@ _SIGNATURES = {
 _lock = threading.Lock()
 _lib = None
 _handles: dict[int, _P] = {}
-_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_workspaces: dict[int, torch.Tensor] = {}
 _plans: dict[tuple, Plan] = {}
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
@@ -90,10 +93,11 @@ def library():
     if _lib is None:
         with _lock:
             if _lib is None:
-                if torch.cuda.is_available():
+                path = _library_path()
+                if path is None and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
                     a = torch.ones(8, 8, device="cuda", dtype=torch.float16)
                     (a @ a).sum().item()  # makes torch load cuBLAS(Lt)
-                path = _library_path()
+                    path = _library_path()
                 if path is None:
                     raise CublasLtError("cuBLASLt is not loaded in this process and no libcublasLt was found")
                 lib = ctypes.CDLL(path)
@@ -116,6 +120,7 @@ def available() -> bool:
     return True
 
 
+@functools.cache
 def version() -> int:
     """``cublasLtGetVersion()``, e.g. 130100 (algorithms are only valid within one version)."""
     return int(library().cublasLtGetVersion())
@@ -136,13 +141,13 @@ def _handle(device: torch.device) -> _P:
     return _handles[index]
 
 
-def _workspace(device: torch.device, stream: int) -> torch.Tensor:
-    # one per stream: two streams running matmuls at once must not share scratch memory
+def _workspace(device: torch.device) -> torch.Tensor:
+    """The device's scratch memory. One per device, kept for the process (CUDA graphs captured with it
+    point at it): matmuls through this binding on two streams of one device must not run at once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, stream)
-    if key not in _workspaces:
-        _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
-    return _workspaces[key]
+    if index not in _workspaces:
+        _workspaces[index] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+    return _workspaces[index]
 
 
 def _layout(dtype: torch.dtype, rows: int, cols: int, ld: int) -> _P:
@@ -196,18 +201,18 @@ class Candidate:
     config: dict
 
     def name(self) -> str:
-        """A short label: ``id23 tile20 split1 stages8 cluster2``."""
+        """A short label: ``id66 tile20 split1 red0 sw0 stages35 inner0 cluster2 custom1``."""
         c = self.config
         return (f"id{c['id']} tile{c['tile']} split{c['splitk']} red{c['reduction']} sw{c['swizzle']} "
-                f"stages{c['stages']} cluster{c['cluster']} custom{c['custom']}")
+                f"stages{c['stages']} inner{c['inner']} cluster{c['cluster']} custom{c['custom']}")
 
 
 def _config(algo: Algo) -> dict:
     lib = library()
     out = {}
-    for name, attr in ALGO_CONFIG.items():
-        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-        status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+    for name, (attr, size) in ALGO_CONFIG.items():
+        value, written = (ctypes.c_uint32 if size == 4 else ctypes.c_uint16)(0), ctypes.c_size_t(0)
+        status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), size,
                                                           ctypes.byref(written))
         out[name] = int(value.value) if status == 0 else None
     return out
@@ -218,15 +223,18 @@ def candidates(p: Plan, count: int = 32) -> list[Candidate]:
     lib = library()
     pref = _P()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-    limit = ctypes.c_uint64(WORKSPACE_BYTES)
-    _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
-           "cublasLtMatmulPreferenceSetAttribute")
     results = (_Heuristic * count)()
     found = ctypes.c_int(0)
-    with torch.cuda.device(p.device_index):
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(torch.device("cuda", p.device_index)), p.desc, p.a, p.b,
-                                                  p.d, p.d, pref, count, results, ctypes.byref(found)),
-               "cublasLtMatmulAlgoGetHeuristic")
+    try:
+        limit = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+               "cublasLtMatmulPreferenceSetAttribute")
+        with torch.cuda.device(p.device_index):
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(torch.device("cuda", p.device_index)), p.desc, p.a,
+                                                      p.b, p.d, p.d, pref, count, results, ctypes.byref(found)),
+                   "cublasLtMatmulAlgoGetHeuristic")
+    finally:
+        lib.cublasLtMatmulPreferenceDestroy(pref)
     out = []
     for r in results[: found.value]:
         if r.state == 0:
@@ -238,6 +246,8 @@ def candidates(p: Plan, count: int = 32) -> list[Candidate]:
 
 def algo_from_words(words: list[int]) -> Algo:
     """An ``Algo`` from its 8 words (as persisted by the tuner)."""
+    if len(words) != 8:
+        raise ValueError(f"a cuBLASLt algorithm is 8 words, got {len(words)}")
     algo = Algo()
     for i, word in enumerate(words):
         algo.data[i] = word
@@ -255,10 +265,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: Algo) -> t
     m, k = x.shape
     n = w.shape[0]
     p = plan(m, n, k, x.dtype, x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    workspace = _workspace(x.device, stream)
-    _check(library().cublasLtMatmul(_handle(x.device), p.desc, ctypes.byref(_ONE), w.data_ptr(), p.a, x.data_ptr(),
-                                    p.b, ctypes.byref(_ZERO), out.data_ptr(), p.d, out.data_ptr(), p.d,
-                                    ctypes.byref(algo), workspace.data_ptr(), WORKSPACE_BYTES, stream),
-           "cublasLtMatmul")
+    with torch.cuda.device(x.device):
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        _check(library().cublasLtMatmul(_handle(x.device), p.desc, ctypes.byref(_ONE), w.data_ptr(), p.a,
+                                        x.data_ptr(), p.b, ctypes.byref(_ZERO), out.data_ptr(), p.d, out.data_ptr(),
+                                        p.d, ctypes.byref(algo), _workspace(x.device).data_ptr(), WORKSPACE_BYTES,
+                                        stream),
+               "cublasLtMatmul")
     return out

@@ -71,12 +71,16 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, progr
 
     out = torch.empty(m, n, device=device, dtype=dtype)
     runs = {VENDOR: rotating(lambda w: F.linear(x, w))}
-    found = {}
+    found, seen = {}, set()
     offered = binding.candidates(binding.plan(m, n, k, dtype, device))
     for cand in tqdm(offered, desc=f"cuBLASLt linear M={m} N={n} K={k}", unit="algo", disable=not progress, leave=False):
-        name = cand.name()
-        if name in found:
+        words = tuple(binding.algo_words(cand.algo))
+        if words in seen:
             continue
+        seen.add(words)
+        name = cand.name()
+        if name in found:  # two algorithms with one label: tell them apart
+            name = f"{name} #{len(seen)}"
         try:
             binding.matmul(x, weights[0], out, cand.algo)
         except binding.CublasLtError as e:

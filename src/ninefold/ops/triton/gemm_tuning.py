@@ -44,8 +44,8 @@ _forced: list[dict] = []
 
 
 def bucket(m: int) -> int:
-    """Rows are tuned in multiples of 16 (the engine captures decode graphs every 8 rows; two sizes share one
-    tuning, which is valid for any row count up to its bucket)."""
+    """Rows are tuned in multiples of 16 (the sizes the engine captures decode graphs at); a tuning is valid
+    for any row count up to its bucket."""
     return -(-m // 16) * 16
 
 
