@@ -78,12 +78,17 @@ def test_tuning_persists_and_linear_uses_it(fresh_cache):
         assert ops.choose("linear", x, w) == "cublaslt"
 
 
+def _operands_and_algorithms(m, n, k):
+    """bf16 ``x [m, k]``, ``w [n, k]`` on the GPU and the algorithms cuBLASLt offers for their product."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+    return x, w, binding.candidates(binding.plan(m, n, k, x.dtype, x.device))
+
+
 @needs_cuda
 def test_tuned_algorithm_replays_in_a_cuda_graph(fresh_cache):
     m, n, k = 160, 2048, 1024
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
-    offered = binding.candidates(binding.plan(m, n, k, x.dtype, x.device))
+    x, w, offered = _operands_and_algorithms(m, n, k)
     algo = offered[-1].algo  # not the heuristic's favourite: the one F.linear would not run
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     binding.matmul(x, w, out, algo)
@@ -120,9 +125,7 @@ def test_linear_runs_the_persisted_algorithm(fresh_cache):
     from ninefold.ops.dispatch import device_model
 
     m, n, k = 64, 2048, 1024
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
-    offered = binding.candidates(binding.plan(m, n, k, x.dtype, x.device))
+    x, w, offered = _operands_and_algorithms(m, n, k)
     # not the heuristic's favourite (F.linear's), and without split-K, so two runs give the same bits
     picks = [c for c in offered[1:] if c.config["splitk"] in (0, 1)]
     if not picks:
