@@ -15,6 +15,8 @@ registers below cuBLAS: pin it (``NINEFOLD_OPS=linear=cublaslt``) or let a tunin
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,7 +53,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
-_state: dict = {}
 ALIGNMENT = 256  # the heuristic's default assumption about operand addresses (cuBLASLt's MIN_ALIGNMENT_*)
 
 
@@ -61,10 +62,9 @@ def _aligned(*tensors) -> bool:
     return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
+@functools.cache
 def _usable() -> bool:
-    if "ok" not in _state:  # loaded on the first call, not at import (no CUDA context before it is needed)
-        _state["ok"] = binding.available()
-    return _state["ok"]
+    return binding.available()  # asked on the first call, not at import (no CUDA context before it is needed)
 
 
 def register_cuda() -> None:

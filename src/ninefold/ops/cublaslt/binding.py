@@ -131,8 +131,13 @@ def _check(status: int, what: str) -> None:
         raise CublasLtError(f"{what} failed with cuBLAS status {status}")
 
 
+def _index(device: torch.device) -> int:
+    """The CUDA device ordinal of ``device`` (``cuda`` alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _handle(device: torch.device) -> _P:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _handles:
         with torch.cuda.device(index):
             handle = _P()
@@ -144,7 +149,7 @@ def _handle(device: torch.device) -> _P:
 def _workspace(device: torch.device) -> torch.Tensor:
     """The device's scratch memory. One per device, kept for the process (CUDA graphs captured with it
     point at it): matmuls through this binding on two streams of one device must not run at once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _workspaces:
         _workspaces[index] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
     return _workspaces[index]
@@ -176,7 +181,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Pl
     """The (cached) descriptors for this product."""
     if dtype not in CUDA_TYPES:
         raise CublasLtError(f"cuBLASLt linear: dtype {dtype} not supported (float16, bfloat16, float32)")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     key = (m, n, k, dtype, index)
     found = _plans.get(key)
     if found is None:
