@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -50,6 +50,7 @@ step_command() {
     decode-gemm) echo 'python3 -m ninefold.bench.decode_gemm' ;;
     cublaslt) echo 'python3 -m pytest tests/ops/test_cublaslt.py -q -p no:cacheprovider; python3 -m ninefold.bench.decode_gemm --impls vendor,cublaslt --batches 16,64,128,160,176,192,208,224,240,256' ;;
     llm-bench-cublaslt-ab) echo "for i in 1 2; do $PDL_ENV NINEFOLD_OPS=linear=cublaslt python3 -m ninefold.bench.llm | grep -a \"offline 256\|batch-1 decode:\"; $PDL_ENV NINEFOLD_OPS=linear=vendor python3 -m ninefold.bench.llm | grep -a \"offline 256\|batch-1 decode:\"; done" ;;
+    cublaslt-search) echo 'NINEFOLD_CUBLASLT_SEARCH=exhaustive python3 -m ninefold.bench.decode_gemm --impls vendor,cublaslt --layers o,qkv,down,gate_up --batches 208,96,256,160' ;;
     cublaslt-tests) echo 'python3 -m pytest tests/ops/test_cublaslt.py tests/ops/test_triton_gemm.py::test_tuning_persists_and_dispatch_uses_it tests/llm/test_capture_sizes.py -q -p no:cacheprovider' ;;
     llm-bench-x3) echo "for i in 1 2 3; do $PDL_ENV python3 -m ninefold.bench.llm > \$OUT/run\$i.log 2>&1; cp \$OUT/bench_llm.json \$OUT/bench_llm_\$i.json; grep -a 'offline 256\|batch-1 decode:\|TTFT  4096\|batch  64' \$OUT/run\$i.log; done" ;;
     pdl-tests) echo 'python3 -m pytest tests/ops/test_rows_pdl.py tests/ops/test_triton_gemm.py tests/llm/test_cuda.py -q -p no:cacheprovider -n 4 -k "rows_pdl or pdl_launch or persists or graph or mixed"' ;;

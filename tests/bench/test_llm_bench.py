@@ -22,15 +22,18 @@ def test_smoke_run_measures_every_part(tmp_path, monkeypatch):
     assert results["offline"]["triton_kernels_compiled"] == 0  # the CPU run compiles no Triton kernel
 
 
-def test_triton_cache_entries_counts_the_cache_directory(tmp_path, monkeypatch):
+def test_triton_cache_entries_name_the_kernels_of_each_entry(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from triton import knobs
 
     monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
-    assert llm.triton_cache_entries() == 0
+    assert llm.triton_cache_entries() == {}
     (tmp_path / "abc").mkdir()
+    (tmp_path / "abc" / "decode_split_kernel.json").write_text("{}")
+    (tmp_path / "abc" / "decode_split_kernel.cubin").write_bytes(b"")
     (tmp_path / "def").mkdir()
-    assert llm.triton_cache_entries() == 2
+    (tmp_path / "def" / "__grp__argmax_kernel.json").write_text("{}")
+    assert llm.triton_cache_entries() == {"abc": ["decode_split_kernel"], "def": []}
     monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "missing"))
     assert llm.triton_cache_entries() is None
 

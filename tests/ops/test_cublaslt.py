@@ -137,3 +137,29 @@ def test_linear_runs_the_persisted_algorithm(fresh_cache):
     want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     binding.matmul(x, w, want, pick.algo)
     assert torch.equal(cublaslt.linear(x, w), want)
+
+
+def test_search_mode_names_the_accepted_values(monkeypatch):
+    monkeypatch.setenv("NINEFOLD_CUBLASLT_SEARCH", "everything")
+    with pytest.raises(ValueError, match="NINEFOLD_CUBLASLT_SEARCH: got 'everything'; expected 'heuristic' or 'exhaustive'"):
+        tuning.search_mode()
+    monkeypatch.setenv("NINEFOLD_CUBLASLT_SEARCH", "exhaustive")
+    assert tuning.search_mode() == "exhaustive"
+
+
+@needs_cuda
+def test_enumerated_configurations_are_accepted_and_match_float64():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    m, n, k = 200, 1024, 2048
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    found = binding.enumerated(binding.plan(m, n, k, x.dtype, x.device), limit=600)
+    heuristic = binding.candidates(binding.plan(m, n, k, x.dtype, x.device))
+    assert len(found) > len(heuristic), (len(found), len(heuristic))
+    assert any(c.config["splitk"] > 1 for c in found)  # K splits are part of the search
+    for cand in found[:: max(1, len(found) // 40)]:  # a spread of 40 of them
+        out = torch.empty(m, n, device="cuda", dtype=x.dtype)
+        binding.matmul(x, w, out, cand.algo)
+        err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-2, (cand.name(), err)

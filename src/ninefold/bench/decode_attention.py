@@ -248,9 +248,22 @@ def time_decode(sh, device, width, replays) -> list[dict]:
 
 
 # Ragged batches as the offline workload has them mid-run: (batch, shortest, longest context).
-RAGGED_CASES = ((200, 400, 1900), (128, 700, 2000), (88, 900, 2000))
+RAGGED_CASES = ((200, 400, 1900), (128, 700, 2000), (88, 900, 2000), (64, 500, 1800), (40, 700, 1800))
+
+
+def _split_min(keys: int) -> dict:
+    """A split regime whose splits each take at least ``keys`` keys (short contexts: fewer splits)."""
+    from ninefold.ops.triton import decode
+
+    return {"split_config": {**decode.SPLIT_CONFIG, "min_split": keys}}
+
+
 RAGGED_VARIANTS = (("default", {}), ("per_sm 8", {"per_sm": 8}), ("per_sm 16", {"per_sm": 16}),
-                   ("1 head/program", {"heads_per_program": 1}))
+                   ("1 head/program", {"heads_per_program": 1}),
+                   ("per_sm 8 min 256", {"per_sm": 8, **_split_min(256)}),
+                   ("per_sm 16 min 256", {"per_sm": 16, **_split_min(256)}),
+                   ("per_sm 16 min 512", {"per_sm": 16, **_split_min(512)}),
+                   ("per_sm 32 min 256", {"per_sm": 32, **_split_min(256)}))
 
 
 def time_ragged(sh, device, width, replays) -> list[dict]:
@@ -292,7 +305,7 @@ def time_ragged(sh, device, width, replays) -> list[dict]:
                 row["us"] = round(_graph_time(fns, device, replays), 2)
                 row["GBps"] = round(kv_bytes / row["us"] / 1e3, 1)
                 rows.append(row)
-                print(f"ragged B={batch} ctx {lo}..{hi} {order:13s} {name:15s} splits={row['splits']:<3d} "
+                print(f"ragged B={batch} ctx {lo}..{hi} {order:13s} {name:18s} splits={row['splits']:<3d} "
                       f"{row['us']:8.2f} us ({row['GBps']:.0f} GB/s of KV)")
             del layers
             if cuda:

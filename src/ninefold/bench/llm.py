@@ -445,22 +445,26 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
               "steps_launched_ahead": engine.num_steps_ahead, **timeline.summary()}
     if cached_before is not None and cached_after is not None:
         # kernels compiled during the timed run (a later process loads them from this cache instead)
-        result["triton_kernels_compiled"] = cached_after - cached_before
+        new = sorted(set(cached_after) - set(cached_before))
+        result["triton_kernels_compiled"] = len(new)
+        result["triton_kernels_compiled_names"] = [", ".join(cached_after[e]) or e for e in new]
     note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
           f"total tok/s; roofline {result['roofline_total_tok_per_s']:.0f} total tok/s "
           f"({result['fraction_of_roofline']:.0%}){note}")
     if result.get("triton_kernels_compiled"):
         print(f"offline: {result['triton_kernels_compiled']} Triton kernels compiled during the timed run "
-              "(new entries in Triton's cache; a second run loads them)")
+              f"(new entries in Triton's cache; a second run loads them): "
+              f"{'; '.join(result['triton_kernels_compiled_names'])}")
     if "device_idle_fraction" in result:
         print(f"offline: device idle between steps {result['device_idle_fraction']:.1%} "
               f"({result['device_idle_ms_per_step']:.2f} ms per step)")
     return result
 
 
-def triton_cache_entries() -> int | None:
-    """How many entries Triton's on-disk kernel cache holds (``None`` without Triton or a readable cache)."""
+def triton_cache_entries() -> dict[str, list[str]] | None:
+    """Triton's on-disk kernel cache: entry -> the kernel names its files hold (``None`` without a
+    readable cache). Two listings' difference names the kernels compiled between them."""
     try:
         from triton import knobs
 
@@ -469,9 +473,17 @@ def triton_cache_entries() -> int | None:
         path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     try:
         with os.scandir(path) as entries:
-            return sum(1 for _ in entries)
+            return {e.name: _kernel_names(e.path) for e in entries}
     except OSError:
         return None
+
+
+def _kernel_names(entry: str) -> list[str]:
+    """The kernel names of one cache entry (its ``<name>.json`` metadata files)."""
+    try:
+        return sorted(f[:-5] for f in os.listdir(entry) if f.endswith(".json") and not f.startswith("__grp__"))
+    except OSError:  # a plain file: nothing to name
+        return []
 
 
 def print_table(r: dict) -> None:

@@ -11,6 +11,10 @@ algorithms per Llama-3-8B decode shape; the fastest beats the default by 0-20% p
 160-224 rows the most), within the measurement's own spread at most shapes. Offline throughput with
 every decode size tuned was the same as with cuBLAS (docs/perf/llm.md, seventh session), so it
 registers below cuBLAS: pin it (``NINEFOLD_OPS=linear=cublaslt``) or let a tuning table choose it.
+``NINEFOLD_CUBLASLT_SEARCH=exhaustive`` also tries every tile, stage count and K split cuBLASLt accepts
+(87-477 configurations per decode shape): on the H200 the winners were the same kernel family as the
+heuristic's, o_proj at 208 rows 18.8 -> 16.0 us and down_proj 48.1 -> 43.6 us, qkv and gate_up within 1%
+(docs/perf/llm.md, eighth session).
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ PREF_MAX_WORKSPACE_BYTES = 1
 # name: (attribute id, bytes): the inner and cluster shape ids are uint16_t, the others 32-bit
 ALGO_CONFIG = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4),
                "custom": (5, 4), "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
+# cublasLtMatmulAlgoCapAttributes_t ids used by ``enumerated``
+CAP_SPLITK, CAP_REDUCTION_MASK, CAP_TILE_IDS, CAP_STAGES_IDS = 0, 1, 6, 13
+REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE = 1, 2
 WORKSPACE_BYTES = 32 << 20
 
 
@@ -64,6 +67,14 @@ _SIGNATURES = {
     "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(Algo), ctypes.c_int, _P, ctypes.c_size_t,
                                              ctypes.POINTER(ctypes.c_size_t)],
     "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.POINTER(Algo), _P, ctypes.c_size_t, _P],
+    "cublasLtMatmulAlgoGetIds": [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)],
+    "cublasLtMatmulAlgoInit": [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.POINTER(Algo)],
+    "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(Algo), ctypes.c_int, _P, ctypes.c_size_t,
+                                          ctypes.POINTER(ctypes.c_size_t)],
+    "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(Algo), ctypes.c_int, _P, ctypes.c_size_t],
+    "cublasLtMatmulAlgoCheck": [_P, _P, _P, _P, _P, _P, ctypes.POINTER(Algo), ctypes.POINTER(_Heuristic)],
 }
 
 _lock = threading.Lock()
@@ -246,6 +257,87 @@ def candidates(p: Plan, count: int = 32) -> list[Candidate]:
             algo = Algo()
             ctypes.memmove(ctypes.byref(algo), ctypes.byref(r.algo), ctypes.sizeof(Algo))
             out.append(Candidate(algo, int(r.workspace_size), float(r.waves_count), _config(algo)))
+    return out
+
+
+def _cap_array(algo: Algo, attr: int) -> list[int]:
+    """A uint32 array capability of ``algo`` (its length asked first, with a zero-sized buffer)."""
+    lib = library()
+    size = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(size)) != 0:
+        return []
+    count = size.value // 4
+    if count == 0:
+        return []
+    values = (ctypes.c_uint32 * count)()
+    _check(lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, size.value, ctypes.byref(size)),
+           "cublasLtMatmulAlgoCapGetAttribute")
+    return [int(v) for v in values]
+
+
+def _cap_int(algo: Algo, attr: int) -> int:
+    value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+    status = library().cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+                                                          ctypes.byref(written))
+    return int(value.value) if status == 0 else 0
+
+
+def _set(algo: Algo, name: str, value: int) -> None:
+    attr, size = ALGO_CONFIG[name]
+    buf = (ctypes.c_uint32 if size == 4 else ctypes.c_uint16)(value)
+    _check(library().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf), size),
+           "cublasLtMatmulAlgoConfigSetAttribute")
+
+
+def enumerated(p: Plan, splits=(1, 2, 3, 4, 6, 8), limit: int = 4000) -> list[Candidate]:
+    """Every configuration cuBLASLt accepts for ``p`` (``cublasLtMatmulAlgoCheck``), beyond the heuristic's
+    few: each algorithm id x the tiles and stages it lists x split-K counts (``splits``, where the
+    algorithm splits K and each part keeps at least 256 of it). At most ``limit`` are checked."""
+    lib = library()
+    device = torch.device("cuda", p.device_index)
+    handle = _handle(device)
+    types = (CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_TYPES[p.dtype], CUDA_TYPES[p.dtype], CUDA_TYPES[p.dtype],
+             CUDA_TYPES[p.dtype])
+    ids = (ctypes.c_int * 256)()
+    count = ctypes.c_int(0)
+    _check(lib.cublasLtMatmulAlgoGetIds(handle, *types, 256, ids, ctypes.byref(count)), "cublasLtMatmulAlgoGetIds")
+    out, checked = [], 0
+    with torch.cuda.device(p.device_index):
+        for algo_id in ids[: count.value]:
+            base = Algo()
+            if lib.cublasLtMatmulAlgoInit(handle, *types, algo_id, ctypes.byref(base)) != 0:
+                continue
+            tiles = _cap_array(base, CAP_TILE_IDS) or [0]
+            stages = _cap_array(base, CAP_STAGES_IDS) or [0]
+            split_ok = _cap_int(base, CAP_SPLITK)
+            reduction = REDUCTION_COMPUTE_TYPE if _cap_int(base, CAP_REDUCTION_MASK) & REDUCTION_COMPUTE_TYPE \
+                else REDUCTION_INPLACE
+            for tile in tiles:
+                for stage in stages:
+                    for split in splits:
+                        if split > 1 and (not split_ok or p.k // split < 256):
+                            continue
+                        if checked >= limit:
+                            return out
+                        checked += 1
+                        algo = Algo()
+                        ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
+                        try:
+                            _set(algo, "tile", tile)
+                            _set(algo, "stages", stage)
+                            _set(algo, "splitk", split)
+                            if split > 1:
+                                _set(algo, "reduction", reduction)
+                        except CublasLtError:
+                            continue
+                        result = _Heuristic()
+                        if lib.cublasLtMatmulAlgoCheck(handle, p.desc, p.a, p.b, p.d, p.d, ctypes.byref(algo),
+                                                       ctypes.byref(result)) != 0:
+                            continue
+                        if result.workspace_size > WORKSPACE_BYTES:
+                            continue
+                        out.append(Candidate(algo, int(result.workspace_size), float(result.waves_count),
+                                             _config(algo)))
     return out
 
 

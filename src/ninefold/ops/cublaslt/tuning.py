@@ -14,6 +14,7 @@ batch sizes before capturing CUDA graphs, or ``NINEFOLD_CUBLASLT_AUTOTUNE=1``); 
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -31,6 +32,15 @@ measured: dict = {}  # this process's tuning runs: key -> {candidate: us}, faste
 _algos: dict = {}  # key -> binding.Algo of the persisted choice
 CACHE = ChoiceCache("cublaslt", "NINEFOLD_CUBLASLT_AUTOTUNE")
 autotune = CACHE.autotune  # inside ``with autotune():`` untuned shapes are tuned on their first call
+
+
+def search_mode() -> str:
+    """``NINEFOLD_CUBLASLT_SEARCH``: ``heuristic`` (default: the algorithms cuBLASLt's heuristic offers) or
+    ``exhaustive`` (also every tile, stage count and split-K configuration it accepts for the shape)."""
+    mode = os.environ.get("NINEFOLD_CUBLASLT_SEARCH", "heuristic")
+    if mode not in ("heuristic", "exhaustive"):
+        raise ValueError(f"NINEFOLD_CUBLASLT_SEARCH: got {mode!r}; expected 'heuristic' or 'exhaustive'")
+    return mode
 
 
 def key(device_name: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
@@ -72,7 +82,10 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, progr
     out = torch.empty(m, n, device=device, dtype=dtype)
     runs = {VENDOR: rotating(lambda w: F.linear(x, w))}
     found, seen = {}, set()
-    offered = binding.candidates(binding.plan(m, n, k, dtype, device))
+    plan = binding.plan(m, n, k, dtype, device)
+    offered = binding.candidates(plan)
+    if search_mode() == "exhaustive":
+        offered += binding.enumerated(plan)
     for cand in tqdm(offered, desc=f"cuBLASLt linear M={m} N={n} K={k}", unit="algo", disable=not progress, leave=False):
         words = tuple(binding.algo_words(cand.algo))
         if words in seen:
