@@ -31,6 +31,9 @@ class _HostBuffers:
         self.pinned = device.type == "cuda"
         self._host: dict[str, torch.Tensor] = {}
         self._dev: dict[str, torch.Tensor] = {}
+        # what the "tables" buffer holds: its layout (address, width) and per row (block list, entries written)
+        self.table_layout: tuple[int, int] | None = None
+        self.table_rows: list[tuple[list, int]] = []
 
     def pinned_host(self, name: str, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """``values`` in a reused page-locked host buffer (valid until the next step)."""
@@ -184,13 +187,27 @@ class ModelRunner:
         """``[B, width]`` int32 block tables on the device, or in pinned host memory with ``pinned``.
 
         Entries past a row's own blocks are left as they are: attention never reads past a
-        row's context (and they are valid block ids from earlier steps).
+        row's context (and they are valid block ids from earlier steps). A row that held the same
+        block list when this buffer set was last filled gets only the blocks added since: a
+        sequence's list only grows (``BlockManager`` gives a new list when it frees or readmits one).
         """
-        table, host = self.buffers.host_array("tables", (len(step), width), np.int32, torch.int32)
+        buffers = self.buffers
+        table, host = buffers.host_array("tables", (len(step), width), np.int32, torch.int32)
+        layout = (host.data_ptr(), width)
+        before = buffers.table_rows if buffers.table_layout == layout else []
+        rows = []
         for row, s in enumerate(step):
             blocks = s.seq.block_table
-            table[row, : len(blocks)] = blocks
-        return host if pinned else self.buffers.upload("tables", host)
+            n = len(blocks)
+            if row < len(before) and before[row][0] is blocks:
+                done = before[row][1]
+                if n > done:
+                    table[row, done:n] = blocks[done:]
+            else:
+                table[row, :n] = blocks
+            rows.append((blocks, n))
+        buffers.table_layout, buffers.table_rows = layout, rows
+        return host if pinned else buffers.upload("tables", host)
 
     def _decode(self, step: list[ScheduledSeq], prev_tokens=None) -> torch.Tensor:
         bs = self.block_size
