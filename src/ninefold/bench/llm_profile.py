@@ -189,12 +189,57 @@ def offline_kernel_totals(engine, num_requests: int, seed: int = 0) -> dict:
     return {"wall_s": wall, "kernel_s": busy, "kinds_s": dict(kinds), "top_kernels_s": dict(top)}
 
 
+def profile_host(engine, batch: int, steps: int = 200, top: int = 25) -> dict:
+    """The host's own work in CUDA-graph decode steps at ``batch`` (64-token prompts): per-step wall
+    time, the time waiting for tokens, and the functions (``cProfile``) that take the rest."""
+    import cProfile
+    import io
+    import pstats
+
+    from ninefold.llm.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    ids = [f"host{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(engine.build_request([(7 * i + 3) % 1000 for i in range(64)], params, rid))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    sampler = engine.runner.sampler
+    sampler.sync_seconds = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    waited = sampler.sync_seconds
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.sync()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    row = {"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited) / steps * 1e3,
+           "profile_tottime": text.getvalue()}
+    print(f"\nhost, decode batch {batch}: step {row['step_ms']:.2f} ms, host (not waiting) {row['host_ms']:.3f} ms; "
+          f"cProfile of {steps} more steps (its own overhead included), by own time:")
+    print("\n".join(line for line in text.getvalue().splitlines()
+                    if line.strip() and not line.strip().startswith(("Ordered by", "List reduced"))))
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_profile", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--offline-seconds", type=float, default=40.0)
     parser.add_argument("--whole-offline", action="store_true",
                         help="only: the whole offline run with every kernel recorded, by kind of kernel")
+    parser.add_argument("--host", action="store_true",
+                        help="only: the host's own time per decode step at batch 1, 64 and 256, under cProfile")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ninefold.bench.llm_profile needs a CUDA device; nothing measured.", file=sys.stderr)
@@ -204,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=17408,
                        max_num_seqs=256, max_num_batched_tokens=16384)
     engine.stream_outputs = False
+    if args.host:
+        results = {"host": [profile_host(engine, b) for b in (1, 64, 256)]}
+        out = os.environ.get("OUT")
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "llm_profile_host.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     if args.whole_offline:
         results = {"offline_kernels": offline_kernel_totals(engine, 256)}
         out = os.environ.get("OUT")
