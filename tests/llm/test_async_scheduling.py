@@ -208,3 +208,22 @@ def test_overlapped_scheduling_on_cuda_matches_the_synchronous_engine(llama_dir,
     assert _summary(overlapped.generate(prompt_token_ids=prompts, sampling_params=params)) == want
     assert overlapped.engine.num_steps_ahead > 10
     _assert_no_leak(overlapped)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_page_locked_token_buffers_are_reused_once_read():
+    from ninefold.llm.sampler import Sampler
+    from ninefold.llm.sequence import Sequence
+
+    sampler = Sampler(torch.device("cuda"), 50, ())
+    seqs = [Sequence("r", i, [1], 1, SamplingParams(temperature=0)) for i in range(3)]
+    logits = torch.randn(3, 50, device="cuda")
+    first, second = sampler.sample(logits, seqs), sampler.sample(-logits, seqs)  # two steps in flight
+    buffers = {first._host.data_ptr(), second._host.data_ptr()}
+    assert len(buffers) == 2  # one buffer each while unread
+    assert first.read().token_ids == logits.argmax(-1).tolist()
+    assert second.read().token_ids == (-logits).argmax(-1).tolist()
+    third = sampler.sample(logits[:2], seqs[:2])
+    assert third._host.data_ptr() in buffers  # a read buffer serves the next step
+    assert third.read().token_ids == logits[:2].argmax(-1).tolist()

@@ -174,12 +174,14 @@ class ModelRunner:
 
     def _device_ids(self, ids: np.ndarray, rows: list[int], sources: list[int], prev_tokens) -> torch.Tensor:
         """Token ids on the device, rows ``rows`` replaced by ``prev_tokens[sources]``."""
+        if rows and prev_tokens is None:
+            raise RuntimeError("a sequence waits for a token of a step that is not in flight")  # an engine bug
+        src = self.buffers.to_device("src_index", np.asarray(sources, dtype=np.int64), torch.int64) if rows else None
+        if rows and len(rows) == len(ids):  # every row's token is in flight (steady decoding): one gather
+            return prev_tokens.index_select(0, src)
         dev = self.buffers.to_device("ids", ids, torch.int64)
         if rows:
-            if prev_tokens is None:
-                raise RuntimeError("a sequence waits for a token of a step that is not in flight")  # an engine bug
             where = self.buffers.to_device("src_rows", np.asarray(rows, dtype=np.int64), torch.int64)
-            src = self.buffers.to_device("src_index", np.asarray(sources, dtype=np.int64), torch.int64)
             dev.index_copy_(0, where, prev_tokens.index_select(0, src))
         return dev
 

@@ -32,7 +32,9 @@ class PendingTokens:
         self._result: SampledTokens | None = None
         self._event = None
         if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._pooled = tokens.dtype == torch.int64 and tokens.dim() == 1
+            self._host = (sampler.pinned_tokens(tokens.shape[0]) if self._pooled
+                          else torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True))
             self._host.copy_(tokens, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(tokens.device))
@@ -49,6 +51,9 @@ class PendingTokens:
             if self._event is not None:
                 self._event.synchronize()  # the one host synchronisation of a step
                 token_list = self._host.tolist()
+                if self._pooled:
+                    self.sampler.release_pinned(self._host)
+                self._host = None
             else:
                 token_list = self.tokens.tolist()
             self.sampler.sync_seconds += time.perf_counter() - waited
@@ -64,6 +69,21 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.sync_seconds = 0.0  # time spent waiting for the device to hand back tokens (benchmarks)
+        self._pinned_free: list[torch.Tensor] = []  # page-locked token buffers read back and free again
+
+    def pinned_tokens(self, rows: int) -> torch.Tensor:
+        """A page-locked int64 buffer of ``rows`` entries for one step's tokens (reused: allocating
+        page-locked memory every step costs the host more than the rest of a small step's sampling)."""
+        while self._pinned_free:
+            buffer = self._pinned_free.pop()
+            if buffer.numel() >= rows:
+                return buffer[:rows]
+        return torch.empty(max(rows, 256), dtype=torch.int64, pin_memory=True)[:rows]
+
+    def release_pinned(self, buffer: torch.Tensor) -> None:
+        """Hand back a buffer from ``pinned_tokens`` once its tokens are read (a few are kept)."""
+        if len(self._pinned_free) < 4:
+            self._pinned_free.append(buffer._base if buffer._base is not None else buffer)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Sample one token for each row of ``logits`` ``[B, V]`` (any float dtype), row b for ``seqs[b]``."""

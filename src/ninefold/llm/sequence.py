@@ -41,6 +41,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     plain_greedy: bool = False  # params.plain_greedy, read once (the sampler checks it every step)
+    penalized: bool = False  # params.has_penalties, read once (the engine checks it every step)
     output_ids: list[int] = field(default_factory=list)  # the generated tokens (grows in place)
     # With overlapped scheduling, a token still on the device: its row in the step in flight, and
     # PLACEHOLDER stands at the end of ``token_ids``/``output_ids`` until the engine reads it.
@@ -48,6 +49,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.plain_greedy = self.params.plain_greedy
+        self.penalized = self.params.has_penalties
 
     @property
     def num_tokens(self) -> int:

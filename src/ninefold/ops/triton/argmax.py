@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.launch import call
+from ninefold.ops.triton.launch import Launcher
 
 CHUNK = 8192  # columns per program: 16-32 KB of half-precision logits
 BLOCK = 2048  # columns per loop step
@@ -78,6 +78,9 @@ def supports(x, dim=-1) -> str | None:
     return None
 
 
+_LAUNCH = Launcher(argmax_chunk_kernel, ("CHUNK", "BLOCK", "MAX_CHUNKS"))  # the engine's one launch per step: kept short
+
+
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     b, n = x.shape
     out = torch.empty(b, dtype=torch.int64, device=x.device)
@@ -85,8 +88,8 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return out
     chunks = triton.cdiv(n, CHUNK)
     values, indices, counters = _scratch(x.device, triton.next_power_of_2(b))
-    call(argmax_chunk_kernel, (b, chunks), x, out, values, indices, counters, n, x.stride(0), chunks,
-         CHUNK=CHUNK, BLOCK=BLOCK, MAX_CHUNKS=MAX_CHUNKS, num_warps=8)
+    _LAUNCH((b, chunks), (x, out, values, indices, counters, n, x.stride(0), chunks), (CHUNK, BLOCK, MAX_CHUNKS),
+            num_warps=8, device_index=x.get_device())
     return out
 
 
