@@ -212,7 +212,7 @@ def test_overlapped_scheduling_on_cuda_matches_the_synchronous_engine(llama_dir,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_page_locked_token_buffers_are_reused_once_read():
+def test_page_locked_token_buffers_on_cuda_are_reused_once_read():
     from ninefold.llm.sampler import Sampler
     from ninefold.llm.sequence import Sequence
 
