@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -338,15 +339,17 @@ def bench_host(engine, rng, batches) -> list[dict]:
             engine.step()
         for _ in range(3):
             engine.step()
-        steps, wall, waited = 100, 0.0, 0.0
+        steps, wall, waited, per_step = 100, 0.0, 0.0, []
         cpu = time.process_time()
         with _DeviceTimeline(engine) as timeline, _GraphLaunchTimer(engine) as launches:
             for _ in range(steps):
                 sampler.sync_seconds = 0.0
                 start = time.perf_counter()
                 engine.step()
-                wall += time.perf_counter() - start
+                took = time.perf_counter() - start
+                wall += took
                 waited += sampler.sync_seconds
+                per_step.append(took - sampler.sync_seconds)
         cpu = time.process_time() - cpu
         for rid in ids:
             engine.abort_request(rid)
@@ -354,13 +357,15 @@ def bench_host(engine, rng, batches) -> list[dict]:
         host = (wall - waited) / steps
         row = {"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": host * 1e3,
                "process_cpu_ms": cpu / steps * 1e3, "host_fraction": host / (wall / steps),
-               "graph_launch_ms": launches.seconds / steps * 1e3}
+               "graph_launch_ms": launches.seconds / steps * 1e3,
+               "host_ms_median": statistics.median(per_step) * 1e3,
+               "host_ms_p90": sorted(per_step)[int(0.9 * (steps - 1))] * 1e3}
         row.update(timeline.summary())
         rows.append(row)
         idle = f", device idle between steps {row['device_idle_fraction']:.0%}" if "device_idle_fraction" in row else ""
         print(f"batch {batch:>3}: step {wall / steps * 1e3:6.2f} ms, host (not waiting on the GPU) "
-              f"{host * 1e3:6.2f} ms = {host / (wall / steps):.0%} (of it in CUDA-graph launches "
-              f"{row['graph_launch_ms']:.2f} ms){idle}")
+              f"{host * 1e3:6.2f} ms = {host / (wall / steps):.0%} (median {row['host_ms_median']:.2f}, p90 "
+              f"{row['host_ms_p90']:.2f}; in CUDA-graph launches {row['graph_launch_ms']:.2f}){idle}")
     return rows
 
 
@@ -528,7 +533,8 @@ def print_table(r: dict) -> None:
                      f"{t['fraction_of_roofline']:.0%} |")
     for h in r["host_overhead"]:
         idle = f", device idle {h['device_idle_fraction']:.0%}" if "device_idle_fraction" in h else ""
-        lines.append(f"| host ms per decode step, batch {h['batch']} | {h['host_ms']:.2f} of {h['step_ms']:.2f} | | "
+        median = f" (median {h['host_ms_median']:.2f})" if "host_ms_median" in h else ""
+        lines.append(f"| host ms per decode step, batch {h['batch']} | {h['host_ms']:.2f}{median} of {h['step_ms']:.2f} | | "
                      f"{h['host_fraction']:.0%} host{idle} |")
     lines.append(f"\ntotal {r['total_s']:.0f} s")
     print("\n".join(lines))
