@@ -1,0 +1,90 @@
+"""Plot of the offline workload's steps against their roofline bound (matplotlib, no display needed).
+
+``python -m ninefold.bench.llm_plots PROFILE_JSON --copy-gbps G --tflops T --out PNG`` reads the step
+log that ``python -m ninefold.bench.llm_profile`` writes (``llm_profile.json``: wall time, sequences, new
+and context tokens of every step of the offline run) and draws each step's time next to its bound,
+``max(FLOPs / matmul rate, (weight bytes + KV bytes read) / copy bandwidth)``, over the run and as a
+share of the bound against the batch size. Steps the profiler recorded kernel by kernel ran slower
+and are left out. The ceilings are arguments: pass the ones measured on the same card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+
+def step_bounds(steps: list[dict], model: str, copy_bps: float, flops_per_s: float) -> list[float]:
+    """Each step's bound in ms for the dummy shape ``model`` in bfloat16 (2-byte weights and KV).
+
+    FLOPs: 2 x the linear layers' parameters per new token, the LM head per sequence, and attention
+    as ``4 x layers x heads x head_dim`` per token of context read (exact for decode rows; prefill
+    chunks are counted as if every new token read the step's whole context, an upper estimate of a
+    small term)."""
+    from ninefold.bench.llm import _linear_params
+    from ninefold.llm.config import NAMED_SHAPES, ModelConfig
+
+    mc = ModelConfig.from_dict(NAMED_SHAPES[model])
+    linear = _linear_params(mc)
+    embeddings = (1 if mc.tie_word_embeddings else 2) * mc.vocab_size * mc.hidden_size
+    norms = (2 * mc.num_layers + 1) * mc.hidden_size  # (q/k/v biases and q/k norms, under 0.01%, left out)
+    weight_bytes = 2 * (linear + embeddings + norms)
+    kv_per_token = 2 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    out = []
+    for s in steps:
+        flops = (2 * linear * s["new_tokens"] + 2 * mc.hidden_size * mc.vocab_size * s["seqs"]
+                 + 4 * mc.num_layers * mc.num_heads * mc.head_dim * s["context_tokens"])
+        memory = weight_bytes + kv_per_token * s["context_tokens"]
+        out.append(max(flops / flops_per_s, memory / copy_bps) * 1e3)
+    return out
+
+
+def plot_offline_steps(profile: dict, model: str, copy_bps: float, flops_per_s: float, path: str | Path) -> dict:
+    """Draw the offline step log of ``profile`` (``llm_profile.json``) against its bound; returns the totals."""
+    log = profile["offline"]
+    skipped = {p["step"] for p in log.get("profiled", [])}
+    steps = [s for i, s in enumerate(log["steps"]) if i not in skipped]
+    index = [i for i in range(len(log["steps"])) if i not in skipped]
+    bounds = step_bounds(steps, model, copy_bps, flops_per_s)
+    measured = [s["ms"] for s in steps]
+    decode = [j for j, s in enumerate(steps) if s["new_tokens"] == s["seqs"]]
+
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    over_time, by_batch = fig.subplots(1, 2)
+    over_time.plot(index, measured, lw=0.8, label="measured (wall)")
+    over_time.plot(index, bounds, lw=0.8, label="bound")
+    over_time.set(yscale="log", xlabel="step", ylabel="ms per step", title="offline steps (prefill steps on top)")
+    over_time.legend()
+    by_batch.scatter([steps[j]["seqs"] for j in decode], [bounds[j] / measured[j] for j in decode], s=4)
+    by_batch.set(xlabel="sequences in the step", ylabel="bound / measured", ylim=(0, 1),
+                 title="decode steps: share of the bound reached")
+    total, bound = sum(measured), sum(bounds)
+    fig.suptitle(f"{model}: {len(steps)} steps, {total / 1e3:.2f} s measured against {bound / 1e3:.2f} s of "
+                 f"per-step bounds ({bound / total:.0%}); copy {copy_bps / 1e9:.0f} GB/s, "
+                 f"matmul {flops_per_s / 1e12:.0f} TFLOP/s")
+    fig.savefig(path, dpi=100)
+    return {"steps": len(steps), "measured_s": total / 1e3, "bound_s": bound / 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_plots", description=__doc__.splitlines()[0])
+    parser.add_argument("profile", help="llm_profile.json from python -m ninefold.bench.llm_profile")
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--copy-gbps", type=float, required=True, help="measured copy bandwidth, GB/s")
+    parser.add_argument("--tflops", type=float, required=True, help="measured bf16 matmul rate, TFLOP/s")
+    parser.add_argument("--out", required=True, help="the PNG to write")
+    args = parser.parse_args(argv)
+    profile = json.loads(Path(args.profile).read_text())
+    if "offline" not in profile:
+        parser.error(f"{args.profile}: no offline step log (run llm_profile without --whole-offline or --host)")
+    totals = plot_offline_steps(profile, args.model, args.copy_gbps * 1e9, args.tflops * 1e12, args.out)
+    print(f"{args.out}: {totals['steps']} steps, {totals['measured_s']:.2f} s measured, {totals['bound_s']:.2f} s of bounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""``ninefold.bench.llm_plots``: per-step bounds and the offline step plot."""
+
+import json
+
+import pytest
+
+from ninefold.bench import llm_plots
+from ninefold.llm.config import NAMED_SHAPES, ModelConfig
+
+
+def test_decode_step_bound_is_weights_plus_kv_at_copy_bandwidth():
+    mc = ModelConfig.from_dict(NAMED_SHAPES["llama-3.1-8b"])
+    step = {"ms": 10.0, "seqs": 64, "new_tokens": 64, "context_tokens": 64 * 1000}
+    (bound,) = llm_plots.step_bounds([step], "llama-3.1-8b", copy_bps=4e12, flops_per_s=8e14)
+    weights = 2 * 8_030_261_248  # bfloat16 Llama-3.1-8B, embedding and LM head included
+    kv = 64 * 1000 * 2 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    assert bound == pytest.approx((weights + kv) / 4e12 * 1e3)  # 64 rows: memory-bound
+
+
+def test_prefill_step_bound_is_compute():
+    step = {"ms": 400.0, "seqs": 10, "new_tokens": 16384, "context_tokens": 16384}
+    (bound,) = llm_plots.step_bounds([step], "llama-3.1-8b", copy_bps=4e12, flops_per_s=8e14)
+    assert 250 < bound < 320  # ~16 GFLOP per token at 800 TFLOP/s
+
+
+def test_plot_skips_profiled_steps_and_writes_the_image(tmp_path):
+    steps = [{"ms": 380.0, "seqs": 20, "new_tokens": 16384, "context_tokens": 16384}]
+    steps += [{"ms": 9.0 - i * 0.01, "seqs": 200 - i, "new_tokens": 200 - i, "context_tokens": (200 - i) * 700}
+              for i in range(50)]
+    profile = {"offline": {"steps": steps, "profiled": [{"step": 3}]}}
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    out = tmp_path / "steps.png"
+    assert llm_plots.main([str(tmp_path / "p.json"), "--copy-gbps", "4000", "--tflops", "800", "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    totals = llm_plots.plot_offline_steps(profile, "llama-3.1-8b", 4e12, 8e14, tmp_path / "again.png")
+    assert totals["steps"] == 50 and totals["measured_s"] == pytest.approx((sum(s["ms"] for s in steps) - steps[3]["ms"]) / 1e3)
