@@ -5,7 +5,7 @@ log that ``python -m ninefold.bench.llm_profile`` writes (``llm_profile.json``: 
 and context tokens of every step of the offline run) and draws each step's time next to its bound,
 ``max(FLOPs / matmul rate, (weight bytes + KV bytes read) / copy bandwidth)``, over the run and as a
 share of the bound against the batch size. Steps the profiler recorded kernel by kernel ran slower
-and are left out. The ceilings are arguments: pass the ones measured on the same card.
+and are left out, as is an empty step (no sequences). The ceilings are arguments: pass the ones measured on the same card.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def plot_offline_steps(profile: dict, model: str, copy_bps: float, flops_per_s: 
     """Draw the offline step log of ``profile`` (``llm_profile.json``) against its bound; returns the totals."""
     log = profile["offline"]
     skipped = {p["step"] for p in log.get("profiled", [])}
-    steps = [s for i, s in enumerate(log["steps"]) if i not in skipped]
-    index = [i for i in range(len(log["steps"])) if i not in skipped]
+    kept = [i for i, s in enumerate(log["steps"]) if i not in skipped and s["seqs"] > 0]  # (a last, empty step)
+    steps, index = [log["steps"][i] for i in kept], kept
     bounds = step_bounds(steps, model, copy_bps, flops_per_s)
     measured = [s["ms"] for s in steps]
     decode = [j for j, s in enumerate(steps) if s["new_tokens"] == s["seqs"]]
