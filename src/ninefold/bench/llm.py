@@ -320,6 +320,19 @@ def bench_ttft(engine, rng, mc, mm_rate: float, lengths) -> list[dict]:
     return rows
 
 
+def start_decoding(engine, prompts: list[list[int]], params, settle: int, prefix: str = "host") -> list[str]:
+    """Submit one request per prompt (ids ``{prefix}{B}-{i}``), step until every prompt is prefilled,
+    then ``settle`` more steps, so the next step is a steady decode step of all of them; returns the ids."""
+    ids = [f"{prefix}{len(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(engine.build_request(prompt, params, rid))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(settle):
+        engine.step()
+    return ids
+
+
 def bench_host(engine, rng, batches) -> list[dict]:
     """Host time per decode step at each batch size, and (on CUDA) how long the device sits idle
     between steps waiting for the host: with overlapped scheduling the host's work hides behind
@@ -331,14 +344,7 @@ def bench_host(engine, rng, batches) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
     sampler = engine.runner.sampler
     for batch in batches:
-        ids = [f"host{batch}-{i}" for i in range(batch)]
-        for rid in ids:
-            engine.add_request(engine.build_request(_random_ids(rng, 64, vocab), params, rid))
-        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                              for s in engine.scheduler.running):
-            engine.step()
-        for _ in range(3):
-            engine.step()
+        ids = start_decoding(engine, [_random_ids(rng, 64, vocab) for _ in range(batch)], params, settle=3)
         steps, wall, waited, per_step = 100, 0.0, 0.0, []
         cpu = time.process_time()
         with _DeviceTimeline(engine) as timeline, _GraphLaunchTimer(engine) as launches:

@@ -36,18 +36,14 @@ def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
     """Kernel time per CUDA-graph decode step at ``batch`` sequences of about ``context`` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
+    from ninefold.bench.llm import start_decoding
     from ninefold.llm.sampling import SamplingParams
 
     vocab = engine.model_config.vocab_size
     rng = random.Random(batch)
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    ids = [f"p{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(engine.build_request([rng.randrange(vocab) for _ in range(context)], params, rid))
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    ids = start_decoding(engine, prompts, params, settle=3, prefix="p")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -196,16 +192,11 @@ def profile_host(engine, batch: int, steps: int = 200, top: int = 25) -> dict:
     import io
     import pstats
 
+    from ninefold.bench.llm import start_decoding
     from ninefold.llm.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    ids = [f"host{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(engine.build_request([(7 * i + 3) % 1000 for i in range(64)], params, rid))
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(5):
-        engine.step()
+    ids = start_decoding(engine, [[(7 * i + 3) % 1000 for i in range(64)]] * batch, params, settle=5)
     sampler = engine.runner.sampler
     sampler.sync_seconds = 0.0
     start = time.perf_counter()
@@ -232,6 +223,15 @@ def profile_host(engine, batch: int, steps: int = 200, top: int = 25) -> dict:
     return row
 
 
+def _write(results: dict, name: str) -> None:
+    """``results`` as JSON to ``$OUT/name`` (nothing without ``OUT``)."""
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_profile", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b")
@@ -250,28 +250,14 @@ def main(argv: list[str] | None = None) -> int:
                        max_num_seqs=256, max_num_batched_tokens=16384)
     engine.stream_outputs = False
     if args.host:
-        results = {"host": [profile_host(engine, b) for b in (1, 64, 256)]}
-        out = os.environ.get("OUT")
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "llm_profile_host.json"), "w") as f:
-                json.dump(results, f, indent=1)
+        _write({"host": [profile_host(engine, b) for b in (1, 64, 256)]}, "llm_profile_host.json")
         return 0
     if args.whole_offline:
-        results = {"offline_kernels": offline_kernel_totals(engine, 256)}
-        out = os.environ.get("OUT")
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "llm_profile_offline.json"), "w") as f:
-                json.dump(results, f, indent=1)
+        _write({"offline_kernels": offline_kernel_totals(engine, 256)}, "llm_profile_offline.json")
         return 0
     results = {"decode": [profile_decode(engine, b, c) for b, c in ((1, 256), (1, 4096), (64, 600), (256, 600))]}
     results["offline"] = offline_step_log(engine, 256, args.offline_seconds)
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "llm_profile.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    _write(results, "llm_profile.json")
     return 0
 
 

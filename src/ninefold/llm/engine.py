@@ -271,10 +271,8 @@ class LLMEngine:
     def _launch(self, previous):
         """Schedule and enqueue a step; ``previous``: the step in flight, whose tokens are not read yet."""
         if previous is not None:
-            max_len = self.max_model_len  # (``_ends_by_length(seq, 1)`` inline: this runs for every row, every step)
             for row, seq in enumerate(previous.samplers):
-                if seq.status is Status.RUNNING and len(seq.token_ids) + 1 < max_len and (
-                        seq.params.max_tokens is None or len(seq.output_ids) + 1 < seq.params.max_tokens):
+                if seq.status is Status.RUNNING and not self._ends_by_length(seq, 1):
                     seq.add_placeholder(row)
         try:
             step = self.scheduler.schedule()
