@@ -41,3 +41,18 @@ def test_triton_cache_entries_name_the_kernels_of_each_entry(tmp_path, monkeypat
 def test_gpt_fast_peer_needs_a_checkout(tmp_path):
     with pytest.raises(ValueError, match="--gpt-fast: no model.py"):
         load_model_module(tmp_path)
+
+
+def test_parts_selects_what_runs_and_the_table_shows_only_those(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    (tmp_path / "triton-cache").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    assert llm.main(["--smoke", "--parts", "ttft,offline"]) == 0
+    results = json.loads((tmp_path / "bench_llm.json").read_text())
+    assert "ttft" in results and "offline" in results
+    assert "decode_batch1" not in results and "host_overhead" not in results
+    table = capsys.readouterr().out
+    assert "| TTFT 64 tokens (ms)" in table and "| offline total tok/s" in table and "batch-1 decode" not in table
+    with pytest.raises(SystemExit):
+        llm.main(["--smoke", "--parts", "ttft,warp"])
+    assert "--parts: warp; choose from decode_batch1, ttft, host_overhead, offline" in capsys.readouterr().err

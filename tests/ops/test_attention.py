@@ -207,10 +207,23 @@ def test_attention_prefill_takes_max_seqlen_bounds(device, impl, dtype):
                  scale=ATTENTION_SCALE)
 
 
+def test_triton_prefill_config_follows_the_mean_query_length():
+    # Short, medium and long calls take different tiles (head size 128); head size 64 has no medium class.
+    pytest.importorskip("triton")
+    from ninefold.ops.triton import prefill
+
+    picks = {mean: prefill.config(torch.bfloat16, 128, mean) for mean in (1, 64, 65, 1024, 1025, 4096)}
+    assert picks[1] == picks[64] == prefill.SHORT_CONFIG
+    assert picks[65] == picks[1024] == prefill.MEDIUM_CONFIG[128]
+    assert picks[1025] == picks[4096] == prefill.CONFIG[128]
+    assert prefill.config(torch.bfloat16, 64, 500) == prefill.CONFIG[64]
+    assert prefill.config(torch.float32, 128, 500)["block_m"] == 32
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("short", [False, True], ids=["long-tiles", "short-tiles"])
-def test_triton_prefill_launch_configs_cuda(short):
-    """Llama-3-8B heads in bfloat16 under both default configurations (128- and 64-row query tiles)."""
+@pytest.mark.parametrize("mean", [1, 500, 4096], ids=["short-tiles", "medium-tiles", "long-tiles"])
+def test_triton_prefill_launch_configs_cuda(mean):
+    """Llama-3-8B heads in bfloat16 under each default configuration, packed keys and paged keys."""
     from ninefold.ops.triton import prefill
 
     device, hq, hk, d = "cuda", 32, 8, 128
@@ -218,10 +231,15 @@ def test_triton_prefill_launch_configs_cuda(short):
     q = packed(q_lens, hq, d, torch.bfloat16, device, 41)
     k, v = packed(k_lens, hk, d, torch.bfloat16, device, 42), packed(k_lens, hk, d, torch.bfloat16, device, 43)
     args = (q, k, v, cu(q_lens, device), cu(k_lens, device), None, None, None, None)
-    config = prefill.config(torch.bfloat16, d, 1 if short else 4096)
-    assert config["block_m"] == (64 if short else 128)
-    assert_close(prefill.launch(*args, config), ref.attention_prefill(*args[:5]), torch.bfloat16,
-                 scale=ATTENTION_SCALE)
+    config = prefill.config(torch.bfloat16, d, mean)
+    want = ref.attention_prefill(*args[:5])
+    assert_close(prefill.launch(*args, config), want, torch.bfloat16, scale=ATTENTION_SCALE)
+    k_cache, v_cache, tables = paged_cache(k_lens, hk, d, 16, torch.bfloat16, device, seed=44)
+    keys = torch.cat([k_cache[tables[b, : -(-n // 16)].long()].flatten(0, 1)[:n] for b, n in enumerate(k_lens)])
+    values = torch.cat([v_cache[tables[b, : -(-n // 16)].long()].flatten(0, 1)[:n] for b, n in enumerate(k_lens)])
+    paged_args = (q, None, None, cu(q_lens, device), cu(k_lens, device), None, k_cache, v_cache, tables)
+    assert_close(prefill.launch(*paged_args, config), ref.attention_prefill(q, keys, values, *args[3:5]),
+                 torch.bfloat16, scale=ATTENTION_SCALE)
 
 
 @triton_only

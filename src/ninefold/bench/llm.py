@@ -42,9 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpt-fast", metavar="DIR", default=None,
                         help="a gpt-fast checkout: run its compiled batch-1 decode in this process as the peer "
                              "(otherwise DESIGN.md's 193 tok/s on the H200 is quoted)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, in this order (default all: {','.join(PARTS)})")
     parser.add_argument("--smoke", action="store_true",
                         help="exercise every step on the CPU with a tiny model (checks the code, measures nothing useful)")
     args = parser.parse_args(argv)
+    parts_wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts_wanted) - set(PARTS))
+    if unknown or not parts_wanted:
+        parser.error(f"--parts: {', '.join(unknown) or 'none given'}; choose from {', '.join(PARTS)}")
     if args.smoke:
         args.model, args.dtype, args.num_requests, args.decode_tokens = dict(SMOKE_CONFIG), "float32", 6, 8
         args.ttft_lengths, args.host_batches, args.max_len, device = (32, 64, 128), (1, 4, 8), 2048, "cpu"
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline": lambda: bench_offline(engine, rng, args, mc, weight_bytes, bandwidth, mm_rate),
     }
     failed = False
-    for name, run in parts.items():
+    for name, run in ((n, parts[n]) for n in PARTS if n in parts_wanted):
         try:
             results[name] = run()
         except Exception as error:  # report it and measure the rest
@@ -118,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 SMOKE_CONFIG = dict(name="tiny", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
                     num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
                     max_position_embeddings=4096, rope_theta=10000.0)
+
+
+PARTS = ("decode_batch1", "ttft", "host_overhead", "offline")
 
 
 def _sync(engine) -> None:
@@ -526,18 +535,21 @@ def _kernel_names(entry: str) -> list[str]:
 
 
 def print_table(r: dict) -> None:
-    d, off = r["decode_batch1"], r["offline"]
-    lines = ["", f"| {r['model']} {r['dtype']} on {r['device']} | measured | roofline | ratio |", "| --- | --- | --- | --- |",
-             f"| batch-1 decode tok/s | {d['tok_per_s']:.1f} | {d['roofline_tok_per_s']:.0f} | "
-             f"{d['fraction_of_roofline']:.0%} ({d['vs_gpt_fast']:.2f}x gpt-fast's {d['gpt_fast_tok_per_s']:.0f}"
-             f"{'' if d['gpt_fast_measured'] else ', DESIGN.md'}) |",
-             f"| offline total tok/s ({off['num_requests']} req{'' if off['complete'] else ', time-limited'}) | "
-             f"{off['total_tok_per_s']:.0f} | {off['roofline_total_tok_per_s']:.0f} | {off['fraction_of_roofline']:.0%} |",
-             f"| offline output tok/s | {off['output_tok_per_s']:.0f} | {off['roofline_output_tok_per_s']:.0f} | |"]
-    for t in r["ttft"]:
+    lines = ["", f"| {r['model']} {r['dtype']} on {r['device']} | measured | roofline | ratio |", "| --- | --- | --- | --- |"]
+    if "decode_batch1" in r:
+        d = r["decode_batch1"]
+        lines.append(f"| batch-1 decode tok/s | {d['tok_per_s']:.1f} | {d['roofline_tok_per_s']:.0f} | "
+                     f"{d['fraction_of_roofline']:.0%} ({d['vs_gpt_fast']:.2f}x gpt-fast's {d['gpt_fast_tok_per_s']:.0f}"
+                     f"{'' if d['gpt_fast_measured'] else ', DESIGN.md'}) |")
+    if "offline" in r:
+        off = r["offline"]
+        lines += [f"| offline total tok/s ({off['num_requests']} req{'' if off['complete'] else ', time-limited'}) | "
+                  f"{off['total_tok_per_s']:.0f} | {off['roofline_total_tok_per_s']:.0f} | {off['fraction_of_roofline']:.0%} |",
+                  f"| offline output tok/s | {off['output_tok_per_s']:.0f} | {off['roofline_output_tok_per_s']:.0f} | |"]
+    for t in r.get("ttft", []):
         lines.append(f"| TTFT {t['prompt_tokens']} tokens (ms) | {t['ttft_s'] * 1e3:.1f} | {t['roofline_s'] * 1e3:.1f} | "
                      f"{t['fraction_of_roofline']:.0%} |")
-    for h in r["host_overhead"]:
+    for h in r.get("host_overhead", []):
         idle = f", device idle {h['device_idle_fraction']:.0%}" if "device_idle_fraction" in h else ""
         median = f" (median {h['host_ms_median']:.2f})" if "host_ms_median" in h else ""
         lines.append(f"| host ms per decode step, batch {h['batch']} | {h['host_ms']:.2f}{median} of {h['step_ms']:.2f} | | "

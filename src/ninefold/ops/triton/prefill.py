@@ -27,12 +27,18 @@ from ninefold.ops.triton.launch import call
 
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Half-precision launch configuration per head size, and for calls whose sequences average at most
-# ``SHORT`` new tokens (a 128-row query tile would be mostly padding there);
-# ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"`` overrides both (``ninefold.bench.ops_attention``
-# sweeps candidates and reports the fastest).
+# Half-precision launch configurations per head size: for long sequences (``CONFIG``), for calls whose
+# sequences average at most ``MEDIUM`` new tokens (``MEDIUM_CONFIG``, where given) and at most ``SHORT``
+# (a 128-row query tile would be mostly padding there); ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"``
+# overrides all (``ninefold.bench.ops_attention`` sweeps candidates and reports the fastest).
+# Head size 128, measured on the H200 (bf16, 32 query / 8 KV heads, CUDA-graph replays; docs/perf/llm.md,
+# ninth session): 128x128 w8 s3 takes one 4096-token prompt in 302 us (packed) and 276 us (2048 new over
+# 2048 cached) against 362 / 346 us for 128x64 w8 s2; 64x32 w4 s3 takes 29 prompts of 100-1024 tokens in
+# 393 us (packed; 344 us paged, half cached) against 505 / 442 us, and 4 x 1024 in 115 against 135 us.
 CONFIG = {64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-          128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}}
+          128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}}
+MEDIUM = 1024
+MEDIUM_CONFIG = {128: {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}}
 SHORT = 64
 SHORT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 _OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in
@@ -167,7 +173,13 @@ def config(dtype: torch.dtype, d: int, mean_new_tokens: float = float("inf")) ->
     """The launch configuration for ``dtype``, head size ``d`` and the call's mean query length."""
     if dtype == torch.float32:
         return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1}
-    base = SHORT_CONFIG if mean_new_tokens <= SHORT else CONFIG[64 if d <= 64 else 128]
+    size = 64 if d <= 64 else 128
+    if mean_new_tokens <= SHORT:
+        base = SHORT_CONFIG
+    elif mean_new_tokens <= MEDIUM and size in MEDIUM_CONFIG:
+        base = MEDIUM_CONFIG[size]
+    else:
+        base = CONFIG[size]
     return {**base, **_OVERRIDE}
 
 
@@ -180,7 +192,7 @@ def _blocks(dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs at ``shapes`` (kernel, constexprs, warps, stages) for ``ninefold.ops.triton.aot``."""
     found = {}
-    for mean in (float("inf"), 1):
+    for mean in (float("inf"), MEDIUM, 1):
         c = config(dtype, shapes.head_dim, mean)
         for mode in (0, 1):
             constexprs = {"GROUP": shapes.heads // shapes.kv_heads, "D": shapes.head_dim, "BLOCK_M": c["block_m"],
