@@ -248,20 +248,22 @@ def time_decode(sh, device, width, replays) -> list[dict]:
 
 
 # Ragged batches as the offline workload has them mid-run: (batch, shortest, longest context).
-RAGGED_CASES = ((256, 600, 1500), (200, 400, 1900), (128, 700, 2000), (88, 900, 2000), (64, 500, 1800),
-                (40, 700, 1800), (24, 1000, 2000), (8, 1000, 4000))
+RAGGED_CASES = ((200, 400, 1900), (128, 700, 2000), (88, 900, 2000), (64, 500, 1800), (40, 700, 1800))
 
 
-def _balanced(per_sm: int) -> dict:
-    """Every batch size on the balanced kernel with ``per_sm`` programs per SM."""
+def _split_min(keys: int) -> dict:
+    """A split regime whose splits each take at least ``keys`` keys (short contexts: fewer splits)."""
     from ninefold.ops.triton import decode
 
-    return {"balanced_min": 1, "balanced_max": 1 << 20, "balanced_config": {**decode.BALANCED_CONFIG, "per_sm": per_sm}}
+    return {"split_config": {**decode.SPLIT_CONFIG, "min_split": keys}}
 
 
-RAGGED_VARIANTS = (("default", {}), ("split kernel only", {"balanced_max": 0}), ("1 head/program", {"heads_per_program": 1}),
-                   ("balanced per_sm 2", _balanced(2)), ("balanced per_sm 4", _balanced(4)),
-                   ("balanced per_sm 8", _balanced(8)))
+RAGGED_VARIANTS = (("default", {}), ("per_sm 8", {"per_sm": 8}), ("per_sm 16", {"per_sm": 16}),
+                   ("1 head/program", {"heads_per_program": 1}),
+                   ("per_sm 8 min 256", {"per_sm": 8, **_split_min(256)}),
+                   ("per_sm 16 min 256", {"per_sm": 16, **_split_min(256)}),
+                   ("per_sm 16 min 512", {"per_sm": 16, **_split_min(512)}),
+                   ("per_sm 32 min 256", {"per_sm": 32, **_split_min(256)}))
 
 
 def time_ragged(sh, device, width, replays) -> list[dict]:
@@ -290,7 +292,6 @@ def time_ragged(sh, device, width, replays) -> list[dict]:
             for name, change in RAGGED_VARIANTS:
                 config = dict(decode.CONFIG, **change)
                 row = {"batch": batch, "lengths": [lo, hi], "order": order, "variant": name, "kv_bytes": kv_bytes,
-                       "kernel": "balanced" if decode.balanced(batch, config) else "split",
                        "splits": decode.plan(batch, sh["hk"], layers[0][3].shape[1] * sh["block"],
                                              decode._sm_count(device), sh["dtype"], config)[-1]}
                 try:
@@ -304,8 +305,7 @@ def time_ragged(sh, device, width, replays) -> list[dict]:
                 row["us"] = round(_graph_time(fns, device, replays), 2)
                 row["GBps"] = round(kv_bytes / row["us"] / 1e3, 1)
                 rows.append(row)
-                kernel = "balanced " if row["kernel"] == "balanced" else f"splits={row['splits']:<3d}"
-                print(f"ragged B={batch} ctx {lo}..{hi} {order:13s} {name:18s} {kernel} "
+                print(f"ragged B={batch} ctx {lo}..{hi} {order:13s} {name:18s} splits={row['splits']:<3d} "
                       f"{row['us']:8.2f} us ({row['GBps']:.0f} GB/s of KV)")
             del layers
             if cuda:

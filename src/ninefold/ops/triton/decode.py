@@ -62,11 +62,6 @@ CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "per_sm": 4, "min_tile
 SPLIT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_fastest": 0, "heads_per_program": 1,
                 "merge_rows": 16, "min_split": 0}
 CONFIG["split_config"] = SPLIT_CONFIG
-# Batches of ``balanced_min`` to ``balanced_max`` sequences run ``ninefold.ops.triton.decode_balanced`` (the
-# batch's key tiles divided evenly among a fixed number of programs) under ``balanced_config``: keys per
-# loop step, warps, stages, KV heads per item, programs per SM, partial rows the merge reads per step.
-BALANCED_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2, "heads_per_program": 2, "per_sm": 4, "merge_rows": 64}
-CONFIG.update({"balanced_min": 0, "balanced_max": 0, "balanced_config": BALANCED_CONFIG})
 CONFIG.update({k: int(v) for k, v in (item.split("=") for item in
                                       filter(None, os.environ.get("NINEFOLD_TRITON_DECODE", "").split(",")))})
 
@@ -433,23 +428,12 @@ def early_kv_wanted() -> bool:
     return os.environ.get("NINEFOLD_DECODE_EARLY_KV", "0") == "1"
 
 
-def balanced(batch: int, config: dict) -> bool:
-    """Whether a launch of ``batch`` sequences under ``config`` runs the balanced kernel
-    (``balanced_min <= batch <= balanced_max``, both at least 1)."""
-    return 1 <= max(1, config.get("balanced_min", 0)) <= batch <= config.get("balanced_max", 0)
-
-
 def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None, early_kv=None):
     """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``); ``pdl``:
     launch the split kernel with programmatic dependent launch (``None``: where :func:`pdl_wanted`);
     ``early_kv``: load the first key/value tile before waiting (``None``: with PDL where
     :func:`early_kv_wanted`; the same result either way)."""
     b, hq, d = q.shape
-    if balanced(b, config):
-        from ninefold.ops.triton import decode_balanced
-
-        return decode_balanced.launch(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      config["balanced_config"], pdl)
     _, page, hk, _ = k_cache.shape
     group = hq // hk
     scale = scale or 1.0 / math.sqrt(d)
