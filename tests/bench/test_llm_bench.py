@@ -53,6 +53,11 @@ def test_parts_selects_what_runs_and_the_table_shows_only_those(tmp_path, monkey
     assert "decode_batch1" not in results and "host_overhead" not in results
     table = capsys.readouterr().out
     assert "| TTFT 64 tokens (ms)" in table and "| offline total tok/s" in table and "batch-1 decode" not in table
+    assert llm.main(["--smoke", "--parts", "offline"]) == 0  # the same workload without the parts before it
+    alone = json.loads((tmp_path / "bench_llm.json").read_text())["offline"]
+    assert (alone["output_tokens"], alone["prompt_tokens"], alone["roofline_bound_s"]) == (
+        results["offline"]["output_tokens"], results["offline"]["prompt_tokens"], results["offline"]["roofline_bound_s"])
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         llm.main(["--smoke", "--parts", "ttft,warp"])
     assert "--parts: warp; choose from decode_batch1, ttft, host_overhead, offline" in capsys.readouterr().err

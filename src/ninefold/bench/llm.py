@@ -92,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     results["correctness"] = check_correctness(engine)
     print(f"correctness: {results['correctness']}")
 
-    rng = random.Random(args.seed)
+    def rng(part: str) -> random.Random:  # one stream per part: a part's inputs do not depend on which ran before it
+        return random.Random(f"{args.seed}:{part}")
+
     engine.stream_outputs = False  # offline use, as in LLM.generate: outputs only for finished requests
     parts = {
-        "decode_batch1": lambda: bench_decode(engine, rng, args.decode_tokens, weight_bytes, bandwidth, peer),
-        "ttft": lambda: bench_ttft(engine, rng, mc, mm_rate, args.ttft_lengths),
-        "host_overhead": lambda: bench_host(engine, rng, args.host_batches),
-        "offline": lambda: bench_offline(engine, rng, args, mc, weight_bytes, bandwidth, mm_rate),
+        "decode_batch1": lambda: bench_decode(engine, rng("decode_batch1"), args.decode_tokens, weight_bytes, bandwidth, peer),
+        "ttft": lambda: bench_ttft(engine, rng("ttft"), mc, mm_rate, args.ttft_lengths),
+        "host_overhead": lambda: bench_host(engine, rng("host_overhead"), args.host_batches),
+        "offline": lambda: bench_offline(engine, rng("offline"), args, mc, weight_bytes, bandwidth, mm_rate),
     }
     failed = False
     for name, run in ((n, parts[n]) for n in PARTS if n in parts_wanted):
