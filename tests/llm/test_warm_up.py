@@ -27,3 +27,27 @@ def test_prefill_warm_up_fits_a_short_rotary_table_and_writes_no_cache(model_dir
     engine._warm_up_prefill()
     assert all(torch.equal(a, b) for a, b in zip(snapshot, [t for pair in engine.model.kv_caches for t in pair]))
     assert _generate(engine, [5, 6, 7, 8]) == expected
+
+
+def test_prefill_warm_up_runs_every_prompt_length_class_of_the_attention_kernel(monkeypatch):
+    # The Triton prefill attention picks tiles by the call's mean new tokens per sequence (short,
+    # medium, long): each class, packed and over cached context, must compile before requests come.
+    prefill = __import__("pytest").importorskip("ninefold.ops.triton.prefill")
+    import ninefold.ops as ops
+
+    config = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=1, vocab_size=512, max_position_embeddings=4096)
+    engine = LLMEngine(config, load_format="dummy", dtype="float32", device="cpu", max_model_len=4096,
+                       num_kv_blocks=300, max_num_batched_tokens=2048)
+    seen = set()
+    real = ops.attention_prefill
+
+    def recording(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+        mean = q.shape[0] / (cu_seqlens_q.shape[0] - 1)
+        kind = "short" if mean <= prefill.SHORT else "medium" if mean <= prefill.MEDIUM else "long"
+        seen.add((kind, "paged" if kwargs.get("block_tables") is not None else "packed"))
+        return real(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+
+    monkeypatch.setattr(ops, "attention_prefill", recording)
+    engine._warm_up_prefill()
+    assert seen == {(kind, mode) for kind in ("short", "medium", "long") for mode in ("packed", "paged")}

@@ -99,13 +99,13 @@ class LLMEngine:
         self._packed_prefill(cfg.max_num_batched_tokens, logits_rows=cfg.max_num_seqs)
         self.model.kv_caches = []
 
-    def _packed_prefill(self, num_tokens: int, logits_rows: int = 1) -> None:
-        """A prefill step of ``num_tokens`` tokens writing no cache slot. A step never holds a
-        sequence longer than the rotary table (max_model_len): more tokens are packed as several."""
+    def _packed_prefill(self, num_tokens: int, logits_rows: int = 1, prompt_len: int | None = None) -> None:
+        """A prefill step of ``num_tokens`` tokens writing no cache slot, packed as prompts of
+        ``prompt_len`` tokens (default: one; never longer than the rotary table, max_model_len)."""
         from ninefold.llm.models.llama import AttentionMetadata
 
         dev, T = self.device, num_tokens
-        L = min(T, self.model.cos_sin.shape[0])
+        L = min(T, self.model.cos_sin.shape[0], prompt_len or T)
         cu = torch.tensor([*range(0, T, L), T], dtype=torch.int32, device=dev)
         meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
                                  cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False, max_seqlen_q=L, max_seqlen_k=L)
@@ -116,18 +116,21 @@ class LLMEngine:
     @torch.inference_mode()
     def _warm_up_prefill(self) -> None:
         """Compile, before the first request, the prefill kernels a run would otherwise compile
-        while requests wait: short and long chunks over cached context, and full-budget steps whose
+        while requests wait: short, medium and long chunks over cached context, full-budget steps whose
         token count is not a multiple of the kernels' tiles or of 16 (Triton and the DSL specialise on
         both; the activation profile ran the budget itself, decode sizes are compiled by the graph
-        capture). The offline benchmark's first run compiled the long paged chunk's kernel while timed
-        (``triton_kernels_compiled`` named ``prefill_kernel``) before the long chunk was added here."""
+        capture), and full-budget steps of short and medium prompts (attention kernels choose their
+        tiles by the mean prompt length). The offline benchmark's first run compiled a prefill
+        attention kernel while timed (``triton_kernels_compiled`` named ``prefill_kernel``) twice
+        before: the long paged chunk's, then the medium packed prompts' of the ninth session's tiles."""
         from ninefold.llm.models.llama import AttentionMetadata
 
         dev, bs = self.device, self.config.block_size
         cu = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-        # a short and a long chunk (the prefill kernel takes other tiles above 64 new tokens), within the rotary table
+        # short, medium and long chunks (the prefill kernel's tiles change above 64 and 1024 new tokens),
+        # within the rotary table
         rows = self.model.cos_sin.shape[0]
-        for new in sorted({n for n in (bs, min(8 * bs, rows - bs)) if n > 0}):
+        for new in sorted({n for n in (bs, min(8 * bs, rows - bs), min(128 * bs, rows - bs)) if n > 0}):
             width = -(-(bs + new) // bs)
             meta = AttentionMetadata(slot_mapping=torch.full((new,), -1, dtype=torch.int64, device=dev),
                                      block_tables=torch.zeros((1, width), dtype=torch.int32, device=dev),
@@ -140,6 +143,9 @@ class LLMEngine:
         for tokens in sorted({budget - 1, budget - 16} - {budget}):
             if tokens > 1:
                 self._packed_prefill(tokens)
+        if budget > 1:
+            for prompt_len in (32, 512):
+                self._packed_prefill(budget - 1, prompt_len=prompt_len)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
