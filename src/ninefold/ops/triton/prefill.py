@@ -31,10 +31,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # sequences average at most ``MEDIUM`` new tokens (``MEDIUM_CONFIG``, where given) and at most ``SHORT``
 # (a 128-row query tile would be mostly padding there); ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"``
 # overrides all (``ninefold.bench.ops_attention`` sweeps candidates and reports the fastest).
-# Head size 128, measured on the H200 (bf16, 32 query / 8 KV heads, CUDA-graph replays; docs/perf/llm.md,
-# ninth session): 128x128 w8 s3 takes one 4096-token prompt in 302 us (packed) and 276 us (2048 new over
-# 2048 cached) against 362 / 346 us for 128x64 w8 s2; 64x32 w4 s3 takes 29 prompts of 100-1024 tokens in
-# 393 us (packed; 344 us paged, half cached) against 505 / 442 us, and 4 x 1024 in 115 against 135 us.
+# Head size 128, measured on the H200 (``python -m ninefold.bench.prefill_configs``, bf16, 32 query / 8 KV
+# heads; docs/perf/ops.md): 128x128 w8 s3 takes one 4096-token prompt in 301 us (packed) and 274 us (2048
+# new over 2048 cached) against 365 / 342 us for 128x64 w8 s2; 64x32 w4 s3 takes 29 prompts of 100-1024
+# tokens in 393 us (packed; 344 us paged, half cached) against 504 / 442 us, and 4 x 1024 in 115 against 136.
 CONFIG = {64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
           128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}}
 MEDIUM = 1024
