@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -60,6 +60,7 @@ step_command() {
     decode-gemm-split) echo 'python3 -m ninefold.bench.decode_gemm --impls vendor,triton_gemm --batches 32,64,96,128,160,192,224,256' ;;
     decode-gemm-blas) echo 'for b in cublas cublaslt; do python3 -m ninefold.bench.decode_gemm --impls vendor --blas $b --layers qkv,o,down --batches 128,160,192,224,256; done; CUBLASLT_WORKSPACE_SIZE=262144 python3 -m ninefold.bench.decode_gemm --impls vendor --blas cublaslt --layers qkv,o,down --batches 160,192,224,256' ;;
     decode-attention-ragged) echo 'python3 -m ninefold.bench.decode_attention --ragged-only' ;;
+    prefill-configs) echo 'python3 -m ninefold.bench.prefill_configs' ;;
     decode-attention) echo 'python3 -m pytest tests/ops/test_attention_decode_merge.py tests/ops/test_rope_cache.py tests/ops/test_attention.py tests/ops/test_argmax_triton.py -q -n 4 -p no:cacheprovider; python3 -m ninefold.bench.decode_attention' ;;
     dsl-bench-attention) echo 'python3 -m ninefold.bench.dsl --deadline 0 --only sdpa_causal,sdpa' ;;
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;
