@@ -497,6 +497,7 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
         # kernels compiled during the timed run (a later process loads them from this cache instead)
         new = sorted(set(cached_after) - set(cached_before))
         result["triton_kernels_compiled"] = len(new)
+        result["triton_kernels_compiled_entries"] = new  # directories in Triton's cache (their IR names the specialisation)
         result["triton_kernels_compiled_names"] = [", ".join(cached_after[e]) or e for e in new]
     note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
