@@ -60,4 +60,4 @@ def test_parts_selects_what_runs_and_the_table_shows_only_those(tmp_path, monkey
     capsys.readouterr()
     with pytest.raises(SystemExit):
         llm.main(["--smoke", "--parts", "ttft,warp"])
-    assert "--parts: warp; choose from decode_batch1, ttft, host_overhead, offline" in capsys.readouterr().err
+    assert "--parts: unknown part(s) warp; choose from decode_batch1, ttft, host_overhead, offline" in capsys.readouterr().err

@@ -207,10 +207,12 @@ def test_attention_prefill_takes_max_seqlen_bounds(device, impl, dtype):
                  scale=ATTENTION_SCALE)
 
 
-def test_triton_prefill_config_follows_the_mean_query_length():
+def test_triton_prefill_config_follows_the_mean_query_length(monkeypatch):
     # Short, medium and long calls take different tiles (head size 128); head size 64 has no medium class.
     pytest.importorskip("triton")
     from ninefold.ops.triton import prefill
+
+    monkeypatch.setattr(prefill, "_OVERRIDE", {})  # NINEFOLD_TRITON_PREFILL in the environment would apply to all
 
     picks = {mean: prefill.config(torch.bfloat16, 128, mean) for mean in (1, 64, 65, 1024, 1025, 4096)}
     assert picks[1] == picks[64] == prefill.SHORT_CONFIG

@@ -43,14 +43,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="a gpt-fast checkout: run its compiled batch-1 decode in this process as the peer "
                              "(otherwise DESIGN.md's 193 tok/s on the H200 is quoted)")
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated parts to run, in this order (default all: {','.join(PARTS)})")
+                        help=f"comma-separated parts to run, in any order; they run in the order {','.join(PARTS)} "
+                             f"(default: all)")
     parser.add_argument("--smoke", action="store_true",
                         help="exercise every step on the CPU with a tiny model (checks the code, measures nothing useful)")
     args = parser.parse_args(argv)
     parts_wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts_wanted) - set(PARTS))
     if unknown or not parts_wanted:
-        parser.error(f"--parts: {', '.join(unknown) or 'none given'}; choose from {', '.join(PARTS)}")
+        parser.error(f"--parts: {'unknown part(s) ' + ', '.join(unknown) if unknown else 'no part given'}; "
+                     f"choose from {', '.join(PARTS)}")
     if args.smoke:
         args.model, args.dtype, args.num_requests, args.decode_tokens = dict(SMOKE_CONFIG), "float32", 6, 8
         args.ttft_lengths, args.host_batches, args.max_len, device = (32, 64, 128), (1, 4, 8), 2048, "cpu"
@@ -497,7 +499,7 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
         # kernels compiled during the timed run (a later process loads them from this cache instead)
         new = sorted(set(cached_after) - set(cached_before))
         result["triton_kernels_compiled"] = len(new)
-        result["triton_kernels_compiled_entries"] = new  # directories in Triton's cache (their IR names the specialisation)
+        result["triton_kernels_compiled_entries"] = new  # Triton's cache entries (hash names; their IR shows the specialisation)
         result["triton_kernels_compiled_names"] = [", ".join(cached_after[e]) or e for e in new]
     note = "" if complete else f" (stopped at the {args.offline_time_limit:.0f} s limit: tokens done so far)"
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "

@@ -101,7 +101,8 @@ class LLMEngine:
 
     def _packed_prefill(self, num_tokens: int, logits_rows: int = 1, prompt_len: int | None = None) -> None:
         """A prefill step of ``num_tokens`` tokens writing no cache slot, packed as prompts of
-        ``prompt_len`` tokens (default: one; never longer than the rotary table, max_model_len)."""
+        ``prompt_len`` tokens (``None``: a single prompt). No prompt is longer than the rotary table
+        (max_model_len): more tokens are packed as several."""
         from ninefold.llm.models.llama import AttentionMetadata
 
         dev, T = self.device, num_tokens
@@ -119,18 +120,17 @@ class LLMEngine:
         while requests wait: short, medium and long chunks over cached context, full-budget steps whose
         token count is not a multiple of the kernels' tiles or of 16 (Triton and the DSL specialise on
         both; the activation profile ran the budget itself, decode sizes are compiled by the graph
-        capture), and full-budget steps of short and medium prompts (attention kernels choose their
-        tiles by the mean prompt length). The offline benchmark's first run compiled a prefill
-        attention kernel while timed (``triton_kernels_compiled`` named ``prefill_kernel``) twice
-        before: the long paged chunk's, then the medium packed prompts' of the ninth session's tiles."""
+        capture), and full-budget steps of short and medium prompts. The prefill attention chooses its
+        tiles by the mean new tokens per prompt (``ninefold.ops.triton.prefill``: up to 64, up to 1024,
+        more), so each class runs here, packed and over cached context, within the rotary table and the
+        step budget."""
         from ninefold.llm.models.llama import AttentionMetadata
 
         dev, bs = self.device, self.config.block_size
         cu = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-        # short, medium and long chunks (the prefill kernel's tiles change above 64 and 1024 new tokens),
-        # within the rotary table
         rows = self.model.cos_sin.shape[0]
-        for new in sorted({n for n in (bs, min(8 * bs, rows - bs), min(128 * bs, rows - bs)) if n > 0}):
+        budget = self.config.max_num_batched_tokens
+        for new in sorted(n for n in {min(n, rows - bs, budget) for n in (16, 128, 2048)} if n > 0):
             width = -(-(bs + new) // bs)
             meta = AttentionMetadata(slot_mapping=torch.full((new,), -1, dtype=torch.int64, device=dev),
                                      block_tables=torch.zeros((1, width), dtype=torch.int32, device=dev),
@@ -139,13 +139,12 @@ class LLMEngine:
             hidden = self.model.forward(torch.zeros(new, dtype=torch.int64, device=dev),
                                         torch.arange(bs, bs + new, device=dev), meta)
             self.model.compute_logits(hidden[-1:])
-        budget = self.config.max_num_batched_tokens
         for tokens in sorted({budget - 1, budget - 16} - {budget}):
             if tokens > 1:
                 self._packed_prefill(tokens)
-        if budget > 1:
-            for prompt_len in (32, 512):
-                self._packed_prefill(budget - 1, prompt_len=prompt_len)
+        tokens = budget - 1
+        for prompt_len in sorted(n for n in {min(p, rows, tokens) for p in (32, 512)} - {min(rows, tokens)} if n > 0):
+            self._packed_prefill(tokens, prompt_len=prompt_len)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
