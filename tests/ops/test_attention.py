@@ -218,6 +218,9 @@ def test_triton_prefill_config_follows_the_mean_query_length(monkeypatch):
     assert picks[1] == picks[64] == prefill.SHORT_CONFIG
     assert picks[65] == picks[1024] == prefill.MEDIUM_CONFIG[128]
     assert picks[1025] == picks[4096] == prefill.CONFIG[128]
+    assert prefill.config(torch.bfloat16, 128, 500, max_keys=2048) == prefill.MEDIUM_CONFIG[128]
+    assert prefill.config(torch.bfloat16, 128, 500, max_keys=2049) == prefill.CONFIG[128]  # over a long cached prefix
+    assert prefill.config(torch.bfloat16, 128, 32, max_keys=8192) == prefill.SHORT_CONFIG
     assert prefill.config(torch.bfloat16, 64, 500) == prefill.CONFIG[64]
     assert prefill.config(torch.float32, 128, 500)["block_m"] == 32
 

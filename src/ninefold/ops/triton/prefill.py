@@ -28,16 +28,20 @@ from ninefold.ops.triton.launch import call
 LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Half-precision launch configurations per head size: for long sequences (``CONFIG``), for calls whose
-# sequences average at most ``MEDIUM`` new tokens (``MEDIUM_CONFIG``, where given) and at most ``SHORT``
-# (a 128-row query tile would be mostly padding there); ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"``
-# overrides all (``ninefold.bench.ops_attention`` sweeps candidates and reports the fastest).
+# sequences average at most ``MEDIUM`` new tokens over at most ``MEDIUM_KEYS`` keys (``MEDIUM_CONFIG``, where
+# given) and at most ``SHORT`` new tokens (a 128-row query tile would be mostly padding there);
+# ``NINEFOLD_TRITON_PREFILL="block_m=64,num_warps=4"`` overrides all (``ninefold.bench.prefill_configs``
+# times candidates on engine-step batches).
 # Head size 128, measured on the H200 (``python -m ninefold.bench.prefill_configs``, bf16, 32 query / 8 KV
 # heads; docs/perf/ops.md): 128x128 w8 s3 takes one 4096-token prompt in 301 us (packed) and 274 us (2048
 # new over 2048 cached) against 365 / 342 us for 128x64 w8 s2; 64x32 w4 s3 takes 29 prompts of 100-1024
-# tokens in 393 us (packed; 344 us paged, half cached) against 504 / 442 us, and 4 x 1024 in 115 against 136.
+# tokens in 393 us (packed; 344 us paged, half cached) against 504 / 442 us, and 4 x 1024 in 115 against 136;
+# over long cached prefixes the 128-row tiles win again (1024 new over 16384 cached: 754 us against 1203
+# for 64x32 w4 s3 and 1068 for 128x64 w8 s2).
 CONFIG = {64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
           128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}}
 MEDIUM = 1024
+MEDIUM_KEYS = 2048
 MEDIUM_CONFIG = {128: {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}}
 SHORT = 64
 SHORT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
@@ -169,14 +173,15 @@ def supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block
     return None
 
 
-def config(dtype: torch.dtype, d: int, mean_new_tokens: float = float("inf")) -> dict:
-    """The launch configuration for ``dtype``, head size ``d`` and the call's mean query length."""
+def config(dtype: torch.dtype, d: int, mean_new_tokens: float = float("inf"), max_keys: int | None = None) -> dict:
+    """The launch configuration for ``dtype``, head size ``d``, the call's mean query length and,
+    where the caller knows it, its longest key length ``max_keys``."""
     if dtype == torch.float32:
         return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1}
     size = 64 if d <= 64 else 128
     if mean_new_tokens <= SHORT:
         base = SHORT_CONFIG
-    elif mean_new_tokens <= MEDIUM and size in MEDIUM_CONFIG:
+    elif mean_new_tokens <= MEDIUM and (max_keys is None or max_keys <= MEDIUM_KEYS) and size in MEDIUM_CONFIG:
         base = MEDIUM_CONFIG[size]
     else:
         base = CONFIG[size]
@@ -210,10 +215,11 @@ def search_steps(batch: int) -> int:
     return max(1, math.ceil(math.log2(batch + 1)))
 
 
-def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, *_):
-    mean = q.shape[0] / max(1, cu_seqlens_q.shape[0] - 1)  # from shapes: no device read
+def attention_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables,
+                      max_seqlen_q=None, max_seqlen_k=None):
+    mean = q.shape[0] / max(1, cu_seqlens_q.shape[0] - 1)  # from shapes and host ints: no device read
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables,
-                  config(q.dtype, q.shape[-1], mean))
+                  config(q.dtype, q.shape[-1], mean, max_seqlen_k))
 
 
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, config: dict):
