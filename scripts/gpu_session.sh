@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws dsl-bench-attention llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -31,6 +31,7 @@ step_command() {
     llm-profile) echo 'python3 -m ninefold.bench.llm_profile' ;;
     llm-profile-host) echo 'python3 -m ninefold.bench.llm_profile --host' ;;
     llm-profile-offline) echo 'python3 -m ninefold.bench.llm_profile --whole-offline' ;;
+    llm-profile-gaps) echo 'python3 -m ninefold.bench.llm_profile --gaps' ;;
     gpu-state) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv' ;;
     ops-memory) echo 'python3 -m ninefold.bench.ops_memory' ;;
     ops-attention) echo 'python3 -m pytest tests/ops/test_attention.py -q -n 4 -k cuda -p no:cacheprovider; python3 -m ninefold.bench.ops_attention' ;;

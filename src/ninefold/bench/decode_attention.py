@@ -63,7 +63,7 @@ def _shapes(device: torch.device) -> dict:
     return dict(hq=4, hk=2, d=16, block=8, dtype=torch.float32, cases=((3, 70),), rope=(3,))
 
 
-def _paged(lengths, width_tokens, hk, d, block, dtype, device, seed):
+def paged_caches(lengths, width_tokens, hk, d, block, dtype, device, seed):
     """Caches with each sequence's blocks at random places; tables ``width_tokens`` wide (padding -> block 0)."""
     g = torch.Generator().manual_seed(seed)
     per = [-(-n // block) for n in lengths]
@@ -102,7 +102,7 @@ def _close(out, want, tol=2e-2) -> float:
     return err
 
 
-def _graph_time(fns, device, replays: int) -> float:
+def graph_time(fns, device, replays: int) -> float:
     """Microseconds per call of ``fns`` (one per layer) captured in order into one CUDA graph."""
     if device.type != "cuda":
         for fn in fns:
@@ -150,7 +150,7 @@ def check_decode(sh, device, width) -> list[dict]:
 
     rows = [check_decode_large_batch(sh, device, width)] if device.type == "cuda" else []
     lengths = [1, 17, 1000, 4097, 300, 600] if device.type == "cuda" else [1, 5, 40, 23]
-    k_cache, v_cache, tables = _paged(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 1)
+    k_cache, v_cache, tables = paged_caches(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 1)
     q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=torch.Generator().manual_seed(2)).to(device, sh["dtype"])
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     want = decode64(q, k_cache, v_cache, tables, lens)
@@ -197,7 +197,7 @@ def check_decode_large_batch(sh, device, width) -> dict:
 
     g = torch.Generator().manual_seed(4)
     lengths = torch.randint(1, 1500, (264,), generator=g).tolist()
-    k_cache, v_cache, tables = _paged(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 5)
+    k_cache, v_cache, tables = paged_caches(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 5)
     q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=g).to(device, sh["dtype"])
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     splits = decode.plan(len(lengths), sh["hk"], tables.shape[1] * sh["block"], decode._sm_count(device), sh["dtype"],
@@ -222,7 +222,7 @@ def time_decode(sh, device, width, replays) -> list[dict]:
         n_layers = _layers(kv_bytes, device)
         layers = []
         for i in range(n_layers):
-            k_cache, v_cache, tables = _paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+            k_cache, v_cache, tables = paged_caches([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
                                               device, 10 + i)
             q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -235,7 +235,7 @@ def time_decode(sh, device, width, replays) -> list[dict]:
         for name, config in (("old_us", OLD), ("two_kernels_us", dict(decode.CONFIG, one_kernel=0)),
                              ("one_kernel_us", dict(decode.CONFIG, one_kernel=1))):
             fns = [lambda a=a, c=config: decode.launch(*a, None, c) for a in layers]
-            row[name] = round(_graph_time(fns, device, replays), 2)
+            row[name] = round(graph_time(fns, device, replays), 2)
         row["one_kernel_GBps"] = round(kv_bytes / row["one_kernel_us"] / 1e3, 1)
         rows.append(row)
         print(f"decode B={batch:<4d} ctx={context:<5d} splits={splits:<3d} old {row['old_us']:8.2f} us  two kernels "
@@ -283,7 +283,7 @@ def time_ragged(sh, device, width, replays) -> list[dict]:
             lens_list = sorted(lengths, reverse=True) if order == "longest first" else lengths
             layers = []
             for i in range(n_layers):
-                k_cache, v_cache, tables = _paged(lens_list, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+                k_cache, v_cache, tables = paged_caches(lens_list, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
                                                   device, 20 + i)
                 q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
                 lens = torch.tensor(lens_list, dtype=torch.int32, device=device)
@@ -302,7 +302,7 @@ def time_ragged(sh, device, width, replays) -> list[dict]:
                     print(f"ragged B={batch} {order:13s} {name:15s} FAILED {e}")
                     continue
                 fns = [lambda a=a, c=config: decode.launch(*a, None, c) for a in layers]
-                row["us"] = round(_graph_time(fns, device, replays), 2)
+                row["us"] = round(graph_time(fns, device, replays), 2)
                 row["GBps"] = round(kv_bytes / row["us"] / 1e3, 1)
                 rows.append(row)
                 print(f"ragged B={batch} ctx {lo}..{hi} {order:13s} {name:18s} splits={row['splits']:<3d} "
@@ -320,7 +320,7 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
 
     cuda = device.type == "cuda"
     check_lens = [1, 17, 1000, 300, 600] if cuda else [1, 5, 40]
-    kc, vc, tb = _paged(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 3)
+    kc, vc, tb = paged_caches(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 3)
     qc = torch.randn(len(check_lens), sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
     lc = torch.tensor(check_lens, dtype=torch.int32, device=device)
     want = decode64(qc, kc, vc, tb, lc)
@@ -334,7 +334,7 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
         for batch, context in cases:  # as many layers as the timings use (small cases: graph overhead, L2)
             n_layers = _layers(2 * batch * context * sh["hk"] * sh["d"] * sh["dtype"].itemsize, device)
             inputs[(batch, context)] = [
-                (*_paged([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 20 + i),
+                (*paged_caches([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 20 + i),
                  torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"]),
                  torch.full((batch,), context, dtype=torch.int32, device=device)) for i in range(n_layers)]
         rows = []
@@ -351,7 +351,7 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
                 _close(decode.launch(qc, kc, vc, tb, lc, None, config), want)
                 for (batch, context), layers in inputs.items():
                     fns = [lambda a=a, c=config: decode.launch(a[3], a[0], a[1], a[2], a[4], None, c) for a in layers]
-                    row[f"B={batch} ctx={context}"] = round(_graph_time(fns, device, max(5, replays // 10)), 2)
+                    row[f"B={batch} ctx={context}"] = round(graph_time(fns, device, max(5, replays // 10)), 2)
             except Exception as error:  # noqa: BLE001  (a failing config is reported, not fatal)
                 row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
             rows.append(row)
@@ -446,8 +446,8 @@ def time_rope(sh, device, replays) -> list[dict]:
     for batch in sh["rope"]:
         layers = [_rope_inputs(batch, sh, device, 30 + i) for i in range(32 if device.type == "cuda" else 2)]
         row = {"batch": batch, "layers_per_graph": len(layers)}
-        row["rope_plus_cache_us"] = round(_graph_time([lambda a=a: _unfused(*a) for a in layers], device, replays), 2)
-        row["fused_us"] = round(_graph_time([lambda a=a: _fused(*a) for a in layers], device, replays), 2)
+        row["rope_plus_cache_us"] = round(graph_time([lambda a=a: _unfused(*a) for a in layers], device, replays), 2)
+        row["fused_us"] = round(graph_time([lambda a=a: _fused(*a) for a in layers], device, replays), 2)
         rows.append(row)
         print(f"rope+cache B={batch:<4d} rope + reshape_and_cache {row['rope_plus_cache_us']:8.2f} us  "
               f"rope_and_cache {row['fused_us']:8.2f} us")

@@ -31,7 +31,7 @@ BATCHES = (16, 64, 128, 160, 192, 224, 256)
 
 def run(batches, names, only=None) -> dict:
     import ninefold.ops  # noqa: F401  (registers the implementations)
-    from ninefold.bench.decode_attention import _graph_time as graph_time
+    from ninefold.bench.decode_attention import graph_time
     from ninefold.ops.cublaslt import tuning as cublaslt_tuning
     from ninefold.ops.registry import implementations
     from ninefold.ops.triton import gemm_tuning

@@ -4,8 +4,10 @@
 for CUDA-graph decode steps at a few batch sizes and contexts, the kernels that take the time (from
 ``torch.profiler``) with their share of the step, and, for the start of the offline workload of
 ``ninefold.bench.llm``, one line per kind of step (prefill / mixed / decode, batch size bucket) with
-the time spent there. Full results go to ``$OUT/llm_profile.json``. This is a diagnostic for
-engine work, not a benchmark with targets.
+the time spent there. Full results go to ``$OUT/llm_profile.json``. ``--gaps`` instead measures how
+long the device sits idle between the kernels of CUDA-graph decode steps (``$OUT/llm_profile_gaps.json``);
+``--host`` and ``--whole-offline`` are described in ``--help``. This is a diagnostic for engine work,
+not a benchmark with targets.
 """
 
 from __future__ import annotations
@@ -63,6 +65,76 @@ def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
     for r in kernels[:14]:
         print(f"  {r['us_per_step']:8.1f} us {r['us_per_step'] / max(gpu_us, 1e-9):5.1%} x{r['calls_per_step']:5.1f}  {r['kernel']}")
     return {"batch": batch, "context": context, "wall_ms": wall_ms, "kernel_ms": gpu_us / 1e3, "kernels": kernels}
+
+
+def device_timeline(kernels: list[tuple[float, float, str]]) -> dict:
+    """Busy and idle time of a device from its kernels' ``(start_us, end_us, name)``: busy is the union
+    of the intervals; idle is each stretch where no kernel runs, charged to the pair of kernel kinds
+    (``kernel_kind``) around it (the kernel that ended last, the one that starts); ``overlapping_starts`` counts kernels that start before every earlier
+    one has ended (PDL launches, other streams)."""
+    kernels = sorted(kernels, key=lambda k: k[0])
+    idle, overlapping = 0.0, 0
+    by_pair: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    edge, last = (kernels[0][1], kernels[0][2]) if kernels else (0.0, "")  # the latest end so far, and whose
+    for start, end, name in kernels[1:]:
+        pair = by_pair[f"{kernel_kind(last)} -> {kernel_kind(name)}"]
+        pair[1] += 1
+        if start > edge:
+            idle += start - edge
+            pair[0] += start - edge
+        else:
+            overlapping += 1
+        if end > edge:
+            edge, last = end, name
+    span = max(k[1] for k in kernels) - kernels[0][0] if kernels else 0.0
+    return {"busy_us": span - idle, "idle_us": idle, "overlapping_starts": overlapping,
+            "idle_by_pair": dict(sorted(((k, (v[0], v[1])) for k, v in by_pair.items()), key=lambda kv: -kv[1][0]))}
+
+
+def profile_gaps(engine, batch: int, context: int, steps: int = 6) -> dict:
+    """Where a CUDA-graph decode step at ``batch`` sequences of about ``context`` tokens leaves the
+    device idle: the union of kernel intervals (PDL kernels start before their predecessor ends, so
+    summed durations overcount), the idle time between kernels grouped by the pair of kernel kinds
+    around it, and the wall time per step without the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninefold.bench.llm import start_decoding
+    from ninefold.llm.sampling import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(batch * 7919 + context)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    ids = start_decoding(engine, prompts, params, settle=3, prefix="g")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps * 3):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / (steps * 3) * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.sync()
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    timeline = device_timeline(kernels)
+    per = max(steps, 1)
+    row = {"batch": batch, "context": context, "wall_ms": wall_ms, "kernels_per_step": len(kernels) / per,
+           "busy_ms": timeline["busy_us"] / per / 1e3, "idle_between_kernels_ms": timeline["idle_us"] / per / 1e3,
+           "starts_before_previous_end": timeline["overlapping_starts"] / per,
+           "idle_by_pair_us": {k: {"us_per_step": us / per, "count_per_step": n / per}
+                               for k, (us, n) in timeline["idle_by_pair"].items()}}
+    print(f"\ngaps, decode batch {batch} context ~{context}: step {wall_ms:.2f} ms wall (no profiler), "
+          f"kernels busy {row['busy_ms']:.2f} ms, idle between kernels {row['idle_between_kernels_ms']:.2f} ms, "
+          f"{row['kernels_per_step']:.0f} kernels per step ({row['starts_before_previous_end']:.0f} start before "
+          f"the previous ends)")
+    for pair, v in list(row["idle_by_pair_us"].items())[:10]:
+        print(f"  {v['us_per_step']:8.1f} us idle over {v['count_per_step']:5.1f} boundaries  {pair}")
+    return row
 
 
 def add_offline_requests(engine, num_requests: int, seed: int, prefix: str) -> None:
@@ -238,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline-seconds", type=float, default=40.0)
     parser.add_argument("--whole-offline", action="store_true",
                         help="only: the whole offline run with every kernel recorded, by kind of kernel")
+    parser.add_argument("--gaps", action="store_true",
+                        help="only: idle time between kernels of CUDA-graph decode steps at a few batch sizes")
     parser.add_argument("--host", action="store_true",
                         help="only: the host's own time per decode step at batch 1, 64 and 256, under cProfile")
     args = parser.parse_args(argv)
@@ -249,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=17408,
                        max_num_seqs=256, max_num_batched_tokens=16384)
     engine.stream_outputs = False
+    if args.gaps:
+        cases = ((1, 512), (64, 600), (128, 1000), (208, 900), (256, 600))
+        _write({"gaps": [profile_gaps(engine, b, c) for b, c in cases]}, "llm_profile_gaps.json")
+        return 0
     if args.host:
         _write({"host": [profile_host(engine, b) for b in (1, 64, 256)]}, "llm_profile_host.json")
         return 0

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ninefold.bench.decode_attention import paged_caches
+
 CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
     (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (64, 32, 4, 3),
@@ -59,15 +61,8 @@ def _inputs(new, keys, heads, kv_heads, d, dtype, device, block=16):
     if new == keys:
         k = torch.randn(sum(keys), kv_heads, d, generator=g, device=device).to(dtype)
         return q, k, torch.randn_like(k), cu_q, cu_k, None, None, None
-    blocks = [-(-n // block) for n in keys]
-    order = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(2)).tolist()
-    tables = torch.zeros(len(keys), max(blocks), dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(blocks):
-        tables[b, :n] = torch.tensor(order[start:start + n], dtype=torch.int32)
-        start += n
-    k_cache = torch.randn(sum(blocks), block, kv_heads, d, generator=g, device=device).to(dtype)
-    return q, None, None, cu_q, cu_k, k_cache, torch.randn_like(k_cache), tables.to(device)
+    k_cache, v_cache, tables = paged_caches(keys, max(keys), kv_heads, d, block, dtype, device, seed=2)
+    return q, None, None, cu_q, cu_k, k_cache, v_cache, tables
 
 
 def reference(inputs, scale: float) -> torch.Tensor:
@@ -96,7 +91,7 @@ def run(device: torch.device, configs: list[dict]) -> list[dict]:
     (rows of the JSON output, one per case and configuration)."""
     import math
 
-    from ninefold.bench.decode_attention import _graph_time
+    from ninefold.bench.decode_attention import graph_time
     from ninefold.ops.triton import prefill
 
     cuda = device.type == "cuda"
@@ -120,7 +115,7 @@ def run(device: torch.device, configs: list[dict]) -> list[dict]:
                 row["error"] = f"differs from the float32 evaluation by {diff:.3g}"
                 print(f"   {config}  FAILED: {row['error']}")
             else:
-                row["us"] = round(_graph_time([lambda c=config, f=call: f(c)], device, 20 if cuda else 1), 2)
+                row["us"] = round(graph_time([lambda c=config, f=call: f(c)], device, 20 if cuda else 1), 2)
                 row["TFLOPs"] = round(flops / row["us"] / 1e6, 1)
                 print(f"   {config}  {row['us']:9.1f} us  {row['TFLOPs']:6.0f} TFLOP/s", flush=True)
             rows.append(row)

@@ -1,20 +1,14 @@
 """``python -m ninefold.bench.decode_attention`` on the CPU: its checks and plumbing through Triton's interpreter."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from ninefold.bench.decode_attention import RAGGED_VARIANTS
 
+from .helpers import run_bench
+
 
 def test_bench_decode_attention_runs_on_the_cpu(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "ninefold.bench.decode_attention", "--device", "cpu", "--replays", "1"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = run_bench("decode_attention", "--device", "cpu", "--replays", "1", out=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads((tmp_path / "decode_attention.json").read_text())
     assert results["failed_checks"] == 0 and len(results["checks"]) == 3 and all(r["ok"] for r in results["checks"])
