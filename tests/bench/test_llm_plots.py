@@ -34,3 +34,16 @@ def test_plot_skips_profiled_steps_and_writes_the_image(tmp_path):
     assert out.stat().st_size > 10_000
     totals = llm_plots.plot_offline_steps(profile, "llama-3.1-8b", 4e12, 8e14, tmp_path / "again.png")
     assert totals["steps"] == 50 and totals["measured_s"] == pytest.approx((sum(s["ms"] for s in steps) - steps[3]["ms"]) / 1e3)
+
+
+def test_gaps_plot_needs_no_ceilings_and_offline_plot_does(tmp_path):
+    gaps = [{"batch": b, "context": 600, "wall_ms": 4.0 + b / 50, "busy_ms": 3.9 + b / 50, "idle_between_kernels_ms": 0.2}
+            for b in (1, 64, 256)]
+    (tmp_path / "g.json").write_text(json.dumps({"gaps": gaps}))
+    out = tmp_path / "gaps.png"
+    assert llm_plots.main([str(tmp_path / "g.json"), "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    assert llm_plots.plot_decode_gaps(gaps, tmp_path / "again.png")["max_idle_share"] == pytest.approx(0.2 / 4.02)
+    (tmp_path / "p.json").write_text(json.dumps({"offline": {"steps": [], "profiled": []}}))
+    with pytest.raises(SystemExit):
+        llm_plots.main([str(tmp_path / "p.json"), "--out", str(tmp_path / "x.png")])

@@ -6,6 +6,9 @@ and context tokens of every step of the offline run) and draws each step's time 
 ``max(FLOPs / matmul rate, (weight bytes + KV bytes read) / copy bandwidth)``, over the run and as a
 share of the bound against the batch size. Steps the profiler recorded kernel by kernel ran slower
 and are left out, as is an empty step (no sequences). The ceilings are arguments: pass the ones measured on the same card.
+
+Given ``llm_profile_gaps.json`` (``llm_profile --gaps``) instead, it draws each decode step's wall time
+split into the time kernels run and the idle time between them, by batch size (no ceilings needed).
 """
 
 from __future__ import annotations
@@ -70,17 +73,46 @@ def plot_offline_steps(profile: dict, model: str, copy_bps: float, flops_per_s: 
     return {"steps": len(steps), "measured_s": total / 1e3, "bound_s": bound / 1e3}
 
 
+def plot_decode_gaps(gaps: list[dict], path: str | Path) -> dict:
+    """Bars of ``llm_profile --gaps`` rows: busy, idle between kernels (under the profiler) and the wall
+    time without it, per batch size; returns the largest idle share."""
+    labels = [f"{g['batch']} x {g['context']}" for g in gaps]
+    busy = [g["busy_ms"] for g in gaps]
+    idle = [g["idle_between_kernels_ms"] for g in gaps]
+    wall = [g["wall_ms"] for g in gaps]
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    ax = fig.subplots()
+    x = range(len(gaps))
+    ax.bar(x, busy, label="kernels running (profiled)")
+    ax.bar(x, idle, bottom=busy, label="idle between kernels (profiled)")
+    ax.scatter(x, wall, color="black", zorder=3, label="wall per step, no profiler")
+    ax.set_xticks(list(x), labels)
+    ax.set(xlabel="decode batch x context tokens", ylabel="ms per step",
+           title="CUDA-graph decode steps: where the device is busy")
+    ax.legend()
+    worst = max((i / w for i, w in zip(idle, wall)), default=0.0)
+    fig.suptitle(f"idle between kernels at most {worst:.1%} of a step")
+    fig.savefig(path, dpi=100)
+    return {"rows": len(gaps), "max_idle_share": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_plots", description=__doc__.splitlines()[0])
-    parser.add_argument("profile", help="llm_profile.json from python -m ninefold.bench.llm_profile")
+    parser.add_argument("profile", help="llm_profile.json (or llm_profile_gaps.json) from python -m ninefold.bench.llm_profile")
     parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--copy-gbps", type=float, required=True, help="measured copy bandwidth, GB/s")
-    parser.add_argument("--tflops", type=float, required=True, help="measured bf16 matmul rate, TFLOP/s")
+    parser.add_argument("--copy-gbps", type=float, help="measured copy bandwidth, GB/s (offline step logs)")
+    parser.add_argument("--tflops", type=float, help="measured bf16 matmul rate, TFLOP/s (offline step logs)")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     profile = json.loads(Path(args.profile).read_text())
+    if "gaps" in profile:
+        totals = plot_decode_gaps(profile["gaps"], args.out)
+        print(f"{args.out}: {totals['rows']} decode cases, idle between kernels at most {totals['max_idle_share']:.1%}")
+        return 0
     if "offline" not in profile:
         parser.error(f"{args.profile}: no offline step log (run llm_profile without --whole-offline or --host)")
+    if args.copy_gbps is None or args.tflops is None:
+        parser.error("--copy-gbps and --tflops: both are needed for an offline step log (the card's measured ceilings)")
     totals = plot_offline_steps(profile, args.model, args.copy_gbps * 1e9, args.tflops * 1e12, args.out)
     print(f"{args.out}: {totals['steps']} steps, {totals['measured_s']:.2f} s measured, {totals['bound_s']:.2f} s of bounds")
     return 0
