@@ -285,7 +285,10 @@ class LLMEngine:
         except BaseException:  # nothing was enqueued: leave the sequences as they were, for a retry
             if previous is not None:
                 for seq in previous.samplers:
-                    seq.drop_placeholder()
+                    # A sequence the failed schedule preempted keeps its placeholder: its token is still
+                    # in flight, and the scheduler admits it again only once that token is read.
+                    if seq.status is Status.RUNNING:
+                        seq.drop_placeholder()
             raise
         for s in step:  # counted at launch: the next step is scheduled before this one's tokens are read
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -6,7 +6,8 @@ their prefill was chunked. Waiting sequences are then admitted first-come-first-
 the budget, ``max_num_seqs`` and the KV cache allow; a prompt longer than what is left of the
 budget is prefilled in chunks over several steps, so decode and prefill tokens share a step.
 When a running sequence needs a block and none is left, the latest-arrived running sequence
-is preempted: its blocks are freed and it is recomputed later from its tokens.
+is preempted: its blocks are freed and it is recomputed later from its tokens (not before the
+token a step in flight is sampling for it has been read).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.pending_row >= 0:  # preempted while its last token is in flight: wait for that token
+                break
             hits = self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
             if not self.blocks.can_admit(seq, hits, n):
