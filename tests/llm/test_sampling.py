@@ -103,6 +103,20 @@ def test_stop_token_ids_and_eos_with_min_tokens(llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_a_stop_token_is_kept_in_the_ids_but_not_rendered_unless_asked(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = llm.generate(prompt_token_ids=[PROMPT], sampling_params=greedy)[0].outputs[0].token_ids
+    decode = llm.engine.tokenizer.decode
+    # the first new token whose text is visible after a clean (complete-character) text
+    first = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j] and not decode(ids[:j], True).endswith("\ufffd")
+                 and not decode(ids[: j + 1], True).endswith("\ufffd") and decode(ids[: j + 1], True) != decode(ids[:j], True))
+    stop = ids[first]
+    for include, want in ((False, decode(ids[:first], True)), (True, decode(ids[: first + 1], True))):
+        (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=include))
+        assert out.outputs[0].token_ids == ids[: first + 1] and out.outputs[0].text == want
+
+
 def test_penalties_match_a_float64_reference(llm, hf):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
                             presence_penalty=0.5, frequency_penalty=0.7)

@@ -338,10 +338,15 @@ class LLMEngine:
             seq.cumulative_logprob += logprobs[token]
         n_out = len(seq.output_ids)
         may_stop = n_out >= p.min_tokens
-        stop_string = seq.detokenizer.add([token], check_stop=may_stop) if seq.detokenizer else None
-        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+        eos = may_stop and not p.ignore_eos and token in self.eos_token_ids
+        stop_token = may_stop and not eos and bool(p.stop_token_ids) and token in p.stop_token_ids
+        # A token that stops the sequence stays in token_ids but is not rendered (as in vLLM), unless asked for.
+        rendered = not (eos or stop_token) or p.include_stop_str_in_output
+        stop_string = (seq.detokenizer.add([token], check_stop=may_stop and not (eos or stop_token))
+                       if seq.detokenizer and rendered else None)
+        if eos:
             self.scheduler.finish(seq, "stop")
-        elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
+        elif stop_token:
             self.scheduler.finish(seq, "stop", token)
         elif stop_string is not None:
             self.scheduler.finish(seq, "stop", stop_string)

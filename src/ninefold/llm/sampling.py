@@ -11,8 +11,9 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``top_k`` <= 0 and ``top_p=1`` and ``min_p=0`` switch those
     filters off. ``stop`` strings end the output and are not included in it; ``stop_token_ids``
-    end it too (the token is kept in ``token_ids`` but not rendered). ``logprobs=N`` returns
-    the N most likely tokens and the sampled one at every step.
+    and the model's end-of-sequence tokens end it too (the token is kept in ``token_ids`` but not
+    rendered in the text; ``include_stop_str_in_output`` renders stop strings and tokens).
+    ``logprobs=N`` returns the N most likely tokens and the sampled one at every step.
     """
 
     n: int = 1

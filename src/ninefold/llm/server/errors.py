@@ -85,7 +85,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
             parts.append(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
             first_param = None
         elif err.get("type") == "missing":
-            parts.append(f"'{param}' is required")
+            parts.append(f"'{param}' is required" if param else "a JSON request body (an object) is required")
         else:
             given = _short_repr(err.get("input"))
             parts.append(f"'{param or 'body'}': {err.get('msg')} (given {given})")

@@ -68,7 +68,11 @@ def completion_logprobs(
         text = texts.text(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(_finite(step.get(token_id, -math.inf)))
-        out["top_logprobs"].append({texts.text(t): _finite(lp) for t, lp in _ranked(step, top)} if top else None)
+        # OpenAI's legacy format: the top ``logprobs`` tokens and always the sampled one (up to logprobs + 1)
+        ranked = _ranked(step, top)
+        if token_id in step and all(t != token_id for t, _ in ranked):
+            ranked.append((token_id, step[token_id]))
+        out["top_logprobs"].append({texts.text(t): _finite(lp) for t, lp in ranked})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
