@@ -239,6 +239,8 @@ class Kernel:
                     value = int(value)
                 else:
                     raise TypeError(f"kernel {self.name}: keyword {key} must be an int, got {type(value).__name__}")
+            if symbol.meta and value < 1:
+                raise ValueError(f"kernel {self.name}: keyword {key} is a block size and must be a positive int, got {value}")
             env[symbol] = value
         missing = [self.symbol_names[s] for s in self.keyword_symbols if s not in env]
         if missing:

@@ -17,7 +17,7 @@ import torch
 
 from ninefold.dsl import language
 from ninefold.dsl.compiler.access import analyze
-from ninefold.dsl.compiler.frontend import NF, parse
+from ninefold.dsl.compiler.frontend import NF, is_nf_call, parse
 from ninefold.dsl.expr import StrideOf, affine, binary, conjunction, evaluate, interval
 from ninefold.dsl.kernel import level_shapes
 
@@ -164,6 +164,25 @@ def _range(*args):
 _ACTIVE: list = []
 
 
+# Functions Triton's tensors also carry as members (``x.sum(axis=1)``, ``x.exp()``), where the language has them.
+TENSOR_MEMBERS = frozenset(n for n in ("sum", "max", "min", "argmax", "argmin", "exp", "exp2", "log", "log2", "sqrt",
+                                       "rsqrt", "sigmoid", "abs", "erf", "tanh", "trans", "cumsum", "ravel")
+                           if hasattr(language, n))
+
+
+def _integer_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and value.dtype != torch.bool
+
+
+def _written_params(kernel) -> frozenset:
+    """Names of the parameters ``kernel``'s application stores to (computed once per kernel)."""
+    written = getattr(kernel, "_cpu_written_params", None)
+    if written is None:
+        written = frozenset(node.args[0].value for node in ast.walk(kernel.app.tree) if is_nf_call(node, "store"))
+        kernel._cpu_written_params = written
+    return written
+
+
 def _copy(tree):
     return ast.parse(ast.unparse(tree)).body[0]
 
@@ -189,10 +208,31 @@ class _BatchSubscripts(ast.NodeTransformer):
         node.test = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "condition", ast.Load()), [node.test], [])
         return node
 
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        method = {ast.FloorDiv: "floordiv", ast.Mod: "mod"}.get(type(node.op))
+        if method is None:
+            return node
+        call = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), method, ast.Load()), [node.left, node.right], [])
+        return ast.copy_location(call, node)
+
+    def visit_AugAssign(self, node):
+        # ``t += v`` rebinds ``t`` (Triton values are immutable); torch's in-place op would also change
+        # every other name bound to the same tensor, or the loaded tile it came from.
+        self.generic_visit(node)
+        if not isinstance(node.target, ast.Name):
+            return node
+        value = ast.BinOp(ast.Name(node.target.id, ast.Load()), node.op, node.value)
+        return ast.copy_location(ast.Assign([ast.Name(node.target.id, ast.Store())], value, lineno=node.lineno), node)
+
     def visit_Attribute(self, node):
         self.generic_visit(node)
-        if isinstance(node.ctx, ast.Load) and node.attr in ("shape", "ndim"):
+        if isinstance(node.ctx, ast.Load) and node.attr in ("shape", "ndim", "T"):
             call = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), f"value_{node.attr}", ast.Load()), [node.value], [])
+            return ast.copy_location(call, node)
+        if isinstance(node.ctx, ast.Load) and node.attr in TENSOR_MEMBERS:
+            call = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "member", ast.Load()),
+                            [node.value, ast.Constant(node.attr)], [])
             return ast.copy_location(call, node)
         return node
 
@@ -316,9 +356,35 @@ class ValueOps:
             return bool(first)
         return bool(value)
 
+    @staticmethod
+    def floordiv(a, b):
+        """``a // b``: on integer tensors truncated toward zero, as in Triton (C); Python's otherwise."""
+        if _integer_tensor(a) or _integer_tensor(b):
+            return torch.div(torch.as_tensor(a), b, rounding_mode="trunc")
+        return a // b
+
+    @staticmethod
+    def mod(a, b):
+        """``a % b``: on integer tensors with the dividend's sign, as in Triton (C); Python's otherwise."""
+        if _integer_tensor(a) or _integer_tensor(b):
+            return torch.fmod(torch.as_tensor(a), b)
+        return a % b
+
     def value_shape(self, value):
         """``v.shape`` of a value: its tile shape (the grid dimensions left out)."""
         return tuple(value.shape[: value.ndim - language.BATCH.ndim]) if isinstance(value, torch.Tensor) else value.shape
+
+    @staticmethod
+    def value_T(value):
+        """``v.T`` of a value: its tile transposed (the grid dimensions stay where they are)."""
+        return language.trans(value) if isinstance(value, torch.Tensor) else value.T
+
+    @staticmethod
+    def member(value, name):
+        """``v.name`` for the functions Triton's tensors carry as members (``x.sum(axis=1)``): the
+        language's function bound to a tile value, so it works on the tile, not on the whole batch."""
+        return (lambda *args, **kwargs: getattr(language, name)(value, *args, **kwargs)) \
+            if isinstance(value, torch.Tensor) else getattr(value, name)
 
     def value_ndim(self, value):
         return value.ndim - language.BATCH.ndim if isinstance(value, torch.Tensor) else value.ndim
@@ -352,6 +418,7 @@ class Program(ValueOps):
         self.g = len(bound.grid)
         self._plans: dict = {}
         self._windows: dict = {}
+        self._written = _written_params(kernel)
         self.set_chunk(0, bound.grid[0] if bound.grid else 1)
 
     def set_chunk(self, start, stop):
@@ -410,15 +477,19 @@ class Program(ValueOps):
         plan = self._plan(name, len(index))
         source = self.bound.values[name]
         env = self._env(plan, index, plan.kind == "gather")
+        if plan.kind == "gather":
+            return plan.gather(source, env, self.chunk)
         if plan.kind == "view":
-            return plan.view(source, env, self.chunk)
-        if plan.kind == "padded":
+            tile = plan.view(source, env, self.chunk)
+        else:
             key = (name, len(index))
             if key not in self._windows:
                 self._windows[key] = plan.window(source, self.chunk)
             window, lo = self._windows[key]
-            return plan.view(window, env, self.chunk, lo)
-        return plan.gather(source, env, self.chunk)
+            tile = plan.view(window, env, self.chunk, lo)
+        # A view of a parameter the application also stores to would change under a value read before
+        # the store (and overlap the store's own target): loads are values, as in Triton.
+        return tile.clone() if name in self._written else tile
 
     def store(self, name, index, value):
         plan = self._plan(name, len(index))
