@@ -610,10 +610,11 @@ class _Plan:
                 shift += row[d] * value
             offset += shift * strides[d]
         var_strides = [sum(c * st for c, st in zip(row, strides)) for row in self._coefs]
-        sizes = [1 if st == 0 else n for n, st in zip(self.local_sizes(chunk), var_strides)]
-        return offset, sizes, var_strides
+        return offset, list(self.local_sizes(chunk)), var_strides
 
     def view(self, tensor, env, chunk, lo=None):
+        # A dimension of stride 0 (an expanded input, an arrangement's expand) keeps its size: a
+        # reduction over it must see every repeat.
         offset, sizes, strides = self._geometry(tensor, env, chunk, lo)
         offset, strides, flipped = _unflip(offset, sizes, strides)
         out = tensor.as_strided(sizes, strides, offset)
@@ -621,6 +622,8 @@ class _Plan:
 
     def write_view(self, tensor, env, chunk, value, lo=None):
         offset, sizes, strides = self._geometry(tensor, env, chunk, lo)
+        # Every element of a stride-0 dimension is one memory location: the last one written wins.
+        sizes = [1 if st == 0 else n for n, st in zip(sizes, strides)]
         value = value[tuple(slice(-1, None) if st == 0 else slice(None) for st in strides)]
         offset, strides, flipped = _unflip(offset, sizes, strides)
         tensor.as_strided(sizes, strides, offset).copy_(value.flip(flipped) if flipped else value)
