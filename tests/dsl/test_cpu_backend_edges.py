@@ -477,10 +477,6 @@ def test_call_errors_name_the_parameter_and_what_was_expected():
         squeezed_rows(x, torch.empty(3, 10), B=8)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cpu.py _choose_meta picks the cheapest block from level_shapes only and never evaluates kernel._requires, "
-    "so it picks B=32 (the default lower bound) for 100 columns; kernel.finish then blames the call "
-    "('argument x: squeeze ... but it is 4') although B=128 satisfies the squeeze (interpret shares choose_meta)"))
 def test_tuner_picks_a_block_that_satisfies_the_squeeze():
     x = torch.randn(3, 100, generator=_gen(18))
     y = torch.empty(3, 100)

@@ -89,6 +89,7 @@ def choose_meta(kernel, bound, gpu=False) -> dict:
 
 
 def _choose_meta(kernel, bound, free, gpu):
+    """The cheapest configuration of ``free`` whose squeezed dimensions are 1 (the last candidates if none)."""
     best, best_cost = None, None
     if gpu:
         choices = [[c for c in reversed(s.candidates()) if c <= 128] or s.candidates()[:1] for s in free]
@@ -100,6 +101,8 @@ def _choose_meta(kernel, bound, free, gpu):
         try:
             cost = 0
             for p in bound.tensor_params():
+                if any(evaluate(size, env) != 1 for size, _ in kernel._requires.get(p.name, ())):
+                    raise ValueError("a squeezed dimension is not 1 with these blocks")
                 shapes = level_shapes(p.arranged, env)
                 cost += math.prod(s for shape in shapes for s in shape)
                 if len(shapes) > 2:
