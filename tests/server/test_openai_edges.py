@@ -176,14 +176,17 @@ def test_chat_and_completion_logprobs_format_greedy(client):
     whole = client.completions.create(**args).choices[0].logprobs
     assert len(whole.tokens) == len(whole.token_logprobs) == len(whole.top_logprobs) == 6
     assert all(lp <= 0 and 1 <= len(top) <= 3 for top, lp in zip(whole.top_logprobs, whole.token_logprobs))
-    streamed = [[], [], []]
+    streamed = [[], [], [], []]
     for chunk in client.completions.create(stream=True, **args):
         lp = chunk.choices[0].logprobs
         if lp is not None:
             streamed[0] += lp.tokens
             streamed[1] += lp.token_logprobs
             streamed[2] += lp.top_logprobs
-    assert streamed == [whole.tokens, whole.token_logprobs, whole.top_logprobs]
+            streamed[3] += lp.text_offset
+    assert streamed == [whole.tokens, whole.token_logprobs, whole.top_logprobs, whole.text_offset]
+    # offsets count the tokens' texts: they never go back, whatever text a chunk held back
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
 
 
 def test_completion_top_logprobs_include_the_sampled_token(client):

@@ -136,6 +136,7 @@ class _View:
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.deltas: dict[int, DeltaStream] = {}
         self.sent_tokens: dict[int, int] = {}
+        self.token_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
         self.stops = req.stop or []
 
     def _envelope(self, choices: list[dict]) -> dict[str, Any]:
@@ -197,7 +198,9 @@ class _View:
         out = seq.output
         finished = seq.done
         deltas = self.deltas.setdefault(seq.index, DeltaStream(self.stops))
-        offset = deltas.sent
+        # Offsets count the tokens' own texts, as in the whole response; the text sent so far can lag
+        # behind them (an incomplete character or a possible stop string is held back).
+        offset = self.token_offsets.get(seq.index, 0)
         text = deltas.delta(out.text if out is not None else "", finished)
         start = self.sent_tokens.get(seq.index, 0)
         end = len(out.token_ids) if out is not None else start
@@ -205,6 +208,8 @@ class _View:
             return None
         self.sent_tokens[seq.index] = end
         logprobs = self._logprobs(seq, start, end, offset)
+        if logprobs is not None and not self.chat and logprobs["tokens"]:
+            self.token_offsets[seq.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         reason = seq.finish_reason if finished else None
         if self.chat:
             delta = {"content": text} if text or not finished else {}
