@@ -66,6 +66,38 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _RESHAPE_AND_CACHE.call(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _check_paged(op, block_tables, lengths, num_blocks, bs, lengths_name, min_length=1):
+    """Host-side checks of paged-cache metadata (CPU tensors): every length fits its block table,
+    and the blocks it reads are inside the cache (entries past a sequence's length are not read)."""
+    capacity = block_tables.shape[1] * bs
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < min_length or high > capacity:
+        raise spec.OpError(f"{op}: {lengths_name} must lie in {min_length}..{capacity} (block_tables' "
+                           f"{block_tables.shape[1]} blocks of {bs} tokens), got values from {low} to {high}")
+    used = torch.arange(block_tables.shape[1])[None, :] < ((lengths.long() + bs - 1) // bs)[:, None]
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise spec.OpError(f"{op}: block_tables must hold block ids in [0, {num_blocks}) (the cache's blocks) "
+                           f"where sequences read, got values from {int(ids.min())} to {int(ids.max())}")
+
+
+def _check_cu_seqlens(op, tq, cu_seqlens_q, cu_seqlens_k, k, block_tables, k_cache, bs):
+    """Host-side checks of a prefill call's sequence offsets (CPU tensors): the queries cover q exactly,
+    the keys stay inside k (packed) or inside each block table and the cache (paged)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if cq[0] != 0 or cq[-1] != tq:
+        raise spec.OpError(f"{op}: cu_seqlens_q must run from 0 to q's {tq} tokens, got {cq[0]} to {cq[-1]}")
+    if ck[0] != 0:
+        raise spec.OpError(f"{op}: cu_seqlens_k must start at 0, got {ck[0]}")
+    if block_tables is None:
+        if ck[-1] > k.shape[0]:
+            raise spec.OpError(f"{op}: cu_seqlens_k must end within k's {k.shape[0]} tokens, got {ck[-1]}")
+    elif len(ck) > 1:
+        keys = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        _check_paged(op, block_tables, keys, k_cache.shape[0], bs, "cu_seqlens_k's per-sequence key counts",
+                     min_length=0)
+
+
 def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     op = "attention_decode"
     spec.tensor(op, "q", q, ndim=3)
@@ -83,6 +115,8 @@ def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     spec.shape(op, "context_lens", context_lens, (b,), " (one length per sequence)")
     spec.same_device(op, "q", q, block_tables=block_tables, context_lens=context_lens)
     _scale(op, scale)
+    if q.device.type == "cpu" and b:  # (on GPUs reading them would synchronise)
+        _check_paged(op, block_tables, context_lens, k_cache.shape[0], bs, "context_lens")
     contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     capacity = spec.pow2(block_tables.shape[1] * bs)
     return q.device, q.dtype, (spec.pow2(b), hq, hk, d, bs, capacity), contiguous
@@ -94,7 +128,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q ``[B, Hq, D]``; block_tables int32 ``[B, max_blocks]``; context_lens int32 ``[B]``: keys
     per sequence, the current token included (already written by ``reshape_and_cache``), >= 1.
-    ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, D]`` in q's dtype.
+    ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, D]`` in q's dtype. On CPUs the lengths
+    and the block ids they read are checked (``OpError``); on GPUs they are not (that would synchronise).
     """
     return _DECODE.call(q, k_cache, v_cache, block_tables, context_lens, scale)
 
@@ -143,6 +178,8 @@ def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, 
         spec.same_device(op, "q", q, block_tables=block_tables)
         contiguous = q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     _gqa(op, hq, hk)
+    if q.device.type == "cpu":  # (on GPUs reading them would synchronise)
+        _check_cu_seqlens(op, tq, cu_seqlens_q, cu_seqlens_k, k, block_tables, k_cache, bs)
     return q.device, q.dtype, (spec.pow2(tq), spec.pow2(batch), hq, hk, d, bs), contiguous
 
 
@@ -159,7 +196,9 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     Returns ``[Tq, Hq, D]``. ``max_seqlen_q``/``max_seqlen_k``: optional upper bounds on the
     longest ``Lq_b``/``Lk_b`` known to the caller (the scheduler); ``vendor_varlen`` sizes its
     launch with them (else with ``Tq``/``Tk``, correct but with idle programs), the others
-    ignore them. The ``vendor`` implementation reads ``cu_seqlens`` on the host.
+    ignore them. The ``vendor`` implementation reads ``cu_seqlens`` on the host. On CPUs the offsets
+    (``cu_seqlens_q`` from 0 to ``Tq``, keys inside k or inside each block table) and the block ids
+    read are checked (``OpError``); on GPUs they are not (that would synchronise).
     """
     return _PREFILL.call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, max_seqlen_q,
                          max_seqlen_k)
@@ -206,6 +245,8 @@ def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, sca
     b, hq, d = q.shape
     num_blocks, bs, hk, _ = k_cache.shape
     n = block_tables.shape[1]
+    if b == 0:
+        return q.new_empty(q.shape)
     if q.device.type == "cpu":  # reading lengths is free on the CPU: gather only the used blocks
         n = max(1, min(n, -(-int(context_lens.max()) // bs)))
     tables = block_tables[:, :n].long().clamp(0, num_blocks - 1)

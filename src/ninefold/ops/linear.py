@@ -33,10 +33,11 @@ def _linear_key(x, weight, bias=None):
     if weight.shape[1] != x.shape[-1]:
         raise spec.OpError(f"linear: weight must be [N, {x.shape[-1]}] (x's last dimension is K), "
                            f"got {tuple(weight.shape)}")
+    if bias is not None:
+        spec.tensor("linear", "bias", bias)
     spec.same_device("linear", "x", x, weight=weight, bias=bias)
     spec.same_dtype("linear", "x", x, weight=weight, bias=bias)
     if bias is not None:
-        spec.tensor("linear", "bias", bias)
         spec.shape("linear", "bias", bias, (weight.shape[0],), " (weight's N)")
     m = x.numel() // max(x.shape[-1], 1)
     return x.device, x.dtype, (spec.pow2(m), weight.shape[0], weight.shape[1]), bias is not None

@@ -28,6 +28,11 @@ def _rope_key(q, k, positions, cos_sin_cache, is_neox=True):
     if not isinstance(is_neox, bool):
         raise TypeError(f"rope: is_neox must be a bool, got {type(is_neox).__name__}")
     spec.same_device(op, "q", q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    if positions.device.type == "cpu" and positions.numel():  # (on GPUs reading them would synchronise)
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= cos_sin_cache.shape[0]:
+            raise spec.OpError(f"{op}: positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows), "
+                               f"got values from {low} to {high}")
     spec.same_dtype(op, "q", q, k=k)
     contiguous = q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     return q.device, q.dtype, (spec.pow2(t), hq, k.shape[1], d, r), is_neox, contiguous
