@@ -33,3 +33,31 @@ def llama_dir(model_dirs):
 
 
 __all__ = ["VARIANTS"]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model's GGUF file (SmolLM2-135M-Instruct); skips where it is not available."""
+    from ninefold.llm import hub
+
+    try:
+        return hub.resolve_model(None)
+    except hub.ModelNotAvailable as error:
+        pytest.skip(f"SmolLM2 GGUF not cached and not fetchable here: {error}")
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2):
+    """transformers' tokenizer of the same GGUF file (the reference)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+
+
+@pytest.fixture(scope="session")
+def ours(smollm2):
+    """ninefold's tokenizer of the GGUF file."""
+    from ninefold.llm.gguf import load_gguf_tokenizer
+    from ninefold.llm.tokenizer import Tokenizer
+
+    return Tokenizer(*load_gguf_tokenizer(smollm2))

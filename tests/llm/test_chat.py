@@ -8,20 +8,10 @@ import sys
 
 import pytest
 
-from ninefold.llm import hub
-
 pexpect = pytest.importorskip("pexpect")
 
 QUESTION = "What is the capital of France?"
 FOLLOW_UP = "And what is its population, roughly?"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return hub.resolve_model(None)
-    except hub.ModelNotAvailable as error:
-        pytest.skip(f"SmolLM2 GGUF not cached and not fetchable here: {error}")
 
 
 def _spawn(*args: str):

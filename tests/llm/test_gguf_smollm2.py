@@ -10,10 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninefold.llm import hub
-from ninefold.llm.gguf import load_gguf_tokenizer
-from ninefold.llm.tokenizer import Tokenizer
-
 TEXTS = [
     "Hello world",
     "def fib(n):\n    if n < 2:\n        return n\n\treturn fib(n - 1) + fib(n - 2)  # 🐍\n",
@@ -34,24 +30,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return hub.resolve_model(None)
-    except hub.ModelNotAvailable as error:
-        pytest.skip(f"SmolLM2 GGUF not cached and not fetchable here: {error}")
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(smollm2):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
-
-
-@pytest.fixture(scope="module")
-def ours(smollm2):
-    return Tokenizer(*load_gguf_tokenizer(smollm2))
 
 
 def test_tokenizer_encodes_like_transformers(ours, hf_tokenizer):

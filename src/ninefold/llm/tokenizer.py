@@ -97,6 +97,8 @@ class Tokenizer:
             raise ValueError("chat_template: this model's tokenizer_config has no chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise TypeError("messages: expected a list of dicts with 'role' and 'content'")
+        if not messages:
+            raise ValueError("messages: an empty conversation (expected at least one message)")
         special = {
             key: _token_text(value)
             for key, value in self.config.items()
