@@ -246,12 +246,12 @@ def _unique(configs):
     return out
 
 
-def written_params(kernel) -> set:
-    """Names of the parameters the application stores to."""
-    names = set()
-    for node in ast.walk(kernel.app.tree):
-        if is_nf_call(node, "store"):
-            names.add(node.args[0].value)
+def written_params(kernel) -> frozenset:
+    """Names of the parameters the application stores to (computed once per kernel)."""
+    names = getattr(kernel, "_written_params", None)
+    if names is None:
+        names = kernel._written_params = frozenset(
+            node.args[0].value for node in ast.walk(kernel.app.tree) if is_nf_call(node, "store"))
     return names
 
 

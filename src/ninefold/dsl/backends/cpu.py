@@ -17,9 +17,10 @@ import torch
 
 from ninefold.dsl import language
 from ninefold.dsl.compiler.access import analyze
-from ninefold.dsl.compiler.frontend import NF, is_nf_call, parse
+from ninefold.dsl.compiler.frontend import NF, parse
 from ninefold.dsl.expr import StrideOf, affine, binary, conjunction, evaluate, interval
 from ninefold.dsl.kernel import level_shapes
+from ninefold.dsl.tuning import written_params
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
 TORCH_OPS = {"min": torch.minimum, "max": torch.maximum}
@@ -175,15 +176,6 @@ TENSOR_MEMBERS = frozenset(n for n in ("sum", "max", "min", "argmax", "argmin", 
 
 def _integer_tensor(value) -> bool:
     return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and value.dtype != torch.bool
-
-
-def _written_params(kernel) -> frozenset:
-    """Names of the parameters ``kernel``'s application stores to (computed once per kernel)."""
-    written = getattr(kernel, "_cpu_written_params", None)
-    if written is None:
-        written = frozenset(node.args[0].value for node in ast.walk(kernel.app.tree) if is_nf_call(node, "store"))
-        kernel._cpu_written_params = written
-    return written
 
 
 def _copy(tree):
@@ -421,7 +413,7 @@ class Program(ValueOps):
         self.g = len(bound.grid)
         self._plans: dict = {}
         self._windows: dict = {}
-        self._written = _written_params(kernel)
+        self._written = written_params(kernel)
         self.set_chunk(0, bound.grid[0] if bound.grid else 1)
 
     def set_chunk(self, start, stop):
