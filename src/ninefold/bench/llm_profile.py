@@ -34,30 +34,43 @@ def _kernel_table(prof, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
-    """Kernel time per CUDA-graph decode step at ``batch`` sequences of about ``context`` tokens."""
-    from torch.profiler import ProfilerActivity, profile
+def _decode_steps(engine, batch: int, context: int, *, seed: int, prefix: str, timed: int, profiled: int,
+                  activities) -> tuple[float, object]:
+    """Steady CUDA-graph decode of ``batch`` random prompts of ``context`` tokens: the wall ms per step over
+    ``timed`` steps without the profiler, then ``profiled`` steps under ``torch.profiler``; the requests are
+    aborted afterwards."""
+    from torch.profiler import profile
 
     from ninefold.bench.llm import start_decoding
     from ninefold.llm.sampling import SamplingParams
 
     vocab = engine.model_config.vocab_size
-    rng = random.Random(batch)
+    rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-    ids = start_decoding(engine, prompts, params, settle=3, prefix="p")
+    ids = start_decoding(engine, prompts, params, settle=3, prefix=prefix)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(timed):
         engine.step()
     torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / steps * 1e3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    wall_ms = (time.perf_counter() - start) / timed * 1e3
+    with profile(activities=activities) as prof:
+        for _ in range(profiled):
             engine.step()
         torch.cuda.synchronize()
     for rid in ids:
         engine.abort_request(rid)
+    engine.sync()
+    return wall_ms, prof
+
+
+def profile_decode(engine, batch: int, context: int, steps: int = 10) -> dict:
+    """Kernel time per CUDA-graph decode step at ``batch`` sequences of about ``context`` tokens."""
+    from torch.profiler import ProfilerActivity
+
+    wall_ms, prof = _decode_steps(engine, batch, context, seed=batch, prefix="p", timed=steps, profiled=steps,
+                                  activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     kernels = _kernel_table(prof, steps)
     gpu_us = sum(r["us_per_step"] for r in kernels)
     print(f"\ndecode batch {batch} context ~{context}: step {wall_ms:.2f} ms wall, kernels {gpu_us / 1e3:.2f} ms "
@@ -96,29 +109,10 @@ def profile_gaps(engine, batch: int, context: int, steps: int = 6) -> dict:
     device idle: the union of kernel intervals (PDL kernels start before their predecessor ends, so
     summed durations overcount), the idle time between kernels grouped by the pair of kernel kinds
     around it, and the wall time per step without the profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    from ninefold.bench.llm import start_decoding
-    from ninefold.llm.sampling import SamplingParams
-
-    vocab = engine.model_config.vocab_size
-    rng = random.Random(batch * 7919 + context)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-    ids = start_decoding(engine, prompts, params, settle=3, prefix="g")
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps * 3):
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / (steps * 3) * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    for rid in ids:
-        engine.abort_request(rid)
-    engine.sync()
+    wall_ms, prof = _decode_steps(engine, batch, context, seed=batch * 7919 + context, prefix="g", timed=steps * 3,
+                                  profiled=steps, activities=[ProfilerActivity.CUDA])
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]
     timeline = device_timeline(kernels)
