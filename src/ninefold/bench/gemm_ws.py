@@ -34,7 +34,7 @@ COUNTERS = 1 << 14
 @triton.jit(do_not_specialize=["M"])
 def gemm_ws_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_STEPS,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr, WS: tl.constexpr):
+                   STAGES: tl.constexpr, WS: tl.constexpr, PARTIALS: tl.constexpr = False):
     """``y = x @ w.T`` for row-major ``x [M, K]``, ``w [N, K]``, ``y [M, N]`` (bfloat16 or float16). Program
     (tile, split) accumulates ``SPLIT_STEPS`` steps of ``BLOCK_K``; with ``SPLIT_K`` > 1 the partial
     tiles meet in ``ws_ptr`` and the last program to arrive at a tile adds them up and stores it."""
@@ -56,6 +56,10 @@ def gemm_ws_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_STEPS,
     out = y_ptr + rm[:, None] * N + rn[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif PARTIALS:
+        # float32 partial products into ws [SPLIT_K, M, N]; reduce_kernel adds them up (no counters: with warp
+        # specialization each consumer warpgroup runs this epilogue for its own rows)
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
     else:
         cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tile_ws = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
@@ -69,24 +73,54 @@ def gemm_ws_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, SPLIT_STEPS,
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (also inside a CUDA graph)
 
 
+@triton.jit
+def reduce_kernel(ws_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = sum(ws[s] for s in range(SPLIT_K))`` over ``MN`` elements, cast to ``y``'s dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def launch(x, w, y, cfg, ws, count):
-    """Run ``gemm_ws_kernel`` with ``cfg`` = (block_m, block_n, block_k, stages, split_k, ws); its CompiledKernel."""
-    bm, bn, bk, stages, split, spec = cfg
+    """Run ``gemm_ws_kernel`` with ``cfg`` = (block_m, block_n, block_k, stages, split_k, ws[, partials]) (and
+    with ``partials``, ``reduce_kernel`` after it); the GEMM's CompiledKernel."""
+    bm, bn, bk, stages, split, spec = cfg[:6]
+    partials = len(cfg) > 6 and cfg[6]
     m, k = x.shape
     n = w.shape[0]
     steps = triton.cdiv(k, bk)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    return gemm_ws_kernel[(tiles, split)](x, w, y, ws, count, m, n, k, steps // split, SPLIT_K=split,
-                                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, WS=spec,
+    compiled = gemm_ws_kernel[(tiles, split)](x, w, y, ws, count, m, n, k, steps // split, SPLIT_K=split,
+                                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, WS=spec, PARTIALS=partials,
                                           num_warps=4, num_stages=stages)
+    if partials:
+        reduce_kernel[(triton.cdiv(m * n, 1024),)](ws, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
+    return compiled
 
 
-def configs(k: int) -> list[tuple]:
-    """Warp-specialized candidates: 128- and 256-row tiles (two consumer warpgroups share the rows) x stages
-    x K splits dividing K's steps, those whose shared memory fits; and each tile without specialization."""
+def configs(k: int, mode: str = "all") -> list[tuple]:
+    """``all``: 128- and 256-row tiles (two consumer warpgroups share the rows) x stages x K splits dividing
+    K's steps, warp-specialized where the shared memory fits, and each tile without specialization.
+    ``split``: K splits whose partial products a second kernel adds up (warp specialization cannot use the
+    per-tile arrival counter: each consumer warpgroup would count), with and without specialization, next to
+    the per-tile counter without it."""
     out = []
+    bk = 64
+    if mode == "split":
+        for bm, bn in ((128, 64), (128, 128), (256, 64)):
+            for split in (2, 4, 8, 16):
+                if (k // bk) % split:
+                    continue
+                out.append((bm, bn, bk, 3, split, False))
+                out.append((bm, bn, bk, 3, split, False, True))
+                for stages in (3, 4):
+                    if stages * (bm + bn) * bk * 2 + bm * bn * 4 <= 227 * 1024:
+                        out.append((bm, bn, bk, stages, split, True, True))
+        return out
     for bm, bn in ((128, 64), (128, 128), (128, 256), (256, 64), (256, 128)):
-        bk = 64
         out.append((bm, bn, bk, 3, 1, False))
         for stages in (2, 3, 4):
             for split in (1, 2, 4, 8):
@@ -98,11 +132,12 @@ def configs(k: int) -> list[tuple]:
 
 
 def describe(cfg) -> str:
-    bm, bn, bk, stages, split, spec = cfg
-    return f"{bm}x{bn}x{bk} s{stages} split{split}{' ws' if spec else ''}"
+    bm, bn, bk, stages, split, spec = cfg[:6]
+    partials = " partials" if len(cfg) > 6 and cfg[6] else ""
+    return f"{bm}x{bn}x{bk} s{stages} split{split}{partials}{' ws' if spec else ''}"
 
 
-def run(batches, names, limit_s: float) -> dict:
+def run(batches, names, limit_s: float, mode: str = "all") -> dict:
     from ninefold.bench.decode_attention import graph_time
     from ninefold.bench.decode_gemm import SHAPES
     from ninefold.runtime.profile import profile_device
@@ -125,7 +160,7 @@ def run(batches, names, limit_s: float) -> dict:
             bound = max(n * k * 2 / bw, 2 * m * n * k / rate) * 1e6
             vendor = graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights], device, 50)
             row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": bound, "cublas_us": vendor, "configs": {}}
-            for cfg in configs(k):
+            for cfg in configs(k, mode):
                 if time.perf_counter() - start > limit_s:
                     row["cut_short"] = True
                     break
@@ -166,16 +201,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.gemm_ws", description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="128,192,256")
     parser.add_argument("--layers", default="qkv,o,gate_up,down")
+    parser.add_argument("--mode", choices=("all", "split"), default="all", help="which configurations (see configs)")
     parser.add_argument("--limit", type=float, default=420.0, help="stop trying configurations after this many s")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("ninefold.bench.gemm_ws needs a CUDA device with TMA (sm_90+); nothing measured.", file=sys.stderr)
         return 2
-    results = run([int(b) for b in args.batches.split(",")], args.layers.split(","), args.limit)
+    results = run([int(b) for b in args.batches.split(",")], args.layers.split(","), args.limit, args.mode)
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "gemm_ws.json").write_text(json.dumps(results, indent=1))
+        (Path(out) / f"gemm_ws_{args.mode}.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
