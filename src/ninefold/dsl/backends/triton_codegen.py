@@ -292,7 +292,17 @@ class _Lowering(ast.NodeTransformer):
                 break
             # Triton's interpreter (3.9) rejects `scalar condition & block` as a mask: select instead
             mask = _call(_attr(TL, "where"), node, mask, ast.Constant(False))
+        self._last_leaves = set(offsets.leaves()).union(*(t.leaves() for t in kept))
         return pointer, mask, access
+
+    def _full_tile(self, loaded, access, leaves):
+        """``loaded`` broadcast to the whole tile where some tile dimension reads no index (an expanded,
+        stride-0 dimension): the pointer expression alone would give that dimension size 1."""
+        missing = [v for v in access.tile_vars if v not in leaves and const_value(v.level._shape[v.dim]) != 1]
+        if not missing:
+            return loaded
+        sizes = [self.namer.padded_size(v.level._shape[v.dim]) for v in access.tile_vars]
+        return _call(_attr(TL, "broadcast_to"), loaded, ast.Tuple(sizes, ast.Load()))
 
     def descriptor_load(self, name, index_nodes):
         """``{name}_desc.load([...])`` reshaped to the tile, where the tile is a box of the source
@@ -412,6 +422,7 @@ class _Lowering(ast.NodeTransformer):
                 return loaded
         if method == "load":
             pointer, mask, access = self.pointer_and_mask(name, index_nodes)
+            offsets_and_mask = self._last_leaves
             kwargs = {}
             if mask is not None:
                 kwargs["mask"] = mask
@@ -420,7 +431,7 @@ class _Lowering(ast.NodeTransformer):
             hints = getattr(self.kernel, "cache_hints", None) or {}
             if hints.get("load"):
                 kwargs["eviction_policy"] = ast.Constant(hints["load"])
-            return _call(_attr(TL, "load"), pointer, **kwargs)
+            return self._full_tile(_call(_attr(TL, "load"), pointer, **kwargs), access, offsets_and_mask)
         if method == "store":
             pointer, mask, _ = self.pointer_and_mask(name, index_nodes)
             value = self.visit(node.args[2])
