@@ -150,3 +150,28 @@ def test_rope_dsl_out_of_range_positions_name_them():
 def test_linear_non_tensor_bias_is_type_error():
     with pytest.raises(TypeError, match="bias"):
         ops.linear(torch.randn(2, 4), torch.randn(3, 4), [1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("name, values, row", [
+    ("temperature", [1.0, -0.5, 0.0], 1),  # a negative temperature was taken as greedy
+    ("temperature", [float("nan"), 1.0, 0.0], 0),
+    ("top_p", [1.0, 0.5, 0.0], 2),
+    ("top_p", [1.5, 0.5, 1.0], 0),
+    ("min_p", [0.0, -0.1, 0.5], 1),
+    ("min_p", [0.0, 0.5, 2.0], 2),
+])
+def test_sample_rejects_out_of_range_row_values_naming_the_row(name, values, row):
+    logits = torch.randn(3, 11)
+    kwargs = {"temperature": torch.ones(3), name: torch.tensor(values)}
+    temperature = kwargs.pop("temperature")
+    with pytest.raises(ValueError, match=rf"sample: {name}\[{row}\] is"):
+        ops.sample(logits, temperature, **kwargs)
+
+
+def test_sample_accepts_the_boundary_values():
+    logits = torch.randn(3, 11)
+    got = ops.sample(logits, torch.tensor([0.0, 1.0, 0.5]), top_p=torch.tensor([1.0, 1.0, 1e-6]),
+                     min_p=torch.tensor([0.0, 1.0, 0.0]), top_k=torch.tensor([0, -1, 3]))
+    assert got[0] == logits[0].argmax()  # temperature 0: greedy
+    assert got[1] == logits[1].argmax()  # min_p 1 keeps only the most likely token
+    assert got[2] == logits[2].argmax()  # top_p near 0 keeps only the most likely token

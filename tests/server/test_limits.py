@@ -4,7 +4,9 @@ import httpx
 import openai
 import pytest
 
+from .conftest import ServerProcess
 from .helpers import check_error
+from .tiny_model import build_tiny_model
 
 AUTH = {"Authorization": "Bearer sekret"}
 
@@ -60,3 +62,22 @@ def test_full_queue_is_429_with_retry_after(strict_server):
     assert m['ninefold:request_success_total{finished_reason="abort",model_name="tiny"}'] == 2
     again = httpx.post(strict_server.base + "/v1/completions", headers=AUTH, json=more, timeout=60)
     assert again.status_code == 200
+
+
+def test_ids_the_tokenizer_has_but_the_model_lacks_are_400_before_any_stream_starts(tmp_path):
+    # The server once checked prompt ids against the tokenizer (384 tokens here) and the engine against
+    # the model (300 rows): id 310 passed the first, then failed in the engine after a streamed 200.
+    model = build_tiny_model(tmp_path / "model", model_vocab=300)
+    server = ServerProcess(model, tmp_path, "--max-model-len", "512", "--num-kv-blocks", "64")
+    try:
+        for stream in (False, True):
+            for body in ({"prompt": [5, 310]}, {"prompt": [5], "logit_bias": {"310": 1}},
+                         {"prompt": [5], "stop_token_ids": [310]}):
+                response = httpx.post(server.base + "/v1/completions", timeout=60,
+                                      json={**body, "max_tokens": 2, "stream": stream})
+                check_error(response, 400, next(k for k in body if k != "prompt") if len(body) > 1 else "prompt",
+                            "[0, 300)")
+        ok = httpx.post(server.base + "/v1/completions", json={"prompt": [5, 299], "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        assert server.stop() == 0

@@ -55,8 +55,10 @@ def _byte_token_strings() -> dict[int, str]:
     return table
 
 
-def build_tiny_model(path: Path, vocab_size: int = 384, seed: int = 0) -> TinyModel:
+def build_tiny_model(path: Path, vocab_size: int = 384, seed: int = 0, model_vocab: int | None = None) -> TinyModel:
     """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+
+    ``model_vocab``: a model with fewer embedding rows than the tokenizer has tokens (default: as many).
 
     The weights are written with safetensors directly (HF Llama names), which avoids importing
     transformers' model code; tests/server/test_tiny_model.py checks the result with transformers.
@@ -87,7 +89,8 @@ def build_tiny_model(path: Path, vocab_size: int = 384, seed: int = 0) -> TinyMo
         "model_max_length": 8192,
     }))
 
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = model_vocab or tokenizer.get_vocab_size(with_added_tokens=True)
+    assert max(chain_ids + (trigger_id, eos_id)) < vocab, "the scripted tokens must be in the model's vocabulary"
     hidden, inter, heads, kv_heads, head_dim, chain_dims = 64, 128, 4, 2, 16, 16
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,

@@ -47,6 +47,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def max_num_seqs(self) -> int:
         return self.engine.config.max_num_seqs
 

@@ -368,6 +368,11 @@ class LLMEngine:
                              finished=request.finished,
                              num_cached_tokens=max(s.num_cached_tokens for s in request.seqs))
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (rows of its embedding): token ids are ``[0, vocab_size)``."""
+        return self.model_config.vocab_size
+
     def stats(self) -> dict:
         """Scheduler and KV-cache figures for metrics."""
         return {

@@ -60,7 +60,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
                       slot_mapping: torch.Tensor) -> None:
     """Write key/value ``[T, Hk, D]`` into the paged caches in place.
 
-    ``slot_mapping[t] = block * block_size + offset`` (int64 ``[T]``); ``-1`` skips token ``t``.
+    ``slot_mapping[t] = block * block_size + offset`` (int64 ``[T]``); a negative slot (padding's ``-1``) skips token ``t``.
     Slots must be distinct and inside the cache (not checked on the host).
     """
     _RESHAPE_AND_CACHE.call(key, value, k_cache, v_cache, slot_mapping)

@@ -33,7 +33,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``rope(q, k, positions, cos_sin_cache, is_neox)``, then ``reshape_and_cache`` of the rotated
-    k and of v ``[T, Hk, D]`` into the paged caches at ``slot_mapping`` (``-1`` skips a token).
+    k and of v ``[T, Hk, D]`` into the paged caches at ``slot_mapping`` (a negative slot, such as the padding rows' ``-1``, skips its token).
 
     Returns the rotated ``(q, k)`` (new tensors); the caches are written in place. Arguments and
     errors as in ``rope`` and ``reshape_and_cache``.

@@ -43,6 +43,15 @@ def _row_param(name, value, b, device, floating: bool) -> None:
         raise spec.OpError(f"{op}: {name} is on {value.device} but logits is on {device}")
 
 
+def _row_values(name, value, valid, accepted: str) -> None:
+    if value is None:
+        return
+    bad = ~valid(value.double())
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise spec.OpError(f"sample: {name}[{row}] is {value[row].item()!r}; accepted: {accepted}")
+
+
 def _sample_key(logits, temperature, top_k=None, top_p=None, min_p=None, generators=None):
     op = "sample"
     spec.tensor(op, "logits", logits, ndim=2)
@@ -54,6 +63,10 @@ def _sample_key(logits, temperature, top_k=None, top_p=None, min_p=None, generat
     _row_param("top_k", top_k, b, logits.device, False)
     _row_param("top_p", top_p, b, logits.device, True)
     _row_param("min_p", min_p, b, logits.device, True)
+    if logits.device.type == "cpu":  # (on GPUs reading the values would synchronise)
+        _row_values("temperature", temperature, lambda t: (t >= 0) & t.isfinite(), "finite and >= 0 (0 = greedy)")
+        _row_values("top_p", top_p, lambda p: (p > 0) & (p <= 1), "in (0, 1] (1 = off)")
+        _row_values("min_p", min_p, lambda p: (p >= 0) & (p <= 1), "in [0, 1] (0 = off)")
     if generators is not None:
         if not isinstance(generators, (list, tuple)) or len(generators) != b:
             raise spec.OpError(f"sample: generators must be None or a list of {b} torch.Generator | None, "

@@ -49,7 +49,7 @@ def engine_limits(engine: Any, max_sequences: int | None) -> Limits:
     capacity = None
     if "num_blocks" in stats and "block_size" in stats:
         capacity = int(stats["num_blocks"]) * int(stats["block_size"])
-    vocab = getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size
+    vocab = getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size  # the engine's check, so no 200 then error
     return Limits(
         max_model_len=int(engine.max_model_len),
         vocab_size=int(vocab),
