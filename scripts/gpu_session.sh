@@ -50,7 +50,7 @@ step_command() {
     dsl-cuda) echo 'python3 -m pytest tests/dsl -q -n 8 -k cuda -p no:cacheprovider' ;;
     dsl-sweep-sdpa-ws) echo 'python3 -m ninefold.bench.dsl --sweep sdpa-ws' ;;
     gemm-ws) echo "python3 -m ninefold.bench.gemm_ws ${GEMM_WS_ARGS:-}" ;;
-    attention-exp2) echo 'python3 -m ninefold.bench.attention_exp2' ;;
+    attention-exp2) echo "python3 -m ninefold.bench.attention_exp2 ${EXP2_ARGS:-}" ;;
     decode-gemm) echo 'python3 -m ninefold.bench.decode_gemm' ;;
     cublaslt) echo 'python3 -m pytest tests/ops/test_cublaslt.py -q -p no:cacheprovider; python3 -m ninefold.bench.decode_gemm --impls vendor,cublaslt --batches 16,64,128,160,176,192,208,224,240,256' ;;
     llm-bench-cublaslt-ab) echo "for i in 1 2; do $PDL_ENV NINEFOLD_OPS=linear=cublaslt python3 -m ninefold.bench.llm | grep -a \"offline 256\|batch-1 decode:\"; $PDL_ENV NINEFOLD_OPS=linear=vendor python3 -m ninefold.bench.llm | grep -a \"offline 256\|batch-1 decode:\"; done" ;;

@@ -106,10 +106,12 @@ def fa_causal(q_desc, k_desc, v_desc, o_ptr, S, scale_log2, FRACTION: tl.constex
 
 
 TOLERANCE = 0.02  # max abs error against float64 attention on one head (bfloat16 outputs of unit-scale inputs)
-CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2))  # BM, BN, warps, stages
+# BM, BN, warps, stages, maxnreg (a register cap per thread: 168 lets three 4-warp programs share an SM)
+CONFIGS = ((64, 64, 4, 3, None), (64, 64, 4, 2, None), (128, 64, 8, 2, None), (128, 128, 8, 2, None),
+           (64, 64, 4, 2, 168), (64, 64, 4, 2, 160), (64, 32, 4, 2, None), (64, 32, 4, 3, 168), (64, 32, 4, 2, 128))
 
 
-def run(q, k, v, fraction, bm, bn, warps, stages):
+def run(q, k, v, fraction, bm, bn, warps, stages, maxnreg=None):
     """The kernel on ``[B, H, S, D]`` bfloat16 tensors (S a multiple of both tiles)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     B, H, S, D = q.shape
@@ -117,11 +119,19 @@ def run(q, k, v, fraction, bm, bn, warps, stages):
     o = torch.empty_like(q)
     grid = (S // bm, B * H)
     fa_causal[grid](flat(q, bm), flat(k, bn), flat(v, bn), o, S, (D ** -0.5) * 1.4426950408889634,
-                    FRACTION=fraction, BM=bm, BN=bn, D=D, num_warps=warps, num_stages=stages)
+                    FRACTION=fraction, BM=bm, BN=bn, D=D, num_warps=warps, num_stages=stages,
+                    **({"maxnreg": maxnreg} if maxnreg else {}))
     return o
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.attention_exp2", description=__doc__.splitlines()[0])
+    parser.add_argument("--fractions", default="0,3,1,2", help="FRACTION values to run (0: ex2 only)")
+    parser.add_argument("--configs", default=None, help="indices into CONFIGS to run (default: all)")
+    args = parser.parse_args(argv)
+    fractions = [int(f) for f in args.fractions.split(",")]
+    configs = CONFIGS if args.configs is None else [CONFIGS[int(i)] for i in args.configs.split(",")]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("ninefold.bench.attention_exp2 needs a CUDA device with TMA (sm_90+); nothing measured.", file=sys.stderr)
         return 2
@@ -139,25 +149,26 @@ def main() -> int:
     print(f"torch SDPA: {t_torch * 1e3:.1f} us, {flops / t_torch / 1e9:.0f} TFLOP/s; "
           f"its error on head {h}: {(ref[h].double() - ref64).abs().max().item():.4f}")
     rows = []
-    for bm, bn, warps, stages in CONFIGS:
-        for fraction in (0, 3, 1, 2):
+    for bm, bn, warps, stages, maxnreg in configs:
+        for fraction in fractions:
             t0 = time.time()
             try:
-                out = run(q, k, v, fraction, bm, bn, warps, stages)
+                out = run(q, k, v, fraction, bm, bn, warps, stages, maxnreg)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001  (a configuration that does not compile is reported, not fatal)
-                print(f"{bm}x{bn} w{warps} s{stages} fraction {fraction}: {type(e).__name__}: {str(e)[:200]}")
+                print(f"{bm}x{bn} w{warps} s{stages} r{maxnreg} fraction {fraction}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             err64 = (out[h].double() - ref64).abs().max().item()
             err = (out.float() - ref.float()).abs().max().item()
             if not (err64 <= TOLERANCE and err <= 2 * TOLERANCE):
-                print(f"{bm}x{bn} w{warps} s{stages} fraction {fraction}: WRONG (max error {err64:.4f} against "
+                print(f"{bm}x{bn} w{warps} s{stages} r{maxnreg} fraction {fraction}: WRONG (max error {err64:.4f} against "
                       f"float64, {err:.4f} against torch); not timed")
                 continue
-            t = triton.testing.do_bench(lambda args=(fraction, bm, bn, warps, stages): run(q, k, v, *args))
-            rows.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages, "fraction": fraction,
+            t = triton.testing.do_bench(lambda args=(fraction, bm, bn, warps, stages, maxnreg): run(q, k, v, *args))
+            rows.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg,
+                         "fraction": fraction,
                          "us": t * 1e3, "tflops": flops / t / 1e9, "of_torch": t_torch / t, "err_vs_fp64": err64})
-            print(f"{bm}x{bn} w{warps} s{stages} fraction {fraction}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s "
+            print(f"{bm}x{bn} w{warps} s{stages} r{maxnreg} fraction {fraction}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s "
                   f"({t_torch / t:.1%} of torch); max err vs fp64 head {err64:.4f}, vs torch {err:.4f}; "
                   f"first call {time.time() - t0:.1f} s")
     if os.environ.get("OUT"):
