@@ -20,6 +20,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
+# config.json model_type -> architecture, for configs without an ``architectures`` entry.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -112,10 +120,27 @@ class ModelConfig:
         if not isinstance(config, dict):
             raise TypeError(f"config: expected a dict, got {type(config).__name__}")
         archs = config.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            # No architectures entry: transformers' AutoModelForCausalLM goes by model_type.
+            arch = MODEL_TYPES.get(config.get("model_type"))
+            if arch is None:
+                raise ValueError(
+                    f"architectures: missing, and model_type is {config.get('model_type')!r}; supported "
+                    f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(MODEL_TYPES)})"
+                )
         if arch is None:
             raise ValueError(
                 f"architectures: got {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        quant = config.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"quantization_config: got a checkpoint quantized with {method!r}; supported: unquantized "
+                "float32/float16/bfloat16 safetensors (or a .gguf file, whose quantized matrices are supported)"
             )
         act = config.get("hidden_act", "silu")
         if act != "silu":
@@ -133,15 +158,21 @@ class ModelConfig:
         rope_theta = float(config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         scaling = config.get("rope_scaling") or (rope_params if rope_params else None)
         if scaling is not None:
+            if not isinstance(scaling, dict):
+                raise ValueError(f"rope_scaling: got {scaling!r}; expected a dict with a rope_type (or null)")
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
             elif kind != "llama3":
                 raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3'")
+            else:
+                _check_llama3_scaling(scaling)
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         sliding = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        # Qwen2/Qwen3 configs carry a sliding_window that only applies with use_sliding_window
+        # (transformers sets it to None otherwise); Mistral's applies whenever it is set.
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -164,6 +195,20 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             raw=dict(config),
         )
+
+
+def _check_llama3_scaling(scaling: dict) -> None:
+    """rope_type 'llama3' needs a positive factor, and low_freq_factor < high_freq_factor."""
+    numbers = {key: scaling.get(key, default) for key, default in (
+        ("factor", None), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+        ("original_max_position_embeddings", 8192))}
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope_scaling: rope_type 'llama3' needs {key} (a number > 0); got {value!r} "
+                             f"in {scaling!r}")
+    if not numbers["low_freq_factor"] < numbers["high_freq_factor"]:
+        raise ValueError(f"rope_scaling: rope_type 'llama3' needs low_freq_factor < high_freq_factor; got "
+                         f"{numbers['low_freq_factor']!r} and {numbers['high_freq_factor']!r}")
 
 
 def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:

@@ -138,6 +138,9 @@ def gguf_config(file: GGUFFile) -> dict:
     tokens = meta.get("tokenizer.ggml.tokens")
     embed = file.tensors.get("token_embd.weight")
     vocab = get("vocab_size") or (len(tokens) if tokens is not None else None) or (embed.shape[0] if embed else None)
+    if vocab is None:
+        raise GGUFError(f"GGUF file {file.path} gives no vocabulary size ({arch}.vocab_size, tokenizer.ggml.tokens "
+                        "and token_embd.weight are all missing)")
     config = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch][0]],
         "model_type": SUPPORTED_ARCHITECTURES[arch][0].removesuffix("ForCausalLM").lower(),

@@ -7,14 +7,15 @@ fills its weights with random values), from a named shape, a config dict or a di
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ninefold.llm.config import NAMED_SHAPES, QUANTIZATION_MODES
+from ninefold.llm.config import NAMED_SHAPES, QUANTIZATION_MODES, ModelConfig
+from ninefold.llm.tokenizer import read_json_object, read_tokenizer_config, read_tokenizer_file
 
 
 class MissingModelFile(FileNotFoundError, ValueError):
@@ -54,13 +55,21 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
         raise TypeError("model: a config dict needs load_format='dummy'")
     if model is not None and not isinstance(model, (str, Path)):
         raise TypeError(f"model: expected a path or a model name, got {type(model).__name__}")
-    path = Path(model) if model is not None else None
-    if path is not None and path.suffix == ".gguf":
+    if isinstance(model, str) and not model.strip():
+        raise ValueError("model: got an empty string; expected a Hugging Face model directory, a .gguf file or a "
+                         "known model name (None for the default model)")
+    path = Path(model).expanduser() if model is not None else None
+    if path is not None and (path.suffix.lower() == ".gguf" or _starts_like_gguf(path)):
         if not path.is_file():
             raise MissingModelFile(f"model: GGUF file {str(path)!r} not found")
         return _from_gguf(path, quantization)
     if path is not None and path.is_dir():
         return load_hf_dir(path)
+    if path is not None and path.is_file():
+        raise ValueError(
+            f"model: {str(path)!r} is a file but not a GGUF file; give a Hugging Face model directory (the "
+            "folder that holds config.json and the *.safetensors files), a .gguf file or a known model name"
+        )
     try:
         from ninefold.llm import hub
     except ImportError as error:
@@ -75,42 +84,188 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
 
 
 def load_hf_dir(path: str | Path) -> Checkpoint:
-    """Read config.json, safetensors weights (single or sharded), tokenizer and generation config."""
-    import tokenizers
-    from safetensors import safe_open
+    """Read config.json, safetensors weights (single or sharded), tokenizer and generation config.
 
+    The config is checked first (``ModelConfig.from_dict``: architecture, rope scaling, ...), so an
+    unsupported model fails before any weight is read; then every tensor is checked against what
+    that config describes (``check_tensors``): a missing, unexpected or misshapen tensor is an
+    error naming it and its file, not a model that silently ignores or misreads it.
+    """
     path = Path(path)
-    config = _read_json(path / "config.json", required=True)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index, required=True).get("weight_map", {})
-        files = sorted({path / name for name in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise MissingModelFile(f"model.safetensors not found in {path} (no *.safetensors files)")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise MissingModelFile(f"{file.name} (listed in model.safetensors.index.json) not found in {path}")
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
+    config_file = path / "config.json"
+    config = _read_json(config_file, required=True)
+    try:
+        model_config = ModelConfig.from_dict(config)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{config_file}: {error}") from error
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise MissingModelFile(f"tokenizer.json not found in {path}")
-    tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
-    chat_file = path / "chat_template.jinja"
-    if "chat_template" not in tokenizer_config and chat_file.is_file():
-        tokenizer_config["chat_template"] = chat_file.read_text()
+        raise MissingModelFile(f"tokenizer.json not found in {path} (a model directory needs the tokenizers "
+                               "library's tokenizer.json; tokenizer.model alone is not supported)")
+    tensors, origin = _read_weights(path)
+    check_tensors(model_config, config, tensors, origin, source=str(path))
     return Checkpoint(
         config=config,
         tensors=tensors,
-        tokenizer=tokenizers.Tokenizer.from_file(str(tokenizer_file)),
-        tokenizer_config=tokenizer_config,
+        tokenizer=read_tokenizer_file(tokenizer_file),
+        tokenizer_config=read_tokenizer_config(path),
         generation_config=_read_json(path / "generation_config.json", required=False),
         source=str(path),
     )
+
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files to read, and the index's weight map when there is one.
+
+    The files that ``model.safetensors.index.json`` names, else ``model.safetensors``; only without
+    either, every ``*.safetensors`` file (other safetensors files beside a model, such as a LoRA
+    adapter or Mistral's ``consolidated.safetensors``, are not part of it).
+    """
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index, required=True).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file name; "
+                             f"got {_short(weight_map)}")
+        files = []
+        for name in sorted(set(weight_map.values())):
+            file = path / name
+            if not file.is_file():
+                raise MissingModelFile(f"{name} (listed in {INDEX_FILE}) not found in {path}")
+            files.append(file)
+        return files, weight_map
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE], None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        found = f"; found {', '.join(others)} (not read: convert to safetensors)" if others else ""
+        raise MissingModelFile(f"{SINGLE_FILE} not found in {path} (no {INDEX_FILE} and no *.safetensors files"
+                               f"{found})")
+    return files, None
+
+
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of the checkpoint's safetensors files, and the file each came from."""
+    from safetensors import SafetensorError, safe_open
+
+    files, weight_map = _weight_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in origin:
+                        raise ValueError(f"{path}: tensor {name!r} is stored twice, in {origin[name]} and {file.name}")
+                    tensors[name] = handle.get_tensor(name)
+                    origin[name] = file.name
+        except SafetensorError as error:
+            raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {error}") from error
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if origin.get(name) != shard:
+                where = f"it is in {origin[name]}" if name in origin else "no shard holds it"
+                raise ValueError(f"{path / INDEX_FILE}: maps tensor {name!r} to {shard}, but {where}")
+    return tensors, origin
+
+
+# Tensors a checkpoint may hold that the model does not use: per-layer rotary buffers of old
+# checkpoints (transformers ignores them too).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def expected_tensor_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the model definition reads for ``mc``."""
+    D, Dh, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * Dh, mc.num_kv_heads * Dh
+    shapes = {"model.embed_tokens.weight": (mc.vocab_size, D), "model.norm.weight": (D,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (mc.vocab_size, D)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
+            p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
+            p + "mlp.gate_proj.weight": (ff, D), p + "mlp.up_proj.weight": (ff, D), p + "mlp.down_proj.weight": (D, ff),
+        })
+        if mc.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if mc.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (Dh,), p + "self_attn.k_norm.weight": (Dh,)})
+    return shapes
+
+
+def check_tensors(mc: ModelConfig, config: dict, tensors: dict, origin: dict[str, str] | None = None,
+                  source: str = "checkpoint") -> None:
+    """Check ``tensors`` (HF names) against what ``mc`` describes; raise ValueError naming the first
+    missing, unexpected, misshapen or non-float tensor. Edits ``tensors`` and ``config`` in place
+    where transformers would read the checkpoint differently from the config:
+
+    - tied embeddings with an ``lm_head.weight`` equal to the embedding: the copy is dropped;
+      one that differs is used as an untied head (``tie_word_embeddings`` becomes false), as
+      transformers does, with a warning;
+    - tied embeddings with ``lm_head.weight`` but no ``model.embed_tokens.weight``: the head is
+      the embedding too;
+    - per-layer ``rotary_emb.inv_freq`` buffers are dropped.
+    """
+    origin = origin or {}
+
+    def where(name: str) -> str:
+        return f" in {origin[name]}" if name in origin else ""
+
+    for name in [n for n in tensors if n.endswith(_IGNORED_SUFFIXES)]:
+        del tensors[name]
+    if mc.tie_word_embeddings and "lm_head.weight" in tensors:
+        head, embed = tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")
+        if embed is None:
+            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+            if "lm_head.weight" in origin:
+                origin["model.embed_tokens.weight"] = origin["lm_head.weight"]
+        elif isinstance(head, torch.Tensor) and isinstance(embed, torch.Tensor) and (
+                head.shape != embed.shape or not torch.equal(head, embed)):
+            warnings.warn(f"{source}: config.json says tie_word_embeddings, but lm_head.weight differs from "
+                          "model.embed_tokens.weight; using it as an untied output layer (as transformers does)",
+                          stacklevel=3)
+            config["tie_word_embeddings"] = False
+            mc = replace(mc, tie_word_embeddings=False)
+        else:
+            del tensors["lm_head.weight"]
+    expected = expected_tensor_shapes(mc)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{source}: checkpoint: tensor(s) {', '.join(repr(n) for n in missing[:5])}{more} "
+                         f"missing; {_describe(mc)} needs them")
+    for name, tensor in tensors.items():
+        if name not in expected:
+            raise ValueError(f"{source}: checkpoint: unexpected tensor {name!r}{where(name)}: {_describe(mc)} "
+                             "has no such weight, so the checkpoint does not match its config.json")
+        shape = tuple(tensor.shape)
+        if shape != expected[name]:
+            raise ValueError(f"{source}: checkpoint: tensor {name!r}{where(name)} has shape {shape}, expected "
+                             f"{expected[name]} from config.json")
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{source}: checkpoint: tensor {name!r}{where(name)} has dtype {tensor.dtype}; "
+                             "supported: float32, float16, bfloat16")
+
+
+def _describe(mc: ModelConfig) -> str:
+    return (f"a {mc.architecture} with {mc.num_layers} layers (attention_bias={mc.attention_bias}, "
+            f"qk_norm={mc.qk_norm}, tie_word_embeddings={mc.tie_word_embeddings})")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _from_gguf(path: Path, quantization: str = "auto") -> Checkpoint:
@@ -121,6 +276,13 @@ def _from_gguf(path: Path, quantization: str = "auto") -> Checkpoint:
     ckpt = load_gguf(path, keep_quantized=quantization != "none")
     config = dict(ckpt.config)
     config["ninefold_quantization"] = quantization
+    try:
+        model_config = ModelConfig.from_dict(config)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"GGUF file {path}: {error}") from error
+    # The GGUF loader accepts a few optional tensors (q/k/v biases, q/k norms); the model reads
+    # them only where the config says so, so one it would ignore is an error here.
+    check_tensors(model_config, config, ckpt.tensors, source=f"GGUF file {path}")
     return Checkpoint(
         config=config,
         tensors=ckpt.tensors,
@@ -154,7 +316,13 @@ def _read_json(file: Path, *, required: bool) -> dict:
         if required:
             raise MissingModelFile(f"{file.name} not found in {file.parent}")
         return {}
+    return read_json_object(file)
+
+
+def _starts_like_gguf(path: Path) -> bool:
+    """A file whose first bytes are GGUF's magic, whatever its name."""
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file}: not valid JSON ({error})") from error
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -22,6 +22,73 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _default_template(template: Any) -> str | None:
+    """The default chat template of a ``chat_template`` entry: a string, a list of
+    ``{"name": ..., "template": ...}`` (tokenizer_config.json) or a ``{name: template}`` dict."""
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file that must hold an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file}: not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def read_tokenizer_file(file: str | Path) -> tokenizers.Tokenizer:
+    """``tokenizers.Tokenizer.from_file``, with an error naming the file when it cannot be read."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises a bare Exception for malformed files
+        raise ValueError(f"{file}: not a valid tokenizer.json for the tokenizers library ({error})") from error
+
+
+def read_tokenizer_config(path: str | Path) -> dict:
+    """``tokenizer_config.json`` of a model directory (``{}`` when absent) with its chat templates.
+
+    As transformers reads them, templates saved beside the config take priority over its
+    ``chat_template`` entry: ``chat_template.jinja`` (the default) and
+    ``additional_chat_templates/<name>.jinja`` (named ones; several templates come back as the
+    ``[{"name", "template"}]`` list tokenizer_config.json uses). A ``chat_template.json``
+    (``{"chat_template": ...}``, what processors save) is used only when nothing else gives one.
+    """
+    path = Path(path)
+    config_file = path / "tokenizer_config.json"
+    config = read_json_object(config_file) if config_file.is_file() else {}
+    entry = config.get("chat_template")
+    if isinstance(entry, list):
+        templates = {t.get("name"): t.get("template") for t in entry if isinstance(t, dict)}
+    elif isinstance(entry, dict):
+        templates = dict(entry)
+    else:
+        templates = {"default": entry} if isinstance(entry, str) and entry else {}
+    default_file = path / "chat_template.jinja"
+    if default_file.is_file():
+        templates["default"] = default_file.read_text(encoding="utf-8")
+    extra_dir = path / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for file in sorted(extra_dir.glob("*.jinja")):
+            templates[file.stem] = file.read_text(encoding="utf-8")
+    legacy = path / "chat_template.json"
+    if not templates and legacy.is_file():
+        value = read_json_object(legacy).get("chat_template")
+        if isinstance(value, str) and value:
+            templates["default"] = value
+    if list(templates) == ["default"]:
+        config["chat_template"] = templates["default"]
+    elif templates:
+        config["chat_template"] = [{"name": name, "template": text} for name, text in templates.items()]
+    return config
+
+
 class Tokenizer:
     """Encode, decode and render chat templates for one model."""
 
@@ -36,11 +103,7 @@ class Tokenizer:
         self.bos_token_id = self._tk.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos_token = bool(self.config.get("add_bos_token", False))
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        self.chat_template: str | None = template
+        self.chat_template: str | None = _default_template(self.config.get("chat_template"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -49,12 +112,7 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"tokenizer.json not found in {path}")
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        chat_file = path / "chat_template.jinja"
-        if "chat_template" not in config and chat_file.is_file():
-            config["chat_template"] = chat_file.read_text()
-        return cls(tokenizers.Tokenizer.from_file(str(file)), config)
+        return cls(read_tokenizer_file(file), read_tokenizer_config(path))
 
     @property
     def vocab_size(self) -> int:
