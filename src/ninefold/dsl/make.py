@@ -50,6 +50,11 @@ def _source_text(func) -> str:
         return getattr(func, "__qualname__", repr(func))
 
 
+def _check_name(name, what):
+    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+        raise ValueError(f"{what}={name!r}: a kernel name must be a Python identifier (it names the generated code)")
+
+
 def _check_caller(caller):
     if caller not in (None, "torch"):
         raise ValueError(f"caller={caller!r}: ninefold.dsl kernels are called with torch tensors (caller='torch')")
@@ -76,6 +81,8 @@ def make(
     compatibility and must be ``"torch"`` if given.
     """
     _check_caller(caller)
+    _check_name(name, "name")
+    _check_name(kernel_name, "kernel_name")
     name = name or kernel_name
     tensors = tuple(tensors)
     app_params = list(inspect.signature(application).parameters)
@@ -120,6 +127,7 @@ def _spec(tensor):
 def jit(func=None, *, num_warps=None, num_stages=None, max_num_configs=None, kernel_name=None, caller=None):
     """Decorator form: parameters annotated with arranged tensors, the body is the application."""
     _check_caller(caller)
+    _check_name(kernel_name, "kernel_name")
 
     def wrap(func):
         signature = inspect.signature(func, eval_str=True)

@@ -12,7 +12,7 @@ mask. Nodes are never modified after they are made; meta-operations return new n
 
 from __future__ import annotations
 
-from ninefold.dsl.expr import Const, Expr, Index, SizeOf, as_expr, binary, const_value, maximum
+from ninefold.dsl.expr import Const, Expr, Index, SizeOf, as_expr, binary, const_value, maximum, minimum
 
 _SHAPE_OPTION_KEYS = {"constexpr", "upper_bound", "lower_bound"}
 
@@ -21,6 +21,36 @@ def _plain(value):
     """Constants as Python ints (what users see in ``shape``), expressions unchanged."""
     c = const_value(value)
     return int(c) if c is not None and float(c).is_integer() else value
+
+
+class DimensionError(IndexError, ValueError):
+    """A dimension or an index out of range: an ``IndexError`` as in torch, and a ``ValueError``."""
+
+
+def _size(value, what) -> Expr:
+    """A size-like argument as an expression: an int or a symbolic expression, nothing else."""
+    if isinstance(value, Expr) and not isinstance(value, Const):
+        return value
+    c = const_value(value)
+    if c is None and not isinstance(value, bool) and hasattr(value, "__index__"):
+        c = int(value)  # numpy and torch integers
+    if c is None or isinstance(c, bool) or not float(c).is_integer():
+        raise TypeError(
+            f"{what} must be an int or a symbolic expression (Symbol), got {type(value).__name__} {value!r}"
+        )
+    return Const(int(c))
+
+
+def _entries(values, what, ndim) -> tuple:
+    """``values`` as a tuple of ``ndim`` entries (one per dimension)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(
+            f"{what} must be a tuple with one entry per dimension ({ndim}), got {type(values).__name__} {values!r}"
+        )
+    values = tuple(values)
+    if len(values) != ndim:
+        raise ValueError(f"{what} {values} has {len(values)} entries; this {ndim}-dim level takes {ndim}")
+    return values
 
 
 class Tensor:
@@ -75,7 +105,9 @@ class Tensor:
         if value is not None and not constexpr:
             raise ValueError("Tensor: value is only for constexpr (0-dim) tensors")
         self._shape_options = shape_options
-        self._shape = tuple(SizeOf(self, d) if s is None else as_expr(s) for d, s in enumerate(shape))
+        self._shape = tuple(
+            SizeOf(self, d) if s is None else _size(s, f"Tensor: shape[{d}]") for d, s in enumerate(shape)
+        )
         self.dtype = dtype
         self.other = other
         self.constexpr = bool(constexpr)
@@ -144,7 +176,10 @@ class Tensor:
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"{what} must be an int, got {type(dim).__name__} {dim!r}")
         if not -ndim <= dim < max(ndim, 1):
-            raise IndexError(f"{what}={dim} is out of range for a {ndim}-dim level (shape {self.shape})")
+            accepted = f"{-ndim}..{ndim - 1}" if ndim else "0"
+            raise DimensionError(
+                f"{what}={dim} is out of range for a {ndim}-dim level (shape {self.shape}); accepted: {accepted}"
+            )
         return dim % ndim if ndim else 0
 
     # ----------------------------------------------------------------- meta-operations
@@ -154,30 +189,31 @@ class Tensor:
         ``-1`` in ``tile_shape`` takes the whole dimension; ``strides`` (default: the tile size,
         ``-1`` also means the tile size) smaller than a tile give overlapping windows;
         ``dilation`` spaces the elements inside a tile. The number of tiles rounds up (tiles may
-        overhang and are masked) unless ``floor_mode``.
+        overhang and are masked) unless ``floor_mode``; a window longer than its dimension gives one
+        tile (none in ``floor_mode``).
         """
-        tile_shape = tuple(tile_shape)
-        if len(tile_shape) != self.ndim:
-            raise ValueError(f"tile: tile_shape {tile_shape} has {len(tile_shape)} entries for a {self.ndim}-dim level")
-        strides = tuple(strides) if strides is not None else (-1,) * self.ndim
-        dilation = tuple(dilation) if dilation is not None else (1,) * self.ndim
-        if len(strides) != self.ndim or len(dilation) != self.ndim:
-            raise ValueError(f"tile: strides {strides} and dilation {dilation} need {self.ndim} entries")
+        tile_shape = _entries(tile_shape, "tile: tile_shape", self.ndim)
+        strides = _entries(strides, "tile: strides", self.ndim) if strides is not None else (-1,) * self.ndim
+        dilation = _entries(dilation, "tile: dilation", self.ndim) if dilation is not None else (1,) * self.ndim
         outer, inner, steps, spacings = [], [], [], []
-        for size, t, s, d in zip(self._shape, tile_shape, strides, dilation):
-            t = size if const_value(t) == -1 else as_expr(t)
-            s = t if const_value(s) == -1 else as_expr(s)
-            d = as_expr(d)
-            for name, v in (("tile size", t), ("stride", s), ("dilation", d)):
-                if const_value(v) is not None and const_value(v) <= 0:
-                    raise ValueError(f"tile: {name} must be positive (or -1), got {const_value(v)}")
+        for dim, (size, t, s, d) in enumerate(zip(self._shape, tile_shape, strides, dilation)):
+            t, s, d = (_size(v, f"tile: {n}[{dim}]") for v, n in ((t, "tile_shape"), (s, "strides"), (d, "dilation")))
+            for name, v, minus_one in (("tile_shape", t, " or -1 for the whole dimension"),
+                                       ("strides", s, " or -1 for the tile size"), ("dilation", d, None)):
+                c = const_value(v)
+                if c is not None and c <= 0 and not (minus_one and c == -1):
+                    raise ValueError(f"tile: {name}[{dim}] must be a positive size{minus_one or ''}, got {c}")
+            t = size if const_value(t) == -1 else t
+            s = t if const_value(s) == -1 else s
             if t == size and s == t:
                 n = Const(1)
             elif const_value(d) == 1 and s == t:
                 n = size // t if floor_mode else (size + t - 1) // t
             else:
+                # A window longer than the dimension (span < 0) gives one overhanging tile, or none in
+                # floor mode. The dividends stay non-negative: Triton's `//` truncates, Python's floors.
                 span = size - d * (t - 1) - 1
-                n = span // s + 1 if floor_mode else (span + s - 1) // s + 1
+                n = maximum(span + s, 0) // s if floor_mode else (maximum(span, 0) + s - 1) // s + 1
             outer.append(n)
             inner.append(t)
             steps.append(s)
@@ -191,9 +227,11 @@ class Tensor:
 
     def expand(self, shape):
         """Repeat singleton dimensions: ``-1`` keeps a dimension, a size broadcasts a size-1 one."""
-        shape = tuple(shape)
-        if len(shape) != self.ndim:
-            raise ValueError(f"expand: shape {shape} has {len(shape)} entries for a {self.ndim}-dim level")
+        shape = _entries(shape, "expand: shape", self.ndim)
+        shape = tuple(_size(s, f"expand: shape[{d}]") for d, s in enumerate(shape))
+        for d, s in enumerate(shape):
+            if const_value(s) is not None and const_value(s) < -1:
+                raise ValueError(f"expand: shape[{d}] must be a size >= 0, or -1 to keep the dimension; got {s}")
         keep = [const_value(s) == -1 for s in shape]
         requires = []
         for dim, (size, k) in enumerate(zip(self._shape, keep)):
@@ -250,6 +288,8 @@ class Tensor:
         if end_dim is None:
             end = self.ndim
         else:
+            if not isinstance(end_dim, int) or isinstance(end_dim, bool):
+                raise TypeError(f"flatten: end_dim must be an int or None, got {type(end_dim).__name__} {end_dim!r}")
             end = end_dim + self.ndim if end_dim < 0 else end_dim
             if not start < end <= self.ndim:
                 raise ValueError(f"flatten: end_dim={end_dim} must be in ({start}, {self.ndim}] (it is exclusive)")
@@ -283,22 +323,26 @@ class Tensor:
 
     def pad(self, pad):
         """Pad each dimension by ``(before, after)`` (one pair per dimension, in order)."""
-        pad = tuple(tuple(p) for p in pad)
-        if len(pad) != self.ndim or any(len(p) != 2 for p in pad):
-            raise ValueError(f"pad: need one (before, after) pair per dimension ({self.ndim}), got {pad}")
+        pairs = isinstance(pad, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pad)
+        if not pairs or len(pad) != self.ndim:
+            raise ValueError(f"pad: need one (before, after) pair per dimension ({self.ndim}), got {pad!r}")
+        pad = tuple(tuple(_size(v, f"pad: pad[{d}][{i}]") for i, v in enumerate(p)) for d, p in enumerate(pad))
         return self._derive(
             [s + a + b for s, (a, b) in zip(self._shape, pad)],
             lambda idx: tuple(i - a for i, (a, _) in zip(idx, pad)),
         )
 
     def __getitem__(self, key):
-        """Index this level with ints, slices (any step), ``None`` and ``...``."""
+        """Index this level with ints, slices (any step), ``None`` and ``...``; constant slice bounds clamp
+        into the dimension as Python's do, a constant int out of a constant size's range raises."""
         key = key if isinstance(key, tuple) else (key,)
         if sum(k is Ellipsis for k in key) > 1:
-            raise IndexError("only one Ellipsis is allowed in an index")
+            raise DimensionError("only one Ellipsis is allowed in an index")
         effective = sum(k is not None and k is not Ellipsis for k in key)
         if effective > self.ndim:
-            raise IndexError(f"too many indices ({effective}) for a {self.ndim}-dim level")
+            raise DimensionError(
+                f"too many indices ({effective}) for a {self.ndim}-dim level; accepted: at most {self.ndim}"
+            )
         expanded = []
         for k in key:
             if k is Ellipsis:
@@ -314,14 +358,21 @@ class Tensor:
                 out = out._slice(dim, k.start, k.stop, k.step)
                 dim += 1
             elif isinstance(k, (int, Expr)) and not isinstance(k, bool):
+                size, c = const_value(out._shape[dim]), const_value(k)
+                if size is not None and c is not None and not -size <= c < size:
+                    raise DimensionError(
+                        f"index {c} is out of range for dimension {dim} of size {size}; accepted: {-size}..{size - 1}"
+                    )
                 stop = None if const_value(k) == -1 else k + 1
-                out = out._slice(dim, k, stop, 1)
+                out = out._slice(dim, k, stop, 1, clamp=False)
                 out = out._derive([s for d, s in enumerate(out._shape) if d != dim], _drop_dim(dim, out.ndim))
             else:
                 raise TypeError(f"index entries must be int, slice, None or ..., got {type(k).__name__}")
         return out
 
-    def _slice(self, dim, start, stop, step):
+    def _slice(self, dim, start, stop, step, clamp=True):
+        """``[start:stop:step]`` of dimension ``dim``; constant bounds clamp into the dimension as Python's
+        do (``clamp`` False: an int index, whose one element is masked where it is out of range)."""
         size = self._shape[dim]
         step = 1 if step is None else step
         if not isinstance(step, int) or step == 0:
@@ -332,17 +383,21 @@ class Tensor:
             n = len(range(*slice(cstart, cstop, step).indices(csize)))
             begin = Const(first)
         else:
-            def norm(v):
+            def norm(v, lo, hi):
                 c = const_value(v)
-                return size + c if c is not None and c < 0 else as_expr(v)
+                if c is None:
+                    return as_expr(v)  # a symbolic bound is taken as it is
+                if not clamp:
+                    return size + c if c < 0 else as_expr(v)
+                return maximum(size + c, lo) if c < 0 else minimum(c, hi)
 
             if step > 0:
-                begin = Const(0) if start is None else norm(start)
-                end = size if stop is None else norm(stop)
+                begin = Const(0) if start is None else norm(start, 0, size)
+                end = size if stop is None else norm(stop, 0, size)
                 n = maximum((end - begin + step - 1) // step, 0)
             else:
-                begin = size - 1 if start is None else norm(start)
-                end = Const(-1) if stop is None else norm(stop)
+                begin = size - 1 if start is None else norm(start, -1, size - 1)
+                end = Const(-1) if stop is None else norm(stop, -1, size - 1)
                 n = maximum((begin - end - step - 1) // (-step), 0)
         shape = list(self._shape)
         shape[dim] = n

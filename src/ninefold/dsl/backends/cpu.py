@@ -679,16 +679,19 @@ class _Plan:
         return offsets, mask
 
     def gather(self, tensor, env, chunk):
+        # A tile dimension that neither the offsets nor the mask read (an arrangement's expand) broadcasts
+        # in them: the tile still has its full size there, as a reduction over it must see every repeat.
+        sizes = self.local_sizes(chunk)
         offsets, mask = self._offsets(tensor, env)
         flat = _flat(tensor)
         other = 0 if self.other is None else self.other
         if isinstance(mask, torch.Tensor):
             safe = torch.where(mask, offsets, 0)
             values = flat[safe]
-            return torch.where(mask, values, torch.tensor(other, dtype=values.dtype))
+            return torch.where(mask, values, torch.tensor(other, dtype=values.dtype)).expand(sizes)
         if not mask:
-            return torch.full(self.local_sizes(chunk), other, dtype=tensor.dtype)
-        return flat[offsets]
+            return torch.full(sizes, other, dtype=tensor.dtype)
+        return flat[offsets].expand(sizes)
 
     def scatter(self, tensor, env, chunk, value):
         full = self.local_sizes(chunk)

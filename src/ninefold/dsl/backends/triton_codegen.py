@@ -292,14 +292,16 @@ class _Lowering(ast.NodeTransformer):
                 break
             # Triton's interpreter (3.9) rejects `scalar condition & block` as a mask: select instead
             mask = _call(_attr(TL, "where"), node, mask, ast.Constant(False))
-        self._last_leaves = set(offsets.leaves()).union(*(t.leaves() for t in kept))
+        self._pointer_leaves = set(offsets.leaves())
+        self._last_leaves = self._pointer_leaves.union(*(t.leaves() for t in kept))
         return pointer, mask, access
 
     def _full_tile(self, loaded, access, leaves):
-        """``loaded`` broadcast to the whole tile where some tile dimension reads no index (an expanded,
-        stride-0 dimension): the pointer expression alone would give that dimension size 1."""
+        """``loaded`` (or a store's pointers) broadcast to the whole tile where some tile dimension reads no
+        index (an expanded, stride-0 dimension): the pointer expression alone would give that dimension
+        size 1, or be a scalar where it reads no tile index at all."""
         missing = [v for v in access.tile_vars if v not in leaves and const_value(v.level._shape[v.dim]) != 1]
-        if not missing:
+        if not missing and (not access.tile_vars or any(v in leaves for v in access.tile_vars)):
             return loaded
         sizes = [self.namer.padded_size(v.level._shape[v.dim]) for v in access.tile_vars]
         return _call(_attr(TL, "broadcast_to"), loaded, ast.Tuple(sizes, ast.Load()))
@@ -423,6 +425,11 @@ class _Lowering(ast.NodeTransformer):
         if method == "load":
             pointer, mask, access = self.pointer_and_mask(name, index_nodes)
             offsets_and_mask = self._last_leaves
+            tile_vars = set(access.tile_vars)
+            if tile_vars & offsets_and_mask and not tile_vars & self._pointer_leaves:
+                # the mask reads tile indices but the offsets none: Triton takes no block mask for a scalar pointer
+                pointer = self._full_tile(pointer, access, self._pointer_leaves)
+                offsets_and_mask = tile_vars
             kwargs = {}
             if mask is not None:
                 kwargs["mask"] = mask
@@ -433,7 +440,10 @@ class _Lowering(ast.NodeTransformer):
                 kwargs["eviction_policy"] = ast.Constant(hints["load"])
             return self._full_tile(_call(_attr(TL, "load"), pointer, **kwargs), access, offsets_and_mask)
         if method == "store":
-            pointer, mask, _ = self.pointer_and_mask(name, index_nodes)
+            pointer, mask, access = self.pointer_and_mask(name, index_nodes)
+            # Triton broadcasts the value and the mask to the pointers' shape, never the pointers: a tile
+            # dimension the offsets do not read needs them at its full size (its copies share an address).
+            pointer = self._full_tile(pointer, access, self._pointer_leaves)
             value = self.visit(node.args[2])
             kwargs = {"mask": mask} if mask is not None else {}
             hints = getattr(self.kernel, "cache_hints", None) or {}
@@ -464,7 +474,7 @@ class _Lowering(ast.NodeTransformer):
                 total = Const(0)
                 for d, e in enumerate(access.source_index):
                     total = total + e * StrideOf(access.top.source, d)
-                return self.render(total, access, index_nodes)
+                return self._full_tile(self.render(total, access, index_nodes), access, total.leaves())
             return self.render(access.source_index[dim % len(access.source_index)], access, index_nodes, flat_tile=True)
         raise AssertionError(method)
 
