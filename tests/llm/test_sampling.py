@@ -180,3 +180,20 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path, llama_dir
     want = greedy.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
         temperature=0, top_p=0.9, top_k=20, repetition_penalty=1.1))[0]
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_an_invalid_generation_config_value_is_left_out_with_a_warning_and_the_rest_kept(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    path = shutil.copytree(llama_dir, tmp_path / "m")
+    config = json.loads((path / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.6, top_p=1.5, top_k=20, min_p=0.05, repetition_penalty="1.1")
+    (path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), device="cpu", num_kv_blocks=16)
+    with pytest.warns(UserWarning) as caught:
+        p = llm.engine.default_sampling_params()
+    messages = " ".join(str(w.message) for w in caught)
+    assert "top_p=1.5 ignored" in messages and "repetition_penalty='1.1' ignored" in messages
+    # before: one bad value dropped every default (temperature 1.0, top_k off)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 1.0, 20, 0.05, 1.0)

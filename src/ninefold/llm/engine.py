@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import itertools
 import time
+import warnings
 
 import torch
 
@@ -151,17 +152,26 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's ``generation_config.json`` defaults (used when none are given).
 
-        ``do_sample: false`` means greedy; temperature, top_p, top_k and repetition_penalty are taken over.
+        ``do_sample: false`` means greedy; temperature, top_p, top_k, min_p and repetition_penalty are
+        taken over. A value SamplingParams refuses is left out with a warning naming it; the others stay.
         """
         g = self.generation_config
-        fields = {name: g[name] for name in ("temperature", "top_p", "top_k", "repetition_penalty")
-                  if isinstance(g.get(name), (int, float)) and not isinstance(g.get(name), bool)}
+        fields = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = g.get(name)
+            if value is None:
+                continue
+            try:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"expected a number, got {type(value).__name__}")
+                SamplingParams(**{name: value})
+            except ValueError as error:  # one odd value should not refuse every request, nor drop the rest
+                warnings.warn(f"generation_config.json: {name}={value!r} ignored ({error})", stacklevel=2)
+                continue
+            fields[name] = value
         if g.get("do_sample") is False:
             fields["temperature"] = 0.0
-        try:
-            return SamplingParams(**fields)
-        except ValueError:  # an odd generation_config: ignore it rather than refuse every request
-            return SamplingParams()
+        return SamplingParams(**fields)
 
     # -- requests ---------------------------------------------------------------------------------
 
