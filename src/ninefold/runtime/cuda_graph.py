@@ -9,7 +9,7 @@ devices without CUDA graphs (the CPU) the callable is simply called on the input
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -33,19 +33,33 @@ class CudaGraphRunner:
                  pad_values: Sequence[float] | None = None, warmup: int = 2):
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
+            raise TypeError(f"batch_sizes: expected a sequence of positive ints, got {type(batch_sizes).__name__} "
+                            f"{batch_sizes!r}")
+        batch_sizes = list(batch_sizes)
+        if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+            raise ValueError(f"batch_sizes: expected positive ints, got {batch_sizes}")
         sizes = sorted(set(batch_sizes))
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-            raise ValueError(f"batch_sizes: expected positive ints, got {list(batch_sizes)}")
+        if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, Iterable):
+            raise TypeError(f"example_inputs: expected a sequence of tensors, got {type(example_inputs).__name__}")
         example_inputs = tuple(example_inputs)
         if not example_inputs or any(not isinstance(x, torch.Tensor) or x.dim() == 0 for x in example_inputs):
-            raise TypeError("example_inputs: expected one or more tensors with a batch dimension")
+            raise TypeError("example_inputs: expected one or more tensors with a batch dimension, got "
+                            f"{[tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]}")
         if any(x.shape[0] != sizes[-1] for x in example_inputs):
             raise ValueError(f"example_inputs: the batch dimension must be the largest batch size {sizes[-1]}, "
                              f"got {[x.shape[0] for x in example_inputs]}")
+        self.device = Device(device if device is not None else example_inputs[0].device)
+        if any(x.device != self.device.torch for x in example_inputs):
+            raise ValueError(f"example_inputs: expected tensors on {self.device.torch}, got "
+                             f"{[str(x.device) for x in example_inputs]}")
         pad_values = tuple(pad_values) if pad_values is not None else (0,) * len(example_inputs)
         if len(pad_values) != len(example_inputs):
             raise ValueError(f"pad_values: expected {len(example_inputs)} values, got {len(pad_values)}")
-        self.device = Device(device if device is not None else example_inputs[0].device)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in pad_values):
+            raise TypeError(f"pad_values: expected ints or floats, got {list(pad_values)!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0 (eager calls before capture), got {warmup!r}")
         self.fn, self.batch_sizes, self.pad_values, self.warmup = fn, sizes, pad_values, warmup
         self.enabled = self.device.type == "cuda"
         self._static = tuple(x.clone() for x in example_inputs) if self.enabled else example_inputs
@@ -67,25 +81,32 @@ class CudaGraphRunner:
                 self.fn(*self._static)
         torch.cuda.current_stream(self.device.torch).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
+        graphs = {}
         for size in reversed(self.batch_sizes):
             graph = torch.cuda.CUDAGraph()
             inputs = tuple(x[:size] for x in self._static)
             with torch.cuda.graph(graph, pool=pool):
                 out = self.fn(*inputs)
             is_tuple = isinstance(out, tuple)
-            self._graphs[size] = (graph, out if is_tuple else (out,), is_tuple)
+            graphs[size] = (graph, out if is_tuple else (out,), is_tuple)
         self.device.synchronize()
+        self._graphs = graphs  # all or nothing: a capture that raised is tried again by the next call
 
     def __call__(self, *inputs: torch.Tensor):
         """``fn(*inputs)``, by replaying the captured graph of the smallest batch size that fits."""
         if len(inputs) != len(self._static):
             raise ValueError(f"inputs: expected {len(self._static)} tensors, got {len(inputs)}")
-        batch = inputs[0].shape[0]
+        first = inputs[0]
+        batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else None
         for i, (x, s) in enumerate(zip(inputs, self._static)):
-            if not isinstance(x, torch.Tensor) or x.shape[1:] != s.shape[1:] or x.shape[0] != batch or x.dtype != s.dtype:
-                raise ValueError(f"inputs[{i}]: expected a {s.dtype} tensor of shape [{batch}, "
-                                 f"{', '.join(map(str, s.shape[1:]))}], got "
-                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if (not isinstance(x, torch.Tensor) or x.dim() != s.dim() or x.shape[1:] != s.shape[1:]
+                    or x.shape[0] != batch or x.dtype != s.dtype):
+                raise ValueError(f"inputs[{i}]: expected a {s.dtype} tensor of shape "
+                                 f"[{', '.join(map(str, ['batch' if batch is None else batch, *s.shape[1:]]))}], got "
+                                 + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+            # Host inputs are copied into the static buffers; anything else must be on the runner's device.
+            if x.device != s.device and not (self.enabled and x.device.type == "cpu"):
+                raise ValueError(f"inputs[{i}]: expected a tensor on {s.device}, got one on {x.device}")
         if not 1 <= batch <= self.max_batch_size:
             raise ValueError(f"inputs: batch size {batch} is outside 1..{self.max_batch_size} (captured: {self.batch_sizes})")
         if not self.enabled:

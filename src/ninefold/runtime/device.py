@@ -96,6 +96,9 @@ class Device:
     @staticmethod
     def count(device_type: str | None = None) -> int:
         """How many devices of ``device_type`` (default: the current accelerator type) exist; the CPU is 1."""
+        if device_type is not None and not isinstance(device_type, str):
+            raise TypeError(f"device_type: expected None or a str such as 'cuda', got {type(device_type).__name__} "
+                            f"{device_type!r}")
         device_type = device_type or Device.current().type
         if device_type == "cpu":
             return 1
@@ -175,6 +178,8 @@ class Device:
         On accelerators this reads torch's allocator peak; on Linux CPUs the process's peak resident
         set (reset through ``/proc/self/clear_refs``). Used to size the activation reserve.
         """
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         if self.is_accelerator:
             self.synchronize()
             self.module.reset_peak_memory_stats(self.index)

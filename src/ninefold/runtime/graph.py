@@ -1,19 +1,21 @@
 """Task graphs: callables with dependencies, each queued on a stream of its own choosing.
 
-A task's arguments may be other tasks (their results are passed in, which makes them dependencies)
-and ``after=`` adds dependencies that pass nothing. Tasks are launched from the host in the order
-they were added, which is a dependency order (a task can only depend on tasks added before it). On
-an accelerator each task runs with its stream current, after that stream waits for events recorded
-behind its dependencies, so independent tasks on different streams overlap (a copy of the next
-batch's inputs while the current step computes). On the CPU they simply run in that order.
+A task's arguments may be other tasks, also inside lists, tuples and dicts (their results are passed
+in, which makes them dependencies), and ``after=`` adds dependencies that pass nothing. Tasks are
+launched from the host in the order they were added, which is a dependency order (a task can only
+depend on tasks added before it). On an accelerator each task runs with its stream current, after
+that stream waits for events recorded behind its dependencies, so independent tasks on different
+streams overlap (a copy of the next batch's inputs while the current step computes). On the CPU they
+simply run in that order.
 
 A failing task does not stop the others: tasks that depend on it (directly or not) are skipped,
-the rest run, and ``run`` then raises ``TaskFailed`` from the first error.
+the rest run, and ``run`` then raises ``TaskFailed`` naming every failed task, from the first error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,9 +31,10 @@ class TaskFailed(RuntimeError):
     run because something they depend on failed; ``results``: what the other tasks returned."""
 
     def __init__(self, failed: dict[str, BaseException], skipped: list[str], results: dict[str, Any]):
-        first = next(iter(failed))
+        first, *others = failed
         super().__init__(f"task {first!r} raised {type(failed[first]).__name__}: {failed[first]}"
-                         + (f"; skipped its dependents {skipped}" if skipped else ""))
+                         + "".join(f"; task {n!r} raised {type(failed[n]).__name__}: {failed[n]}" for n in others)
+                         + (f"; skipped their dependents {skipped}" if skipped else ""))
         self.failed, self.skipped, self.results = failed, skipped, results
 
 
@@ -63,25 +66,35 @@ class TaskGraph:
         self.tasks: list[Task] = []
         self._streams: dict[str, Any] = {}
 
-    def add(self, fn: Callable[..., Any], *args, after: Iterable[Task] = (), stream=None,
+    def add(self, fn: Callable[..., Any], *args, after: Task | Iterable[Task] = (), stream=None,
             name: str | None = None, **kwargs) -> Task:
-        """Add ``fn(*args, **kwargs)`` as a task; tasks among the arguments are replaced by their results."""
+        """Add ``fn(*args, **kwargs)`` as a task; tasks among the arguments (also inside lists, tuples and
+        dicts) are replaced by their results. ``after`` is a task or an iterable of tasks."""
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
-        name = name if name is not None else f"{getattr(fn, '__name__', 'task')}#{len(self.tasks)}"
-        if not isinstance(name, str) or any(t.name == name for t in self.tasks):
+        taken = {t.name for t in self.tasks}
+        if name is None:
+            base = getattr(fn, "__name__", "task")
+            name = next(n for n in (f"{base}#{k}" for k in itertools.count(len(self.tasks))) if n not in taken)
+        if not isinstance(name, str) or name in taken:
             raise ValueError(f"name: task names must be unique strings, got {name!r}")
+        if isinstance(after, Task):
+            after = [after]
+        elif isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+            raise TypeError(f"after: expected a Task or an iterable of Tasks, got {type(after).__name__}")
         after = list(after)
         for dep in after:
             if not isinstance(dep, Task):
                 raise TypeError(f"after: expected Tasks, got {type(dep).__name__}")
+        if not (stream is None or isinstance(stream, str) or all(hasattr(stream, a) for a in ("wait_event", "wait_stream"))):
+            raise TypeError(f"stream: expected None, a stream name (str) or a stream, got {type(stream).__name__}")
         deps: list[Task] = []
-        for dep in [*args, *kwargs.values(), *after]:
-            if isinstance(dep, Task):
-                if dep.graph is not self:
-                    raise ValueError(f"after: task {dep.name!r} belongs to another graph")
-                if all(dep is not d for d in deps):
-                    deps.append(dep)
+        for where, dep in [*(("args", t) for t in _tasks_in(args)), *(("kwargs", t) for t in _tasks_in(kwargs)),
+                           *(("after", t) for t in after)]:
+            if dep.graph is not self:
+                raise ValueError(f"{where}: task {dep.name!r} belongs to another graph")
+            if all(dep is not d for d in deps):
+                deps.append(dep)
         if isinstance(stream, str):
             if stream not in self._streams:
                 self._streams[stream] = self.device.stream()
@@ -114,8 +127,8 @@ class TaskGraph:
                     stream.wait_stream(caller)
                 for dep in task.deps:
                     stream.wait_event(done[dep])
-            args = tuple(results[a] if isinstance(a, Task) else a for a in task.args)
-            kwargs = {k: results[v] if isinstance(v, Task) else v for k, v in task.kwargs.items()}
+            args = _resolve(task.args, results) if task.deps else task.args
+            kwargs = _resolve(task.kwargs, results) if task.deps else task.kwargs
             try:
                 with dev.use_stream(stream):
                     results[task] = task.fn(*args, **kwargs)
@@ -134,3 +147,26 @@ class TaskGraph:
         if failed:
             raise TaskFailed(failed, skipped, named) from next(iter(failed.values()))
         return named
+
+
+def _tasks_in(value) -> list[Task]:
+    """The tasks in ``value``, looking inside lists, tuples and dicts."""
+    if isinstance(value, Task):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tasks_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tasks_in(v)]
+    return []
+
+
+def _resolve(value, results: dict[Task, Any]):
+    """``value`` with every task (also inside lists, tuples and dicts) replaced by its result."""
+    if isinstance(value, Task):
+        return results[value]
+    if isinstance(value, (list, tuple)) and _tasks_in(value):
+        items = [_resolve(v, results) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict) and _tasks_in(value):
+        return {k: _resolve(v, results) for k, v in value.items()}
+    return value

@@ -13,6 +13,8 @@ still read it carries an event, and whoever takes it next on another stream wait
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
@@ -93,9 +95,12 @@ class KVCachePool:
                 needed=needed, available=free, unit="bytes")
         host_needed = num_host_blocks * self.bytes_per_block
         host_free, _ = host_memory_info()
+        if not self.device.is_accelerator:
+            host_free = max(0, free - needed)  # on the CPU both kinds of block come out of the same memory
         if host_needed > host_free:
             raise KVCacheExhausted(
-                f"num_host_blocks: {num_host_blocks} blocks need {host_needed} bytes of host memory, {host_free} free",
+                f"num_host_blocks: {num_host_blocks} blocks need {host_needed} bytes of host memory, {host_free} free"
+                + ("" if self.device.is_accelerator else f" after the {num_blocks} device blocks ({needed} bytes)"),
                 needed=host_needed, available=host_free, unit="bytes")
 
         shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
@@ -157,8 +162,15 @@ class KVCachePool:
         _check_int("min_blocks", min_blocks, minimum=1)
         if num_blocks is not None:
             _check_int("num_blocks", num_blocks, minimum=1)
+        if profile_fn is not None and not callable(profile_fn):
+            raise TypeError(f"profile_fn: expected None or a callable, got {type(profile_fn).__name__}")
         dev = Device(device)
         per_block = _bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        if policy == "swap" and swap_bytes < per_block:
+            raise ValueError(f"swap_bytes: policy 'swap' needs room for at least one host block ({per_block} bytes), "
+                             f"got {swap_bytes}")
+        if policy == "preempt" and swap_bytes:
+            raise ValueError(f"swap_bytes: policy 'preempt' keeps no host blocks, so it must be 0, got {swap_bytes}")
 
         if profile_fn is not None:
             activation_bytes = max(activation_bytes, dev.peak_bytes(profile_fn))
@@ -168,7 +180,10 @@ class KVCachePool:
         _, total = dev.memory_info()
         free = dev.available_bytes()
         headroom = int(total * (1 - memory_fraction))
-        budget = free - headroom - weight_bytes - activation_bytes - reserved_bytes
+        host_blocks = swap_bytes // per_block
+        # On the CPU the host blocks that receive swapped-out blocks come out of the same memory.
+        swap_share = 0 if dev.is_accelerator else host_blocks * per_block
+        budget = free - headroom - weight_bytes - activation_bytes - reserved_bytes - swap_share
         fits = max(0, budget) // per_block
         wanted = num_blocks if num_blocks is not None else min_blocks
         if wanted > fits:
@@ -176,11 +191,11 @@ class KVCachePool:
                 f"KV cache: {wanted} blocks need {wanted * per_block} bytes ({per_block} per block) but only "
                 f"{max(0, budget)} are available on {dev.torch}: {free} free of {total}, minus headroom {headroom} "
                 f"(memory_fraction={memory_fraction}), weights {weight_bytes}, activation peak {activation_bytes}, "
-                f"reserved {reserved_bytes}",
+                f"reserved {reserved_bytes}" + (f", swap space {swap_share}" if swap_share else ""),
                 needed=wanted * per_block, available=max(0, budget), unit="bytes")
         return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, dev,
                    num_blocks if num_blocks is not None else fits,
-                   policy=policy, num_host_blocks=swap_bytes // per_block, watermark=watermark)
+                   policy=policy, num_host_blocks=host_blocks, watermark=watermark)
 
     # -- storage ----------------------------------------------------------------------------------
 
@@ -267,11 +282,9 @@ class KVCachePool:
             raise KVCacheExhausted(
                 f"swap_out: {len(ids)} host blocks needed, {len(self._host_free)} free of {self.num_host_blocks}",
                 needed=len(ids), available=len(self._host_free), unit="host blocks")
-        host_ids = [self._host_free.popleft() for _ in ids]
-        for h in host_ids:
-            self._host_used[h] = True
         if not ids:
-            return host_ids
+            return []
+        host_ids = list(itertools.islice(self._host_free, len(ids)))  # taken once the copy is queued
 
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(self.device.current_stream())
@@ -281,6 +294,9 @@ class KVCachePool:
             for j, h, n in _runs(host_ids):
                 self._host[h:h + n].copy_(staged[j:j + n], non_blocking=True)
             event = self._record_copy()
+        for h in host_ids:
+            self._host_free.popleft()
+            self._host_used[h] = True
         for i in ids:
             self._ref[i] -= 1
             if self._ref[i] == 0:
@@ -294,22 +310,27 @@ class KVCachePool:
         anything queued next may read the blocks; with ``wait=False`` the copy overlaps with what is
         queued next and the caller calls ``wait_for_swaps()`` before touching the blocks.
         """
-        host_ids = self._require_swap("swap_in", list(host_ids))
+        host_ids = self._require_swap("swap_in", _index_list("host_ids", host_ids, self.num_host_blocks, "host block"))
         for h in host_ids:
-            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.num_host_blocks:
-                raise ValueError(f"host_ids: expected host block ids in [0, {self.num_host_blocks}), got {h!r}")
             if not self._host_used[h]:
                 raise ValueError(f"host_ids: host block {h} holds nothing (already swapped in or never swapped out)")
         if len(set(host_ids)) != len(host_ids):
             raise ValueError(f"host_ids: each host block may be swapped in once, got {host_ids}")
+        fences = {i: self._fence[i] for i in itertools.islice(self._free, len(host_ids)) if i in self._fence}
         ids = self._take(len(host_ids), stream_is_copy=True)
         if ids:
-            with self._on_copy_stream():
-                staged = torch.empty((len(ids), *self._host.shape[1:]), dtype=self.dtype, device=self.device.torch)
-                for j, h, n in _runs(host_ids):
-                    staged[j:j + n].copy_(self._host[h:h + n], non_blocking=True)
-                self._kv.index_copy_(2, self._device_index(ids), staged.movedim(0, 2))
-                self._record_copy()
+            try:
+                with self._on_copy_stream():
+                    staged = torch.empty((len(ids), *self._host.shape[1:]), dtype=self.dtype, device=self.device.torch)
+                    for j, h, n in _runs(host_ids):
+                        staged[j:j + n].copy_(self._host[h:h + n], non_blocking=True)
+                    self._kv.index_copy_(2, self._device_index(ids), staged.movedim(0, 2))
+                    self._record_copy()
+            except BaseException:
+                # Nothing was swapped in: the blocks go back to the front of the free list, with their fences.
+                self._free.extendleft(reversed(ids))
+                self._fence.update(fences)
+                raise
             if wait:
                 self.wait_for_swaps()
         for i in ids:
@@ -331,9 +352,7 @@ class KVCachePool:
 
     def host_block(self, host_id: int) -> torch.Tensor:
         """Host block ``host_id``'s data, ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (a view)."""
-        if not 0 <= host_id < self.num_host_blocks:
-            raise ValueError(f"host_id: expected an id in [0, {self.num_host_blocks}), got {host_id!r}")
-        return self._host[host_id]
+        return self._host[_index_list("host_id", [host_id], self.num_host_blocks, "host block")[0]]
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -393,13 +412,7 @@ class KVCachePool:
         return layer
 
     def _ids(self, arg: str, ids: Iterable[int]) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        ids = list(ids)
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks:
-                raise ValueError(f"{arg}: expected block ids in [0, {self.num_blocks}), got {i!r}")
-        return ids
+        return _index_list(arg, ids, self.num_blocks, "block")
 
     def __repr__(self) -> str:
         return (f"KVCachePool(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size}, "
@@ -414,6 +427,28 @@ def _bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_si
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _index_list(arg: str, ids, limit: int, what: str) -> list[int]:
+    """``ids`` (an iterable of ints, or an integer tensor) as a list of Python ints in ``[0, limit)``."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{arg}: expected integer {what} ids, got a {ids.dtype} tensor")
+        ids = ids.reshape(-1).tolist()
+    elif isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"{arg}: expected a list of {what} ids (ints), got {type(ids).__name__} {ids!r}")
+    out = []
+    for i in ids:
+        index = None
+        if not isinstance(i, bool) and not (isinstance(i, torch.Tensor) and i.dtype == torch.bool):
+            with contextlib.suppress(TypeError):
+                index = operator.index(i)  # ints, numpy integers, one-element integer tensors
+        if index is None:
+            raise TypeError(f"{arg}: expected {what} ids as ints, got {type(i).__name__} {i!r}")
+        if not 0 <= index < limit:
+            raise ValueError(f"{arg}: expected {what} ids in [0, {limit}), got {index}")
+        out.append(index)
+    return out
 
 
 def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:

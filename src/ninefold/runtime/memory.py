@@ -5,6 +5,7 @@ The third, the KV cache, is ``ninefold.runtime.kv_pool.KVCachePool``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -62,15 +63,21 @@ class WeightStore(Mapping):
         if offset > free:
             raise WeightsDoNotFit(f"tensors: the weights need {offset} bytes but {self.device.torch} has {free} free",
                                   needed=offset, available=free)
+        for name, tensor in tensors.items():
+            if tensor.is_meta:
+                raise ValueError(f"tensors[{name!r}]: a meta tensor holds no data to store; load its values first")
         self._buffer = torch.empty(offset, dtype=torch.uint8, device=self.device.torch)
         self._tensors: dict[str, torch.Tensor] = {}
         copied: set[int] = set()  # aliases share one layout entry and are copied once
-        for name, entry in layout.items():
-            view = _carve(self._buffer, *entry)
-            if id(entry) not in copied:
-                view.copy_(tensors[name])
-                copied.add(id(entry))
-            self._tensors[name] = view
+        # Without autograd: a copy of a parameter that requires grad would record the copy, so the stored
+        # weights would require grad and keep the source tensors alive through their grad_fn.
+        with torch.no_grad():
+            for name, entry in layout.items():
+                view = _carve(self._buffer, *entry)
+                if id(entry) not in copied:
+                    view.copy_(tensors[name])
+                    copied.add(id(entry))
+                self._tensors[name] = view
         unique = {id(entry): entry for entry in layout.values()}.values()
         self.nbytes = sum(shape.numel() * _itemsize(dt) for _, shape, dt in unique)
 
@@ -115,13 +122,15 @@ class Workspace:
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
-        shape = torch.Size(shape)
-        if any(n < 0 for n in shape):
-            raise ValueError(f"shape: sizes must be >= 0, got {tuple(shape)}")
+        shape = _shape(shape)
         key = (_stream_key(stream if stream is not None else self.device.current_stream()), name)
         nbytes = shape.numel() * _itemsize(dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < nbytes:
+            available = self.device.available_bytes()
+            if _aligned(nbytes) > available:
+                raise ValueError(f"shape: {tuple(shape)} of {dtype} needs {nbytes} bytes but {self.device.torch} has "
+                                 f"{available} available")
             buffer = torch.empty(_aligned(nbytes), dtype=torch.uint8, device=self.device.torch)
             self._buffers[key] = buffer
             self.allocations += 1
@@ -135,6 +144,25 @@ class Workspace:
     def clear(self) -> None:
         """Release every buffer (the next ``get`` allocates again)."""
         self._buffers.clear()
+
+
+def _shape(shape) -> torch.Size:
+    """``shape`` (an int or a sequence of ints >= 0) as a ``torch.Size``."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        raise TypeError(f"shape: expected an int or a sequence of ints, got {type(shape).__name__} {shape!r}")
+    sizes = []
+    for n in shape:
+        try:
+            sizes.append(operator.index(n) if not isinstance(n, bool) else None)
+        except TypeError:
+            sizes.append(None)
+    if None in sizes:
+        raise TypeError(f"shape: expected ints, got {tuple(shape)!r}")
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"shape: sizes must be >= 0, got {tuple(sizes)}")
+    return torch.Size(sizes)
 
 
 def _stream_key(stream) -> tuple:

@@ -8,6 +8,7 @@ is re-read on every call: free memory changes). All figures are plain SI numbers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -17,8 +18,10 @@ import math
 import os
 import re
 import socket
+import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +29,7 @@ import torch
 
 from ninefold.runtime.device import Device
 
-__all__ = ["HardwareProfile", "profile_device", "cache_dir"]
+__all__ = ["HardwareProfile", "profile_device", "cache_dir", "cache_path"]
 
 UNITS = {"compute": "FLOP/s (dense matmul)", "bandwidth": "bytes/s (read + written)",
          "capacity": "bytes", "interconnect": "bytes/s (moved one way)"}
@@ -58,11 +61,29 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> HardwareProfile:
-        """The inverse of ``to_dict``."""
+        """The inverse of ``to_dict``; raises ``ValueError`` naming the field when ``data`` is not a profile
+        this version writes (a damaged or stale cache file)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"data: expected a dict, got {type(data).__name__}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+        if missing:
+            raise ValueError(f"data: missing fields {missing}")
+        for key in ("device", "name"):
+            if not isinstance(data[key], str):
+                raise ValueError(f"data[{key!r}]: expected a str, got {data[key]!r}")
+        for key in ("compute", "bandwidth", "capacity", "interconnect", "measured"):
+            if not isinstance(data[key], dict):
+                raise ValueError(f"data[{key!r}]: expected a dict, got {type(data[key]).__name__}")
+        _check_rates("compute", data["compute"], DTYPES)
+        _check_rates("bandwidth", data["bandwidth"], ["copy"])
+        _check_rates("interconnect", data["interconnect"], ["loopback_tcp"])
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
     def roofline_seconds(self, flop: float, nbytes: float, dtype: torch.dtype | str) -> float:
         """The least time ``flop`` operations on ``nbytes`` of memory traffic can take on this device."""
+        for arg, value in (("flop", flop), ("nbytes", nbytes)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{arg}: expected a finite number >= 0, got {value!r}")
         key = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         if key not in self.compute:
             raise ValueError(f"dtype: no measured compute rate for {dtype!r}; measured: {sorted(self.compute)}")
@@ -75,30 +96,69 @@ def cache_dir() -> Path:
     return Path(root) / "profiles"
 
 
+def cache_path(device: str | torch.device | Device = "cpu") -> Path:
+    """The file ``profile_device`` keeps ``device``'s profile in."""
+    dev = Device(device)
+    return cache_dir() / f"{_slug(dev.name)}-{_cache_key(dev)}.json"
+
+
 def profile_device(device: str | torch.device | Device = "cpu", *, refresh: bool = False,
                    progress: bool = True, min_time: float | None = None) -> HardwareProfile:
     """The device's profile: from the cache when there is one (unless ``refresh``), else measured.
 
     ``min_time`` is the seconds spent timing each figure (default 0.15 on the CPU, 0.5 on
-    accelerators); ``progress`` shows a progress bar on stderr.
+    accelerators); ``progress`` shows a progress bar on stderr. A cache file that cannot be read or
+    holds no valid profile is measured again; one that cannot be written is reported with a warning
+    (the measured profile is still returned).
     """
     dev = Device(device)
-    path = cache_dir() / f"{_slug(dev.name)}-{_cache_key(dev)}.json"
+    _check_min_time(min_time)
+    path = cache_path(dev)
     if not refresh and path.is_file():
         try:
             profile = HardwareProfile.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
-            profile = None  # a damaged cache file is measured again
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            profile = None  # a damaged, unreadable or stale cache file is measured again
         if profile is not None:
             profile.device = str(dev.torch)
             profile.capacity = _capacity(dev)
             return profile
     profile = measure(dev, progress=progress, min_time=min_time)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-    os.replace(tmp, path)
+    _write(path, json.dumps(profile.to_dict(), indent=1))
     return profile
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically; on failure warn and leave no temporary file behind."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        warnings.warn(f"hardware profile not cached: cannot write {path}: {exc}", RuntimeWarning, stacklevel=3)
+
+
+def _check_min_time(min_time) -> None:
+    if min_time is not None and (isinstance(min_time, bool) or not isinstance(min_time, (int, float))
+                                 or not 0 <= min_time < math.inf):
+        raise ValueError(f"min_time: expected None or seconds >= 0, got {min_time!r}")
+
+
+def _check_rates(field: str, rates: dict, required) -> None:
+    missing = [k for k in required if k not in rates]
+    if missing:
+        raise ValueError(f"data[{field!r}]: missing {missing}")
+    for key, rate in rates.items():
+        if isinstance(rate, dict):  # interconnect["device_to_device"]: peer -> rate
+            _check_rates(f"{field}.{key}", rate, [])
+        elif isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise ValueError(f"data[{field!r}][{key!r}]: expected a positive finite rate, got {rate!r}")
 
 
 def measure(device: Device, *, progress: bool = True, min_time: float | None = None) -> HardwareProfile:
@@ -106,6 +166,7 @@ def measure(device: Device, *, progress: bool = True, min_time: float | None = N
     from tqdm import tqdm
 
     dev = Device(device)
+    _check_min_time(min_time)
     if min_time is None:
         min_time = 0.5 if dev.is_accelerator else 0.15
     peers = [d for d in Device.all() if d.type == dev.type and d != dev] if dev.is_accelerator else []
