@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from ninefold.cli._common import clean_text, device_error, fail, sampling_error, tolerant_stdio
+
 HELP = "Type a message; /reset starts a new conversation, /exit quits, Ctrl-C stops an answer."
 
 
@@ -20,22 +22,37 @@ def register(subparsers) -> None:
     """Add the ``chat`` subcommand."""
     p = subparsers.add_parser("chat", help="chat with a model in the terminal",
                               description="Interactive chat. " + HELP)
-    p.add_argument("--model", default=None, help="HF directory, .gguf file or known name (default model if omitted)")
+    p.add_argument("-m", "--model", default=None,
+                   help="HF directory, .gguf file or known name (default model if omitted)")
     p.add_argument("--system", default=None, help="system message (default: the chat template's own, if any)")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: the checkpoint's, else 0 = greedy)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling threshold in (0, 1] (default: the checkpoint's, else 1 = off)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="keep only the k most likely tokens (default: the checkpoint's, else 0 = off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed of the sampling, for repeatable answers (default: none)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the best available)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
+                   help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
+                        "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, then read messages and stream answers until /exit or end of input."""
+    """Load the model, then read messages and stream answers until /exit or end of input.
+
+    From a terminal each message is asked for with a ``>>> `` prompt; from a pipe or file the lines
+    are read one by one without prompts, so that stdout holds the answers only (status lines go to
+    stderr).
+    """
+    problem = sampling_error(args) or device_error(args.device)
+    if problem is not None:
+        return fail("chat", problem)
+    tolerant_stdio()
     try:
         engine, name, seconds = _load(args)
         tokenizer = engine.tokenizer
@@ -43,19 +60,20 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"model: {name} has no chat template; use `ninefold generate --raw` for plain completion")
         params = _sampling_params(args, getattr(engine, "generation_config", None) or {})
     except (ValueError, TypeError) as error:
-        print(f"ninefold chat: error: {error}", file=sys.stderr)
-        return 2
+        return fail("chat", str(error))
     print(f"ninefold chat: {name} ({engine.dtype}, {engine.device}) loaded in {seconds:.1f} s. {HELP}",
           file=sys.stderr, flush=True)
-    session = ChatSession(engine, params, args.system)
+    interactive = sys.stdin.isatty()
+    session = ChatSession(engine, params, clean_text(args.system) if args.system else None)
     while True:
         try:
-            line = input(">>> ")
+            line = clean_text(input(">>> " if interactive else ""))
         except EOFError:
-            print()
+            if interactive:
+                print()
             return 0
         except KeyboardInterrupt:
-            print("\n(use /exit or Ctrl-D to quit)")
+            print("\n(use /exit or Ctrl-D to quit)", file=sys.stderr, flush=True)
             continue
         text = line.strip()
         if not text:
@@ -64,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if text == "/reset":
             session.reset()
-            print("(conversation cleared)")
+            print("(conversation cleared)", file=sys.stderr, flush=True)
             continue
         if text.startswith("/") and text.split()[0] in ("/help", "/?"):
-            print(HELP)
+            print(HELP, file=sys.stderr, flush=True)
             continue
         session.ask(line, sys.stdout)
 
@@ -155,19 +173,27 @@ def _load(args: argparse.Namespace):
 
 
 def _sampling_params(args: argparse.Namespace, generation_config: dict):
+    """The options given, else the checkpoint's generation_config.json values (unless it says
+    ``do_sample: false``), else greedy. A checkpoint value that is missing, null or refused by
+    SamplingParams is skipped (with a warning when present), not an error blamed on the user."""
     from ninefold.llm.sampling import SamplingParams
 
     sampled = bool(generation_config.get("do_sample", True))
-
-    def pick(value, key, default):
-        if value is not None:
-            return value
-        return generation_config.get(key, default) if sampled else default
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=float(pick(args.temperature, "temperature", 0.0)),
-        top_p=float(pick(args.top_p, "top_p", 1.0)),
-        top_k=int(pick(args.top_k, "top_k", 0)),
-        seed=args.seed,
-    )
+    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    chosen = {}
+    for key, default in defaults.items():
+        value = getattr(args, key)
+        if value is None and sampled:
+            value = generation_config.get(key)
+            if value is not None:
+                try:
+                    if isinstance(value, bool) or not isinstance(value, (int, float)):
+                        raise ValueError(f"expected a number, got {type(value).__name__}")
+                    SamplingParams(**{key: value})
+                except ValueError as error:
+                    print(f"ninefold chat: warning: generation_config.json: {key}={value!r} ignored ({error})",
+                          file=sys.stderr, flush=True)
+                    value = None
+        chosen[key] = default if value is None else value
+    return SamplingParams(max_tokens=args.max_tokens, temperature=float(chosen["temperature"]),
+                          top_p=float(chosen["top_p"]), top_k=int(chosen["top_k"]), seed=args.seed)

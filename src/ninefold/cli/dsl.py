@@ -9,9 +9,10 @@ import sys
 
 def register(subparsers) -> None:
     """Add the ``dsl`` subcommand."""
-    parser = subparsers.add_parser("dsl", help="tile DSL tools")
+    parser = subparsers.add_parser("dsl", help="tile DSL tools", description="Tools of the tile DSL (ninefold.dsl).")
     commands = parser.add_subparsers(dest="dsl_command", metavar="COMMAND")
-    show = commands.add_parser("show", help="print the generated Triton source of a kernel")
+    show = commands.add_parser("show", help="print the generated Triton source of a kernel",
+                               description="Print the Triton source ninefold generates for a DSL kernel.")
     show.add_argument("target", metavar="MODULE:KERNEL", help="e.g. ninefold.ops.kernels.add:add_kernel")
     show.set_defaults(func=_show)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "serve", "profile", "generate", "chat", "models", "ops", "dsl")
@@ -26,13 +28,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the process exit code."""
+    """Run the command line; returns the process exit code.
+
+    Ctrl-C anywhere (loading a model, generating) ends the command with exit code 130 and one line
+    on stderr, not a traceback; a closed stdout (``ninefold generate ... | head``) ends it quietly
+    with 141, as a program killed by SIGPIPE.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at interpreter exit, where a closed pipe prints a traceback
+        return code
+    except KeyboardInterrupt:
+        _say(f"\nninefold {args.command}: interrupted")
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed too
+        pass
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush has nowhere to fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor behind sys.stdout (tests)
+        pass
 
 
 def _version() -> str:

@@ -8,22 +8,30 @@ import sys
 
 def register(subparsers) -> None:
     """Add ``ops list|tune|build`` to the top-level parser."""
-    parser = subparsers.add_parser("ops", help="operator library: list, tune, build trimmed subsets")
+    parser = subparsers.add_parser("ops", help="operator library: list, tune, build trimmed subsets",
+                                   description="The operator library: list its operators and implementations, "
+                                               "tune the choice per shape, build trimmed ahead-of-time subsets.")
     commands = parser.add_subparsers(dest="ops_command", metavar="ACTION", required=True)
 
-    listing = commands.add_parser("list", help="operators and their implementations (devices, dtypes)")
+    listing = commands.add_parser("list", help="operators and their implementations (devices, dtypes)",
+                                  description="List every operator and its implementations (devices, dtypes).")
     listing.set_defaults(func=_list)
 
-    tune = commands.add_parser("tune", help="benchmark candidates and store the fastest in the tuning cache")
+    tune = commands.add_parser("tune", help="benchmark candidates and store the fastest in the tuning cache",
+                               description="Time every implementation of the operators on a shape set and store "
+                                           "the fastest per shape in the tuning cache (or --out).")
     tune.add_argument("--ops", nargs="+", metavar="OP", help="operators to tune (default: all)")
     tune.add_argument("--shapes", default=None,
                       help="shape set: llama-8b, smollm2, tiny (default: llama-8b on GPUs, smollm2 on the CPU)")
     tune.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
-    tune.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16", "float32"])
+    tune.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16", "float32"],
+                      help="dtypes to tune (default: bfloat16)")
     tune.add_argument("--out", default=None, help="tuning file to write (default: the user's tuning cache)")
     tune.set_defaults(func=_tune)
 
-    build = commands.add_parser("build", help="build a trimmed, ahead-of-time compiled subset from a manifest")
+    build = commands.add_parser("build", help="build a trimmed, ahead-of-time compiled subset from a manifest",
+                                description="Build a trimmed, ahead-of-time compiled subset of the operator "
+                                            "library from an ops.toml manifest.")
     build.add_argument("--manifest", required=True, help="ops.toml listing operators, dtypes and implementations")
     build.add_argument("--target", default=None, help="compile target, e.g. cuda:90 or cpu (default: the manifest's)")
     build.add_argument("--out", required=True, help="output directory (use it with NINEFOLD_OPS_BUILD=DIR)")
@@ -49,8 +57,13 @@ def _list(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     import torch
 
+    from ninefold.cli._common import device_error
     from ninefold.ops.tune import tune
 
+    problem = device_error(args.device)
+    if problem is not None:
+        print(f"ninefold ops tune: error: {problem}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         shapes = args.shapes or ("smollm2" if torch.device(device).type == "cpu" else "llama-8b")

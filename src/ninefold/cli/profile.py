@@ -8,9 +8,12 @@ import sys
 
 def register(subparsers) -> None:
     """Add ``profile device [--device cuda:0|cpu|all] [--json] [--refresh]``."""
-    parser = subparsers.add_parser("profile", help="measure hardware profiles")
+    parser = subparsers.add_parser("profile", help="measure hardware profiles",
+                                   description="Measure hardware profiles (cached per device).")
     kinds = parser.add_subparsers(dest="profile_kind", metavar="KIND", required=True)
-    device = kinds.add_parser("device", help="compute, memory bandwidth, capacity and interconnect of a device")
+    device = kinds.add_parser("device", help="compute, memory bandwidth, capacity and interconnect of a device",
+                              description="Measure (or read from the cache) a device's matmul rates, memory "
+                                          "bandwidth, capacity and interconnect.")
     device.add_argument("--device", default=None,
                         help="cpu, cuda:0, any torch device, or 'all' (default: the current accelerator, else cpu)")
     device.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import sys
+import socket
+
+from ninefold.cli._common import device_error, fail
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,13 +36,32 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _checked(convert, ok, accepted: str):
+    """An argparse ``type``: ``convert(text)``, refused with a message naming what is accepted unless ``ok``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+    return parse
+
+
+_port = _checked(int, lambda v: 1 <= v <= 65535, "a TCP port, an integer in [1, 65535]")
+_seconds = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``ninefold serve``."""
-    parser.add_argument("--model", default=None,
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
+    parser.add_argument("-m", "--model", default=None,
                         help="HF directory, .gguf file or known name (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: from --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default: 8000)")
     parser.add_argument("--api-key", default=os.environ.get("NINEFOLD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $NINEFOLD_API_KEY, else none)")
     parser.add_argument("--max-model-len", type=_positive, default=None, help="context length in tokens")
@@ -49,16 +71,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: sized)")
     parser.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best available)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"], help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
+                        help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
+                             "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
                         help="largest request body accepted (default: 4 MiB)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--drain-timeout", type=_seconds, default=30.0,
                         help="seconds SIGTERM waits for running requests before ending them (default: 30)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="how much the server logs (default: info)")
+
+
+def listen_error(host: str, port: int) -> tuple[str, int] | None:
+    """Why the server could not listen on ``host:port`` (message, exit code), or None.
+
+    Checked before the model loads, so that a port in use or a host name that does not resolve is
+    reported at once rather than after minutes of loading.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        return f"argument --host: cannot listen on {host!r}: {reason}", 2
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(address)
+    except OSError as error:
+        return f"cannot listen on {host}:{port}: {error.strerror or error}", 1
+    return None
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Load the engine, print the banner and serve until SIGTERM; returns the exit code."""
+    model = args.model
+    if args.model_tag is not None:
+        if model is not None and model != args.model_tag:
+            return fail("serve", f"argument --model: got {model!r} and the positional MODEL {args.model_tag!r}; "
+                                 "give the model once")
+        model = args.model_tag
+    problem = device_error(args.device)
+    if problem is not None:
+        return fail("serve", problem)
+    listen = listen_error(args.host, args.port)
+    if listen is not None:
+        return fail("serve", *listen)
+
     from ninefold.llm.server import build_app, run_server
     from ninefold.llm.server.engine import served_name, start_engine
 
@@ -71,17 +130,22 @@ def run_from_args(args: argparse.Namespace) -> int:
         "quantization": getattr(args, "quantization", None),
     }
     try:
-        engine = start_engine(args.model, {k: v for k, v in engine_args.items() if v is not None})
+        engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})
     except (ValueError, TypeError, FileNotFoundError) as error:
-        print(f"ninefold serve: error: {error}", file=sys.stderr)
-        return 2
-    app = build_app(
-        engine,
-        served_model_name=args.served_model_name or served_name(args.model),
-        api_key=args.api_key or None,
-        max_num_seqs=args.max_num_seqs,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-    )
+        return fail("serve", str(error))
+    try:
+        app = build_app(
+            engine,
+            served_model_name=args.served_model_name or served_name(model),
+            api_key=args.api_key or None,
+            max_num_seqs=args.max_num_seqs,
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+        )
+    except (ValueError, TypeError) as error:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        return fail("serve", str(error))
     return run_server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                       log_level=args.log_level)

@@ -1,0 +1,72 @@
+"""What the model subcommands (generate, chat, serve) share: option values checked before a model
+loads, with errors naming the option, the value and what is accepted; text in and out that cannot
+fail on odd bytes or encodings. Not a subcommand (``main.SUBCOMMAND_MODULES`` does not list it).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def fail(command: str, message: str, code: int = 2) -> int:
+    """Print ``ninefold COMMAND: error: MESSAGE`` on stderr; return ``code`` (2: bad usage)."""
+    print(f"ninefold {command}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def sampling_error(args) -> str | None:
+    """The first bad sampling option among those ``args`` has (None = left to the defaults), else None.
+
+    The message names the flag, the value and what is accepted (and the SamplingParams field the
+    flag sets), e.g. ``argument --top-p: got 1.5; top_p must be a number in (0, 1]``.
+    """
+    checks = (
+        ("max_tokens", lambda v: v >= 1, "an integer >= 1"),
+        ("temperature", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+        ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+        ("top_k", lambda v: v >= -1, "an integer >= -1 (0 or -1 = off)"),
+        ("seed", lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1], "an integer that fits in 64 bits"),
+    )
+    for name, ok, accepted in checks:
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            return f"argument --{name.replace('_', '-')}: got {value!r}; {name} must be {accepted}"
+    return None
+
+
+def device_error(spec: str | None) -> str | None:
+    """Why ``--device spec`` cannot be used here (not a device name, not on this machine), or None."""
+    if spec is None:
+        return None
+    from ninefold.runtime import Device
+
+    try:
+        Device(spec)
+    except (ValueError, TypeError) as error:
+        text = str(error)
+        return "argument --device: " + (text[len("device: "):] if text.startswith("device: ") else text)
+    return None
+
+
+def clean_text(text: str) -> str:
+    """``text`` with bytes that were not valid in the locale's encoding (argv and stdin keep them as
+    lone surrogates) replaced by U+FFFD, so that a tokenizer can take it."""
+    if not any("\udc80" <= ch <= "\udcff" for ch in text):
+        return text
+    encoding = sys.getfilesystemencoding()
+    return text.encode(encoding, "surrogateescape").decode(encoding, "replace")
+
+
+def tolerant_stdio() -> None:
+    """Model output a terminal's encoding cannot show becomes '?' instead of an exception; input
+    bytes that are not valid text become U+FFFD."""
+    for stream, errors in ((sys.stdout, "replace"), (sys.stdin, "replace")):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", None) == "strict":
+            try:
+                reconfigure(errors=errors)
+            except (ValueError, OSError):  # a stream already read from, or closed
+                pass
