@@ -18,9 +18,11 @@ Triton, no compile) whenever the call matches it, and takes the JIT path otherwi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,7 +135,8 @@ def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_sta
         ptx = compiled.asm["ptx"]
         ptx_params = [kind for kind, _ in sorted(((k, int(n)) for k, n in _PTX_PARAM.findall(ptx)), key=lambda kn: kn[1])]
         stem = f"{kernel.name}_{i}"
-        (out / f"{stem}.cubin").write_bytes(compiled.asm["cubin"])
+        cubin = compiled.asm["cubin"]
+        (out / f"{stem}.cubin").write_bytes(cubin)
         arguments = []
         for name, kind, payload, constexpr in generated.arguments:
             entry = {"name": name, "kind": kind, "constexpr": constexpr, "type": sig[name]}
@@ -157,6 +160,7 @@ def compile(kernel, signatures, target="cuda:90", out=None, num_warps=4, num_sta
             "function": compiled.metadata.name,
             "target": target,
             "cubin": f"{stem}.cubin",
+            "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
             "num_warps": compiled.metadata.num_warps,
             "shared": compiled.metadata.shared,
             "global_scratch_size": getattr(compiled.metadata, "global_scratch_size", 0),
@@ -189,19 +193,94 @@ def _leaf_json(leaf, kernel):
 
 
 # ------------------------------------------------------------------ load half
+_META_KEYS = ("kernel", "function", "target", "cubin", "num_warps", "shared", "params", "dtypes", "arguments",
+              "ptx_params", "grid")
+_ELF = b"\x7fELF"
+
+
+def read_artifact(path, registering: bool = False) -> dict:
+    """The metadata of the artifact ``path`` (a ``.json`` written by :func:`compile`), checked: a
+    ``ValueError`` names the file and what is wrong (unreadable, another format or target form,
+    fields missing, its cubin missing, not a cubin, or not the bytes it was compiled to)."""
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"AOT artifact {path}: cannot be read ({error})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"AOT artifact {path}: a JSON {type(meta).__name__}, not an artifact's metadata")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"AOT artifact {path}: format {meta.get('format')!r}, this ninefold reads format {FORMAT}; "
+                         "compile it again")
+    if registering and "source_hash" not in meta:
+        raise ValueError(f"aot.register: {path} has no source_hash (written by an older ninefold); compile it again")
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"AOT artifact {path}: fields {missing} are missing; compile it again")
+    if not isinstance(meta["target"], str) or not re.fullmatch(r"cuda:\d+", meta["target"]):
+        raise ValueError(f"AOT artifact {path}: target {meta['target']!r} is not a CUDA target like 'cuda:90'")
+    cubin = path.parent / str(meta["cubin"])
+    if Path(str(meta["cubin"])).name != str(meta["cubin"]):
+        raise ValueError(f"AOT artifact {path}: cubin {meta['cubin']!r} must be a file name beside it")
+    try:
+        image = cubin.read_bytes()
+    except OSError as error:
+        raise ValueError(f"AOT artifact {path}: its cubin {cubin} is missing or unreadable ({error.strerror})") from None
+    if not image.startswith(_ELF):
+        raise ValueError(f"AOT artifact {path}: {cubin} is not a cubin (no ELF header); compile it again")
+    digest = meta.get("cubin_sha256")
+    if digest is not None and hashlib.sha256(image).hexdigest() != digest:
+        raise ValueError(f"AOT artifact {path}: {cubin} is corrupt (its SHA-256 differs from the one recorded "
+                         "at compile time); compile it again")
+    return meta
+
+
+def target_problem(target: str, capability: tuple[int, int]) -> str | None:
+    """Why an artifact compiled for ``target`` cannot run on a GPU of ``capability`` (``None``: it can)."""
+    here = f"cuda:{capability[0]}{capability[1]}"
+    if target != here:
+        return f"compiled for {target}, this GPU is {here}"
+    return None
+
+
+_CAPABILITY: dict = {}
+_WARNED_TARGETS: set = set()
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITY[index]
+
+
 class Artifact:
     """One compiled signature: checks a call against it and builds the launch."""
 
     def __init__(self, meta: dict, directory: Path):
         if meta.get("format") != FORMAT:
-            raise ValueError(f"AOT artifact format {meta.get('format')!r} is not {FORMAT}")
+            raise ValueError(f"AOT artifact {meta.get('kernel')!r} in {directory}: format {meta.get('format')!r} "
+                             f"is not {FORMAT}")
         self.meta = meta
         self.directory = directory
         self.passed = [p for p in meta["params"] if p["passed"]]
         self._function = None
 
+    def target_problem(self, args) -> str | None:
+        """Why this artifact cannot run on the GPU of the call's tensors (``None``: it can, or no GPU)."""
+        device = next((v.device for v in args if isinstance(v, torch.Tensor)), None)
+        if device is None or device.type != "cuda":
+            return None
+        problem = target_problem(self.meta["target"], _capability(device))
+        if problem is None:
+            return None
+        return f"{self.meta['kernel']}: {self.directory / self.meta['cubin']} is {problem}"
+
     def plan(self, args, kwargs):
         """``(grid, [(ptx type, value)])`` for a call, or raise ValueError if it does not match."""
+        problem = self.target_problem(args)
+        if problem is not None:
+            raise ValueError(f"{problem}; compile it for this GPU")
         if len(args) != len(self.passed):
             raise TypeError(f"{self.meta['kernel']} takes {len(self.passed)} arguments, got {len(args)}")
         values = dict(zip((p["name"] for p in self.passed), args))
@@ -290,7 +369,9 @@ class AotKernel:
 def load(directory, kernel_name=None) -> AotKernel:
     """Load the artifacts in ``directory`` (of ``kernel_name``, or of the only kernel there)."""
     directory = Path(directory)
-    metas = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    if not directory.is_dir():
+        raise ValueError(f"aot.load: {directory} is not a directory of artifacts")
+    metas = [read_artifact(p) for p in sorted(directory.glob("*.json"))]
     names = sorted({m["kernel"] for m in metas})
     if kernel_name is None:
         if len(names) != 1:
@@ -307,11 +388,11 @@ def register(directory) -> int:
     """Add every artifact in ``directory`` (as written by :func:`compile`) to the process-wide
     table; CUDA calls of the same kernels launch them when they match. Returns how many."""
     directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"aot.register: {directory} is not a directory of artifacts")
     count = 0
     for path in sorted(directory.glob("*.json")):
-        meta = json.loads(path.read_text())
-        if "source_hash" not in meta:
-            raise ValueError(f"aot.register: {path} has no source_hash (written by an older ninefold); compile it again")
+        meta = read_artifact(path, registering=True)
         artifact = Artifact(meta, directory)
         entries = _REGISTERED.setdefault(meta["source_hash"], [])
         if all(a.directory / a.meta["cubin"] != directory / meta["cubin"] for a in entries):
@@ -332,6 +413,12 @@ def find(kernel, args, kwargs):
     from ninefold.dsl.tuning import source_hash
 
     for artifact in _REGISTERED.get(source_hash(kernel), ()):
+        problem = artifact.target_problem(args)
+        if problem is not None:  # the JIT serves the call; say once why the artifact does not
+            if artifact.directory not in _WARNED_TARGETS:
+                _WARNED_TARGETS.add(artifact.directory)
+                warnings.warn(f"{problem}; such calls compile with the JIT instead", stacklevel=3)
+            continue
         if artifact.matches(args, kwargs):
             return artifact
     return None

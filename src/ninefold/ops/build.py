@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -72,11 +73,38 @@ class Build:
             raise ValueError(f"NINEFOLD_OPS_BUILD: {path} holds no manifest.json (build it with `ninefold ops build`)")
         try:
             data = json.loads(manifest.read_text())
-            return cls(path, data["ops"], data.get("fallback", "error"), data.get("target", "cpu"),
-                       data.get("uncovered", "jit"))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"NINEFOLD_OPS_BUILD: {manifest} is not a build manifest ({error!r}); "
-                             f"rebuild with `ninefold ops build`") from None
+            problem = _manifest_problem(data)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            problem = f"cannot be read ({error})"
+        if problem:
+            raise ValueError(f"NINEFOLD_OPS_BUILD: {manifest} is not a build manifest: {problem}; "
+                             f"rebuild with `ninefold ops build`")
+        return cls(path, data["ops"], data.get("fallback", "error"), data.get("target", "cpu"),
+                   data.get("uncovered", "jit"))
+
+
+def _manifest_problem(data) -> str | None:
+    """What is wrong with a parsed ``manifest.json`` (``None``: nothing)."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    ops = data.get("ops")
+    if not isinstance(ops, dict):
+        return f"'ops' must be an object, got {ops!r}"
+    for op, entry in ops.items():
+        if not isinstance(entry, dict):
+            return f"ops.{op} must be an object, got {entry!r}"
+        for key, accepted in (("impls", None), ("dtypes", DTYPES)):
+            value = entry.get(key)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                return f"ops.{op}.{key} must be a list of names, got {value!r}"
+            if accepted is not None and any(v not in accepted for v in value):
+                return f"ops.{op}.dtypes lists {value!r}; accepted: {', '.join(accepted)}"
+    for key, accepted in (("fallback", FALLBACKS), ("uncovered", UNCOVERED)):
+        if key in data and data[key] not in accepted:
+            return f"{key} must be one of {accepted}, got {data[key]!r}"
+    if not isinstance(data.get("target", "cpu"), str) or not _TARGET.fullmatch(data.get("target", "cpu")):
+        return f"target {data.get('target')!r} is not 'cpu' or a GPU like 'cuda:90'"
+    return None
 
 
 def _register_dsl(build: Build | None) -> None:
@@ -130,7 +158,11 @@ def read_manifest(path) -> dict:
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"--manifest: cannot read {path}: {error}") from None
     where = f"manifest {path}"
-    if data.get("target", "cpu") != "cpu":
+    unknown = sorted(set(data) - set(MANIFEST_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; accepted: {', '.join(MANIFEST_KEYS)}")
+    target = check_target(data.get("target", "cpu"), where)
+    if target != "cpu":
         import ninefold.ops.triton  # noqa: F401  (the GPU kernels, registered even without a local GPU)
     fallback = data.get("fallback", "error")
     if fallback not in FALLBACKS:
@@ -139,7 +171,8 @@ def read_manifest(path) -> dict:
     if uncovered not in UNCOVERED:
         raise ValueError(f"{where}: uncovered must be one of {UNCOVERED}, got {uncovered!r}")
     shapes = data.get("shapes", "llama-8b")
-    workloads.shapes(shapes)
+    if not isinstance(shapes, str) or shapes not in workloads.SHAPES:
+        raise ValueError(f"{where}: shapes must be one of {', '.join(workloads.SHAPES)}, got {shapes!r}")
     ops = data.get("ops")
     if not isinstance(ops, dict) or not ops:
         raise ValueError(f"{where}: needs at least one [ops.<name>] table")
@@ -148,18 +181,42 @@ def read_manifest(path) -> dict:
     for op, entry in ops.items():
         if op not in known:
             raise ValueError(f"{where}: unknown operator {op!r}; known: {', '.join(known)}")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: ops.{op} must be a table ([ops.{op}] with dtypes and impls), got {entry!r}")
+        bad_keys = sorted(set(entry) - {"dtypes", "impls"})
+        if bad_keys:
+            raise ValueError(f"{where}: [ops.{op}] has unknown key {bad_keys[0]!r}; accepted: dtypes, impls")
         names = sorted({i.name for i in registry.all_implementations(op)})
-        impls = entry.get("impls", names)
+        impls = _names_list(entry.get("impls", names), f"{where}: [ops.{op}] impls", names)
         bad = [i for i in impls if i not in names]
         if bad:
             raise ValueError(f"{where}: {op} has no implementation {bad[0]!r}; it has: {', '.join(names)}")
-        dtypes = entry.get("dtypes", ["float16", "bfloat16", "float32"])
-        bad = [d for d in dtypes if d not in ("float16", "bfloat16", "float32")]
+        dtypes = _names_list(entry.get("dtypes", list(DTYPES)), f"{where}: [ops.{op}] dtypes", DTYPES)
+        bad = [d for d in dtypes if d not in DTYPES]
         if bad:
-            raise ValueError(f"{where}: {op} lists dtype {bad[0]!r}; accepted: float16, bfloat16, float32")
-        resolved[op] = {"dtypes": list(dtypes), "impls": list(impls)}
-    return {"target": data.get("target", "cpu"), "fallback": fallback, "uncovered": uncovered, "shapes": shapes,
-            "ops": resolved}
+            raise ValueError(f"{where}: {op} lists dtype {bad[0]!r}; accepted: {', '.join(DTYPES)}")
+        resolved[op] = {"dtypes": list(dict.fromkeys(dtypes)), "impls": list(dict.fromkeys(impls))}
+    return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes, "ops": resolved}
+
+
+MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "ops")
+DTYPES = ("float16", "bfloat16", "float32")
+_TARGET = re.compile(r"cpu|cuda:\d+|hip:gfx\w+")
+
+
+def check_target(target, where: str) -> str:
+    """``target`` if it names something a build can be compiled for, else a ``ValueError``."""
+    if not isinstance(target, str) or not _TARGET.fullmatch(target):
+        raise ValueError(f"{where}: target must be 'cpu' or a GPU like 'cuda:90' (or 'hip:gfx942'), got {target!r}")
+    return target
+
+
+def _names_list(value, where: str, accepted) -> list:
+    """A non-empty list of strings (not a bare string, which would read as its letters)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not value:
+        raise ValueError(f"{where} must be a non-empty list of names like [{', '.join(map(repr, accepted))}], "
+                         f"got {value!r}")
+    return value
 
 
 @dataclass
@@ -186,14 +243,16 @@ def build(manifest_path, out, target: str | None = None) -> Report:
     from ninefold.ops import tuning
 
     manifest = read_manifest(manifest_path)
-    target = target or manifest["target"]
+    target = check_target(target, "--target") if target is not None else manifest["target"]
     manifest["target"] = target
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "manifest.json").exists() and (out / "kernels").is_dir():  # rebuilding: no stale binaries stay
-        import shutil
+    if (out / "manifest.json").exists():  # rebuilding: no stale binaries stay, and a failed rebuild
+        import shutil  # leaves no loadable manifest pointing at half-written kernels
 
-        shutil.rmtree(out / "kernels")
+        (out / "manifest.json").unlink()
+        if (out / "kernels").is_dir():
+            shutil.rmtree(out / "kernels")
     report = Report(out, target)
     if target != "cpu":
         _compile_triton(manifest, target, out, report)

@@ -34,21 +34,34 @@ class ChoiceCache:
     def choices(self) -> dict:
         """Every persisted choice (read from the file on first use)."""
         if self._choices is None:
-            self._choices = {}
-            path = self.path()
-            if path.exists():
-                try:
-                    self._choices = json.loads(path.read_text())["choices"]
-                except (OSError, ValueError, KeyError):
-                    warnings.warn(f"ignoring the unreadable {self.name} tuning cache {path}", stacklevel=3)
+            self._choices = self._read(self.path(), warn=True)
         return self._choices
 
+    def _read(self, path, warn: bool) -> dict:
+        if not path.exists():
+            return {}
+        try:
+            choices = json.loads(path.read_text())["choices"]
+            if not isinstance(choices, dict):
+                raise TypeError(f"'choices' is a {type(choices).__name__}, not an object")
+            return choices
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            if warn:
+                warnings.warn(f"ignoring the unreadable {self.name} tuning cache {path} ({error!r})", stacklevel=4)
+            return {}
+
     def store(self, key: str, choice) -> None:
-        """Remember ``choice`` for ``key`` and rewrite the file."""
+        """Remember ``choice`` for ``key`` and rewrite the file.
+
+        Under a lock beside the file, what other processes stored meanwhile is read back and kept.
+        """
         self.choices()[key] = choice
         path = self.path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"versions": tuning.versions(), "choices": self._choices}, indent=1))
+        with tuning._locked(path):
+            merged = {**self._read(path, warn=False), **self._choices}
+            self._choices.update(merged)
+            write_atomic(path, json.dumps({"versions": tuning.versions(), "choices": merged}, indent=1))
 
     def forget(self) -> None:
         """Drop the in-memory choices (the file is re-read on the next lookup)."""

@@ -21,6 +21,7 @@ import functools
 import inspect
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -35,6 +36,7 @@ _env_pins: dict[str, str] | None = None
 
 
 _Tensor = torch.Tensor
+_VALUE_TYPES = frozenset((bool, int, float, complex, str, bytes, torch.dtype, torch.device))
 MAX_SIGNATURES = 4096
 
 
@@ -45,8 +47,13 @@ def signature(args: tuple) -> tuple:
     for a in args:
         if isinstance(a, _Tensor):
             sig.append((a.shape, a.dtype, a.device, a.is_contiguous() or a.stride()))
-        else:
+        elif a is None or type(a) in _VALUE_TYPES:
             sig.append((type(a), a))
+        else:  # an object (a quantized weight): by identity, without keeping it alive in the cache
+            try:
+                sig.append((type(a), weakref.ref(a)))
+            except TypeError:  # no weak references (tuples, lists): by value, hashable or not
+                sig.append((type(a), a))
     return tuple(sig)
 
 
@@ -120,19 +127,28 @@ def device_model(device: torch.device) -> str:
 
 
 def parse_pins(text: str, source: str = "NINEFOLD_OPS") -> dict[str, str]:
-    """Parse ``"rms_norm=dsl,linear=vendor"`` into ``{"rms_norm": "dsl", "linear": "vendor"}``."""
+    """Parse ``"rms_norm=dsl,linear=vendor"`` into ``{"rms_norm": "dsl", "linear": "vendor"}``.
+
+    Whitespace around names and empty entries are ignored; an operator pinned twice to different
+    implementations is refused (which one was meant cannot be told).
+    """
     pins = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         op, sep, impl = item.partition("=")
-        if not sep or not op.strip() or not impl.strip():
+        op, impl = op.strip(), impl.strip()
+        if not sep or not op or not impl or "=" in impl:
             raise OpError(f"{source}: expected entries like 'rms_norm=dsl', got {item!r}")
-        pins[op.strip()] = impl.strip()
+        if pins.get(op, impl) != impl:
+            raise OpError(f"{source}: {op} is pinned twice, to {pins[op]!r} and to {impl!r}; keep one")
+        pins[op] = impl
     return pins
 
 
 def _check_pins(pins: dict[str, str], source: str) -> None:
     for op, impl in pins.items():
         operator(op)
+        if not isinstance(impl, str):
+            raise TypeError(f"{source}: the pin of {op} must be an implementation name (str), got {impl!r}")
         names = sorted({i.name for i in registry.all_implementations(op)})
         if impl not in names:
             raise OpError(f"{source}: {op} has no implementation {impl!r}; it has: {', '.join(names)}")
@@ -191,9 +207,8 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
                 return impl
         if (op, pinned, key) not in _warned:
             _warned.add((op, pinned, key))
-            reason = next((i.reason(args) for i in registry.implementations(op) if i.name == pinned), None)
             warnings.warn(f"{op}: pinned implementation {pinned!r} cannot run these inputs "
-                          f"({reason or 'not available on ' + device.type + ' for ' + dtype_name(dtype)}); "
+                          f"({_pin_reason(op, pinned, device, dtype, args)}); "
                           f"using {candidates[0].name!r} instead", stacklevel=4)
     tuned = tuning.lookup(op, device_model(device), dtype, key[2])
     if tuned is not None:
@@ -203,14 +218,34 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
     return candidates[0]
 
 
+def _pin_reason(op: str, name: str, device: torch.device, dtype: torch.dtype, args: tuple) -> str:
+    """Why the pinned implementation ``name`` cannot run this call (for the fallback warning)."""
+    impl = next((i for i in registry.implementations(op) if i.name == name), None)
+    if impl is None:
+        return f"not available in this process{_build_note(op)}"
+    if device.type not in impl.devices:
+        return f"it runs on {', '.join(impl.devices)}, not {device.type}"
+    if dtype not in impl.dtypes:
+        return f"it takes {dtype_names(impl.dtypes)}{_build_note(op)}, not {dtype_name(dtype)}"
+    return impl.reason(args) or "its supports() said no"
+
+
 def supporting(op: str, device: torch.device, dtype: torch.dtype, args: tuple) -> list[Impl]:
     """Implementations able to run ``args``, in default order; ``UnsupportedError`` when none is."""
     impls = registry.implementations(op)
     if not impls and registry.all_implementations(op):
         from ninefold.ops import build
 
+        active = build.active()
+        entry = active.ops.get(op)
+        if entry is not None:  # kept, but none of its kept implementations exists in this process
+            registered = sorted({i.name for i in registry.all_implementations(op)})
+            raise UnsupportedError(f"{op}: the trimmed build at {active.path} (NINEFOLD_OPS_BUILD) keeps its "
+                                   f"implementations {', '.join(entry['impls'])} for {', '.join(entry['dtypes'])}, "
+                                   f"and none of them is available in this process (available: "
+                                   f"{', '.join(registered)}; Triton kernels register only where CUDA is)")
         kept = ", ".join(o for o in registry.operators() if registry.implementations(o))
-        raise UnsupportedError(f"{op}: not part of the trimmed build at {build.active().path} "
+        raise UnsupportedError(f"{op}: not part of the trimmed build at {active.path} "
                                f"(NINEFOLD_OPS_BUILD); it holds: {kept or 'nothing'}")
     on_device = [i for i in impls if device.type in i.devices]
     if not on_device:

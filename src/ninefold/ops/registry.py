@@ -12,8 +12,11 @@ after the public function has validated and normalised them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from ninefold.ops.spec import FLOAT_DTYPES
 
@@ -52,15 +55,55 @@ def register(op: str, name: str, *, devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES
     string when it says no); ``priority``: ``{device_type: int}``, higher first by default.
     """
 
+    where = f"register({op!r}, {name!r})"
+    if isinstance(devices, str):
+        devices = (devices,)
+    if isinstance(dtypes, torch.dtype):
+        dtypes = (dtypes,)
+    devices, dtypes = tuple(devices), frozenset(dtypes)
+    for device in devices:
+        if not isinstance(device, str) or not _NAME.fullmatch(device):
+            raise ValueError(f"{where}: devices must be torch device types like ('cpu', 'cuda'), got {device!r}")
+    if not devices:
+        raise ValueError(f"{where}: devices is empty; name the device types it runs on, e.g. ('cpu', 'cuda')")
+    bad = [d for d in dtypes if not isinstance(d, torch.dtype)]
+    if bad or not dtypes:
+        raise ValueError(f"{where}: dtypes must be torch dtypes like (torch.float16, torch.bfloat16), "
+                         f"got {bad[0] if bad else 'none'}")
+    if supports is not None and not callable(supports):
+        raise TypeError(f"{where}: supports must be callable (args -> reason or None), got {supports!r}")
+    for key, rank in (priority or {}).items():
+        if not isinstance(key, str) or isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"{where}: priority must map device types to ints, got {key!r}: {rank!r}")
+    _check_names(op, name)
+
     def decorate(fn: Callable) -> Callable:
-        add(Impl(op, name, fn, tuple(devices), frozenset(dtypes), supports, dict(priority or {})))
+        if not callable(fn):
+            raise TypeError(f"{where}: the implementation must be callable, got {fn!r}")
+        add(Impl(op, name, fn, devices, dtypes, supports, dict(priority or {})))
         return fn
 
     return decorate
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_names(op, name) -> None:
+    """An implementation name usable in ``NINEFOLD_OPS`` and manifests, of an operator that exists."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"register({op!r}, {name!r}): the implementation name must be a Python-identifier-like "
+                         f"word (letters, digits, '_'; it is written in NINEFOLD_OPS=op=name), got {name!r}")
+    from ninefold.ops import dispatch
+
+    known = dispatch.operators()
+    if op not in known:
+        raise ValueError(f"register({op!r}, {name!r}): unknown operator {op!r}; known: {', '.join(known)}")
+
+
 def add(impl: Impl) -> None:
     """Register an ``Impl`` (replacing one of the same operator and name)."""
+    _check_names(impl.op, impl.name)
     impls = _IMPLS.setdefault(impl.op, [])
     impls[:] = [i for i in impls if i.name != impl.name] + [impl]
     changed()
