@@ -418,3 +418,29 @@ def test_a_build_with_a_damaged_dsl_artifact_fails_naming_it(tmp_path):
     run = _python("import torch, ninefold.ops as ops\nops.softmax(torch.ones(2, 8).half())",
                   {"NINEFOLD_OPS_BUILD": str(tmp_path / "b")}, check=False)
     assert run.returncode != 0 and f"its cubin {cubin} is missing" in run.stderr
+
+
+def test_tune_takes_one_operator_name_and_refuses_an_empty_list():
+    from ninefold.ops.tune import tune
+
+    # a str was split into letters ('r', 'm', 's', ...), and [] meant "every operator"
+    with pytest.raises(ValueError, match=r"ops: empty"):
+        tune([], device="cpu", dtypes=(torch.float32,), progress=False)
+    with pytest.raises(ValueError, match=r"unknown operator\(s\) rmsnorm"):
+        tune("rmsnorm", device="cpu", dtypes=(torch.float32,), progress=False)
+
+
+def test_workload_cases_of_an_unknown_operator_name_it():
+    from ninefold.ops import workloads
+
+    with pytest.raises(ValueError, match=r"op: 'nope' has no workloads; known: .*rms_norm"):
+        next(workloads.cases("nope", workloads.shapes("llama-8b"), "cpu", torch.float32))
+
+
+@pytest.mark.parametrize("target", ["cuda:abc", "cuda:9x", "cuda:"])
+def test_a_cuda_target_whose_architecture_is_not_a_number_is_named(target):
+    pytest.importorskip("triton")
+    from ninefold.ops.triton.aot import parse_target
+
+    with pytest.raises(ValueError, match=r"--target: expected cuda:<sm>"):
+        parse_target(target)

@@ -16,6 +16,10 @@ def tune(ops=None, shape_set: str = "llama-8b", device="cuda", dtypes=(torch.bfl
     Returns the entries written to the tuning cache (``path``, default the user's cache file);
     operators with a single candidate for a call are recorded too, so the table is complete.
     """
+    if isinstance(ops, str):  # one operator, not its letters
+        ops = [ops]
+    if ops is not None and not list(ops):
+        raise ValueError(f"ops: empty; name operators from {', '.join(workloads.OPS)}, or None for all of them")
     names = list(ops or workloads.OPS)
     unknown = [n for n in names if n not in workloads.OPS]
     if unknown:

@@ -61,6 +61,8 @@ def shapes(name: str) -> Shapes:
 
 def cases(op: str, s: Shapes, device, dtype: torch.dtype, seed: int = 0) -> Iterator[Case]:
     """Representative calls of ``op`` at the shapes ``s``."""
+    if op not in _BUILDERS:
+        raise ValueError(f"op: {op!r} has no workloads; known: {', '.join(_BUILDERS)}")
     yield from _BUILDERS[op](s, torch.device(device), dtype, torch.Generator().manual_seed(seed))
 
 

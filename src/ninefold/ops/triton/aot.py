@@ -48,7 +48,7 @@ class Variant:
 def parse_target(text: str) -> GPUTarget:
     """``"cuda:90"`` -> ``GPUTarget("cuda", 90, 32)`` (``ValueError`` naming the accepted forms)."""
     backend, _, arch = text.partition(":")
-    if backend not in ("cuda", "hip") or not arch:
+    if backend not in ("cuda", "hip") or not arch or (backend == "cuda" and not arch.isdigit()):
         raise ValueError(f"--target: expected cuda:<sm> (e.g. cuda:90) or hip:<gfx>, got {text!r}")
     return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
 
