@@ -85,6 +85,16 @@ def test_vendor_fallback_serves_calls_outside_the_build(tmp_path):
     ('fallback = "cpu"\n[ops.rms_norm]\n', "fallback must be one of ('error', 'vendor'), got 'cpu'"),
     ('target = "cpu"\n', "needs at least one [ops.<name>] table"),
     ('[ops.rms_norm', "cannot read"),
+    ('fallbak = "vendor"\n[ops.rms_norm]\n', "unknown key 'fallbak'; accepted: target, fallback"),
+    ('[ops.rms_norm]\nimpl = ["vendor"]\n', "[ops.rms_norm] has unknown key 'impl'; accepted: dtypes, impls"),
+    ('[ops.rms_norm]\nimpls = "vendor"\n', "[ops.rms_norm] impls must be a non-empty list of names"),
+    ('[ops.rms_norm]\nimpls = []\n', "[ops.rms_norm] impls must be a non-empty list of names"),
+    ('[ops.rms_norm]\ndtypes = "float32"\n', "[ops.rms_norm] dtypes must be a non-empty list of names"),
+    ('[ops.rms_norm]\ndtypes = []\n', "[ops.rms_norm] dtypes must be a non-empty list of names"),
+    ('ops.rms_norm = "vendor"\n', "ops.rms_norm must be a table"),
+    ('target = "sm90"\n[ops.rms_norm]\n', "target must be 'cpu' or a GPU like 'cuda:90'"),
+    ('target = 90\n[ops.rms_norm]\n', "target must be 'cpu' or a GPU like 'cuda:90'"),
+    ('shapes = "huge"\n[ops.rms_norm]\n', "shapes must be one of llama-8b, smollm2, tiny, got 'huge'"),
 ])
 def test_manifest_errors_name_the_entry(tmp_path, text, message):
     path = tmp_path / "ops.toml"

@@ -234,26 +234,6 @@ def test_choice_caches_stored_by_several_processes_keep_every_choice(tmp_path):
 
 
 # ------------------------------------------------------------------ trimmed builds
-@pytest.mark.parametrize("text,message", [
-    ('fallbak = "vendor"\n[ops.rms_norm]\n', "unknown key 'fallbak'; accepted: target, fallback"),
-    ('[ops.rms_norm]\nimpl = ["vendor"]\n', "[ops.rms_norm] has unknown key 'impl'; accepted: dtypes, impls"),
-    ('[ops.rms_norm]\nimpls = "vendor"\n', "[ops.rms_norm] impls must be a non-empty list of names"),
-    ('[ops.rms_norm]\nimpls = []\n', "[ops.rms_norm] impls must be a non-empty list of names"),
-    ('[ops.rms_norm]\ndtypes = "float32"\n', "[ops.rms_norm] dtypes must be a non-empty list of names"),
-    ('[ops.rms_norm]\ndtypes = []\n', "[ops.rms_norm] dtypes must be a non-empty list of names"),
-    ('ops.rms_norm = "vendor"\n', "ops.rms_norm must be a table"),
-    ('target = "sm90"\n[ops.rms_norm]\n', "target must be 'cpu' or a GPU like 'cuda:90'"),
-    ('target = 90\n[ops.rms_norm]\n', "target must be 'cpu' or a GPU like 'cuda:90'"),
-    ('shapes = "huge"\n[ops.rms_norm]\n', "shapes must be one of llama-8b, smollm2, tiny, got 'huge'"),
-])
-def test_manifest_mistakes_are_named_with_the_file(tmp_path, text, message):
-    path = tmp_path / "ops.toml"
-    path.write_text(text)
-    with pytest.raises(ValueError) as error:
-        build.read_manifest(path)
-    assert message in str(error.value) and str(path) in str(error.value)
-
-
 def test_a_bad_target_on_the_command_line_is_named(tmp_path, capsys):
     from ninefold.cli.main import main
 
