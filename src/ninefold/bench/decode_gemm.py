@@ -29,30 +29,48 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 BATCHES = (16, 64, 128, 160, 192, 224, 256)
 
 
+def ceilings(device) -> tuple[float, float]:
+    """Measured copy bandwidth (B/s) and cuBLAS bf16 rate (FLOP/s) of ``device``, printed."""
+    from ninefold.runtime.profile import profile_device
+
+    profile = profile_device(device)
+    bw, rate = profile.bandwidth["copy"], profile.compute["bfloat16"]
+    print(f"ceilings: copy {bw / 1e9:.0f} GB/s, cuBLAS bf16 {rate / 1e12:.0f} TFLOP/s", flush=True)
+    return bw, rate
+
+
+def rotating_weights(n: int, k: int, device) -> list[torch.Tensor]:
+    """Copies of an ``[n, k]`` bf16 weight (about 512 MiB in all, 2-8 of them): timed over in turn, the
+    weight streams from memory as in a model step instead of staying in L2."""
+    copies = max(2, min(8, (512 << 20) // (n * k * 2)))
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
+def bound_us(m: int, n: int, k: int, bw: float, rate: float) -> float:
+    """max(weight bytes / copy bandwidth, FLOPs / cuBLAS rate) of ``[m, k] @ [n, k].T``, in us."""
+    return max(n * k * 2 / bw, 2 * m * n * k / rate) * 1e6
+
+
 def run(batches, names, only=None) -> dict:
     import ninefold.ops  # noqa: F401  (registers the implementations)
     from ninefold.bench.decode_attention import graph_time
     from ninefold.ops.cublaslt import tuning as cublaslt_tuning
     from ninefold.ops.registry import implementations
     from ninefold.ops.triton import gemm_tuning
-    from ninefold.runtime.profile import profile_device
 
     device = torch.device("cuda")
-    profile = profile_device(device)
-    bw, rate = profile.bandwidth["copy"], profile.compute["bfloat16"]
-    print(f"ceilings: copy {bw / 1e9:.0f} GB/s, cuBLAS bf16 {rate / 1e12:.0f} TFLOP/s")
+    bw, rate = ceilings(device)
     impls = {i.name: i for i in implementations("linear") if "cuda" in i.devices and torch.bfloat16 in i.dtypes
              and (only is None or i.name in only)}
     rows = []
     for layer in names:
         n, k = SHAPES[layer]
-        copies = max(2, min(8, (512 << 20) // (n * k * 2)))
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        weights = rotating_weights(n, k, device)
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             want = x.float() @ weights[0].float().T
-            bound_us = max(n * k * 2 / bw, 2 * m * n * k / rate) * 1e6
-            row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound_us, 2)}
+            bound = bound_us(m, n, k, bw, rate)
+            row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound, 2)}
             for impl, entry in impls.items():
                 fn = entry.fn
                 reason = entry.reason((x, weights[0], None))
@@ -78,13 +96,13 @@ def run(batches, names, only=None) -> dict:
                 except Exception as e:  # an implementation that cannot run this shape: say why, keep going
                     row[impl] = f"{type(e).__name__}: {str(e)[:80]}"
             rows.append(row)
-            cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound_us / row[i]:4.0%})" if isinstance(row[i], float)
+            cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound / row[i]:4.0%})" if isinstance(row[i], float)
                               else f"{i} {row[i]}" for i in impls)
             for impl in impls:
                 if f"{impl}_config" in row:
                     top = list((row[f"{impl}_tuning_us"] or {}).items())[:3]
                     cells += f"  [{impl}: {row[f'{impl}_config']}; tuner: {', '.join(f'{c} {t:.1f}' for c, t in top)}]"
-            print(f"{layer:8s} M={m:<4d} bound {bound_us:8.2f} us  {cells}", flush=True)
+            print(f"{layer:8s} M={m:<4d} bound {bound:8.2f} us  {cells}", flush=True)
         del weights
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(device), "copy_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,

@@ -139,25 +139,21 @@ def describe(cfg) -> str:
 
 def run(batches, names, limit_s: float, mode: str = "all") -> dict:
     from ninefold.bench.decode_attention import graph_time
-    from ninefold.bench.decode_gemm import SHAPES
-    from ninefold.runtime.profile import profile_device
+    from ninefold.bench.decode_gemm import SHAPES, bound_us, ceilings, rotating_weights
 
     device = torch.device("cuda")
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-    profile = profile_device(device)
-    bw, rate = profile.bandwidth["copy"], profile.compute["bfloat16"]
-    print(f"ceilings: copy {bw / 1e9:.0f} GB/s, cuBLAS bf16 {rate / 1e12:.0f} TFLOP/s", flush=True)
+    bw, rate = ceilings(device)
     count = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     start = time.perf_counter()
     rows = []
     for layer in names:
         n, k = SHAPES[layer]
-        copies = max(2, min(8, (512 << 20) // (n * k * 2)))
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        weights = rotating_weights(n, k, device)
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             want = x.float() @ weights[0].float().T
-            bound = max(n * k * 2 / bw, 2 * m * n * k / rate) * 1e6
+            bound = bound_us(m, n, k, bw, rate)
             vendor = graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights], device, 50)
             row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": bound, "cublas_us": vendor, "configs": {}}
             for cfg in configs(k, mode):
