@@ -1,0 +1,1 @@
+"""Transports of ninefold.comm: the Backend contract and its implementations."""

@@ -1,0 +1,193 @@
+"""Starting a communicator over every process of the job, from what the launcher left in the environment.
+
+The job is found, in order, from explicit arguments, torchrun-style variables (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``ninefold launch`` sets them), or an MPI launcher's
+variables (``mpiexec``: then MPI itself hands out the rendezvous address, so Gloo and NCCL start
+too); with none of these the process is a job of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ninefold.comm.backends.base import Backend, CommError
+from ninefold.comm.backends.torch_dist import TorchDistBackend
+from ninefold.comm.communicator import Communicator
+from ninefold.comm.topology import BACKEND_NAMES, Route, Topology, describe_rank
+
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
+
+
+def init(backend: str = "auto", *, device: str | torch.device | None = None, timeout_s: float = 600.0,
+         check_peers: bool | None = None) -> Communicator:
+    """A :class:`Communicator` over every process of the job (collective: every process calls it).
+
+    ``backend``: "auto" picks per device type from the topology (NCCL for CUDA tensors when every rank
+    has its own GPU, MPI for CPU tensors under an MPI launcher, Gloo otherwise); "nccl", "gloo" or "mpi"
+    sends every tensor it can carry through that one (CPU tensors stay on Gloo with "nccl").
+    ``device``: this rank's device; default ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA is
+    available, else the CPU. ``timeout_s`` bounds the rendezvous and every Gloo/NCCL operation.
+    ``check_peers`` (default: ``NINEFOLD_COMM_CHECK=1``) makes every collective compare its arguments
+    across the ranks first.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKEND_CHOICES))}, got {backend!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+    if check_peers is None:
+        check_peers = os.environ.get("NINEFOLD_COMM_CHECK", "0") not in ("", "0")
+    rank_device = _pick_device(device)
+    mpi = _mpi_world()
+    if backend == "mpi" and mpi is None:
+        raise ValueError("backend: 'mpi' needs processes started by an MPI launcher (mpiexec) and mpi4py; "
+                         "neither an MPI launcher's environment nor mpi4py was found")
+    owns = _start_torch_distributed(mpi, timeout_s)
+    try:
+        return _build(backend, rank_device, mpi, timeout_s, check_peers, owns)
+    except BaseException:
+        for release in owns:
+            release()
+        raise
+
+
+def _build(backend: str, rank_device: torch.device, mpi, timeout_s: float, check_peers: bool,
+           owns: tuple) -> Communicator:
+    world = dist.group.WORLD
+    ranks = list(range(dist.get_world_size()))
+    backends: dict[str, Backend] = {"gloo": _gloo_backend(ranks, timeout_s)}
+    infos = [None] * len(ranks)
+    dist.all_gather_object(infos, describe_rank(dist.get_rank(), rank_device), group=backends["gloo"].process_group)
+    topology = Topology(tuple(infos))
+    if mpi is not None:
+        backends["mpi"] = mpi
+    if topology.all_cuda and not topology.shared_gpus() and dist.is_nccl_available() and backend in ("auto", "nccl"):
+        group = world if dist.get_backend() == "nccl" else dist.new_group(
+            ranks, backend="nccl", timeout=datetime.timedelta(seconds=timeout_s))
+        backends["nccl"] = TorchDistBackend("nccl", group, ranks)
+    routes = _routes(topology, set(backends), backend, mpi)
+    return Communicator(backends, topology, rank_device, routes, check_peers=check_peers, owns=owns)
+
+
+def _pick_device(device) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            local = int(os.environ.get("LOCAL_RANK", _mpi_local_rank() or 0))
+            device = torch.device("cuda", local % torch.cuda.device_count())
+        else:
+            return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected None, 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device} was asked for but CUDA is not available here")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"device: {device} does not exist; this process sees {torch.cuda.device_count()} GPUs")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device}")
+    return device
+
+
+def _mpi_local_rank() -> int | None:
+    from ninefold.comm.backends import mpi as mpi_module
+
+    found = mpi_module.mpi_world_from_env()
+    return None if found is None else found[2]
+
+
+def _mpi_world():
+    """The MPI backend when an MPI launcher started this process and mpi4py is installed, else None."""
+    from ninefold.comm.backends import mpi as mpi_module
+
+    if mpi_module.mpi_world_from_env() is None:
+        return None
+    try:
+        return mpi_module.MpiBackend()
+    except ImportError:
+        return None
+
+
+def _start_torch_distributed(mpi, timeout_s: float) -> tuple:
+    """Start torch.distributed's default group unless the caller already did; returns what close() undoes."""
+    if dist.is_initialized():
+        return ()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise ValueError(f"{name}: RANK and WORLD_SIZE are set but {name} is not; start the job with "
+                                 "`ninefold launch` or torchrun, or set all four")
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK: expected 0..WORLD_SIZE-1 = 0..{world - 1}, got {rank}")
+        init = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    elif mpi is not None:
+        from ninefold.comm.backends.mpi import rendezvous_from_mpi
+
+        addr, port = rendezvous_from_mpi()
+        rank, world, init = mpi.rank, mpi.world_size, f"tcp://{addr}:{port}"
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return (dist.destroy_process_group,)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+    except (RuntimeError, ValueError) as e:
+        raise CommError(f"rendezvous at {init} as rank {rank} of {world} failed: {e}") from e
+    return (dist.destroy_process_group,)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer in the environment, got {value!r}") from None
+
+
+def _gloo_backend(ranks: list[int], timeout_s: float) -> TorchDistBackend:
+    if dist.get_backend() == "gloo":
+        return TorchDistBackend("gloo", dist.group.WORLD, ranks)
+    group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return TorchDistBackend("gloo", group, ranks)
+
+
+def _routes(topology: Topology, available: set[str], backend: str, mpi) -> dict[str, Route]:
+    mpi_cuda = False
+    if mpi is not None:
+        with contextlib.suppress(Exception):
+            mpi_cuda = mpi.unsupported("cuda", torch.float32) is None
+    if backend == "auto":
+        usable = available
+    elif backend == "nccl":
+        if "nccl" not in available:
+            raise ValueError("backend: 'nccl' needs every rank on its own GPU with NCCL available; here "
+                             + _why_not_nccl(topology))
+        usable = {"nccl", "gloo"}
+    else:
+        usable = {backend}
+    routes = {}
+    for kind in ("cpu", "cuda"):
+        route = topology.choose(kind, usable, mpi_launched=mpi is not None, mpi_cuda_aware=mpi_cuda)
+        if route is not None:
+            routes[kind] = route
+    if "cpu" not in routes:
+        raise CommError(f"no transport for CPU tensors among {sorted(usable)}")
+    return routes
+
+
+def _why_not_nccl(topology: Topology) -> str:
+    if not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    if not topology.all_cuda:
+        return "not every rank has a GPU:\n" + topology.table()
+    return "ranks share a GPU:\n" + topology.table()

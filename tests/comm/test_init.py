@@ -1,0 +1,91 @@
+"""init() in one process (a job of one) and its argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ninefold.comm as nc
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",
+                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "NINEFOLD_COMM_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    assert not dist.is_initialized(), "a test left torch.distributed initialized"
+
+
+def test_a_job_of_one_runs_every_operation_and_closes(clean_env):
+    comm = nc.init(device="cpu")
+    try:
+        assert (comm.rank, comm.world_size, comm.device) == (0, 1, torch.device("cpu"))
+        assert comm.backend_for(torch.ones(1)) == "gloo"
+        x = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(comm.all_reduce(x.clone(), "avg"), x)
+        assert torch.equal(comm.all_gather(x, dim=1), x)
+        assert torch.equal(comm.reduce_scatter(x, dim=0), x)
+        assert torch.equal(comm.all_to_all(x, dim=1), x)
+        assert torch.equal(comm.all_gather(torch.tensor(5.0)), torch.tensor([5.0]))
+        assert comm.all_gather_object({"a": 1}) == [{"a": 1}]
+        assert comm.broadcast_object("hi") == "hi"
+        sub = comm.split(0)
+        assert sub.world_size == 1
+        sub.close()
+        text = comm.describe()
+        assert "cpu tensors: gloo" in text and "rank" in text
+    finally:
+        comm.close()
+    comm.close()  # twice is fine
+    with pytest.raises(nc.CommError, match="closed"):
+        comm.all_reduce(torch.ones(1))
+
+
+def test_a_communicator_is_a_context_manager(clean_env):
+    with nc.init(device="cpu") as comm:
+        comm.barrier()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kwargs, kind, words", [
+    ({"backend": "tcp"}, ValueError, "backend: expected one of 'auto', 'nccl', 'gloo', 'mpi', got 'tcp'"),
+    ({"timeout_s": 0}, ValueError, "timeout_s: expected a positive number"),
+    ({"timeout_s": True}, ValueError, "timeout_s"),
+    ({"device": "tpu"}, ValueError, "device: expected"),
+    ({"device": "cuda:99"}, ValueError, "device: cuda:99"),
+    ({"backend": "mpi"}, ValueError, "backend: 'mpi' needs processes started by an MPI launcher"),
+])
+def test_bad_arguments_name_the_argument(clean_env, kwargs, kind, words):
+    with pytest.raises(kind, match=words.replace("(", r"\(").replace("[", r"\[")):
+        nc.init(**kwargs)
+
+
+def test_nccl_on_a_machine_without_it_says_why(clean_env):
+    if dist.is_nccl_available() and torch.cuda.is_available():
+        pytest.skip("this machine has NCCL and a GPU")
+    with pytest.raises(ValueError, match="backend: 'nccl' needs every rank on its own GPU"):
+        nc.init("nccl", device="cpu")
+    assert not dist.is_initialized()
+
+
+def test_rank_without_master_address_is_refused(clean_env, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="MASTER_ADDR: RANK and WORLD_SIZE are set"):
+        nc.init()
+
+
+def test_rank_outside_the_world_is_refused(clean_env, monkeypatch):
+    for k, v in {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="RANK: expected 0..WORLD_SIZE-1 = 0..1, got 2"):
+        nc.init()
+
+
+def test_op_names(clean_env):
+    from ninefold.comm.communicator import parse_op
+    assert parse_op("prod") is nc.ReduceOp.PRODUCT and parse_op("MEAN") is nc.ReduceOp.AVG
+    with pytest.raises(ValueError, match="op: expected one of 'sum'"):
+        parse_op("median")
