@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -9,6 +9,10 @@ mkdir -p "$FINAL_OUT" "$RESULTS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
+fi
+if ls .whl/mpich-*.whl >/dev/null 2>&1; then  # MPI's libraries install beside a prefix, not into --target
+  python3 -m pip install -q --no-index --no-deps --no-compile --ignore-installed --prefix /tmp/mpi .whl/mpich-*.whl \
+    && export PATH="/tmp/mpi/bin:$PATH" LD_LIBRARY_PATH="/tmp/mpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # The engine launches its one-row GEMVs with PDL only where the decode-chain step measured it faster.
@@ -18,6 +22,8 @@ step_command() {
     env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
     dsl-selfcheck) echo 'python3 -m ninefold.dsl.selfcheck && if [ -d aot_mm_triton39 ]; then python3 -m ninefold.dsl.selfcheck --aot-dir aot_mm_triton39; fi' ;;
     cuda-tests) echo 'python3 -m pytest tests/dsl tests/ops tests/runtime tests/llm tests/server/test_cuda.py -q -n 8 -k "cuda or interpret" -p no:cacheprovider' ;;
+    comm-tests) echo 'python3 -m pytest tests/comm tests/server/test_cuda.py -q -n 4 -rs -p no:cacheprovider' ;;
+    comm-bench) echo 'python3 -m ninefold.bench.comm --device cpu --nproc 4 --max-mib 64 && OUT=$OUT/mpi mpiexec -n 4 python3 -m ninefold.bench.comm --device cpu --max-mib 64 && OUT=$OUT/cuda-shared python3 -m ninefold.bench.comm --device cuda --nproc 2 --max-mib 64' ;;
     serve-bench) echo 'python3 -m ninefold.bench.serve_local --device cuda' ;;
     dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
     dsl-bench) echo "python3 -m ninefold.bench.dsl ${DSL_BENCH_ARGS:-}" ;;

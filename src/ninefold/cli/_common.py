@@ -5,6 +5,7 @@ fail on odd bytes or encodings. Not a subcommand (``main.SUBCOMMAND_MODULES`` do
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -70,3 +71,20 @@ def tolerant_stdio() -> None:
                 reconfigure(errors=errors)
             except (ValueError, OSError):  # a stream already read from, or closed
                 pass
+
+
+def checked_type(convert, ok, accepted: str):
+    """An argparse ``type``: ``convert(text)``, refused with a message naming what is accepted unless ``ok``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+    return parse
+
+
+port_type = checked_type(int, lambda v: 1 <= v <= 65535, "a TCP port, an integer in [1, 65535]")
+seconds_type = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0")

@@ -14,7 +14,8 @@ import os
 import signal
 import sys
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "serve", "profile", "generate", "chat", "models", "ops", "dsl")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "serve", "profile", "generate", "chat", "models", "ops", "dsl",
+                                        "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:

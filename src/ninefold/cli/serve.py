@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 
-from ninefold.cli._common import device_error, fail
+from ninefold.cli._common import device_error, fail, port_type, seconds_type
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,21 +35,8 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _checked(convert, ok, accepted: str):
-    """An argparse ``type``: ``convert(text)``, refused with a message naming what is accepted unless ``ok``."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
-        return value
-    return parse
-
-
-_port = _checked(int, lambda v: 1 <= v <= 65535, "a TCP port, an integer in [1, 65535]")
-_seconds = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0")
+_port = port_type
+_seconds = seconds_type
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

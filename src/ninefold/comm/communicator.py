@@ -64,6 +64,7 @@ class Communicator:
         self.check_peers = check_peers
         self._owns = owns
         self._closed = False
+        self._verdicts: dict[tuple, str | None] = {}
 
     # ---- routing and checks -------------------------------------------------------------------
 
@@ -84,7 +85,11 @@ class Communicator:
         if route is None:
             raise ValueError(f"{arg}: no transport here carries {kind} tensors; "
                              f"this communicator carries {', '.join(sorted(self.routes)) or 'nothing'}")
-        reason = self.backends[route.backend].unsupported("cpu" if route.staged else kind, tensor.dtype, op)
+        key = (kind, tensor.dtype, op)
+        if key not in self._verdicts:  # a transport's answer never changes: ask once per kind of call
+            self._verdicts[key] = self.backends[route.backend].unsupported("cpu" if route.staged else kind,
+                                                                          tensor.dtype, op)
+        reason = self._verdicts[key]
         if reason is not None:
             raise TypeError(f"{arg}: {reason}")
         return route

@@ -1,0 +1,232 @@
+"""One rank of a job that runs every operation of ninefold.comm and checks it against a local reference.
+
+Every rank builds every rank's inputs from (rank, case) seeds, so it can compute the expected result
+of each collective by itself. Prints ``PASS <case>`` or ``FAIL <case>: <why>`` per case, then
+``DONE <n>``; exits 1 if any case failed. Environment: ``COMM_BACKEND`` (init's backend, default
+auto), ``COMM_DEVICE`` (cpu or cuda; default cpu).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import zlib
+
+import torch
+
+import ninefold.comm as nc
+
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+results: list[str] = []
+
+
+def data(case: str, rank: int, shape, dtype, *, positive: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()) * 1009 + rank)
+    if dtype in FLOATS:
+        x = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5 if positive else \
+            torch.randn(shape, generator=g, dtype=torch.float64)
+        return x.to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(-50, 50, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def expect(case: str, got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    got = got.cpu()
+    if got.shape != want.shape:
+        raise AssertionError(f"shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    if got.dtype != dtype:
+        raise AssertionError(f"dtype {got.dtype}, expected {dtype}")
+    if dtype in FLOATS:
+        err = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1.0)).max().item()
+        if not err <= TOL[dtype]:
+            raise AssertionError(f"max relative error {err:.3g} > {TOL[dtype]}")
+    elif not torch.equal(got, want.to(dtype)):
+        raise AssertionError(f"values differ at {(got != want.to(dtype)).nonzero()[:3].tolist()}")
+
+
+def reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
+    stack = torch.stack([x.double() if x.is_floating_point() else x.long() for x in xs])
+    if op == "sum":
+        return stack.sum(0)
+    if op == "product":
+        return stack.prod(0)
+    if op == "min":
+        return stack.min(0).values
+    if op == "max":
+        return stack.max(0).values
+    return stack.mean(0)
+
+
+def run(case: str, fn) -> None:
+    try:
+        fn()
+        results.append(f"PASS {case}")
+    except Exception as e:  # a failing case must not hide the others
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip().replace("\n", " | ")
+        results.append(f"FAIL {case}: {detail}")
+
+
+def main() -> int:
+    comm = nc.init(os.environ.get("COMM_BACKEND", "auto"))
+    dev = torch.device(os.environ.get("COMM_DEVICE", "cpu"))
+    if dev.type == "cuda":
+        dev = comm.device
+    r, w = comm.rank, comm.world_size
+    shape = (5, 7)
+
+    for dtype in (*FLOATS, torch.int64):
+        name = str(dtype).removeprefix("torch.")
+        ops = ("sum", "product", "min", "max", "avg") if dtype in FLOATS else ("sum", "product", "min", "max")
+        for op in ops:
+            case = f"all_reduce/{name}/{op}"
+
+            def all_reduce(case=case, op=op, dtype=dtype):
+                xs = [data(case, k, shape, dtype, positive=op == "product") for k in range(w)]
+                t = xs[r].clone().to(dev)
+                assert comm.all_reduce(t, op) is t
+                expect(case, t, reference(op, xs), dtype)
+            run(case, all_reduce)
+
+        case = f"all_reduce/{name}/non_contiguous_async"
+
+        def all_reduce_view(case=case, dtype=dtype):
+            xs = [data(case, k, (7, 5), dtype) for k in range(w)]
+            base = xs[r].clone().to(dev)
+            view = base.t()
+            work = comm.all_reduce(view, "sum", async_op=True)
+            work.wait()
+            expect(case, base, reference("sum", xs), dtype)
+        run(case, all_reduce_view)
+
+        for dim in (0, 1, -1):
+            case = f"all_gather/{name}/dim{dim}"
+
+            def all_gather(case=case, dim=dim, dtype=dtype):
+                xs = [data(case, k, shape, dtype) for k in range(w)]
+                got = comm.all_gather(xs[r].to(dev).t().t(), dim=dim)
+                expect(case, got, torch.cat(xs, dim=dim), dtype)
+            run(case, all_gather)
+
+            case = f"reduce_scatter/{name}/dim{dim}"
+
+            def reduce_scatter(case=case, dim=dim, dtype=dtype):
+                full = list(shape)
+                full[dim] *= w
+                xs = [data(case, k, tuple(full), dtype) for k in range(w)]
+                got = comm.reduce_scatter(xs[r].to(dev), "sum", dim=dim)
+                expect(case, got, reference("sum", xs).to(dtype).chunk(w, dim=dim)[r], dtype)
+            run(case, reduce_scatter)
+
+            case = f"all_to_all/{name}/dim{dim}"
+
+            def all_to_all(case=case, dim=dim, dtype=dtype):
+                full = list(shape)
+                full[dim] *= w
+                xs = [data(case, k, tuple(full), dtype) for k in range(w)]
+                got = comm.all_to_all(xs[r].to(dev), dim=dim)
+                expect(case, got, torch.cat([xs[k].chunk(w, dim=dim)[r] for k in range(w)], dim=dim), dtype)
+            run(case, all_to_all)
+
+        for root in sorted({0, w - 1}):
+            case = f"broadcast/{name}/src{root}"
+
+            def broadcast(case=case, root=root, dtype=dtype):
+                xs = [data(case, k, shape, dtype) for k in range(w)]
+                t = xs[r].clone().to(dev)
+                comm.broadcast(t, src=root)
+                expect(case, t, xs[root], dtype)
+            run(case, broadcast)
+
+            case = f"reduce/{name}/dst{root}"
+
+            def reduce(case=case, root=root, dtype=dtype):
+                xs = [data(case, k, shape, dtype) for k in range(w)]
+                t = xs[r].clone().to(dev)
+                comm.reduce(t, dst=root, op="max")
+                expect(case, t, reference("max", xs) if r == root else xs[r], dtype)
+            run(case, reduce)
+
+    def ring(case="send_recv/ring_tags"):
+        for tag in (0, 7):
+            xs = [data(f"{case}{tag}", k, shape, torch.bfloat16) for k in range(w)]
+            buf = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+            if w == 1:
+                return
+            nxt, prv = (r + 1) % w, (r - 1) % w
+            if r % 2 == 0:
+                comm.send(xs[r].to(dev), nxt, tag=tag)
+                comm.recv(buf, prv, tag=tag)
+            else:
+                work = comm.recv(buf, prv, tag=tag, async_op=True)
+                comm.send(xs[r].to(dev), nxt, tag=tag)
+                work.wait()
+            expect(case, buf, xs[prv], torch.bfloat16)
+    run("send_recv/ring_tags", ring)
+
+    def objects():
+        got = comm.all_gather_object({"rank": r, "text": "x" * r})
+        assert got == [{"rank": k, "text": "x" * k} for k in range(w)], got
+        assert comm.broadcast_object(("root", r) if r == w - 1 else None, src=w - 1) == ("root", w - 1)
+    run("objects", objects)
+
+    def split():
+        sub = comm.split(r % 2)
+        members = [k for k in range(w) if k % 2 == r % 2]
+        assert sub.world_size == len(members) and sub.rank == members.index(r), (sub.rank, sub.world_size)
+        t = torch.tensor([float(r)], device=dev)
+        sub.all_reduce(t)
+        assert t.item() == float(sum(members)), (t.item(), members)
+        sub.close()
+        none = comm.split(None if r == 0 else 1)
+        assert (none is None) == (r == 0)
+        if none is not None:
+            none.barrier()
+            none.close()
+    run("split", split)
+
+    def check_peers():
+        comm.check_peers = True
+        try:
+            comm.all_reduce(torch.ones(r + 1, device=dev))
+        except nc.CommError as e:
+            assert "disagree" in str(e) and "rank 0" in str(e), e
+        else:
+            if w > 1:
+                raise AssertionError("mismatched shapes were not detected")
+        finally:
+            comm.check_peers = False
+    run("check_peers", check_peers)
+
+    def argument_errors():
+        t = torch.ones(4, device=dev)
+        calls = [(lambda: comm.all_reduce(t, "median"), ValueError),
+                 (lambda: comm.broadcast(t, src=w), ValueError),
+                 (lambda: comm.send(t, dst=r), ValueError),
+                 (lambda: comm.all_gather(t, dim=2), ValueError),
+                 (lambda: comm.all_reduce([1, 2]), TypeError),
+                 (lambda: comm.all_reduce(t.bool(), "sum"), TypeError)]
+        if w > 1:
+            calls.append((lambda: comm.reduce_scatter(torch.ones(w + 1, 3, device=dev)), ValueError))
+        for call, kind in calls:
+            try:
+                call()
+            except kind:
+                continue
+            except Exception as e:
+                raise AssertionError(f"expected {kind.__name__}, got {type(e).__name__}: {e}") from e
+            raise AssertionError(f"expected {kind.__name__}, nothing raised")
+    run("argument_errors", argument_errors)
+
+    comm.barrier()
+    print("\n".join(f"[{r}] {line}" for line in results), flush=True)
+    print(f"[{r}] ROUTES {comm!r}", flush=True)
+    print(f"[{r}] DONE {len(results)}", flush=True)
+    comm.close()
+    return 1 if any(line.startswith("FAIL") for line in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
