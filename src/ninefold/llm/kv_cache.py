@@ -117,6 +117,60 @@ class BlockManager:
                 self._hash_of[block] = h
                 self.pool.incref([block])
 
+    # -- transfer between engines -------------------------------------------------------------------
+
+    def cached_blocks(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks holding the full blocks of ``token_ids``, in order, up to the first one not cached."""
+        blocks, parent = [], None
+        bs = self.block_size
+        for b in range(len(token_ids) // bs):
+            tokens = tuple(token_ids[b * bs : (b + 1) * bs])
+            h = hash((parent, tokens))
+            entry = self._by_hash.get(h)
+            if entry is None or entry[1] != tokens:
+                break
+            blocks.append(entry[0])
+            parent = h
+        return blocks
+
+    def insert_prefix(self, token_ids: list[int], data) -> int:
+        """Register the first ``len(data)`` full blocks of ``token_ids`` in the prefix cache with the contents
+        ``data`` (``[blocks, ...]`` as ``KVCachePool.read_blocks`` gives), so that a sequence starting with
+        those tokens reuses them. Blocks already cached are kept; returns how many were written. They are
+        evictable at once (no sequence holds them). Raises ValueError when the pool cannot hold them."""
+        if not self.enable_prefix_caching:
+            raise ValueError("insert_prefix: this engine runs with enable_prefix_caching=False, so blocks "
+                             "received from another engine could never be reused")
+        n = len(data)
+        bs = self.block_size
+        if n * bs > len(token_ids):
+            raise ValueError(f"data: {n} blocks of {bs} tokens need {n * bs} token ids, got {len(token_ids)}")
+        have = len(self.cached_blocks(token_ids[: n * bs]))
+        needed = n - have
+        if needed > self.num_available:
+            raise ValueError(f"data: {needed} new blocks do not fit; {self.num_available} can be had "
+                             f"(free or evictable) out of {self.pool.num_blocks}")
+        if needed <= 0:
+            return 0
+        for _ in range(max(needed - self.pool.num_free, 0)):
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            self.pool.free([block])
+        new = self.pool.allocate(needed)
+        self.pool.write_blocks(new, data[have:])
+        parent = None
+        for b in range(n):
+            tokens = tuple(token_ids[b * bs : (b + 1) * bs])
+            h = hash((parent, tokens))
+            if b >= have:
+                block = new[b - have]
+                self._by_hash[h] = (block, tokens)
+                self._hash_of[block] = h
+            parent = h
+        for block in reversed(new):  # the allocation's reference is the cache's own; heads are evicted last
+            self._evictable[block] = None
+        return needed
+
     # -- release ----------------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:

@@ -207,6 +207,34 @@ class KVCachePool:
         """Layer ``layer``'s values, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view)."""
         return self._kv[self._layer(layer), 1]
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape :meth:`read_blocks` gives per block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def read_blocks(self, ids: Iterable[int]) -> torch.Tensor:
+        """A copy of blocks ``ids``, ``[len(ids), num_layers, 2, block_size, num_kv_heads, head_dim]`` (contiguous,
+        on the pool's device): what :meth:`write_blocks` of a pool with the same layout takes."""
+        ids = self._ids("ids", ids)
+        index = torch.tensor(ids, dtype=torch.long, device=self._kv.device)
+        return self._kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write_blocks(self, ids: Iterable[int], data: torch.Tensor) -> None:
+        """Overwrite blocks ``ids`` with ``data`` as :meth:`read_blocks` returns it (any device; same dtype)."""
+        ids = self._ids("ids", ids)
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"data: expected a torch.Tensor, got {type(data).__name__}")
+        want = (len(ids), *self.block_shape)
+        if tuple(data.shape) != want:
+            raise ValueError(f"data: expected shape {want} (blocks, layers, k/v, block_size, kv_heads, head_dim), "
+                             f"got {tuple(data.shape)}")
+        if data.dtype != self.dtype:
+            raise TypeError(f"data: expected {self.dtype} like the pool, got {data.dtype}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ids: expected distinct block ids, got {ids}")
+        index = torch.tensor(ids, dtype=torch.long, device=self._kv.device)
+        self._kv.index_copy_(2, index, data.to(self._kv.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5))
+
     # -- bookkeeping ------------------------------------------------------------------------------
 
     @property

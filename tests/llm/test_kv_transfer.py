@@ -1,0 +1,107 @@
+"""Prefill on one engine, decode on another: KV blocks exported, sent between real processes, imported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninefold import LLM, SamplingParams
+from ninefold.comm.spawn import spawn
+from ninefold.llm.disagg import PrefixKV, export_prefix, import_prefix
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def _prompts(n_tokens=(37, 9, 20), seed=0, vocab=200):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in n_tokens]
+
+
+def _llm(model_dir, **kw):
+    return LLM(str(model_dir), dtype="float32", device="cpu", **{"block_size": BLOCK, **kw})
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def test_imported_blocks_decode_the_same_tokens_and_are_not_recomputed(llama_dir):
+    prompts = _prompts()
+    reference = _tokens(_llm(llama_dir), prompts)
+    prefill, decode = _llm(llama_dir), _llm(llama_dir)
+    prefill.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    written = []
+    for ids in prompts:
+        prefix = export_prefix(prefill.engine, ids)
+        assert prefix.num_tokens == len(ids) // BLOCK * BLOCK and prefix.token_ids == ids[: prefix.num_tokens]
+        written.append(import_prefix(decode.engine, prefix))
+    assert written == [len(ids) // BLOCK for ids in prompts]
+    assert _tokens(decode, prompts) == reference
+    full = sum(len(ids) // BLOCK * BLOCK for ids in prompts)
+    # The 37-token prompt's 9 blocks cover 36 tokens; one is always left to compute: 9 (of 9 blocks) hit;
+    # the 20-token prompt keeps its 5th block to compute (its last token), the 9-token one 2 of 2.
+    assert decode.engine.blocks.hit_tokens == full - BLOCK
+    assert import_prefix(decode.engine, export_prefix(prefill.engine, prompts[0])) == 0  # already cached
+
+
+def test_the_transfer_between_two_processes(llama_dir):
+    prompts = _prompts(seed=1)
+    reference = _tokens(_llm(llama_dir), prompts)
+    results = spawn(_rank_fn(), 2, (str(llama_dir), prompts, 32, BLOCK), timeout_s=240)
+    assert results[0] is None
+    imported, tokens, hit, queried = results[1]
+    assert imported == [len(ids) // BLOCK for ids in prompts]
+    assert tokens == reference
+    assert hit == sum(len(ids) // BLOCK * BLOCK for ids in prompts) - BLOCK and queried == sum(map(len, prompts))
+
+
+def _rank_fn():
+    import kv_transfer_ranks  # tests/llm is on sys.path (conftest), and so in the spawned ranks
+    return kv_transfer_ranks.prefill_here_decode_there
+
+
+def test_a_layout_that_differs_is_named(llama_dir):
+    prefill = _llm(llama_dir)
+    ids = _prompts()[0]
+    prefill.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    prefix = export_prefix(prefill.engine, ids)
+    with pytest.raises(ValueError, match="block_size 4 does not match the receiving engine's 8"):
+        import_prefix(_llm(llama_dir, block_size=8).engine, prefix)
+    with pytest.raises(ValueError, match="dtype torch.float16 does not match"):
+        import_prefix(_llm(llama_dir).engine, PrefixKV(prefix.token_ids, prefix.blocks.half()))
+    with pytest.raises(ValueError, match="hold 36 tokens, got 35 token ids"):
+        import_prefix(_llm(llama_dir).engine, PrefixKV(prefix.token_ids[:-1], prefix.blocks))
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        import_prefix(_llm(llama_dir, enable_prefix_caching=False).engine, prefix)
+    with pytest.raises(ValueError, match="9 new blocks do not fit"):
+        import_prefix(_llm(llama_dir, num_kv_blocks=8, max_model_len=32).engine, prefix)
+    with pytest.raises(TypeError, match="prefix: expected a PrefixKV"):
+        import_prefix(prefill.engine, prefix.blocks)
+
+
+def test_imported_blocks_are_evicted_tail_first_when_memory_runs_out(llama_dir):
+    prefill = _llm(llama_dir)
+    ids = _prompts()[0]
+    prefill.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    decode = _llm(llama_dir, num_kv_blocks=12, max_model_len=48)
+    assert import_prefix(decode.engine, export_prefix(prefill.engine, ids)) == 9
+    blocks = decode.engine.blocks
+    assert blocks.num_available == 12
+    other = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    decode.generate(prompt_token_ids=[[5] * 20], sampling_params=other)  # needs 6 blocks: 3 evicted
+    assert len(blocks.cached_blocks(ids)) == 6  # the prompt's first blocks survive, its tail went first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_imported_blocks_on_cuda_decode_the_same_tokens(llama_dir):
+    prompts = _prompts(seed=2)
+    reference = _tokens(_llm(llama_dir, device="cuda"), prompts)
+    prefill, decode = _llm(llama_dir, device="cuda"), _llm(llama_dir, device="cuda")
+    prefill.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    for ids in prompts:
+        prefix = export_prefix(prefill.engine, ids)
+        assert prefix.blocks.is_cuda
+        import_prefix(decode.engine, prefix)
+    assert _tokens(decode, prompts) == reference
+    assert decode.engine.blocks.hit_tokens == sum(len(ids) // BLOCK * BLOCK for ids in prompts) - BLOCK
