@@ -234,6 +234,29 @@ class Communicator:
         backend.broadcast(data, src, False)
         return pickle.loads(data.numpy().tobytes())
 
+    def send_object(self, obj: Any, dst: int, *, tag: int = 0) -> None:
+        """Send ``obj`` (pickled) to rank ``dst``, which calls :meth:`recv_object`."""
+        dst, tag = self._peer(dst, "dst", other_than_self=True), _tag(tag)
+        backend = self._open_cpu_backend()
+        data = _pickle(obj)
+        backend.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag, False)
+        backend.send(data, dst, tag, False)
+
+    def recv_object(self, src: int, *, tag: int = 0) -> Any:
+        """The object rank ``src`` sent with :meth:`send_object`."""
+        src, tag = self._peer(src, "src", other_than_self=True), _tag(tag)
+        backend = self._open_cpu_backend()
+        size = torch.empty(1, dtype=torch.int64)
+        backend.recv(size, src, tag, False)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        backend.recv(data, src, tag, False)
+        return pickle.loads(data.numpy().tobytes())
+
+    def _open_cpu_backend(self) -> Backend:
+        if self._closed:
+            raise CommError("this communicator was closed")
+        return self.backends[self.routes["cpu"].backend]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled), in rank order."""
         if self._closed:

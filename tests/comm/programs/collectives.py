@@ -170,6 +170,15 @@ def main() -> int:
         got = comm.all_gather_object({"rank": r, "text": "x" * r})
         assert got == [{"rank": k, "text": "x" * k} for k in range(w)], got
         assert comm.broadcast_object(("root", r) if r == w - 1 else None, src=w - 1) == ("root", w - 1)
+        if w > 1:
+            nxt, prv = (r + 1) % w, (r - 1) % w
+            if r % 2 == 0:
+                comm.send_object({"from": r, "blob": b"\x00" * (1000 * r)}, nxt, tag=3)
+                got = comm.recv_object(prv, tag=3)
+            else:
+                got = comm.recv_object(prv, tag=3)
+                comm.send_object({"from": r, "blob": b"\x00" * (1000 * r)}, nxt, tag=3)
+            assert got == {"from": prv, "blob": b"\x00" * (1000 * prv)}, got["from"]
     run("objects", objects)
 
     def split():
