@@ -1,0 +1,225 @@
+"""Prefill and decode on different ranks of one job: a router on rank 0, engines on every other rank.
+
+Every rank of a ``ninefold.comm`` job calls :func:`start`. The workers load the model and wait for
+plans; rank 0 gets a :class:`Router`. For each :meth:`Router.generate` call the router splits the
+workers into prefill and decode workers (``num_prefill``, or the split that balances the measured
+prefill and decode costs of earlier calls, so the P/D ratio follows the load), hands each request
+to one of each, and collects the results. A prefill worker computes its prompts (one token each),
+then sends every prompt's KV blocks to the decode worker chosen for it; the decode worker imports
+them into its prefix cache and generates, computing only each prompt's last partial block.
+
+Transfers go in ascending request order on every worker, so the smallest pending transfer always
+has its sender and its receiver ready: no cycle of waiting workers can form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import torch
+
+from ninefold.llm.disagg.kv_transfer import PrefixKV, export_prefix, import_prefix, recv_prefix, send_prefix
+from ninefold.llm.sampling import SamplingParams
+
+_ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+
+
+@dataclasses.dataclass
+class Plan:
+    """How one :meth:`Router.generate` call was split: the ranks of each role and why."""
+
+    prefill: list[int]
+    decode: list[int]
+    reason: str
+
+
+@dataclasses.dataclass
+class Result:
+    """One request's result: the generated token ids and text, why it stopped, and the ranks that served it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prefill_rank: int
+    decode_rank: int
+    cached_tokens: int
+
+
+def start(comm, model, **llm_args) -> Router | None:
+    """Every rank of ``comm`` calls this. Rank 0 gets the :class:`Router`; every other rank loads ``model``
+    (``LLM(model, **llm_args)``), serves plans until :meth:`Router.shutdown`, and then returns None."""
+    if comm.world_size < 3:
+        raise ValueError(f"comm: disaggregation needs a router and at least one prefill and one decode worker, "
+                         f"so 3 or more ranks; got {comm.world_size}")
+    if comm.rank == 0:
+        return Router(comm)
+    _serve(comm, model, llm_args)
+    return None
+
+
+class Router:
+    """Splits requests over prefill and decode workers and gathers the results (rank 0 of the job)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.workers = list(range(1, comm.world_size))
+        self.prefill_s_per_token: float | None = None  # measured, per prefill worker
+        self.decode_s_per_token: float | None = None  # measured, per decode worker
+        self.last_plan: Plan | None = None
+        self.last_errors: list[str] = []  # what went wrong in the last call without losing a request
+        self._stopped = False
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+                 *, num_prefill: int | None = None) -> list[Result]:
+        """Generate for every prompt (token-id lists); results in prompt order."""
+        if self._stopped:
+            raise RuntimeError("generate: this router was shut down")
+        prompts = _check_prompts(prompt_token_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        plan = self.plan(sum(map(len, prompts)), sum(p.max_tokens or 0 for p in params) or len(prompts), num_prefill)
+        self.last_plan = plan
+        by_load = {r: 0 for r in plan.prefill + plan.decode}
+        jobs: dict[int, list] = {r: [] for r in by_load}
+        for i, ids in sorted(enumerate(prompts), key=lambda item: -len(item[1])):  # longest first, least loaded
+            p = min(plan.prefill, key=lambda r: by_load[r])
+            d = min(plan.decode, key=lambda r: by_load[r])
+            by_load[p] += len(ids)
+            by_load[d] += params[i].max_tokens or 1
+            jobs[p].append((i, ids, d))
+            jobs[d].append((i, ids, params[i], p))
+        for r in plan.prefill:
+            self.comm.send_object({"op": "prefill", "jobs": sorted(jobs[r], key=lambda j: j[0])}, r)
+        for r in plan.decode:
+            self.comm.send_object({"op": "decode", "jobs": sorted(jobs[r], key=lambda j: j[0])}, r)
+        prefill_cost = [self.comm.recv_object(r) for r in plan.prefill]
+        results: list[Result | None] = [None] * len(prompts)
+        decode_cost, self.last_errors = [], []
+        for r in plan.decode:
+            reply = self.comm.recv_object(r)
+            if "error" in reply:  # the worker's generate itself failed: its requests have no result
+                raise RuntimeError(f"decode worker {r} failed: {reply['error']}")
+            decode_cost.append(reply["cost"])
+            self.last_errors += [f"rank {r}: {e}" for e in reply["errors"]]
+            for res in reply["results"]:
+                results[res.index] = res
+        for r, cost in zip(plan.prefill, prefill_cost):
+            self.last_errors += [f"rank {r}: {e}" for e in cost.get("errors", [])]
+        if self.last_errors:
+            warnings.warn("some prompts were computed again by their decode worker: " + "; ".join(self.last_errors),
+                          stacklevel=2)
+        self._learn(prefill_cost, decode_cost)
+        return results
+
+    def plan(self, prompt_tokens: int, new_tokens: int, num_prefill: int | None = None) -> Plan:
+        """The split of the workers for a call with ``prompt_tokens`` to prefill and ``new_tokens`` to decode."""
+        n = len(self.workers)
+        if num_prefill is not None:
+            if isinstance(num_prefill, bool) or not isinstance(num_prefill, int) or not 1 <= num_prefill <= n - 1:
+                raise ValueError(f"num_prefill: expected an int in 1..{n - 1} (one worker at least must decode), "
+                                 f"got {num_prefill!r}")
+            p, reason = num_prefill, "asked for"
+        elif self.prefill_s_per_token is None or self.decode_s_per_token is None:
+            p, reason = max(1, n // 2), "no measurements yet: half the workers prefill"
+        else:
+            a = prompt_tokens * self.prefill_s_per_token
+            b = new_tokens * self.decode_s_per_token
+            p = min(range(1, n), key=lambda k: a / k + b / (n - k))
+            reason = (f"balances {a:.2f} s of prefill against {b:.2f} s of decode "
+                      f"(measured {self.prefill_s_per_token * 1e3:.2f} / {self.decode_s_per_token * 1e3:.2f} ms per token)")
+        return Plan(self.workers[:p], self.workers[p:], reason)
+
+    def _learn(self, prefill_cost: list[dict], decode_cost: list[dict]) -> None:
+        """Keep the per-worker cost of a prefill token and of a decoded token (the slowest worker's), smoothed."""
+        def rate(costs):
+            rates = [c["seconds"] / c["tokens"] for c in costs if c["tokens"]]
+            return max(rates) if rates else None
+
+        for name, value in (("prefill_s_per_token", rate(prefill_cost)), ("decode_s_per_token", rate(decode_cost))):
+            if value is not None:
+                old = getattr(self, name)
+                setattr(self, name, value if old is None else 0.5 * old + 0.5 * value)
+
+    def shutdown(self) -> None:
+        """Stop every worker (their :func:`start` returns). Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for r in self.workers:
+            self.comm.send_object({"op": "stop"}, r)
+
+
+def _serve(comm, model, llm_args: dict) -> None:
+    from ninefold.llm.api import LLM
+
+    llm = LLM(model, **llm_args)
+    while True:
+        msg = comm.recv_object(0)
+        if msg["op"] == "stop":
+            return
+        try:
+            if msg["op"] == "prefill":
+                reply = _prefill(comm, llm, msg["jobs"])
+            else:
+                reply = _decode(comm, llm, msg["jobs"])
+        except Exception as e:  # the router reports it; the worker stays up for the next plan
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        comm.send_object(reply, 0)
+
+
+def _prefill(comm, llm, jobs: list) -> dict:
+    """Compute the prompts, then send each one's blocks; a failure still sends (empty) prefixes, so that no
+    decode worker waits forever: it then computes those prompts itself."""
+    start = time.perf_counter()
+    prompts = [ids for _, ids, _ in jobs]
+    errors = []
+    try:
+        if prompts:
+            llm.generate(prompt_token_ids=prompts, sampling_params=_ONE_TOKEN)
+    except Exception as e:
+        errors.append(f"prefill: {type(e).__name__}: {e}")
+    pool = llm.engine.pool
+    for i, ids, dst in jobs:
+        try:
+            prefix = export_prefix(llm.engine, ids) if not errors else None
+        except Exception as e:
+            errors.append(f"export of request {i}: {type(e).__name__}: {e}")
+            prefix = None
+        if prefix is None:
+            prefix = PrefixKV([], torch.empty((0, *pool.block_shape), dtype=pool.dtype, device=pool.device.torch))
+        send_prefix(comm, prefix, dst, tag=i)
+    return {"seconds": time.perf_counter() - start, "tokens": sum(map(len, prompts)), "errors": errors}
+
+
+def _decode(comm, llm, jobs: list) -> dict:
+    """Receive every prefix (whatever happens to one, so that no prefill worker waits forever), import those
+    that fit, and generate; a prompt whose prefix could not be imported is computed here."""
+    engine = llm.engine
+    errors = []
+    for i, _, _, src in jobs:
+        prefix = recv_prefix(comm, src, tag=i)
+        try:
+            import_prefix(engine, prefix)
+        except (ValueError, TypeError) as e:
+            errors.append(f"import of request {i}: {e}")
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=[ids for _, ids, _, _ in jobs],
+                        sampling_params=[params for _, _, params, _ in jobs]) if jobs else []
+    seconds = time.perf_counter() - start
+    results = [Result(i, list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, src, comm.rank,
+                      o.num_cached_tokens) for (i, _, _, src), o in zip(jobs, outs)]
+    return {"results": results, "errors": errors,
+            "cost": {"seconds": seconds, "tokens": sum(len(r.token_ids) for r in results)}}
+
+
+def _check_prompts(prompts) -> list[list[int]]:
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"prompt_token_ids: expected a non-empty list of token-id lists, got {prompts!r:.80}")
+    for k, ids in enumerate(prompts):
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompt_token_ids[{k}]: expected a non-empty list of ints, got {ids!r:.80}")
+    return prompts

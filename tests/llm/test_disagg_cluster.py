@@ -1,0 +1,62 @@
+"""A router and prefill/decode workers in real processes: the same tokens as one engine, with the split asked
+for or measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ninefold.comm as nc
+from ninefold import LLM, SamplingParams
+from ninefold.comm.spawn import spawn
+from ninefold.llm.disagg import Router, start
+
+BLOCK = 4
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 200, (n,), generator=g).tolist() for n in (29, 6, 17, 40, 11)]
+
+
+def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir):
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    single = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    reference = [o.outputs[0].token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+    import disagg_ranks  # tests/llm is on sys.path (conftest), and so in the spawned ranks
+    results = spawn(disagg_ranks.run_cluster, 4, (str(llama_dir), prompts, 24, [1, 2, None]), timeout_s=300)
+    assert results[1:] == [None, None, None]
+    calls = results[0]
+    for (tokens, plan, cached, ranks, errors), asked in zip(calls, [1, 2, None]):
+        assert tokens == reference
+        assert errors == []
+        assert cached == [(len(ids) - 1) // BLOCK * BLOCK for ids in prompts]  # every full block came over
+        if asked is not None:
+            assert (len(plan.prefill), len(plan.decode)) == (asked, 3 - asked) and plan.reason == "asked for"
+        else:
+            assert "balances" in plan.reason and len(plan.prefill) + len(plan.decode) == 3
+        assert {p for p, _ in ranks} <= set(plan.prefill) and {d for _, d in ranks} <= set(plan.decode)
+    assert {d for _, d in calls[0][3]} == {2, 3}  # one prefill worker feeds both decode workers
+
+
+def test_a_cluster_needs_three_ranks_and_a_valid_split():
+    comm = nc.init(device="cpu")
+    try:
+        with pytest.raises(ValueError, match="comm: disaggregation needs a router and at least one prefill and one "
+                                             "decode worker, so 3 or more ranks; got 1"):
+            start(comm, "unused")
+        router = Router(comm)
+        router.workers = [1, 2, 3]  # the split is arithmetic on the worker list
+        with pytest.raises(ValueError, match=r"num_prefill: expected an int in 1..2 \(one worker at least must "
+                                             r"decode\), got 3"):
+            router.plan(100, 100, num_prefill=3)
+        assert router.plan(100, 100).reason.startswith("no measurements yet")
+        router.prefill_s_per_token, router.decode_s_per_token = 0.001, 0.01
+        assert len(router.plan(10000, 100).prefill) == 2  # 10 s of prefill against 1 s of decode
+        assert len(router.plan(100, 10000).prefill) == 1
+        with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]: expected a non-empty list of ints"):
+            router.generate([[1, 2], []], SamplingParams(max_tokens=1))
+    finally:
+        comm.close()
