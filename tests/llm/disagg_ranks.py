@@ -9,13 +9,13 @@ from ninefold.comm import init
 from ninefold.llm.disagg import start
 
 
-def run_cluster(model_dir: str, prompts: list[list[int]], max_tokens: int, calls: list):
+def run_cluster(model_dir: str, prompts: list[list[int]], max_tokens: int, calls: list, device: str = "cpu"):
     """Every rank: join the cluster; rank 0 runs one generate per entry of ``calls`` (its num_prefill) and
     returns, per call, (tokens per prompt, plan, cached tokens per prompt, (prefill, decode) rank per prompt)."""
     torch.set_num_threads(1)
-    comm = init(device="cpu")
+    comm = init(device="cpu" if device == "cpu" else None)
     try:
-        router = start(comm, model_dir, dtype="float32", device="cpu", block_size=4)
+        router = start(comm, model_dir, dtype="float32", device=device, block_size=4)
         if router is None:
             return None
         out = []

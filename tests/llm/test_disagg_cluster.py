@@ -19,14 +19,19 @@ def _prompts():
     return [torch.randint(3, 200, (n,), generator=g).tolist() for n in (29, 6, 17, 40, 11)]
 
 
-def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir, device):
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    single = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=BLOCK)
+    single = LLM(str(llama_dir), dtype="float32", device=device, block_size=BLOCK)
     reference = [o.outputs[0].token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]
 
     import disagg_ranks  # tests/llm is on sys.path (conftest), and so in the spawned ranks
-    results = spawn(disagg_ranks.run_cluster, 4, (str(llama_dir), prompts, 24, [1, 2, None]), timeout_s=300)
+    results = spawn(disagg_ranks.run_cluster, 4, (str(llama_dir), prompts, 24, [1, 2, None], device),
+                    timeout_s=300)
     assert results[1:] == [None, None, None]
     calls = results[0]
     for (tokens, plan, cached, ranks, errors), asked in zip(calls, [1, 2, None]):
