@@ -23,7 +23,7 @@ step_command() {
     dsl-selfcheck) echo 'python3 -m ninefold.dsl.selfcheck && if [ -d aot_mm_triton39 ]; then python3 -m ninefold.dsl.selfcheck --aot-dir aot_mm_triton39; fi' ;;
     cuda-tests) echo 'python3 -m pytest tests/dsl tests/ops tests/runtime tests/llm tests/server/test_cuda.py -q -n 8 -k "cuda or interpret" -p no:cacheprovider' ;;
     comm-tests) echo 'python3 -m pytest tests/comm tests/llm/test_kv_transfer.py tests/llm/test_disagg_cluster.py tests/runtime/test_kv_pool_blocks.py tests/server/test_cuda.py -q -n 4 -rs -p no:cacheprovider' ;;
-    comm-bench) echo 'python3 -m ninefold.bench.comm --device cpu --nproc 4 --max-mib 64 && OUT=$OUT/mpi mpiexec -n 4 python3 -m ninefold.bench.comm --device cpu --max-mib 64 && OUT=$OUT/cuda-shared python3 -m ninefold.bench.comm --device cuda --nproc 2 --max-mib 64' ;;
+    comm-bench) echo 'python3 -m ninefold.bench.comm --device cpu --nproc 4 --max-mib 16 && OUT=$OUT/mpi mpiexec -n 4 python3 -m ninefold.bench.comm --device cpu --max-mib 16' ;;
     serve-bench) echo 'python3 -m ninefold.bench.serve_local --device cuda' ;;
     dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
     dsl-bench) echo "python3 -m ninefold.bench.dsl ${DSL_BENCH_ARGS:-}" ;;

@@ -28,3 +28,14 @@ def run_cluster(model_dir: str, prompts: list[list[int]], max_tokens: int, calls
         return out
     finally:
         comm.close()
+
+
+def start_only(model: str):
+    """Every rank: join a cluster on ``model`` and stop it at once."""
+    comm = init(device="cpu")
+    try:
+        router = start(comm, model, dtype="float32", device="cpu")
+        if router is not None:
+            router.shutdown()
+    finally:
+        comm.close()

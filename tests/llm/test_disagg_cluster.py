@@ -65,3 +65,24 @@ def test_a_cluster_needs_three_ranks_and_a_valid_split():
             router.generate([[1, 2], []], SamplingParams(max_tokens=1))
     finally:
         comm.close()
+
+
+def test_a_worker_that_cannot_load_is_named_on_every_rank(tmp_path):
+    import disagg_ranks
+    from ninefold.comm.spawn import SpawnError
+
+    with pytest.raises(SpawnError, match=r"workers failed to load the model: rank 1: .*missing"):
+        spawn(disagg_ranks.start_only, 3, (str(tmp_path / "missing"),), timeout_s=120)
+
+
+def test_workers_sharing_a_gpu_load_in_turn_with_their_share_of_memory():
+    from ninefold.comm.topology import RankInfo, Topology
+    from ninefold.llm.disagg.cluster import _loading_order
+
+    def gpu(rank, uuid):
+        return RankInfo(rank, "h", rank, "cuda", 0, uuid, "H200")
+    topo = Topology((gpu(0, "a"), gpu(1, "a"), gpu(2, "a"), gpu(3, "b"), gpu(4, "a")))
+    assert [_loading_order(topo, r) for r in range(5)] == [
+        (3, 0, None), (3, 0, 1 / 3), (3, 1, 2 / 3), (3, 0, 1.0), (3, 2, 1.0)]
+    cpus = Topology(tuple(RankInfo(r, "h", r, "cpu", None, None, None) for r in range(3)))
+    assert [_loading_order(cpus, r) for r in range(3)] == [(1, 0, None)] * 3

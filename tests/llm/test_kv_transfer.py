@@ -19,7 +19,7 @@ def _prompts(n_tokens=(37, 9, 20), seed=0, vocab=200):
 
 
 def _llm(model_dir, **kw):
-    return LLM(str(model_dir), dtype="float32", device="cpu", **{"block_size": BLOCK, **kw})
+    return LLM(str(model_dir), **{"dtype": "float32", "device": "cpu", "block_size": BLOCK, **kw})
 
 
 def _tokens(llm, prompts, params=GREEDY):

@@ -50,14 +50,52 @@ class Result:
 
 def start(comm, model, **llm_args) -> Router | None:
     """Every rank of ``comm`` calls this. Rank 0 gets the :class:`Router`; every other rank loads ``model``
-    (``LLM(model, **llm_args)``), serves plans until :meth:`Router.shutdown`, and then returns None."""
+    (``LLM(model, **llm_args)``), serves plans until :meth:`Router.shutdown`, and then returns None.
+
+    Workers that share a GPU load one after another, each allowed up to its share of
+    ``kv_cache_memory_fraction`` (default 0.9) of the GPU, so that the first does not take every worker's
+    KV-cache memory. A worker that cannot load makes the router raise, naming it and why."""
     if comm.world_size < 3:
         raise ValueError(f"comm: disaggregation needs a router and at least one prefill and one decode worker, "
                          f"so 3 or more ranks; got {comm.world_size}")
+    stages, my_stage, share = _loading_order(comm.topology, comm.rank)
+    if share is not None and "num_kv_blocks" not in llm_args:
+        llm_args = {**llm_args, "kv_cache_memory_fraction": llm_args.get("kv_cache_memory_fraction", 0.9) * share}
+    llm, failure = None, None
+    for stage in range(stages):
+        if comm.rank != 0 and stage == my_stage:
+            try:
+                from ninefold.llm.api import LLM
+
+                llm = LLM(model, **llm_args)
+            except Exception as e:  # reported to the router below; the other ranks must not wait forever
+                failure = f"{type(e).__name__}: {e}"
+        comm.barrier()
+    states = comm.all_gather_object(failure)
+    broken = {r: why for r, why in enumerate(states) if why is not None}
+    if broken:
+        raise RuntimeError("disaggregation workers failed to load the model: "
+                           + "; ".join(f"rank {r}: {why}" for r, why in broken.items()))
     if comm.rank == 0:
         return Router(comm)
-    _serve(comm, model, llm_args)
+    _serve(comm, llm)
     return None
+
+
+def _loading_order(topology, rank: int) -> tuple[int, int, float | None]:
+    """(stages, this rank's stage, its share of the GPU's KV memory or None): workers sharing a GPU load in turn,
+    the j-th of k allowed (j + 1) / k of the memory fraction, since each sees what the earlier ones took."""
+    me = topology.ranks[rank]
+    groups: dict[str, list[int]] = {}
+    for info in topology.ranks[1:]:
+        if info.gpu_uuid is not None:
+            groups.setdefault(info.gpu_uuid, []).append(info.rank)
+    stages = max((len(g) for g in groups.values()), default=1)
+    group = groups.get(me.gpu_uuid) if me.rank != 0 and me.gpu_uuid is not None else None
+    if not group:
+        return stages, 0, None
+    j = group.index(me.rank)
+    return stages, j, (j + 1) / len(group)
 
 
 class Router:
@@ -153,10 +191,7 @@ class Router:
             self.comm.send_object({"op": "stop"}, r)
 
 
-def _serve(comm, model, llm_args: dict) -> None:
-    from ninefold.llm.api import LLM
-
-    llm = LLM(model, **llm_args)
+def _serve(comm, llm) -> None:
     while True:
         msg = comm.recv_object(0)
         if msg["op"] == "stop":
