@@ -15,7 +15,8 @@ def run_cluster(model_dir: str, prompts: list[list[int]], max_tokens: int, calls
     torch.set_num_threads(1)
     comm = init(device="cpu" if device == "cpu" else None)
     try:
-        router = start(comm, model_dir, dtype="float32", device=device, block_size=4)
+        # A fixed pool: other tests' processes may hold most of a shared test GPU's memory.
+        router = start(comm, model_dir, dtype="float32", device=device, block_size=4, num_kv_blocks=256)
         if router is None:
             return None
         out = []

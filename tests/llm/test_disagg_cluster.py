@@ -26,7 +26,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir, device):
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    single = LLM(str(llama_dir), dtype="float32", device=device, block_size=BLOCK)
+    single = LLM(str(llama_dir), dtype="float32", device=device, block_size=BLOCK, num_kv_blocks=256)
     reference = [o.outputs[0].token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=params)]
 
     import disagg_ranks  # tests/llm is on sys.path (conftest), and so in the spawned ranks

@@ -96,8 +96,9 @@ def test_imported_blocks_are_evicted_tail_first_when_memory_runs_out(llama_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_imported_blocks_on_cuda_decode_the_same_tokens(llama_dir):
     prompts = _prompts(seed=2)
-    reference = _tokens(_llm(llama_dir, device="cuda"), prompts)
-    prefill, decode = _llm(llama_dir, device="cuda"), _llm(llama_dir, device="cuda")
+    on_gpu = {"device": "cuda", "num_kv_blocks": 256}  # a fixed pool: other tests may hold most of the GPU
+    reference = _tokens(_llm(llama_dir, **on_gpu), prompts)
+    prefill, decode = _llm(llama_dir, **on_gpu), _llm(llama_dir, **on_gpu)
     prefill.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1))
     for ids in prompts:
         prefix = export_prefix(prefill.engine, ids)
