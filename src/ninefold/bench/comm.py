@@ -173,10 +173,10 @@ def _time(comm, path, op: str, nbytes: int, dev: torch.device) -> float | None:
     elif op == "all_gather":
         part = x[: numel // n].clone()
         out = torch.empty(numel, dtype=torch.float32, device=dev)
-        call = (lambda: path.all_gather(part, out)) if direct else (lambda: path.all_gather(part))  # noqa: E731
+        call = (lambda: path.all_gather(part, out)) if direct else (lambda: path.all_gather(part, out=out))  # noqa: E731
     elif op == "reduce_scatter":
         out = torch.empty(numel // n, dtype=torch.float32, device=dev)
-        call = (lambda: path.reduce_scatter(x, out)) if direct else (lambda: path.reduce_scatter(x))  # noqa: E731
+        call = (lambda: path.reduce_scatter(x, out)) if direct else (lambda: path.reduce_scatter(x, out=out))  # noqa: E731
     elif op == "broadcast":
         call = lambda: path.broadcast(x)  # noqa: E731
     else:

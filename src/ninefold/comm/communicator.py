@@ -149,26 +149,33 @@ class Communicator:
             return out
         return out if async_op else tensor
 
-    def all_gather(self, tensor: torch.Tensor, dim: int = 0, *, async_op: bool = False):
-        """Every rank's ``tensor`` concatenated along ``dim`` in rank order (a new tensor; a Work whose
-        ``result`` is it with ``async_op``)."""
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None,
+                   async_op: bool = False):
+        """Every rank's ``tensor`` concatenated along ``dim`` in rank order: a new tensor, or ``out`` (reused
+        buffers spare the allocation); with ``async_op`` a Work whose ``result`` is it."""
         route = self._route(tensor, "tensor", None)
         dim = self._dim(tensor, dim)
         self._agree("all_gather", tensor, dim)
         src = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        shape = (*src.shape[:dim], src.shape[dim] * self.world_size, *src.shape[dim + 1:])
+        out = self._check_out(out, shape, tensor)
         flat = self._stage_in(src.contiguous(), route)
-        blocks = torch.empty((self.world_size, *src.shape), dtype=src.dtype, device=flat.device)
+        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
+        blocks = out.view(self.world_size, *src.shape) if direct else torch.empty(
+            (self.world_size, *src.shape), dtype=src.dtype, device=flat.device)
         work = self.backends[route.backend].all_gather(blocks, flat, async_op and not route.staged)
 
         def result() -> torch.Tensor:
-            out = self._stage_out(blocks, tensor.device, route)
-            return out.movedim(0, dim).reshape(*src.shape[:dim], -1, *src.shape[dim + 1:])
+            if direct:
+                return out
+            gathered = self._stage_out(blocks, tensor.device, route).movedim(0, dim).reshape(shape)
+            return gathered if out is None else out.copy_(gathered)
         return self._finish(work, result, async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: str | ReduceOp = "sum", dim: int = 0, *,
-                       async_op: bool = False):
+                       out: torch.Tensor | None = None, async_op: bool = False):
         """Reduce ``tensor`` over the ranks and keep this rank's chunk along ``dim`` (chunk ``rank`` of
-        ``world_size`` equal chunks; the size along ``dim`` must divide evenly)."""
+        ``world_size`` equal chunks; the size along ``dim`` must divide evenly), in a new tensor or ``out``."""
         op = parse_op(op)
         route = self._route(tensor, "tensor", op)
         dim = self._dim(tensor, dim)
@@ -176,25 +183,51 @@ class Communicator:
             raise ValueError(f"tensor: reduce_scatter needs dimension {dim} divisible by the world size "
                              f"{self.world_size}, got shape {tuple(tensor.shape)}")
         self._agree("reduce_scatter", tensor, dim, op.value)
+        shape = list(tensor.shape)
+        shape[dim] //= self.world_size
+        out = self._check_out(out, tuple(shape), tensor)
         front = self._stage_in(tensor.movedim(dim, 0).contiguous(), route)
-        out = torch.empty((front.shape[0] // self.world_size, *front.shape[1:]), dtype=front.dtype,
-                          device=front.device)
-        work = self.backends[route.backend].reduce_scatter(out, front, op, async_op and not route.staged)
-        return self._finish(work, lambda: self._stage_out(out, tensor.device, route).movedim(0, dim), async_op)
+        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
+        part = out if direct else torch.empty((front.shape[0] // self.world_size, *front.shape[1:]),
+                                              dtype=front.dtype, device=front.device)
+        work = self.backends[route.backend].reduce_scatter(part, front, op, async_op and not route.staged)
+        return self._finish(work, lambda: self._deliver(part, out, dim, tensor.device, route, direct), async_op)
 
-    def all_to_all(self, tensor: torch.Tensor, dim: int = 0, *, async_op: bool = False):
+    def all_to_all(self, tensor: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None,
+                   async_op: bool = False):
         """Chunk j along ``dim`` goes to rank j; returns the chunks received, concatenated along ``dim`` in
-        rank order (the size along ``dim`` must divide evenly by the world size)."""
+        rank order (the size along ``dim`` must divide evenly by the world size), in a new tensor or ``out``."""
         route = self._route(tensor, "tensor", None)
         dim = self._dim(tensor, dim)
         if tensor.dim() == 0 or tensor.shape[dim] % self.world_size:
             raise ValueError(f"tensor: all_to_all needs dimension {dim} divisible by the world size "
                              f"{self.world_size}, got shape {tuple(tensor.shape)}")
         self._agree("all_to_all", tensor, dim)
+        out = self._check_out(out, tuple(tensor.shape), tensor)
         front = self._stage_in(tensor.movedim(dim, 0).contiguous(), route)
-        out = torch.empty_like(front)
-        work = self.backends[route.backend].all_to_all(out, front, async_op and not route.staged)
-        return self._finish(work, lambda: self._stage_out(out, tensor.device, route).movedim(0, dim), async_op)
+        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
+        received = out if direct else torch.empty_like(front)
+        work = self.backends[route.backend].all_to_all(received, front, async_op and not route.staged)
+        return self._finish(work, lambda: self._deliver(received, out, dim, tensor.device, route, direct), async_op)
+
+    def _check_out(self, out: Any, shape: tuple, like: torch.Tensor) -> torch.Tensor | None:
+        if out is None:
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected None or a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+        if out.dtype != like.dtype or out.device != like.device:
+            raise TypeError(f"out: expected {like.dtype} on {like.device} like tensor, got {out.dtype} on {out.device}")
+        return out
+
+    def _deliver(self, front: torch.Tensor, out: torch.Tensor | None, dim: int, device: torch.device,
+                 route: Route, direct: bool) -> torch.Tensor:
+        """The result of a dim-0 transport call, moved back to ``dim`` (and into ``out``, unless it is there)."""
+        if direct:
+            return out
+        result = self._stage_out(front, device, route).movedim(0, dim)
+        return result if out is None else out.copy_(result)
 
     def barrier(self) -> None:
         """Return when every rank has called ``barrier``."""

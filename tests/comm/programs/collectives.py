@@ -108,6 +108,9 @@ def main() -> int:
                 xs = [data(case, k, shape, dtype) for k in range(w)]
                 got = comm.all_gather(xs[r].to(dev).t().t(), dim=dim)
                 expect(case, got, torch.cat(xs, dim=dim), dtype)
+                out = torch.empty_like(got)
+                assert comm.all_gather(xs[r].to(dev), dim=dim, out=out) is out
+                expect(case, out, torch.cat(xs, dim=dim), dtype)
             run(case, all_gather)
 
             case = f"reduce_scatter/{name}/dim{dim}"
@@ -118,6 +121,9 @@ def main() -> int:
                 xs = [data(case, k, tuple(full), dtype) for k in range(w)]
                 got = comm.reduce_scatter(xs[r].to(dev), "sum", dim=dim)
                 expect(case, got, reference("sum", xs).to(dtype).chunk(w, dim=dim)[r], dtype)
+                out = torch.empty_like(got)
+                assert comm.reduce_scatter(xs[r].to(dev), "sum", dim=dim, out=out) is out
+                expect(case, out, reference("sum", xs).to(dtype).chunk(w, dim=dim)[r], dtype)
             run(case, reduce_scatter)
 
             case = f"all_to_all/{name}/dim{dim}"
@@ -126,8 +132,12 @@ def main() -> int:
                 full = list(shape)
                 full[dim] *= w
                 xs = [data(case, k, tuple(full), dtype) for k in range(w)]
-                got = comm.all_to_all(xs[r].to(dev), dim=dim)
-                expect(case, got, torch.cat([xs[k].chunk(w, dim=dim)[r] for k in range(w)], dim=dim), dtype)
+                want = torch.cat([xs[k].chunk(w, dim=dim)[r] for k in range(w)], dim=dim)
+                expect(case, comm.all_to_all(xs[r].to(dev), dim=dim), want, dtype)
+                out = torch.empty_like(xs[r]).to(dev)
+                work = comm.all_to_all(xs[r].to(dev), dim=dim, out=out, async_op=True)
+                assert work.wait() is out
+                expect(case, out, want, dtype)
             run(case, all_to_all)
 
         for root in sorted({0, w - 1}):
@@ -212,6 +222,8 @@ def main() -> int:
     def argument_errors():
         t = torch.ones(4, device=dev)
         calls = [(lambda: comm.all_reduce(t, "median"), ValueError),
+                 (lambda: comm.all_gather(t, out=torch.empty(3, device=dev)), ValueError),
+                 (lambda: comm.all_gather(t, out=torch.empty(4 * w, dtype=torch.int64, device=dev)), TypeError),
                  (lambda: comm.broadcast(t, src=w), ValueError),
                  (lambda: comm.send(t, dst=r), ValueError),
                  (lambda: comm.all_gather(t, dim=2), ValueError),
