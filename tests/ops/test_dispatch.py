@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ninefold.ops as ops
-from ninefold.ops import UnsupportedError, registry, tuning
+from ninefold.ops import UnsupportedError, dispatch, registry, tuning
 from ninefold.ops.dispatch import device_model
 
 x = torch.randn(3, 8)
@@ -123,6 +123,28 @@ def test_tuned_choice_wins_over_default_order_and_loses_to_a_pin(probe, tmp_path
         assert ops.choose("rms_norm", torch.randn(5, 8), w) == "vendor"  # bucket (8, 8): not tuned
         with ops.use(rms_norm="vendor"):
             assert ops.choose("rms_norm", x, w) == "vendor"
+    finally:
+        monkeypatch.delenv("NINEFOLD_CACHE_DIR")
+        tuning.reload()
+
+
+def test_a_tuned_choice_naming_no_implementation_warns_once(probe, tmp_path, monkeypatch):
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    tuning.reload()
+    try:
+        entry = {"op": "rms_norm", "device": device_model(x.device), "dtype": "float32", "bucket": [4, 8],
+                 "impl": "fastest", "times_us": {"fastest": 1.0}}
+        tuning.record([entry])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = ops.choose("rms_norm", x, w)
+            dispatch.clear_caches()  # resolve again: still one warning
+            ops.choose("rms_norm", torch.randn(3, 8), w)
+        assert first == registry.implementations("rms_norm")[0].name
+        messages = [str(c.message) for c in caught if "tuning table" in str(c.message)]
+        assert len(messages) == 1, messages
+        assert "chooses 'fastest', which is not an implementation of rms_norm" in messages[0]
+        assert "probe" in messages[0] and "vendor" in messages[0]
     finally:
         monkeypatch.delenv("NINEFOLD_CACHE_DIR")
         tuning.reload()

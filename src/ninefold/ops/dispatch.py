@@ -215,6 +215,11 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
         for impl in candidates:
             if impl.name == tuned:
                 return impl
+        known = {i.name for i in registry.all_implementations(op)}
+        if tuned not in known and (op, tuned, "unknown") not in _warned:  # a typo or a stale table, not a trim
+            _warned.add((op, tuned, "unknown"))
+            warnings.warn(f"{op}: the tuning table chooses {tuned!r}, which is not an implementation of {op} "
+                          f"(known: {', '.join(sorted(known))}); using {candidates[0].name!r}", stacklevel=4)
     return candidates[0]
 
 
