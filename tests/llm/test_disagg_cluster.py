@@ -8,7 +8,7 @@ import torch
 
 import ninefold.comm as nc
 from ninefold import LLM, SamplingParams
-from ninefold.comm.spawn import spawn
+from ninefold.comm.spawn import SpawnError, spawn
 from ninefold.llm.disagg import Router, start
 
 BLOCK = 4
@@ -69,7 +69,6 @@ def test_a_cluster_needs_three_ranks_and_a_valid_split():
 
 def test_a_worker_that_cannot_load_is_named_on_every_rank(tmp_path):
     import disagg_ranks
-    from ninefold.comm.spawn import SpawnError
 
     with pytest.raises(SpawnError, match=r"workers failed to load the model: rank 1: .*missing"):
         spawn(disagg_ranks.start_only, 3, (str(tmp_path / "missing"),), timeout_s=120)
