@@ -24,7 +24,8 @@ def run_cluster(model_dir: str, prompts: list[list[int]], max_tokens: int, calls
         for num_prefill in calls:
             results = router.generate(prompts, params, num_prefill=num_prefill)
             out.append(([r.token_ids for r in results], router.last_plan, [r.cached_tokens for r in results],
-                        [(r.prefill_rank, r.decode_rank) for r in results], list(router.last_errors)))
+                        [(r.prefill_rank, r.decode_rank) for r in results], list(router.last_errors),
+                        router.last_decode_costs))
         router.shutdown()
         return out
     finally:

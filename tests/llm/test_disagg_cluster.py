@@ -34,7 +34,8 @@ def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir, device)
                     timeout_s=300)
     assert results[1:] == [None, None, None]
     calls = results[0]
-    for (tokens, plan, cached, ranks, errors), asked in zip(calls, [1, 2, None]):
+    for (tokens, plan, cached, ranks, errors, costs), asked in zip(calls, [1, 2, None]):
+        assert len(costs) == len(plan.decode) and all(c["steps"] > 0 and c["tokens"] > 0 for c in costs)
         assert tokens == reference
         assert errors == []
         assert cached == [(len(ids) - 1) // BLOCK * BLOCK for ids in prompts]  # every full block came over

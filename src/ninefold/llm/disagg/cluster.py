@@ -4,9 +4,10 @@ Every rank of a ``ninefold.comm`` job calls :func:`start`. The workers load the 
 plans; rank 0 gets a :class:`Router`. For each :meth:`Router.generate` call the router splits the
 workers into prefill and decode workers (``num_prefill``, or the split that balances the measured
 prefill and decode costs of earlier calls, so the P/D ratio follows the load), hands each request
-to one of each, and collects the results. A prefill worker computes its prompts (one token each),
-then sends every prompt's KV blocks to the decode worker chosen for it; the decode worker imports
-them into its prefix cache and generates, computing only each prompt's last partial block.
+to one of each, and collects the results. A prefill worker computes its prompts (one token each) in
+groups of up to one step's token budget and sends each group's KV blocks to the decode workers chosen
+for them; a decode worker admits each request as soon as its blocks have arrived (imported into its
+prefix cache, so it computes only the last partial block) and keeps stepping while others arrive.
 
 Transfers go in ascending request order on every worker, so the smallest pending transfer always
 has its sender and its receiver ready: no cycle of waiting workers can form.
@@ -15,12 +16,20 @@ has its sender and its receiver ready: no cycle of waiting workers can form.
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
 import warnings
 
 import torch
 
-from ninefold.llm.disagg.kv_transfer import PrefixKV, export_prefix, import_prefix, recv_prefix, send_prefix
+from ninefold.llm.disagg.kv_transfer import (
+    PrefixKV,
+    export_prefix,
+    import_prefix,
+    recv_prefix,
+    send_prefix,
+)
 from ninefold.llm.sampling import SamplingParams
 
 _ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
@@ -108,6 +117,8 @@ class Router:
         self.decode_s_per_token: float | None = None  # measured, per decode worker
         self.last_plan: Plan | None = None
         self.last_errors: list[str] = []  # what went wrong in the last call without losing a request
+        # per decode worker: seconds, tokens, engine steps, and steps run while blocks were still arriving
+        self.last_decode_costs: list[dict] = []
         self._stopped = False
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
@@ -150,6 +161,7 @@ class Router:
         if self.last_errors:
             warnings.warn("some prompts were computed again by their decode worker: " + "; ".join(self.last_errors),
                           stacklevel=2)
+        self.last_decode_costs = decode_cost
         self._learn(prefill_cost, decode_cost)
         return results
 
@@ -207,48 +219,96 @@ def _serve(comm, llm) -> None:
 
 
 def _prefill(comm, llm, jobs: list) -> dict:
-    """Compute the prompts, then send each one's blocks; a failure still sends (empty) prefixes, so that no
-    decode worker waits forever: it then computes those prompts itself."""
+    """Compute the prompts in groups of up to one step's token budget and send each group's blocks as soon
+    as it is done, so decode workers start early. A failure still sends (empty) prefixes, so that no decode
+    worker waits forever: it then computes those prompts itself."""
     start = time.perf_counter()
-    prompts = [ids for _, ids, _ in jobs]
-    errors = []
+    budget = llm.engine.config.max_num_batched_tokens
+    errors: list[str] = []
+    group: list = []
+    for k, job in enumerate(jobs):
+        group.append(job)
+        if k + 1 == len(jobs) or sum(len(ids) for _, ids, _ in group) + len(jobs[k + 1][1]) > budget:
+            _prefill_group(comm, llm, group, errors)
+            group = []
+    return {"seconds": time.perf_counter() - start, "tokens": sum(len(ids) for _, ids, _ in jobs), "errors": errors}
+
+
+def _prefill_group(comm, llm, jobs: list, errors: list[str]) -> None:
+    failed = False
     try:
-        if prompts:
-            llm.generate(prompt_token_ids=prompts, sampling_params=_ONE_TOKEN)
+        llm.generate(prompt_token_ids=[ids for _, ids, _ in jobs], sampling_params=_ONE_TOKEN)
     except Exception as e:
         errors.append(f"prefill: {type(e).__name__}: {e}")
+        failed = True
     pool = llm.engine.pool
     for i, ids, dst in jobs:
-        try:
-            prefix = export_prefix(llm.engine, ids) if not errors else None
-        except Exception as e:
-            errors.append(f"export of request {i}: {type(e).__name__}: {e}")
-            prefix = None
+        prefix = None
+        if not failed:
+            try:
+                prefix = export_prefix(llm.engine, ids)
+            except Exception as e:
+                errors.append(f"export of request {i}: {type(e).__name__}: {e}")
         if prefix is None:
             prefix = PrefixKV([], torch.empty((0, *pool.block_shape), dtype=pool.dtype, device=pool.device.torch))
         send_prefix(comm, prefix, dst, tag=i)
-    return {"seconds": time.perf_counter() - start, "tokens": sum(map(len, prompts)), "errors": errors}
 
 
 def _decode(comm, llm, jobs: list) -> dict:
-    """Receive every prefix (whatever happens to one, so that no prefill worker waits forever), import those
-    that fit, and generate; a prompt whose prefix could not be imported is computed here."""
+    """Admit each request as soon as its blocks have arrived and step the engine while the next ones are on
+    their way (a thread receives them in request order; the engine is only touched here). A prefix that
+    cannot be imported is reported and its prompt computed here."""
     engine = llm.engine
-    errors = []
-    for i, _, _, src in jobs:
-        prefix = recv_prefix(comm, src, tag=i)
-        try:
-            import_prefix(engine, prefix)
-        except (ValueError, TypeError) as e:
-            errors.append(f"import of request {i}: {e}")
+    errors: list[str] = []
+    outputs: dict[int, object] = {}
+    arrived: queue.Queue = queue.Queue()
+
+    def receive() -> None:
+        for i, _, _, src in jobs:
+            try:
+                arrived.put((i, recv_prefix(comm, src, tag=i)))
+            except Exception as e:  # the transport broke: nothing more can arrive
+                arrived.put((i, e))
+                return
+
+    threading.Thread(target=receive, name="prefix-receiver", daemon=True).start()
+    by_index = {i: (ids, params) for i, ids, params, _ in jobs}
+    admitted = steps = overlapped = 0
     start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=[ids for _, ids, _, _ in jobs],
-                        sampling_params=[params for _, _, params, _ in jobs]) if jobs else []
+    engine.stream_outputs = False
+    try:
+        while admitted < len(jobs) or engine.has_unfinished_requests():
+            try:
+                i, prefix = arrived.get(block=not engine.has_unfinished_requests())
+            except queue.Empty:
+                for out in engine.step():
+                    if out.finished:
+                        outputs[int(out.request_id.removeprefix("disagg-"))] = out
+                steps += 1
+                overlapped += admitted < len(jobs)
+                continue
+            if isinstance(prefix, Exception):
+                raise prefix
+            try:
+                import_prefix(engine, prefix)
+            except (ValueError, TypeError) as e:
+                errors.append(f"import of request {i}: {e}")
+            ids, params = by_index[i]
+            engine.add_request(engine.build_request(ids, params, request_id=f"disagg-{i}"))
+            admitted += 1
+    finally:
+        engine.stream_outputs = True
+        for i, *_ in jobs:  # finished ones are gone already; this frees what an error left behind
+            engine.abort_request(f"disagg-{i}")
     seconds = time.perf_counter() - start
-    results = [Result(i, list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, src, comm.rank,
-                      o.num_cached_tokens) for (i, _, _, src), o in zip(jobs, outs)]
+    results = []
+    for i, _, _, src in jobs:
+        o = outputs[i]
+        results.append(Result(i, list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, src,
+                              comm.rank, o.num_cached_tokens))
     return {"results": results, "errors": errors,
-            "cost": {"seconds": seconds, "tokens": sum(len(r.token_ids) for r in results)}}
+            "cost": {"seconds": seconds, "tokens": sum(len(r.token_ids) for r in results), "steps": steps,
+                     "steps_while_receiving": overlapped}}
 
 
 def _check_prompts(prompts) -> list[list[int]]:
