@@ -71,6 +71,29 @@ def test_build_for_sm90_holds_only_its_manifest(tmp_path, capsys):
     assert softmax.startswith("softmax: not part of the trimmed build at ") and "it holds: rms_norm" in softmax
 
 
+def test_a_failed_first_build_leaves_nothing_the_next_build_keeps(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "smollm2"\n[ops.rms_norm]\n'
+                                       'dtypes = ["float32"]\nimpls = ["triton"]\n')
+    out = tmp_path / "build"
+
+    def fail(*args):
+        raise RuntimeError("compiler crashed")
+    monkeypatch.setattr(build, "_compile_dsl", fail)  # after the Triton kernels were written
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        build.build(tmp_path / "ops.toml", out)
+    assert list((out / "kernels").rglob("*.cubin")) and not (out / "manifest.json").exists()
+    monkeypatch.undo()
+    (tmp_path / "cpu.toml").write_text('target = "cpu"\n[ops.rms_norm]\ndtypes = ["float32"]\n')
+    build.build(tmp_path / "cpu.toml", out)
+    assert not (out / "kernels").exists() and (out / "manifest.json").exists()
+    unrelated = tmp_path / "mine"
+    (unrelated / "kernels").mkdir(parents=True)
+    (unrelated / "kernels" / "notes.txt").write_text("not a build")
+    build.build(tmp_path / "cpu.toml", unrelated)
+    assert (unrelated / "kernels" / "notes.txt").exists()  # never ours: left alone
+
+
 def test_vendor_fallback_serves_calls_outside_the_build(tmp_path):
     (tmp_path / "ops.toml").write_text('target = "cpu"\nfallback = "vendor"\n[ops.rms_norm]\ndtypes = ["float32"]\n'
                                        'impls = ["vendor"]\n')

@@ -238,6 +238,9 @@ class Report:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+BUILD_MARKER = ".ninefold-build"
+
+
 def build(manifest_path, out, target: str | None = None) -> Report:
     """Build the subset described by ``manifest_path`` into ``out`` (see the module doc)."""
     from ninefold.ops import tuning
@@ -247,12 +250,14 @@ def build(manifest_path, out, target: str | None = None) -> Report:
     manifest["target"] = target
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "manifest.json").exists():  # rebuilding: no stale binaries stay, and a failed rebuild
-        import shutil  # leaves no loadable manifest pointing at half-written kernels
+    started = out / BUILD_MARKER  # written before compiling: a failed first build is recognisably ours
+    if (out / "manifest.json").exists() or started.exists():  # rebuilding: no stale binaries stay, and a
+        import shutil  # failed rebuild leaves no loadable manifest pointing at half-written kernels
 
-        (out / "manifest.json").unlink()
+        (out / "manifest.json").unlink(missing_ok=True)
         if (out / "kernels").is_dir():
             shutil.rmtree(out / "kernels")
+    started.write_text("ninefold ops build output; a rebuild replaces kernels/ and manifest.json\n")
     report = Report(out, target)
     if target != "cpu":
         _compile_triton(manifest, target, out, report)
