@@ -26,10 +26,37 @@ def run_cluster(model_dir: str, prompts: list[list[int]], max_tokens: int, calls
             out.append(([r.token_ids for r in results], router.last_plan, [r.cached_tokens for r in results],
                         [(r.prefill_rank, r.decode_rank) for r in results], list(router.last_errors),
                         router.last_decode_costs))
+        out.append(_more_calls(router, prompts, max_tokens))
         router.shutdown()
+        router.shutdown()  # twice is fine
+        try:
+            router.generate(prompts, params)
+        except RuntimeError as e:
+            out[-1]["after_shutdown"] = str(e)
         return out
     finally:
         comm.close()
+
+
+def _more_calls(router, prompts, max_tokens) -> dict:
+    """Per-prompt SamplingParams (one with n=2), a call a decode worker fails mid-way, and a call after it."""
+    per_prompt = per_prompt_params(len(prompts), max_tokens)
+    results = router.generate(prompts, per_prompt, num_prefill=1)
+    found = {"per_prompt": [[list(o.token_ids) for o in r.outputs] for r in results]}
+    # The longest prompt goes to the first decode worker (rank 2), which fails on its out-of-vocabulary token.
+    bad = [[10**6] * (len(max(prompts, key=len)) + 1), prompts[1]]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        router.generate(bad, greedy, num_prefill=1)
+    except RuntimeError as e:
+        found["failed"] = str(e)
+    found["after_failure"] = [r.token_ids for r in router.generate(prompts, greedy, num_prefill=1)]
+    return found
+
+
+def per_prompt_params(n: int, max_tokens: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=max_tokens if k % 2 else 5, ignore_eos=True, n=2 if k == 0 else 1)
+            for k in range(n)]
 
 
 def start_only(model: str):

@@ -33,7 +33,7 @@ def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir, device)
     results = spawn(disagg_ranks.run_cluster, 4, (str(llama_dir), prompts, 24, [1, 2, None], device),
                     timeout_s=300)
     assert results[1:] == [None, None, None]
-    calls = results[0]
+    calls, more = results[0][:-1], results[0][-1]
     for (tokens, plan, cached, ranks, errors, costs), asked in zip(calls, [1, 2, None]):
         assert len(costs) == len(plan.decode) and all(c["steps"] > 0 and c["tokens"] > 0 for c in costs)
         assert tokens == reference
@@ -45,6 +45,17 @@ def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir, device)
             assert "balances" in plan.reason and len(plan.prefill) + len(plan.decode) == 3
         assert {p for p, _ in ranks} <= set(plan.prefill) and {d for _, d in ranks} <= set(plan.decode)
     assert {d for _, d in calls[0][3]} == {2, 3}  # one prefill worker feeds both decode workers
+    # Per-prompt SamplingParams, every one of n=2 samples returned (only the first came back before).
+    per_prompt = disagg_ranks.per_prompt_params(len(prompts), 24)
+    want = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompt_token_ids=prompts,
+                                                                             sampling_params=per_prompt)]
+    assert more["per_prompt"] == want and len(want[0]) == 2
+    # A decode worker that fails mid-call: the call raises naming it, and the next call is not handed the
+    # other decode worker's stale reply (it was left unread before, and then taken for the next call's).
+    assert more["failed"] == ("decode worker 2 failed: ValueError: prompt: token id(s) [1000000, 1000000, 1000000, "
+                              "1000000, 1000000] out of the vocabulary range [0, 320)")
+    assert more["after_failure"] == reference
+    assert more["after_shutdown"] == "generate: this router was shut down"
 
 
 def test_a_cluster_needs_three_ranks_and_a_valid_split():
@@ -64,6 +75,11 @@ def test_a_cluster_needs_three_ranks_and_a_valid_split():
         assert len(router.plan(100, 10000).prefill) == 1
         with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]: expected a non-empty list of ints"):
             router.generate([[1, 2], []], SamplingParams(max_tokens=1))
+        with pytest.raises(TypeError, match="sampling_params: expected a SamplingParams or a list of them, got dict"):
+            router.generate([[1, 2]], {"max_tokens": 1})
+        with pytest.raises(ValueError, match="enable_prefix_caching: the KV blocks travel into the decode worker's "
+                                             "prefix cache, so it must be True; got False"):
+            start(comm, "unused", enable_prefix_caching=False)
     finally:
         comm.close()
 

@@ -106,3 +106,42 @@ def test_imported_blocks_on_cuda_decode_the_same_tokens(llama_dir):
         import_prefix(decode.engine, prefix)
     assert _tokens(decode, prompts) == reference
     assert decode.engine.blocks.hit_tokens == sum(len(ids) // BLOCK * BLOCK for ids in prompts) - BLOCK
+
+
+def _consistent(blocks) -> None:
+    """The prefix cache's two maps agree, and every evictable block is registered with no sequence holding it."""
+    assert all(blocks._hash_of[block] == h for h, (block, _) in blocks._by_hash.items())
+    assert len(blocks._hash_of) == len(blocks._by_hash)
+    assert all(block in blocks._hash_of and blocks.pool.ref_count(block) == 1 for block in blocks._evictable)
+
+
+def test_an_import_into_a_nearly_full_cache_keeps_the_head_it_builds_on():
+    """The cached head of a prefix is not evicted to make room for its tail, leftovers of an evicted head
+    are replaced, and the cache stays consistent (a stale entry once made a later eviction raise KeyError)."""
+    from ninefold.llm.kv_cache import BlockManager
+    from ninefold.runtime.kv_pool import KVCachePool
+
+    pool = KVCachePool(1, 1, 2, 2, torch.float32, "cpu", 4)
+    blocks = BlockManager(pool)
+
+    def data(n, fill):
+        return torch.full((n, *pool.block_shape), float(fill))
+
+    x, y = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]
+    assert blocks.insert_prefix(x[:2], data(1, 1)) == 1  # x's head, the oldest cached block
+    assert blocks.insert_prefix(y, data(2, 2)) == 2  # one block left free
+    assert blocks.insert_prefix(x, data(3, 3)) == 2  # needs an eviction: y's, not x's head
+    assert len(blocks.cached_blocks(x)) == 3 and len(blocks.cached_blocks(y)) == 1  # y's tail went
+    head = blocks.cached_blocks(x)[0]
+    assert torch.equal(pool.read_blocks([head]), data(1, 1))  # kept, not rewritten
+    _consistent(blocks)
+    # x's head evicted alone (it was the oldest before the fix): its tail is left unreachable ...
+    blocks._evictable.move_to_end(head, last=False)
+    blocks.insert_prefix([11, 12, 13, 14, 15, 16, 17, 18], data(4, 4)[:3])
+    assert blocks.cached_blocks(x) == []
+    # ... and importing x again replaces those leftovers instead of registering a second block per hash
+    assert blocks.insert_prefix(x, data(3, 5)) == 3
+    assert len(blocks.cached_blocks(x)) == 3
+    _consistent(blocks)
+    blocks.reset_prefix_cache()  # evicts everything: a stale entry raised KeyError here
+    assert pool.num_free == 4 and blocks._by_hash == {} and blocks._hash_of == {}

@@ -137,7 +137,8 @@ class BlockManager:
         """Register the first ``len(data)`` full blocks of ``token_ids`` in the prefix cache with the contents
         ``data`` (``[blocks, ...]`` as ``KVCachePool.read_blocks`` gives), so that a sequence starting with
         those tokens reuses them. Blocks already cached are kept; returns how many were written. They are
-        evictable at once (no sequence holds them). Raises ValueError when the pool cannot hold them."""
+        evictable at once (no sequence holds them), the whole prefix after every older cached block and its
+        tail first. Raises ValueError when the pool cannot hold them."""
         if not self.enable_prefix_caching:
             raise ValueError("insert_prefix: this engine runs with enable_prefix_caching=False, so blocks "
                              "received from another engine could never be reused")
@@ -145,31 +146,41 @@ class BlockManager:
         bs = self.block_size
         if n * bs > len(token_ids):
             raise ValueError(f"data: {n} blocks of {bs} tokens need {n * bs} token ids, got {len(token_ids)}")
-        have = len(self.cached_blocks(token_ids[: n * bs]))
-        needed = n - have
-        if needed > self.num_available:
-            raise ValueError(f"data: {needed} new blocks do not fit; {self.num_available} can be had "
-                             f"(free or evictable) out of {self.pool.num_blocks}")
-        if needed <= 0:
-            return 0
+        kept = self.cached_blocks(token_ids[: n * bs])
+        needed = n - len(kept)
+        # The kept blocks head the prefix: they must not be evicted to make room for its tail.
+        kept_evictable = [block for block in kept if block in self._evictable]
+        if needed > self.num_available - len(kept_evictable):
+            raise ValueError(f"data: {needed} new blocks do not fit; {self.num_available - len(kept_evictable)} "
+                             f"can be had (free or evictable) out of {self.pool.num_blocks}")
+        for block in kept_evictable:
+            del self._evictable[block]
+        hashes, parent = [], None
+        for b in range(n):
+            hashes.append(hash((parent, tuple(token_ids[b * bs : (b + 1) * bs]))))
+            parent = hashes[-1]
+        for h in hashes[len(kept):]:  # a block left over from an evicted head: unreachable, drop it
+            stale = self._by_hash.get(h)
+            if stale is not None and stale[0] in self._evictable:
+                del self._evictable[stale[0]], self._by_hash[h], self._hash_of[stale[0]]
+                self.pool.free([stale[0]])
         for _ in range(max(needed - self.pool.num_free, 0)):
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
             self.pool.free([block])
-        new = self.pool.allocate(needed)
-        self.pool.write_blocks(new, data[have:])
-        parent = None
-        for b in range(n):
-            tokens = tuple(token_ids[b * bs : (b + 1) * bs])
-            h = hash((parent, tokens))
-            if b >= have:
-                block = new[b - have]
-                self._by_hash[h] = (block, tokens)
-                self._hash_of[block] = h
-            parent = h
-        for block in reversed(new):  # the allocation's reference is the cache's own; heads are evicted last
-            self._evictable[block] = None
-        return needed
+        new = self.pool.allocate(needed) if needed > 0 else []
+        if new:
+            self.pool.write_blocks(new, data[len(kept):])
+        for b, block in enumerate(new, start=len(kept)):
+            if hashes[b] in self._by_hash:  # held by a running sequence already: the copy is not needed
+                self.pool.free([block])
+                continue
+            self._by_hash[hashes[b]] = (block, tuple(token_ids[b * bs : (b + 1) * bs]))
+            self._hash_of[block] = hashes[b]
+        for block in reversed(kept + new):  # the allocation's reference is the cache's own; heads evicted last
+            if block in self._hash_of and self.pool.ref_count(block) == 1:
+                self._evictable[block] = None
+        return max(needed, 0)
 
     # -- release ----------------------------------------------------------------------------------
 

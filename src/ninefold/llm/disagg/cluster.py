@@ -46,7 +46,10 @@ class Plan:
 
 @dataclasses.dataclass
 class Result:
-    """One request's result: the generated token ids and text, why it stopped, and the ranks that served it."""
+    """One request's result: the generated token ids and text, why it stopped, and the ranks that served it.
+
+    ``token_ids``, ``text`` and ``finish_reason`` are the first sample's; ``outputs`` holds every sample
+    (``SamplingParams.n`` of them) as ``CompletionOutput``."""
 
     index: int
     token_ids: list[int]
@@ -55,6 +58,7 @@ class Result:
     prefill_rank: int
     decode_rank: int
     cached_tokens: int
+    outputs: list = dataclasses.field(default_factory=list)
 
 
 def start(comm, model, **llm_args) -> Router | None:
@@ -64,6 +68,9 @@ def start(comm, model, **llm_args) -> Router | None:
     Workers that share a GPU load one after another, each allowed up to its share of
     ``kv_cache_memory_fraction`` (default 0.9) of the GPU, so that the first does not take every worker's
     KV-cache memory. A worker that cannot load makes the router raise, naming it and why."""
+    if llm_args.get("enable_prefix_caching", True) is not True:
+        raise ValueError("enable_prefix_caching: the KV blocks travel into the decode worker's prefix cache, "
+                         f"so it must be True; got {llm_args['enable_prefix_caching']!r}")
     if comm.world_size < 3:
         raise ValueError(f"comm: disaggregation needs a router and at least one prefill and one decode worker, "
                          f"so 3 or more ranks; got {comm.world_size}")
@@ -130,7 +137,10 @@ class Router:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        plan = self.plan(sum(map(len, prompts)), sum(p.max_tokens or 0 for p in params) or len(prompts), num_prefill)
+        odd = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if odd is not None:
+            raise TypeError(f"sampling_params: expected a SamplingParams or a list of them, got {type(odd).__name__}")
+        plan = self.plan(sum(map(len, prompts)), sum((p.max_tokens or 1) * p.n for p in params), num_prefill)
         self.last_plan = plan
         by_load = {r: 0 for r in plan.prefill + plan.decode}
         jobs: dict[int, list] = {r: [] for r in by_load}
@@ -138,20 +148,23 @@ class Router:
             p = min(plan.prefill, key=lambda r: by_load[r])
             d = min(plan.decode, key=lambda r: by_load[r])
             by_load[p] += len(ids)
-            by_load[d] += params[i].max_tokens or 1
+            by_load[d] += (params[i].max_tokens or 1) * params[i].n
             jobs[p].append((i, ids, d))
             jobs[d].append((i, ids, params[i], p))
         for r in plan.prefill:
             self.comm.send_object({"op": "prefill", "jobs": sorted(jobs[r], key=lambda j: j[0])}, r)
         for r in plan.decode:
             self.comm.send_object({"op": "decode", "jobs": sorted(jobs[r], key=lambda j: j[0])}, r)
+        # Every reply is read before any is judged: one left unread would be taken for the next call's.
         prefill_cost = [self.comm.recv_object(r) for r in plan.prefill]
+        decode_replies = [self.comm.recv_object(r) for r in plan.decode]
+        failed = [f"prefill worker {r} failed: {c['error']}" for r, c in zip(plan.prefill, prefill_cost) if "error" in c]
+        failed += [f"decode worker {r} failed: {c['error']}" for r, c in zip(plan.decode, decode_replies) if "error" in c]
+        if failed:  # a worker's call itself failed: its requests have no result
+            raise RuntimeError("; ".join(failed))
         results: list[Result | None] = [None] * len(prompts)
         decode_cost, self.last_errors = [], []
-        for r in plan.decode:
-            reply = self.comm.recv_object(r)
-            if "error" in reply:  # the worker's generate itself failed: its requests have no result
-                raise RuntimeError(f"decode worker {r} failed: {reply['error']}")
+        for r, reply in zip(plan.decode, decode_replies):
             decode_cost.append(reply["cost"])
             self.last_errors += [f"rank {r}: {e}" for e in reply["errors"]]
             for res in reply["results"]:
@@ -271,7 +284,8 @@ def _decode(comm, llm, jobs: list) -> dict:
                 arrived.put((i, e))
                 return
 
-    threading.Thread(target=receive, name="prefix-receiver", daemon=True).start()
+    receiver = threading.Thread(target=receive, name="prefix-receiver", daemon=True)
+    receiver.start()
     by_index = {i: (ids, params) for i, ids, params, _ in jobs}
     admitted = steps = overlapped = 0
     start = time.perf_counter()
@@ -300,12 +314,15 @@ def _decode(comm, llm, jobs: list) -> dict:
         engine.stream_outputs = True
         for i, *_ in jobs:  # finished ones are gone already; this frees what an error left behind
             engine.abort_request(f"disagg-{i}")
+        # After an error the receiver may still be taking this call's prefixes (every one is sent, even by a
+        # failed prefill): it must be done before the communicator serves the next call.
+        receiver.join()
     seconds = time.perf_counter() - start
     results = []
     for i, _, _, src in jobs:
         o = outputs[i]
         results.append(Result(i, list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason, src,
-                              comm.rank, o.num_cached_tokens))
+                              comm.rank, o.num_cached_tokens, list(o.outputs)))
     return {"results": results, "errors": errors,
             "cost": {"seconds": seconds, "tokens": sum(len(r.token_ids) for r in results), "steps": steps,
                      "steps_while_receiving": overlapped}}
