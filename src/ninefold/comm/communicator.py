@@ -262,13 +262,9 @@ class Communicator:
         """Rank ``src``'s ``obj`` (pickled) on every rank."""
         src = self._peer(src, "src")
         backend = self.backends[self.routes["cpu"].backend]
-        data, error = _pickle(obj) if self.rank == src else (torch.empty(0, dtype=torch.uint8), None)
-        size = torch.tensor([-1 if error else data.numel()], dtype=torch.int64)  # -1: the peers must not wait
+        data = _pickle(obj) if self.rank == src else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
         backend.broadcast(size, src, False)
-        if error is not None:
-            raise error
-        if size.item() < 0:
-            raise CommError(f"broadcast_object: rank {src}'s object could not be pickled")
         if self.rank != src:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         backend.broadcast(data, src, False)
@@ -278,10 +274,8 @@ class Communicator:
         """Send ``obj`` (pickled) to rank ``dst``, which calls :meth:`recv_object`."""
         dst, tag = self._peer(dst, "dst", other_than_self=True), _tag(tag)
         backend = self._open_cpu_backend()
-        data, error = _pickle(obj)
-        backend.send(torch.tensor([-1 if error else data.numel()], dtype=torch.int64), dst, tag, False)
-        if error is not None:
-            raise error
+        data = _pickle(obj)
+        backend.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag, False)
         backend.send(data, dst, tag, False)
 
     def recv_object(self, src: int, *, tag: int = 0) -> Any:
@@ -290,8 +284,6 @@ class Communicator:
         backend = self._open_cpu_backend()
         size = torch.empty(1, dtype=torch.int64)
         backend.recv(size, src, tag, False)
-        if size.item() < 0:
-            raise CommError(f"recv_object: rank {src}'s object could not be pickled")
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         backend.recv(data, src, tag, False)
         return pickle.loads(data.numpy().tobytes())
@@ -309,14 +301,9 @@ class Communicator:
 
     def _gather_objects_raw(self, obj: Any) -> list[Any]:
         backend = self.backends[self.routes["cpu"].backend]
-        data, error = _pickle(obj)
+        data = _pickle(obj)
         sizes = torch.empty(self.world_size, dtype=torch.int64)
-        backend.all_gather(sizes, torch.tensor([-1 if error else data.numel()], dtype=torch.int64), False)
-        if error is not None:
-            raise error
-        if (sizes < 0).any():
-            bad = [r for r in range(self.world_size) if sizes[r] < 0]
-            raise CommError(f"all_gather_object: the object of rank(s) {bad} could not be pickled")
+        backend.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), False)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
@@ -430,13 +417,8 @@ def _tag(tag: Any) -> int:
     return tag
 
 
-def _pickle(obj: Any) -> tuple[torch.Tensor, TypeError | None]:
-    """``obj`` pickled into bytes, or an empty tensor and the error to raise once the peers know."""
-    try:
-        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8), None
-    except Exception as e:  # pickling raises many kinds (PicklingError, TypeError, AttributeError)
-        return torch.empty(0, dtype=torch.uint8), TypeError(f"obj: expected a picklable object, got "
-                                                           f"{type(obj).__name__} ({type(e).__name__}: {e})")
+def _pickle(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 def _sig(sig: tuple) -> str:
