@@ -45,10 +45,7 @@ class _Staged:
             self._done = True
 
     def is_completed(self) -> bool:
-        """Whether the operation has finished; True also means the caller's tensor holds the result."""
-        if not self._done and self._work.is_completed():
-            self.wait()
-        return self._done
+        return self._done or self._work.is_completed()
 
 
 class Communicator:
@@ -405,10 +402,7 @@ class _Result:
         return self.wait()
 
     def is_completed(self) -> bool:
-        """Whether the operation has finished; True also means ``result`` is ready."""
-        if self._value is None and self._work.is_completed():
-            self.wait()
-        return self._value is not None
+        return self._value is not None or self._work.is_completed()
 
 
 def _tag(tag: Any) -> int:

@@ -44,10 +44,7 @@ class _TorchWork:
         self._keep = ()
 
     def is_completed(self) -> bool:
-        """Whether the operation has finished; True also means its result is in place (AVG divided)."""
-        if not self._done and self._work.is_completed():
-            self.wait()
-        return self._done
+        return self._done or bool(self._work.is_completed())
 
 
 class TorchDistBackend(Backend):
