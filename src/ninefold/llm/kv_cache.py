@@ -51,16 +51,25 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], None
-        bs = self.block_size
-        for b in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
-            h = hash((parent, tokens))
+        return self._cached_chain(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
+
+    def _chain(self, token_ids: list[int], num_blocks: int):
+        """``(tokens, hash)`` of the first ``num_blocks`` full blocks of ``token_ids``, each hash chained over
+        every token before it."""
+        parent, bs = None, self.block_size
+        for b in range(num_blocks):
+            tokens = tuple(token_ids[b * bs : (b + 1) * bs])
+            parent = hash((parent, tokens))
+            yield tokens, parent
+
+    def _cached_chain(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
+        """``(block id, hash)`` of the cached blocks among the first ``num_blocks``, up to the first miss."""
+        hits = []
+        for tokens, h in self._chain(token_ids, num_blocks):
             entry = self._by_hash.get(h)
             if entry is None or entry[1] != tokens:
                 break
             hits.append((entry[0], h))
-            parent = h
         return hits
 
     def can_admit(self, seq: Sequence, hits: list[tuple[int, int]], num_new_tokens: int) -> bool:
@@ -92,11 +101,7 @@ class BlockManager:
             return True
         if needed > self.num_available:
             return False
-        shortfall = needed - self.pool.num_free
-        for _ in range(max(shortfall, 0)):
-            block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
-            self.pool.free([block])
+        self._evict(needed - self.pool.num_free)
         seq.block_table.extend(self.pool.allocate(needed))
         return True
 
@@ -121,17 +126,7 @@ class BlockManager:
 
     def cached_blocks(self, token_ids: list[int]) -> list[int]:
         """The cached blocks holding the full blocks of ``token_ids``, in order, up to the first one not cached."""
-        blocks, parent = [], None
-        bs = self.block_size
-        for b in range(len(token_ids) // bs):
-            tokens = tuple(token_ids[b * bs : (b + 1) * bs])
-            h = hash((parent, tokens))
-            entry = self._by_hash.get(h)
-            if entry is None or entry[1] != tokens:
-                break
-            blocks.append(entry[0])
-            parent = h
-        return blocks
+        return [block for block, _ in self._cached_chain(token_ids, len(token_ids) // self.block_size)]
 
     def insert_prefix(self, token_ids: list[int], data) -> int:
         """Register the first ``len(data)`` full blocks of ``token_ids`` in the prefix cache with the contents
@@ -155,19 +150,14 @@ class BlockManager:
                              f"can be had (free or evictable) out of {self.pool.num_blocks}")
         for block in kept_evictable:
             del self._evictable[block]
-        hashes, parent = [], None
-        for b in range(n):
-            hashes.append(hash((parent, tuple(token_ids[b * bs : (b + 1) * bs]))))
-            parent = hashes[-1]
+        chain = list(self._chain(token_ids, n))
+        hashes = [h for _, h in chain]
         for h in hashes[len(kept):]:  # a block left over from an evicted head: unreachable, drop it
             stale = self._by_hash.get(h)
             if stale is not None and stale[0] in self._evictable:
                 del self._evictable[stale[0]], self._by_hash[h], self._hash_of[stale[0]]
                 self.pool.free([stale[0]])
-        for _ in range(max(needed - self.pool.num_free, 0)):
-            block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
-            self.pool.free([block])
+        self._evict(needed - self.pool.num_free)
         new = self.pool.allocate(needed) if needed > 0 else []
         if new:
             self.pool.write_blocks(new, data[len(kept):])
@@ -175,7 +165,7 @@ class BlockManager:
             if hashes[b] in self._by_hash:  # held by a running sequence already: the copy is not needed
                 self.pool.free([block])
                 continue
-            self._by_hash[hashes[b]] = (block, tuple(token_ids[b * bs : (b + 1) * bs]))
+            self._by_hash[hashes[b]] = (block, chain[b][0])
             self._hash_of[block] = hashes[b]
         for block in reversed(kept + new):  # the allocation's reference is the cache's own; heads evicted last
             if block in self._hash_of and self.pool.ref_count(block) == 1:
@@ -197,7 +187,11 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached block (blocks in use stay registered)."""
-        while self._evictable:
+        self._evict(len(self._evictable))
+
+    def _evict(self, n: int) -> None:
+        """Free the ``n`` least recently used evictable blocks (none when ``n`` <= 0)."""
+        for _ in range(max(n, 0)):
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
             self.pool.free([block])
