@@ -116,7 +116,7 @@ class Communicator:
         if not self.check_peers:
             return
         mine = (what, tuple(tensor.shape), str(tensor.dtype), tensor.device.type, *extra)
-        theirs = self._gather_objects_raw(mine)
+        theirs = self.all_gather_object(mine)
         odd = [r for r, sig in enumerate(theirs) if sig != theirs[0]]
         if odd:
             lines = "; ".join(f"rank {r}: {_sig(sig)}" for r, sig in enumerate(theirs))
@@ -231,9 +231,7 @@ class Communicator:
 
     def barrier(self) -> None:
         """Return when every rank has called ``barrier``."""
-        if self._closed:
-            raise CommError("this communicator was closed")
-        self.backends[self.routes["cpu"].backend].barrier()
+        self._open_cpu_backend().barrier()
 
     # ---- point to point -----------------------------------------------------------------------
 
@@ -258,7 +256,7 @@ class Communicator:
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` (pickled) on every rank."""
         src = self._peer(src, "src")
-        backend = self.backends[self.routes["cpu"].backend]
+        backend = self._open_cpu_backend()
         data = _pickle(obj) if self.rank == src else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         backend.broadcast(size, src, False)
@@ -292,12 +290,7 @@ class Communicator:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled), in rank order."""
-        if self._closed:
-            raise CommError("this communicator was closed")
-        return self._gather_objects_raw(obj)
-
-    def _gather_objects_raw(self, obj: Any) -> list[Any]:
-        backend = self.backends[self.routes["cpu"].backend]
+        backend = self._open_cpu_backend()
         data = _pickle(obj)
         sizes = torch.empty(self.world_size, dtype=torch.int64)
         backend.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), False)

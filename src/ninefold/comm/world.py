@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ninefold.comm.backends.base import Backend, CommError
+from ninefold.comm.backends.mpi import MpiBackend, env_int, mpi_world_from_env, rendezvous_from_mpi
 from ninefold.comm.backends.torch_dist import TorchDistBackend
 from ninefold.comm.communicator import Communicator
 from ninefold.comm.topology import BACKEND_NAMES, Route, Topology, describe_rank
@@ -98,20 +99,16 @@ def _pick_device(device) -> torch.device:
 
 
 def _mpi_local_rank() -> int | None:
-    from ninefold.comm.backends import mpi as mpi_module
-
-    found = mpi_module.mpi_world_from_env()
+    found = mpi_world_from_env()
     return None if found is None else found[2]
 
 
 def _mpi_world():
     """The MPI backend when an MPI launcher started this process and mpi4py is installed, else None."""
-    from ninefold.comm.backends import mpi as mpi_module
-
-    if mpi_module.mpi_world_from_env() is None:
+    if mpi_world_from_env() is None:
         return None
     try:
-        return mpi_module.MpiBackend()
+        return MpiBackend()
     except ImportError:
         return None
 
@@ -127,13 +124,11 @@ def _start_torch_distributed(mpi, timeout_s: float) -> tuple:
             if name not in env:
                 raise ValueError(f"{name}: RANK and WORLD_SIZE are set but {name} is not; start the job with "
                                  "`ninefold launch` or torchrun, or set all four")
-        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        rank, world = env_int("RANK"), env_int("WORLD_SIZE")
         if not 0 <= rank < world:
             raise ValueError(f"RANK: expected 0..WORLD_SIZE-1 = 0..{world - 1}, got {rank}")
         init = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     elif mpi is not None:
-        from ninefold.comm.backends.mpi import rendezvous_from_mpi
-
         addr, port = rendezvous_from_mpi()
         rank, world, init = mpi.rank, mpi.world_size, f"tcp://{addr}:{port}"
     else:
@@ -144,14 +139,6 @@ def _start_torch_distributed(mpi, timeout_s: float) -> tuple:
     except (RuntimeError, ValueError) as e:
         raise CommError(f"rendezvous at {init} as rank {rank} of {world} failed: {e}") from e
     return (dist.destroy_process_group,)
-
-
-def _env_int(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer in the environment, got {value!r}") from None
 
 
 def _gloo_backend(ranks: list[int], timeout_s: float) -> TorchDistBackend:

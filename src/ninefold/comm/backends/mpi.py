@@ -418,9 +418,9 @@ def mpi_world_from_env() -> tuple[int, int, int] | None:
         size_name = next((name for name in size_names if name in os.environ), None)
         if size_name is None:
             continue
-        rank, size = _env_int(rank_name), _env_int(size_name)
+        rank, size = env_int(rank_name), env_int(size_name)
         local_name = next((name for name in local_names if name in os.environ), None)
-        local = rank if local_name is None else _env_int(local_name)
+        local = rank if local_name is None else env_int(local_name)
         if not 0 <= rank < size or local < 0:
             raise ValueError(
                 f"{rank_name}={rank}, {size_name}={size}, local rank {local}: "
@@ -430,7 +430,8 @@ def mpi_world_from_env() -> tuple[int, int, int] | None:
     return None
 
 
-def _env_int(name: str) -> int:
+def env_int(name: str) -> int:
+    """The integer in environment variable ``name`` (which must be set); a ValueError naming it otherwise."""
     value = os.environ[name]
     try:
         return int(value)
