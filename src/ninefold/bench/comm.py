@@ -204,7 +204,7 @@ def _time(comm, path, op: str, nbytes: int, dev: torch.device) -> float | None:
         # every rank must agree on when to stop, or the barriers pair up wrongly
         more = torch.tensor([1.0 if (len(times) < 5 or time.perf_counter() - start < budget) and len(times) < 200
                              else 0.0])
-        comm.backends[comm.routes["cpu"].backend].all_reduce(more, _max(), False)
+        comm.all_reduce(more, "max")
         if more.item() == 0.0:
             break
     mine = statistics.median(times[2:]) if len(times) > 2 else (times[-1] if times else 0.0)
@@ -212,11 +212,6 @@ def _time(comm, path, op: str, nbytes: int, dev: torch.device) -> float | None:
     if op == "send_recv":
         return slowest / 2  # one direction of the ping-pong
     return slowest
-
-
-def _max():
-    from ninefold.comm import ReduceOp
-    return ReduceOp.MAX
 
 
 def _ceiling(dev: torch.device) -> dict:
