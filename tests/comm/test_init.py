@@ -84,6 +84,37 @@ def test_rank_outside_the_world_is_refused(clean_env, monkeypatch):
         nc.init()
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    ({"rank": 0, "world_size": 2}, "init_method: rank, world_size and init_method go together"),
+    ({"rank": 0, "world_size": 0, "init_method": "tcp://127.0.0.1:1"}, "world_size: expected a positive int, got 0"),
+    ({"rank": 2, "world_size": 2, "init_method": "tcp://127.0.0.1:1"}, "rank: expected an int in 0..world_size-1 = 0..1, got 2"),
+    ({"rank": 0, "world_size": 1, "init_method": "127.0.0.1:1"}, "init_method: expected 'tcp://HOST:PORT'"),
+])
+def test_explicit_job_arguments_are_checked(clean_env, kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        nc.init(device="cpu", **kwargs)
+
+
+def test_an_explicit_job_meets_without_launcher_variables(clean_env):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ninefold.comm.launch import free_port
+
+    program = Path(__file__).parent / "programs" / "explicit_job.py"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    ranks = [subprocess.Popen([sys.executable, str(program), str(r), "2", str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    for p, (_, err) in zip(ranks, outputs):
+        assert p.returncode == 0, err[-2000:]
+    assert sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("RESULT")) == [
+        "RESULT 0 3", "RESULT 1 3"]
+
+
 def test_op_names(clean_env):
     from ninefold.comm.communicator import parse_op
     assert parse_op("prod") is nc.ReduceOp.PRODUCT and parse_op("MEAN") is nc.ReduceOp.AVG

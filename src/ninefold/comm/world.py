@@ -25,7 +25,8 @@ BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 
 
 def init(backend: str = "auto", *, device: str | torch.device | None = None, timeout_s: float = 600.0,
-         check_peers: bool | None = None) -> Communicator:
+         check_peers: bool | None = None, rank: int | None = None, world_size: int | None = None,
+         init_method: str | None = None) -> Communicator:
     """A :class:`Communicator` over every process of the job (collective: every process calls it).
 
     ``backend``: "auto" picks per device type from the topology (NCCL for CUDA tensors when every rank
@@ -35,6 +36,9 @@ def init(backend: str = "auto", *, device: str | torch.device | None = None, tim
     available, else the CPU. ``timeout_s`` bounds the rendezvous and every Gloo/NCCL operation.
     ``check_peers`` (default: ``NINEFOLD_COMM_CHECK=1``) makes every collective compare its arguments
     across the ranks first.
+    ``rank``, ``world_size``, ``init_method`` (all three or none; ``init_method`` as torch's, e.g.
+    ``"tcp://127.0.0.1:29500"``): the job given explicitly, for processes a program starts itself; they
+    take precedence over the environment, and the default device is then ``cuda:rank`` (modulo the GPUs).
     """
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKEND_CHOICES))}, got {backend!r}")
@@ -42,12 +46,13 @@ def init(backend: str = "auto", *, device: str | torch.device | None = None, tim
         raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
     if check_peers is None:
         check_peers = os.environ.get("NINEFOLD_COMM_CHECK", "0") not in ("", "0")
-    rank_device = _pick_device(device)
-    mpi = _mpi_world()
+    explicit = _explicit_job(rank, world_size, init_method)
+    rank_device = _pick_device(device, None if explicit is None else explicit[0])
+    mpi = None if explicit is not None else _mpi_world()
     if backend == "mpi" and mpi is None:
         raise ValueError("backend: 'mpi' needs processes started by an MPI launcher (mpiexec) and mpi4py; "
                          "neither an MPI launcher's environment nor mpi4py was found")
-    owns = _start_torch_distributed(mpi, timeout_s)
+    owns = _start_torch_distributed(mpi, timeout_s, explicit)
     try:
         return _build(backend, rank_device, mpi, timeout_s, check_peers, owns)
     except BaseException:
@@ -74,10 +79,29 @@ def _build(backend: str, rank_device: torch.device, mpi, timeout_s: float, check
     return Communicator(backends, topology, rank_device, routes, check_peers=check_peers, owns=owns)
 
 
-def _pick_device(device) -> torch.device:
+def _explicit_job(rank, world_size, init_method) -> tuple[int, int, str] | None:
+    """(rank, world_size, init_method) when the caller gave them, checked; None when it gave none."""
+    given = {"rank": rank, "world_size": world_size, "init_method": init_method}
+    if all(v is None for v in given.values()):
+        return None
+    missing = [name for name, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"{missing[0]}: rank, world_size and init_method go together; got "
+                         + ", ".join(f"{k}={v!r}" for k, v in given.items()))
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in 0..world_size-1 = 0..{world_size - 1}, got {rank!r}")
+    if not isinstance(init_method, str) or not init_method.startswith(("tcp://", "file://", "env://")):
+        raise ValueError(f"init_method: expected 'tcp://HOST:PORT' or 'file://PATH', got {init_method!r}")
+    return rank, world_size, init_method
+
+
+def _pick_device(device, explicit_rank: int | None = None) -> torch.device:
     if device is None:
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            local = int(os.environ.get("LOCAL_RANK", _mpi_local_rank() or 0))
+            local = explicit_rank if explicit_rank is not None else int(
+                os.environ.get("LOCAL_RANK", _mpi_local_rank() or 0))
             device = torch.device("cuda", local % torch.cuda.device_count())
         else:
             return torch.device("cpu")
@@ -113,13 +137,15 @@ def _mpi_world():
         return None
 
 
-def _start_torch_distributed(mpi, timeout_s: float) -> tuple:
+def _start_torch_distributed(mpi, timeout_s: float, explicit: tuple[int, int, str] | None = None) -> tuple:
     """Start torch.distributed's default group unless the caller already did; returns what close() undoes."""
     if dist.is_initialized():
         return ()
     timeout = datetime.timedelta(seconds=timeout_s)
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if explicit is not None:
+        rank, world, init = explicit
+    elif "RANK" in env and "WORLD_SIZE" in env:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in env:
                 raise ValueError(f"{name}: RANK and WORLD_SIZE are set but {name} is not; start the job with "
