@@ -39,6 +39,7 @@ def test_missing_file_is_named(tmp_path, llama_dir, missing):
 
 def test_missing_shard_of_an_index_is_named(tmp_path, llama_dir):
     path = _copy(llama_dir, tmp_path / "m")
+    (path / "model.safetensors").unlink()  # beside model.safetensors, the index is not read (as in transformers)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00002.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="model-00002.safetensors"):
         load_checkpoint(str(path))

@@ -186,6 +186,29 @@ def test_sharded_checkpoint_matches_transformers(sharded_dir):
     _assert_matches_transformers(sharded_dir)
 
 
+def _sharded_tensors(path: Path) -> dict:
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return {k: v for shard in sorted(set(index["weight_map"].values())) for k, v in load_file(path / shard).items()}
+
+
+@pytest.mark.parametrize("layout", ["single file", "index and shards", "both"])
+def test_weight_files_are_chosen_as_transformers_chooses(tmp_path, sharded_dir, layout):
+    """With both model.safetensors and an index, transformers reads model.safetensors; the index was read."""
+    path = _copy(sharded_dir, tmp_path / "m")
+    tensors = _sharded_tensors(path)
+    if layout != "index and shards":
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2  # tells the two sources apart
+        _save(tensors, path / "model.safetensors")
+    if layout == "single file":
+        for file in [path / "model.safetensors.index.json", *path.glob("model-*.safetensors")]:
+            file.unlink()
+    loaded = load_checkpoint(str(path)).tensors
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    _assert_matches_transformers(path)
+
+
 def test_index_naming_a_tensor_no_shard_holds(tmp_path, sharded_dir):
     path = _copy(sharded_dir, tmp_path / "m")
     index = json.loads((path / "model.safetensors.index.json").read_text())

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import pytest
@@ -196,3 +197,82 @@ def test_implementation_returns_the_chosen_function_for_direct_calls(probe):
         torch.testing.assert_close(probe_fn(x, w, 1e-6), 2 * fn(x, w, 1e-6))
     with pytest.raises(UnsupportedError, match="int32 is not supported"):
         ops.implementation("rms_norm", x.int(), w)
+
+
+# ------------------------------------------------------------------ pins of implementations for another machine
+_REGISTERED = """
+import json, sys, torch
+if sys.argv[1] == "cuda":
+    torch.cuda.is_available = lambda: True  # registration as on a CUDA machine; nothing is launched
+import ninefold.ops as ops
+from ninefold.ops import registry
+print(json.dumps(sorted([op, i.name] for op in registry.operators() for i in registry.all_implementations(op))))
+"""
+
+
+def _without_cuda() -> dict:
+    """This environment with no CUDA device visible and Triton's interpreter off: a CPU-only machine."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_the_cuda_only_table_lists_what_registers_only_where_cuda_is():
+    pytest.importorskip("triton")
+
+    def registered(machine):
+        out = subprocess.run([sys.executable, "-c", _REGISTERED, machine], env=_without_cuda(), capture_output=True,
+                             text=True, check=True, timeout=300)
+        return {tuple(pair) for pair in json.loads(out.stdout)}
+
+    extra = registered("cuda") - registered("cpu")
+    assert extra == {(op, name) for op, names in registry.CUDA_ONLY.items() for name in names}
+
+
+def test_a_pin_of_a_cuda_only_implementation_on_a_cpu_machine_warns_once_and_falls_back(tmp_path):
+    """The pins were refused as unknown names, at every call: the Triton kernels and cuBLASLt register only
+    where CUDA is. A name that no machine has is still refused, and the error lists the CUDA-only names."""
+    code = """
+        import warnings, torch, ninefold.ops as ops
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for rows in (2, 5, 40):  # three shape buckets: one warning per operator all the same
+                x, w = torch.randn(rows, 8), torch.randn(6, 8)
+                torch.testing.assert_close(ops.rms_norm(x, w[0]), ops.run("rms_norm", "vendor", x, w[0]))
+                torch.testing.assert_close(ops.linear(x, w), ops.run("linear", "vendor", x, w))
+        for warning in caught:
+            print(warning.message)
+        try:
+            with ops.use(rms_norm="tritn"):
+                pass
+        except ops.OpError as error:
+            print(error)
+    """
+    env = {**_without_cuda(), "NINEFOLD_OPS": "rms_norm=triton,linear=cublaslt", "NINEFOLD_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    no_cuda = "it runs only on cuda, and this process has no CUDA device"
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"rms_norm: pinned implementation 'triton' cannot run these inputs ({no_cuda}); "
+                               "using '"), lines[0]
+    assert lines[1] == f"linear: pinned implementation 'cublaslt' cannot run these inputs ({no_cuda}); using 'vendor' " \
+                       "instead"
+    assert lines[2].startswith("ops.use: rms_norm has no implementation 'tritn'; it has: ")
+    assert lines[2].endswith("; where CUDA is, also: triton")
+
+
+def test_a_pin_for_another_device_warns_once_for_every_shape():
+    """The warning came again for every new shape bucket."""
+    registry.register("rms_norm", "gpuonly", devices=("cuda",))(lambda *a: None)
+    try:
+        with ops.use(rms_norm="gpuonly"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for rows in (1, 3, 9, 100):
+                ops.rms_norm(torch.randn(rows, 7), torch.ones(7))
+        messages = {str(c.message) for c in caught}
+        assert {m.split("; using ")[0] for m in messages} == {
+            "rms_norm: pinned implementation 'gpuonly' cannot run these inputs (it runs on cuda, not cpu)"}
+        assert len(caught) == len(messages)  # one per fallback: one row takes cpu_row, more rows vendor
+    finally:
+        registry.unregister("rms_norm", "gpuonly")

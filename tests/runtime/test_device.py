@@ -71,6 +71,9 @@ def test_peak_bytes_sees_a_temporary():
     ("gpu:0", ValueError, "not a torch device"),
     (3.5, TypeError, "expected a str"),
     ("meta", ValueError, "not available"),
+    # The index was dropped: Device("cpu:3") became Device("cpu"). The host is one device, as Device.count says.
+    ("cpu:3", ValueError, r"device: index 3 of 'cpu' is out of range \(got 'cpu:3'\); the host is one device"),
+    (torch.device("cpu", 1), ValueError, r"index 1 of 'cpu' is out of range \(got 'cpu:1'\)"),
 ])
 def test_bad_specs_say_what_is_accepted(spec, error, words):
     with pytest.raises(error, match=words):

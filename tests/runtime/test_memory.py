@@ -74,6 +74,20 @@ def test_workspace_buffers_are_per_stream_and_grow():
         ws.get("x", (-1,), torch.float32)
 
 
+def test_workspace_clear_releases_memory_and_keeps_counting_allocations():
+    """clear() kept the count without saying so: it is cumulative (as torch.cuda.memory_stats' counters
+    stay through empty_cache), documented, and shown next to what is held now."""
+    ws = Workspace("cpu")
+    ws.get("x", (64,), torch.float32)
+    ws.get("y", (64,), torch.float32)
+    assert repr(ws) == "Workspace(2 buffers, 512 bytes on cpu; 2 allocations since created)"
+    ws.clear()
+    assert ws.nbytes == 0 and ws.allocations == 2
+    assert repr(ws) == "Workspace(0 buffers, 0 bytes on cpu; 2 allocations since created)"
+    ws.get("x", (64,), torch.float32)  # allocates again, and the count shows it
+    assert ws.allocations == 3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_workspace_steady_loop_allocates_nothing():
     ws = Workspace("cuda")

@@ -119,12 +119,15 @@ SINGLE_FILE = "model.safetensors"
 
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files to read, and the index's weight map when there is one.
+    """The safetensors files to read, and the index's weight map when one is read.
 
-    The files that ``model.safetensors.index.json`` names, else ``model.safetensors``; only without
-    either, every ``*.safetensors`` file (other safetensors files beside a model, such as a LoRA
-    adapter or Mistral's ``consolidated.safetensors``, are not part of it).
+    ``model.safetensors``, else the files that ``model.safetensors.index.json`` names (transformers'
+    order: with both, the index and its shards are not read); only without either, every
+    ``*.safetensors`` file (other safetensors files beside a model, such as a LoRA adapter or
+    Mistral's ``consolidated.safetensors``, are not part of it).
     """
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE], None
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = _read_json(index, required=True).get("weight_map")
@@ -139,8 +142,6 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
                 raise MissingModelFile(f"{name} (listed in {INDEX_FILE}) not found in {path}")
             files.append(file)
         return files, weight_map
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE], None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))

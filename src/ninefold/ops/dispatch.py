@@ -11,7 +11,9 @@ implementation's ``supports`` looks at. The first call with a key resolves it:
 
 Validation and choice are cached per argument *signature* (shapes, dtypes, devices, layouts
 and scalar values), so the warm path computes the signature and does one dict lookup. A pinned implementation
-that cannot run the inputs falls back to the normal order with a warning (once per key).
+that cannot run the inputs (another device's, one that registers only where CUDA is, one whose ``supports``
+says no) falls back to the unpinned choice with a warning, once per reason; a pin naming no implementation of
+the operator is an error.
 """
 
 from __future__ import annotations
@@ -150,8 +152,10 @@ def _check_pins(pins: dict[str, str], source: str) -> None:
         if not isinstance(impl, str):
             raise TypeError(f"{source}: the pin of {op} must be an implementation name (str), got {impl!r}")
         names = sorted({i.name for i in registry.all_implementations(op)})
-        if impl not in names:
-            raise OpError(f"{source}: {op} has no implementation {impl!r}; it has: {', '.join(names)}")
+        if impl not in names and impl not in registry.cuda_only(op):
+            elsewhere = [name for name in registry.cuda_only(op) if name not in names]
+            more = f"; where CUDA is, also: {', '.join(elsewhere)}" if elsewhere else ""
+            raise OpError(f"{source}: {op} has no implementation {impl!r}; it has: {', '.join(names)}{more}")
 
 
 def _pins() -> dict[str, str]:
@@ -201,15 +205,23 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
     device, dtype = key[0], key[1]
     candidates = supporting(op, device, dtype, args)
     pinned = _pins().get(op)
-    if pinned is not None:
-        for impl in candidates:
-            if impl.name == pinned:
-                return impl
-        if (op, pinned, key) not in _warned:
-            _warned.add((op, pinned, key))
-            warnings.warn(f"{op}: pinned implementation {pinned!r} cannot run these inputs "
-                          f"({_pin_reason(op, pinned, device, dtype, args)}); "
-                          f"using {candidates[0].name!r} instead", stacklevel=4)
+    if pinned is None:
+        return _unpinned(op, key, candidates)
+    for impl in candidates:
+        if impl.name == pinned:
+            return impl
+    chosen = _unpinned(op, key, candidates)
+    message = (f"{op}: pinned implementation {pinned!r} cannot run these inputs "
+               f"({_pin_reason(op, pinned, device, dtype, args)}); using {chosen.name!r} instead")
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=4)
+    return chosen
+
+
+def _unpinned(op: str, key: tuple, candidates: list[Impl]) -> Impl:
+    """The tuned choice for ``key`` among ``candidates``, else the first in default order."""
+    device, dtype = key[0], key[1]
     tuned = tuning.lookup(op, device_model(device), dtype, key[2])
     if tuned is not None:
         for impl in candidates:
@@ -219,20 +231,27 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
         if tuned not in known and (op, tuned, "unknown") not in _warned:  # a typo or a stale table, not a trim
             _warned.add((op, tuned, "unknown"))
             warnings.warn(f"{op}: the tuning table chooses {tuned!r}, which is not an implementation of {op} "
-                          f"(known: {', '.join(sorted(known))}); using {candidates[0].name!r}", stacklevel=4)
+                          f"(known: {', '.join(sorted(known))}); using {candidates[0].name!r}", stacklevel=5)
     return candidates[0]
 
 
 def _pin_reason(op: str, name: str, device: torch.device, dtype: torch.dtype, args: tuple) -> str:
     """Why the pinned implementation ``name`` cannot run this call (for the fallback warning)."""
     impl = next((i for i in registry.implementations(op) if i.name == name), None)
-    if impl is None:
-        return f"not available in this process{_build_note(op)}"
+    if impl is None:  # trimmed out of the build, or one of registry.cuda_only(op) that did not register here
+        registered = any(i.name == name for i in registry.all_implementations(op))
+        return f"not available in this process{_build_note(op)}" if registered else _cuda_only_reason()
     if device.type not in impl.devices:
         return f"it runs on {', '.join(impl.devices)}, not {device.type}"
     if dtype not in impl.dtypes:
         return f"it takes {dtype_names(impl.dtypes)}{_build_note(op)}, not {dtype_name(dtype)}"
     return impl.reason(args) or "its supports() said no"
+
+
+def _cuda_only_reason() -> str:
+    if not torch.cuda.is_available():
+        return "it runs only on cuda, and this process has no CUDA device"
+    return "it runs only on cuda and did not register in this process (Triton could not be imported)"
 
 
 def supporting(op: str, device: torch.device, dtype: torch.dtype, args: tuple) -> list[Impl]:

@@ -19,7 +19,9 @@ class Device:
     """A torch device with its streams, events, memory figures and pinned host memory.
 
     ``spec`` is ``"cpu"``, ``"cuda"``, ``"cuda:1"``, any other torch device string, a
-    ``torch.device`` or a ``Device``. An accelerator without an index means its current index.
+    ``torch.device`` or a ``Device``. An accelerator without an index means its current index;
+    an index out of range is a ``ValueError``. The host is one device: ``"cpu"`` and ``"cpu:0"``
+    are the same, any other CPU index is refused (torch places such tensors on ``cpu`` anyway).
     """
 
     def __init__(self, spec: str | torch.device | Device = "cpu"):
@@ -32,7 +34,10 @@ class Device:
         except RuntimeError as exc:
             raise ValueError(f"device: {spec!r} is not a torch device name (e.g. 'cpu', 'cuda:0')") from exc
         if dev.type == "cpu":
-            dev = torch.device("cpu")  # "cpu:0" and "cpu" are the same host
+            if dev.index not in (None, 0):
+                raise ValueError(f"device: index {dev.index} of 'cpu' is out of range (got {str(spec)!r}); the host "
+                                 "is one device: 'cpu' or 'cpu:0'")
+            dev = torch.device("cpu")
         else:
             module = getattr(torch, dev.type, None)
             if module is None or not hasattr(module, "is_available") or not module.is_available():

@@ -109,12 +109,17 @@ class Workspace:
     re-used afterwards (grown when a larger shape is asked for), so a steady-state step allocates
     nothing. Buffers of different streams never alias, so concurrent streams can use the same names.
     The contents are whatever the previous user left.
+
+    ``nbytes`` is what the workspace holds now; ``allocations`` counts every buffer it has allocated
+    since it was made (growth and re-allocation after ``clear()`` included), like the cumulative
+    counters of ``torch.cuda.memory_stats()`` that ``torch.cuda.empty_cache()`` leaves alone: a steady
+    loop is one that leaves it unchanged.
     """
 
     def __init__(self, device: str | torch.device | Device = "cpu"):
         self.device = Device(device)
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self.allocations = 0  # how many buffers this workspace has allocated, for checking reuse
+        self.allocations = 0
 
     def get(self, name: str, shape, dtype: torch.dtype, *, stream=None) -> torch.Tensor:
         """A ``shape`` tensor of ``dtype`` named ``name`` for ``stream`` (default: the current one)."""
@@ -142,8 +147,13 @@ class Workspace:
         return sum(b.numel() for b in self._buffers.values())
 
     def clear(self) -> None:
-        """Release every buffer (the next ``get`` allocates again)."""
+        """Release every buffer: ``nbytes`` drops to 0 and the next ``get`` of each name allocates again
+        (counted in ``allocations``, which is cumulative and not reset here)."""
         self._buffers.clear()
+
+    def __repr__(self) -> str:
+        return (f"Workspace({len(self._buffers)} buffers, {self.nbytes} bytes on {self.device.torch}; "
+                f"{self.allocations} allocations since created)")
 
 
 def _shape(shape) -> torch.Size:
