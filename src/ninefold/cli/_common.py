@@ -38,6 +38,13 @@ def sampling_error(args) -> str | None:
     return None
 
 
+def add_parallel_argument(parser) -> None:
+    """``--tensor-parallel-size`` / ``-tp``, as vLLM spells it."""
+    parser.add_argument("-tp", "--tensor-parallel-size", type=checked_type(int, lambda v: v >= 1, "an integer >= 1"),
+                        default=1, help="ranks that each hold a slice of every layer: this process and N-1 "
+                                        "workers, on consecutive GPUs from --device or all on the CPU (default: 1)")
+
+
 def device_error(spec: str | None) -> str | None:
     """Why ``--device spec`` cannot be used here (not a device name, not on this machine), or None."""
     if spec is None:

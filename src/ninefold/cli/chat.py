@@ -13,7 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from ninefold.cli._common import clean_text, device_error, fail, sampling_error, tolerant_stdio
+from ninefold.cli._common import (
+    add_parallel_argument,
+    clean_text,
+    device_error,
+    fail,
+    sampling_error,
+    tolerant_stdio,
+)
 
 HELP = "Type a message; /reset starts a new conversation, /exit quits, Ctrl-C stops an answer."
 
@@ -39,6 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
                    help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    add_parallel_argument(p)
     p.set_defaults(func=run)
 
 
@@ -53,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return fail("chat", problem)
     tolerant_stdio()
+    engine = None
     try:
         engine, name, seconds = _load(args)
         tokenizer = engine.tokenizer
@@ -60,7 +69,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"model: {name} has no chat template; use `ninefold generate --raw` for plain completion")
         params = _sampling_params(args, getattr(engine, "generation_config", None) or {})
     except (ValueError, TypeError) as error:
+        if engine is not None:
+            engine.close()
         return fail("chat", str(error))
+    try:
+        return _converse(args, engine, name, seconds, params)
+    finally:
+        engine.close()
+
+
+def _converse(args: argparse.Namespace, engine, name: str, seconds: float, params) -> int:
+    """The loop of ``run``: read messages, stream answers, until /exit or the end of input."""
     print(f"ninefold chat: {name} ({engine.dtype}, {engine.device}) loaded in {seconds:.1f} s. {HELP}",
           file=sys.stderr, flush=True)
     interactive = sys.stdin.isatty()
@@ -168,7 +187,8 @@ def _load(args: argparse.Namespace):
     print(f"ninefold chat: loading {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     model = str(hub.resolve_model(args.model))
-    engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"))
+    engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"),
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     return engine, name, time.perf_counter() - start
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ninefold.cli._common import clean_text, device_error, fail, sampling_error, tolerant_stdio
+from ninefold.cli._common import (
+    add_parallel_argument,
+    clean_text,
+    device_error,
+    fail,
+    sampling_error,
+    tolerant_stdio,
+)
 
 
 def register(subparsers) -> None:
@@ -35,6 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
                    help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    add_parallel_argument(p)
     p.set_defaults(func=run)
 
 
@@ -52,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
 
     tolerant_stdio()
     text = clean_text(args.prompt)
+    engine = None
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                           quantization=args.quantization)
+                           quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("model: has no tokenizer, so text prompts cannot be encoded")
@@ -71,7 +80,18 @@ def run(args: argparse.Namespace) -> int:
             prompt = tokenizer.encode(text)
         engine.add_request(engine.build_request(prompt, params, "cli"))
     except (ValueError, TypeError) as error:
+        if engine is not None:
+            engine.close()
         return fail("generate", str(error))
+    try:
+        _stream(engine)
+    finally:
+        engine.close()
+    return 0
+
+
+def _stream(engine) -> None:
+    """Step ``engine`` until its request ends, writing the text to stdout as it grows."""
     shown = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -81,4 +101,3 @@ def run(args: argparse.Namespace) -> int:
             shown = len(text)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return 0

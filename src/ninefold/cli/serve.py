@@ -6,7 +6,7 @@ import argparse
 import os
 import socket
 
-from ninefold.cli._common import device_error, fail, port_type, seconds_type
+from ninefold.cli._common import add_parallel_argument, device_error, fail, port_type, seconds_type
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
                         help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                              "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+    add_parallel_argument(parser)
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
                         help="largest request body accepted (default: 4 MiB)")
     parser.add_argument("--drain-timeout", type=_seconds, default=30.0,
@@ -114,6 +115,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "num_kv_blocks": args.num_kv_blocks,
         "quantization": getattr(args, "quantization", None),
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
     }
     try:
         engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})

@@ -118,10 +118,10 @@ class _Job:
     def start(self, command: list[str], env: dict[str, str], tag_output: bool) -> None:
         pipe = subprocess.PIPE if tag_output else None
         self.procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
-                                           preexec_fn=_rank_setup()))
+                                           preexec_fn=rank_preexec_fn()))
 
     def forward_output(self) -> None:
-        """Start the threads that copy each rank's lines to our streams (after every fork: see ``_rank_setup``)."""
+        """Start the threads that copy each rank's lines to our streams (after every fork: see ``rank_preexec_fn``)."""
         for rank, proc in enumerate(self.procs):
             for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
                 reader = threading.Thread(target=_forward_lines, name=f"ninefold-launch-rank{rank}", daemon=True,
@@ -274,7 +274,7 @@ def _group_has_live_members(pgid: int) -> bool:
 _PR_SET_PDEATHSIG = 1
 
 
-def _rank_setup():
+def rank_preexec_fn():
     """A ``preexec_fn`` that puts a rank in a process group of its own and, on Linux, makes it receive
     SIGKILL if the launcher dies without stopping it (SIGKILL, an OOM kill): the one path on which the
     launcher cannot clean up.

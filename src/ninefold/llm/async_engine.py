@@ -113,6 +113,8 @@ class AsyncEngine:
         self._stopped = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # (a step still running keeps the engine's workers until it ends)
+            self.engine.close()
 
     # -- engine thread ----------------------------------------------------------------------------
 

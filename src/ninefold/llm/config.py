@@ -262,10 +262,14 @@ class EngineConfig:
     # ``dtype`` (the exact path).
     quantization: str = "auto"
     seed: int = 0
+    # Ranks that each hold a slice of every layer (Megatron-style; ``ninefold.llm.parallel``): this
+    # process is rank 0 and starts the others, on consecutive GPUs from ``device`` or all on the CPU.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "cuda_graph_max_batch")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "cuda_graph_max_batch",
+                    "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -49,8 +49,12 @@ class LLMEngine:
         if cfg.max_model_len is not None and cfg.max_model_len > limit:
             raise ValueError(f"max_model_len: got {cfg.max_model_len}; this model supports at most {limit}")
         max_len = cfg.max_model_len or limit
-        self.model = model_class(mc.architecture)(
-            mc, ckpt.tensors, dtype=self.dtype, device=self.device, max_positions=max_len, seed=cfg.seed)
+        self.parallel_group = None
+        if cfg.tensor_parallel_size > 1:
+            self.model = self._start_parallel(model, ckpt, max_len)
+        else:
+            self.model = model_class(mc.architecture)(
+                mc, ckpt.tensors, dtype=self.dtype, device=self.device, max_positions=max_len, seed=cfg.seed)
         ckpt.tensors = None
         self.pool = self._make_pool(max_len)
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size)
@@ -62,7 +66,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.pool, Sampler(self.device, mc.vocab_size, self.eos_token_ids),
             max_model_len=self.max_model_len,
-            enforce_eager=cfg.enforce_eager,
+            # tensor parallelism: the workers follow rank 0's calls one by one, so no decode graphs yet
+            enforce_eager=cfg.enforce_eager or self.parallel_group is not None,
             cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
         )
         if self.device.type == "cuda":
@@ -79,8 +84,34 @@ class LLMEngine:
         self.num_steps_ahead = 0  # steps launched before the previous one's tokens were read
         self._auto_ids = itertools.count()
 
-    def _make_pool(self, max_len: int) -> KVCachePool:
+    def _start_parallel(self, model, ckpt, max_len: int):
+        """Rank 0's slice of the model, with the workers holding the other slices started and loaded."""
+        from ninefold.llm.parallel import ParallelModel, WorkerGroup, build_rank_model, check_parallel_size
+
         cfg, mc = self.config, self.model_config
+        check_parallel_size(mc, cfg.tensor_parallel_size)
+        group = WorkerGroup(cfg.tensor_parallel_size, self.device)
+        self.parallel_group = group
+        # the workers read what rank 0 read: the resolved file or directory (dummy weights: the shape asked for)
+        source = model if ckpt.tensors is None else ckpt.source
+        group.setup(model=source, load_format=cfg.load_format, quantization=cfg.quantization, dtype=self.dtype,
+                    max_positions=max_len, seed=cfg.seed, block_size=cfg.block_size)
+        rank_model, error = None, None
+        try:
+            rank_model = build_rank_model(mc, ckpt.tensors, group.parallel, dtype=self.dtype, device=self.device,
+                                          max_positions=max_len, seed=cfg.seed)
+        except Exception as e:
+            error = e
+        group.agree_loaded(error)
+        return ParallelModel(rank_model, group)
+
+    def close(self) -> None:
+        """Release what outlives the Python objects: a tensor-parallel engine's worker processes. Idempotent."""
+        if self.parallel_group is not None:
+            self.parallel_group.shutdown()
+
+    def _make_pool(self, max_len: int) -> KVCachePool:
+        cfg, mc = self.config, self.model.config  # the model's: one rank's heads under tensor parallelism
         args = (mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size, self.dtype, self.device)
         if cfg.num_kv_blocks is not None:
             return KVCachePool(*args, cfg.num_kv_blocks)
@@ -94,7 +125,7 @@ class LLMEngine:
     @torch.inference_mode()
     def _profile_forward(self) -> None:
         """The activation peak: the largest prefill step plus the largest batch of logits."""
-        mc, cfg, dev = self.model_config, self.config, self.device
+        mc, cfg, dev = self.model.config, self.config, self.device
         scratch = torch.zeros((1, cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=dev)
         self.model.kv_caches = [(scratch, scratch)] * mc.num_layers
         self._packed_prefill(cfg.max_num_batched_tokens, logits_rows=cfg.max_num_seqs)

@@ -93,8 +93,13 @@ class LlamaForCausalLM:
         device: torch.device,
         max_positions: int,
         seed: int = 0,
+        parallel=None,
     ):
         self.config = config
+        # A tensor-parallel group (``ninefold.llm.parallel``): ``config`` and ``tensors`` are then this
+        # rank's shard, an all-reduce follows the o and down projections, and only rank 0 has an output layer.
+        self.parallel = parallel
+        has_head = parallel is None or parallel.rank == 0
         self.dtype, self.device = dtype, device
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -107,6 +112,8 @@ class LlamaForCausalLM:
         fused = {"embed": embed, "norm": take("model.norm.weight", (config.hidden_size,))}
         if config.tie_word_embeddings:
             fused["lm_head"] = self._matrix([embed], dense_copy=False)
+        elif not has_head:
+            pass
         elif "lm_head.weight" in tensors:
             fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))])
         else:
@@ -120,7 +127,7 @@ class LlamaForCausalLM:
         self.packed = {name: t for name, t in fused.items() if isinstance(t, PackedLinear)}
         self.weights = WeightStore({n: t for n, t in fused.items() if n not in self.packed}, device, dtype=dtype)
         w = {**self.weights, **self.packed}
-        self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
+        self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w.get("lm_head")
         if config.tie_word_embeddings and type(self.lm_head) is PackedLinear and self.dense_copies:
             self.lm_head.dense = self.embed  # batches of more rows read the embedding table itself
             self.lm_head.dense_shared = True
@@ -131,7 +138,8 @@ class LlamaForCausalLM:
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cpu_decoder = None
-        self.cpu_fast_decode = True  # decode steps on CPUs run through llama_cpu.CpuDecoder
+        # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces)
+        self.cpu_fast_decode = parallel is None
 
     def _setup_packing(self, config: ModelConfig) -> None:
         mode = config.raw.get("ninefold_quantization", "none")
@@ -214,12 +222,16 @@ class LlamaForCausalLM:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
                 qkv = _linear(x, layer.qkv, layer.qkv_bias)
             x = self._attention(i, layer, qkv, positions, meta)
+            if self.parallel is not None:
+                x = self.parallel.all_reduce(x)
             if fuse:
                 gate_up, residual = ops.add_rms_norm_linear(x, residual, layer.post_norm, layer.gate_up, eps)
                 hidden = ops.silu_and_mul_linear(gate_up, layer.down)
             else:
                 x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
                 hidden = _linear(ops.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
+            if self.parallel is not None:
+                hidden = self.parallel.all_reduce(hidden)
         out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 

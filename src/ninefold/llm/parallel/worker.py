@@ -1,0 +1,106 @@
+"""A worker rank of a tensor-parallel engine: ``python -m ninefold.llm.parallel.worker`` (started by rank 0).
+
+It joins rank 0's communicator, loads its slice of the model, then makes every call rank 0 sends
+(``protocol``) until a STOP command or the end of its input (rank 0 is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from ninefold.llm.config import ModelConfig
+from ninefold.llm.parallel import protocol
+from ninefold.llm.parallel.protocol import Op
+from ninefold.llm.parallel.rank_model import TensorParallel, build_rank_model
+
+
+def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, load_format: str, quantization: str,
+                    dtype: torch.dtype, max_positions: int, seed: int, block_size: int):
+    """This rank's slice of ``model`` (as ``LLMEngine`` loads it), with a one-block scratch cache bound until
+    rank 0 sends the real cache's size."""
+    from ninefold.llm.loader import load_checkpoint
+
+    ckpt = load_checkpoint(model, load_format, quantization=quantization)
+    config = ModelConfig.from_dict(ckpt.config)
+    rank_model = build_rank_model(config, ckpt.tensors, parallel, dtype=dtype, device=device,
+                                  max_positions=max_positions, seed=seed)
+    c = rank_model.config
+    scratch = torch.zeros((1, block_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device)
+    rank_model.kv_caches = [(scratch, scratch)] * c.num_layers
+    return rank_model
+
+
+def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> None:
+    """Make rank 0's calls, read from ``commands`` (a binary stream), until STOP or its end."""
+    from ninefold.runtime import KVCachePool
+
+    c = rank_model.config
+    with torch.inference_mode():
+        while True:
+            header = _read_exactly(commands, protocol.HEADER_BYTES)
+            if header is None:
+                return
+            op, value = protocol.decode(header, comm, device)
+            if op is Op.STOP:
+                return
+            if op is Op.BIND_KV_CACHE:
+                rank_model.bind_kv_cache(KVCachePool(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
+                                                     rank_model.dtype, device, value))
+            else:
+                rank_model.forward(*value)
+
+
+def _read_exactly(stream, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--timeout-s", type=float, required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--ready-fd", type=int, default=-1, help="a pipe to write one byte to once started")
+    args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    import ninefold.comm as nc
+    from ninefold.llm import loader  # noqa: F401  (what loading needs, imported before saying "started")
+
+    if args.ready_fd >= 0:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
+
+    device = torch.device(args.device)
+    comm = nc.init(device=device, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
+                   timeout_s=args.timeout_s)
+    try:
+        settings = comm.broadcast_object(None)
+        parallel = TensorParallel(comm, args.rank, args.world_size)
+        error = None
+        try:
+            rank_model = load_rank_model(parallel, device, **settings)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        if any(text is not None for text in comm.all_gather_object(error)):
+            return 1  # rank 0 raises, naming every rank's error
+        serve(rank_model, comm, device, settings["block_size"], sys.stdin.buffer)
+    finally:
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Tensor parallelism: the sharding plan, and engines over real worker processes against transformers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+import torch
+from test_parity import GREEDY, generate_ids, hf_greedy, prompts_for
+from tiny_models import VARIANTS
+
+from ninefold import LLM
+from ninefold.llm.config import ModelConfig
+from ninefold.llm.engine import LLMEngine
+from ninefold.llm.parallel import check_parallel_size, shard_plan, shard_tensors
+
+
+def _config(heads=8, kv_heads=4, inter=96, head_dim=16) -> ModelConfig:
+    return ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], hidden_size=heads * head_dim,
+                                      intermediate_size=inter, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=50,
+                                      head_dim=head_dim))
+
+
+@pytest.mark.parametrize("heads, kv_heads, size", [(8, 4, 2), (8, 4, 4), (8, 2, 4), (8, 1, 8), (8, 8, 1)])
+def test_every_query_head_sits_with_the_key_value_head_it_reads(heads, kv_heads, size):
+    config = _config(heads, kv_heads)
+    group = heads // kv_heads
+    covered = []
+    for rank in range(size):
+        plan = shard_plan(config, rank, size)
+        local = plan.local_config(config)
+        assert local.num_heads * size == heads and local.intermediate_size * size == config.intermediate_size
+        first_q, end_q = plan.q_heads
+        first_kv, end_kv = plan.kv_heads
+        covered += range(first_q, end_q)
+        # local query head j reads local kv head j // (local group size), as the model's GQA does
+        local_group = local.num_heads // local.num_kv_heads
+        for j in range(local.num_heads):
+            assert (first_q + j) // group == first_kv + j // local_group
+        assert end_kv - first_kv == max(1, kv_heads // size)
+    assert covered == list(range(heads))
+
+
+def test_shards_put_back_together_give_the_checkpoint():
+    config = _config(heads=4, kv_heads=2, inter=12, head_dim=3)
+    D, q, kv = config.hidden_size, 4 * 3, 2 * 3
+    gen = torch.Generator().manual_seed(0)
+    p = "model.layers.0."
+    full = {name: torch.randn(shape, generator=gen) for name, shape in {
+        p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
+        p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
+        p + "self_attn.q_proj.bias": (q,), p + "mlp.gate_proj.weight": (12, D), p + "mlp.up_proj.weight": (12, D),
+        p + "mlp.down_proj.weight": (D, 12), p + "input_layernorm.weight": (D,), "model.embed_tokens.weight": (50, D),
+        "lm_head.weight": (50, D)}.items()}
+    shards = [shard_tensors(full, config, shard_plan(config, r, 2), keep_lm_head=r == 0) for r in range(2)]
+    rows = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    for name, tensor in full.items():
+        if name == "lm_head.weight":
+            assert torch.equal(shards[0][name], tensor) and name not in shards[1]
+        elif name.endswith(rows):
+            assert torch.equal(torch.cat([s[name] for s in shards]), tensor), name
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat([s[name] for s in shards], dim=1), tensor), name
+        else:
+            assert all(torch.equal(s[name], tensor) for s in shards), name
+    # one slice, o's columns match q's rows: head h of q_proj meets head h of o_proj on the same rank
+    assert torch.equal(shards[1][p + "self_attn.o_proj.weight"], full[p + "self_attn.o_proj.weight"][:, 6:])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(heads=8, kv_heads=4, inter=96), "tensor_parallel_size: got 3, but this model cannot be split 3 ways: "
+     "num_attention_heads=8 is not a multiple of it; num_key_value_heads=4 is neither a multiple nor a divisor of it"),
+    (dict(heads=6, kv_heads=6, inter=100, head_dim=8), "intermediate_size=100 is not a multiple of it"),
+])
+def test_models_that_cannot_be_split_are_refused_naming_why(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("=", "=")):
+        check_parallel_size(_config(**kwargs), 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size: expected a positive int, got 0"):
+        check_parallel_size(_config(), 0)
+
+
+def _worker_processes(engine: LLMEngine) -> list:
+    return list(engine.parallel_group.procs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ranks_generate_transformers_greedy_tokens(model_dirs, variant):
+    path = model_dirs[variant]
+    with LLM(str(path), device="cpu", block_size=8, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        procs = _worker_processes(llm.engine)
+        assert llm.engine.model.config.num_heads == 2  # rank 0 holds half of the 4 query heads
+        prompts = prompts_for(llm.engine.model_config.vocab_size)
+        assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
+    assert [p.returncode for p in procs] == [0]  # stopped cleanly by close()
+
+
+def test_four_ranks_with_replicated_key_value_heads_chunking_prefix_cache_and_preemption(model_dirs):
+    path = model_dirs["llama"]  # 4 query heads, 2 key/value heads: each kv head on two ranks
+    with LLM(str(path), device="cpu", block_size=4, num_kv_blocks=26, max_num_batched_tokens=9,
+             tensor_parallel_size=4) as llm:
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(45, 17, 45, 3), seed=3)
+        prompts[2][:20] = prompts[0][:20]
+        expected = [hf_greedy(path, p) for p in prompts]
+        assert generate_ids(llm, prompts) == expected
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert generate_ids(llm, prompts) == expected  # now from the prefix cache
+        assert llm.engine.blocks.hit_tokens > 0
+
+
+def test_last_position_logits_match_one_rank(model_dirs):
+    path = model_dirs["qwen3"]
+    logits = []
+    for size in (1, 2):
+        engine = LLMEngine(str(path), device="cpu", block_size=4, num_kv_blocks=64, tensor_parallel_size=size)
+        try:
+            prompts = prompts_for(engine.model_config.vocab_size, lengths=(5, 23))
+            for i, prompt in enumerate(prompts):
+                engine.add_request(engine.build_request(prompt, GREEDY, f"r{i}"))
+            logits.append(engine.runner.forward_logits(engine.scheduler.schedule()))
+        finally:
+            engine.close()
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=1e-4)
+
+
+def test_a_model_that_cannot_be_split_is_refused_before_any_worker_starts(model_dirs):
+    with pytest.raises(ValueError, match="tensor_parallel_size: got 3, but this model cannot be split 3 ways"):
+        LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=3)
+
+
+def _failing_site(tmp_path, body: str) -> str:
+    """A directory whose sitecustomize.py runs ``body`` in tensor-parallel worker processes only."""
+    site = tmp_path / "site"
+    site.mkdir()
+    indented = textwrap.indent(textwrap.dedent(body).strip(), "    ")
+    (site / "sitecustomize.py").write_text(f"import sys\nif '--init-method' in sys.argv:\n{indented}\n")
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+
+
+def test_a_worker_that_dies_before_joining_is_reported_at_once(model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, "import os; os._exit(7)"))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 exited with code 7 before joining"):
+        LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60  # not the 600 s rendezvous timeout
+
+
+def test_a_worker_that_cannot_load_makes_rank_0_raise_naming_it(model_dirs, tmp_path, monkeypatch):
+    body = """
+    import ninefold.llm.loader as loader
+    def refuse(*args, **kwargs):
+        raise OSError("disk on fire")
+    loader.load_checkpoint = refuse
+    """
+    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
+    with pytest.raises(RuntimeError, match="rank 1: OSError: disk on fire"):
+        LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_worker_killed_mid_service_fails_the_next_call_instead_of_hanging(model_dirs):
+    path = model_dirs["llama"]
+    llm = LLM(str(path), device="cpu", block_size=8, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5,))
+        assert generate_ids(llm, prompts) == [hf_greedy(path, prompts[0])]
+        (worker,) = _worker_processes(llm.engine)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        with pytest.raises(RuntimeError, match="tensor-parallel"):
+            generate_ids(llm, prompts)
+        with pytest.raises(RuntimeError, match="stopped after an error"):
+            generate_ids(llm, prompts)
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_two_gpus_give_transformers_float32_greedy_tokens(model_dirs, variant):
+    """NCCL between two GPUs: the all-reduces inside the layers and the step payload."""
+    path = model_dirs[variant]
+    with LLM(str(path), dtype="float32", device="cuda:0", block_size=16, num_kv_blocks=64,
+             tensor_parallel_size=2) as llm:
+        assert llm.engine.parallel_group.comm.backend_for(torch.ones(1, device="cuda:0")) == "nccl"
+        prompts = prompts_for(llm.engine.model_config.vocab_size)
+        assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
+
+
+@pytest.mark.skipif(not 0 < torch.cuda.device_count() < 4, reason="needs CUDA with fewer than 4 GPUs")
+def test_more_ranks_than_gpus_is_refused_naming_the_count(model_dirs):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks need GPUs cuda:0..cuda:3"):
+        LLMEngine(str(model_dirs["llama"]), device="cuda", num_kv_blocks=16, tensor_parallel_size=4)
