@@ -12,7 +12,7 @@ import torch
 from test_parity import GREEDY, generate_ids, hf_greedy, prompts_for
 from tiny_models import VARIANTS
 
-from ninefold import LLM
+from ninefold import LLM, SamplingParams
 from ninefold.llm.config import ModelConfig
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.parallel import check_parallel_size, shard_plan, shard_tensors
@@ -81,6 +81,46 @@ def test_models_that_cannot_be_split_are_refused_naming_why(kwargs, words):
         check_parallel_size(_config(**kwargs), 3)
     with pytest.raises(ValueError, match="tensor_parallel_size: expected a positive int, got 0"):
         check_parallel_size(_config(), 0)
+
+
+def test_a_rank_reads_only_its_slices_of_a_checkpoint_and_the_full_shapes_are_checked(model_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ninefold.llm.loader import load_checkpoint
+
+    path = model_dirs["qwen2"]  # q/k/v biases too
+    full = load_checkpoint(str(path))
+    part = load_checkpoint(str(path), tensor_parallel=(1, 2))
+    assert part.tensor_parallel == (1, 2) and full.tensor_parallel is None
+    config = ModelConfig.from_dict(full.config)
+    want = shard_tensors(full.tensors, config, shard_plan(config, 1, 2), keep_lm_head=True)
+    assert part.tensors.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(part.tensors[name], tensor), name
+    assert part.tensors["model.layers.0.self_attn.q_proj.weight"].shape[0] * 2 == config.num_heads * config.head_dim
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in path.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    weights = load_file(str(broken / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = torch.cat([weights[name], weights[name][:, :8]], dim=1)  # a wider matrix still slices fine
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"tensor '{name}' in model.safetensors has shape .64, 136., expected .64, 128."):
+        load_checkpoint(str(broken), tensor_parallel=(0, 2))
+
+
+def test_three_ranks_of_the_real_gguf_model_agree_with_one_dequantized(smollm2):
+    """SmolLM2 (9 heads, 3 key/value heads) splits 3 ways; quantized GGUF matrices are dequantized to split."""
+    prompt = [1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(smollm2), device="cpu", quantization="none", num_kv_blocks=32) as one:
+        want = one.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+    with LLM(str(smollm2), device="cpu", num_kv_blocks=32, tensor_parallel_size=3) as three:
+        assert three.engine.model.config.num_heads == 3
+        got = three.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+    assert got == want
 
 
 def _worker_processes(engine: LLMEngine) -> list:

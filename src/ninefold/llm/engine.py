@@ -37,7 +37,9 @@ class LLMEngine:
     def __init__(self, model=None, **engine_args):
         self.config = cfg = split_engine_args(engine_args)
         self.model_name = str(model) if model is not None and not isinstance(model, dict) else "default"
-        ckpt = load_checkpoint(model, cfg.load_format, quantization=cfg.quantization)
+        # tensor parallelism: rank 0 reads only its slices (a model that cannot be split is refused here)
+        ckpt = load_checkpoint(model, cfg.load_format, quantization=cfg.quantization,
+                               tensor_parallel=(0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None)
         self.model_config = mc = ModelConfig.from_dict(ckpt.config)
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -99,7 +101,8 @@ class LLMEngine:
         rank_model, error = None, None
         try:
             rank_model = build_rank_model(mc, ckpt.tensors, group.parallel, dtype=self.dtype, device=self.device,
-                                          max_positions=max_len, seed=cfg.seed)
+                                          max_positions=max_len, seed=cfg.seed,
+                                          sliced=ckpt.tensor_parallel is not None)
         except Exception as e:
             error = e
         group.agree_loaded(error)

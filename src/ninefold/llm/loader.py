@@ -32,10 +32,12 @@ class Checkpoint:
     tokenizer_config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     source: str = ""
+    # (rank, size) when ``tensors`` hold one tensor-parallel rank's slices (``parallel.sharding``), read as such
+    tensor_parallel: tuple[int, int] | None = None
 
 
 def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
-                    quantization: str = "auto") -> Checkpoint:
+                    quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
     """Load ``model``: a HF directory, a ``.gguf`` file or a known name (None = the default model).
 
     With ``load_format="dummy"``, ``model`` may also be a shape name from ``NAMED_SHAPES``
@@ -43,6 +45,8 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
     ``quantization`` (``"auto"``, ``"int4"``, ``"none"``; see ``EngineConfig``): unless ``"none"``,
     a GGUF file's 4-bit and Q8_0 matrices stay quantized (``gguf_packed``) and the choice is
     recorded in the config as ``ninefold_quantization`` for the model to act on.
+    ``tensor_parallel`` (rank, size): a Hugging Face directory's weights are read as that rank's slices
+    only (``Checkpoint.tensor_parallel`` says so); other sources are read whole.
     """
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization: got {quantization!r}; supported: "
@@ -64,7 +68,7 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
             raise MissingModelFile(f"model: GGUF file {str(path)!r} not found")
         return _from_gguf(path, quantization)
     if path is not None and path.is_dir():
-        return load_hf_dir(path)
+        return load_hf_dir(path, tensor_parallel)
     if path is not None and path.is_file():
         raise ValueError(
             f"model: {str(path)!r} is a file but not a GGUF file; give a Hugging Face model directory (the "
@@ -80,16 +84,18 @@ def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
     resolved = Path(hub.resolve_model(None if model is None else str(model)))
     if resolved.suffix == ".gguf":
         return _from_gguf(resolved, quantization)
-    return load_hf_dir(resolved)
+    return load_hf_dir(resolved, tensor_parallel)
 
 
-def load_hf_dir(path: str | Path) -> Checkpoint:
+def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
     """Read config.json, safetensors weights (single or sharded), tokenizer and generation config.
 
     The config is checked first (``ModelConfig.from_dict``: architecture, rope scaling, ...), so an
     unsupported model fails before any weight is read; then every tensor is checked against what
     that config describes (``check_tensors``): a missing, unexpected or misshapen tensor is an
     error naming it and its file, not a model that silently ignores or misreads it.
+    With ``tensor_parallel`` (rank, size), the split tensors are read as that rank's slices only (the
+    checks see their full shapes).
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -102,8 +108,14 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     if not tokenizer_file.is_file():
         raise MissingModelFile(f"tokenizer.json not found in {path} (a model directory needs the tokenizers "
                                "library's tokenizer.json; tokenizer.model alone is not supported)")
-    tensors, origin = _read_weights(path)
-    check_tensors(model_config, config, tensors, origin, source=str(path))
+    index_for = None
+    if tensor_parallel is not None:
+        from ninefold.llm.parallel.sharding import shard_index, shard_plan
+
+        plan = shard_plan(model_config, *tensor_parallel)
+        index_for = lambda name: shard_index(name, model_config, plan)  # noqa: E731
+    tensors, origin, full_shapes = _read_weights(path, index_for)
+    check_tensors(model_config, config, tensors, origin, source=str(path), full_shapes=full_shapes)
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -111,6 +123,7 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
         tokenizer_config=read_tokenizer_config(path),
         generation_config=_read_json(path / "generation_config.json", required=False),
         source=str(path),
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -151,20 +164,28 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     return files, None
 
 
-def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor of the checkpoint's safetensors files, and the file each came from."""
+def _read_weights(path: Path, index_for=None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, tuple]]:
+    """Every tensor of the checkpoint's safetensors files, the file each came from, and the full shape of
+    each tensor read in part: ``index_for(name)``, where given and not None, is the part to read."""
     from safetensors import SafetensorError, safe_open
 
     files, weight_map = _weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
+    full_shapes: dict[str, tuple] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     if name in origin:
                         raise ValueError(f"{path}: tensor {name!r} is stored twice, in {origin[name]} and {file.name}")
-                    tensors[name] = handle.get_tensor(name)
+                    index = index_for(name) if index_for is not None else None
+                    if index is None:
+                        tensors[name] = handle.get_tensor(name)
+                    else:
+                        part = handle.get_slice(name)
+                        full_shapes[name] = tuple(part.get_shape())
+                        tensors[name] = part[index]
                     origin[name] = file.name
         except SafetensorError as error:
             raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {error}") from error
@@ -173,7 +194,7 @@ def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             if origin.get(name) != shard:
                 where = f"it is in {origin[name]}" if name in origin else "no shard holds it"
                 raise ValueError(f"{path / INDEX_FILE}: maps tensor {name!r} to {shard}, but {where}")
-    return tensors, origin
+    return tensors, origin, full_shapes
 
 
 # Tensors a checkpoint may hold that the model does not use: per-layer rotary buffers of old
@@ -206,7 +227,7 @@ def expected_tensor_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(mc: ModelConfig, config: dict, tensors: dict, origin: dict[str, str] | None = None,
-                  source: str = "checkpoint") -> None:
+                  source: str = "checkpoint", full_shapes: dict[str, tuple] | None = None) -> None:
     """Check ``tensors`` (HF names) against what ``mc`` describes; raise ValueError naming the first
     missing, unexpected, misshapen or non-float tensor. Edits ``tensors`` and ``config`` in place
     where transformers would read the checkpoint differently from the config:
@@ -217,7 +238,10 @@ def check_tensors(mc: ModelConfig, config: dict, tensors: dict, origin: dict[str
     - tied embeddings with ``lm_head.weight`` but no ``model.embed_tokens.weight``: the head is
       the embedding too;
     - per-layer ``rotary_emb.inv_freq`` buffers are dropped.
+
+    ``full_shapes``: the shapes of tensors read in part (tensor parallelism), checked instead of theirs.
     """
+    full_shapes = full_shapes or {}
     origin = origin or {}
 
     def where(name: str) -> str:
@@ -250,7 +274,7 @@ def check_tensors(mc: ModelConfig, config: dict, tensors: dict, origin: dict[str
         if name not in expected:
             raise ValueError(f"{source}: checkpoint: unexpected tensor {name!r}{where(name)}: {_describe(mc)} "
                              "has no such weight, so the checkpoint does not match its config.json")
-        shape = tuple(tensor.shape)
+        shape = full_shapes.get(name, tuple(tensor.shape))
         if shape != expected[name]:
             raise ValueError(f"{source}: checkpoint: tensor {name!r}{where(name)} has shape {shape}, expected "
                              f"{expected[name]} from config.json")

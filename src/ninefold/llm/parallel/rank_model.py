@@ -21,11 +21,14 @@ class TensorParallel:
 
 
 def build_rank_model(config: ModelConfig, tensors: dict | None, parallel: TensorParallel, *, dtype: torch.dtype,
-                     device: torch.device, max_positions: int, seed: int):
-    """The model of ``parallel.rank``: its slice of ``tensors`` (full HF-named weights; None: random weights of
-    the slice's shape, seeded per rank), with only rank 0 keeping the output layer."""
+                     device: torch.device, max_positions: int, seed: int, sliced: bool = False):
+    """The model of ``parallel.rank``: its slice of ``tensors`` (HF-named weights, full, or already this rank's
+    slices with ``sliced``; None: random weights of the slice's shape, seeded per rank), with only rank 0
+    keeping the output layer."""
     plan = shard_plan(config, parallel.rank, parallel.size)
-    if tensors is not None:
+    if tensors is not None and sliced:
+        tensors = {n: t for n, t in tensors.items() if n != "lm_head.weight" or parallel.rank == 0}
+    elif tensors is not None:
         tensors = shard_tensors(tensors, config, plan, keep_lm_head=parallel.rank == 0)
     return model_class(config.architecture)(plan.local_config(config), tensors, dtype=dtype, device=device,
                                             max_positions=max_positions, seed=seed + parallel.rank,

@@ -66,30 +66,36 @@ def shard_plan(config: ModelConfig, rank: int, size: int) -> ShardPlan:
     return ShardPlan(rank, size, (rank * hq, (rank + 1) * hq), kv, (rank * inter, (rank + 1) * inter))
 
 
+def shard_index(name: str, config: ModelConfig, plan: ShardPlan) -> tuple[slice, ...] | None:
+    """The part of HF tensor ``name`` that ``plan``'s rank holds, as an index into the full tensor (None: all of it)."""
+    dh = config.head_dim
+    q = slice(plan.q_heads[0] * dh, plan.q_heads[1] * dh)
+    kv = slice(plan.kv_heads[0] * dh, plan.kv_heads[1] * dh)
+    channels = slice(*plan.channels)
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return (q,)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                      "self_attn.v_proj.bias")):
+        return (kv,)
+    if name.endswith("self_attn.o_proj.weight"):
+        return (slice(None), q)
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return (channels,)
+    if name.endswith("mlp.down_proj.weight"):
+        return (slice(None), channels)
+    return None
+
+
 def shard_tensors(tensors: dict, config: ModelConfig, plan: ShardPlan, *, keep_lm_head: bool) -> dict:
     """HF-named tensors of ``plan``'s rank (new dict; quantized GGUF matrices dequantized to float32).
 
     ``keep_lm_head``: keep an untied ``lm_head.weight`` (the rank that computes logits).
     """
-    dh = config.head_dim
-    q0, q1 = (h * dh for h in plan.q_heads)
-    k0, k1 = (h * dh for h in plan.kv_heads)
-    c0, c1 = plan.channels
     out = {}
     for name, tensor in tensors.items():
         if name == "lm_head.weight" and not keep_lm_head:
             continue
         t = tensor.dequantize(torch.float32) if isinstance(tensor, QUANTIZED) else tensor
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            t = t[q0:q1]
-        elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
-                            "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
-            t = t[k0:k1]
-        elif name.endswith("self_attn.o_proj.weight"):
-            t = t[:, q0:q1]
-        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-            t = t[c0:c1]
-        elif name.endswith("mlp.down_proj.weight"):
-            t = t[:, c0:c1]
-        out[name] = t.contiguous()
+        index = shard_index(name, config, plan)
+        out[name] = t if index is None else t[index].contiguous()
     return out

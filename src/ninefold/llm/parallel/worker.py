@@ -24,10 +24,11 @@ def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, lo
     rank 0 sends the real cache's size."""
     from ninefold.llm.loader import load_checkpoint
 
-    ckpt = load_checkpoint(model, load_format, quantization=quantization)
+    ckpt = load_checkpoint(model, load_format, quantization=quantization,
+                           tensor_parallel=(parallel.rank, parallel.size))
     config = ModelConfig.from_dict(ckpt.config)
     rank_model = build_rank_model(config, ckpt.tensors, parallel, dtype=dtype, device=device,
-                                  max_positions=max_positions, seed=seed)
+                                  max_positions=max_positions, seed=seed, sliced=ckpt.tensor_parallel is not None)
     c = rank_model.config
     scratch = torch.zeros((1, block_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device)
     rank_model.kv_caches = [(scratch, scratch)] * c.num_layers
