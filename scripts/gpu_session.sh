@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl tp-cuda (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -26,6 +26,7 @@ step_command() {
     comm-bench) echo 'python3 -m ninefold.bench.comm --device cpu --nproc 4 --max-mib 16 && OUT=$OUT/mpi mpiexec -n 4 python3 -m ninefold.bench.comm --device cpu --max-mib 16' ;;
     comm-nccl) echo 'python3 -m pytest tests/comm/test_collectives.py tests/llm/test_kv_transfer.py tests/llm/test_disagg_cluster.py -q -n 2 -rs -k cuda -p no:cacheprovider; OUT=$OUT/nccl python3 -m ninefold.bench.comm --device cuda --max-mib 1024' ;;
     tp-cuda) echo 'python3 -m pytest tests/llm/test_tensor_parallel.py tests/server/test_tensor_parallel_server.py -q -rs -p no:cacheprovider' ;;
+    tp-bench) echo 'for eager in "" --enforce-eager; do OUT=$OUT/tp$eager python3 -m ninefold.bench.llm_tp --model llama-3.1-8b --dtype bfloat16 --device cuda --sizes 1,2 --batch 1,64 --prompt-len 1024 --new-tokens 128 $eager; done' ;;
     serve-bench) echo 'python3 -m ninefold.bench.serve_local --device cuda' ;;
     dsl-test) echo 'python3 -m pytest tests/dsl -q -n 8 -p no:cacheprovider' ;;
     dsl-bench) echo "python3 -m ninefold.bench.dsl ${DSL_BENCH_ARGS:-}" ;;

@@ -136,6 +136,8 @@ def test_two_ranks_generate_transformers_greedy_tokens(model_dirs, variant):
         prompts = prompts_for(llm.engine.model_config.vocab_size)
         assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
     assert [p.returncode for p in procs] == [0]  # stopped cleanly by close()
+    with pytest.raises(RuntimeError, match="closed"):
+        generate_ids(llm, prompts)
 
 
 def test_four_ranks_with_replicated_key_value_heads_chunking_prefix_cache_and_preemption(model_dirs):
@@ -197,6 +199,19 @@ def test_a_worker_that_cannot_load_makes_rank_0_raise_naming_it(model_dirs, tmp_
     """
     monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
     with pytest.raises(RuntimeError, match="rank 1: OSError: disk on fire"):
+        LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_worker_that_cannot_allocate_its_kv_cache_makes_rank_0_raise_naming_it(model_dirs, tmp_path, monkeypatch):
+    body = """
+    import ninefold.runtime as runtime
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("out of memory (pretend)")
+    runtime.KVCachePool = Refused
+    """
+    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
+    with pytest.raises(RuntimeError, match=r"failed to allocate their KV cache: rank 1: RuntimeError: out of memory"):
         LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
 

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="one rank without CUDA graphs too (tensor-parallel steps always run eagerly)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for llm_tp.json")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as f:
         json.dump({"model": args.model, "device": args.device, "dtype": args.dtype, "host": platform.node(),
                    "cpu_threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
-                   "new_tokens": args.new_tokens, "rows": rows}, f, indent=1)
+                   "new_tokens": args.new_tokens, "enforce_eager": args.enforce_eager, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     return 0
 
@@ -56,7 +58,8 @@ def measure(args, size: int, batches: list[int]) -> dict:
     threads = torch.get_num_threads()
     load_format = "auto" if os.path.isdir(args.model) else "dummy"
     llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=load_format, tensor_parallel_size=size,
-              max_model_len=args.prompt_len + args.new_tokens + 16, enable_prefix_caching=False)
+              max_model_len=args.prompt_len + args.new_tokens + 16, enable_prefix_caching=False,
+              enforce_eager=args.enforce_eager)
     try:
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)

@@ -117,15 +117,15 @@ class WorkerGroup:
         """Tell the workers what to load (``worker.load_rank_model``'s keywords)."""
         self.comm.broadcast_object(settings)
 
-    def agree_loaded(self, error: BaseException | None) -> None:
-        """Every rank says whether it loaded; raise (on rank 0) naming the ranks that did not."""
+    def agree_loaded(self, error: BaseException | None, what: str = "load") -> None:
+        """Every rank says whether it managed ``what``; raise (on rank 0) naming the ranks that did not."""
         mine = None if error is None else f"{type(error).__name__}: {error}"
         problems = [(rank, text) for rank, text in enumerate(self.comm.all_gather_object(mine)) if text is not None]
         if problems:
             self.shutdown()
             if error is not None:
                 raise error
-            raise RuntimeError("tensor-parallel workers failed to load: "
+            raise RuntimeError(f"tensor-parallel workers failed to {what}: "
                                + "; ".join(f"rank {rank}: {text}" for rank, text in problems))
 
     def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
@@ -221,6 +221,7 @@ class ParallelModel:
         """Bind ``pool`` here, and a pool of as many blocks (of each rank's heads) on every worker."""
         self.group.send(protocol.encode_command(Op.BIND_KV_CACHE, pool.num_blocks))
         self.model.bind_kv_cache(pool)
+        self.group.agree_loaded(None, "allocate their KV cache")
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)

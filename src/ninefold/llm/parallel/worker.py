@@ -49,8 +49,14 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> 
             if op is Op.STOP:
                 return
             if op is Op.BIND_KV_CACHE:
-                rank_model.bind_kv_cache(KVCachePool(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
-                                                     rank_model.dtype, device, value))
+                error = None
+                try:
+                    rank_model.bind_kv_cache(KVCachePool(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
+                                                         rank_model.dtype, device, value))
+                except (RuntimeError, ValueError) as e:  # out of memory: rank 0 raises, naming this rank
+                    error = f"{type(e).__name__}: {e}"
+                if any(text is not None for text in comm.all_gather_object(error)):
+                    return
             else:
                 rank_model.forward(*value)
 
