@@ -34,7 +34,8 @@ def _check(out: subprocess.CompletedProcess, world: int, expect_cpu_route: str, 
         assert done, f"rank {rank} did not finish:\n{text[-3000:]}"
         roots = 1 if world == 1 else 2  # broadcast and reduce from rank 0 and from the last rank
         per_float, per_int = 5 + 1 + 9 + 2 * roots, 4 + 1 + 9 + 2 * roots  # reductions, view, 3 dims x 3 ops, roots
-        assert len(lines) == int(done.group(1)) == 4 * per_float + per_int + 5, (rank, len(lines))
+        cases = 4 * per_float + per_int + 5 + 6  # ring, objects, split, check_peers, argument_errors; 6 review cases
+        assert len(lines) == int(done.group(1)) == cases, (rank, len(lines))
         assert all(kind == "PASS" for kind, _ in lines), [c for k, c in lines if k != "PASS"]
         route = re.search(rf"\[{rank}\] ROUTES .*cpu: (\w+)", text)
         assert route and route.group(1) == expect_cpu_route, route and route.group(0)
@@ -72,6 +73,19 @@ def test_a_lost_or_late_peer_is_an_error_not_a_hang(mode, words):
     kind, seconds, message = found.groups()
     assert kind == "CommError" and "all_reduce over gloo failed" in message and words in message
     assert float(seconds) < 30
+
+
+def test_init_after_close_meets_the_job_again():
+    """close() then init() in the same processes, three times, rank 0 closing a second after the others (the
+    third time with the job given explicitly): each meeting takes about that second, not a rendezvous
+    timeout (the program's is 20 s), and close() leaves no transport thread behind."""
+    out = subprocess.run([sys.executable, "-m", "ninefold.comm.launch", "--nproc", "2", str(PROGRAMS / "reinit.py")],
+                         capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    for rank in range(2):
+        took = [float(s) for s in re.findall(rf"\[{rank}\] MEETING \d (\S+)", text)]
+        assert len(took) == 3 and max(took) < 10, (rank, took)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

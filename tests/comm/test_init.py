@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ninefold.comm as nc
+from ninefold.comm.launch import free_port
 
 
 @pytest.fixture
@@ -41,6 +49,35 @@ def test_a_job_of_one_runs_every_operation_and_closes(clean_env):
     comm.close()  # twice is fine
     with pytest.raises(nc.CommError, match="closed"):
         comm.all_reduce(torch.ones(1))
+
+
+def _transport_thread_count(expect: int | None = None) -> int:
+    """How many Gloo and TCPStore threads this process has (Linux names them), waiting up to 2 s for
+    ``expect`` (a joined thread can stay listed until the kernel reaps it)."""
+    deadline = time.monotonic() + 2
+    while True:
+        count = 0
+        for comm_file in Path("/proc/self/task").glob("*/comm"):
+            with contextlib.suppress(OSError):
+                count += comm_file.read_text().startswith(("pt_gloo", "gloo", "pt_tcpstore"))
+        if expect is None or count == expect or time.monotonic() > deadline:
+            return count
+        time.sleep(0.01)
+
+
+def test_close_ends_the_transport_threads_while_the_communicator_is_referenced(clean_env):
+    """close() destroys the process groups, its children's too: a group that lives on (the communicator still
+    referenced, say from a reference cycle) keeps Gloo's worker threads into interpreter shutdown, where one
+    that releases a finished operation's tensor aborts the process."""
+    before = _transport_thread_count()
+    comm = nc.init(device="cpu")
+    child = comm.split(0)
+    if _transport_thread_count() == before:
+        pytest.skip("torch's threads are not named here (not Linux?)")
+    comm.close()
+    assert _transport_thread_count(expect=before) == before
+    with pytest.raises(nc.CommError, match="closed"):
+        child.all_reduce(torch.ones(1))
 
 
 def test_a_communicator_is_a_context_manager(clean_env):
@@ -95,24 +132,36 @@ def test_explicit_job_arguments_are_checked(clean_env, kwargs, words):
         nc.init(device="cpu", **kwargs)
 
 
-def test_an_explicit_job_meets_without_launcher_variables(clean_env):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+EXPLICIT_JOB = Path(__file__).parent / "programs" / "explicit_job.py"
 
-    from ninefold.comm.launch import free_port
 
-    program = Path(__file__).parent / "programs" / "explicit_job.py"
-    port = free_port()
+def _explicit_rank(rank: int, world: int, port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    ranks = [subprocess.Popen([sys.executable, str(program), str(r), "2", str(port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    return subprocess.Popen([sys.executable, str(EXPLICIT_JOB), str(rank), str(world), str(port)], env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_an_explicit_job_meets_without_launcher_variables(clean_env):
+    port = free_port()
+    ranks = [_explicit_rank(r, 2, port) for r in range(2)]
     outputs = [p.communicate(timeout=120) for p in ranks]
     for p, (_, err) in zip(ranks, outputs):
         assert p.returncode == 0, err[-2000:]
     assert sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("RESULT")) == [
         "RESULT 0 3", "RESULT 1 3"]
+
+
+def test_a_process_meets_a_second_job_of_new_processes(clean_env):
+    """This process, rank 0, meets a job, closes, and meets a new job whose other rank is a fresh process, at
+    the same address (as an LLM driver starting a second engine's workers does): the new rank must not take
+    the first job's store, nor wait for a meeting it never had."""
+    port = free_port()
+    for _ in range(2):
+        peer = _explicit_rank(1, 2, port)
+        with nc.init(device="cpu", rank=0, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=30) as comm:
+            assert comm.all_reduce(torch.tensor([1.0])).item() == 3.0
+        out, err = peer.communicate(timeout=120)
+        assert peer.returncode == 0 and "RESULT 1 3" in out, err[-2000:]
 
 
 def test_op_names(clean_env):

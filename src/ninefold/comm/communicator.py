@@ -10,6 +10,7 @@ ranks instead of a hang or garbage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,27 @@ def parse_op(op: str | ReduceOp) -> ReduceOp:
     raise ValueError(f"op: expected one of 'sum', 'product', 'min', 'max', 'avg' or a ReduceOp, got {op!r}")
 
 
+_REFUSED = "<refused>"  # the signature a rank sends to check_peers when its own argument checks failed
+
+
+def _collective(method):
+    """With ``check_peers``, an argument error on one rank reaches every rank: the others raise a CommError
+    naming it instead of waiting in the signature exchange for a rank that never comes (and then pairing
+    with its next call)."""
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if not self.check_peers:
+            return method(self, *args, **kwargs)
+        self._agreed = False
+        try:
+            return method(self, *args, **kwargs)
+        except (TypeError, ValueError) as e:
+            if not self._agreed and not self._closed:
+                self._compare(method.__name__, (_REFUSED, f"{type(e).__name__}: {e}"))
+            raise
+    return checked
+
+
 class _Staged:
     """A Work whose result must be copied back to the caller's tensor when it completes."""
 
@@ -45,7 +67,10 @@ class _Staged:
             self._done = True
 
     def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
+        """Whether the operation has finished; True also means the caller's tensor holds the result."""
+        if not self._done and self._work.is_completed():
+            self.wait()
+        return self._done
 
 
 class Communicator:
@@ -64,6 +89,8 @@ class Communicator:
         self.check_peers = check_peers
         self._owns = owns
         self._closed = False
+        self._agreed = False  # whether the collective in progress has compared its arguments (check_peers)
+        self._children: list[Communicator] = []  # made by split, closed with this one
         self._verdicts: dict[tuple, str | None] = {}
 
     # ---- routing and checks -------------------------------------------------------------------
@@ -115,8 +142,17 @@ class Communicator:
         """With ``check_peers``: every rank must be calling the same collective on the same kind of tensor."""
         if not self.check_peers:
             return
-        mine = (what, tuple(tensor.shape), str(tensor.dtype), tensor.device.type, *extra)
+        self._agreed = True
+        self._compare(what, (what, tuple(tensor.shape), str(tensor.dtype), tensor.device.type, *extra))
+
+    def _compare(self, what: str, mine: tuple) -> None:
+        """Exchange signatures (or refusals, see :func:`_collective`); a CommError unless every rank sent the same."""
         theirs = self.all_gather_object(mine)
+        refused = [(r, sig[1]) for r, sig in enumerate(theirs) if sig[0] == _REFUSED]
+        if refused:
+            if mine[0] == _REFUSED:
+                return  # the caller raises its own error
+            raise CommError(f"{what}: " + "; ".join(f"rank {r} refused its arguments ({why})" for r, why in refused))
         odd = [r for r, sig in enumerate(theirs) if sig != theirs[0]]
         if odd:
             lines = "; ".join(f"rank {r}: {_sig(sig)}" for r, sig in enumerate(theirs))
@@ -124,6 +160,7 @@ class Communicator:
 
     # ---- collectives --------------------------------------------------------------------------
 
+    @_collective
     def all_reduce(self, tensor: torch.Tensor, op: str | ReduceOp = "sum", *, async_op: bool = False):
         """Reduce ``tensor`` over the ranks, in place; returns ``tensor`` (or a Work with ``async_op``)."""
         op = parse_op(op)
@@ -131,6 +168,7 @@ class Communicator:
         self._agree("all_reduce", tensor, op.value)
         return self._in_place(tensor, route, lambda b, t, a: b.all_reduce(t, op, a), async_op)
 
+    @_collective
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False):
         """Every rank's ``tensor`` becomes rank ``src``'s, in place; returns ``tensor`` (or a Work)."""
         src = self._peer(src, "src")
@@ -138,6 +176,7 @@ class Communicator:
         self._agree("broadcast", tensor, src)
         return self._in_place(tensor, route, lambda b, t, a: b.broadcast(t, src, a), async_op)
 
+    @_collective
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str | ReduceOp = "sum", *, async_op: bool = False):
         """Rank ``dst``'s ``tensor`` becomes the reduction over the ranks; the others' keep their values."""
         op, dst = parse_op(op), self._peer(dst, "dst")
@@ -149,16 +188,17 @@ class Communicator:
             return out
         return out if async_op else tensor
 
+    @_collective
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None,
                    async_op: bool = False):
         """Every rank's ``tensor`` concatenated along ``dim`` in rank order: a new tensor, or ``out`` (reused
         buffers spare the allocation); with ``async_op`` a Work whose ``result`` is it."""
         route = self._route(tensor, "tensor", None)
         dim = self._dim(tensor, dim)
-        self._agree("all_gather", tensor, dim)
         src = tensor.reshape(1) if tensor.dim() == 0 else tensor
         shape = (*src.shape[:dim], src.shape[dim] * self.world_size, *src.shape[dim + 1:])
         out = self._check_out(out, shape, tensor)
+        self._agree("all_gather", tensor, dim)
         flat = self._stage_in(src.contiguous(), route)
         direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
         blocks = out.view(self.world_size, *src.shape) if direct else torch.empty(
@@ -172,6 +212,7 @@ class Communicator:
             return gathered if out is None else out.copy_(gathered)
         return self._finish(work, result, async_op)
 
+    @_collective
     def reduce_scatter(self, tensor: torch.Tensor, op: str | ReduceOp = "sum", dim: int = 0, *,
                        out: torch.Tensor | None = None, async_op: bool = False):
         """Reduce ``tensor`` over the ranks and keep this rank's chunk along ``dim`` (chunk ``rank`` of
@@ -182,10 +223,10 @@ class Communicator:
         if tensor.dim() == 0 or tensor.shape[dim] % self.world_size:
             raise ValueError(f"tensor: reduce_scatter needs dimension {dim} divisible by the world size "
                              f"{self.world_size}, got shape {tuple(tensor.shape)}")
-        self._agree("reduce_scatter", tensor, dim, op.value)
         shape = list(tensor.shape)
         shape[dim] //= self.world_size
         out = self._check_out(out, tuple(shape), tensor)
+        self._agree("reduce_scatter", tensor, dim, op.value)
         front = self._stage_in(tensor.movedim(dim, 0).contiguous(), route)
         direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
         part = out if direct else torch.empty((front.shape[0] // self.world_size, *front.shape[1:]),
@@ -193,6 +234,7 @@ class Communicator:
         work = self.backends[route.backend].reduce_scatter(part, front, op, async_op and not route.staged)
         return self._finish(work, lambda: self._deliver(part, out, dim, tensor.device, route, direct), async_op)
 
+    @_collective
     def all_to_all(self, tensor: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None,
                    async_op: bool = False):
         """Chunk j along ``dim`` goes to rank j; returns the chunks received, concatenated along ``dim`` in
@@ -202,8 +244,8 @@ class Communicator:
         if tensor.dim() == 0 or tensor.shape[dim] % self.world_size:
             raise ValueError(f"tensor: all_to_all needs dimension {dim} divisible by the world size "
                              f"{self.world_size}, got shape {tuple(tensor.shape)}")
-        self._agree("all_to_all", tensor, dim)
         out = self._check_out(out, tuple(tensor.shape), tensor)
+        self._agree("all_to_all", tensor, dim)
         front = self._stage_in(tensor.movedim(dim, 0).contiguous(), route)
         direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
         received = out if direct else torch.empty_like(front)
@@ -257,9 +299,13 @@ class Communicator:
         """Rank ``src``'s ``obj`` (pickled) on every rank."""
         src = self._peer(src, "src")
         backend = self._open_cpu_backend()
-        data = _pickle(obj) if self.rank == src else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-        backend.broadcast(size, src, False)
+        data, why = _pickle(obj) if self.rank == src else (torch.empty(0, dtype=torch.uint8), None)
+        size = torch.tensor([-1 if why else data.numel()], dtype=torch.int64)
+        backend.broadcast(size, src, False)  # -1: rank src's object cannot be pickled, every rank raises
+        if why is not None:
+            raise _unpicklable(obj, why)
+        if size.item() < 0:
+            raise CommError(f"broadcast_object: rank {src}'s obj could not be pickled (see the error on that rank)")
         if self.rank != src:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         backend.broadcast(data, src, False)
@@ -269,8 +315,10 @@ class Communicator:
         """Send ``obj`` (pickled) to rank ``dst``, which calls :meth:`recv_object`."""
         dst, tag = self._peer(dst, "dst", other_than_self=True), _tag(tag)
         backend = self._open_cpu_backend()
-        data = _pickle(obj)
-        backend.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag, False)
+        data, why = _pickle(obj)
+        backend.send(torch.tensor([-1 if why else data.numel()], dtype=torch.int64), dst, tag, False)
+        if why is not None:  # the receiver got -1 and raises too
+            raise _unpicklable(obj, why)
         backend.send(data, dst, tag, False)
 
     def recv_object(self, src: int, *, tag: int = 0) -> Any:
@@ -279,6 +327,8 @@ class Communicator:
         backend = self._open_cpu_backend()
         size = torch.empty(1, dtype=torch.int64)
         backend.recv(size, src, tag, False)
+        if size.item() < 0:
+            raise CommError(f"recv_object: rank {src}'s obj could not be pickled (see the error on that rank)")
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         backend.recv(data, src, tag, False)
         return pickle.loads(data.numpy().tobytes())
@@ -291,9 +341,15 @@ class Communicator:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled), in rank order."""
         backend = self._open_cpu_backend()
-        data = _pickle(obj)
+        data, why = _pickle(obj)
         sizes = torch.empty(self.world_size, dtype=torch.int64)
-        backend.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), False)
+        backend.all_gather(sizes, torch.tensor([-1 if why else data.numel()], dtype=torch.int64), False)
+        if why is not None:
+            raise _unpicklable(obj, why)
+        if (sizes < 0).any():
+            bad = [r for r in range(self.world_size) if sizes[r] < 0]
+            raise CommError(f"all_gather_object: the obj of rank(s) {bad} could not be pickled "
+                            "(see the error on those ranks)")
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
@@ -307,16 +363,20 @@ class Communicator:
         """A communicator per ``color`` (as ``MPI_Comm_split`` without a key): the ranks that pass the same
         color, numbered in rank order; None on a rank passing ``color=None``. Collective over this
         communicator."""
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
-            raise TypeError(f"color: expected an int or None, got {type(color).__name__}")
-        colors = self.all_gather_object(color)
+        valid = color is None or (isinstance(color, int) and not isinstance(color, bool))
+        colors = self.all_gather_object(color if valid else type(color).__name__)  # a str: that rank's bad color
+        bad = [f"{c} on rank {r}" for r, c in enumerate(colors) if isinstance(c, str)]
+        if bad:
+            raise TypeError(f"color: expected an int or None on every rank, got {', '.join(bad)}")
         members = [] if color is None else [r for r, c in enumerate(colors) if c == color]
         parts = {name: b.split(members) for name, b in self.backends.items()}
         if color is None:
             return None
         topology = Topology(tuple(dataclasses.replace(self.topology.ranks[r], rank=i) for i, r in enumerate(members)))
-        return Communicator({n: b for n, b in parts.items() if b is not None}, topology, self.device, self.routes,
-                            check_peers=self.check_peers)
+        child = Communicator({n: b for n, b in parts.items() if b is not None}, topology, self.device, self.routes,
+                             check_peers=self.check_peers)
+        self._children = [c for c in self._children if not c._closed] + [child]
+        return child
 
     def describe(self) -> str:
         """The ranks and the transport each kind of tensor takes, as plain text."""
@@ -325,10 +385,16 @@ class Communicator:
         return f"{self.topology.table()}\n{routes}"
 
     def close(self) -> None:
-        """Release the transports; the communicator is unusable afterwards. Safe to call twice."""
+        """Release the transports, and those of the communicators split from this one (closed first); every
+        communicator concerned is unusable afterwards. Safe to call twice.
+
+        When this communicator started torch.distributed (:func:`ninefold.comm.init`), its process groups
+        and their threads are gone when ``close`` returns, and ``init`` can meet the job again."""
         if self._closed:
             return
         self._closed = True
+        for child in reversed(self._children):
+            child.close()
         for backend in self.backends.values():
             backend.close()
         for release in self._owns:
@@ -395,7 +461,10 @@ class _Result:
         return self.wait()
 
     def is_completed(self) -> bool:
-        return self._value is not None or self._work.is_completed()
+        """Whether the operation has finished; True also means ``result`` is ready."""
+        if self._value is None and self._work.is_completed():
+            self.wait()
+        return self._value is not None
 
 
 def _tag(tag: Any) -> int:
@@ -404,8 +473,18 @@ def _tag(tag: Any) -> int:
     return tag
 
 
-def _pickle(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+def _pickle(obj: Any) -> tuple[torch.Tensor, str | None]:
+    """``obj`` pickled into bytes and None, or no bytes and why it cannot be pickled (the caller tells its
+    peers before it raises). Returns no exception object: one kept in a frame would tie that frame, and the
+    communicator in it, into a reference cycle (see :meth:`Communicator.close`)."""
+    try:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8), None
+    except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
+        return torch.empty(0, dtype=torch.uint8), f"{type(e).__name__}: {e}"
+
+
+def _unpicklable(obj: Any, why: str) -> TypeError:
+    return TypeError(f"obj: expected a picklable object, got {type(obj).__name__} ({why})")
 
 
 def _sig(sig: tuple) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,11 @@ from ninefold.comm.communicator import Communicator
 from ninefold.comm.topology import BACKEND_NAMES, Route, Topology, describe_rank
 
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
+
+# The name rank 0 gave this process's last meeting with its job (init() after close() meets again; each
+# meeting keeps its keys under its own name in the store, see _meet).
+_last_meeting: str | None = None
+_MEETING_KEY = "ninefold.comm/meeting"
 
 
 def init(backend: str = "auto", *, device: str | torch.device | None = None, timeout_s: float = 600.0,
@@ -161,10 +168,48 @@ def _start_torch_distributed(mpi, timeout_s: float, explicit: tuple[int, int, st
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return (dist.destroy_process_group,)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+        store = _meet(init, rank, world, timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except (RuntimeError, ValueError) as e:
         raise CommError(f"rendezvous at {init} as rank {rank} of {world} failed: {e}") from e
     return (dist.destroy_process_group,)
+
+
+def _meet(init: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store of this process's next meeting with its job at ``init`` (torch's rendezvous), under a
+    prefix of the meeting's own.
+
+    After ``close()``, a rank may reach the store of the last meeting before rank 0 (closing later) has
+    stopped serving it; it waits there for rank 0's next meeting, and when that store stops serving,
+    asks again at ``init``, until ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            store = _meeting_store(init, rank, world, deadline)
+            store.set_timeout(timeout)  # it was made with the time left
+            return store
+        except dist.DistNetworkError:  # the last meeting's store stopped serving while this rank waited
+            if rank == 0 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def _meeting_store(init: str, rank: int, world: int, deadline: float) -> dist.Store:
+    """The store at ``init``, under the prefix of the meeting rank 0 names there (a fresh name each time)."""
+    global _last_meeting
+    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+    store = next(iter(dist.rendezvous(init, rank, world, timeout=left)))[0]
+    if rank == 0:
+        store.set(_MEETING_KEY, uuid.uuid4().hex)
+    meeting = store.get(_MEETING_KEY).decode()
+    while meeting == _last_meeting:  # the store of this process's last meeting: rank 0 is still closing it
+        if time.monotonic() > deadline:
+            raise CommError(f"rank 0 did not start a new meeting at {init} within the timeout (it still "
+                            "served the last one); init() after close() must run on every rank")
+        time.sleep(0.05)
+        meeting = store.get(_MEETING_KEY).decode()  # raises DistNetworkError once that store stops
+    _last_meeting = meeting
+    return dist.PrefixStore(f"ninefold.comm/{meeting}", store)
 
 
 def _gloo_backend(ranks: list[int], timeout_s: float) -> TorchDistBackend:

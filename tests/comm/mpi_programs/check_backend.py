@@ -417,16 +417,35 @@ def refusals(run: Runner) -> None:
     run.case("unsupported/cuda", cuda)
 
     def bool_reductions():
+        # bool reduces with max (or) and min (and), as over Gloo: a program must not depend on its launcher.
         assert b.unsupported("cpu", torch.bool) is None, "bool must travel"
         for op in ReduceOp:
             reason = b.unsupported("cpu", torch.bool, op)
-            assert reason and "bool" in reason and op.value in reason, f"{op}: {reason}"
+            if op in (ReduceOp.MAX, ReduceOp.MIN):
+                assert reason is None, f"{op}: {reason}"
+            else:
+                assert reason and "bool" in reason and op.value in reason, f"{op}: {reason}"
+        inputs = [make("bool_reductions", r, (9,), torch.bool) for r in range(b.world_size)]
+        for op, want in ((ReduceOp.MAX, torch.stack(inputs).any(0)), (ReduceOp.MIN, torch.stack(inputs).all(0))):
+            for mode in MODES:
+                got = inputs[b.rank].clone()
+                finish(b.all_reduce(got, op, mode == "async"), mode)
+                expect_equal(got, want)
+                got = inputs[b.rank].clone()
+                finish(b.reduce(got, 0, op, mode == "async"), mode)
+                if b.rank == 0:
+                    expect_equal(got, want)
+            out = torch.empty(3, dtype=torch.bool)
+            full = [make("bool_scatter", r, (3 * b.world_size,), torch.bool) for r in range(b.world_size)]
+            b.reduce_scatter(out, full[b.rank].clone(), op, False)
+            whole = torch.stack(full).any(0) if op == ReduceOp.MAX else torch.stack(full).all(0)
+            expect_equal(out, whole[3 * b.rank: 3 * b.rank + 3])
         try:
-            b.all_reduce(torch.ones(3, dtype=torch.bool), ReduceOp.MAX, False)
+            b.all_reduce(torch.ones(3, dtype=torch.bool), ReduceOp.SUM, False)
         except ValueError as exc:
             assert "bool" in str(exc), exc
         else:
-            raise AssertionError("all_reduce of bool did not raise ValueError")
+            raise AssertionError("sum of bool did not raise ValueError")
 
     run.case("unsupported/bool_reductions", bool_reductions)
 

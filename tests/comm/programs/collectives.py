@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 import zlib
 
@@ -58,6 +59,25 @@ def reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
     if op == "max":
         return stack.max(0).values
     return stack.mean(0)
+
+
+def transport_threads(grace_s: float = 2.0) -> list[str]:
+    """The names of this process's Gloo and TCPStore threads (Linux; torch names them; [] elsewhere) once
+    none is left or ``grace_s`` has passed: a joined thread can stay listed until the kernel reaps it."""
+    tasks, deadline = "/proc/self/task", time.monotonic() + grace_s
+    while os.path.isdir(tasks):
+        names = []
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:  # the thread ended meanwhile
+                continue
+        left = sorted(n for n in names if n.startswith(("pt_gloo", "gloo", "pt_tcpstore")))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
+    return []
 
 
 def run(case: str, fn) -> None:
@@ -241,12 +261,124 @@ def main() -> int:
             raise AssertionError(f"expected {kind.__name__}, nothing raised")
     run("argument_errors", argument_errors)
 
+    def async_polled():
+        # is_completed() True means the result is in the caller's tensor: AVG divided, a view written back
+        xs = [data("async_polled", k, (3, 4), torch.float32) for k in range(w)]
+        base = xs[r].clone().to(dev)
+        for t, op in ((base.t(), "sum"), (base, "avg")):
+            work = comm.all_reduce(t, op, async_op=True)
+            deadline = time.monotonic() + 60
+            while not work.is_completed():
+                assert time.monotonic() < deadline, "is_completed() never became True"
+                time.sleep(0.001)
+            expect("async_polled", base, reference(op, xs), torch.float32)
+            work.wait()  # changes nothing
+            expect("async_polled", base, reference(op, xs), torch.float32)
+            base.copy_(xs[r])
+        gathered = comm.all_gather(xs[r].to(dev), async_op=True)
+        while not gathered.is_completed():
+            time.sleep(0.001)
+        expect("async_polled", gathered.result, torch.cat(xs), torch.float32)
+    run("async_polled", async_polled)
+
+    def bool_reductions():
+        # max is or, min is and, over whichever transport the launcher led to (MPI refused them before)
+        xs = [data("bool_reductions", k, (11,), torch.bool) for k in range(w)]
+        for op, want in (("max", torch.stack(xs).any(0)), ("min", torch.stack(xs).all(0))):
+            t = xs[r].clone().to(dev)
+            expect("bool_reductions", comm.all_reduce(t, op), want, torch.bool)
+            t = xs[r].clone().to(dev)
+            expect("bool_reductions", comm.reduce(t, dst=w - 1, op=op), want if r == w - 1 else xs[r], torch.bool)
+    run("bool_reductions", bool_reductions)
+
+    def check_peers_refused():
+        # with check_peers an argument error on one rank is an error on every rank, and the ranks stay in step
+        if w == 1:
+            return
+        comm.check_peers = True
+        try:
+            bad = torch.ones(3, dtype=torch.bool if r == 0 else torch.float32, device=dev)
+            try:
+                comm.all_reduce(bad, "sum")
+            except TypeError as e:
+                assert r == 0 and "bool" in str(e), (r, e)
+            except nc.CommError as e:
+                assert r != 0 and "all_reduce: rank 0 refused its arguments (TypeError: tensor:" in str(e), e
+            else:
+                raise AssertionError("nothing raised")
+            try:
+                comm.all_gather(torch.ones(2, device=dev), out=torch.empty(2 * w + (r == w - 1), device=dev))
+            except ValueError as e:
+                assert r == w - 1 and "out: expected shape" in str(e), (r, e)
+            except nc.CommError as e:
+                assert r != w - 1 and f"rank {w - 1} refused its arguments (ValueError: out:" in str(e), e
+            else:
+                raise AssertionError("nothing raised")
+            t = torch.ones(2, device=dev)
+            assert comm.all_reduce(t).tolist() == [float(w)] * 2  # every rank pairs with the right call
+        finally:
+            comm.check_peers = False
+    run("check_peers_refused", check_peers_refused)
+
+    def unpicklable_objects():
+        # an object that cannot be pickled is an error on every rank, not a wait for bytes that never come
+        def refuses(call, failing: bool, words: str):
+            try:
+                call()
+            except TypeError as e:
+                assert failing and "obj: expected a picklable object, got function" in str(e), e
+            except nc.CommError as e:
+                assert not failing and words in str(e), e
+            else:
+                raise AssertionError("nothing raised")
+        refuses(lambda: comm.broadcast_object((lambda: 0) if r == 0 else None, src=0), r == 0, "rank 0's obj")
+        refuses(lambda: comm.all_gather_object((lambda: 0) if r == w - 1 else r), r == w - 1,
+                f"the obj of rank(s) [{w - 1}]")
+        if w > 1 and r == 0:
+            refuses(lambda: comm.send_object(lambda: 0, 1, tag=9), True, "")
+        elif w > 1 and r == 1:
+            refuses(lambda: comm.recv_object(0, tag=9), False, "recv_object: rank 0's obj could not be pickled")
+        assert comm.all_gather_object(r) == list(range(w))  # still in step
+    run("unpicklable_objects", unpicklable_objects)
+
+    def split_colors():
+        # a bad color on one rank is a TypeError on every rank; an open child closes with its parent
+        try:
+            comm.split("left" if r == w - 1 else 0)
+        except TypeError as e:
+            assert f"color: expected an int or None on every rank, got str on rank {w - 1}" in str(e), e
+        else:
+            raise AssertionError("nothing raised")
+        parent = comm.split(0)
+        child = parent.split(r % 2)
+        t = torch.ones(1, device=dev)
+        assert child.all_reduce(t).item() == float(len(range(r % 2, w, 2)))
+        parent.close()
+        try:
+            child.all_reduce(t)
+        except nc.CommError:
+            pass
+        else:
+            raise AssertionError("a child of a closed communicator still ran a collective")
+    run("split_colors", split_colors)
+
+    def shared_init():
+        # init() while a communicator is open shares its job; closing the second leaves the first working
+        second = nc.init(os.environ.get("COMM_BACKEND", "auto"), timeout_s=60)
+        assert second.all_reduce(torch.ones(2, device=dev)).tolist() == [float(w)] * 2
+        second.close()
+        assert comm.all_reduce(torch.ones(1, device=dev)).item() == float(w)
+    run("shared_init", shared_init)
+
     comm.barrier()
     print("\n".join(f"[{r}] {line}" for line in results), flush=True)
     print(f"[{r}] ROUTES {comm!r}", flush=True)
     print(f"[{r}] DONE {len(results)}", flush=True)
     comm.close()
-    return 1 if any(line.startswith("FAIL") for line in results) else 0
+    left = transport_threads()  # a transport thread alive at exit can abort the process (see TorchDistBackend.close)
+    if left:
+        print(f"[{r}] THREADS after close: {left}", flush=True)
+    return 1 if left or any(line.startswith("FAIL") for line in results) else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ is only moved (gather, broadcast, all-to-all, send/recv) travels as raw bytes, s
 bit for bit, bfloat16 included. Reductions use the MPI type of the dtype; float16 and bfloat16 have
 none, so they are reduced in a float32 copy and rounded back once: their results carry float32's
 rounding, not that of a float16 accumulator. AVG is a SUM divided by the world size afterwards.
+bool tensors reduce with MAX (or) and MIN (and) as bytes of 0 and 1, as over Gloo and NCCL, so that a
+program does not depend on which launcher started it.
 
 mpi4py is imported on first use, so this module imports without it.
 """
@@ -35,7 +37,7 @@ _MOVABLE = (
 _REDUCE_TYPE_NAMES = {
     torch.float64: "DOUBLE", torch.float32: "FLOAT",
     torch.int8: "INT8_T", torch.uint8: "UINT8_T", torch.int16: "INT16_T",
-    torch.int32: "INT32_T", torch.int64: "INT64_T",
+    torch.int32: "INT32_T", torch.int64: "INT64_T", torch.bool: "UINT8_T",  # bool: bytes of 0 and 1
 }
 _UPCAST = (torch.float16, torch.bfloat16)
 _MPI_OP_NAMES = {
@@ -90,9 +92,10 @@ def _cuda_aware(MPI) -> bool:
 
 
 def _flat(tensor: torch.Tensor, as_bytes: bool = False):
-    """A buffer mpi4py can read and write: the tensor's own memory, flat (bytes if ``as_bytes``)."""
+    """A buffer mpi4py can read and write: the tensor's own memory, flat (bytes if ``as_bytes``, and always
+    for bool, which MPI reduces as bytes)."""
     flat = tensor.detach().reshape(-1)
-    if as_bytes:
+    if as_bytes or flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     return flat.numpy() if flat.device.type == "cpu" else flat
 
@@ -182,10 +185,10 @@ class MpiBackend(Backend):
             op = ReduceOp(op)
         except ValueError:
             return f"op {op!r}: the MPI backend reduces with {', '.join(o.value for o in ReduceOp)}"
-        if dtype == torch.bool:
+        if dtype == torch.bool and op not in (ReduceOp.MAX, ReduceOp.MIN):
             return (
-                f"op {op.value} on dtype torch.bool: MPI defines sum, product, min and max for integer "
-                "and floating types only; convert the tensor to uint8 first"
+                f"op {op.value} on dtype torch.bool: only 'max' (or) and 'min' (and) reduce bool tensors; "
+                "convert the tensor to an integer dtype first"
             )
         if op == ReduceOp.AVG and not dtype.is_floating_point:
             return (

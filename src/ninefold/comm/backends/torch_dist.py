@@ -44,7 +44,10 @@ class _TorchWork:
         self._keep = ()
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._work.is_completed())
+        """Whether the operation has finished; True also means its result is in place (AVG divided)."""
+        if not self._done and self._work.is_completed():
+            self.wait()
+        return self._done
 
 
 class TorchDistBackend(Backend):
@@ -165,12 +168,19 @@ class TorchDistBackend(Backend):
         return TorchDistBackend(self.name, group, members)
 
     def close(self) -> None:
+        """Destroy this backend's process group (the world's is left to whoever started torch.distributed)
+        and drop the reference to it, so that the group and its threads end once torch lets go of it too.
+
+        A group still alive when the interpreter shuts down can abort the process: a Gloo worker thread that
+        releases a finished Work's tensor then needs the GIL, Python ends that thread, and the unwinding
+        crosses a noexcept destructor ("terminate called without an active exception")."""
         if self._closed:
             return
         self._closed = True
-        if self._group is not None and self._group is not dist.GroupMember.WORLD:
+        group, self._group = self._group, None
+        if group is not None and group is not dist.GroupMember.WORLD:
             with contextlib.suppress(Exception):
-                dist.destroy_process_group(self._group)
+                dist.destroy_process_group(group)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
