@@ -37,7 +37,7 @@ class WorkerGroup:
         self.size, self.device = size, device
         self.devices = rank_devices(device, size)
         self.failed: str | None = None
-        self.comm = None
+        self.comm = self.parallel = None
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // size)
         self.procs, ready = [], []
@@ -165,6 +165,8 @@ class WorkerGroup:
                 pass
         self._finalizer()
         if self.comm is not None:
+            if self.parallel is not None:
+                self.parallel.close()
             self.comm.close()
             self.comm = None
 

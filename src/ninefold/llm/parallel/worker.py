@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = nc.init(device=device, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
                    timeout_s=args.timeout_s)
     try:
+        parallel = TensorParallel(comm, args.rank, args.world_size)  # collective: where rank 0 makes its own
         settings = comm.broadcast_object(None)
-        parallel = TensorParallel(comm, args.rank, args.world_size)
         error = None
         try:
             rank_model = load_rank_model(parallel, device, **settings)
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(text is not None for text in comm.all_gather_object(error)):
             return 1  # rank 0 raises, naming every rank's error
         serve(rank_model, comm, device, settings["block_size"], sys.stdin.buffer)
+        parallel.close()
     finally:
         comm.close()
     return 0

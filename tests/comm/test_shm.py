@@ -1,0 +1,60 @@
+"""``ninefold.comm.shm``: the shared-memory all-reduce between real processes, against the communicator's."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninefold.comm.spawn import spawn
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def sums(shapes_and_dtypes):
+    """Rank body: for each (shape, dtype name), rank-dependent values summed through shared memory and through
+    the communicator; returns whether they agree, the shared-memory result's bytes hash, and what was refused."""
+    import hashlib
+
+    import torch
+
+    import ninefold.comm as nc
+    from ninefold.comm.shm import SharedMemoryAllReduce, available
+
+    comm = nc.init(device="cpu", timeout_s=60)
+    try:
+        assert available(comm)
+        shm = SharedMemoryAllReduce(comm, max_bytes=1 << 16)
+        out = []
+        for call in range(3):  # the same shapes again: the two slot sets alternate
+            for shape, name in shapes_and_dtypes:
+                dtype = getattr(torch, name)
+                gen = torch.Generator().manual_seed(100 * comm.rank + call)
+                x = torch.randn(shape, generator=gen).to(dtype)
+                if len(shape) == 2:
+                    x = x.t()  # non-contiguous input
+                mine = shm.all_reduce(x.clone())
+                want = comm.all_reduce(x.clone().float()).to(dtype)
+                close = torch.allclose(mine.float(), want.float(), atol=1e-2 if name != "float32" else 1e-5)
+                out.append((close, mine.shape == x.shape,
+                            hashlib.sha1(mine.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()))
+        refused = []
+        for bad in (torch.ones(1 << 15), torch.ones(4, dtype=torch.int64)):
+            try:
+                shm.all_reduce(bad)
+            except ValueError as e:
+                refused.append(str(e)[:41])
+        shm.close()
+        shm.close()
+        return out, refused
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_every_rank_gets_the_same_bits_and_the_communicators_sum(nprocs):
+    cases = [((7,), "float32"), ((64, 33), "float32"), ((5, 128), "bfloat16"), ((300,), "float16")]
+    results = spawn(sums, nprocs, args=(cases,), timeout_s=150)
+    for out, refused in results:
+        assert all(close and same_shape for close, same_shape, _ in out), out
+        assert refused == ["tensor: expected a CPU floating-point ten"] * 2
+    hashes = [[h for _, _, h in out] for out, _ in results]
+    assert all(h == hashes[0] for h in hashes)  # identical bits on every rank
