@@ -21,7 +21,8 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="a shape name (dummy weights) or a model directory")
+    parser.add_argument("--model", default="llama-3.2-1b",
+                        help="a shape name or a config.json file (dummy weights), or a model directory")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values, comma-separated")
