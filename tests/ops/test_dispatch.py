@@ -276,3 +276,19 @@ def test_a_pin_for_another_device_warns_once_for_every_shape():
         assert len(caught) == len(messages)  # one per fallback: one row takes cpu_row, more rows vendor
     finally:
         registry.unregister("rms_norm", "gpuonly")
+
+
+def test_each_pin_block_warns_about_its_fallback_again():
+    """Warned once per message and process, a second ``ops.use`` block (another test, say) stayed silent."""
+    registry.register("rms_norm", "gpuonly", devices=("cuda",))(lambda *a: None)
+    try:
+        counts = []
+        for _ in range(2):
+            with ops.use(rms_norm="gpuonly"), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ops.rms_norm(torch.randn(5, 7), torch.ones(7))
+                ops.rms_norm(torch.randn(5, 7), torch.ones(7))
+            counts.append(sum("pinned implementation 'gpuonly'" in str(c.message) for c in caught))
+        assert counts == [1, 1]
+    finally:
+        registry.unregister("rms_norm", "gpuonly")

@@ -107,13 +107,22 @@ def operators() -> list[str]:
     return sorted(_OPERATORS)
 
 
+_warned: set = set()  # tuning-table problems warned about (once per process)
+_warned_pins: set = set()  # pin fallbacks warned about, until the pins or the implementations change
+
+
 def clear_caches() -> None:
     """Forget every cached choice (after pins, tables, builds or the registry change)."""
     for op in _OPERATORS.values():
         op.cache.clear()
 
 
-registry.on_change(clear_caches)
+def _pins_or_registry_changed() -> None:
+    clear_caches()
+    _warned_pins.clear()  # under new pins or implementations, each fallback warns once again
+
+
+registry.on_change(_pins_or_registry_changed)
 
 
 @functools.cache
@@ -174,7 +183,7 @@ def reload_environment() -> None:
     """Re-read ``NINEFOLD_OPS`` (it is otherwise read once, on the first dispatch)."""
     global _env_pins
     _env_pins = None
-    clear_caches()
+    _pins_or_registry_changed()
 
 
 @contextlib.contextmanager
@@ -186,7 +195,7 @@ def use(**pins: str):
     _check_pins(pins, "ops.use")
     layer = dict(pins)
     _pin_stack.append(layer)
-    clear_caches()
+    _pins_or_registry_changed()
     try:
         yield
     finally:
@@ -194,10 +203,7 @@ def use(**pins: str):
             if _pin_stack[i] is layer:
                 del _pin_stack[i]
                 break
-        clear_caches()
-
-
-_warned: set = set()
+        _pins_or_registry_changed()
 
 
 def resolve(op: str, key: tuple, args: tuple) -> Impl:
@@ -213,8 +219,8 @@ def resolve(op: str, key: tuple, args: tuple) -> Impl:
     chosen = _unpinned(op, key, candidates)
     message = (f"{op}: pinned implementation {pinned!r} cannot run these inputs "
                f"({_pin_reason(op, pinned, device, dtype, args)}); using {chosen.name!r} instead")
-    if message not in _warned:
-        _warned.add(message)
+    if message not in _warned_pins:
+        _warned_pins.add(message)
         warnings.warn(message, stacklevel=4)
     return chosen
 
