@@ -6,7 +6,8 @@ reduce_scatter, broadcast and a send/recv ping-pong between ranks 0 and 1:
 - through ``ninefold.comm`` (the transport it chooses for the tensors' device),
 - through ``torch.distributed`` called directly on the same process group (the peer: what the
   communicator's checks and reshaping cost on top of the transport),
-- under ``mpiexec`` also through the MPI transport and through Gloo, for CPU tensors.
+- under ``mpiexec`` also through the MPI transport and through Gloo, for CPU tensors;
+- for CPU tensors of ranks on one host, all_reduce also through ``ninefold.comm.shm`` (up to its 4 MiB).
 
 Each figure is the slowest rank's median time of the call; bandwidths follow nccl-tests:
 algorithm bandwidth = bytes / time, bus bandwidth = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for
@@ -88,10 +89,19 @@ def run_rank(device: str, ops: list[str], max_mib: float) -> int:
         gloo_only = nc.Communicator({"gloo": comm.backends["gloo"]}, comm.topology, dev,
                                     {"cpu": nc.Route("gloo", False, "forced for the comparison")})
         paths.append(("ninefold over gloo", gloo_only))
+    shm = None
+    if dev.type == "cpu":
+        from ninefold.comm import shm as shm_module
+
+        if shm_module.available(comm):
+            shm = shm_module.SharedMemoryAllReduce(comm)
+            paths.append(("ninefold.comm.shm", _ShmPath(shm)))
     rows = []
     for op in ops:
         for nbytes in sizes:
             for name, path in paths:
+                if isinstance(path, _ShmPath) and not path.takes(op, nbytes):
+                    continue
                 seconds = _time(comm, path, op, nbytes, dev)
                 if seconds is None:
                     continue
@@ -106,8 +116,23 @@ def run_rank(device: str, ops: list[str], max_mib: float) -> int:
     if comm.rank == 0:  # alone, so no other rank competes for the link or the memory
         report(rows, _ceiling(dev), comm, dev)
     comm.barrier()
+    if shm is not None:
+        shm.close()
     comm.close()
     return 0
+
+
+class _ShmPath:
+    """``ninefold.comm.shm``'s all-reduce (the one op it has, up to its size limit)."""
+
+    def __init__(self, shm):
+        self.shm = shm
+
+    def takes(self, op: str, nbytes: int) -> bool:
+        return op == "all_reduce" and nbytes <= self.shm.max_bytes
+
+    def all_reduce(self, t):
+        self.shm.all_reduce(t)
 
 
 class _TorchDirect:

@@ -28,7 +28,8 @@ from ninefold.comm.backends.base import CommError
 DEFAULT_MAX_BYTES = 4 << 20
 _SHM_DIR = "/dev/shm"
 _FLAG_BYTES = 64  # one cache line per rank's sequence number
-_SUMMED_IN_FLOAT32 = (torch.float16, torch.bfloat16)
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+_DTYPES = (*_NUMPY, torch.bfloat16)
 
 
 def available(comm) -> bool:
@@ -74,14 +75,16 @@ class SharedMemoryAllReduce:
         self._calls = 0
 
     def fits(self, tensor: torch.Tensor) -> bool:
-        """Whether ``all_reduce`` takes ``tensor``: a CPU floating-point tensor of at most ``max_bytes``."""
-        return (tensor.device.type == "cpu" and tensor.is_floating_point()
+        """Whether ``all_reduce`` takes ``tensor``: a CPU float32/float64/float16/bfloat16 tensor of at most
+        ``max_bytes``."""
+        return (tensor.device.type == "cpu" and tensor.dtype in _DTYPES
                 and tensor.numel() * tensor.element_size() <= self.max_bytes)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` becomes the sum over the ranks, in place (rank order, so the same bits everywhere)."""
         if not self.fits(tensor):
-            raise ValueError(f"tensor: expected a CPU floating-point tensor of at most {self.max_bytes} bytes, got "
+            raise ValueError(f"tensor: expected a CPU float32/float64/float16/bfloat16 tensor of at most "
+                             f"{self.max_bytes} bytes, got "
                              f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
         if self._flags is None:
             raise CommError("this shared-memory all-reduce is closed")
@@ -92,16 +95,13 @@ class SharedMemoryAllReduce:
         slots[self.rank, :nbytes] = flat.view(torch.uint8).numpy()
         self._flags[self.rank] = call  # published after the data (stores are seen in order on x86-64)
         self._wait_for(call)
-        views = [torch.from_numpy(slots[r, :nbytes]).view(tensor.dtype) for r in range(self.world_size)]
-        if tensor.dtype in _SUMMED_IN_FLOAT32:
-            total = views[0].float()
-            for v in views[1:]:
-                total += v.float()
+        parts = [slots[r, :nbytes] for r in range(self.world_size)]
+        total = _sum(parts, tensor.dtype)
+        out = tensor.detach()
+        if out.is_contiguous() and tensor.dtype in _NUMPY:
+            out.view(-1).numpy().view(np.uint8)[:] = total  # numpy, one thread: no OpenMP team spinning beside the other ranks
         else:
-            total = views[0].clone()
-            for v in views[1:]:
-                total += v
-        tensor.copy_(total.view(tensor.shape))
+            out.copy_(torch.from_numpy(total).view(tensor.dtype).view(tensor.shape))
         return tensor
 
     def _wait_for(self, call: int) -> None:
@@ -110,8 +110,7 @@ class SharedMemoryAllReduce:
         spins = 0
         while flags.min() < call:
             spins += 1
-            if spins % 64 == 0:
-                os.sched_yield()
+            os.sched_yield()  # the rank it waits for may need this core
             if spins % 4096 == 0:
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
@@ -129,3 +128,24 @@ class SharedMemoryAllReduce:
             self._map.close()
         except BufferError:  # a caller still holds a view of a slot: the mapping goes with the last reference
             pass
+
+
+def _sum(parts: list[np.ndarray], dtype: torch.dtype) -> np.ndarray:
+    """The rank-order sum of the byte slots ``parts`` holding ``dtype`` values, as an array of ``dtype``'s
+    bytes (float16 and bfloat16 accumulate in float32). numpy, so the sum stays on this rank's thread."""
+    if dtype is torch.bfloat16:  # numpy has no bfloat16: widen the bits (bfloat16 is float32's top half)
+        wide = [(p.view(np.uint16).astype(np.uint32) << 16).view(np.float32) for p in parts]
+        total = wide[0].copy()
+        for w in wide[1:]:
+            total += w
+        return torch.from_numpy(total).to(torch.bfloat16).view(torch.uint8).numpy()
+    kind = _NUMPY[dtype]
+    if kind is np.float16:
+        total = parts[0].view(kind).astype(np.float32)
+        for p in parts[1:]:
+            total += p.view(kind)
+        return total.astype(np.float16).view(np.uint8)
+    total = parts[0].view(kind).copy()
+    for p in parts[1:]:
+        total += p.view(kind)
+    return total.view(np.uint8)
