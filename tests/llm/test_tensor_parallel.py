@@ -249,3 +249,80 @@ def test_two_gpus_give_transformers_float32_greedy_tokens(model_dirs, variant):
 def test_more_ranks_than_gpus_is_refused_naming_the_count(model_dirs):
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks need GPUs cuda:0..cuda:3"):
         LLMEngine(str(model_dirs["llama"]), device="cuda", num_kv_blocks=16, tensor_parallel_size=4)
+
+
+def test_a_process_already_in_a_distributed_job_is_refused_instead_of_computing_half_a_model(model_dirs):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="tensor_parallel_size: this process already runs a torch.distributed"):
+            LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_worker_dying_inside_a_forward_pass_fails_the_call_within_seconds(model_dirs, tmp_path, monkeypatch):
+    body = """
+    import os
+    from ninefold.llm.models import llama
+    calls = [0]
+    forward = llama.LlamaForCausalLM.forward
+    def dying(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            os._exit(9)
+        return forward(self, *args, **kwargs)
+    llama.LlamaForCausalLM.forward = dying
+    """
+    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
+    with LLM(str(model_dirs["llama"]), device="cpu", block_size=8, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"rank 1 \(exit code 9\)|workers are gone"):
+            generate_ids(llm, prompts_for(llm.engine.model_config.vocab_size, lengths=(5,)))
+        assert time.monotonic() - start < 60
+
+
+def test_a_failed_start_stops_the_workers_and_gives_back_the_threads(model_dirs, monkeypatch):
+    threads = torch.get_num_threads()
+    started = []
+    real_group = __import__("ninefold.llm.parallel.driver", fromlist=["WorkerGroup"]).WorkerGroup
+
+    class Recording(real_group):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr("ninefold.llm.parallel.WorkerGroup", Recording)
+
+    def no_pool(self, max_len):
+        raise ValueError("num_kv_blocks: pretend the KV cache does not fit")
+
+    monkeypatch.setattr(LLMEngine, "_make_pool", no_pool)
+    with pytest.raises(ValueError, match="pretend"):
+        LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    assert [p.returncode for p in started[0].procs] == [0]
+    assert torch.get_num_threads() == threads
+    monkeypatch.undo()
+    with LLM(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2) as llm:  # and again
+        assert generate_ids(llm, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert torch.get_num_threads() == threads
+
+
+def test_an_engine_built_in_a_thread_that_ends_keeps_its_workers(model_dirs):
+    import threading
+
+    built = {}
+    thread = threading.Thread(target=lambda: built.update(llm=LLM(str(model_dirs["llama"]), device="cpu",
+                                                                  num_kv_blocks=16, tensor_parallel_size=2)))
+    thread.start()
+    thread.join()
+    llm = built["llm"]
+    try:
+        time.sleep(1)  # a parent-death signal tied to the finished thread would have killed the worker by now
+        assert [p.poll() for p in _worker_processes(llm.engine)] == [None]
+        path = model_dirs["llama"]
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5,))
+        assert generate_ids(llm, prompts) == [hf_greedy(path, prompts[0])]
+    finally:
+        llm.close()

@@ -50,3 +50,26 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_server_that_lost_a_worker_fails_its_health_check(tiny_model, tmp_path):
+    import os
+
+    import httpx
+
+    server = ServerProcess(tiny_model, tmp_path, "--tensor-parallel-size", "2", "--num-kv-blocks", "64")
+    try:
+        (worker,) = [pid for pid in _children(server.proc.pid) if b"ninefold.llm.parallel.worker"
+                     in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert httpx.get(server.base + "/health").status_code == 200
+        os.kill(worker, signal.SIGKILL)
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            client.completions.create(model="tiny", prompt=[tiny_model.trigger_id], max_tokens=5, temperature=0)
+            raise AssertionError("a completion succeeded without the worker")
+        except openai.APIStatusError as error:
+            assert error.status_code == 500
+        health = httpx.get(server.base + "/health")
+        assert health.status_code == 503 and "tensor-parallel workers gone: rank 1" in health.text, health.text
+    finally:
+        server.stop(signal.SIGTERM)

@@ -42,32 +42,42 @@ def available(comm) -> bool:
 class SharedMemoryAllReduce:
     """Sums of CPU tensors of up to ``max_bytes`` over ``comm``'s ranks through one shared segment.
 
-    Collective to create (every rank of ``comm``); ``close()`` releases the segment. Larger tensors,
-    other devices and other operations are the caller's to send through ``comm``.
+    Collective to create (every rank of ``comm``; a segment that cannot be allocated, e.g. a small
+    ``/dev/shm``, is a CommError on every rank); ``close()`` releases it. Larger tensors, other devices and
+    other operations are the caller's to send through ``comm``. A wait for the other ranks ends with a
+    CommError after ``timeout_s``, or as soon as ``peers_gone()`` (called now and then while waiting)
+    returns a description of ranks that are gone.
     """
 
-    def __init__(self, comm, max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 600.0):
+    def __init__(self, comm, max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 600.0, peers_gone=None):
         if not available(comm):
             raise CommError("a shared-memory all-reduce needs two or more ranks, all on one Linux x86-64 host")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0 or max_bytes % 64:
             raise ValueError(f"max_bytes: expected a positive multiple of 64, got {max_bytes!r}")
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.max_bytes, self.timeout_s, self.peers_gone = max_bytes, timeout_s, peers_gone
         size = self.world_size * _FLAG_BYTES + 2 * self.world_size * max_bytes
-        path = comm.broadcast_object(os.path.join(_SHM_DIR, f"ninefold-{uuid.uuid4().hex}") if comm.rank == 0 else None)
-        if comm.rank == 0:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, size)
-        comm.barrier()
-        if comm.rank != 0:
-            fd = os.open(path, os.O_RDWR)
+        created = _create(size) if comm.rank == 0 else None
+        path, problem = comm.broadcast_object(created[1:] if created else None)
+        if problem is not None:
+            raise CommError(f"shared-memory all-reduce: {problem}")
+        fd, mine = (created[0] if comm.rank == 0 else None), None
         try:
+            if fd is None:
+                fd = os.open(path, os.O_RDWR)
             self._map = mmap.mmap(fd, size)
+        except OSError as error:
+            mine = f"rank {comm.rank} cannot map {path}: {error.strerror or error}"
         finally:
-            os.close(fd)
-        comm.barrier()
+            if fd is not None:
+                os.close(fd)
+        problems = [p for p in comm.all_gather_object(mine) if p is not None]  # every rank has tried
         if comm.rank == 0:
             os.unlink(path)  # the name goes now; the memory stays until every rank has unmapped it
+        if problems:
+            if mine is None:
+                self._map.close()
+            raise CommError(f"shared-memory all-reduce: {'; '.join(problems)}")
         buf = memoryview(self._map)
         self._flags = np.ndarray((self.world_size, _FLAG_BYTES // 8), dtype=np.int64, buffer=buf)[:, 0]
         self._slots = np.ndarray((2, self.world_size, max_bytes), dtype=np.uint8, buffer=buf,
@@ -114,8 +124,11 @@ class SharedMemoryAllReduce:
             if spins % 4096 == 0:
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
+                late = [r for r in range(self.world_size) if flags[r] < call]
+                gone = self.peers_gone() if self.peers_gone is not None else None
+                if gone:
+                    raise CommError(f"shared-memory all-reduce {call}: waiting for ranks {late}, but {gone}")
                 if now > deadline:
-                    late = [r for r in range(self.world_size) if flags[r] < call]
                     raise CommError(f"shared-memory all-reduce {call}: ranks {late} did not arrive within "
                                     f"{self.timeout_s:g} s")
 
@@ -128,6 +141,22 @@ class SharedMemoryAllReduce:
             self._map.close()
         except BufferError:  # a caller still holds a view of a slot: the mapping goes with the last reference
             pass
+
+
+def _create(size: int) -> tuple[int | None, str | None, str | None]:
+    """Rank 0: (descriptor, path, None) of a new segment of ``size`` bytes with its memory reserved now (a
+    tmpfs too small for it is this error, not a SIGBUS at the first large call), or (None, None, why)."""
+    path = os.path.join(_SHM_DIR, f"ninefold-{uuid.uuid4().hex}")
+    fd = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fallocate(fd, 0, size)
+        return fd, path, None
+    except OSError as error:
+        if fd is not None:
+            os.close(fd)
+            os.unlink(path)
+        return None, None, f"cannot reserve {size} bytes in {_SHM_DIR}: {error.strerror or error}"
 
 
 def _sum(parts: list[np.ndarray], dtype: torch.dtype) -> np.ndarray:

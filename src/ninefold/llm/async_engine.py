@@ -102,6 +102,12 @@ class AsyncEngine:
         """Abort a request (no-op for unknown or finished ids); its KV blocks are freed before the next step."""
         self._inbox.put(("abort", str(request_id)))
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine can never serve again (a tensor-parallel worker lost), or None."""
+        group = self.engine.parallel_group
+        return None if group is None else group.failed
+
     def stats(self) -> dict:
         """num_running, num_waiting, kv_usage, num_free_blocks, num_blocks, block_size, prefix_cache_hit_rate."""
         return self.engine.stats()

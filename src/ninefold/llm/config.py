@@ -272,7 +272,7 @@ class EngineConfig:
                     "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer")
         for name in ("max_model_len", "num_kv_blocks"):
             value = getattr(self, name)

@@ -53,11 +53,24 @@ class LLMEngine:
         max_len = cfg.max_model_len or limit
         self.parallel_group = None
         if cfg.tensor_parallel_size > 1:
-            self.model = self._start_parallel(model, ckpt, max_len)
+            try:
+                self.model = self._start_parallel(model, ckpt, max_len)
+            except BaseException:
+                self.close()
+                raise
         else:
             self.model = model_class(mc.architecture)(
                 mc, ckpt.tensors, dtype=self.dtype, device=self.device, max_positions=max_len, seed=cfg.seed)
         ckpt.tensors = None
+        try:
+            self._build_serving_state(ckpt, max_len)
+        except BaseException:  # the caller gets no engine to close: stop a tensor-parallel group's workers now
+            self.close()
+            raise
+
+    def _build_serving_state(self, ckpt, max_len: int) -> None:
+        """The KV cache, scheduler, runner and step state, around the loaded model."""
+        cfg, mc = self.config, self.model_config
         self.pool = self._make_pool(max_len)
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size)
         self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)

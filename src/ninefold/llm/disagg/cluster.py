@@ -68,6 +68,9 @@ def start(comm, model, **llm_args) -> Router | None:
     Workers that share a GPU load one after another, each allowed up to its share of
     ``kv_cache_memory_fraction`` (default 0.9) of the GPU, so that the first does not take every worker's
     KV-cache memory. A worker that cannot load makes the router raise, naming it and why."""
+    if llm_args.get("tensor_parallel_size", 1) != 1:
+        raise ValueError(f"tensor_parallel_size: got {llm_args['tensor_parallel_size']!r}; a disaggregated worker is "
+                         "one rank of the job's communicator, and its KV blocks travel whole (use 1)")
     if llm_args.get("enable_prefix_caching", True) is not True:
         raise ValueError("enable_prefix_caching: the KV blocks travel into the decode worker's prefix cache, "
                          f"so it must be True; got {llm_args['enable_prefix_caching']!r}")

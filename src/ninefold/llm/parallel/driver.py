@@ -30,10 +30,18 @@ class WorkerGroup:
     """The worker processes of one tensor-parallel engine, and rank 0's communicator with them."""
 
     def __init__(self, size: int, device: torch.device, *, timeout_s: float | None = None):
-        from ninefold.comm.launch import free_port, rank_preexec_fn
+        import torch.distributed as dist
 
+        from ninefold.comm.launch import free_port
+
+        if dist.is_initialized():  # init() would join that world instead of meeting the workers
+            raise RuntimeError(
+                "tensor_parallel_size: this process already runs a torch.distributed job (another tensor-parallel "
+                "engine that is not closed, torchrun, or the caller's own init_process_group); a tensor-parallel "
+                "engine starts and owns its group: close the other engine (LLM.close()) or use "
+                "tensor_parallel_size=1 inside a distributed job")
         if timeout_s is None:
-            timeout_s = float(os.environ.get("NINEFOLD_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+            timeout_s = _timeout_from_environment()
         self.size, self.device = size, device
         self.devices = rank_devices(device, size)
         self.failed: str | None = None
@@ -41,23 +49,37 @@ class WorkerGroup:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // size)
         self.procs, ready = [], []
+        # what outlives this object if it is dropped without shutdown(): stopped by the finalizer
+        self._held = {"procs": self.procs, "threads": torch.get_num_threads() if device.type == "cpu" else None}
         for rank in range(1, size):
             read_end, write_end = os.pipe()
             command = [sys.executable, "-m", "ninefold.llm.parallel.worker", "--rank", str(rank),
                        "--world-size", str(size), "--init-method", init_method, "--device", str(self.devices[rank]),
-                       "--timeout-s", str(timeout_s), "--threads", str(threads), "--ready-fd", str(write_end)]
-            try:
+                       "--timeout-s", str(timeout_s), "--threads", str(threads), "--ready-fd", str(write_end),
+                       "--parent-pid", str(os.getpid())]
+            try:  # a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops the workers
                 self.procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write_end,),
-                                                   preexec_fn=rank_preexec_fn()))
+                                                   start_new_session=True))
             finally:
                 os.close(write_end)
             ready.append(read_end)
-        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        self._finalizer = weakref.finalize(self, _release, self._held)
         if device.type == "cpu":
-            torch.set_num_threads(threads)  # the ranks share this machine's cores
+            torch.set_num_threads(threads)  # the ranks share this machine's cores (given back at shutdown)
         self._wait_ready(ready, timeout_s)
-        self.comm = self._rendezvous(init_method, timeout_s)
-        self.parallel = TensorParallel(self.comm, 0, size)
+        self.comm = self._held["comm"] = self._rendezvous(init_method, timeout_s)
+        try:
+            self.parallel = self._held["parallel"] = TensorParallel(self.comm, 0, size, peers_gone=self.workers_gone,
+                                                                    timeout_s=timeout_s)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def workers_gone(self) -> str | None:
+        """Which workers have exited, and how (None while all run): for waits that cannot see it otherwise."""
+        gone = [f"rank {rank} (exit code {p.returncode})" for rank, p in enumerate(self.procs, 1)
+                if p.poll() is not None]
+        return ", ".join(gone) if gone else None
 
     def _wait_ready(self, pipes: list[int], timeout_s: float) -> None:
         """Wait until every worker has started (imports done, about to join): a worker that exits before is an
@@ -143,10 +165,15 @@ class WorkerGroup:
         except (OSError, RuntimeError) as error:
             self.fail(error)
             raise RuntimeError(f"the tensor-parallel workers are gone: {self._exits()}") from error
+        except BaseException as error:  # Ctrl-C mid-command: the workers may be a call ahead of rank 0 now
+            self.fail(error)
+            raise
 
     def fail(self, error: BaseException) -> None:
         """Stop the workers after an error on rank 0 mid-call: the ranks' collectives are out of step."""
-        self.failed = self.failed or f"{type(error).__name__}: {error}"
+        if self.failed is None:
+            gone = self.workers_gone()
+            self.failed = f"{type(error).__name__}: {error}" + (f" (tensor-parallel workers gone: {gone})" if gone else "")
         self.shutdown(graceful=False)
 
     def _exits(self) -> str:
@@ -164,11 +191,31 @@ class WorkerGroup:
             except OSError:
                 pass
         self._finalizer()
-        if self.comm is not None:
-            if self.parallel is not None:
-                self.parallel.close()
-            self.comm.close()
-            self.comm = None
+        self.comm = self.parallel = None
+
+
+def _timeout_from_environment() -> float:
+    text = os.environ.get("NINEFOLD_TP_TIMEOUT_S")
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"NINEFOLD_TP_TIMEOUT_S: expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _release(held: dict) -> None:
+    """Stop the workers, close the shared memory and the communicator, give back the CPU threads."""
+    _stop(held["procs"])
+    for name in ("parallel", "comm"):
+        resource = held.pop(name, None)
+        if resource is not None:
+            resource.close()
+    if held.get("threads"):
+        torch.set_num_threads(held.pop("threads"))
 
 
 def _stop(procs: list, grace_s: float = 10.0) -> None:
@@ -222,7 +269,11 @@ class ParallelModel:
     def bind_kv_cache(self, pool) -> None:
         """Bind ``pool`` here, and a pool of as many blocks (of each rank's heads) on every worker."""
         self.group.send(protocol.encode_command(Op.BIND_KV_CACHE, pool.num_blocks))
-        self.model.bind_kv_cache(pool)
+        try:
+            self.model.bind_kv_cache(pool)
+        except BaseException as error:
+            self.group.fail(error)
+            raise
         self.group.agree_loaded(None, "allocate their KV cache")
 
     def __getattr__(self, name: str):

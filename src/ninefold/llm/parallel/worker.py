@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 
 import torch
 
@@ -61,6 +63,18 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> 
                 rank_model.forward(*value)
 
 
+def _exit_with_parent(parent: int, period_s: float = 0.5) -> None:
+    """Exit at once when ``parent`` (rank 0) is gone, whatever this process is doing (a wait in a collective
+    included). A watcher thread: the parent-death signal would fire when the parent's *thread* that started
+    this process ends, which may be long before the parent does."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="ninefold-tp-parent", daemon=True).start()
+
+
 def _read_exactly(stream, n: int) -> bytes | None:
     data = b""
     while len(data) < n:
@@ -80,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--ready-fd", type=int, default=-1, help="a pipe to write one byte to once started")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process (rank 0) is gone")
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     import ninefold.comm as nc
@@ -94,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = nc.init(device=device, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
                    timeout_s=args.timeout_s)
     try:
-        parallel = TensorParallel(comm, args.rank, args.world_size)  # collective: where rank 0 makes its own
+        parallel = TensorParallel(comm, args.rank, args.world_size,  # collective: where rank 0 makes its own
+                                  timeout_s=args.timeout_s)
         settings = comm.broadcast_object(None)
         error = None
         try:

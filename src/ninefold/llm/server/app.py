@@ -99,9 +99,13 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while serving, 503 while draining for shutdown."""
+        """200 while serving; 503 while draining for shutdown, or once the engine cannot serve again (a
+        tensor-parallel worker lost): a liveness probe should restart the server then."""
         if state.admission.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(retry_after_s)})
+        broken = getattr(engine, "broken", None)
+        if broken:
+            raise APIError(503, f"the engine cannot serve: {broken}")
         return JSONResponse({"status": "ok"})
 
     @app.post("/tokenize", response_model=TokenizeResponse)
