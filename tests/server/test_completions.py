@@ -150,7 +150,7 @@ def test_models_and_health(client, server):
 
 def test_raw_sse_format(server):
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.base + "/v1/completions", json=body) as response:
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = response.read().decode()
     events = [e for e in raw.split("\n\n") if e]
