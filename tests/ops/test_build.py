@@ -142,3 +142,15 @@ def test_build_compiles_dsl_kernels_ahead_of_time(tmp_path):
     assert files and all(f.startswith("dsl/softmax/float16/") for f in files)
     assert any(f.endswith(".cubin") for f in files)
     assert report.sizes["softmax (dsl)"][1] == sum(p.stat().st_size for p in (tmp_path / "b" / "kernels").rglob("*.*"))
+
+
+def test_a_manifest_may_name_cublaslt_on_a_machine_without_cuda(tmp_path):
+    """cuBLASLt registers only where CUDA is; a build for a GPU is made anywhere (a typo is still refused)."""
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\n[ops.linear]\nimpls = ["cublaslt", "vendor"]\n'
+                                       'dtypes = ["bfloat16"]\n')
+    out = tmp_path / "build"
+    assert main(["ops", "build", "--manifest", str(tmp_path / "ops.toml"), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["ops"] == {"linear": {"dtypes": ["bfloat16"], "impls": ["cublaslt", "vendor"]}}
+    (tmp_path / "typo.toml").write_text('target = "cuda:90"\n[ops.linear]\nimpls = ["cublaslT"]\n')
+    assert main(["ops", "build", "--manifest", str(tmp_path / "typo.toml"), "--out", str(tmp_path / "b2")]) != 0

@@ -186,7 +186,8 @@ def read_manifest(path) -> dict:
         bad_keys = sorted(set(entry) - {"dtypes", "impls"})
         if bad_keys:
             raise ValueError(f"{where}: [ops.{op}] has unknown key {bad_keys[0]!r}; accepted: dtypes, impls")
-        names = sorted({i.name for i in registry.all_implementations(op)})
+        # with the ones that register only where CUDA is (cuBLASLt): a build for a GPU is made on a CPU machine
+        names = sorted({i.name for i in registry.all_implementations(op)} | set(registry.cuda_only(op)))
         impls = _names_list(entry.get("impls", names), f"{where}: [ops.{op}] impls", names)
         bad = [i for i in impls if i not in names]
         if bad:
