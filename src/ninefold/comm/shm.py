@@ -116,14 +116,13 @@ class SharedMemoryAllReduce:
 
     def _wait_for(self, call: int) -> None:
         flags = self._flags
-        deadline = None
+        deadline = time.monotonic() + self.timeout_s
         spins = 0
         while flags.min() < call:
             spins += 1
             os.sched_yield()  # the rank it waits for may need this core
             if spins % 4096 == 0:
                 now = time.monotonic()
-                deadline = deadline or now + self.timeout_s
                 late = [r for r in range(self.world_size) if flags[r] < call]
                 gone = self.peers_gone() if self.peers_gone is not None else None
                 if gone:

@@ -141,9 +141,8 @@ class LLMEngine:
     @torch.inference_mode()
     def _profile_forward(self) -> None:
         """The activation peak: the largest prefill step plus the largest batch of logits."""
-        mc, cfg, dev = self.model.config, self.config, self.device
-        scratch = torch.zeros((1, cfg.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=dev)
-        self.model.kv_caches = [(scratch, scratch)] * mc.num_layers
+        cfg = self.config
+        self.model.bind_scratch_kv_cache(cfg.block_size)
         self._packed_prefill(cfg.max_num_batched_tokens, logits_rows=cfg.max_num_seqs)
         self.model.kv_caches = []
 

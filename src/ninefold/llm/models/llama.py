@@ -193,6 +193,13 @@ class LlamaForCausalLM:
         """Use ``pool`` (a ``KVCachePool``) as this model's paged key/value storage."""
         self.kv_caches = [(pool.k_cache(i), pool.v_cache(i)) for i in range(self.config.num_layers)]
 
+    def bind_scratch_kv_cache(self, block_size: int) -> None:
+        """One block shared by every layer, for passes that write no cache slot and read no cached token
+        (activation profiling; a tensor-parallel worker until rank 0 sends the real cache's size)."""
+        c = self.config
+        scratch = torch.zeros((1, block_size, c.num_kv_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        self.kv_caches = [(scratch, scratch)] * c.num_layers
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of all weights (tied embeddings counted once; packed layers with their dense copies)."""

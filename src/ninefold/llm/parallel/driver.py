@@ -164,7 +164,8 @@ class WorkerGroup:
                 self.comm.broadcast(payload, src=0)
         except (OSError, RuntimeError) as error:
             self.fail(error)
-            raise RuntimeError(f"the tensor-parallel workers are gone: {self._exits()}") from error
+            raise RuntimeError(f"the tensor-parallel workers are gone: {self.workers_gone() or 'none exited yet'}") \
+                from error
         except BaseException as error:  # Ctrl-C mid-command: the workers may be a call ahead of rank 0 now
             self.fail(error)
             raise
@@ -175,11 +176,6 @@ class WorkerGroup:
             gone = self.workers_gone()
             self.failed = f"{type(error).__name__}: {error}" + (f" (tensor-parallel workers gone: {gone})" if gone else "")
         self.shutdown(graceful=False)
-
-    def _exits(self) -> str:
-        codes = [f"rank {rank}: {'running' if p.poll() is None else f'exit code {p.returncode}'}"
-                 for rank, p in enumerate(self.procs, 1)]
-        return ", ".join(codes)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers (a STOP command, then the end of their input) and close the communicator."""

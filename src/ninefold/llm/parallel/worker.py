@@ -31,9 +31,7 @@ def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, lo
     config = ModelConfig.from_dict(ckpt.config)
     rank_model = build_rank_model(config, ckpt.tensors, parallel, dtype=dtype, device=device,
                                   max_positions=max_positions, seed=seed, sliced=ckpt.tensor_parallel is not None)
-    c = rank_model.config
-    scratch = torch.zeros((1, block_size, c.num_kv_heads, c.head_dim), dtype=dtype, device=device)
-    rank_model.kv_caches = [(scratch, scratch)] * c.num_layers
+    rank_model.bind_scratch_kv_cache(block_size)
     return rank_model
 
 
@@ -56,11 +54,18 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> 
                     rank_model.bind_kv_cache(KVCachePool(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
                                                          rank_model.dtype, device, value))
                 except (RuntimeError, ValueError) as e:  # out of memory: rank 0 raises, naming this rank
-                    error = f"{type(e).__name__}: {e}"
-                if any(text is not None for text in comm.all_gather_object(error)):
+                    error = e
+                if not _all_succeeded(comm, error):
                     return
             else:
                 rank_model.forward(*value)
+
+
+def _all_succeeded(comm, error: BaseException | None) -> bool:
+    """This rank's side of rank 0's ``WorkerGroup.agree_loaded``: tell every rank ``error`` (None: done),
+    and whether every rank succeeded."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    return all(text is None for text in comm.all_gather_object(mine))
 
 
 def _exit_with_parent(parent: int, period_s: float = 0.5) -> None:
@@ -118,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rank_model = load_rank_model(parallel, device, **settings)
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        if any(text is not None for text in comm.all_gather_object(error)):
+            error = e
+        if not _all_succeeded(comm, error):
             return 1  # rank 0 raises, naming every rank's error
         serve(rank_model, comm, device, settings["block_size"], sys.stdin.buffer)
         parallel.close()
