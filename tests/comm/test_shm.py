@@ -58,3 +58,37 @@ def test_every_rank_gets_the_same_bits_and_the_communicators_sum(nprocs):
         assert refused == ["tensor: expected a CPU float32/fl"] * 2
     hashes = [[h for _, _, h in out] for out, _ in results]
     assert all(h == hashes[0] for h in hashes)  # identical bits on every rank
+
+
+def setup_abandoned_by_a_peer():
+    """Rank body: rank 1 leaves the set-up before its last collective (it raises there and closes its
+    communicator); returns (rank, error text, whether rank 0's /dev/shm file still exists)."""
+    import os
+
+    import ninefold.comm as nc
+    from ninefold.comm import shm
+
+    comm = nc.init(device="cpu", timeout_s=20)
+    paths = []
+    create = shm._create
+    shm._create = lambda size: (lambda made: (paths.append(made[1]), made)[1])(create(size))
+    if comm.rank == 1:
+        def leave(_obj):
+            raise RuntimeError("rank 1 leaves during set-up")
+        comm.all_gather_object = leave
+    try:
+        shm.SharedMemoryAllReduce(comm, max_bytes=1 << 12)
+        error = None
+    except Exception as e:  # rank 1: its own error; rank 0: the lost peer, from the communicator
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        comm.close()
+    return comm.rank, error, [os.path.exists(p) for p in paths]
+
+
+def test_a_failed_set_up_leaves_no_file_in_dev_shm():
+    results = spawn(setup_abandoned_by_a_peer, 2, timeout_s=120)
+    (rank0, error0, exists0), (rank1, error1, exists1) = results
+    assert error1 == "RuntimeError: rank 1 leaves during set-up" and exists1 == []
+    assert error0 is not None, "rank 0's set-up should fail when its peer leaves"
+    assert exists0 == [False], f"rank 0 left its segment's file behind ({error0})"

@@ -58,31 +58,49 @@ class SharedMemoryAllReduce:
         self.max_bytes, self.timeout_s, self.peers_gone = max_bytes, timeout_s, peers_gone
         size = self.world_size * _FLAG_BYTES + 2 * self.world_size * max_bytes
         created = _create(size) if comm.rank == 0 else None
-        path, problem = comm.broadcast_object(created[1:] if created else None)
-        if problem is not None:
-            raise CommError(f"shared-memory all-reduce: {problem}")
-        fd, mine = (created[0] if comm.rank == 0 else None), None
         try:
-            if fd is None:
-                fd = os.open(path, os.O_RDWR)
-            self._map = mmap.mmap(fd, size)
-        except OSError as error:
-            mine = f"rank {comm.rank} cannot map {path}: {error.strerror or error}"
-        finally:
-            if fd is not None:
-                os.close(fd)
-        problems = [p for p in comm.all_gather_object(mine) if p is not None]  # every rank has tried
-        if comm.rank == 0:
-            os.unlink(path)  # the name goes now; the memory stays until every rank has unmapped it
-        if problems:
-            if mine is None:
-                self._map.close()
-            raise CommError(f"shared-memory all-reduce: {'; '.join(problems)}")
+            self._map = self._attach(comm, created, size)
+        finally:  # the name goes once every rank has tried, or the setup failed: the memory stays until unmapped
+            if created and created[1] is not None:
+                os.unlink(created[1])
         buf = memoryview(self._map)
         self._flags = np.ndarray((self.world_size, _FLAG_BYTES // 8), dtype=np.int64, buffer=buf)[:, 0]
         self._slots = np.ndarray((2, self.world_size, max_bytes), dtype=np.uint8, buffer=buf,
                                  offset=self.world_size * _FLAG_BYTES)
         self._calls = 0
+
+    @staticmethod
+    def _attach(comm, created, size: int) -> mmap.mmap:
+        """Every rank maps the segment rank 0 ``created``; a rank that cannot is a CommError on every rank."""
+        fd, mine, mapped = (created[0] if created else None), None, None
+        try:
+            path, problem = comm.broadcast_object(created[1:] if created else None)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if problem is not None:
+            raise CommError(f"shared-memory all-reduce: {problem}")
+        try:
+            if fd is None:
+                fd = os.open(path, os.O_RDWR)
+            mapped = mmap.mmap(fd, size)
+        except OSError as error:
+            mine = f"rank {comm.rank} cannot map {path}: {error.strerror or error}"
+        finally:
+            if fd is not None:
+                os.close(fd)
+        try:
+            problems = [p for p in comm.all_gather_object(mine) if p is not None]  # every rank has tried
+        except BaseException:
+            if mapped is not None:
+                mapped.close()
+            raise
+        if problems:
+            if mapped is not None:
+                mapped.close()
+            raise CommError(f"shared-memory all-reduce: {'; '.join(problems)}")
+        return mapped
 
     def fits(self, tensor: torch.Tensor) -> bool:
         """Whether ``all_reduce`` takes ``tensor``: a CPU float32/float64/float16/bfloat16 tensor of at most
