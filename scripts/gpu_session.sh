@@ -77,7 +77,7 @@ step_command() {
     dsl-bench-attention) echo 'python3 -m ninefold.bench.dsl --deadline 0 --only sdpa_causal,sdpa' ;;
     dsl-edges-cuda) echo 'python3 -m pytest tests/dsl/test_cpu_backend_edges.py -q -n 4 -p no:cacheprovider' ;;
     llm-edges-cuda) echo 'python3 -m pytest tests/llm/test_async_scheduling_edges.py tests/llm/test_async_scheduling.py -q -k cuda --timeout 150 -p no:cacheprovider' ;;
-    llm-host-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts host_overhead,offline" ;;
+    llm-host-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts host_overhead,offline --host-batches 1,2,4,8,16,32,64,128,256" ;;
     nccl-tests) echo 'python3 -m pytest tests/comm/test_collectives.py tests/llm/test_kv_transfer.py tests/llm/test_disagg_cluster.py tests/server/test_cuda.py -q -n 2 -rs -k cuda --timeout 150 -p no:cacheprovider' ;;
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;

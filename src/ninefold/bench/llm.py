@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run, in any order; they run in the order {','.join(PARTS)} "
                              f"(default: all)")
+    parser.add_argument("--host-batches", default=None,
+                        help="comma-separated batch sizes of the host-time part (default: 1,64,256; the smoke run 1,4,8)")
     parser.add_argument("--smoke", action="store_true",
                         help="exercise every step on the CPU with a tiny model (checks the code, measures nothing useful)")
     args = parser.parse_args(argv)
@@ -53,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not parts_wanted:
         parser.error(f"--parts: {'unknown part(s) ' + ', '.join(unknown) if unknown else 'no part given'}; "
                      f"choose from {', '.join(PARTS)}")
+    host_batches = None
+    if args.host_batches is not None:
+        try:
+            host_batches = tuple(int(b) for b in args.host_batches.split(","))
+        except ValueError:
+            host_batches = ()
+        if not host_batches or min(host_batches) < 1:
+            parser.error(f"--host-batches: expected comma-separated positive ints, e.g. 1,2,4,8; got {args.host_batches!r}")
     if args.smoke:
         args.model, args.dtype, args.num_requests, args.decode_tokens = dict(SMOKE_CONFIG), "float32", 6, 8
         args.ttft_lengths, args.host_batches, args.max_len, device = (32, 64, 128), (1, 4, 8), 2048, "cpu"
@@ -63,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.ttft_lengths, args.host_batches, args.max_len, device = (1024, 4096, 16384), (1, 64, 256), 17408, "cuda"
         args.offline_lengths = (100, 1024)
-
+    args.host_batches = host_batches or args.host_batches
     from ninefold.llm.engine import LLMEngine
     from ninefold.runtime.profile import profile_device
 
