@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline rows-tests gemv-rows rows-ab tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -77,6 +77,9 @@ step_command() {
     dsl-bench-attention) echo 'python3 -m ninefold.bench.dsl --deadline 0 --only sdpa_causal,sdpa' ;;
     dsl-edges-cuda) echo 'python3 -m pytest tests/dsl/test_cpu_backend_edges.py -q -n 4 -p no:cacheprovider' ;;
     llm-edges-cuda) echo 'python3 -m pytest tests/llm/test_async_scheduling_edges.py tests/llm/test_async_scheduling.py -q -k cuda --timeout 150 -p no:cacheprovider' ;;
+    rows-tests) echo 'python3 -m pytest tests/ops/test_gemv_rows.py tests/ops/test_gemv_pdl_ops.py tests/ops/test_gemv_pdl.py tests/ops/test_fused_linear.py tests/llm/test_fused_decode.py -q -n 4 -rs -p no:cacheprovider' ;;
+    gemv-rows) echo 'python3 -m ninefold.bench.gemv_rows' ;;
+    rows-ab) echo 'T=$(find /tmp/nf-results/gemv-rows -name gemv_rows_table.json | head -1); echo "table: $T"; for arm in off table; do if [ $arm = off ]; then E="NINEFOLD_GEMV_ROWS=0"; else E="NINEFOLD_GEMV_ROWS_TABLE=$T"; fi; env $E python3 -m ninefold.bench.llm --parts host_overhead --host-batches 1,2,4,8,16,32 > $OUT/$arm.log 2>&1; echo "arm $arm ($E):"; grep -a "host ms per decode step" $OUT/$arm.log; done' ;;
     llm-host-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts host_overhead,offline --host-batches 1,2,4,8,16,32,64,128,256" ;;
     nccl-tests) echo 'python3 -m pytest tests/comm/test_collectives.py tests/llm/test_kv_transfer.py tests/llm/test_disagg_cluster.py tests/server/test_cuda.py -q -n 2 -rs -k cuda --timeout 150 -p no:cacheprovider' ;;
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;

@@ -20,26 +20,31 @@ from ninefold.ops import references as ref
 torch.manual_seed(0)
 n, k = 40, 512
 w, g = torch.randn(n, k), torch.randn(k)
-x, r, a = torch.randn(1, k), torch.randn(1, k), torch.randn(1, 2 * k)
 with ops.use(linear="triton_row", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
-    assert ops.choose("add_rms_norm_linear", x, r, g, w, 1e-5, None) == "triton"
-    assert ops.choose("silu_and_mul_linear", a, w, None) == "triton"
-    assert ops.choose("linear", x, w, None) == "triton_row"
-    y, total = ops.add_rms_norm_linear(x, r, g, w, 1e-5)
-    normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
-    assert y.shape == (1, n) and total.shape == (1, k)
-    assert torch.allclose(total.double(), want_total, atol=1e-6), "residual"
-    assert torch.allclose(y.double(), ref.linear(normed, w), atol=1e-3, rtol=1e-4), "add_rms_norm_linear"
-    y = ops.silu_and_mul_linear(a, w)
-    assert torch.allclose(y.double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-3, rtol=1e-4), "silu"
-    x3 = torch.randn(1, 1, k)
-    assert torch.allclose(ops.linear(x3, w).double(), ref.linear(x3, w), atol=1e-3, rtol=1e-4), "linear"
-    # three rows: the pinned implementation steps aside (with a warning) and the vendor pair runs
+    for rows in (1, 3, 16):  # one row: the batch-1 GEMV; 2..16: the few-rows GEMV
+        x, r, a = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
+        assert ops.choose("add_rms_norm_linear", x, r, g, w, 1e-5, None) == "triton"
+        assert ops.choose("silu_and_mul_linear", a, w, None) == "triton"
+        assert ops.choose("linear", x, w, None) == "triton_row"
+        y, total = ops.add_rms_norm_linear(x, r, g, w, 1e-5)
+        normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
+        assert y.shape == (rows, n) and total.shape == (rows, k)
+        assert torch.allclose(total.double(), want_total, atol=1e-6), ("residual", rows)
+        assert torch.allclose(y.double(), ref.linear(normed, w), atol=1e-3, rtol=1e-4), ("add_rms_norm_linear", rows)
+        y = ops.silu_and_mul_linear(a, w)
+        assert torch.allclose(y.double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-3, rtol=1e-4), ("silu", rows)
+        x3 = torch.randn(rows, 1, k)
+        assert torch.allclose(ops.linear(x3, w).double(), ref.linear(x3, w), atol=1e-3, rtol=1e-4), ("linear", rows)
+    # 17 rows, or the few-rows path turned off: the pinned implementation steps aside (with a warning)
+    import os
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        x2, r2 = torch.randn(3, k), torch.randn(3, k)
+        x2, r2 = torch.randn(17, k), torch.randn(17, k)
         assert ops.choose("add_rms_norm_linear", x2, r2, g, w, 1e-5, None) == "vendor"
+        os.environ["NINEFOLD_GEMV_ROWS"] = "0"
+        assert ops.choose("add_rms_norm_linear", x2[:3], r2[:3], g, w, 1e-5, None) == "vendor"
+        assert ops.choose("add_rms_norm_linear", x2[:1], r2[:1], g, w, 1e-5, None) == "triton"
 print("ok")
 """
 
@@ -50,7 +55,7 @@ def test_implementations_match_float64_in_the_interpreter():
 
 
 @pytest.mark.parametrize("args, reason", [
-    ((torch.randn(2, 64), torch.randn(8, 64)), "2 rows"),
+    ((torch.randn(17, 64), torch.randn(8, 64)), "17 rows: at most 16"),
     ((torch.randn(1, 64), torch.randn(8, 64), torch.randn(8)), "no bias"),
     ((torch.randn(1, 64), torch.randn(8, 64)), "CUDA only"),
 ])
@@ -141,3 +146,40 @@ def test_launch_table_file_and_override(tmp_path, monkeypatch):
     monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="NINEFOLD_GEMV_TABLE=.*JSON list"):
         go.config(1, 2)
+
+
+def test_rows_table_by_bucket_file_override_and_decline(tmp_path, monkeypatch):
+    import json
+
+    assert [go.rows_bucket(r) for r in (2, 3, 4, 5, 8, 9, 16)] == [2, 4, 4, 8, 8, 16, 16]
+    monkeypatch.delenv("NINEFOLD_GEMV_ROWS_TABLE", raising=False)
+    assert go.rows_config(4096, 4096, "none", 3) == (32, 256, 2, 4, 3)  # untuned: split narrow outputs
+    assert go.rows_config(28672, 4096, "none", 3)[2] == 1 and go.rows_config(24, 64)[1] == 64
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"n": 4096, "k": 4096, "prologue": "none", "rows": 4, "config": [64, 256, 4, 4, 4]},
+                                {"n": 4096, "k": 4096, "prologue": "none", "rows": 16, "config": []}]))
+    monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(path))
+    assert go.rows_config(4096, 4096, "none", 3) == (64, 256, 4, 4, 4)
+    assert go.rows_config(4096, 4096, "none", 2) == (32, 256, 2, 4, 3)  # bucket 2 is not in the file
+    assert go.rows_config(4096, 4096, "none", 16) == ()
+    monkeypatch.setitem(go.ROWS_OVERRIDE, (4096, 4096, "none", 4), (16, 256, 1, 4, 3))
+    assert go.rows_config(4096, 4096, "none", 4) == (16, 256, 1, 4, 3)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"n": 1, "k": 2, "prologue": "none", "rows": 2, "config": [1, 2]}]))
+    monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(bad))
+    with pytest.raises(ValueError, match="NINEFOLD_GEMV_ROWS_TABLE=.*5 integers"):
+        go.rows_config(1, 2, "none", 2)
+
+
+def test_a_declined_rows_bucket_is_named(tmp_path, monkeypatch):
+    import json
+
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"n": 8, "k": 64, "prologue": "none", "rows": 16, "config": []}]))
+    monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(path))
+    monkeypatch.setattr(go, "_INTERPRETED", True)  # the device check passes for CPU tensors
+    x, w = torch.randn(12, 64), torch.randn(8, 64)
+    assert "cuBLAS measured faster" in go._kernel_reason(x, w, 64)
+    assert go._kernel_reason(x[:3], w, 64) is None
+    monkeypatch.setenv("NINEFOLD_GEMV_ROWS", "0")
+    assert "NINEFOLD_GEMV_ROWS=0" in go._kernel_reason(x[:3], w, 64)

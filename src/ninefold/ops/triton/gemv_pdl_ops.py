@@ -1,11 +1,12 @@
-"""Operator implementations over the batch-1 GEMV (``ninefold.ops.triton.gemv_pdl``).
+"""Operator implementations over the batch-1 GEMV (``ninefold.ops.triton.gemv_pdl``) and its
+few-rows sibling (``ninefold.ops.triton.gemv_rows``, 2..16 rows).
 
-- :func:`linear` (``triton_row`` of ``ops.linear``): ``x @ weight.T`` for one row;
+- :func:`linear` (``triton_row`` of ``ops.linear``): ``x @ weight.T`` for 1..16 rows;
 - :func:`add_rms_norm_linear` (``triton`` of ``ops.add_rms_norm_linear``): the residual add and
   RMSNorm in the GEMV's prologue;
 - :func:`silu_and_mul_linear` (``triton`` of ``ops.silu_and_mul_linear``): SwiGLU in the prologue.
 
-Each covers one row on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
+Each covers 1..16 rows on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
 functions name what they refuse); dispatch falls back to the vendor implementations otherwise.
 Measured on the H200 (``python -m ninefold.bench.decode_chain``, 8B shapes, 32 layers, context 256,
 CUDA graphs, run 2 at 16:21 UTC): the GEMV beats cuBLAS on every shape (q/k/v 12.9 vs 16.7 us, o 9.4
@@ -13,6 +14,8 @@ vs 13.1, down 29.3 vs 31.9; gate_up and lm_head by 2-5%), and the decode step th
 operators took 4.290 ms per token without PDL and 4.157 ms with it (85% of the copy-bandwidth
 roofline), against 4.653 ms with cuBLAS and the separate norm/activation kernels. PDL is on where
 Triton and the GPU support it (sm_90+); ``NINEFOLD_GEMV_PDL=0`` turns it off.
+The 2..16-row path (``NINEFOLD_GEMV_ROWS=0`` turns it off, leaving those calls to cuBLAS and the
+unfused pairs) takes its launch configurations from ``ROWS_TABLE`` (or ``NINEFOLD_GEMV_ROWS_TABLE``).
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors without PDL (how the CPU tests reach them).
 """
 
@@ -24,7 +27,7 @@ import os
 
 import torch
 
-from ninefold.ops.triton import gemv_pdl
+from ninefold.ops.triton import gemv_pdl, gemv_rows
 
 # (N, K[, prologue]) -> (block_n, block_k, split_k, num_warps, num_stages, variant): the H200 sweep's
 # picks (variant 0: register loop, 1: tl.dot loop, 2: register loop with two tiles in flight).
@@ -64,6 +67,62 @@ def _file_table(path: str) -> dict:
     return table
 
 
+# (N, K, prologue, rows bucket) -> (block_n, block_k, split_k, num_warps, num_stages) of the 2..16-row GEMV,
+# or () where cuBLAS and the unfused pair measured faster (the call is then declined). Rows buckets: 2, 4, 8, 16
+# (the row count rounded up to a power of two).
+ROWS_TABLE: dict[tuple, tuple] = {}
+ROWS_OVERRIDE: dict[tuple, tuple] = {}  # benchmarks set it
+
+
+def rows_bucket(rows: int) -> int:
+    """The rows bucket of a call: ``rows`` rounded up to a power of two (2, 4, 8 or 16)."""
+    return 1 << max(rows - 1, 1).bit_length()
+
+
+@functools.cache
+def _rows_file_table(path: str) -> dict:
+    """``NINEFOLD_GEMV_ROWS_TABLE``: a JSON list of ``{"n", "k", "prologue", "rows", "config"}`` with 5-integer
+    configs or ``[]`` (what ``python -m ninefold.bench.gemv_rows`` writes as ``$OUT/gemv_rows_table.json``)."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        table = {(int(e["n"]), int(e["k"]), str(e["prologue"]), int(e["rows"])): tuple(int(v) for v in e["config"])
+                 for e in entries}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"NINEFOLD_GEMV_ROWS_TABLE={path!r}: expected a JSON list of {{n, k, prologue, rows, "
+                         f"config}} entries ({error})") from None
+    for key, cfg in table.items():
+        if len(cfg) not in (0, 5):
+            raise ValueError(f"NINEFOLD_GEMV_ROWS_TABLE={path!r}: config of {key} must have 5 integers "
+                             f"(block_n, block_k, split_k, num_warps, num_stages) or none, got {cfg}")
+    return table
+
+
+def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16) -> tuple:
+    """The launch configuration of the few-rows GEMV for ``rows`` rows of an ``[n, k]`` weight with
+    ``prologue``: ``ROWS_OVERRIDE``, then the ``NINEFOLD_GEMV_ROWS_TABLE`` file, then ``ROWS_TABLE``
+    (each by rows bucket); else 32 columns per program, split-K over 2 for outputs narrower than 8192
+    columns, 3 pipeline stages. ``()``: a table measured cuBLAS faster for this call."""
+    key = (n, k, prologue, rows_bucket(rows))
+    found = ROWS_OVERRIDE.get(key)
+    path = os.environ.get("NINEFOLD_GEMV_ROWS_TABLE")
+    if found is None and path:
+        found = _rows_file_table(path).get(key)
+    if found is None:
+        found = ROWS_TABLE.get(key)
+    if found is not None:
+        return found
+    block_k = 256 if k % 256 == 0 else 64
+    split_k = 2 if n < 8192 and k % (2 * block_k) == 0 else 1
+    return 32, block_k, split_k, 4, 3
+
+
+def rows_enabled() -> bool:
+    """Whether calls of 2..16 rows take the few-rows GEMV: yes unless ``NINEFOLD_GEMV_ROWS=0`` (read
+    at every call, so at graph capture)."""
+    return os.environ.get("NINEFOLD_GEMV_ROWS", "1") != "0"
+
+
 def config(n: int, k: int, prologue: str = "none") -> tuple:
     """The launch configuration for an ``[n, k]`` weight with ``prologue``: ``OVERRIDE``, then the
     ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE``; else split-K over 2 for narrow outputs (fewer than
@@ -90,6 +149,21 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str 
         return f"device {x.device.type}: CUDA only (or the CPU under TRITON_INTERPRET=1)"
     if weight.stride(1) != 1 or not x.is_contiguous():
         return "weight rows and x must be contiguous"
+    rows = _rows(x)
+    if rows > gemv_rows.MAX_ROWS:
+        return f"{rows} rows: at most {gemv_rows.MAX_ROWS}"
+    if rows > 1:
+        if not rows_enabled():
+            return f"{rows} rows: the few-rows GEMV is off (NINEFOLD_GEMV_ROWS=0)"
+        found = rows_config(weight.shape[0], k, prologue, rows)
+        if not found:
+            return f"{rows} rows of [{weight.shape[0]}, {k}]: cuBLAS measured faster (the few-rows GEMV's table)"
+        _, block_k, split_k, *_ = found
+        if k % (block_k * split_k):
+            return f"K = {k} is not a multiple of {block_k * split_k}"
+        return None
+    if rows < 1:
+        return "no rows"
     _, block_k, split_k, *_, variant = config(weight.shape[0], k, prologue)
     if k % (block_k * split_k):
         return f"K = {k} is not a multiple of {block_k * split_k}"
@@ -106,8 +180,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """``None`` when :func:`linear` runs this call, else the reason it does not."""
     if bias is not None:
         return "no bias"
-    if _rows(x) != 1:
-        return f"{_rows(x)} rows: one row only"
+    if _rows(x) > gemv_rows.MAX_ROWS:
+        return f"{_rows(x)} rows: at most {gemv_rows.MAX_ROWS}"
     return _kernel_reason(x, weight, weight.shape[1])
 
 
@@ -118,14 +192,20 @@ def pdl_enabled() -> bool:
 
 
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
-    bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue)
+    """One kernel for ``x`` of 1..16 rows (``[..., width]``, contiguous); returns ``[rows, N]`` or ``[N]``."""
     pdl = x.device.type == "cuda" and pdl_enabled() and gemv_pdl.pdl_available(x.device)
+    rows = _rows(x)
+    if rows > 1:
+        bn, bk, sk, nw, ns = rows_config(weight.shape[0], weight.shape[1], prologue, rows)
+        return gemv_rows.gemv_rows(x.reshape(rows, -1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
+                                   block_k=bk, num_warps=nw, num_stages=ns, **kw)
+    bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue)
     return gemv_pdl.gemv_pdl(x.reshape(-1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
                              block_k=bk, num_warps=nw, num_stages=ns, dot=dot == 1, depth=2 if dot == 2 else 1, **kw)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for one row ``x [..., K]`` (``supports`` must have said yes) -> ``[..., N]``."""
+    """``x @ weight.T`` for 1..16 rows ``x [..., K]`` (``supports`` must have said yes) -> ``[..., N]``."""
     if bias is not None:
         raise ValueError("gemv_pdl_ops.linear: bias is not supported (got a bias tensor); use ops.linear")
     return _launch(x, weight).reshape(*x.shape[:-1], weight.shape[0])
@@ -137,18 +217,19 @@ def supports_add_rms_norm_linear(x, residual, norm_weight, weight, eps=1e-6, bia
         return "residual and norm_weight must be contiguous"
     if bias is not None:
         return "no bias"
-    if _rows(x) != 1:
-        return f"{_rows(x)} rows: one row only"
+    if _rows(x) > gemv_rows.MAX_ROWS:
+        return f"{_rows(x)} rows: at most {gemv_rows.MAX_ROWS}"
     return _kernel_reason(x, weight, weight.shape[1], "add_rms_norm")
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                         eps: float = 1e-6, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.add_rms_norm_linear`` for one row in one kernel: every program recomputes the row's
-    norm (the sum rounded to x's dtype first, as ``ops.add_rms_norm`` does); the first writes the sum."""
+    """``ops.add_rms_norm_linear`` for 1..16 rows in one kernel: every program recomputes the rows'
+    norms (the sum rounded to x's dtype first, as ``ops.add_rms_norm`` does); the first writes the sum."""
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = _launch(x, weight, prologue="add_rms_norm", residual=residual.reshape(-1), norm_weight=norm_weight,
-                eps=eps, residual_out=total.reshape(-1))
+    shape = (-1,) if _rows(x) == 1 else (_rows(x), x.shape[-1])
+    y = _launch(x, weight, prologue="add_rms_norm", residual=residual.reshape(shape), norm_weight=norm_weight,
+                eps=eps, residual_out=total.reshape(shape))
     return y.reshape(*x.shape[:-1], weight.shape[0]), total
 
 
@@ -156,13 +237,13 @@ def supports_silu_and_mul_linear(x, weight, bias=None) -> str | None:
     """``None`` when :func:`silu_and_mul_linear` runs this call, else the reason it does not."""
     if bias is not None:
         return "no bias"
-    if _rows(x) != 1:
-        return f"{_rows(x)} rows: one row only"
+    if _rows(x) > gemv_rows.MAX_ROWS:
+        return f"{_rows(x)} rows: at most {gemv_rows.MAX_ROWS}"
     return _kernel_reason(x, weight, weight.shape[1], "silu_and_mul")
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.silu_and_mul_linear`` for one row ``x [..., 2K]`` in one kernel (the gate in the prologue)."""
+    """``ops.silu_and_mul_linear`` for 1..16 rows ``x [..., 2K]`` in one kernel (the gate in the prologue)."""
     return _launch(x, weight, prologue="silu_and_mul").reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -1,0 +1,178 @@
+"""The few-rows GEMV against cuBLAS and the unfused pair: ``python -m ninefold.bench.gemv_rows`` (GPU).
+
+For each Llama-3.1-8B decode layer (q/k/v and gate_up with the residual add + RMSNorm before them, o,
+down with the SwiGLU gate before it, the output layer) at 2, 4, 8 and 16 rows: the time per call of
+what the engine runs without the few-rows GEMV (the operators' norm or activation kernel, then
+``F.linear``) and of each ``ninefold.ops.triton.gemv_rows`` configuration (with PDL where available),
+as CUDA graphs of back-to-back calls that cycle through copies of the weight so that L2 does not
+serve it. Every configuration is checked against a float32 product before it is timed.
+
+Prints a table; writes ``$OUT/gemv_rows.json`` (every timing) and ``$OUT/gemv_rows_table.json`` (per
+layer and rows bucket, the fastest configuration, or ``[]`` where the unfused pair was faster), which
+``NINEFOLD_GEMV_ROWS_TABLE`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K, prologue) of the Llama-3.1-8B layers a decode step runs.
+LAYERS = (("qkv", 6144, 4096, "add_rms_norm"), ("o", 4096, 4096, "none"), ("gate_up", 28672, 4096, "add_rms_norm"),
+          ("down", 4096, 14336, "silu_and_mul"), ("lm_head", 128256, 4096, "none"))
+ROWS = (2, 4, 8, 16)
+EPS = 1e-5
+
+
+def candidates(n: int, k: int) -> list[tuple]:
+    """(block_n, block_k, split_k, num_warps, num_stages) tried for an ``[n, k]`` weight."""
+    splits = (1, 2, 4) if n < 8192 else (1,)
+    widths = (32, 64) if n > 100_000 else (16, 32, 64)
+    return [(bn, 256, sk, 4, ns) for bn, sk, ns in itertools.product(widths, splits, (3, 4)) if k % (256 * sk) == 0]
+
+
+def _inputs(rows: int, k: int, prologue: str, device, dtype) -> tuple[dict, torch.Tensor]:
+    """Keyword arguments of a ``gemv_rows`` call and the float32 activations its product should see."""
+    if prologue == "add_rms_norm":
+        x, r = (torch.randn(rows, k, device=device).to(dtype) for _ in range(2))
+        g = torch.randn(k, device=device).to(dtype)
+        s = (x.float() + r.float()).to(dtype).float()
+        xin = ((s * torch.rsqrt((s * s).mean(-1, keepdim=True) + EPS)).to(dtype).float() * g.float()).to(dtype).float()
+        return dict(x=x, residual=r, norm_weight=g, eps=EPS, residual_out=torch.empty_like(r)), xin
+    if prologue == "silu_and_mul":
+        a = torch.randn(rows, 2 * k, device=device).to(dtype)
+        return dict(x=a), (F.silu(a[:, :k].float()).to(dtype).float() * a[:, k:].float()).to(dtype).float()
+    x = torch.randn(rows, k, device=device).to(dtype)
+    return dict(x=x), x.float()
+
+
+def _unfused(kw: dict, w: torch.Tensor, prologue: str) -> torch.Tensor:
+    """What the engine runs without the few-rows GEMV: the operator before the product, then cuBLAS."""
+    import ninefold.ops as ops
+
+    if prologue == "add_rms_norm":
+        x, _ = ops.add_rms_norm(kw["x"], kw["residual"], kw["norm_weight"], EPS)
+    elif prologue == "silu_and_mul":
+        x = ops.silu_and_mul(kw["x"])
+    else:
+        x = kw["x"]
+    return F.linear(x, w)
+
+
+def graph_us(fn, calls: int, replays: int = 20) -> float:
+    """Microseconds per call of ``fn`` (``calls`` back-to-back calls captured in one CUDA graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * calls))
+    del graph
+    return best
+
+
+def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: list[torch.Tensor], pdl: bool,
+                bandwidth: float) -> dict:
+    """The unfused pair and every candidate for one layer at ``rows`` rows."""
+    from ninefold.ops.triton.gemv_rows import gemv_rows
+
+    w0 = copies[0]
+    kw, xin = _inputs(rows, k, prologue, w0.device, w0.dtype)
+    want = xin @ w0.float().T
+    calls = 2 * len(copies)
+    row = {"layer": name, "n": n, "k": k, "prologue": prologue, "rows": rows,
+           "bound_us": n * k * w0.element_size() / bandwidth * 1e6}
+    row["unfused_us"] = graph_us(lambda i: _unfused(kw, copies[i % len(copies)], prologue), calls)
+    row["configs"] = []
+    x = kw["x"]
+    for cfg in candidates(n, k):
+        bn, bk, sk, nw, ns = cfg
+        args = {key: v for key, v in kw.items() if key != "x"}
+        args.update(prologue=prologue, split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        entry = {"config": list(cfg)}
+        try:
+            y = gemv_rows(x, w0, **args)
+            err = ((y.float() - want).abs().max() / want.abs().max()).item()
+            if not err < 2e-2:
+                raise AssertionError(f"relative error {err:.3g}")
+            entry["us"] = graph_us(lambda i, a=args: gemv_rows(x, copies[i % len(copies)], **a), calls)
+        except Exception as error:  # reported per configuration; the others still run
+            entry["error"] = repr(error)[:300]
+        row["configs"].append(entry)
+    timed = [c for c in row["configs"] if "us" in c]
+    if timed:
+        best = min(timed, key=lambda c: c["us"])
+        row["best"], row["best_us"] = best["config"], best["us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ninefold.bench.gemv_rows", description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", default=",".join(name for name, *_ in LAYERS))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ninefold.bench.gemv_rows needs a CUDA device; nothing measured.", file=sys.stderr)
+        return 2
+    from ninefold.ops.triton import gemv_pdl
+    from ninefold.runtime.profile import profile_device
+
+    wanted = set(args.layers.split(","))
+    rows_list = [int(r) for r in args.rows.split(",")]
+    pdl = gemv_pdl.pdl_available()
+    bandwidth = profile_device("cuda").bandwidth["copy"]
+    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e9:.0f} GB/s, PDL {'on' if pdl else 'off'}")
+    torch.manual_seed(0)
+    results, table, t0 = [], [], time.perf_counter()
+    for name, n, k, prologue in LAYERS:
+        if name not in wanted:
+            continue
+        count = max(2, math.ceil((256 << 20) / (n * k * 2)))
+        copies = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(count)]
+        for rows in rows_list:
+            row = bench_layer(name, n, k, prologue, rows, copies, pdl, bandwidth)
+            results.append(row)
+            best = row.get("best_us", float("nan"))
+            faster = best < row["unfused_us"]
+            table.append({"n": n, "k": k, "prologue": prologue, "rows": rows, "config": row["best"] if faster else []})
+            print(f"{name:8s} rows {rows:2d}: bound {row['bound_us']:7.1f} us | unfused {row['unfused_us']:7.1f} | "
+                  f"few-rows GEMV {best:7.1f} ({row['unfused_us'] / best:.2f}x) {row.get('best')} "
+                  f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gemv_rows.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl,
+                       "results": results}, f, indent=1)
+        with open(os.path.join(out, "gemv_rows_table.json"), "w") as f:
+            json.dump(table, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
