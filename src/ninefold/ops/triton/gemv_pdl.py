@@ -67,17 +67,28 @@ def _pdl_on(index: int) -> bool:
 
 
 @triton.jit
+def rms_normed(h, r, rstd, g, x_ptr):
+    """``rms_norm(h + r) * g`` in float32 with the model's roundings to x's dtype (the sum, the normalised
+    value, the product): the add+RMSNorm prologue of the GEMVs (``rstd`` broadcasts against ``h``)."""
+    s = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x = (s * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * g.to(tl.float32)
+    return x.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def silu_gated(a, b, x_ptr):
+    """``silu(a) * b`` in float32, the gate rounded to x's dtype first and the product after (SwiGLU prologue)."""
+    a = a.to(tl.float32)
+    x = (a / (1.0 + tl.exp(-a))).to(x_ptr.dtype.element_ty).to(tl.float32) * b.to(tl.float32)
+    return x.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _x_chunk(x_ptr, r_ptr, g_ptr, kk, rstd, K, PROLOGUE: tl.constexpr):
     if PROLOGUE == 1:
-        s = (tl.load(x_ptr + kk).to(tl.float32) + tl.load(r_ptr + kk).to(tl.float32))
-        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (s * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * tl.load(g_ptr + kk).to(tl.float32)
-        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = rms_normed(tl.load(x_ptr + kk), tl.load(r_ptr + kk), rstd, tl.load(g_ptr + kk), x_ptr)
     elif PROLOGUE == 2:
-        a = tl.load(x_ptr + kk).to(tl.float32)
-        b = tl.load(x_ptr + K + kk).to(tl.float32)
-        x = (a / (1.0 + tl.exp(-a))).to(x_ptr.dtype.element_ty).to(tl.float32) * b
-        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = silu_gated(tl.load(x_ptr + kk), tl.load(x_ptr + K + kk), x_ptr)
     else:
         x = tl.load(x_ptr + kk).to(tl.float32)
     return x

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.gemv_pdl import PROLOGUES, WORKSPACE, pdl_available
+from ninefold.ops.triton.gemv_pdl import PROLOGUES, WORKSPACE, pdl_available, rms_normed, silu_gated
 from ninefold.ops.triton.launch import Launcher
 
 MIN_ROWS, MAX_ROWS = 2, 16
@@ -42,15 +42,11 @@ def _rows_chunk(x_ptr, r_ptr, g_ptr, rows, rows_ok, kk, rstd, stride_x, K, PROLO
     offs = rows[:, None] * stride_x + kk[None, :]
     ok = rows_ok[:, None]
     if PROLOGUE == 1:
-        s = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-             + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32))
-        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (s * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * tl.load(g_ptr + kk).to(tl.float32)[None, :]
-        x = x.to(x_ptr.dtype.element_ty)
+        x = rms_normed(tl.load(x_ptr + offs, mask=ok, other=0.0), tl.load(r_ptr + offs, mask=ok, other=0.0),
+                       rstd[:, None], tl.load(g_ptr + kk)[None, :], x_ptr).to(x_ptr.dtype.element_ty)
     elif PROLOGUE == 2:
-        a = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(x_ptr + offs + K, mask=ok, other=0.0).to(tl.float32)
-        x = ((a / (1.0 + tl.exp(-a))).to(x_ptr.dtype.element_ty).to(tl.float32) * b).to(x_ptr.dtype.element_ty)
+        x = silu_gated(tl.load(x_ptr + offs, mask=ok, other=0.0), tl.load(x_ptr + offs + K, mask=ok, other=0.0),
+                       x_ptr).to(x_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + offs, mask=ok, other=0.0)
     return x
