@@ -21,7 +21,7 @@ torch.manual_seed(0)
 n, k = 40, 512
 w, g = torch.randn(n, k), torch.randn(k)
 with ops.use(linear="triton_row", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
-    for rows in (1, 3, 16):  # one row: the batch-1 GEMV; 2..16: the few-rows GEMV
+    for rows in (1, 3, 16, 21):  # one row: the batch-1 GEMV; 2..32: the few-rows GEMV
         x, r, a = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
         assert ops.choose("add_rms_norm_linear", x, r, g, w, 1e-5, None) == "triton"
         assert ops.choose("silu_and_mul_linear", a, w, None) == "triton"
@@ -35,12 +35,12 @@ with ops.use(linear="triton_row", add_rms_norm_linear="triton", silu_and_mul_lin
         assert torch.allclose(y.double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-3, rtol=1e-4), ("silu", rows)
         x3 = torch.randn(rows, 1, k)
         assert torch.allclose(ops.linear(x3, w).double(), ref.linear(x3, w), atol=1e-3, rtol=1e-4), ("linear", rows)
-    # 17 rows, or the few-rows path turned off: the pinned implementation steps aside (with a warning)
+    # 33 rows, or the few-rows path turned off: the pinned implementation steps aside (with a warning)
     import os
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        x2, r2 = torch.randn(17, k), torch.randn(17, k)
+        x2, r2 = torch.randn(33, k), torch.randn(33, k)
         assert ops.choose("add_rms_norm_linear", x2, r2, g, w, 1e-5, None) == "vendor"
         os.environ["NINEFOLD_GEMV_ROWS"] = "0"
         assert ops.choose("add_rms_norm_linear", x2[:3], r2[:3], g, w, 1e-5, None) == "vendor"
@@ -55,7 +55,7 @@ def test_implementations_match_float64_in_the_interpreter():
 
 
 @pytest.mark.parametrize("args, reason", [
-    ((torch.randn(17, 64), torch.randn(8, 64)), "17 rows: at most 16"),
+    ((torch.randn(33, 64), torch.randn(8, 64)), "33 rows: at most 32"),
     ((torch.randn(1, 64), torch.randn(8, 64), torch.randn(8)), "no bias"),
     ((torch.randn(1, 64), torch.randn(8, 64)), "CUDA only"),
 ])
@@ -151,7 +151,7 @@ def test_launch_table_file_and_override(tmp_path, monkeypatch):
 def test_rows_table_by_bucket_file_override_and_decline(tmp_path, monkeypatch):
     import json
 
-    assert [go.rows_bucket(r) for r in (2, 3, 4, 5, 8, 9, 16)] == [2, 4, 4, 8, 8, 16, 16]
+    assert [go.rows_bucket(r) for r in (2, 3, 4, 5, 8, 9, 16, 17, 32)] == [2, 4, 4, 8, 8, 16, 16, 32, 32]
     monkeypatch.delenv("NINEFOLD_GEMV_ROWS_TABLE", raising=False)
     assert go.rows_config(4096, 4096, "none", 3) == (32, 256, 2, 4, 3)  # untuned: split narrow outputs
     assert go.rows_config(28672, 4096, "none", 3)[2] == 1 and go.rows_config(24, 64)[1] == 64
@@ -178,7 +178,7 @@ def test_a_declined_rows_bucket_is_named(tmp_path, monkeypatch):
     path.write_text(json.dumps([{"n": 8, "k": 64, "prologue": "none", "rows": 16, "config": []}]))
     monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(path))
     monkeypatch.setattr(go, "_INTERPRETED", True)  # the device check passes for CPU tensors
-    x, w = torch.randn(12, 64), torch.randn(8, 64)
+    x, w = torch.randn(12, 64), torch.randn(8, 64)  # 12 rows: bucket 16
     assert "cuBLAS measured faster" in go._kernel_reason(x, w, 64)
     assert go._kernel_reason(x[:3], w, 64) is None
     monkeypatch.setenv("NINEFOLD_GEMV_ROWS", "0")

@@ -35,7 +35,7 @@ from tests.ops.test_gemv_rows import _references
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
     for m, n, k, split_k, block_k in ((2, 50, 256, 1, 64), (5, 50, 256, 2, 64), (16, 33, 512, 4, 128),
-                                      (9, 16, 128, 1, 128)):
+                                      (9, 16, 128, 1, 128), (20, 40, 256, 2, 64)):
         w = torch.randn(n, k).to(dtype)
         x, r = torch.randn(m, k).to(dtype), torch.randn(m, k).to(dtype)
         g, a = torch.randn(k).to(dtype), torch.randn(m, 2 * k).to(dtype)
@@ -70,8 +70,8 @@ def test_matches_float64_in_the_interpreter():
     (4, dict(split_k=3), "multiple of split_k"),
     (4, dict(prologue="add_rms_norm"), r"needs a contiguous \[4, 256\] residual"),
     (4, dict(prologue="silu_and_mul"), r"x must be a contiguous \[M, 512\] tensor"),
-    (1, {}, r"2 <= M <= 16 .* got shape \(1, 256\)"),
-    (17, {}, r"2 <= M <= 16 .* got shape \(17, 256\)"),
+    (1, {}, r"2 <= M <= 32 .* got shape \(1, 256\)"),
+    (33, {}, r"2 <= M <= 32 .* got shape \(33, 256\)"),
 ])
 def test_bad_arguments_raise_value_error(rows, kwargs, match):
     w, x = torch.randn(8, 256), torch.randn(rows, 256)
@@ -97,12 +97,12 @@ def test_pdl_refused_without_a_hopper_gpu():
         gr.gemv_rows(torch.randn(2, 64), torch.randn(8, 64), pdl=True, block_k=64)
 
 
-def _compile_sm90(prologue: int, split_k: int):
+def _compile_sm90(prologue: int, split_k: int, block_m: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = gr.gemv_rows_kernel
-    consts = dict(PROLOGUE=prologue, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_GDC=True,
+    consts = dict(PROLOGUE=prologue, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_GDC=True,
                   PRECISION="tf32", NORM_BLOCK=gr.NORM_BLOCK)
     types = dict(ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_x="i32", stride_wn="i32",
                  eps="fp32")
@@ -114,9 +114,9 @@ def _compile_sm90(prologue: int, split_k: int):
 
 
 @pytest.mark.skipif(not gp.pdl_api(), reason="this Triton has no gdc_wait/launch_pdl")
-@pytest.mark.parametrize("prologue, split_k", [(0, 1), (1, 2), (2, 1), (2, 4)])
-def test_sm90_code_loads_weights_before_waiting(prologue, split_k):
-    compiled = _compile_sm90(prologue, split_k)
+@pytest.mark.parametrize("prologue, split_k, block_m", [(0, 1, 16), (1, 2, 16), (2, 1, 16), (2, 4, 32), (1, 1, 32)])
+def test_sm90_code_loads_weights_before_waiting(prologue, split_k, block_m):
+    compiled = _compile_sm90(prologue, split_k, block_m)
     ptx = compiled.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
     trigger = next(i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line)
@@ -131,7 +131,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("rows", [2, 7, 16])
+@pytest.mark.parametrize("rows", [2, 7, 16, 29])
 def test_cuda_chain_matches_float64_eager_and_in_a_graph(pdl, rows):
     if pdl and not gp.pdl_available():
         pytest.skip("no PDL on this GPU/Triton")

@@ -1,7 +1,7 @@
 """The few-rows GEMV against cuBLAS and the unfused pair: ``python -m ninefold.bench.gemv_rows`` (GPU).
 
 For each Llama-3.1-8B decode layer (q/k/v and gate_up with the residual add + RMSNorm before them, o,
-down with the SwiGLU gate before it, the output layer) at 2, 4, 8 and 16 rows: the time per call of
+down with the SwiGLU gate before it, the output layer) at 2, 4, 8, 16 and 32 rows: the time per call of
 what the engine runs without the few-rows GEMV (the operators' norm or activation kernel, then
 ``F.linear``) and of each ``ninefold.ops.triton.gemv_rows`` configuration (with PDL where available),
 as CUDA graphs of back-to-back calls that cycle through copies of the weight so that L2 does not
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 # (name, N, K, prologue) of the Llama-3.1-8B layers a decode step runs.
 LAYERS = (("qkv", 6144, 4096, "add_rms_norm"), ("o", 4096, 4096, "none"), ("gate_up", 28672, 4096, "add_rms_norm"),
           ("down", 4096, 14336, "silu_and_mul"), ("lm_head", 128256, 4096, "none"))
-ROWS = (2, 4, 8, 16)
+ROWS = (2, 4, 8, 16, 32)
 EPS = 1e-5
 
 

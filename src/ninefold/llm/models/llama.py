@@ -25,7 +25,7 @@ from ninefold.runtime.memory import WeightStore
 
 # Steps of at most this many tokens call the fused norm/activation + linear operators (decode steps of few
 # sequences, where ops.triton's GEMVs fuse them; elsewhere the operators run the unfused pair).
-FUSED_MAX_ROWS = 16
+FUSED_MAX_ROWS = 32
 # "auto" keeps a dense copy of packed layer matrices for prefill while it costs at most this.
 DENSE_COPY_BUDGET = 2 << 30
 
@@ -216,7 +216,7 @@ class LlamaForCausalLM:
             return self._cpu_decoder.forward(input_ids, positions, meta)
         eps = self.config.rms_norm_eps
         hidden = ops.embedding(input_ids, self.embed)
-        # Up to 16 rows on a GPU (decode steps of few sequences): the norms run in the prologues of the
+        # Up to 32 rows on a GPU (decode steps of few sequences): the norms run in the prologues of the
         # q/k/v and gate_up GEMVs and the SwiGLU gate in down's (ops.*_linear; one kernel each where a
         # GEMV applies, the unfused pair otherwise). Other shapes and the CPU take the unfused path.
         fuse = hidden.shape[0] <= FUSED_MAX_ROWS and hidden.is_cuda and not self.packed

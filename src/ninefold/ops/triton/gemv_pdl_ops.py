@@ -1,12 +1,12 @@
 """Operator implementations over the batch-1 GEMV (``ninefold.ops.triton.gemv_pdl``) and its
-few-rows sibling (``ninefold.ops.triton.gemv_rows``, 2..16 rows).
+few-rows sibling (``ninefold.ops.triton.gemv_rows``, 2..32 rows).
 
-- :func:`linear` (``triton_row`` of ``ops.linear``): ``x @ weight.T`` for 1..16 rows;
+- :func:`linear` (``triton_row`` of ``ops.linear``): ``x @ weight.T`` for 1..32 rows;
 - :func:`add_rms_norm_linear` (``triton`` of ``ops.add_rms_norm_linear``): the residual add and
   RMSNorm in the GEMV's prologue;
 - :func:`silu_and_mul_linear` (``triton`` of ``ops.silu_and_mul_linear``): SwiGLU in the prologue.
 
-Each covers 1..16 rows on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
+Each covers 1..32 rows on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
 functions name what they refuse); dispatch falls back to the vendor implementations otherwise.
 Measured on the H200 (``python -m ninefold.bench.decode_chain``, 8B shapes, 32 layers, context 256,
 CUDA graphs, run 2 at 16:21 UTC): the GEMV beats cuBLAS on every shape (q/k/v 12.9 vs 16.7 us, o 9.4
@@ -14,7 +14,7 @@ vs 13.1, down 29.3 vs 31.9; gate_up and lm_head by 2-5%), and the decode step th
 operators took 4.290 ms per token without PDL and 4.157 ms with it (85% of the copy-bandwidth
 roofline), against 4.653 ms with cuBLAS and the separate norm/activation kernels. PDL is on where
 Triton and the GPU support it (sm_90+); ``NINEFOLD_GEMV_PDL=0`` turns it off.
-The 2..16-row path (``NINEFOLD_GEMV_ROWS=0`` turns it off, leaving those calls to cuBLAS and the
+The 2..32-row path (``NINEFOLD_GEMV_ROWS=0`` turns it off, leaving those calls to cuBLAS and the
 unfused pairs) takes its launch configurations from ``ROWS_TABLE`` (or ``NINEFOLD_GEMV_ROWS_TABLE``).
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors without PDL (how the CPU tests reach them).
 """
@@ -67,15 +67,15 @@ def _file_table(path: str) -> dict:
     return table
 
 
-# (N, K, prologue, rows bucket) -> (block_n, block_k, split_k, num_warps, num_stages) of the 2..16-row GEMV,
-# or () where cuBLAS and the unfused pair measured faster (the call is then declined). Rows buckets: 2, 4, 8, 16
-# (the row count rounded up to a power of two).
+# (N, K, prologue, rows bucket) -> (block_n, block_k, split_k, num_warps, num_stages) of the 2..32-row GEMV,
+# or () where cuBLAS and the unfused pair measured faster (the call is then declined). Rows buckets: 2, 4, 8, 16,
+# 32 (the row count rounded up to a power of two).
 ROWS_TABLE: dict[tuple, tuple] = {}
 ROWS_OVERRIDE: dict[tuple, tuple] = {}  # benchmarks set it
 
 
 def rows_bucket(rows: int) -> int:
-    """The rows bucket of a call: ``rows`` rounded up to a power of two (2, 4, 8 or 16)."""
+    """The rows bucket of a call: ``rows`` rounded up to a power of two (2, 4, 8, 16 or 32)."""
     return 1 << max(rows - 1, 1).bit_length()
 
 
@@ -118,7 +118,7 @@ def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16) -> tuple
 
 
 def rows_enabled() -> bool:
-    """Whether calls of 2..16 rows take the few-rows GEMV: yes unless ``NINEFOLD_GEMV_ROWS=0`` (read
+    """Whether calls of 2..32 rows take the few-rows GEMV: yes unless ``NINEFOLD_GEMV_ROWS=0`` (read
     at every call, so at graph capture)."""
     return os.environ.get("NINEFOLD_GEMV_ROWS", "1") != "0"
 
@@ -192,7 +192,7 @@ def pdl_enabled() -> bool:
 
 
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
-    """One kernel for ``x`` of 1..16 rows (``[..., width]``, contiguous); returns ``[rows, N]`` or ``[N]``."""
+    """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous); returns ``[rows, N]`` or ``[N]``."""
     pdl = x.device.type == "cuda" and pdl_enabled() and gemv_pdl.pdl_available(x.device)
     rows = _rows(x)
     if rows > 1:
@@ -205,7 +205,7 @@ def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for 1..16 rows ``x [..., K]`` (``supports`` must have said yes) -> ``[..., N]``."""
+    """``x @ weight.T`` for 1..32 rows ``x [..., K]`` (``supports`` must have said yes) -> ``[..., N]``."""
     if bias is not None:
         raise ValueError("gemv_pdl_ops.linear: bias is not supported (got a bias tensor); use ops.linear")
     return _launch(x, weight).reshape(*x.shape[:-1], weight.shape[0])
@@ -224,7 +224,7 @@ def supports_add_rms_norm_linear(x, residual, norm_weight, weight, eps=1e-6, bia
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                         eps: float = 1e-6, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.add_rms_norm_linear`` for 1..16 rows in one kernel: every program recomputes the rows'
+    """``ops.add_rms_norm_linear`` for 1..32 rows in one kernel: every program recomputes the rows'
     norms (the sum rounded to x's dtype first, as ``ops.add_rms_norm`` does); the first writes the sum."""
     total = torch.empty_like(x, memory_format=torch.contiguous_format)
     shape = (-1,) if _rows(x) == 1 else (_rows(x), x.shape[-1])
@@ -243,7 +243,7 @@ def supports_silu_and_mul_linear(x, weight, bias=None) -> str | None:
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.silu_and_mul_linear`` for 1..16 rows ``x [..., 2K]`` in one kernel (the gate in the prologue)."""
+    """``ops.silu_and_mul_linear`` for 1..32 rows ``x [..., 2K]`` in one kernel (the gate in the prologue)."""
     return _launch(x, weight, prologue="silu_and_mul").reshape(*x.shape[:-1], weight.shape[0])
 
 

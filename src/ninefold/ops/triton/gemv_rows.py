@@ -1,10 +1,10 @@
-"""GEMV for a few rows (2..16) with programmatic dependent launch and fused prologues.
+"""GEMV for a few rows (2..32) with programmatic dependent launch and fused prologues.
 
-``y[M, N] = prologue(x)[M, K] @ weight[N, K].T`` for the decode steps of 2 to 16 sequences, the
+``y[M, N] = prologue(x)[M, K] @ weight[N, K].T`` for the decode steps of 2 to 32 sequences, the
 multi-row sibling of the one-row ``ninefold.ops.triton.gemv_pdl``: at these sizes a linear layer is
 still a stream of its weight, so each program owns ``BLOCK_N`` output columns and streams their
-weight rows through a pipelined ``tl.dot`` loop (the rows of ``x`` padded to ``BLOCK_M = 16`` and
-re-read from L2). With PDL (``USE_GDC``) a program lets the next kernel launch at once, requests its
+weight rows through a pipelined ``tl.dot`` loop (the rows of ``x`` padded to ``BLOCK_M``, 16 or 32,
+and re-read from L2). With PDL (``USE_GDC``) a program lets the next kernel launch at once, requests its
 first weight tile, and only then waits for the kernel that wrote ``x``; every program waits, so a
 kernel's completion still implies its predecessors'.
 
@@ -30,9 +30,13 @@ import triton.language as tl
 from ninefold.ops.triton.gemv_pdl import PROLOGUES, WORKSPACE, pdl_available, rms_normed, silu_gated
 from ninefold.ops.triton.launch import Launcher
 
-MIN_ROWS, MAX_ROWS = 2, 16
-BLOCK_M = 16
+MIN_ROWS, MAX_ROWS = 2, 32
 NORM_BLOCK = 256  # columns per step of the norm's pass over the rows (BLOCK_M x NORM_BLOCK floats in registers)
+
+
+def block_m(rows: int) -> int:
+    """The padded row count of the tile: 16 up to 16 rows, else 32."""
+    return 16 if rows <= 16 else 32
 CONFIG = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3}
 
 
@@ -139,7 +143,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", 
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual_out: torch.Tensor | None = None,
               split_k: int = 1, pdl: bool = False, out: torch.Tensor | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """``prologue(x) @ weight.T`` for ``x [M, K]`` (``[M, 2K]`` for ``"silu_and_mul"``), 2 <= M <= 16;
+    """``prologue(x) @ weight.T`` for ``x [M, K]`` (``[M, 2K]`` for ``"silu_and_mul"``), 2 <= M <= 32;
     returns ``y [M, N]`` (``out`` when given).
 
     ``prologue="add_rms_norm"`` needs ``residual`` and ``residual_out`` (``[M, K]``, contiguous; the
@@ -164,11 +168,12 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", 
         raise ValueError("gemv_rows: pdl=True needs Triton's launch_pdl/gdc API and a CUDA device of sm_90+")
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     n_blocks = triton.cdiv(n, block_n)
-    ws, cnt = (WORKSPACE.get(x.device, n * BLOCK_M, split_k, n_blocks) if split_k > 1 else (y, y))
+    bm = block_m(m)
+    ws, cnt = (WORKSPACE.get(x.device, n * bm, split_k, n_blocks) if split_k > 1 else (y, y))
     args = (x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
             residual_out if residual_out is not None else x, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
             float(eps))
-    consts = (PROLOGUES[prologue], BLOCK_M, block_n, block_k, split_k, pdl,
+    consts = (PROLOGUES[prologue], bm, block_n, block_k, split_k, pdl,
               "ieee" if x.dtype == torch.float32 else "tf32", NORM_BLOCK)
     _LAUNCH((n_blocks, split_k), args, consts, num_warps=num_warps or CONFIG["num_warps"],
             num_stages=num_stages or CONFIG["num_stages"], device_index=x.device.index or 0, launch_pdl=pdl)
