@@ -78,8 +78,8 @@ step_command() {
     dsl-edges-cuda) echo 'python3 -m pytest tests/dsl/test_cpu_backend_edges.py -q -n 4 -p no:cacheprovider' ;;
     llm-edges-cuda) echo 'python3 -m pytest tests/llm/test_async_scheduling_edges.py tests/llm/test_async_scheduling.py -q -k cuda --timeout 150 -p no:cacheprovider' ;;
     rows-tests) echo 'python3 -m pytest tests/ops/test_gemv_rows.py tests/ops/test_gemv_pdl_ops.py tests/ops/test_gemv_pdl.py tests/ops/test_fused_linear.py tests/llm/test_fused_decode.py -q -n 4 -rs -p no:cacheprovider' ;;
-    gemv-rows) echo 'python3 -m ninefold.bench.gemv_rows' ;;
-    rows-ab) echo 'T=$(find /tmp/nf-results/gemv-rows -name gemv_rows_table.json | head -1); echo "table: $T"; for arm in off table; do if [ $arm = off ]; then E="NINEFOLD_GEMV_ROWS=0"; else E="NINEFOLD_GEMV_ROWS_TABLE=$T"; fi; env $E python3 -m ninefold.bench.llm --parts host_overhead --host-batches 1,2,4,8,16,32 > $OUT/$arm.log 2>&1; echo "arm $arm ($E):"; grep -a "host ms per decode step" $OUT/$arm.log; done' ;;
+    gemv-rows) echo "python3 -m ninefold.bench.gemv_rows ${GEMV_ROWS_ARGS:-}" ;;
+    rows-ab) echo 'T=$(find /tmp/nf-results/gemv-rows -name gemv_rows_table.json | head -1); echo "table: $T"; for arm in off table table-nopdl; do case $arm in off) E="NINEFOLD_GEMV_ROWS=0";; table) E="NINEFOLD_GEMV_ROWS_TABLE=$T";; *) E="NINEFOLD_GEMV_ROWS_TABLE=$T NINEFOLD_GEMV_PDL=0";; esac; env $E python3 -m ninefold.bench.llm --parts host_overhead --host-batches 1,2,4,8,16,32 > $OUT/$arm.log 2>&1; echo "arm $arm ($E):"; grep -a "host ms per decode step" $OUT/$arm.log; done' ;;
     llm-host-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts host_overhead,offline --host-batches 1,2,4,8,16,32,64,128,256" ;;
     nccl-tests) echo 'python3 -m pytest tests/comm/test_collectives.py tests/llm/test_kv_transfer.py tests/llm/test_disagg_cluster.py tests/server/test_cuda.py -q -n 2 -rs -k cuda --timeout 150 -p no:cacheprovider' ;;
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;

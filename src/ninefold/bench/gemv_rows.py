@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.gemv_rows", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", default=",".join(name for name, *_ in LAYERS))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--plain", action="store_true",
+                        help="every layer without its prologue (the norm or gate left to its own kernel)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ninefold.bench.gemv_rows needs a CUDA device; nothing measured.", file=sys.stderr)
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, k, prologue in LAYERS:
         if name not in wanted:
             continue
+        prologue = "none" if args.plain else prologue
         count = max(2, math.ceil((256 << 20) / (n * k * 2)))
         copies = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(count)]
         for rows in rows_list:
