@@ -18,8 +18,12 @@ import torch
 import ninefold.ops as ops
 from ninefold.ops import references as ref
 torch.manual_seed(0)
+from ninefold.ops.triton import gemv_pdl_ops as go
 n, k = 40, 512
 w, g = torch.randn(n, k), torch.randn(k)
+for prologue in ("none", "add_rms_norm", "silu_and_mul"):  # the few-rows GEMV runs where a table lists the call
+    for bucket in (4, 16, 32):
+        go.ROWS_OVERRIDE[(n, k, prologue, bucket)] = (16, 128, 2, 4, 2)
 with ops.use(linear="triton_row", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
     for rows in (1, 3, 16, 21):  # one row: the batch-1 GEMV; 2..32: the few-rows GEMV
         x, r, a = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
@@ -35,13 +39,15 @@ with ops.use(linear="triton_row", add_rms_norm_linear="triton", silu_and_mul_lin
         assert torch.allclose(y.double(), ref.linear(ref.silu_and_mul(a), w), atol=1e-3, rtol=1e-4), ("silu", rows)
         x3 = torch.randn(rows, 1, k)
         assert torch.allclose(ops.linear(x3, w).double(), ref.linear(x3, w), atol=1e-3, rtol=1e-4), ("linear", rows)
-    # 33 rows, or the few-rows path turned off: the pinned implementation steps aside (with a warning)
+    # 33 rows, a rows bucket no table lists, or the few-rows path turned off: the pinned implementation steps
+    # aside (with a warning)
     import os
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         x2, r2 = torch.randn(33, k), torch.randn(33, k)
         assert ops.choose("add_rms_norm_linear", x2, r2, g, w, 1e-5, None) == "vendor"
+        assert ops.choose("add_rms_norm_linear", x2[:2], r2[:2], g, w, 1e-5, None) == "vendor"  # bucket 2
         os.environ["NINEFOLD_GEMV_ROWS"] = "0"
         assert ops.choose("add_rms_norm_linear", x2[:3], r2[:3], g, w, 1e-5, None) == "vendor"
         assert ops.choose("add_rms_norm_linear", x2[:1], r2[:1], g, w, 1e-5, None) == "triton"
@@ -153,14 +159,13 @@ def test_rows_table_by_bucket_file_override_and_decline(tmp_path, monkeypatch):
 
     assert [go.rows_bucket(r) for r in (2, 3, 4, 5, 8, 9, 16, 17, 32)] == [2, 4, 4, 8, 8, 16, 16, 32, 32]
     monkeypatch.delenv("NINEFOLD_GEMV_ROWS_TABLE", raising=False)
-    assert go.rows_config(4096, 4096, "none", 3) == (32, 256, 2, 4, 3)  # untuned: split narrow outputs
-    assert go.rows_config(28672, 4096, "none", 3)[2] == 1 and go.rows_config(24, 64)[1] == 64
+    assert go.rows_config(4096, 4096, "none", 3) == ()  # listed nowhere: declined
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([{"n": 4096, "k": 4096, "prologue": "none", "rows": 4, "config": [64, 256, 4, 4, 4]},
                                 {"n": 4096, "k": 4096, "prologue": "none", "rows": 16, "config": []}]))
     monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(path))
     assert go.rows_config(4096, 4096, "none", 3) == (64, 256, 4, 4, 4)
-    assert go.rows_config(4096, 4096, "none", 2) == (32, 256, 2, 4, 3)  # bucket 2 is not in the file
+    assert go.rows_config(4096, 4096, "none", 2) == ()  # bucket 2 is not in the file
     assert go.rows_config(4096, 4096, "none", 16) == ()
     monkeypatch.setitem(go.ROWS_OVERRIDE, (4096, 4096, "none", 4), (16, 256, 1, 4, 3))
     assert go.rows_config(4096, 4096, "none", 4) == (16, 256, 1, 4, 3)
@@ -179,7 +184,9 @@ def test_a_declined_rows_bucket_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(path))
     monkeypatch.setattr(go, "_INTERPRETED", True)  # the device check passes for CPU tensors
     x, w = torch.randn(12, 64), torch.randn(8, 64)  # 12 rows: bucket 16
-    assert "cuBLAS measured faster" in go._kernel_reason(x, w, 64)
+    assert "no few-rows GEMV configuration measured faster" in go._kernel_reason(x, w, 64)
+    assert "no few-rows GEMV configuration" in go._kernel_reason(x[:3], w, 64)  # bucket 4: not in the file
+    monkeypatch.setitem(go.ROWS_OVERRIDE, (8, 64, "none", 4), (16, 64, 1, 4, 3))
     assert go._kernel_reason(x[:3], w, 64) is None
     monkeypatch.setenv("NINEFOLD_GEMV_ROWS", "0")
     assert "NINEFOLD_GEMV_ROWS=0" in go._kernel_reason(x[:3], w, 64)

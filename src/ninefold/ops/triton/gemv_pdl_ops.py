@@ -14,8 +14,10 @@ vs 13.1, down 29.3 vs 31.9; gate_up and lm_head by 2-5%), and the decode step th
 operators took 4.290 ms per token without PDL and 4.157 ms with it (85% of the copy-bandwidth
 roofline), against 4.653 ms with cuBLAS and the separate norm/activation kernels. PDL is on where
 Triton and the GPU support it (sm_90+); ``NINEFOLD_GEMV_PDL=0`` turns it off.
-The 2..32-row path (``NINEFOLD_GEMV_ROWS=0`` turns it off, leaving those calls to cuBLAS and the
-unfused pairs) takes its launch configurations from ``ROWS_TABLE`` (or ``NINEFOLD_GEMV_ROWS_TABLE``).
+The 2..32-row path runs only for calls that ``ROWS_TABLE`` or the ``NINEFOLD_GEMV_ROWS_TABLE`` file lists
+with a configuration (the others, and all of them under ``NINEFOLD_GEMV_ROWS=0``, go to cuBLAS and the
+unfused pairs). The shipped table lists none: on the H200 the kernel lost to cuBLAS with its fused
+prologues (``docs/perf/ops.md``, "GEMV for 2..32 rows").
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors without PDL (how the CPU tests reach them).
 """
 
@@ -68,7 +70,7 @@ def _file_table(path: str) -> dict:
 
 
 # (N, K, prologue, rows bucket) -> (block_n, block_k, split_k, num_warps, num_stages) of the 2..32-row GEMV,
-# or () where cuBLAS and the unfused pair measured faster (the call is then declined). Rows buckets: 2, 4, 8, 16,
+# or () where cuBLAS and the unfused pair measured faster (the call is then declined, as for a shape not listed). Rows buckets: 2, 4, 8, 16,
 # 32 (the row count rounded up to a power of two).
 ROWS_TABLE: dict[tuple, tuple] = {}
 ROWS_OVERRIDE: dict[tuple, tuple] = {}  # benchmarks set it
@@ -101,8 +103,8 @@ def _rows_file_table(path: str) -> dict:
 def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16) -> tuple:
     """The launch configuration of the few-rows GEMV for ``rows`` rows of an ``[n, k]`` weight with
     ``prologue``: ``ROWS_OVERRIDE``, then the ``NINEFOLD_GEMV_ROWS_TABLE`` file, then ``ROWS_TABLE``
-    (each by rows bucket); else 32 columns per program, split-K over 2 for outputs narrower than 8192
-    columns, 3 pipeline stages. ``()``: a table measured cuBLAS faster for this call."""
+    (each by rows bucket). ``()`` (the call is declined: cuBLAS and the unfused pair run) where none
+    has the call: the few-rows GEMV runs only where a measurement chose it."""
     key = (n, k, prologue, rows_bucket(rows))
     found = ROWS_OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_ROWS_TABLE")
@@ -110,11 +112,7 @@ def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16) -> tuple
         found = _rows_file_table(path).get(key)
     if found is None:
         found = ROWS_TABLE.get(key)
-    if found is not None:
-        return found
-    block_k = 256 if k % 256 == 0 else 64
-    split_k = 2 if n < 8192 and k % (2 * block_k) == 0 else 1
-    return 32, block_k, split_k, 4, 3
+    return found if found is not None else ()
 
 
 def rows_enabled() -> bool:
@@ -157,7 +155,8 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str 
             return f"{rows} rows: the few-rows GEMV is off (NINEFOLD_GEMV_ROWS=0)"
         found = rows_config(weight.shape[0], k, prologue, rows)
         if not found:
-            return f"{rows} rows of [{weight.shape[0]}, {k}]: cuBLAS measured faster (the few-rows GEMV's table)"
+            return (f"{rows} rows of [{weight.shape[0]}, {k}] ({prologue}): no few-rows GEMV configuration measured "
+                    f"faster than cuBLAS (ROWS_TABLE, NINEFOLD_GEMV_ROWS_TABLE)")
         _, block_k, split_k, *_ = found
         if k % (block_k * split_k):
             return f"K = {k} is not a multiple of {block_k * split_k}"
