@@ -17,7 +17,8 @@ Triton and the GPU support it (sm_90+); ``NINEFOLD_GEMV_PDL=0`` turns it off.
 The 2..32-row path runs only for calls that ``ROWS_TABLE`` or the ``NINEFOLD_GEMV_ROWS_TABLE`` file lists
 with a configuration (the others, and all of them under ``NINEFOLD_GEMV_ROWS=0``, go to cuBLAS and the
 unfused pairs). The shipped table lists none: on the H200 the kernel lost to cuBLAS with its fused
-prologues (``docs/perf/ops.md``, "GEMV for 2..32 rows").
+prologues, and without them won on o, down and lm_head in isolation but not reproducibly in the engine
+(``docs/perf/ops.md``, "GEMV for 2..32 rows").
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors without PDL (how the CPU tests reach them).
 """
 
