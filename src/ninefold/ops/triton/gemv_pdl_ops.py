@@ -117,8 +117,8 @@ def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16) -> tuple
 
 
 def rows_enabled() -> bool:
-    """Whether calls of 2..32 rows take the few-rows GEMV: yes unless ``NINEFOLD_GEMV_ROWS=0`` (read
-    at every call, so at graph capture)."""
+    """Whether calls of 2..32 rows may take the few-rows GEMV: yes unless ``NINEFOLD_GEMV_ROWS=0``. Read,
+    like the table file, when dispatch first sees a call's signature (its choice is then remembered)."""
     return os.environ.get("NINEFOLD_GEMV_ROWS", "1") != "0"
 
 
