@@ -1,5 +1,5 @@
 """``python -m ninefold.bench.gemv_rows``: its candidate configurations fit the layers it times, its
-inputs match the prologues' float32 results, and without a GPU it measures nothing and says so."""
+inputs (``decode_chain._tuning_inputs`` with rows) match the prologues' float32 results, and without a GPU it measures nothing and says so."""
 
 import pytest
 import torch
@@ -22,10 +22,11 @@ def test_inputs_give_the_prologue_results():
     import ninefold.ops as ops
 
     torch.manual_seed(0)
-    kw, xin = bench._inputs(3, 64, "add_rms_norm", "cpu", torch.float32)
+    kw, xin = bench._tuning_inputs(torch.empty(8, 64), "add_rms_norm", bench.EPS, rows=3)
+    assert kw["x"].shape == (3, 64)
     normed, total = ops.add_rms_norm(kw["x"], kw["residual"], kw["norm_weight"], bench.EPS)
     torch.testing.assert_close(xin, normed)
-    kw, xin = bench._inputs(2, 32, "silu_and_mul", "cpu", torch.float32)
+    kw, xin = bench._tuning_inputs(torch.empty(8, 32), "silu_and_mul", bench.EPS, rows=2)
     torch.testing.assert_close(xin, ops.silu_and_mul(kw["x"]))
     w = torch.randn(8, 32)
     torch.testing.assert_close(bench._unfused(kw, w, "silu_and_mul"), xin @ w.T)

@@ -13,16 +13,24 @@ from ninefold.ops.triton import gemv_rows as gr  # noqa: E402
 from .helpers import run_interpreted  # noqa: E402
 
 
-def _references(x, w, r, g, a, dtype, eps=1e-5):
-    """float64 (want, residual sum) for the three prologues, rounding where the kernel rounds."""
-    k = w.shape[1]
+def _normed(x, r, g, dtype, eps):
+    """float64 ``rms_norm(x + r) * g`` per row with the kernel's roundings to ``dtype``, and the rounded sum."""
     s = (x.double() + r.double()).to(dtype).double()
     normed = (s / torch.sqrt((s * s).mean(-1, keepdim=True) + eps)).to(dtype).double() * g.double()
-    normed = normed.to(dtype).double()
-    h = a.double()
-    gated = (torch.nn.functional.silu(h[:, :k]).to(dtype).double() * h[:, k:]).to(dtype).double()
+    return normed.to(dtype).double(), s
+
+
+def _gated(a, dtype):
+    """float64 ``silu(gate) * up`` per row of ``a = [gate, up]`` with the kernel's roundings to ``dtype``."""
+    k, h = a.shape[-1] // 2, a.double()
+    return (torch.nn.functional.silu(h[:, :k]).to(dtype).double() * h[:, k:]).to(dtype).double()
+
+
+def _references(x, w, r, g, a, dtype, eps=1e-5):
+    """float64 (want, residual sum) for the three prologues, rounding where the kernel rounds."""
+    normed, s = _normed(x, r, g, dtype, eps)
     wd = w.double()
-    return {"none": x.double() @ wd.T, "add_rms_norm": normed @ wd.T, "silu_and_mul": gated @ wd.T}, s
+    return {"none": x.double() @ wd.T, "add_rms_norm": normed @ wd.T, "silu_and_mul": _gated(a, dtype) @ wd.T}, s
 
 
 # Runs in a child process with TRITON_INTERPRET=1 (set before Triton is imported). The interpreter's
@@ -147,10 +155,8 @@ def test_cuda_chain_matches_float64_eager_and_in_a_graph(pdl, rows):
                          split_k=2)
         return gr.gemv_rows(a, w2, prologue="silu_and_mul", pdl=pdl, split_k=4)
 
-    s = (x.double() + r.double()).to(dt).double()
-    xn = ((s / torch.sqrt((s * s).mean(-1, keepdim=True) + 1e-6)).to(dt).double() * g.double()).to(dt).double()
-    a = (xn @ w1.double().T).to(dt).double()
-    ref = (torch.nn.functional.silu(a[:, :1024]) * a[:, 1024:]).to(dt).double() @ w2.double().T
+    xn, _ = _normed(x, r, g, dt, 1e-6)
+    ref = _gated((xn @ w1.double().T).to(dt), dt) @ w2.double().T
     y = chain()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 3e-2
     assert torch.equal(r_out, (x.float() + r.float()).to(dt))

@@ -276,21 +276,24 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * n / best
 
 
-def _tuning_inputs(w: torch.Tensor, prologue: str, eps: float = 1e-5) -> tuple[dict, torch.Tensor]:
-    """Keyword arguments of a ``gemv_pdl`` call with ``prologue`` for weight ``w`` and the float
-    activation row the GEMV should see (the prologue applied in torch, rounded like the model)."""
+def _tuning_inputs(w: torch.Tensor, prologue: str, eps: float = 1e-5, rows: int | None = None) -> tuple[dict, torch.Tensor]:
+    """Keyword arguments of a GEMV call with ``prologue`` for weight ``w`` and the float activations
+    the GEMV should see (the prologue applied in torch, rounded like the model): one row ``[K]`` for
+    ``gemv_pdl``, or ``[rows, K]`` for ``gemv_rows`` when ``rows`` is given."""
     k, dt, dev = w.shape[1], w.dtype, w.device
+    lead = () if rows is None else (rows,)
     if prologue == "add_rms_norm":
-        x, r, g = (torch.randn(k, device=dev).to(dt) for _ in range(3))
+        x, r = (torch.randn(*lead, k, device=dev).to(dt) for _ in range(2))
+        g = torch.randn(k, device=dev).to(dt)
         s = (x.float() + r.float()).to(dt).float()
-        xin = ((s * torch.rsqrt((s * s).mean() + eps)).to(dt).float() * g.float()).to(dt).float()
+        xin = ((s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)).to(dt).float() * g.float()).to(dt).float()
         return dict(x=x, prologue=prologue, residual=r, norm_weight=g, eps=eps,
                     residual_out=torch.empty_like(r)), xin
     if prologue == "silu_and_mul":
-        a = torch.randn(2 * k, device=dev).to(dt)
-        xin = (torch.nn.functional.silu(a[:k].float()).to(dt).float() * a[k:].float()).to(dt).float()
+        a = torch.randn(*lead, 2 * k, device=dev).to(dt)
+        xin = (torch.nn.functional.silu(a[..., :k].float()).to(dt).float() * a[..., k:].float()).to(dt).float()
         return dict(x=a, prologue=prologue), xin
-    x = torch.randn(k, device=dev).to(dt)
+    x = torch.randn(*lead, k, device=dev).to(dt)
     return dict(x=x), x.float()
 
 

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ninefold.bench.decode_chain import _tuning_inputs
+
 # (name, N, K, prologue) of the Llama-3.1-8B layers a decode step runs.
 LAYERS = (("qkv", 6144, 4096, "add_rms_norm"), ("o", 4096, 4096, "none"), ("gate_up", 28672, 4096, "add_rms_norm"),
           ("down", 4096, 14336, "silu_and_mul"), ("lm_head", 128256, 4096, "none"))
@@ -37,21 +39,6 @@ def candidates(n: int, k: int) -> list[tuple]:
     splits = (1, 2, 4) if n < 8192 else (1,)
     widths = (32, 64) if n > 100_000 else (16, 32, 64)
     return [(bn, 256, sk, 4, ns) for bn, sk, ns in itertools.product(widths, splits, (3, 4)) if k % (256 * sk) == 0]
-
-
-def _inputs(rows: int, k: int, prologue: str, device, dtype) -> tuple[dict, torch.Tensor]:
-    """Keyword arguments of a ``gemv_rows`` call and the float32 activations its product should see."""
-    if prologue == "add_rms_norm":
-        x, r = (torch.randn(rows, k, device=device).to(dtype) for _ in range(2))
-        g = torch.randn(k, device=device).to(dtype)
-        s = (x.float() + r.float()).to(dtype).float()
-        xin = ((s * torch.rsqrt((s * s).mean(-1, keepdim=True) + EPS)).to(dtype).float() * g.float()).to(dtype).float()
-        return dict(x=x, residual=r, norm_weight=g, eps=EPS, residual_out=torch.empty_like(r)), xin
-    if prologue == "silu_and_mul":
-        a = torch.randn(rows, 2 * k, device=device).to(dtype)
-        return dict(x=a), (F.silu(a[:, :k].float()).to(dtype).float() * a[:, k:].float()).to(dtype).float()
-    x = torch.randn(rows, k, device=device).to(dtype)
-    return dict(x=x), x.float()
 
 
 def _unfused(kw: dict, w: torch.Tensor, prologue: str) -> torch.Tensor:
@@ -100,7 +87,7 @@ def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: lis
     from ninefold.ops.triton.gemv_rows import gemv_rows
 
     w0 = copies[0]
-    kw, xin = _inputs(rows, k, prologue, w0.device, w0.dtype)
+    kw, xin = _tuning_inputs(w0, prologue, EPS, rows)
     want = xin @ w0.float().T
     calls = 2 * len(copies)
     row = {"layer": name, "n": n, "k": k, "prologue": prologue, "rows": rows,
@@ -111,7 +98,7 @@ def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: lis
     for cfg in candidates(n, k):
         bn, bk, sk, nw, ns = cfg
         args = {key: v for key, v in kw.items() if key != "x"}
-        args.update(prologue=prologue, split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        args.update(split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
         entry = {"config": list(cfg)}
         try:
             y = gemv_rows(x, w0, **args)

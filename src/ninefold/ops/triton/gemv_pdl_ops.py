@@ -141,6 +141,9 @@ def config(n: int, k: int, prologue: str = "none") -> tuple:
 
 
 def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str = "none") -> str | None:
+    rows = _rows(x)
+    if rows > gemv_rows.MAX_ROWS:
+        return f"{rows} rows: at most {gemv_rows.MAX_ROWS}"
     if x.device.type == "cuda":
         if x.dtype not in _DTYPES:
             return f"dtype {x.dtype}: bfloat16 or float16 only"
@@ -148,9 +151,6 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str 
         return f"device {x.device.type}: CUDA only (or the CPU under TRITON_INTERPRET=1)"
     if weight.stride(1) != 1 or not x.is_contiguous():
         return "weight rows and x must be contiguous"
-    rows = _rows(x)
-    if rows > gemv_rows.MAX_ROWS:
-        return f"{rows} rows: at most {gemv_rows.MAX_ROWS}"
     if rows > 1:
         if not rows_enabled():
             return f"{rows} rows: the few-rows GEMV is off (NINEFOLD_GEMV_ROWS=0)"
@@ -180,8 +180,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """``None`` when :func:`linear` runs this call, else the reason it does not."""
     if bias is not None:
         return "no bias"
-    if _rows(x) > gemv_rows.MAX_ROWS:
-        return f"{_rows(x)} rows: at most {gemv_rows.MAX_ROWS}"
     return _kernel_reason(x, weight, weight.shape[1])
 
 
@@ -217,8 +215,6 @@ def supports_add_rms_norm_linear(x, residual, norm_weight, weight, eps=1e-6, bia
         return "residual and norm_weight must be contiguous"
     if bias is not None:
         return "no bias"
-    if _rows(x) > gemv_rows.MAX_ROWS:
-        return f"{_rows(x)} rows: at most {gemv_rows.MAX_ROWS}"
     return _kernel_reason(x, weight, weight.shape[1], "add_rms_norm")
 
 
@@ -237,8 +233,6 @@ def supports_silu_and_mul_linear(x, weight, bias=None) -> str | None:
     """``None`` when :func:`silu_and_mul_linear` runs this call, else the reason it does not."""
     if bias is not None:
         return "no bias"
-    if _rows(x) > gemv_rows.MAX_ROWS:
-        return f"{_rows(x)} rows: at most {gemv_rows.MAX_ROWS}"
     return _kernel_reason(x, weight, weight.shape[1], "silu_and_mul")
 
 
