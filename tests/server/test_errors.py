@@ -58,7 +58,7 @@ def test_malformed_json_and_wrong_body_type_are_400(server):
                  400, "response_format")
     check_error(httpx.post(server.base + "/v1/chat/completions",
                             json={"messages": [{"role": "user", "content": [{"type": "image_url", "x": 1}]}]}), 400)
-    check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "x", "echo": True}), 400, "echo")
+    check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "x", "suffix": "y"}), 400, "suffix")
 
 
 def test_out_of_vocabulary_ids_are_400(server, tiny_model):

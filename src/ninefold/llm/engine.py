@@ -257,6 +257,8 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1_000_003 * i)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if params.prompt_logprobs is not None and i == 0:  # the request's n sequences share one prompt
+                seq.prompt_logprobs = [None]
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -422,7 +424,8 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              finished=request.finished,
-                             num_cached_tokens=max(s.num_cached_tokens for s in request.seqs))
+                             num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+                             prompt_logprobs=_copy(request.seqs[0].prompt_logprobs))
 
     @property
     def vocab_size(self) -> int:
@@ -441,6 +444,10 @@ class LLMEngine:
             "prefix_cache_hit_rate": self.blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def _copy(values: list | None) -> list | None:
+    return None if values is None else list(values)
 
 
 def _default_dtype(config: dict, device: torch.device) -> torch.dtype:

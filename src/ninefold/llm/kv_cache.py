@@ -47,11 +47,16 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
         """``(block id, hash)`` of the cached blocks that start ``seq``.
 
-        At least one token is always left to compute, so the last position has logits.
+        At least one token is always left to compute, so the last position has logits. A sequence
+        collecting prompt logprobs reuses only blocks whose positions it has already scored (their
+        hidden states are needed for the next token's logprob).
         """
         if not self.enable_prefix_caching:
             return []
-        return self._cached_chain(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
+        usable = seq.num_tokens - 1
+        if seq.prompt_logprobs is not None:
+            usable = min(usable, len(seq.prompt_logprobs) - 1)
+        return self._cached_chain(seq.token_ids, max(usable, 0) // self.block_size)
 
     def _chain(self, token_ids: list[int], num_blocks: int):
         """``(tokens, hash)`` of the first ``num_blocks`` full blocks of ``token_ids``, each hash chained over

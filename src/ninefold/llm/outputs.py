@@ -30,7 +30,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and its ``CompletionOutput`` list (cumulative)."""
+    """The state of one request: its prompt and its ``CompletionOutput`` list (cumulative).
+
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): one entry per prompt token,
+    ``None`` for the first, else a dict token id -> log-probability holding the prompt token and the
+    top-N tokens at its position.
+    """
 
     request_id: str
     prompt: str | None
@@ -38,3 +43,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ninefold.llm.models.llama import AttentionMetadata
+from ninefold.llm.prompt_logprobs import positions_to_score, score
 from ninefold.llm.sampler import PendingTokens, SampledTokens, Sampler
 from ninefold.llm.scheduler import ScheduledSeq
 from ninefold.llm.sequence import Sequence
@@ -159,7 +160,11 @@ class ModelRunner:
         ``prev_tokens``: the device tokens of the step in flight, for sequences holding a placeholder.
         """
         self._switch_buffers()
-        if all(s.num_new_tokens == 1 for s in step):
+        decode_shaped = all(s.num_new_tokens == 1 for s in step)
+        if decode_shaped and not all(s.samples for s in step):
+            # a one-token prompt chunk whose hidden state scores a prompt token runs as a prefill
+            decode_shaped = not any(positions_to_score(s.seq, s.start, 1) for s in step)
+        if decode_shaped:
             logits = self._decode(step, prev_tokens)
             if not all(s.samples for s in step):  # a one-token prompt chunk: no token to sample yet
                 rows = np.array([i for i, s in enumerate(step) if s.samples], dtype=np.int64)
@@ -284,7 +289,27 @@ class ModelRunner:
             meta.block_tables = self._block_tables(ordered, width, pinned=False)
         token_ids = self._device_ids(np.concatenate(ids), [r for r, _ in waiting], [j for _, j in waiting], prev_tokens)
         hidden = self.model.forward(token_ids, put("pos", np.concatenate(positions), torch.int64), meta)
+        self._score_prompts(ordered, row_end, hidden)
         if not last:  # (the staging buffers stay safe: ``forward_logits`` alternates them behind events)
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = put("last", np.asarray(last, dtype=np.int64), torch.int64)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+    def _score_prompts(self, ordered: list[ScheduledSeq], row_end: dict, hidden: torch.Tensor) -> None:
+        """Append the prompt logprobs this prefill's hidden states give (``ninefold.llm.prompt_logprobs``)."""
+        rows, targets, tops, owners = [], [], [], []
+        for s in ordered:
+            seq = s.seq
+            if seq.prompt_logprobs is None:
+                continue
+            positions = positions_to_score(seq, s.start, s.num_new_tokens)
+            first_row = row_end[id(s)] - s.num_new_tokens - s.start
+            for p in positions:
+                rows.append(first_row + p)
+                targets.append(seq.token_ids[p + 1])
+                tops.append(seq.params.prompt_logprobs)
+                owners.append(seq)
+        if not rows:
+            return
+        for seq, entry in zip(owners, score(self.model, hidden, rows, targets, tops, self.sampler.vocab_size)):
+            seq.prompt_logprobs.append(entry)

@@ -13,7 +13,9 @@ class SamplingParams:
     filters off. ``stop`` strings end the output and are not included in it; ``stop_token_ids``
     and the model's end-of-sequence tokens end it too (the token is kept in ``token_ids`` but not
     rendered in the text; ``include_stop_str_in_output`` renders stop strings and tokens).
-    ``logprobs=N`` returns the N most likely tokens and the sampled one at every step.
+    ``logprobs=N`` returns the N most likely tokens and the sampled one at every step;
+    ``prompt_logprobs=N`` returns, for every prompt token after the first, its log-probability given
+    the tokens before it and the N most likely tokens at that position (``RequestOutput.prompt_logprobs``).
     """
 
     n: int = 1
@@ -31,6 +33,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -71,6 +74,8 @@ class SamplingParams:
             raise bad("min_tokens", f"at most max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "an integer >= 0 or None")
         if self.stop is None:
             stops: list[str] = []
         elif isinstance(self.stop, str):

@@ -37,6 +37,8 @@ class Sequence:
     generator: Any = None
     detokenizer: Any = None
     logprobs: list[dict[int, float]] | None = None
+    # ``prompt_logprobs`` requests: one entry per prompt token computed so far (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -143,6 +143,10 @@ class Router:
         odd = next((p for p in params if not isinstance(p, SamplingParams)), None)
         if odd is not None:
             raise TypeError(f"sampling_params: expected a SamplingParams or a list of them, got {type(odd).__name__}")
+        scored = next((p.prompt_logprobs for p in params if p.prompt_logprobs is not None), None)
+        if scored is not None:  # the decode worker would recompute the prompt the prefill worker sent it
+            raise ValueError(f"sampling_params.prompt_logprobs: got {scored}; the disaggregated router does not "
+                             "return prompt logprobs (use None, or an LLM on one worker)")
         plan = self.plan(sum(map(len, prompts)), sum((p.max_tokens or 1) * p.n for p in params), num_prefill)
         self.last_plan = plan
         by_load = {r: 0 for r in plan.prefill + plan.decode}

@@ -270,11 +270,10 @@ class LlamaForCausalLM:
             o = ops.attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale=self.scale)
         elif meta.num_decodes:
             nd = meta.num_decodes
-            o = torch.cat([
-                ops.attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.decode_context_lens,
-                                     scale=self.scale),
-                self._prefill_attention(q[nd:], k[nd:], v[nd:], i, meta, meta.block_tables[nd:]),
-            ])
+            o = ops.attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.decode_context_lens,
+                                     scale=self.scale)
+            if nd < T:  # (every row is a one-token row when a prompt chunk of one token is scored)
+                o = torch.cat([o, self._prefill_attention(q[nd:], k[nd:], v[nd:], i, meta, meta.block_tables[nd:])])
         else:
             o = self._prefill_attention(q, k, v, i, meta, meta.block_tables)
         return _linear(o.reshape(T, self.q_size), layer.o)

@@ -35,6 +35,7 @@ class Sequence:
     timer: SequenceTimer | None = None
     output: CompletionOutput | None = None
     done: bool = False
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
 
     @property
     def finish_reason(self) -> str | None:
@@ -122,6 +123,8 @@ class Generation:
     async def _run(self, seq: Sequence) -> None:
         try:
             async for out in self.engine.generate(seq.prompt.token_ids, seq.params, seq.request_id):
+                if out.prompt_logprobs is not None:
+                    seq.prompt_logprobs = out.prompt_logprobs
                 if not out.outputs:
                     continue
                 already_signalled = seq.index in self._latest

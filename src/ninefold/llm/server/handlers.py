@@ -15,7 +15,13 @@ from ninefold.llm.server.deltas import DeltaStream
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.event_stream import EventStreamResponse
 from ninefold.llm.server.generation import Generation, Sequence, until_disconnect
-from ninefold.llm.server.logprobs import chat_logprobs, completion_logprobs
+from ninefold.llm.server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    joined,
+    prompt_logprobs,
+)
 from ninefold.llm.server.protocol import ChatCompletionRequest, CompletionRequest
 from ninefold.llm.server.sse import DONE, sse_data, sse_error
 from ninefold.llm.server.state import ServerState
@@ -28,6 +34,9 @@ Receive = Callable[[], Awaitable[dict]]
 async def create_completion(state: ServerState, req: CompletionRequest, receive: Receive) -> Response:
     """``POST /v1/completions``."""
     state.check_model(req.model)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "'max_tokens': 0 is accepted only with 'echo': true (the prompt is scored, nothing "
+                            "generated)", param="max_tokens")
     prompts = preprocess.completion_prompts(req, state.tokenizer)
     return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive)
 
@@ -67,16 +76,21 @@ async def _serve(
         preprocess.check_prompt(prompt, limits, prompt_param)
     preprocess.check_admissible(len(prompts) * req.n, limits)
     request_id = f"{kind}-{uuid.uuid4().hex}"
+    echo = kind == "cmpl" and req.echo
+    # echo with logprobs reports the prompt's logprobs too: every choice has its own (each is an engine request)
+    scored = [v for v in (req.prompt_logprobs, logprobs if echo else None) if v is not None]
     sequences = []
     for p, prompt in enumerate(prompts):
         max_tokens = preprocess.resolve_max_tokens(requested_max_tokens, len(prompt.token_ids), limits,
                                                    max_tokens_param)
         for i in range(req.n):
-            params = preprocess.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, limits=limits,
-                                                child=i, defaults=state.defaults)
+            # max_tokens 0 (echo only): one token is generated and left out of the response
+            params = preprocess.sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=logprobs, limits=limits,
+                                                child=i, defaults=state.defaults,
+                                                prompt_logprobs=max(scored) if scored else None)
             sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
     gen = Generation(state.engine, sequences)
-    view = _View(state, req, kind, request_id, prompts, logprobs)
+    view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0)
     state.admission.acquire(len(sequences))
     state.active.add(gen)
     for prompt in prompts:
@@ -126,13 +140,18 @@ class _View:
     """How one request's sequences look in the OpenAI format (completions or chat)."""
 
     def __init__(self, state: ServerState, req: Any, kind: str, request_id: str,
-                 prompts: list[preprocess.Prompt], logprobs: int | None) -> None:
+                 prompts: list[preprocess.Prompt], logprobs: int | None, score_only: bool = False) -> None:
         self.state = state
         self.chat = kind == "chatcmpl"
         self.request_id = request_id
         self.created = int(time.time())
         self.prompts = prompts
         self.logprobs = logprobs
+        self.n = req.n
+        self.echo = not self.chat and req.echo
+        self.score_only = score_only  # max_tokens 0 with echo: the generated token is left out
+        self.want_prompt_logprobs = req.prompt_logprobs is not None
+        self.opened: set[int] = set()  # choices whose first chunk (echoed prompt, prompt logprobs) was sent
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.deltas: dict[int, DeltaStream] = {}
         self.sent_tokens: dict[int, int] = {}
@@ -151,17 +170,42 @@ class _View:
     def usage(self, gen: Generation) -> dict[str, int]:
         """Token counts: each prompt once, every generated token of every choice."""
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(s.output.token_ids) for s in gen.sequences if s.output is not None)
+        completion = sum(self._generated(s) for s in gen.sequences)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _generated(self, seq: Sequence) -> int:
+        """The choice's generated tokens that the response shows."""
+        return 0 if self.score_only or seq.output is None else len(seq.output.token_ids)
 
     def _logprobs(self, seq: Sequence, start: int, end: int, text_offset: int) -> dict | None:
         out = seq.output
-        if self.logprobs is None or out is None or out.logprobs is None:
+        if self.logprobs is None or out is None or out.logprobs is None or self.score_only:
             return None
         ids, steps = out.token_ids[start:end], out.logprobs[start:end]
         if self.chat:
             return chat_logprobs(ids, steps, self.logprobs, self.state.texts)
         return completion_logprobs(ids, steps, self.logprobs, self.state.texts, text_offset)
+
+    def _prompt_text(self, seq: Sequence) -> str:
+        prompt = self.prompts[seq.index // self.n]
+        if prompt.text is not None:
+            return prompt.text
+        return self.state.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+    def _echo(self, seq: Sequence) -> tuple[str, dict | None, int]:
+        """The echoed prompt of a completions choice: its text, its logprobs object (with ``logprobs``) and the
+        text offset where the completion's tokens start."""
+        prompt = self.prompts[seq.index // self.n]
+        if self.logprobs is None or seq.prompt_logprobs is None:
+            return self._prompt_text(seq), None, 0
+        logprobs = echoed_prompt_logprobs(prompt.token_ids, seq.prompt_logprobs, self.logprobs, self.state.texts)
+        return self._prompt_text(seq), logprobs, logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+    def _opening(self, seq: Sequence, choice: dict[str, Any]) -> None:
+        """What a choice says once: vLLM's ``prompt_logprobs`` when asked for."""
+        if self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = (prompt_logprobs(seq.prompt_logprobs, self.state.texts)
+                                         if seq.prompt_logprobs is not None else None)
 
     async def collect(self, gen: Generation) -> dict[str, Any]:
         """Run to the end and build the whole (non-streaming) response."""
@@ -169,14 +213,21 @@ class _View:
             pass
         choices = []
         for seq in sorted(gen.sequences, key=lambda s: s.index):
-            text = seq.output.text if seq.output is not None else ""
-            count = len(seq.output.token_ids) if seq.output is not None else 0
-            choice: dict[str, Any] = {"index": seq.index, "logprobs": self._logprobs(seq, 0, count, 0),
-                                      "finish_reason": seq.finish_reason}
+            text = seq.output.text if seq.output is not None and not self.score_only else ""
+            count = self._generated(seq)
+            offset, echoed = 0, None
+            if self.echo:
+                prompt_text, echoed, offset = self._echo(seq)
+                text = prompt_text + text
+            logprobs = self._logprobs(seq, 0, count, offset)
+            if echoed is not None:
+                logprobs = joined(echoed, logprobs)
+            choice: dict[str, Any] = {"index": seq.index, "logprobs": logprobs, "finish_reason": seq.finish_reason}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+            self._opening(seq, choice)
             choices.append(choice)
         body = self._envelope(choices)
         body["object"] = "chat.completion" if self.chat else "text_completion"
@@ -197,25 +248,37 @@ class _View:
         """The chunk for what ``seq`` added since the last one (None when there is nothing to send)."""
         out = seq.output
         finished = seq.done
+        opening = seq.index not in self.opened
         deltas = self.deltas.setdefault(seq.index, DeltaStream(self.stops))
+        echoed = None
+        if opening and self.echo:  # the first chunk of a choice starts with its prompt
+            prefix, echoed, self.token_offsets[seq.index] = self._echo(seq)
+        else:
+            prefix = ""
         # Offsets count the tokens' own texts, as in the whole response; the text sent so far can lag
         # behind them (an incomplete character or a possible stop string is held back).
         offset = self.token_offsets.get(seq.index, 0)
-        text = deltas.delta(out.text if out is not None else "", finished)
+        shown = out.text if out is not None and not self.score_only else ""
+        text = prefix + deltas.delta(shown, finished)
         start = self.sent_tokens.get(seq.index, 0)
-        end = len(out.token_ids) if out is not None else start
-        if not text and not finished and (self.logprobs is None or end == start):
+        end = self._generated(seq) if out is not None else start
+        if not text and not finished and not opening and (self.logprobs is None or end == start):
             return None
+        self.opened.add(seq.index)
         self.sent_tokens[seq.index] = end
         logprobs = self._logprobs(seq, start, end, offset)
         if logprobs is not None and not self.chat and logprobs["tokens"]:
             self.token_offsets[seq.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        if echoed is not None:
+            logprobs = joined(echoed, logprobs)
         reason = seq.finish_reason if finished else None
         if self.chat:
             delta = {"content": text} if text or not finished else {}
             choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if opening:
+            self._opening(seq, choice)
         return self._envelope([choice])
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Per-token log-probabilities in the completions and chat formats.
 
 The engine reports, for every generated token, a dict ``token id -> logprob`` holding the sampled
-token and the top-N alternatives.
+token and the top-N alternatives; prompt logprobs come the same way, one dict per prompt token
+after the first (which has ``None``).
 """
 
 from __future__ import annotations
@@ -94,3 +95,27 @@ def chat_logprobs(token_ids: list[int], steps: list[dict[int, float]], top: int,
             }
         )
     return {"content": content}
+
+
+def echoed_prompt_logprobs(
+    token_ids: list[int], entries: list[dict[int, float] | None], top: int, texts: TokenTexts
+) -> dict:
+    """The completions ``logprobs`` object of an echoed prompt: the first token has no logprob (None)."""
+    first = {"tokens": [texts.text(token_ids[0])], "token_logprobs": [None], "top_logprobs": [None],
+             "text_offset": [0]}
+    rest = completion_logprobs(token_ids[1:], entries[1:], top, texts, len(first["tokens"][0]))
+    return {key: first[key] + rest[key] for key in first}
+
+
+def joined(first: dict, second: dict | None) -> dict:
+    """Two completions ``logprobs`` objects one after the other (``second``'s offsets already follow ``first``)."""
+    if second is None:
+        return first
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs(entries: list[dict[int, float] | None], texts: TokenTexts) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob, decoded_token}}``."""
+    return [None if entry is None else
+            {str(t): {"logprob": _finite(lp), "decoded_token": texts.text(t)} for t, lp in _ranked(entry, len(entry))}
+            for entry in entries]

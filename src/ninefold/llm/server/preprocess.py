@@ -33,8 +33,6 @@ class Prompt:
 
 def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
     """The prompts of a completions request (a string, strings, token ids or lists of token ids)."""
-    if req.echo:
-        raise bad_request("'echo' is not supported", "echo")
     if req.suffix:
         raise bad_request("'suffix' is not supported", "suffix")
     raw = req.prompt
@@ -160,6 +158,7 @@ def sampling_params(
     limits: Limits,
     child: int,
     defaults: SamplingParams | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of child ``child`` (0 <= child < n) of the request.
 
@@ -195,6 +194,7 @@ def sampling_params(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
     )
     bias = logit_bias(req.logit_bias, limits)

@@ -70,6 +70,9 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="Every prompt token's logprob and the N most likely tokens at its position (choices[].prompt_logprobs).")
 
     @field_validator("stop")
     @classmethod
@@ -106,9 +109,9 @@ class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of lists of token ids."
     )
-    max_tokens: StrictInt | None = Field(16, ge=1, description="Tokens to generate (default 16).")
+    max_tokens: StrictInt | None = Field(16, ge=0, description="Tokens to generate (default 16; 0 only with echo).")
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool = False
+    echo: StrictBool = Field(False, description="Return the prompt before the completion (and its logprobs with logprobs).")
     suffix: StrictStr | None = None
 
 
@@ -203,11 +206,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
+
+
+# One entry per prompt token (None for the first), keyed by token id (vLLM's prompt_logprobs).
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class CompletionResponse(BaseModel):
@@ -243,6 +256,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class ChatCompletionResponse(BaseModel):
