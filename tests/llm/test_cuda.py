@@ -115,3 +115,23 @@ def test_seeded_sampling_reproducible_on_cuda(model_dirs):
     a = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
     b = llm.generate(prompt_token_ids=PROMPTS[::-1], sampling_params=params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b][::-1]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_bf16_prompt_logprobs_agree_with_transformers_in_float32(model_dirs, enforce_eager):
+    """Prompt logprobs on CUDA (chunked, beside CUDA-graph decodes) within bfloat16 rounding of float32 transformers."""
+    path = model_dirs["llama"]
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=64,
+              enforce_eager=enforce_eager, cuda_graph_max_batch=8, max_num_batched_tokens=16)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2))
+    ref = _hf(path, torch.float32)
+    for prompt, out in zip(PROMPTS, outs):
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(torch.tensor([prompt], device="cuda")).logits[0], dim=-1)
+        for p in range(1, len(prompt)):
+            assert prompt[p] in entries[p] and len(entries[p]) in (2, 3)
+            for token, value in entries[p].items():
+                assert abs(value - logp[p - 1, token].item()) < 0.05, f"position {p}, token {token}"
