@@ -20,6 +20,11 @@ def test_smoke_run_measures_every_part(tmp_path, monkeypatch):
     assert results["decode_batch1"]["gpt_fast_measured"] is False  # no checkout given: DESIGN.md's figure
     assert results["offline"]["complete"] and results["offline"]["output_tokens"] > 0
     assert results["offline"]["triton_kernels_compiled"] == 0  # the CPU run compiles no Triton kernel
+    offline = results["offline"]
+    # every launched step is in the schedule's bound, which the workload bound can only undercut
+    assert offline["steps"] >= max(1, offline["output_tokens"] // 6)
+    assert offline["step_bound_s"] >= offline["roofline_bound_s"] * 0.999
+    assert offline["fraction_of_step_bound"] == pytest.approx(offline["step_bound_s"] / offline["elapsed_s"])
 
 
 def test_triton_cache_entries_name_the_kernels_of_each_entry(tmp_path, monkeypatch):

@@ -23,6 +23,17 @@ def test_prefill_step_bound_is_compute():
     assert 250 < bound < 320  # ~16 GFLOP per token at 800 TFLOP/s
 
 
+def test_attended_pairs_set_the_attention_flops_and_a_config_stands_for_a_name():
+    mc = ModelConfig.from_dict(NAMED_SHAPES["llama-3.1-8b"])
+    # one 4096-token prompt from scratch: 4096 * 4097 / 2 query-key pairs
+    step = {"seqs": 1, "new_tokens": 4096, "context_tokens": 4096, "attended": 4096 * 4097 // 2}
+    (with_pairs,) = llm_plots.step_bounds([step], mc, copy_bps=4e12, flops_per_s=8e14)
+    (old_log,) = llm_plots.step_bounds([{k: v for k, v in step.items() if k != "attended"}], "llama-3.1-8b",
+                                       copy_bps=4e12, flops_per_s=8e14)
+    extra = 4 * mc.num_layers * mc.num_heads * mc.head_dim * (4096 * 4097 // 2 - 4096)
+    assert with_pairs - old_log == pytest.approx(extra / 8e14 * 1e3)
+
+
 def test_plot_skips_profiled_steps_and_writes_the_image(tmp_path):
     steps = [{"ms": 380.0, "seqs": 20, "new_tokens": 16384, "context_tokens": 16384}]
     steps += [{"ms": 9.0 - i * 0.01, "seqs": 200 - i, "new_tokens": 200 - i, "context_tokens": (200 - i) * 700}

@@ -425,32 +425,36 @@ class _GraphLaunchTimer:
 
 
 class _DeviceTimeline:
-    """Records CUDA events around every ``runner.launch`` in its block: the device's busy span per
-    step and its idle gaps between steps (waiting for the host to enqueue the next one)."""
+    """Records every ``runner.launch`` in its block: each step's shape (sequences, new tokens, context
+    tokens, attended query-key pairs: what ``llm_plots.step_bounds`` needs) and, on CUDA, events around
+    it: the device's busy span per step and its idle gaps between steps (waiting for the host)."""
 
     def __init__(self, engine):
         self.runner = engine.runner
         self.events: list = []
+        self.steps: list[dict] = []
         self.cuda = engine.device.type == "cuda"
 
     def __enter__(self):
-        if self.cuda:
-            launch = self.runner.launch
+        launch = self.runner.launch
 
-            def timed(step, previous=None):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                launched = launch(step, previous)
-                end.record()
-                self.events.append((start, end))
-                return launched
+        def recorded(step, previous=None):
+            self.steps.append(_step_shape(step))
+            if not self.cuda:
+                return launch(step, previous)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            launched = launch(step, previous)
+            end.record()
+            self.events.append((start, end))
+            return launched
 
-            self.runner.launch = timed
+        self.runner.launch = recorded
         return self
 
     def __exit__(self, *exc):
+        del self.runner.launch  # back to the class's method
         if self.cuda:
-            del self.runner.launch  # back to the class's method
             torch.cuda.synchronize()
 
     def summary(self) -> dict:
@@ -462,7 +466,19 @@ class _DeviceTimeline:
                 "device_idle_fraction": sum(gaps) / span}
 
 
+def _step_shape(step) -> dict:
+    """What ``llm_plots.step_bounds`` needs of one launched step."""
+    new = context = attended = 0
+    for s in step:
+        n = s.num_new_tokens
+        new += n
+        context += s.start + n
+        attended += n * s.start + n * (n + 1) // 2
+    return {"seqs": len(step), "new_tokens": new, "context_tokens": context, "attended": attended}
+
+
 def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm_rate: float) -> dict:
+    from ninefold.bench.llm_plots import step_bounds
     from ninefold.llm.sampling import SamplingParams
 
     n = args.num_requests
@@ -505,6 +521,12 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
               "fraction_of_roofline": (out_tokens + prompt_tokens) / elapsed / (total / bound_s),
               "preemptions": engine.scheduler.num_preemptions, "async_scheduling": engine.async_scheduling,
               "steps_launched_ahead": engine.num_steps_ahead, **timeline.summary()}
+    # The schedule's own bound: each step can at best overlap its own FLOPs and bytes, not another step's
+    # (the workload bound above lets the prefill steps' FLOPs hide under the decode steps' bytes).
+    step_bound_s = sum(step_bounds(timeline.steps, mc, bandwidth, mm_rate, itemsize=engine.dtype.itemsize,
+                                   weight_bytes=weight_bytes)) / 1e3
+    result.update({"steps": len(timeline.steps), "step_bound_s": step_bound_s,
+                   "fraction_of_step_bound": step_bound_s / elapsed})
     if cached_before is not None and cached_after is not None:
         # kernels compiled during the timed run (a later process loads them from this cache instead)
         new = sorted(set(cached_after) - set(cached_before))
@@ -515,6 +537,9 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
     print(f"offline {n} requests: {result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} "
           f"total tok/s; roofline {result['roofline_total_tok_per_s']:.0f} total tok/s "
           f"({result['fraction_of_roofline']:.0%}){note}")
+    print(f"offline: {result['steps']} steps; their bounds (each step's FLOPs or bytes, whichever takes longer) "
+          f"add up to {step_bound_s:.2f} s: {result['fraction_of_step_bound']:.0%} of that reached "
+          f"(the workload bound, {bound_s:.2f} s, also overlaps prefill FLOPs with decode bytes)")
     if result.get("triton_kernels_compiled"):
         print(f"offline: {result['triton_kernels_compiled']} Triton kernels compiled during the timed run "
               f"(new entries in Triton's cache; a second run loads them): "

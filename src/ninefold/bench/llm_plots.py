@@ -21,26 +21,31 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 
-def step_bounds(steps: list[dict], model: str, copy_bps: float, flops_per_s: float) -> list[float]:
-    """Each step's bound in ms for the dummy shape ``model`` in bfloat16 (2-byte weights and KV).
+def step_bounds(steps: list[dict], model, copy_bps: float, flops_per_s: float, *, itemsize: int = 2,
+                weight_bytes: int | None = None) -> list[float]:
+    """Each step's bound in ms for ``model`` (a dummy shape's name or a ``ModelConfig``) with weights and
+    KV of ``itemsize`` bytes (bfloat16 by default; ``weight_bytes`` replaces the weights' size computed
+    from the shape): the larger of its FLOPs at ``flops_per_s`` and its bytes at ``copy_bps``.
 
     FLOPs: 2 x the linear layers' parameters per new token, the LM head per sequence, and attention
-    as ``4 x layers x heads x head_dim`` per token of context read (exact for decode rows; prefill
-    chunks are counted as if every new token read the step's whole context, an upper estimate of a
-    small term)."""
+    as ``4 x layers x heads x head_dim`` per (query, key) pair: ``attended`` when the step log has it
+    (a row of n new tokens after ``start`` cached ones attends ``n * start + n * (n + 1) / 2`` pairs),
+    else one pair per context token (exact for decode rows, low for prefill chunks: logs written before
+    ``attended`` existed). Bytes: the weights once, each sequence's keys and values once."""
     from ninefold.bench.llm import _linear_params
     from ninefold.llm.config import NAMED_SHAPES, ModelConfig
 
-    mc = ModelConfig.from_dict(NAMED_SHAPES[model])
+    mc = ModelConfig.from_dict(NAMED_SHAPES[model]) if isinstance(model, str) else model
     linear = _linear_params(mc)
     embeddings = (1 if mc.tie_word_embeddings else 2) * mc.vocab_size * mc.hidden_size
     norms = (2 * mc.num_layers + 1) * mc.hidden_size  # (q/k/v biases and q/k norms, under 0.01%, left out)
-    weight_bytes = 2 * (linear + embeddings + norms)
-    kv_per_token = 2 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    if weight_bytes is None:
+        weight_bytes = itemsize * (linear + embeddings + norms)
+    kv_per_token = 2 * itemsize * mc.num_layers * mc.num_kv_heads * mc.head_dim
     out = []
     for s in steps:
         flops = (2 * linear * s["new_tokens"] + 2 * mc.hidden_size * mc.vocab_size * s["seqs"]
-                 + 4 * mc.num_layers * mc.num_heads * mc.head_dim * s["context_tokens"])
+                 + 4 * mc.num_layers * mc.num_heads * mc.head_dim * s.get("attended", s["context_tokens"]))
         memory = weight_bytes + kv_per_token * s["context_tokens"]
         out.append(max(flops / flops_per_s, memory / copy_bps) * 1e3)
     return out
