@@ -135,3 +135,26 @@ def test_bf16_prompt_logprobs_agree_with_transformers_in_float32(model_dirs, enf
             assert prompt[p] in entries[p] and len(entries[p]) in (2, 3)
             for token, value in entries[p].items():
                 assert abs(value - logp[p - 1, token].item()) < 0.05, f"position {p}, token {token}"
+
+
+def test_json_guided_decoding_on_cuda_matches_the_cpu_in_float32(model_dirs):
+    """Guided decoding on CUDA (masks on the device, CUDA-graph decode, overlapped scheduling on) gives the
+    CPU's greedy tokens in float32, and sampled bfloat16 outputs stay JSON objects or prefixes of one."""
+    from ninefold.llm.guided import GuidedDecodingParams
+    from ninefold.llm.guided import json_machine as jm
+
+    path = model_dirs["llama"]
+    guided = GuidedDecodingParams(json_object=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, guided_decoding=guided)
+    prompts = ["Reply in JSON:", "x", "a b c d e f"]
+    cuda = LLM(str(path), dtype="float32", device="cuda", block_size=16, num_kv_blocks=64, cuda_graph_max_batch=8)
+    cpu = LLM(str(path), dtype="float32", device="cpu", block_size=16, num_kv_blocks=64)
+    assert cuda.engine.async_scheduling
+    assert ([o.outputs[0].token_ids for o in cuda.generate(prompts, greedy)]
+            == [o.outputs[0].token_ids for o in cpu.generate(prompts, greedy)])
+    bf16 = LLM(str(path), dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=64, cuda_graph_max_batch=8)
+    sampled = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=32, guided_decoding=guided)
+    for out in bf16.generate(prompts, sampled):
+        for c in out.outputs:
+            state = jm.advance(jm.START, c.text.encode())
+            assert state is not None and jm.complete(state) == (c.finish_reason == "stop"), c.text

@@ -54,8 +54,10 @@ def test_malformed_json_and_wrong_body_type_are_400(server):
                             json={"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
                  400, "tools")
     check_error(httpx.post(server.base + "/v1/chat/completions",
-                            json={"messages": user, "response_format": {"type": "json_object"}}),
-                 400, "response_format")
+                            json={"messages": user, "response_format": {"type": "json_schema", "json_schema": {}}}),
+                 400, "response_format", text="json_object")
+    check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "x", "response_format": {"type": "yaml"}}),
+                400, "response_format")
     check_error(httpx.post(server.base + "/v1/chat/completions",
                             json={"messages": [{"role": "user", "content": [{"type": "image_url", "x": 1}]}]}), 400)
     check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "x", "suffix": "y"}), 400, "suffix")

@@ -16,6 +16,7 @@ import torch
 
 from ninefold.llm.config import ModelConfig, resolve_dtype, split_engine_args
 from ninefold.llm.detokenizer import IncrementalDetokenizer
+from ninefold.llm.guided import JsonObjectGuide, TokenMasks
 from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.loader import load_checkpoint
 from ninefold.llm.models import model_class
@@ -25,6 +26,7 @@ from ninefold.llm.sampler import Sampler
 from ninefold.llm.sampling import SamplingParams
 from ninefold.llm.scheduler import Scheduler
 from ninefold.llm.sequence import Request, Sequence, Status
+from ninefold.llm.token_bytes import vocabulary_bytes
 from ninefold.llm.tokenizer import Tokenizer
 from ninefold.runtime import KVCachePool
 
@@ -98,6 +100,7 @@ class LLMEngine:
         self._in_flight = None  # a launched step whose tokens are not read yet (async_scheduling)
         self.num_steps_ahead = 0  # steps launched before the previous one's tokens were read
         self._auto_ids = itertools.count()
+        self._guided_masks: TokenMasks | None = None
 
     def _start_parallel(self, model, ckpt, max_len: int):
         """Rank 0's slice of the model, with the workers holding the other slices started and loaded."""
@@ -246,6 +249,8 @@ class LLMEngine:
                              "no room for output")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} out of the vocabulary range [0, {vocab})")
+        if params.guided_decoding is not None and self.tokenizer is None:
+            raise ValueError("guided_decoding: this model has no tokenizer, so its tokens' bytes are unknown")
         total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if self.blocks.blocks_for(total) > self.pool.num_blocks:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens needs {self.blocks.blocks_for(total)} KV "
@@ -257,6 +262,8 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1_000_003 * i)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if params.guided_decoding is not None:
+                seq.guide = JsonObjectGuide(self._token_masks())
             if params.prompt_logprobs is not None and i == 0:  # the request's n sequences share one prompt
                 seq.prompt_logprobs = [None]
             if self.tokenizer is not None:
@@ -265,6 +272,13 @@ class LLMEngine:
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(seq)
         return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic())
+
+    def _token_masks(self) -> TokenMasks:
+        """The vocabulary's trie and mask cache for guided decoding (built on the first guided request)."""
+        if self._guided_masks is None:
+            size = self.model_config.vocab_size
+            self._guided_masks = TokenMasks(vocabulary_bytes(self.tokenizer, size), size)
+        return self._guided_masks
 
     def add_request(self, request: Request) -> None:
         """Queue a request from ``build_request``; its id must be new."""
@@ -328,8 +342,8 @@ class LLMEngine:
             return True
         if launched.tokens.read_back:  # logprobs were asked for: already read
             return False
-        # Penalties read every earlier token on the host.
-        return not any(seq.penalized for seq in launched.samplers)
+        # Penalties read every earlier token on the host; a guide's mask follows from the last token.
+        return not any(seq.penalized or seq.guide is not None for seq in launched.samplers)
 
     def _launch(self, previous):
         """Schedule and enqueue a step; ``previous``: the step in flight, whose tokens are not read yet."""
@@ -398,6 +412,7 @@ class LLMEngine:
         may_stop = n_out >= p.min_tokens
         eos = may_stop and not p.ignore_eos and token in self.eos_token_ids
         stop_token = may_stop and not eos and bool(p.stop_token_ids) and token in p.stop_token_ids
+        guided_done = seq.guide is not None and not (eos or stop_token) and seq.guide.accept(token)
         # A token that stops the sequence stays in token_ids but is not rendered (as in vLLM), unless asked for.
         rendered = not (eos or stop_token) or p.include_stop_str_in_output
         stop_string = (seq.detokenizer.add([token], check_stop=may_stop and not (eos or stop_token))
@@ -408,6 +423,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", token)
         elif stop_string is not None:
             self.scheduler.finish(seq, "stop", stop_string)
+        elif guided_done:  # the JSON object is complete
+            self.scheduler.finish(seq, "stop")
         elif self._ends_by_length(seq, 0):
             self.scheduler.finish(seq, "length")
 

@@ -118,6 +118,12 @@ class Sampler:
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, ids] = float("-inf")
+        guided = [row for row, s in enumerate(seqs) if s.guide is not None]
+        if guided:  # last: nothing may bring back a token the guide rules out
+            logits = logits.clone() if logits is raw else logits
+            allowed = torch.stack([seqs[row].guide.mask(self.device) for row in guided])[:, : logits.shape[1]]
+            rows = torch.tensor(guided, dtype=torch.long).to(self.device, non_blocking=True)
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         if all(p.greedy for p in params):
             tokens = ops.argmax(logits, dim=-1)
         else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ninefold.llm.guided import GuidedDecodingParams
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,8 @@ class SamplingParams:
     ``logprobs=N`` returns the N most likely tokens and the sampled one at every step;
     ``prompt_logprobs=N`` returns, for every prompt token after the first, its log-probability given
     the tokens before it and the N most likely tokens at that position (``RequestOutput.prompt_logprobs``).
+    ``guided_decoding=GuidedDecodingParams(json_object=True)`` constrains the output to one JSON object
+    (``ninefold.llm.guided``).
     """
 
     n: int = 1
@@ -37,6 +41,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,8 @@ class SamplingParams:
                 raise bad("stop_token_ids", "a list of non-negative integers or None")
             self.stop_token_ids = list(ids)
 
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise bad("guided_decoding", "a GuidedDecodingParams or None")
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or not all(
@@ -103,9 +110,9 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with nothing else to apply (no penalties, bias, logprobs or min_tokens)."""
+        """Greedy with nothing else to apply (no penalties, bias, logprobs, min_tokens or guide)."""
         return (self.temperature == 0 and not self.has_penalties and not self.logit_bias
-                and self.logprobs is None and self.min_tokens == 0)
+                and self.logprobs is None and self.min_tokens == 0 and self.guided_decoding is None)
 
     @property
     def greedy(self) -> bool:

@@ -44,6 +44,7 @@ class Sequence:
     stop_reason: int | str | None = None
     plain_greedy: bool = False  # params.plain_greedy, read once (the sampler checks it every step)
     penalized: bool = False  # params.has_penalties, read once (the engine checks it every step)
+    guide: Any = None  # guided decoding: a ``ninefold.llm.guided`` guide advanced by every output token
     output_ids: list[int] = field(default_factory=list)  # the generated tokens (grows in place)
     # With overlapped scheduling, a token still on the device: its row in the step in flight, and
     # PLACEHOLDER stands at the end of ``token_ids``/``output_ids`` until the engine reads it.

@@ -10,22 +10,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-_BYTE_DECODER = _byte_decoder()
+from ninefold.llm.token_bytes import BYTE_DECODER as _BYTE_DECODER
 
 
 class TokenTexts:

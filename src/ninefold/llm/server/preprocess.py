@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ninefold.llm.guided import GuidedDecodingParams
 from ninefold.llm.sampling import SamplingParams
 from ninefold.llm.server.errors import bad_request
 from ninefold.llm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -150,6 +151,19 @@ def logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float]
     return bias
 
 
+def response_format(raw: dict | None) -> GuidedDecodingParams | None:
+    """``response_format``: ``text`` (or none) leaves the output free, ``json_object`` makes it one JSON object."""
+    kind = (raw or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    if kind == "json_schema":
+        raise bad_request("response_format 'json_schema' is not supported; 'json_object' (any JSON object) is",
+                          "response_format")
+    raise bad_request(f"response_format type {kind!r} is unknown; expected 'text' or 'json_object'", "response_format")
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     *,
@@ -196,6 +210,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        guided_decoding=response_format(req.response_format),
     )
     bias = logit_bias(req.logit_bias, limits)
     if bias:

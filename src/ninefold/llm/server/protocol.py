@@ -73,6 +73,8 @@ class SamplingFields(BaseModel):
     prompt_logprobs: StrictInt | None = Field(
         None, ge=0, le=MAX_LOGPROBS,
         description="Every prompt token's logprob and the N most likely tokens at its position (choices[].prompt_logprobs).")
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text'} or {'type': 'json_object'} (the output is one JSON object).")
 
     @field_validator("stop")
     @classmethod
@@ -151,7 +153,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     # Accepted so that asking for them gets a clear 400 rather than being silently ignored.
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent or empty.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
 
 
 class TokenizeCompletionRequest(BaseModel):

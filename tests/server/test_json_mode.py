@@ -1,0 +1,47 @@
+"""``response_format={"type": "json_object"}`` through the official openai client: every finished choice is
+one JSON object, an unfinished one a prefix of one, streamed or not (the model is random, the format is not)."""
+
+import json
+
+import pytest
+
+from ninefold.llm.guided import json_machine
+
+JSON = {"type": "json_object"}
+
+
+def _check(text: str, finish_reason: str) -> None:
+    state = json_machine.advance(json_machine.START, text.encode())
+    assert state is not None, text
+    if finish_reason == "stop":
+        assert isinstance(json.loads(text), dict) and json_machine.complete(state)
+    else:
+        assert finish_reason == "length" and not json_machine.complete(state)
+
+
+def test_chat_json_object_choices(client):
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Give me JSON"}],
+                                         response_format=JSON, max_tokens=48, n=4, seed=5, temperature=1.0)
+    assert len(out.choices) == 4
+    for choice in out.choices:
+        _check(choice.message.content, choice.finish_reason)
+
+
+def test_completions_json_object_streams_what_the_whole_response_holds(client):
+    args = dict(model="tiny", prompt="JSON:", max_tokens=40, seed=9, temperature=1.0,
+                extra_body={"response_format": JSON})
+    whole = client.completions.create(**args).choices[0]
+    _check(whole.text, whole.finish_reason)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == whole.finish_reason
+
+
+@pytest.mark.parametrize("bias", [{"0": -100}, None])
+def test_greedy_json_object_is_deterministic(client, bias):
+    args = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], response_format=JSON, max_tokens=32,
+                temperature=0, logit_bias=bias)
+    first = client.chat.completions.create(**args).choices[0]
+    second = client.chat.completions.create(**args).choices[0]
+    assert first.message.content == second.message.content
+    _check(first.message.content, first.finish_reason)
