@@ -104,7 +104,7 @@ def _reachable_states(seed: int, count: int) -> list[tuple]:
     return states
 
 
-def test_trie_walk_allows_exactly_the_tokens_a_brute_force_check_allows():
+def test_masks_allow_exactly_the_tokens_a_brute_force_check_allows():
     masks = TokenMasks(VOCAB, len(VOCAB))
     for state in _reachable_states(0, 300):
         key = jm.cache_key(state)
