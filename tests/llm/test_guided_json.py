@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninefold import LLM, SamplingParams
-from ninefold.llm.guided import GuidedDecodingParams, JsonObjectGuide, TokenMasks
+from ninefold.llm.guided import Guide, GuidedDecodingParams, TokenMasks
 from ninefold.llm.guided import json_machine as jm
 
 JSON_VALUES = st.recursive(
@@ -96,7 +96,7 @@ def _reachable_states(seed: int, count: int) -> list[tuple]:
     states, state = [], jm.START
     while len(states) < count:
         states.append(state)
-        options = masks.allowed(state)
+        options = masks.allowed(jm.JSON_OBJECT, state)
         if not options or jm.complete(state):
             state = jm.START
             continue
@@ -109,7 +109,7 @@ def test_masks_allow_exactly_the_tokens_a_brute_force_check_allows():
     for state in _reachable_states(0, 300):
         key = jm.cache_key(state)
         brute = [i for i, data in enumerate(VOCAB) if data and jm.advance(key, data) is not None]
-        assert masks.allowed(key) == brute, state
+        assert masks.allowed(jm.JSON_OBJECT, key) == brute, state
         # the key's state refuses only what closes past its innermost containers: never more than the real one
         real = {i for i, data in enumerate(VOCAB) if data and jm.advance(state, data) is not None}
         assert set(brute) <= real
@@ -124,7 +124,7 @@ def test_deep_nesting_masks_are_safe_below_the_kept_containers():
 
 
 def test_guide_advances_with_tokens_and_refuses_what_the_mask_rules_out():
-    guide = JsonObjectGuide(TokenMasks(VOCAB, len(VOCAB)))
+    guide = Guide(jm.JSON_OBJECT, TokenMasks(VOCAB, len(VOCAB)), ())
     allowed = guide.mask("cpu")
     assert allowed.tolist() == [data is not None and jm.advance(jm.START, data) is not None for data in VOCAB]
     assert not guide.accept(VOCAB.index(b'{"'))
@@ -186,8 +186,13 @@ def test_guided_decoding_needs_a_tokenizer_and_valid_params():
     assert engine.tokenizer is None
     with pytest.raises(ValueError, match="guided_decoding: this model has no tokenizer"):
         engine.build_request([1, 2, 3], _json_params(max_tokens=4))
-    with pytest.raises(ValueError, match="json_object"):
+    with pytest.raises(ValueError, match="exactly one"):
         GuidedDecodingParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        GuidedDecodingParams(json_object=True, choice=["a"])
+    for bad in ([], [""], "ab", [1]):
+        with pytest.raises(ValueError, match="choice"):
+            GuidedDecodingParams(choice=bad)
     with pytest.raises(ValueError, match="json_object"):
         GuidedDecodingParams(json_object="yes")
     with pytest.raises(ValueError, match="guided_decoding"):

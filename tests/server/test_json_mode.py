@@ -45,3 +45,26 @@ def test_greedy_json_object_is_deterministic(client, bias):
     second = client.chat.completions.create(**args).choices[0]
     assert first.message.content == second.message.content
     _check(first.message.content, first.finish_reason)
+
+
+def test_guided_choice_gives_one_of_the_strings(client):
+    choices = ["red", "green", "blue"]
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "colour?"}], n=5,
+                                         seed=2, temperature=1.0, max_tokens=8, extra_body={"guided_choice": choices})
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model="tiny", prompt="colour:", max_tokens=8, temperature=0,
+                                    extra_body={"guided_choice": choices})
+    assert out.choices[0].text in choices
+
+
+def test_bad_guided_requests_are_400(server):
+    import httpx
+
+    from .helpers import check_error
+
+    url = server.base + "/v1/completions"
+    check_error(httpx.post(url, json={"prompt": "x", "guided_choice": ["a"], "response_format": JSON}), 400,
+                "guided_choice")
+    check_error(httpx.post(url, json={"prompt": "x", "guided_choice": []}), 400, "guided_choice")
+    check_error(httpx.post(url, json={"prompt": "x", "guided_choice": ["a", ""]}), 400, "guided_choice")
+    assert httpx.get(server.base + "/health").status_code == 200

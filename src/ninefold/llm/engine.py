@@ -16,7 +16,7 @@ import torch
 
 from ninefold.llm.config import ModelConfig, resolve_dtype, split_engine_args
 from ninefold.llm.detokenizer import IncrementalDetokenizer
-from ninefold.llm.guided import JsonObjectGuide, TokenMasks
+from ninefold.llm.guided import Guide, TokenMasks
 from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.loader import load_checkpoint
 from ninefold.llm.models import model_class
@@ -249,8 +249,11 @@ class LLMEngine:
                              "no room for output")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} out of the vocabulary range [0, {vocab})")
-        if params.guided_decoding is not None and self.tokenizer is None:
-            raise ValueError("guided_decoding: this model has no tokenizer, so its tokens' bytes are unknown")
+        machine = None
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided_decoding: this model has no tokenizer, so its tokens' bytes are unknown")
+            machine = params.guided_decoding.machine()
         total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if self.blocks.blocks_for(total) > self.pool.num_blocks:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens needs {self.blocks.blocks_for(total)} KV "
@@ -263,7 +266,7 @@ class LLMEngine:
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.guided_decoding is not None:
-                seq.guide = JsonObjectGuide(self._token_masks())
+                seq.guide = Guide(machine, self._token_masks(), self.eos_token_ids)
             if params.prompt_logprobs is not None and i == 0:  # the request's n sequences share one prompt
                 seq.prompt_logprobs = [None]
             if self.tokenizer is not None:
@@ -274,7 +277,7 @@ class LLMEngine:
         return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic())
 
     def _token_masks(self) -> TokenMasks:
-        """The vocabulary's trie and mask cache for guided decoding (built on the first guided request)."""
+        """The vocabulary's index and mask cache for guided decoding (built on the first guided request)."""
         if self._guided_masks is None:
             size = self.model_config.vocab_size
             self._guided_masks = TokenMasks(vocabulary_bytes(self.tokenizer, size), size)

@@ -1,9 +1,14 @@
 """Guided decoding: constrain sampling so the output follows a format (``SamplingParams.guided_decoding``).
 
-Supported: ``json_object`` (OpenAI's ``response_format={"type": "json_object"}``): the output is one
-JSON object; the sequence ends (finish reason ``"stop"``) the moment the object is complete, or at
-``max_tokens`` with a prefix of one. Each step masks the logits of the tokens whose bytes cannot
-continue the object (``masks.TokenMasks``), after penalties and ``logit_bias``.
+- ``json_object=True`` (OpenAI's ``response_format={"type": "json_object"}``): the output is one JSON
+  object; the sequence ends (finish reason ``"stop"``) the moment the object is complete.
+- ``choice=[...]`` (vLLM's ``guided_choice``): the output is one of the strings; it ends when it is
+  one that no other choice continues (one that another continues may also end by an end-of-sequence
+  token).
+
+Either way an output cut by ``max_tokens`` is a prefix of what was asked for. Each step masks the
+logits of the tokens whose bytes cannot continue the output (``masks.TokenMasks``), after penalties
+and ``logit_bias``.
 """
 
 from __future__ import annotations
@@ -12,46 +17,65 @@ from dataclasses import dataclass
 
 import torch
 
-from ninefold.llm.guided import json_machine
+from ninefold.llm.guided.choice_machine import ChoiceMachine
+from ninefold.llm.guided.json_machine import JSON_OBJECT
 from ninefold.llm.guided.masks import TokenMasks
 
-__all__ = ["GuidedDecodingParams", "JsonObjectGuide", "TokenMasks"]
+__all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "TokenMasks"]
+
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
-    """What the output must follow (vLLM's name). ``json_object=True``: one JSON object."""
+    """What the output must follow (vLLM's names); exactly one of ``json_object=True`` and ``choice``."""
 
     json_object: bool = False
+    choice: tuple[str, ...] | list[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"guided_decoding.json_object: got {self.json_object!r}; expected True or False")
-        if not self.json_object:
-            raise ValueError("guided_decoding: nothing to follow; set json_object=True (the one format supported)")
+        if self.choice is not None:
+            choices = self.choice
+            if (not isinstance(choices, (list, tuple)) or not choices or len(choices) > MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in choices)):
+                raise ValueError(f"guided_decoding.choice: got {choices!r}; expected 1 to {MAX_CHOICES} non-empty "
+                                 "strings")
+            object.__setattr__(self, "choice", tuple(dict.fromkeys(choices)))
+        if self.json_object == (self.choice is not None):
+            raise ValueError("guided_decoding: set exactly one of json_object=True and choice=[...]")
+
+    def machine(self):
+        """The recognizer of this format."""
+        return JSON_OBJECT if self.json_object else ChoiceMachine(self.choice)
 
 
-class JsonObjectGuide:
-    """One sequence's progress through a JSON object: the recognizer state after its output so far."""
+class Guide:
+    """One sequence's progress through its format: the recognizer's state after the output so far."""
 
-    def __init__(self, masks: TokenMasks):
+    def __init__(self, machine, masks: TokenMasks, end_ids: tuple[int, ...]):
+        self.machine = machine
         self.masks = masks
-        self.state: tuple | None = json_machine.START
+        self.end_ids = end_ids  # end-of-sequence tokens, allowed where the output may end
+        self.state = machine.start
 
     @property
     def complete(self) -> bool:
-        """Whether the output is one whole JSON object."""
-        return json_machine.complete(self.state)
+        """Whether the output is finished: nothing more may follow."""
+        return self.machine.complete(self.state)
 
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; returns whether the object is now complete."""
+        """Advance past a sampled token; returns whether the output is now complete."""
+        if token_id in self.end_ids and self.machine.may_end(self.state):
+            return True
         data = self.masks.vocab[token_id] if token_id < len(self.masks.vocab) else None
-        state = json_machine.advance(self.state, data) if data else None
-        if state is None:  # the mask allowed only tokens that continue the object
+        state = self.machine.advance(self.state, data) if data else None
+        if state is None:  # the mask allowed only tokens that continue the output
             raise RuntimeError(f"guided decoding: token {token_id} ({data!r}) cannot follow the output so far")
         self.state = state
         return self.complete
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """Boolean ``[vocab]``: the tokens that may come next."""
-        return self.masks.mask(self.state, device)
+        return self.masks.mask(self.machine, self.state, device, self.end_ids)

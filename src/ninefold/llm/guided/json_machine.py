@@ -154,3 +154,26 @@ def cache_key(state: tuple, depth: int = 4) -> tuple:
     if len(stack) > depth:
         stack = "*" + stack[-depth:]
     return (mode, stack, aux)
+
+
+class JsonObjectMachine:
+    """This module's recognizer behind the interface ``masks.TokenMasks`` and the guides use."""
+
+    key = "json_object"
+    start = START
+    step = staticmethod(step)
+    advance = staticmethod(advance)
+    complete = staticmethod(complete)
+    cache_key = staticmethod(cache_key)
+
+    @staticmethod
+    def may_end(state) -> bool:
+        return complete(state)
+
+    @staticmethod
+    def in_string(state) -> bool:
+        """Inside a string every plain-content token stays inside it (the masks' fast path)."""
+        return state[0] == "string"
+
+
+JSON_OBJECT = JsonObjectMachine()

@@ -37,7 +37,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive:
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "'max_tokens': 0 is accepted only with 'echo': true (the prompt is scored, nothing "
                             "generated)", param="max_tokens")
-    preprocess.response_format(req.response_format)  # a bad one is refused before the prompts are tokenized
+    preprocess.guided_decoding(req)  # a bad format is refused before the prompts are tokenized
     prompts = preprocess.completion_prompts(req, state.tokenizer)
     return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive)
 
@@ -49,7 +49,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if req.tools:
         raise APIError(400, "tool calling is not supported by this server", param="tools")
-    preprocess.response_format(req.response_format)
+    preprocess.guided_decoding(req)
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"

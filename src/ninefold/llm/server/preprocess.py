@@ -151,9 +151,16 @@ def logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float]
     return bias
 
 
-def response_format(raw: dict | None) -> GuidedDecodingParams | None:
-    """``response_format``: ``text`` (or none) leaves the output free, ``json_object`` makes it one JSON object."""
-    kind = (raw or {}).get("type", "text")
+def guided_decoding(req) -> GuidedDecodingParams | None:
+    """What the output must follow: ``response_format`` (``text`` or none: nothing, ``json_object``: one JSON
+    object) or vLLM's ``guided_choice`` (one of its strings); both at once is a 400."""
+    kind = (req.response_format or {}).get("type", "text")
+    if req.guided_choice is not None:
+        if kind != "text":
+            raise bad_request("give either response_format or guided_choice, not both", "guided_choice")
+        if not all(req.guided_choice):
+            raise bad_request("guided_choice: the choices must be non-empty strings", "guided_choice")
+        return GuidedDecodingParams(choice=req.guided_choice)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -210,7 +217,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
-        guided_decoding=response_format(req.response_format),
+        guided_decoding=guided_decoding(req),
     )
     bias = logit_bias(req.logit_bias, limits)
     if bias:

@@ -75,6 +75,8 @@ class SamplingFields(BaseModel):
         description="Every prompt token's logprob and the N most likely tokens at its position (choices[].prompt_logprobs).")
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text'} or {'type': 'json_object'} (the output is one JSON object).")
+    guided_choice: list[StrictStr] | None = Field(
+        None, min_length=1, max_length=1024, description="The output is one of these strings (vLLM's extra).")
 
     @field_validator("stop")
     @classmethod
