@@ -158,3 +158,7 @@ def test_json_guided_decoding_on_cuda_matches_the_cpu_in_float32(model_dirs):
         for c in out.outputs:
             state = jm.advance(jm.START, c.text.encode())
             assert state is not None and jm.complete(state) == (c.finish_reason == "stop"), c.text
+    choices = ["red", "green", "blue", "东京"]
+    picked = SamplingParams(temperature=1.0, seed=4, n=6, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=choices))
+    for out in bf16.generate(prompts, picked):
+        assert all(c.text in choices and c.finish_reason == "stop" for c in out.outputs)
