@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "ninefold.llm.api",
     "SamplingParams": "ninefold.llm.sampling",
+    "GuidedDecodingParams": "ninefold.llm.guided",
     "RequestOutput": "ninefold.llm.outputs",
     "CompletionOutput": "ninefold.llm.outputs",
 }
