@@ -20,11 +20,15 @@ def test_prefixes_leaves_and_endings():
 @pytest.mark.parametrize("choices", [("yes", "no", "maybe"), ("a", "ab", "abc"), ("café", "東京", "caf")])
 def test_masks_allow_exactly_the_tokens_that_keep_a_choice_reachable(choices):
     machine, table = ChoiceMachine(choices), TokenMasks(VOCAB, len(VOCAB))
-    for state in sorted(machine.prefixes):
+    prefixes = {c.encode()[:i] for c in choices for i in range(len(c.encode()) + 1)}
+    assert all(machine.advance(b"", p) == p for p in prefixes)
+    assert machine.advance(b"", b"q") is None and machine.advance(b"", choices[0].encode() + b"!") is None
+    for state in sorted(prefixes):
         brute = [i for i, data in enumerate(VOCAB) if data and machine.advance(state, data) is not None]
         assert table.allowed(machine, state) == brute, state
         mask = table.mask(machine, state, "cpu", end_ids=(0,))
-        assert mask[0].item() == machine.may_end(state)  # the end token only where a choice ends
+        # the end token where a choice ends, or where no token can continue (this vocabulary's dead ends)
+        assert mask[0].item() == (machine.may_end(state) or not brute)
 
 
 def test_the_mask_cache_keeps_only_the_most_recent(monkeypatch):
@@ -56,3 +60,31 @@ def test_a_choice_cut_by_max_tokens_is_a_prefix_of_one(llm):
                             temperature=0, max_tokens=2)
     c = llm.generate(["x"], params)[0].outputs[0]
     assert c.finish_reason == "length" and "abcdefghijklmnop qrstuvwxyz".startswith(c.text) and c.text
+
+
+def test_long_choices_cost_linear_memory_and_oversized_lists_are_refused():
+    machine = ChoiceMachine(("x" * 60_000,))
+    assert machine.advance(b"", b"x" * 59_999) is not None and machine.complete(b"x" * 60_000)
+    with pytest.raises(ValueError, match="bytes of choices"):
+        GuidedDecodingParams(choice=["y" * 70_000])
+    with pytest.raises(ValueError, match="UTF-8"):
+        GuidedDecodingParams(choice=["\ud800"])
+
+
+def test_a_choice_the_vocabulary_cannot_spell_ends_by_the_end_token():
+    table = TokenMasks(VOCAB, len(VOCAB))
+    machine = ChoiceMachine(("qq",))  # no token holds a "q"
+    mask = table.mask(machine, b"", "cpu", end_ids=(0,))
+    assert mask.nonzero().flatten().tolist() == [0]
+
+
+def test_min_tokens_is_refused_with_guided_decoding(llm):
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate(["x"], SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a"]), min_tokens=1))
+
+
+def test_ignore_eos_keeps_a_prefix_choice_going(llm):
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "abcabc"]), temperature=1.0, seed=5,
+                            n=6, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(["x"], params)[0].outputs
+    assert all(c.text == "abcabc" and c.finish_reason == "stop" for c in outs)  # "a" could only end by EOS

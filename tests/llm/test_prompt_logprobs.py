@@ -106,6 +106,14 @@ def test_n_sequences_share_one_set_of_prompt_logprobs(llama_dir, hf):
     _check(out.prompt_logprobs, PROMPT, _reference(hf, PROMPT), 2)
 
 
+def test_more_logprobs_than_the_vocabulary_holds_are_refused(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64)
+    vocab = llm.engine.vocab_size
+    for name in ("prompt_logprobs", "logprobs"):
+        with pytest.raises(ValueError, match=f"{name}: got {vocab + 1}"):
+            llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(**{name: vocab + 1}))
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, True, "3"])
 def test_invalid_prompt_logprobs_are_refused_naming_the_field(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):

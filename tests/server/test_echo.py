@@ -116,6 +116,16 @@ def test_prompt_logprobs_extension(client, reference, endpoint, reference_tokeni
                                                                                          skip_special_tokens=False)
 
 
+def test_prompt_logprobs_hold_the_asked_top_and_the_prompt_token_whatever_echo_asks(client, reference):
+    ids, _ = reference
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True, logprobs=3,
+                                    extra_body={"prompt_logprobs": 0})
+    scored = out.choices[0].model_extra["prompt_logprobs"]
+    assert [list(e) if e else None for e in scored] == [None] + [[str(t)] for t in ids[1:]]
+    # echo's own top 3 (and the prompt token); tokens that render alike share a key
+    assert all(1 <= len(top) <= 4 for top in out.choices[0].logprobs.top_logprobs[1:])
+
+
 def test_bad_echo_and_prompt_logprobs_requests_are_400(server):
     url = server.base + "/v1/completions"
     check_error(httpx.post(url, json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens", text="echo")

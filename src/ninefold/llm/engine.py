@@ -247,12 +247,18 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens; max_model_len is {self.max_model_len}, which leaves "
                              "no room for output")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name}: got {getattr(params, name)}; this model has {vocab} tokens")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} out of the vocabulary range [0, {vocab})")
         machine = None
         if params.guided_decoding is not None:
             if self.tokenizer is None:
                 raise ValueError("guided_decoding: this model has no tokenizer, so its tokens' bytes are unknown")
+            if params.min_tokens:  # its bans could leave a format nothing to continue with
+                raise ValueError(f"min_tokens: got {params.min_tokens} with guided_decoding; expected 0 (a guided "
+                                 "output ends where its format does)")
             machine = params.guided_decoding.machine()
         total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if self.blocks.blocks_for(total) > self.pool.num_blocks:
@@ -266,7 +272,7 @@ class LLMEngine:
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.guided_decoding is not None:
-                seq.guide = Guide(machine, self._token_masks(), self.eos_token_ids)
+                seq.guide = Guide(machine, self._token_masks(), () if params.ignore_eos else self.eos_token_ids)
             if params.prompt_logprobs is not None and i == 0:  # the request's n sequences share one prompt
                 seq.prompt_logprobs = [None]
             if self.tokenizer is not None:
@@ -280,7 +286,7 @@ class LLMEngine:
         """The vocabulary's index and mask cache for guided decoding (built on the first guided request)."""
         if self._guided_masks is None:
             size = self.model_config.vocab_size
-            self._guided_masks = TokenMasks(vocabulary_bytes(self.tokenizer, size), size)
+            self._guided_masks = TokenMasks(vocabulary_bytes(self.tokenizer, size, exclude=self.eos_token_ids), size)
         return self._guided_masks
 
     def add_request(self, request: Request) -> None:
@@ -415,7 +421,7 @@ class LLMEngine:
         may_stop = n_out >= p.min_tokens
         eos = may_stop and not p.ignore_eos and token in self.eos_token_ids
         stop_token = may_stop and not eos and bool(p.stop_token_ids) and token in p.stop_token_ids
-        guided_done = seq.guide is not None and not (eos or stop_token) and seq.guide.accept(token)
+        guided_done = seq.guide is not None and not (eos or stop_token) and self._guide_accepts(seq, token)
         # A token that stops the sequence stays in token_ids but is not rendered (as in vLLM), unless asked for.
         rendered = not (eos or stop_token) or p.include_stop_str_in_output
         stop_string = (seq.detokenizer.add([token], check_stop=may_stop and not (eos or stop_token))
@@ -430,6 +436,17 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
         elif self._ends_by_length(seq, 0):
             self.scheduler.finish(seq, "length")
+
+    @staticmethod
+    def _guide_accepts(seq: Sequence, token: int) -> bool:
+        """Advance ``seq``'s guide; True when its output is complete. A token the guide cannot take (only
+        where the vocabulary cannot spell the rest of a choice and the model has no end-of-sequence token)
+        ends that sequence rather than the step of every other."""
+        try:
+            return seq.guide.accept(token)
+        except RuntimeError as error:
+            warnings.warn(f"request {seq.request_id}: {error}; its output ends here", stacklevel=3)
+            return True
 
     def _output(self, request: Request) -> RequestOutput:
         # Snapshots: a streamed output must not change after it is handed out. Copying L ids is a

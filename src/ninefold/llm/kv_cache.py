@@ -54,7 +54,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         usable = seq.num_tokens - 1
-        if seq.prompt_logprobs is not None:
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
             usable = min(usable, len(seq.prompt_logprobs) - 1)
         return self._cached_chain(seq.token_ids, max(usable, 0) // self.block_size)
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-ROWS_PER_PASS = 512  # hidden rows turned into full-vocabulary logits at a time (bounds the float32 logits' memory)
+# hidden rows turned into full-vocabulary logits at a time: no more than a decode step of 128 sequences
+# computes, which the KV cache's activation profile leaves room for
+ROWS_PER_PASS = 128
 
 
 def positions_to_score(seq, start: int, num_new_tokens: int) -> range:

@@ -125,6 +125,15 @@ class Tokenizer:
         decoder = self._tk.get_added_tokens_decoder()
         return frozenset(i for i, tok in decoder.items() if tok.special)
 
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the vocabulary is byte-level BPE (GPT-2's byte alphabet, a ``ByteLevel`` decoder)."""
+        try:
+            decoder = json.loads(self._tk.to_str()).get("decoder")
+        except (ValueError, TypeError):
+            return False
+        return '"ByteLevel"' in json.dumps(decoder)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the BOS token is added when the model uses one."""
         if not isinstance(text, str):

@@ -24,6 +24,7 @@ from ninefold.llm.guided.masks import TokenMasks
 __all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "TokenMasks"]
 
 MAX_CHOICES = 1024
+MAX_CHOICE_BYTES = 1 << 16  # all choices together, UTF-8
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,14 @@ class GuidedDecodingParams:
             choices = self.choice
             if (not isinstance(choices, (list, tuple)) or not choices or len(choices) > MAX_CHOICES
                     or not all(isinstance(c, str) and c for c in choices)):
-                raise ValueError(f"guided_decoding.choice: got {choices!r}; expected 1 to {MAX_CHOICES} non-empty "
-                                 "strings")
+                raise ValueError(f"guided_decoding.choice: got {str(choices)[:200]}; expected 1 to {MAX_CHOICES} "
+                                 "non-empty strings")
+            try:
+                size = sum(len(c.encode("utf-8")) for c in choices)
+            except UnicodeEncodeError as error:
+                raise ValueError(f"guided_decoding.choice: not encodable as UTF-8 ({error})") from None
+            if size > MAX_CHOICE_BYTES:
+                raise ValueError(f"guided_decoding.choice: {size} bytes of choices; at most {MAX_CHOICE_BYTES}")
             object.__setattr__(self, "choice", tuple(dict.fromkeys(choices)))
         if self.json_object == (self.choice is not None):
             raise ValueError("guided_decoding: set exactly one of json_object=True and choice=[...]")
@@ -67,7 +74,7 @@ class Guide:
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; returns whether the output is now complete."""
-        if token_id in self.end_ids and self.machine.may_end(self.state):
+        if token_id in self.end_ids:  # allowed where the output may end, or where nothing else can follow
             return True
         data = self.masks.vocab[token_id] if token_id < len(self.masks.vocab) else None
         state = self.machine.advance(self.state, data) if data else None

@@ -59,13 +59,16 @@ class TokenMasks:
     def mask(self, machine, state, device: torch.device, end_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """Boolean ``[size]`` on ``device``: the tokens allowed after ``state`` (not a complete one), and
         ``end_ids`` (end-of-sequence tokens) where the output may end there."""
-        key = (machine.key, machine.cache_key(state), str(device), end_ids if machine.may_end(state) else ())
+        key = (machine.key, machine.cache_key(state), str(device), end_ids if machine.may_end(state) else (), end_ids)
         with self._lock:
             mask = self._masks.get(key)
             if mask is not None:
                 self._masks.move_to_end(key)
                 return mask
-        ids = self.allowed(machine, key[1]) + list(key[3])
+        ids = self.allowed(machine, key[1])
+        # where the output may end, the end-of-sequence tokens; where no token can continue it (a choice this
+        # vocabulary cannot spell), they are the only way out
+        ids += list(end_ids) if key[3] or not ids else []
         mask = torch.zeros(self.size, dtype=torch.bool)
         mask[[i for i in ids if i < self.size]] = True
         mask = mask.to(device)

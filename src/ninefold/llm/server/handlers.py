@@ -150,7 +150,7 @@ class _View:
         self.n = req.n
         self.echo = not self.chat and req.echo
         self.score_only = score_only  # max_tokens 0 with echo: the generated token is left out
-        self.want_prompt_logprobs = req.prompt_logprobs is not None
+        self.prompt_top = req.prompt_logprobs  # vLLM's field: the top N per prompt token (None: not asked)
         self.opened: set[int] = set()  # choices whose first chunk (echoed prompt, prompt logprobs) was sent
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.deltas: dict[int, DeltaStream] = {}
@@ -172,6 +172,13 @@ class _View:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(self._generated(s) for s in gen.sequences)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _reason(self, seq: Sequence) -> str | None:
+        """The choice's finish reason: a scored prompt (max_tokens 0) ends by "length", whatever ended the
+        token generated and left out."""
+        if self.score_only and seq.finish_reason != "abort":
+            return "length"
+        return seq.finish_reason
 
     def _generated(self, seq: Sequence) -> int:
         """The choice's generated tokens that the response shows."""
@@ -203,8 +210,10 @@ class _View:
 
     def _opening(self, seq: Sequence, choice: dict[str, Any]) -> None:
         """What a choice says once: vLLM's ``prompt_logprobs`` when asked for."""
-        if self.want_prompt_logprobs:
-            choice["prompt_logprobs"] = (prompt_logprobs(seq.prompt_logprobs, self.state.texts)
+        if self.prompt_top is not None:
+            prompt = self.prompts[seq.index // self.n]
+            choice["prompt_logprobs"] = (prompt_logprobs(seq.prompt_logprobs, prompt.token_ids, self.prompt_top,
+                                                         self.state.texts)
                                          if seq.prompt_logprobs is not None else None)
 
     async def collect(self, gen: Generation) -> dict[str, Any]:
@@ -222,7 +231,7 @@ class _View:
             logprobs = self._logprobs(seq, 0, count, offset)
             if echoed is not None:
                 logprobs = joined(echoed, logprobs)
-            choice: dict[str, Any] = {"index": seq.index, "logprobs": logprobs, "finish_reason": seq.finish_reason}
+            choice: dict[str, Any] = {"index": seq.index, "logprobs": logprobs, "finish_reason": self._reason(seq)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -271,7 +280,7 @@ class _View:
             self.token_offsets[seq.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if echoed is not None:
             logprobs = joined(echoed, logprobs)
-        reason = seq.finish_reason if finished else None
+        reason = self._reason(seq) if finished else None
         if self.chat:
             delta = {"content": text} if text or not finished else {}
             choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

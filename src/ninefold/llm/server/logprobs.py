@@ -99,8 +99,17 @@ def joined(first: dict, second: dict | None) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
-def prompt_logprobs(entries: list[dict[int, float] | None], texts: TokenTexts) -> list[dict | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob, decoded_token}}``."""
-    return [None if entry is None else
-            {str(t): {"logprob": _finite(lp), "decoded_token": texts.text(t)} for t, lp in _ranked(entry, len(entry))}
-            for entry in entries]
+def prompt_logprobs(entries: list[dict[int, float] | None], prompt_ids: list[int], top: int,
+                    texts: TokenTexts) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob, decoded_token}}``
+    for the ``top`` most likely tokens and the prompt's own."""
+    out: list[dict | None] = []
+    for token_id, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = _ranked(entry, top)
+        if token_id in entry and all(t != token_id for t, _ in ranked):
+            ranked.append((token_id, entry[token_id]))
+        out.append({str(t): {"logprob": _finite(lp), "decoded_token": texts.text(t)} for t, lp in ranked})
+    return out

@@ -1,0 +1,40 @@
+"""The bytes of vocabulary entries: byte-level BPE and SentencePiece (metaspace, ``<0xNN>`` byte fallback)."""
+
+from tiny_models import build_tokenizer
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from ninefold.llm.token_bytes import vocabulary_bytes
+from ninefold.llm.tokenizer import Tokenizer
+
+
+def _sentencepiece() -> Tokenizer:
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁", "{", '"', "a", "é", "Ċ", "▁the", "<0x0A>x"]
+    tk = HFTokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0, byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(p, special=True) for p in pieces[:3]])
+    return Tokenizer(tk, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def test_sentencepiece_byte_fallback_metaspace_and_latin1_pieces():
+    tok = _sentencepiece()
+    assert not tok.byte_level
+    vocab = vocabulary_bytes(tok, tok.vocab_size + 2)
+    ids = {p: tok._tk.token_to_id(p) for p in ("<0x22>", "<0x0A>", "▁the", "é", "Ċ", '"', "<s>")}
+    assert vocab[ids["<0x22>"]] == b'"' and vocab[ids["<0x0A>"]] == b"\n"
+    assert vocab[ids["▁the"]] == b" the" and vocab[ids["é"]] == "é".encode() and vocab[ids["Ċ"]] == "Ċ".encode()
+    assert vocab[ids["<s>"]] is None and vocab[-1] is None  # special tokens and ids past the vocabulary
+
+
+def test_byte_level_pieces_decode_through_the_byte_alphabet_and_end_ids_are_left_out():
+    tok = Tokenizer(build_tokenizer())
+    assert tok.byte_level
+    newline, space_a = tok.encode("\n", add_special_tokens=False), tok.encode(" a", add_special_tokens=False)
+    vocab = vocabulary_bytes(tok, tok.vocab_size, exclude=(space_a[0],))
+    assert vocab[newline[0]] == b"\n" and vocab[space_a[0]] is None
+    for token_id, data in enumerate(vocab):
+        if data is not None and token_id not in tok.all_special_ids:
+            assert tok.decode([token_id], skip_special_tokens=False).encode() == data or b"\xef\xbf\xbd" in \
+                tok.decode([token_id], skip_special_tokens=False).encode()  # partial UTF-8 shows as U+FFFD
