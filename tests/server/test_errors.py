@@ -55,7 +55,11 @@ def test_malformed_json_and_wrong_body_type_are_400(server):
                  400, "tools")
     check_error(httpx.post(server.base + "/v1/chat/completions",
                             json={"messages": user, "response_format": {"type": "json_schema", "json_schema": {}}}),
-                 400, "response_format", text="json_object")
+                 400, "response_format", text="needs")
+    check_error(httpx.post(server.base + "/v1/chat/completions",
+                            json={"messages": user, "response_format": {"type": "json_schema", "json_schema": {
+                                "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}),
+                 400, "response_format", text="pattern")
     check_error(httpx.post(server.base + "/v1/completions", json={"prompt": "x", "response_format": {"type": "yaml"}}),
                 400, "response_format")
     check_error(httpx.post(server.base + "/v1/chat/completions",

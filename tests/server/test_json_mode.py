@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ninefold.llm.guided import json_machine
+from ninefold.llm.guided import SchemaMachine, json_machine
 
 JSON = {"type": "json_object"}
 
@@ -68,3 +68,23 @@ def test_bad_guided_requests_are_400(server):
     check_error(httpx.post(url, json={"prompt": "x", "guided_choice": []}), 400, "guided_choice")
     check_error(httpx.post(url, json={"prompt": "x", "guided_choice": ["a", ""]}), 400, "guided_choice")
     assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_json_schema_response_format_and_guided_json(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"}},
+              "required": ["answer", "score"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "verdict?"}], n=3,
+                                         seed=4, temperature=1.0, max_tokens=96, response_format=fmt)
+    machine = SchemaMachine(schema)
+    for choice in out.choices:
+        state = machine.advance(machine.start, choice.message.content.encode())
+        assert state is not None, choice.message.content  # a prefix of a conforming value at least
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    out = client.completions.create(model="tiny", prompt="verdict:", max_tokens=96, temperature=0,
+                                    extra_body={"guided_json": json.dumps(schema)})
+    if out.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(out.choices[0].text), schema)

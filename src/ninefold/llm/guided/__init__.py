@@ -5,6 +5,9 @@
 - ``choice=[...]`` (vLLM's ``guided_choice``): the output is one of the strings; it ends when it is
   one that no other choice continues (one that another continues may also end by an end-of-sequence
   token).
+- ``json=schema`` (a dict or its JSON text; OpenAI's ``response_format`` ``json_schema``, vLLM's
+  ``guided_json``): JSON that follows the schema, within the subset ``schema_machine`` supports
+  (others are refused with a ValueError naming the keyword).
 
 Either way an output cut by ``max_tokens`` is a prefix of what was asked for. Each step masks the
 logits of the tokens whose bytes cannot continue the output (``masks.TokenMasks``), after penalties
@@ -13,6 +16,7 @@ and ``logit_bias``.
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +24,9 @@ import torch
 from ninefold.llm.guided.choice_machine import ChoiceMachine
 from ninefold.llm.guided.json_machine import JSON_OBJECT
 from ninefold.llm.guided.masks import TokenMasks
+from ninefold.llm.guided.schema_machine import SchemaMachine
 
-__all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "TokenMasks"]
+__all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "SchemaMachine", "TokenMasks"]
 
 MAX_CHOICES = 1024
 MAX_CHOICE_BYTES = 1 << 16  # all choices together, UTF-8
@@ -33,8 +38,17 @@ class GuidedDecodingParams:
 
     json_object: bool = False
     choice: tuple[str, ...] | list[str] | None = None
+    json: dict | str | None = None
 
     def __post_init__(self) -> None:
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as error:
+                    raise ValueError(f"guided_decoding.json: not JSON ({error})") from None
+            object.__setattr__(self, "_schema", SchemaMachine(schema))  # a schema it cannot follow fails here
         if not isinstance(self.json_object, bool):
             raise ValueError(f"guided_decoding.json_object: got {self.json_object!r}; expected True or False")
         if self.choice is not None:
@@ -50,11 +64,13 @@ class GuidedDecodingParams:
             if size > MAX_CHOICE_BYTES:
                 raise ValueError(f"guided_decoding.choice: {size} bytes of choices; at most {MAX_CHOICE_BYTES}")
             object.__setattr__(self, "choice", tuple(dict.fromkeys(choices)))
-        if self.json_object == (self.choice is not None):
-            raise ValueError("guided_decoding: set exactly one of json_object=True and choice=[...]")
+        if self.json_object + (self.choice is not None) + (self.json is not None) != 1:
+            raise ValueError("guided_decoding: set exactly one of json_object=True, choice=[...] and json=schema")
 
     def machine(self):
         """The recognizer of this format."""
+        if self.json is not None:
+            return self._schema
         return JSON_OBJECT if self.json_object else ChoiceMachine(self.choice)
 
 

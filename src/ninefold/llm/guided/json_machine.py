@@ -116,33 +116,39 @@ def _after_value(stack: str) -> tuple:
     return ("after_value", stack, 0)
 
 
-# number modes: which bytes continue each, and whether the number may end there
-_NUMBER = {
-    "minus": (False,), "zero": (True,), "integer": (True,), "point": (False,), "fraction": (True,),
-    "exponent_mark": (False,), "exponent_sign": (False,), "exponent": (True,),
-}
+NUMBER_ENDS = frozenset(("zero", "integer", "fraction", "exponent"))  # number modes a number may end in
+
+
+def number_next(mode: str, byte: int, integer: bool = False) -> str | None:
+    """The number mode after ``byte`` (modes: minus, zero, integer, point, fraction, exponent_mark,
+    exponent_sign, exponent), or None when the byte does not continue the number (``integer``: no
+    fraction or exponent)."""
+    digit = byte in DIGITS
+    if mode == "minus":
+        return "zero" if byte == 0x30 else "integer" if digit else None
+    if mode in ("zero", "integer"):
+        if digit:
+            return "integer" if mode == "integer" else None
+        if integer:
+            return None
+        return "point" if byte == 0x2E else "exponent_mark" if byte in (0x65, 0x45) else None
+    if mode == "point":
+        return "fraction" if digit else None
+    if mode == "fraction":
+        return "fraction" if digit else "exponent_mark" if byte in (0x65, 0x45) else None
+    if mode == "exponent_mark":
+        return "exponent_sign" if byte in (0x2B, 0x2D) else "exponent" if digit else None
+    return "exponent" if digit else None  # exponent_sign, exponent
+
+
+_NUMBER = frozenset(("minus", "zero", "integer", "point", "fraction", "exponent_mark", "exponent_sign", "exponent"))
 
 
 def _number(mode: str, stack: str, byte: int) -> tuple | None:
-    digit = byte in DIGITS
-    if mode == "minus":
-        nxt = "zero" if byte == 0x30 else "integer" if digit else None
-    elif mode in ("zero", "integer"):
-        nxt = ("integer" if digit and mode == "integer" else "point" if byte == 0x2E
-               else "exponent_mark" if byte in (0x65, 0x45) else None)
-    elif mode == "point":
-        nxt = "fraction" if digit else None
-    elif mode == "fraction":
-        nxt = "fraction" if digit else "exponent_mark" if byte in (0x65, 0x45) else None
-    elif mode == "exponent_mark":
-        nxt = "exponent_sign" if byte in (0x2B, 0x2D) else "exponent" if digit else None
-    elif mode == "exponent_sign":
-        nxt = "exponent" if digit else None
-    else:  # exponent
-        nxt = "exponent" if digit else None
+    nxt = number_next(mode, byte)
     if nxt is not None:
         return (nxt, stack, None)
-    if not _NUMBER[mode][0]:
+    if mode not in NUMBER_ENDS:
         return None
     return step(_after_value(stack), byte)  # the byte ends the number and is read after it
 

@@ -152,23 +152,34 @@ def logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float]
 
 
 def guided_decoding(req) -> GuidedDecodingParams | None:
-    """What the output must follow: ``response_format`` (``text`` or none: nothing, ``json_object``: one JSON
-    object) or vLLM's ``guided_choice`` (one of its strings); both at once is a 400."""
-    kind = (req.response_format or {}).get("type", "text")
-    if req.guided_choice is not None:
-        if kind != "text":
-            raise bad_request("give either response_format or guided_choice, not both", "guided_choice")
-        if not all(req.guided_choice):
-            raise bad_request("guided_choice: the choices must be non-empty strings", "guided_choice")
-        return GuidedDecodingParams(choice=req.guided_choice)
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GuidedDecodingParams(json_object=True)
-    if kind == "json_schema":
-        raise bad_request("response_format 'json_schema' is not supported; 'json_object' (any JSON object) is",
-                          "response_format")
-    raise bad_request(f"response_format type {kind!r} is unknown; expected 'text' or 'json_object'", "response_format")
+    """What the output must follow: ``response_format`` (``text`` or none: nothing; ``json_object``: one JSON
+    object; ``json_schema``: JSON following its schema) or vLLM's ``guided_choice`` / ``guided_json``; two
+    at once, or a schema outside the supported subset, is a 400."""
+    fmt = req.response_format or {}
+    kind = fmt.get("type", "text")
+    given = [name for name, value in (("response_format", kind != "text"), ("guided_choice", req.guided_choice),
+                                      ("guided_json", req.guided_json)) if value]
+    if len(given) > 1:
+        raise bad_request(f"give one of response_format, guided_choice and guided_json, not {' and '.join(given)}",
+                          given[-1])
+    try:
+        if req.guided_choice is not None:
+            return GuidedDecodingParams(choice=req.guided_choice)
+        if req.guided_json is not None:
+            return GuidedDecodingParams(json=req.guided_json)
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return GuidedDecodingParams(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+            return GuidedDecodingParams(json=spec["schema"])
+    except ValueError as error:
+        raise bad_request(str(error), given[0] if given else "response_format") from None
+    raise bad_request(f"response_format type {kind!r} is unknown; expected 'text', 'json_object' or 'json_schema'",
+                      "response_format")
 
 
 def sampling_params(

@@ -74,9 +74,12 @@ class SamplingFields(BaseModel):
         None, ge=0, le=MAX_LOGPROBS,
         description="Every prompt token's logprob and the N most likely tokens at its position (choices[].prompt_logprobs).")
     response_format: dict[str, Any] | None = Field(
-        None, description="{'type': 'text'} or {'type': 'json_object'} (the output is one JSON object).")
+        None, description="{'type': 'text'}, {'type': 'json_object'} (the output is one JSON object) or "
+                          "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}} (a supported subset).")
     guided_choice: list[StrictStr] | None = Field(
         None, min_length=1, max_length=1024, description="The output is one of these strings (vLLM's extra).")
+    guided_json: dict[str, Any] | StrictStr | None = Field(
+        None, description="The output is JSON following this JSON Schema (vLLM's extra; a supported subset).")
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,178 @@
+"""Guided decoding to JSON following a JSON Schema: instances generated from random schemas are accepted,
+whatever the recognizer calls complete validates under ``jsonschema`` (an independent implementation),
+unsupported schemas are refused by name, masks match a brute-force check, and the engine's outputs validate."""
+
+import json
+import random
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninefold import LLM, GuidedDecodingParams, SamplingParams
+from ninefold.llm.guided import SchemaMachine, TokenMasks
+
+NAMES = st.text(alphabet="abcxyz_", min_size=1, max_size=5)
+SCALARS = st.none() | st.booleans() | st.integers(-999, 999) | st.text(alphabet="ab é\"\\", max_size=4)
+
+
+def _schemas():
+    leaf = st.sampled_from([{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+                            {"type": "null"}, {}, {"type": ["string", "null"]}, {"type": ["integer", "array"]}]) | \
+        st.lists(SCALARS, min_size=1, max_size=3).map(lambda v: {"enum": v}) | SCALARS.map(lambda v: {"const": v})
+
+    def extend(inner):
+        objects = st.dictionaries(NAMES, inner, max_size=4).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props)) if props else st.nothing(), unique=True).map(
+                lambda req: {"type": "object", "properties": props, "required": req}))
+        arrays = st.tuples(inner, st.integers(0, 2), st.integers(0, 3)).map(
+            lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]})
+        return objects | arrays
+
+    return st.recursive(leaf, extend, max_leaves=8)
+
+
+def _instance(schema, rng: random.Random):
+    """A value following ``schema`` (properties in schema order)."""
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return _instance({**schema, "type": rng.choice(kind)}, rng)
+    if kind == "object":
+        return {k: _instance(v, rng) for k, v in schema["properties"].items()
+                if k in schema.get("required", []) or rng.random() < 0.5}
+    if kind == "array":
+        n = rng.randint(schema.get("minItems", 0), schema.get("maxItems", 3))
+        return [_instance(schema.get("items", {}), rng) for _ in range(n)]
+    if kind == "string":
+        return rng.choice(["", "x", "é\\\"", "a b"])
+    if kind == "integer":
+        return rng.randint(-50, 50)
+    if kind == "number":
+        return rng.choice([0, -1.5, 2e20, 3.25])
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    return rng.choice([None, 1, "s", [1, {"k": [True]}], {"a": {"b": None}}])
+
+
+def _valid(text: str, schema) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+@settings(max_examples=150, deadline=None)
+@given(_schemas(), st.integers(0, 10**6), st.sampled_from([None, 1]))
+def test_instances_of_random_schemas_are_accepted_and_complete(schema, seed, indent):
+    schema = {"type": "object", "properties": {"root": schema}, "required": ["root"]}
+    machine = SchemaMachine(schema)
+    text = json.dumps(_instance(schema, random.Random(seed)), indent=indent, ensure_ascii=False)
+    if indent is not None and any(k in json.dumps(schema) for k in ('"enum"', '"const"')):
+        text = json.dumps(json.loads(text), ensure_ascii=False)  # enum members are matched in compact form
+    state = machine.advance(machine.start, text.encode())
+    assert state is not None and machine.complete(state), text
+
+
+@settings(max_examples=300, deadline=None)
+@given(_schemas(), st.integers(0, 10**6), st.data())
+def test_whatever_the_recognizer_calls_complete_validates(schema, seed, data):
+    schema = {"type": "object", "properties": {"root": schema, "n": {"type": "integer"}}, "required": ["root"]}
+    machine = SchemaMachine(schema)
+    chars = list(json.dumps(_instance(schema, random.Random(seed)), ensure_ascii=False))
+    for _ in range(data.draw(st.integers(1, 3))):
+        position = data.draw(st.integers(0, len(chars) - 1))
+        chars[position] = data.draw(st.sampled_from(list('{}[]",:0123456789.e-tfnul x')))
+    text = "".join(chars)
+    state = machine.advance(machine.start, text.encode())
+    if state is not None and machine.complete(state):
+        assert _valid(text, schema), text
+
+
+@pytest.mark.parametrize("schema, word", [
+    ({"type": "string", "pattern": "a"}, "pattern"), ({"type": "string", "minLength": 2}, "minLength"),
+    ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}, "recursive"),
+    ({"$ref": "#/$defs/missing"}, "is not one of"), ({"anyOf": [{"type": "integer"}, {"type": "number"}]}, "same byte"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"), ({"type": "object", "properties": {"a\"": {}}},
+                                                                     "escaping"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"), ({"type": "date"}, "type"),
+])
+def test_unsupported_or_broken_schemas_are_refused_by_name(schema, word):
+    with pytest.raises(ValueError, match=word):
+        GuidedDecodingParams(json=schema)
+
+
+def test_defs_references_are_followed():
+    schema = {"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}}, "required": ["p"],
+              "$defs": {"point": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}}}
+    machine = GuidedDecodingParams(json=json.dumps(schema)).machine()
+    assert machine.complete(machine.advance(machine.start, b'{"p":[1,2.5]}'))
+    assert machine.advance(machine.start, b'{"p":[1,2,3') is None
+
+
+def test_optional_properties_may_be_skipped_but_order_is_the_schemas():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                                "c": {"type": "integer"}}, "required": ["c"]}
+    m = SchemaMachine(schema)
+    for text, ok in (('{"c":1}', True), ('{"a":1,"c":2}', True), ('{"b":1,"c":2}', True), ('{"c":1,"a":2}', False),
+                     ('{"a":1}', False), ('{"a":1,"b":2,"c":3}', True)):
+        state = m.advance(m.start, text.encode())
+        assert (state is not None and m.complete(state)) == ok, text
+
+
+VOCAB = [None, b"{", b"}", b'"', b'":', b"a", b"ab", b"1", b"12", b"-", b".", b"5e", b"[", b"]", b",", b" ", b'{"a',
+         b'{"a":', b"true", b"nu", b"ll", b"x", b'"x"', b'"}', b"]}", b"}]", b'b":', b'c":', b"c"]
+
+
+def test_masks_match_a_brute_force_check_along_random_walks():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 12, "x"]}},
+                                               "b": {"type": ["integer", "null"]}, "c": {}}, "required": ["a"]}
+    machine, table = SchemaMachine(schema), TokenMasks(VOCAB, len(VOCAB))
+    rng = random.Random(0)
+    state, seen = machine.start, 0
+    for _ in range(400):
+        brute = [i for i, data in enumerate(VOCAB) if data and machine.advance(state, data) is not None]
+        assert table.allowed(machine, state) == brute, state
+        seen += 1
+        if not brute or machine.complete(state):
+            state = machine.start
+            continue
+        state = machine.advance(state, VOCAB[rng.choice(brute)])
+    assert seen == 400
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=256)
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}, "tags": {"type": "array", "items": {
+                                               "enum": ["a", "b"]}, "maxItems": 2}}, "required": ["n", "ok"]}
+
+
+def test_engine_outputs_follow_the_schema_or_are_cut_by_max_tokens(llm):
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=SCHEMA), temperature=1.0, seed=3, n=6,
+                            max_tokens=48)
+    machine = SchemaMachine(SCHEMA)
+    stopped = 0
+    for out in llm.generate(["JSON:", "x"], params):
+        for c in out.outputs:
+            state = machine.advance(machine.start, c.text.encode())
+            assert state is not None, c.text
+            if c.finish_reason == "stop":
+                assert _valid(c.text, SCHEMA), c.text
+                stopped += 1
+            else:
+                assert c.finish_reason == "length" and not machine.complete(state)
+    biased = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object", "properties": {
+        "ok": {"type": "boolean"}}, "required": ["ok"]}), temperature=0, max_tokens=200)
+    c = llm.generate(["x"], biased)[0].outputs[0]
+    assert c.finish_reason == "stop" and json.loads(c.text)["ok"] in (True, False)
