@@ -176,3 +176,60 @@ def test_engine_outputs_follow_the_schema_or_are_cut_by_max_tokens(llm):
         "ok": {"type": "boolean"}}, "required": ["ok"]}), temperature=0, max_tokens=200)
     c = llm.generate(["x"], biased)[0].outputs[0]
     assert c.finish_reason == "stop" and json.loads(c.text)["ok"] in (True, False)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "enum": ["a", 1]}, {"const": 1, "enum": [2]}, {"type": "integer", "anyOf": [{"type": "string"}]},
+    {"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, {"oneOf": [{}, {}]},
+    {"oneOf": [{"type": "object"}, {"type": "object", "title": "t"}]}, {"type": "object", "required": ["a"]},
+    {"required": ["a"]}, {"minItems": 2}, {"maxItems": 0}, {"additionalProperties": False},
+    {"$defs": {"a": {"type": "array"}}, "$ref": "#/$defs/a", "maxItems": 1},
+    {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "minLength": 3},
+    {"definitions": {"x": {"type": "string"}}, "$defs": {"y": {}}, "$ref": "#/$defs/x"},
+    {"$defs": {"a": {"properties": {"b": {}}}}, "$ref": "#/$defs/a/properties/b"},
+    {"properties": {"a": {"$id": "http://e/a", "type": "string"}}},
+    {"$defs": [1]}, {"$defs": None}, {"definitions": "x"}, {"type": {}}, {"type": ["string", {}]},
+    {"type": "object", "properties": {"a": {}}, "required": [["a"]]}, {"type": None}, {"anyOf": None},
+    {"type": "array", "minItems": True}, {"type": "array", "maxItems": None}, {"type": "object", "additionalProperties": 0},
+    {"enum": [float("nan")]}, {"const": float("inf")}, {"enum": ["\ud800"]}, {"type": "string", "items": {}},
+])
+def test_schemas_this_recognizer_could_not_honour_are_refused(schema):
+    with pytest.raises(ValueError, match="json_schema"):
+        SchemaMachine(schema)
+
+
+def test_nesting_and_size_limits_are_value_errors():
+    deep = {"type": "array"}
+    for _ in range(1200):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="deeply"):
+        SchemaMachine(deep)
+    with pytest.raises(ValueError, match="not JSON"):
+        GuidedDecodingParams(json='{"items":' * 3000 + "{}" + "}" * 3000)
+    with pytest.raises(ValueError, match="not JSON"):
+        GuidedDecodingParams(json='{"const": NaN}')
+    wide = {"type": "object", "properties": {f"p{i}": {} for i in range(9000)}}
+    with pytest.raises(ValueError, match="too large"):
+        SchemaMachine(wide)
+
+
+def test_property_order_is_part_of_the_mask_key():
+    a = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["a", "b"]}
+    ma, mb = SchemaMachine(a), SchemaMachine(b)
+    assert ma.key != mb.key
+    table = TokenMasks(VOCAB, len(VOCAB))
+    in_a, in_b = ma.advance(ma.start, b'{"'), mb.advance(mb.start, b'{"')
+    assert in_a == in_b  # the same state tuples: only the key tells the two masks apart
+    first_a, first_b = table.mask(ma, in_a, "cpu"), table.mask(mb, in_b, "cpu")
+    assert first_a[VOCAB.index(b"a")] and not first_a[VOCAB.index(b'b":')]
+    assert first_b[VOCAB.index(b'b":')] and not first_b[VOCAB.index(b"a")]
+    assert ma.complete(ma.advance(ma.start, b'{"a":1,"b":2}')) and mb.complete(mb.advance(mb.start, b'{"b":1,"a":2}'))
+
+
+def test_closed_empty_objects_take_whitespace_and_long_arrays_share_masks():
+    m = SchemaMachine({"type": "object", "additionalProperties": False})
+    assert m.complete(m.advance(m.start, b"{ }")) and m.advance(m.start, b'{"') is None
+    arr = SchemaMachine({"type": "array", "items": {"type": "integer"}, "minItems": 1})
+    keys = {arr.cache_key(arr.advance(arr.start, b"[" + b",".join(b"7" for _ in range(n)) + b",")) for n in (1, 5, 50)}
+    assert len(keys) == 1

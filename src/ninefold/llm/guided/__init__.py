@@ -45,9 +45,9 @@ class GuidedDecodingParams:
             schema = self.json
             if isinstance(schema, str):
                 try:
-                    schema = _json.loads(schema)
-                except ValueError as error:
-                    raise ValueError(f"guided_decoding.json: not JSON ({error})") from None
+                    schema = _json.loads(schema, parse_constant=_refuse_constant)
+                except (ValueError, RecursionError) as error:
+                    raise ValueError(f"guided_decoding.json: not JSON ({str(error)[:200]})") from None
             object.__setattr__(self, "_schema", SchemaMachine(schema))  # a schema it cannot follow fails here
         if not isinstance(self.json_object, bool):
             raise ValueError(f"guided_decoding.json_object: got {self.json_object!r}; expected True or False")
@@ -72,6 +72,10 @@ class GuidedDecodingParams:
         if self.json is not None:
             return self._schema
         return JSON_OBJECT if self.json_object else ChoiceMachine(self.choice)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 class Guide:

@@ -1,16 +1,20 @@
 """A byte-level recognizer of JSON that follows a JSON Schema (a subset), for ``response_format`` ``json_schema``.
 
 Supported keywords: ``type`` (one type or a list), ``properties``, ``required``, ``additionalProperties``
-(``false`` or absent: only the listed properties; on an object without ``properties`` any keys),
-``items``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (alternatives that start
-with different bytes: an object, an array, a string, a number, ...), ``$ref`` to ``#/$defs/...`` or
-``#/definitions/...`` (not recursive), and annotations (``title``, ``description``, ...). Anything
-else (``pattern``, ``minLength``, ``format``, ...) is refused with a ``ValueError`` naming it, rather
-than generating output that may break it.
+(``false`` or absent: only the listed properties; on an object without ``properties``, true: any keys,
+false: ``{}``), ``items``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf``,
+``$ref`` to ``#/$defs/NAME`` or ``#/definitions/NAME`` (not recursive), and annotations (``title``,
+``description``, ...). Anything else (``pattern``, ``minLength``, ``format``, ...) is refused with a
+``ValueError`` naming it, rather than generating output that may break it.
 
-Properties come in the schema's order; an optional one may be left out. Output is compact except for
-whitespace between tokens (runs of at most ``MAX_WHITESPACE`` bytes). A state is a tuple of frames,
-innermost last; the empty tuple means the value is complete.
+Restrictions, each refused rather than half-honoured: ``enum``, ``const``, ``anyOf``, ``oneOf`` and
+``$ref`` stand alone (no other keywords beside them but annotations); anyOf/oneOf alternatives must
+start with different bytes; keywords of another type (``items`` on an object, ...) and ``required``
+without ``properties`` are refused; ``$id`` only at the root. What is generated is narrower than what
+the schema allows: properties come in the schema's order (an optional one may be left out), no
+additional properties, integers without fraction or exponent, property names that need no escaping,
+enum members in compact JSON. Whitespace between tokens comes in runs of at most ``MAX_WHITESPACE``
+bytes. A state is a tuple of frames, innermost last; the empty tuple means the value is complete.
 """
 
 from __future__ import annotations
@@ -28,18 +32,32 @@ from ninefold.llm.guided.json_machine import (
 )
 
 ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                         "readOnly", "writeOnly", "$defs", "definitions", "name", "strict"))
+                         "readOnly", "writeOnly", "$defs", "definitions"))
 _VALUE_FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789",
                 "integer": b"-0123456789", "boolean": b"tf", "null": b"n"}
 MAX_NODES = 2048
+MAX_WORK = 8192  # subschemas compiled, at most
+MAX_DEPTH = 64
+SUPPORTED = frozenset(("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+                       "enum", "const", "anyOf", "oneOf", "$ref"))
+_FOR_OBJECTS = frozenset(("properties", "required", "additionalProperties"))
+_FOR_ARRAYS = frozenset(("items", "minItems", "maxItems"))
+
+
+def _compact(value, where: str) -> bytes:
+    """``value`` as the recognizer matches it: compact JSON, UTF-8, no NaN or infinities."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except (TypeError, ValueError, UnicodeEncodeError) as error:
+        raise ValueError(f"json_schema: {where}: {value!r} is not a JSON value this can match ({error})") from None
 
 
 class SchemaMachine:
     """The compiled schema (a list of nodes) and the recognizer's step over it."""
 
     def __init__(self, schema: dict):
-        self.key = ("json_schema", json.dumps(schema, sort_keys=True))
         self.nodes: list[tuple] = []
+        self._work = 0
         # the nodes of values the schema leaves open: any value, any object, any array, the three literals
         self.any = self._add(("any",))
         self.any_object = self._add(("object", None, frozenset()))
@@ -47,10 +65,17 @@ class SchemaMachine:
         self.literals = self._add(("enum", (b"false", b"null", b"true")))
         if not isinstance(schema, dict) and schema is not True:
             raise ValueError(f"json_schema: the schema must be an object, got {type(schema).__name__}")
-        defs = schema if isinstance(schema, dict) else {}
-        self._defs = {**defs.get("definitions", {}), **defs.get("$defs", {})}
-        root = self._compile(schema, "schema", ())
-        self.start = (("value", root, 0),)
+        root = schema if isinstance(schema, dict) else {}
+        self._defs = {}
+        for container in ("$defs", "definitions"):
+            defs = root.get(container, {})
+            if not isinstance(defs, dict):
+                raise ValueError(f"json_schema: {container} must be an object, got {type(defs).__name__}")
+            self._defs[container] = defs
+        root_node = self._compile(schema, "schema", (), 0)
+        self.start = (("value", root_node, 0),)
+        # property order matters to the recognizer, so the key keeps the schema's own order
+        self.key = ("json_schema", json.dumps(schema))
 
     # -- compiling -------------------------------------------------------------------------------
 
@@ -60,77 +85,54 @@ class SchemaMachine:
         self.nodes.append(node)
         return len(self.nodes) - 1
 
-    def _compile(self, schema, where: str, refs: tuple) -> int:
+    def _compile(self, schema, where: str, refs: tuple, depth: int) -> int:
+        self._work += 1
+        if self._work > MAX_WORK or depth > MAX_DEPTH:
+            raise ValueError(f"json_schema: too large or too deeply nested (at {where})")
         if schema is True or schema == {}:
             return self.any
         if not isinstance(schema, dict):
-            raise ValueError(f"json_schema: {where} must be an object, got {type(schema).__name__}")
-        if "$ref" in schema:
-            ref = schema["$ref"]
-            name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else None
-            if (not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/"))
-                    or name not in self._defs):
-                raise ValueError(f"json_schema: {where}: $ref {ref!r} is not one of this schema's $defs")
-            if ref in refs:
-                raise ValueError(f"json_schema: {where}: recursive $ref {ref!r} is not supported")
-            return self._compile(self._defs[name], f"{where} ({ref})", refs + (ref,))
-        unknown = sorted(set(schema) - ANNOTATIONS - {"type", "properties", "required", "additionalProperties",
-                                                      "items", "minItems", "maxItems", "enum", "const", "anyOf",
-                                                      "oneOf"})
+            raise ValueError(f"json_schema: {where} must be an object or true, got {type(schema).__name__}")
+        keywords = set(schema) - ANNOTATIONS
+        unknown = sorted(keywords - SUPPORTED)
         if unknown:
             raise ValueError(f"json_schema: {where}: unsupported keyword(s) {', '.join(unknown)}")
-        if "const" in schema or "enum" in schema:
-            values = [schema["const"]] if "const" in schema else schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise ValueError(f"json_schema: {where}: enum must be a non-empty list")
-            members = tuple(sorted({json.dumps(v, separators=(",", ":"), ensure_ascii=False).encode() for v in values}))
-            return self._add(("enum", members))
-        alternatives = schema.get("anyOf", schema.get("oneOf"))
-        if alternatives is not None:
-            if not isinstance(alternatives, list) or not alternatives:
-                raise ValueError(f"json_schema: {where}: anyOf/oneOf must be a non-empty list")
-            return self._union([self._compile({**{k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")},
-                                                **a} if isinstance(a, dict) else a, f"{where}.anyOf[{i}]", refs)
-                                for i, a in enumerate(alternatives)], where)
+        if "$id" in schema and depth:
+            raise ValueError(f"json_schema: {where}: $id below the root is not supported")
+        alone = [k for k in ("$ref", "enum", "const", "anyOf", "oneOf") if k in schema]
+        if alone:
+            if len(keywords) > 1:
+                raise ValueError(f"json_schema: {where}: {alone[0]} beside {', '.join(sorted(keywords - {alone[0]}))} "
+                                 "is not supported")
+            return getattr(self, "_compile_" + alone[0].strip("$").lower())(schema, where, refs, depth)
         kind = schema.get("type")
         if isinstance(kind, list):
-            if not kind:
-                raise ValueError(f"json_schema: {where}: type must not be an empty list")
-            return self._union([self._compile({**schema, "type": t}, f"{where} ({t})", refs) for t in kind], where)
+            if not kind or not all(isinstance(t, str) for t in kind):
+                raise ValueError(f"json_schema: {where}: type must be a string or a non-empty list of strings")
+            alternatives = [self._compile({**schema, "type": t}, f"{where} ({t})", refs, depth + 1) for t in kind]
+            return self._union(alternatives, where, distinct=True)
         if kind is None:
+            if "type" in schema:
+                raise ValueError(f"json_schema: {where}: type must be a string or a non-empty list of strings")
             kind = "object" if "properties" in schema else "array" if "items" in schema else None
             if kind is None:
+                if keywords:
+                    raise ValueError(f"json_schema: {where}: {', '.join(sorted(keywords))} need a type (or "
+                                     "properties / items)")
                 return self.any
-        if kind not in _VALUE_FIRST:
+        if not isinstance(kind, str) or kind not in _VALUE_FIRST:
             raise ValueError(f"json_schema: {where}: unknown type {kind!r}")
+        misplaced = sorted(keywords & (_FOR_OBJECTS if kind != "object" else set())
+                           | keywords & (_FOR_ARRAYS if kind != "array" else set()))
+        if misplaced:
+            raise ValueError(f"json_schema: {where}: {', '.join(misplaced)} on a {kind} is not supported")
         if kind == "object":
-            props = schema.get("properties")
-            extra = schema.get("additionalProperties", props is None)
-            if props is None:
-                if extra is False:
-                    return self._add(("enum", (b"{}",)))
-                if extra not in (True, {}):
-                    raise ValueError(f"json_schema: {where}: additionalProperties must be true or false here")
-                return self.any_object
-            if extra not in (False,) and "additionalProperties" in schema:
-                raise ValueError(f"json_schema: {where}: additionalProperties must be false when properties are given")
-            if not isinstance(props, dict):
-                raise ValueError(f"json_schema: {where}: properties must be an object")
-            required = schema.get("required", [])
-            if not isinstance(required, list) or not set(required) <= set(props):
-                raise ValueError(f"json_schema: {where}: required must list properties of this object")
-            entries = []
-            for name, sub in props.items():
-                raw = json.dumps(name, ensure_ascii=False)[1:-1].encode()
-                if raw != name.encode():
-                    raise ValueError(f"json_schema: {where}: property name {name!r} needs escaping; not supported")
-                entries.append((raw, self._compile(sub, f"{where}.{name}", refs)))
-            return self._add(("object", tuple(entries), frozenset(i for i, (n, _) in enumerate(props.items())
-                                                                  if n in required)))
+            return self._compile_object(schema, where, refs, depth)
         if kind == "array":
-            items = self._compile(schema.get("items", True), f"{where}[]", refs)
+            items = self._compile(schema.get("items", True), f"{where}[]", refs, depth + 1)
             low, high = schema.get("minItems", 0), schema.get("maxItems", None)
-            if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
+            if (type(low) is not int or low < 0 or ("maxItems" in schema and type(high) is not int)
+                    or (high is not None and high < low)):
                 raise ValueError(f"json_schema: {where}: minItems/maxItems must be integers with 0 <= min <= max")
             return self._add(("array", items, low, high))
         if kind == "boolean":
@@ -139,7 +141,68 @@ class SchemaMachine:
             return self._add(("enum", (b"null",)))
         return self._add((kind,))
 
-    def _union(self, alternatives: list[int], where: str) -> int:
+    def _compile_object(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties", props is None)
+        if not (extra is True or extra is False or (isinstance(extra, dict) and not extra)):
+            raise ValueError(f"json_schema: {where}: additionalProperties must be true or false")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"json_schema: {where}: required must be a list of property names")
+        if props is None:
+            if required:
+                raise ValueError(f"json_schema: {where}: required needs properties listing them")
+            return self.any_object if extra is not False else self._add(("object", (), frozenset()))
+        if extra is not False and "additionalProperties" in schema:
+            raise ValueError(f"json_schema: {where}: additionalProperties must be false when properties are given")
+        if not isinstance(props, dict) or not all(isinstance(n, str) for n in props):
+            raise ValueError(f"json_schema: {where}: properties must be an object")
+        if not set(required) <= set(props):
+            raise ValueError(f"json_schema: {where}: required must list properties of this object")
+        entries = []
+        for name, sub in props.items():
+            raw = _compact(name, f"{where}: property name")[1:-1]
+            if raw != name.encode("utf-8", "surrogatepass"):
+                raise ValueError(f"json_schema: {where}: property name {name!r} needs escaping; not supported")
+            entries.append((raw, self._compile(sub, f"{where}.{name}", refs, depth + 1)))
+        return self._add(("object", tuple(entries), frozenset(i for i, n in enumerate(props) if n in required)))
+
+    def _compile_ref(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
+        ref = schema["$ref"]
+        parts = ref.split("/") if isinstance(ref, str) else []
+        if len(parts) != 3 or parts[0] != "#" or parts[1] not in self._defs:
+            raise ValueError(f"json_schema: {where}: $ref {ref!r} is not one of this schema's $defs/definitions")
+        name = parts[2].replace("~1", "/").replace("~0", "~")
+        if name not in self._defs[parts[1]]:
+            raise ValueError(f"json_schema: {where}: $ref {ref!r} is not one of this schema's $defs/definitions")
+        if ref in refs:
+            raise ValueError(f"json_schema: {where}: recursive $ref {ref!r} is not supported")
+        return self._compile(self._defs[parts[1]][name], f"{where} ({ref})", refs + (ref,), depth + 1)
+
+    def _compile_enum(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
+        values = schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"json_schema: {where}: enum must be a non-empty list")
+        return self._add(("enum", tuple(sorted({_compact(v, f"{where}: enum") for v in values}))))
+
+    def _compile_const(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
+        return self._add(("enum", (_compact(schema["const"], f"{where}: const"),)))
+
+    def _compile_anyof(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
+        return self._alternatives(schema["anyOf"], "anyOf", where, refs, depth)
+
+    def _compile_oneof(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
+        return self._alternatives(schema["oneOf"], "oneOf", where, refs, depth)
+
+    def _alternatives(self, alternatives, name: str, where: str, refs: tuple, depth: int) -> int:
+        if not isinstance(alternatives, list) or not alternatives:
+            raise ValueError(f"json_schema: {where}: {name} must be a non-empty list")
+        nodes = [self._compile(a, f"{where}.{name}[{i}]", refs, depth + 1) for i, a in enumerate(alternatives)]
+        return self._union(nodes, where, distinct=True)
+
+    def _union(self, alternatives: list[int], where: str, distinct: bool) -> int:
+        if distinct and len(set(alternatives)) != len(alternatives):
+            raise ValueError(f"json_schema: {where}: alternatives that accept the same values are not supported")
         by_first: dict[int, int] = {}
         for alt in alternatives:
             for byte in self._first_bytes(alt):
@@ -219,9 +282,17 @@ class SchemaMachine:
             return frame[2] in NUMBER_ENDS
         return frame[0] == "enum" and frame[2] in self.nodes[frame[1]][1]
 
-    @staticmethod
-    def cache_key(state: tuple) -> tuple:
-        return state
+    def cache_key(self, state: tuple) -> tuple:
+        """``state`` with each unbounded array's element count capped at its minimum (past it, more elements
+        change nothing), so masks are shared along a long array."""
+        out = []
+        for frame in state:
+            if frame[0] == "array" and self.nodes[frame[1]][3] is None:
+                low = self.nodes[frame[1]][2]
+                if frame[3] > low:
+                    frame = frame[:3] + (low,) + frame[4:]
+            out.append(frame)
+        return tuple(out)
 
     @staticmethod
     def in_string(state) -> bool:
