@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
+from ninefold.llm.guided import GuidedDecodingParams
 from ninefold.llm.server import preprocess
 from ninefold.llm.server.deltas import DeltaStream
 from ninefold.llm.server.errors import APIError
@@ -37,9 +38,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, receive:
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "'max_tokens': 0 is accepted only with 'echo': true (the prompt is scored, nothing "
                             "generated)", param="max_tokens")
-    preprocess.guided_decoding(req)  # a bad format is refused before the prompts are tokenized
+    guided = preprocess.guided_decoding(req)  # a bad format is refused before the prompts are tokenized
     prompts = preprocess.completion_prompts(req, state.tokenizer)
-    return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive)
+    return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive, guided)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, receive: Receive) -> Response:
@@ -49,14 +50,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if req.tools:
         raise APIError(400, "tool calling is not supported by this server", param="tools")
-    preprocess.guided_decoding(req)
+    guided = preprocess.guided_decoding(req)
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive)
+    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided)
 
 
 async def _serve(
@@ -68,6 +69,7 @@ async def _serve(
     max_tokens_param: str,
     logprobs: int | None,
     receive: Receive,
+    guided: GuidedDecodingParams | None = None,
 ) -> Response:
     arrival = time.perf_counter()
     limits = state.limits
@@ -87,7 +89,7 @@ async def _serve(
             # max_tokens 0 (echo only): one token is generated and left out of the response
             params = preprocess.sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=logprobs, limits=limits,
                                                 child=i, defaults=state.defaults,
-                                                prompt_logprobs=max(scored) if scored else None)
+                                                prompt_logprobs=max(scored) if scored else None, guided=guided)
             sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
     gen = Generation(state.engine, sequences)
     view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0)

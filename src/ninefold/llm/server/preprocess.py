@@ -191,8 +191,11 @@ def sampling_params(
     child: int,
     defaults: SamplingParams | None = None,
     prompt_logprobs: int | None = None,
+    guided: GuidedDecodingParams | None = None,
 ) -> SamplingParams:
     """SamplingParams of child ``child`` (0 <= child < n) of the request.
+
+    ``guided``: the request's ``guided_decoding(req)``, compiled once and shared by its children.
 
     Sampling fields the request leaves out come from ``defaults`` (the model's generation_config,
     as vLLM does), else from SamplingParams' own defaults.
@@ -228,7 +231,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
-        guided_decoding=guided_decoding(req),
+        guided_decoding=guided,
     )
     bias = logit_bias(req.logit_bias, limits)
     if bias:
