@@ -425,21 +425,24 @@ class _GraphLaunchTimer:
 
 
 class _DeviceTimeline:
-    """Records every ``runner.launch`` in its block: each step's shape (sequences, new tokens, context
-    tokens, attended query-key pairs: what ``llm_plots.step_bounds`` needs) and, on CUDA, events around
-    it: the device's busy span per step and its idle gaps between steps (waiting for the host)."""
+    """Records every ``runner.launch`` in its block: with ``shapes``, each step's shape (sequences, new
+    tokens, context tokens, attended query-key pairs: what ``llm_plots.step_bounds`` needs; left out where
+    host time is measured) and, on CUDA, events around it: the device's busy span per step and its idle
+    gaps between steps (waiting for the host)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, shapes: bool = False):
         self.runner = engine.runner
         self.events: list = []
         self.steps: list[dict] = []
+        self.shapes = shapes
         self.cuda = engine.device.type == "cuda"
 
     def __enter__(self):
         launch = self.runner.launch
 
         def recorded(step, previous=None):
-            self.steps.append(_step_shape(step))
+            if self.shapes:
+                self.steps.append(_step_shape(step))
             if not self.cuda:
                 return launch(step, previous)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -493,7 +496,7 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
         engine.add_request(r)
     _sync(engine)
     cached_before = triton_cache_entries()
-    with _DeviceTimeline(engine) as timeline:
+    with _DeviceTimeline(engine, shapes=True) as timeline:
         elapsed, complete = _run_until_done(engine, args.offline_time_limit)
     cached_after = triton_cache_entries()
     out_tokens = sum(s.num_output_tokens for r in requests for s in r.seqs)

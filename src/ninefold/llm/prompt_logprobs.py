@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ninefold.llm.sampler import logprob_entries
+
 # hidden rows turned into full-vocabulary logits at a time: no more than a decode step of 128 sequences
 # computes, which the KV cache's activation profile leaves room for
 ROWS_PER_PASS = 128
@@ -36,16 +38,6 @@ def score(model, hidden: torch.Tensor, rows: list[int], targets: list[int], tops
     for begin in range(0, len(rows), ROWS_PER_PASS):
         index = torch.tensor(rows[begin:begin + ROWS_PER_PASS], dtype=torch.int64).to(device)
         target = torch.tensor(targets[begin:begin + ROWS_PER_PASS], dtype=torch.int64).to(device)
-        top = tops[begin:begin + ROWS_PER_PASS]
         logits = model.compute_logits(hidden.index_select(0, index))[:, :vocab_size]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logp.gather(1, target.view(-1, 1)).squeeze(1).tolist()
-        k = max(top)
-        top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for j, token in enumerate(targets[begin:begin + ROWS_PER_PASS]):
-            n = top[j]
-            entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
-            entry[token] = chosen[j]
-            out.append(entry)
+        out += logprob_entries(logits, target, tops[begin:begin + ROWS_PER_PASS])
     return out

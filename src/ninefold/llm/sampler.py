@@ -176,16 +176,24 @@ class Sampler:
 
     def _logprobs(self, raw, tokens, params, want) -> list[dict[int, float] | None]:
         rows = [b for b, w in enumerate(want) if w]
-        logp = torch.log_softmax(raw[rows].float(), dim=-1)
-        k = max(params[b].logprobs for b in rows)
-        top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        chosen = logp.gather(1, tokens[rows].view(-1, 1)).squeeze(1)
-        top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen.tolist()
-        token_list = tokens.tolist()
+        entries = logprob_entries(raw[rows], tokens[rows], [params[b].logprobs for b in rows])
         result: list[dict[int, float] | None] = [None] * len(params)
-        for j, b in enumerate(rows):
-            n = params[b].logprobs
-            entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
-            entry[token_list[b]] = chosen[j]
+        for b, entry in zip(rows, entries):
             result[b] = entry
         return result
+
+
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, float]]:
+    """Per row of ``logits`` ``[R, V]``: ``{token id: log-probability}`` of its ``tops[r]`` most likely tokens
+    and of ``tokens[r]`` (read back to the host)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = max(tops)
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+    top_values, top_ids, token_list = top_values.tolist(), top_ids.tolist(), tokens.tolist()
+    entries = []
+    for r, n in enumerate(tops):
+        entry = dict(zip(top_ids[r][:n], top_values[r][:n]))
+        entry[token_list[r]] = chosen[r]
+        entries.append(entry)
+    return entries

@@ -45,6 +45,14 @@ def _ranked(step: dict[int, float], top: int) -> list[tuple[int, float]]:
     return sorted(step.items(), key=lambda kv: -kv[1])[:top]
 
 
+def _ranked_with(step: dict[int, float], top: int, token_id: int) -> list[tuple[int, float]]:
+    """The ``top`` best of ``step``, and ``token_id`` after them when it is not among them."""
+    ranked = _ranked(step, top)
+    if token_id in step and all(t != token_id for t, _ in ranked):
+        ranked.append((token_id, step[token_id]))
+    return ranked
+
+
 def completion_logprobs(
     token_ids: list[int], steps: list[dict[int, float]], top: int, texts: TokenTexts, offset: int
 ) -> dict:
@@ -55,10 +63,7 @@ def completion_logprobs(
         out["tokens"].append(text)
         out["token_logprobs"].append(_finite(step.get(token_id, -math.inf)))
         # OpenAI's legacy format: the top ``logprobs`` tokens and always the sampled one (up to logprobs + 1)
-        ranked = _ranked(step, top)
-        if token_id in step and all(t != token_id for t, _ in ranked):
-            ranked.append((token_id, step[token_id]))
-        out["top_logprobs"].append({texts.text(t): _finite(lp) for t, lp in ranked})
+        out["top_logprobs"].append({texts.text(t): _finite(lp) for t, lp in _ranked_with(step, top, token_id)})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -88,8 +93,7 @@ def echoed_prompt_logprobs(
     """The completions ``logprobs`` object of an echoed prompt: the first token has no logprob (None)."""
     first = {"tokens": [texts.text(token_ids[0])], "token_logprobs": [None], "top_logprobs": [None],
              "text_offset": [0]}
-    rest = completion_logprobs(token_ids[1:], entries[1:], top, texts, len(first["tokens"][0]))
-    return {key: first[key] + rest[key] for key in first}
+    return joined(first, completion_logprobs(token_ids[1:], entries[1:], top, texts, len(first["tokens"][0])))
 
 
 def joined(first: dict, second: dict | None) -> dict:
@@ -108,8 +112,6 @@ def prompt_logprobs(entries: list[dict[int, float] | None], prompt_ids: list[int
         if entry is None:
             out.append(None)
             continue
-        ranked = _ranked(entry, top)
-        if token_id in entry and all(t != token_id for t, _ in ranked):
-            ranked.append((token_id, entry[token_id]))
-        out.append({str(t): {"logprob": _finite(lp), "decoded_token": texts.text(t)} for t, lp in ranked})
+        out.append({str(t): {"logprob": _finite(lp), "decoded_token": texts.text(t)}
+                    for t, lp in _ranked_with(entry, top, token_id)})
     return out
