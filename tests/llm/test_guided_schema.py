@@ -233,3 +233,83 @@ def test_closed_empty_objects_take_whitespace_and_long_arrays_share_masks():
     arr = SchemaMachine({"type": "array", "items": {"type": "integer"}, "minItems": 1})
     keys = {arr.cache_key(arr.advance(arr.start, b"[" + b",".join(b"7" for _ in range(n)) + b",")) for n in (1, 5, 50)}
     assert len(keys) == 1
+
+
+# -- objects told apart by a discriminator (tool calls, tagged unions) ---------------------------------------
+
+TAGS = st.lists(st.text(alphabet='ab_é"\\', min_size=1, max_size=4), min_size=2, max_size=4, unique=True)
+
+
+def _tagged_union(tags, bodies, key="kind"):
+    return {"anyOf": [{"type": "object", "properties": {key: {"const": tag}, **body}, "required": [key, *body]}
+                      for tag, body in zip(tags, bodies)]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(TAGS, st.lists(st.dictionaries(NAMES.filter(lambda n: n != "kind"), _schemas(), max_size=2), min_size=4,
+                      max_size=4), st.integers(0, 10**6), st.data())
+def test_tagged_unions_accept_their_instances_and_whatever_they_complete_validates(tags, bodies, seed, data):
+    schema = {"type": "array", "items": _tagged_union(tags, bodies)}
+    machine = SchemaMachine(schema)
+    rng = random.Random(seed)
+    value = [_instance(rng.choice(schema["items"]["anyOf"]), rng) for _ in range(rng.randint(0, 3))]
+    text = json.dumps(value, ensure_ascii=False)
+    state = machine.advance(machine.start, text.encode())
+    assert state is not None and machine.complete(state), text
+    chars = list(text)
+    for _ in range(data.draw(st.integers(1, 3))):
+        chars[data.draw(st.integers(0, len(chars) - 1))] = data.draw(st.sampled_from(list('{}[]",:0123456789ab_ x')))
+    mutated = "".join(chars)
+    state = machine.advance(machine.start, mutated.encode())
+    if state is not None and machine.complete(state):
+        assert _valid(mutated, schema), mutated
+
+
+def test_the_discriminator_picks_the_alternative_and_its_properties():
+    schema = _tagged_union(["get_weather", "get_time"], [
+        {"city": {"type": "string"}, "days": {"type": "integer"}}, {"zone": {"enum": ["utc", "local"]}}])
+    m = SchemaMachine(schema)
+    for text, ok in (('{"kind":"get_weather","city":"Paris","days":3}', True),
+                     ('{ "kind" : "get_time" , "zone": "utc" }', True), ('{"kind":"get_time","city":"Paris"}', False),
+                     ('{"kind":"get_weather","zone":"utc"}', False), ('{"kind":"get_week"', False),
+                     ('{"city":"Paris"}', False), ('{"kind":"get_time"}', False)):
+        state = m.advance(m.start, text.encode())
+        assert (state is not None and m.complete(state)) == ok, text
+    # a prefix shared by two tags stays open until the tags part
+    assert m.advance(m.start, b'{"kind":"get_') is not None
+
+
+@pytest.mark.parametrize("schema", [
+    _tagged_union(["a", "a"], [{"x": {}}, {"y": {}}]),  # the same tag twice
+    {"anyOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+               {"type": "object", "properties": {"j": {"const": "b"}}, "required": ["j"]}]},  # different keys
+    {"anyOf": [{"type": "object", "properties": {"k": {"const": "a"}}},  # the discriminator is optional
+               {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+    {"anyOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},  # not strings
+               {"type": "object", "properties": {"k": {"const": 2}}, "required": ["k"]}]},
+    {"anyOf": [{"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]},
+               {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+    {"anyOf": [{"type": "object"}, {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+])
+def test_objects_without_a_discriminator_are_still_refused(schema):
+    with pytest.raises(ValueError, match="same byte.*discriminator|discriminator"):
+        SchemaMachine(schema)
+
+
+def test_tagged_union_masks_match_a_brute_force_check():
+    vocab = [None, b"{", b"}", b'"', b'":', b"a", b"ab", b"1", b"[", b"]", b",", b" ", b'{"k', b'k":', b'"a"', b'"b',
+             b'b"', b'":"', b'x":', b'y":', b"x", b"y", b"2"]
+    schema = {"type": "array", "items": _tagged_union(["a", "ab", "b"], [{"x": {"type": "integer"}}, {},
+                                                                       {"y": {"type": "array"}}], key="k")}
+    machine, table = SchemaMachine(schema), TokenMasks(vocab, len(vocab))
+    rng = random.Random(1)
+    state, completed = machine.start, 0
+    for _ in range(400):
+        brute = [i for i, data in enumerate(vocab) if data and machine.advance(state, data) is not None]
+        assert table.allowed(machine, state) == brute, state
+        if not brute or machine.complete(state):
+            completed += machine.complete(state)
+            state = machine.start
+            continue
+        state = machine.advance(state, vocab[rng.choice(brute)])
+    assert completed > 0

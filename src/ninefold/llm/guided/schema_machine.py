@@ -9,7 +9,8 @@ false: ``{}``), ``items``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``an
 
 Restrictions, each refused rather than half-honoured: ``enum``, ``const``, ``anyOf``, ``oneOf`` and
 ``$ref`` stand alone (no other keywords beside them but annotations); anyOf/oneOf alternatives must
-start with different bytes; keywords of another type (``items`` on an object, ...) and ``required``
+start with different bytes, except objects told apart by a discriminator (their first property, required
+in each, named alike, whose const/enum strings differ: how tool calls and tagged unions look); keywords of another type (``items`` on an object, ...) and ``required``
 without ``properties`` are refused; ``$id`` only at the root. What is generated is narrower than what
 the schema allows: properties come in the schema's order (an optional one may be left out), no
 additional properties, integers without fraction or exponent, property names that need no escaping,
@@ -203,13 +204,38 @@ class SchemaMachine:
     def _union(self, alternatives: list[int], where: str, distinct: bool) -> int:
         if distinct and len(set(alternatives)) != len(alternatives):
             raise ValueError(f"json_schema: {where}: alternatives that accept the same values are not supported")
+        objects = [alt for alt in alternatives if self.nodes[alt][0] == "object"]
+        tagged = self._tagged(objects) if len(objects) > 1 else None
         by_first: dict[int, int] = {}
         for alt in alternatives:
+            if tagged is not None and alt in objects:
+                by_first[0x7B] = tagged
+                continue
             for byte in self._first_bytes(alt):
                 if by_first.setdefault(byte, alt) != alt:
+                    hint = (" (objects are told apart only by a discriminator: a first property, required in each, "
+                            "whose const or enum strings differ)") if byte == 0x7B else ""
                     raise ValueError(f"json_schema: {where}: alternatives that can start with the same byte "
-                                     f"({chr(byte)!r}) are not supported")
+                                     f"({chr(byte)!r}) are not supported{hint}")
         return self._add(("union", by_first))
+
+    def _tagged(self, objects: list[int]) -> int | None:
+        """A node for objects told apart by their first property (a discriminator: required in each, the same
+        name, const/enum strings that differ), or None when they are not."""
+        members: dict[bytes, int] = {}
+        key = None
+        for alt in objects:
+            _, props, required = self.nodes[alt]
+            if not props or 0 not in required or (key is not None and props[0][0] != key):
+                return None
+            key = props[0][0]
+            tag = self.nodes[props[0][1]]
+            if tag[0] != "enum" or not all(m[:1] == b'"' for m in tag[1]):
+                return None
+            for member in tag[1]:
+                if members.setdefault(member, alt) != alt:
+                    return None
+        return self._add(("tagged", key, members))
 
     def _first_bytes(self, index: int) -> bytes:
         node = self.nodes[index]
@@ -219,6 +245,8 @@ class SchemaMachine:
             return bytes(sorted({m[0] for m in node[1]}))
         if node[0] == "union":
             return bytes(node[1])
+        if node[0] == "tagged":
+            return b"{"
         return _VALUE_FIRST[node[0]]
 
     # -- recognizing -----------------------------------------------------------------------------
@@ -258,6 +286,8 @@ class SchemaMachine:
             return self._key(rest, frame, byte)
         if kind == "array":
             return self._array(rest, frame, byte)
+        if kind == "tagged":
+            return self._tagged_step(rest, frame, byte)
         return None
 
     def advance(self, state: tuple | None, data: bytes) -> tuple | None:
@@ -313,6 +343,8 @@ class SchemaMachine:
                             else "integer"),)
         if kind == "any" and byte in (0x74, 0x66, 0x6E):
             return self._enum(rest, ("enum", self.literals, b""), byte)
+        if kind == "tagged":
+            return rest + (("tagged", index, "open", b"", 0),) if byte == 0x7B else None
         if kind in ("object", "any") and byte == 0x7B:
             return rest + (("object", index if kind == "object" else self.any_object, "open", 0, 0),)
         if kind in ("array", "any") and byte == 0x5B:
@@ -398,3 +430,22 @@ class SchemaMachine:
         held = rest + (("array", index, "after", count + 1, 0),)
         return self._begin(held, items, byte)
 
+    def _tagged_step(self, rest: tuple, frame: tuple, byte: int) -> tuple | None:
+        """``{ "key" : "member"`` of a tagged union; once the member is whole, the rest is its object's."""
+        _, index, phase, acc, ws = frame
+        _, key, members = self.nodes[index]
+        if phase in ("open", "colon", "value") and byte in WHITESPACE:
+            return rest + (("tagged", index, phase, acc, ws + 1),) if ws < MAX_WHITESPACE else None
+        if phase == "open":
+            return rest + (("tagged", index, "key", b"", 0),) if byte == 0x22 else None
+        if phase == "key":
+            if byte == 0x22:
+                return rest + (("tagged", index, "colon", b"", 0),) if acc == key else None
+            acc += bytes((byte,))
+            return rest + (("tagged", index, "key", acc, 0),) if key.startswith(acc) else None
+        if phase == "colon":
+            return rest + (("tagged", index, "value", b"", 0),) if byte == 0x3A else None
+        acc += bytes((byte,))
+        if acc in members:  # JSON strings are prefix-free, so the member is decided
+            return rest + (("object", members[acc], "after", 1, 0),)
+        return rest + (("tagged", index, "member", acc, 0),) if any(m.startswith(acc) for m in members) else None
