@@ -179,7 +179,8 @@ def test_engine_outputs_follow_the_schema_or_are_cut_by_max_tokens(llm):
 
 
 @pytest.mark.parametrize("schema", [
-    {"type": "string", "enum": ["a", 1]}, {"const": 1, "enum": [2]}, {"type": "integer", "anyOf": [{"type": "string"}]},
+    {"type": "integer", "enum": ["a", 1.5, True]}, {"type": "string", "const": 1}, {"type": "text", "enum": ["a"]},
+    {"type": [], "enum": ["a"]}, {"type": "string", "enum": []}, {"const": 1, "enum": [2]}, {"type": "integer", "anyOf": [{"type": "string"}]},
     {"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, {"oneOf": [{}, {}]},
     {"oneOf": [{"type": "object"}, {"type": "object", "title": "t"}]}, {"type": "object", "required": ["a"]},
     {"required": ["a"]}, {"minItems": 2}, {"maxItems": 0}, {"additionalProperties": False},
@@ -313,3 +314,18 @@ def test_tagged_union_masks_match_a_brute_force_check():
             continue
         state = machine.advance(state, vocab[rng.choice(brute)])
     assert completed > 0
+
+
+def test_type_beside_enum_or_const_keeps_the_members_of_that_type():
+    for schema, accepted, refused in (
+            ({"type": "string", "enum": ["celsius", "fahrenheit", 1]}, ['"celsius"', '"fahrenheit"'], ["1"]),
+            ({"type": "integer", "enum": [1, 2.0, 2.5, True, "3"]}, ["1", "2.0"], ["2.5", "true", '"3"']),
+            ({"type": ["string", "null"], "enum": ["a", None, 0]}, ['"a"', "null"], ["0"]),
+            ({"type": "boolean", "const": False}, ["false"], ["true"])):
+        m = SchemaMachine(schema)
+        for text in accepted:
+            assert m.may_end(m.advance(m.start, text.encode())), (schema, text)
+            assert _valid(text, schema)
+        for text in refused:
+            state = m.advance(m.start, text.encode())
+            assert state is None or not m.may_end(state), (schema, text)

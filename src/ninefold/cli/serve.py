@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 from ninefold.cli._common import add_parallel_argument, device_error, fail, port_type, seconds_type
 
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                              "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(parser)
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template text) in place of the model's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide when to call tools (tool_choice 'auto'); needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes), llama3_json, mistral")
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
                         help="largest request body accepted (default: 4 MiB)")
     parser.add_argument("--drain-timeout", type=_seconds, default=30.0,
@@ -104,6 +111,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     listen = listen_error(args.host, args.port)
     if listen is not None:
         return fail("serve", *listen)
+    tool_parser = _tool_parser(args)
+    if isinstance(tool_parser, tuple):
+        return fail("serve", tool_parser[0])
+    template = None
+    if args.chat_template is not None:
+        template = read_chat_template(args.chat_template)
+        if template is None:
+            return fail("serve", f"argument --chat-template: {args.chat_template!r} is neither a file nor a template "
+                                 "(expected a path to a .jinja file, or text with {{ }} or {% %})")
 
     from ninefold.llm.server import build_app, run_server
     from ninefold.llm.server.engine import served_name, start_engine
@@ -121,6 +137,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})
     except (ValueError, TypeError, FileNotFoundError) as error:
         return fail("serve", str(error))
+    if template is not None:
+        engine.tokenizer.chat_template = template
     try:
         app = build_app(
             engine,
@@ -129,6 +147,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
+            tool_call_parser=tool_parser,
         )
     except (ValueError, TypeError) as error:
         shutdown = getattr(engine, "shutdown", None)
@@ -137,3 +156,29 @@ def run_from_args(args: argparse.Namespace) -> int:
         return fail("serve", str(error))
     return run_server(app, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
                       log_level=args.log_level)
+
+
+def _tool_parser(args: argparse.Namespace) -> str | None | tuple[str]:
+    """The parser auto tool choice reads outputs with (None: off), or ``(message,)`` when the flags are wrong."""
+    if args.tool_call_parser is None:
+        return ("argument --enable-auto-tool-choice: needs --tool-call-parser NAME",) \
+            if args.enable_auto_tool_choice else None
+    from ninefold.llm.tools import get_parser
+
+    try:
+        get_parser(args.tool_call_parser)
+    except ValueError as error:
+        return (f"argument --tool-call-parser: {error}",)
+    if not args.enable_auto_tool_choice:
+        print("ninefold serve: warning: --tool-call-parser is used only with --enable-auto-tool-choice; "
+              "tool_choice 'auto' stays off", file=sys.stderr, flush=True)
+        return None
+    return args.tool_call_parser
+
+
+def read_chat_template(value: str) -> str | None:
+    """The template a ``--chat-template`` value gives: a file's text, or the value itself when it is a template."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    return value if ("{{" in value or "{%" in value) else None

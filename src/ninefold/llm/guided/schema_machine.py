@@ -8,7 +8,8 @@ false: ``{}``), ``items``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``an
 ``ValueError`` naming it, rather than generating output that may break it.
 
 Restrictions, each refused rather than half-honoured: ``enum``, ``const``, ``anyOf``, ``oneOf`` and
-``$ref`` stand alone (no other keywords beside them but annotations); anyOf/oneOf alternatives must
+``$ref`` stand alone (no other keywords beside them but annotations; ``type`` beside ``enum``/``const`` keeps the
+members of that type); anyOf/oneOf alternatives must
 start with different bytes, except objects told apart by a discriminator (their first property, required
 in each, named alike, whose const/enum strings differ: how tool calls and tagged unions look); keywords of another type (``items`` on an object, ...) and ``required``
 without ``properties`` are refused; ``$id`` only at the root. What is generated is narrower than what
@@ -51,6 +52,17 @@ def _compact(value, where: str) -> bytes:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     except (TypeError, ValueError, UnicodeEncodeError) as error:
         raise ValueError(f"json_schema: {where}: {value!r} is not a JSON value this can match ({error})") from None
+
+
+def _has_type(value, kind: str) -> bool:
+    """Whether a JSON value is of a JSON Schema type (an integer is a number without a fraction)."""
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    kinds = {"string": str, "boolean": bool, "object": dict, "array": list}
+    return value is None if kind == "null" else isinstance(value, kinds[kind])
 
 
 class SchemaMachine:
@@ -102,6 +114,8 @@ class SchemaMachine:
             raise ValueError(f"json_schema: {where}: $id below the root is not supported")
         alone = [k for k in ("$ref", "enum", "const", "anyOf", "oneOf") if k in schema]
         if alone:
+            if alone[0] in ("enum", "const") and keywords == {alone[0], "type"}:
+                return self._compile_typed_enum(schema, alone[0], where)
             if len(keywords) > 1:
                 raise ValueError(f"json_schema: {where}: {alone[0]} beside {', '.join(sorted(keywords - {alone[0]}))} "
                                  "is not supported")
@@ -185,6 +199,19 @@ class SchemaMachine:
         if not isinstance(values, list) or not values:
             raise ValueError(f"json_schema: {where}: enum must be a non-empty list")
         return self._add(("enum", tuple(sorted({_compact(v, f"{where}: enum") for v in values}))))
+
+    def _compile_typed_enum(self, schema: dict, keyword: str, where: str) -> int:
+        """``enum``/``const`` beside ``type``: the members that also have one of the types."""
+        values = schema["enum"] if keyword == "enum" else [schema["const"]]
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"json_schema: {where}: enum must be a non-empty list")
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not kinds or not all(isinstance(k, str) and k in _VALUE_FIRST for k in kinds):
+            raise ValueError(f"json_schema: {where}: type must be one of {', '.join(_VALUE_FIRST)} or a list of them")
+        kept = [v for v in values if any(_has_type(v, k) for k in kinds)]
+        if not kept:
+            raise ValueError(f"json_schema: {where}: no {keyword} value is of type {schema['type']!r}")
+        return self._add(("enum", tuple(sorted({_compact(v, f"{where}: {keyword}") for v in kept}))))
 
     def _compile_const(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
         return self._add(("enum", (_compact(schema["const"], f"{where}: const"),)))

@@ -30,6 +30,8 @@ from ninefold.llm.server.protocol import (
     dump,
 )
 from ninefold.llm.server.state import ServerState, engine_defaults, engine_limits
+from ninefold.llm.server.tool_choice import template_tools
+from ninefold.llm.tools import get_parser
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -47,12 +49,17 @@ def build_app(
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     retry_after_s: int = 1,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The server's ASGI app around a started ``AsyncEngine``.
 
     At most ``max_num_seqs + max_queue`` sequences are admitted at once (both given), the rest get
     429 with Retry-After; with ``api_key`` the API routes need ``Authorization: Bearer <key>``.
+    ``tool_call_parser`` (a name of ``ninefold.llm.tools.PARSERS``) turns on ``tool_choice: "auto"``: outputs
+    are read for tool calls in that model family's format.
     """
+    if tool_call_parser is not None:
+        get_parser(tool_call_parser)  # an unknown name fails here, not at the first request
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name: got {served_model_name!r}; expected a non-empty string")
     capacity = None
@@ -74,6 +81,7 @@ def build_app(
         admission=admission,
         texts=TokenTexts(engine.tokenizer),
         defaults=engine_defaults(engine),
+        tool_parser=tool_call_parser,
     )
     app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)
     app.state.server = state
@@ -113,7 +121,8 @@ def build_app(
         """Token ids of a prompt, or of chat messages rendered through the chat template."""
         state.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            tokens = render_chat(body.messages, engine.tokenizer, body.add_generation_prompt)
+            tokens = render_chat(body.messages, engine.tokenizer, body.add_generation_prompt,
+                                 tools=template_tools(body), template_kwargs=body.chat_template_kwargs)
         else:
             tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": list(tokens)}

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ninefold.llm.guided import GuidedDecodingParams
-from ninefold.llm.server import preprocess
+from ninefold.llm.server import preprocess, tool_choice
 from ninefold.llm.server.deltas import DeltaStream
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.event_stream import EventStreamResponse
@@ -26,6 +26,7 @@ from ninefold.llm.server.logprobs import (
 from ninefold.llm.server.protocol import ChatCompletionRequest, CompletionRequest
 from ninefold.llm.server.sse import DONE, sse_data, sse_error
 from ninefold.llm.server.state import ServerState
+from ninefold.llm.tools import ToolCallDeltas
 
 logger = logging.getLogger("ninefold.server")
 
@@ -48,16 +49,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if req.tools:
-        raise APIError(400, "tool calling is not supported by this server", param="tools")
     guided = preprocess.guided_decoding(req)
+    tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None)
+    guided = tools.guided or guided
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided)
+    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided, tools)
 
 
 async def _serve(
@@ -70,6 +71,7 @@ async def _serve(
     logprobs: int | None,
     receive: Receive,
     guided: GuidedDecodingParams | None = None,
+    tools: tool_choice.ToolPlan | None = None,
 ) -> Response:
     arrival = time.perf_counter()
     limits = state.limits
@@ -92,7 +94,7 @@ async def _serve(
                                                 prompt_logprobs=max(scored) if scored else None, guided=guided)
             sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
     gen = Generation(state.engine, sequences)
-    view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0)
+    view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0, tools=tools)
     state.admission.acquire(len(sequences))
     state.active.add(gen)
     for prompt in prompts:
@@ -142,7 +144,8 @@ class _View:
     """How one request's sequences look in the OpenAI format (completions or chat)."""
 
     def __init__(self, state: ServerState, req: Any, kind: str, request_id: str,
-                 prompts: list[preprocess.Prompt], logprobs: int | None, score_only: bool = False) -> None:
+                 prompts: list[preprocess.Prompt], logprobs: int | None, score_only: bool = False,
+                 tools: tool_choice.ToolPlan | None = None) -> None:
         self.state = state
         self.chat = kind == "chatcmpl"
         self.request_id = request_id
@@ -159,6 +162,9 @@ class _View:
         self.sent_tokens: dict[int, int] = {}
         self.token_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
         self.stops = req.stop or []
+        self.tools = tools if tools is not None and tools.reads_calls else None
+        self.tool_deltas: dict[int, ToolCallDeltas] = {}
+        self.streamed: dict[int, str] = {}  # chat with tools: each choice's text streamed so far
 
     def _envelope(self, choices: list[dict]) -> dict[str, Any]:
         return {
@@ -234,7 +240,9 @@ class _View:
             if echoed is not None:
                 logprobs = joined(echoed, logprobs)
             choice: dict[str, Any] = {"index": seq.index, "logprobs": logprobs, "finish_reason": self._reason(seq)}
-            if self.chat:
+            if self.chat and self.tools is not None:
+                choice["message"], choice["finish_reason"] = self.tools.message(text, choice["finish_reason"])
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -271,9 +279,14 @@ class _View:
         offset = self.token_offsets.get(seq.index, 0)
         shown = out.text if out is not None and not self.score_only else ""
         text = prefix + deltas.delta(shown, finished)
+        calls: list[dict] = []
+        if self.tools is not None:  # the text is read for tool calls: content is what is left of it
+            self.streamed[seq.index] = self.streamed.get(seq.index, "") + text
+            reader = self.tool_deltas.setdefault(seq.index, self.tools.deltas())
+            text, calls = reader.update(self.streamed[seq.index], finished)
         start = self.sent_tokens.get(seq.index, 0)
         end = self._generated(seq) if out is not None else start
-        if not text and not finished and not opening and (self.logprobs is None or end == start):
+        if not text and not calls and not finished and not opening and (self.logprobs is None or end == start):
             return None
         self.opened.add(seq.index)
         self.sent_tokens[seq.index] = end
@@ -284,7 +297,11 @@ class _View:
             logprobs = joined(echoed, logprobs)
         reason = self._reason(seq) if finished else None
         if self.chat:
-            delta = {"content": text} if text or not finished else {}
+            delta = {"content": text} if text or (not finished and not calls) else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if self.tools is not None and finished:
+                reason = self.tools.reason(reason, self.tool_deltas[seq.index].calls_sent > 0)
             choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": reason}

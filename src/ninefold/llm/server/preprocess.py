@@ -6,12 +6,14 @@ parameter, so the engine only ever sees requests it can finish.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ninefold.llm.guided import GuidedDecodingParams
 from ninefold.llm.sampling import SamplingParams
 from ninefold.llm.server.errors import bad_request
 from ninefold.llm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ninefold.llm.server.tool_choice import template_tools
 
 
 @dataclass(frozen=True)
@@ -57,20 +59,60 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> Prompt:
-    """The chat messages rendered through the model's chat template."""
-    return Prompt(render_chat(req.messages, tokenizer, req.add_generation_prompt))
+    """The chat messages rendered through the model's chat template (with the request's tools)."""
+    return Prompt(render_chat(req.messages, tokenizer, req.add_generation_prompt, tools=template_tools(req),
+                              template_kwargs=req.chat_template_kwargs))
 
 
-def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` under the chat template; template failures are the client's 400."""
-    plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+# Variables the server itself passes to the template; chat_template_kwargs may not replace them.
+_RESERVED = frozenset(("messages", "tools", "add_generation_prompt", "tokenize"))
+
+
+def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool, *,
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of ``messages`` under the chat template; template failures are the client's 400.
+
+    ``tools`` go to the template as ``tools`` (transformers' convention); earlier tool calls' JSON arguments
+    reach it as objects, as Hugging Face templates expect.
+    """
+    extra = dict(template_kwargs or {})
+    clash = sorted(_RESERVED & set(extra))
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    if tools is not None:
+        extra["tools"] = tools
+    plain = [_template_message(m) for m in messages]
     try:
-        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **extra)
     except (ValueError, TypeError) as exc:
         raise bad_request(f"cannot render the messages with the chat template: {exc}", "messages") from exc
     except Exception as exc:  # jinja2 TemplateError and friends: raised by the template on these messages
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
     return list(ids)
+
+
+def _template_message(message: ChatMessage) -> dict:
+    """One message as chat templates read it."""
+    out = {"role": message.role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in message.tool_calls]
+    return out
+
+
+def _arguments(text: str):
+    """A tool call's arguments as an object when they are a JSON object, else the text as given."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def check_prompt(prompt: Prompt, limits: Limits, param: str) -> None:

@@ -23,6 +23,7 @@ from pydantic import (
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_TOOLS = 128
 
 # Token ids are non-negative 32-bit integers; anything larger is rejected before it reaches a tensor.
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
@@ -129,14 +130,36 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCallIn(BaseModel):
+    """The function an earlier assistant message called: its name and its arguments as JSON text."""
+
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message (``messages[].tool_calls[]``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of text parts."""
+    """One chat message; content is a string or a list of text parts.
+
+    Assistant messages may carry the ``tool_calls`` they made; ``tool`` messages answer one by ``tool_call_id``.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -145,6 +168,35 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: its name, what it does and a JSON Schema of its parameters."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    """``tools[]``: a function tool."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,8 +208,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
-    # Accepted so that asking for them gets a clear 400 rather than being silently ignored.
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent or empty.")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'none', 'auto' (the default with tools; needs --enable-auto-tool-choice), 'required' "
+                          "or {'type': 'function', 'function': {'name': ...}}.")
+    parallel_tool_calls: StrictBool = Field(True, description="With 'required': whether more than one call may come.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. {'enable_thinking': false}).")
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -178,6 +235,8 @@ class TokenizeChatRequest(BaseModel):
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: StrictBool = True
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -252,16 +311,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
     prompt_logprobs: PromptLogprobs = None
 
 

@@ -26,6 +26,7 @@ class ServerState:
     defaults: Any = None  # SamplingParams from the model's generation_config, when the engine has them
     created: int = field(default_factory=lambda: int(time.time()))
     active: set = field(default_factory=set)  # Generation objects in flight
+    tool_parser: str | None = None  # --tool-call-parser when auto tool choice is on
 
     @property
     def tokenizer(self) -> Any:
