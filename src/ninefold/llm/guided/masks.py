@@ -1,19 +1,22 @@
 """Which tokens may come next under a byte-level recognizer, computed per state and cached.
 
-A recognizer (``json_machine.JSON_OBJECT``, a ``choice_machine.ChoiceMachine``) has ``step``,
-``advance``, ``cache_key``, ``may_end`` and ``in_string``. Two indexes of the vocabulary's byte
-strings, built once per tokenizer, keep a mask's cost to the tokens that could pass: tokens by first
-byte (between JSON tokens only a few first bytes can follow, so only tokens starting with one of them
-are run through the recognizer), and the tokens that are plain string content (no quote, backslash or
-control byte: inside a JSON string every one of them stays inside it; only the rest are checked one
-by one). Masks are cached by the recognizer's ``key`` (what it recognizes) and the state's
-``cache_key`` (for JSON the state with its innermost containers only), so a handful of states covers
-a whole generation; at most ``MAX_MASKS`` are kept, least recently used dropped first.
+A recognizer (``json_machine.JSON_OBJECT``, a ``choice_machine.ChoiceMachine``, a ``SchemaMachine``) has
+``step``, ``advance``, ``cache_key``, ``may_end`` and ``in_string``. The vocabulary's byte strings, indexed
+once per tokenizer, keep a mask's cost to the tokens that could pass. Sorted, they form an implicit trie:
+tokens sharing a prefix are one run of the sorted list, so the recognizer steps once per prefix and a byte
+it refuses drops the whole run (after whitespace between JSON tokens, the tens of thousands of tokens that
+start with a space and go on with a letter cost one step per letter). Inside a JSON string, where almost
+every token passes, the tokens that are plain string content (no quote, backslash or control byte) are
+taken whole and only the rest are checked one by one. Masks are cached by the recognizer's ``key`` (what
+it recognizes) and the state's ``cache_key`` (for JSON the state with its innermost containers only), so
+a handful of states covers a whole generation; at most ``MAX_MASKS`` are kept, least recently used dropped
+first.
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 
 import torch
@@ -31,29 +34,44 @@ class TokenMasks:
     def __init__(self, vocab: list[bytes | None], size: int):
         self.vocab = vocab
         self.size = size  # the logits' width (may exceed the tokenizer's vocabulary)
-        self.by_first_byte: dict[int, list[int]] = {}
         self.plain: list[int] = []  # tokens that are plain string content
         self.other: list[int] = []  # every other token with bytes
         for token_id, data in enumerate(vocab):
-            if not data:
-                continue
-            self.by_first_byte.setdefault(data[0], []).append(token_id)
-            (self.plain if _plain_string(data) else self.other).append(token_id)
+            if data:
+                (self.plain if _plain_string(data) else self.other).append(token_id)
+        ordered = sorted((data, token_id) for token_id, data in enumerate(vocab) if data)
+        self._keys = [data for data, _ in ordered]  # the implicit trie: prefixes are runs of this list
+        self._ids = [token_id for _, token_id in ordered]
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
     def allowed(self, machine, state) -> list[int]:
         """Token ids whose bytes can follow ``state`` of ``machine`` (sorted)."""
-        vocab, advance = self.vocab, machine.advance
         if machine.in_string(state):
+            vocab, advance = self.vocab, machine.advance
             out = self.plain + [i for i in self.other if advance(state, vocab[i]) is not None]
         else:
-            out = []
-            for first, ids in self.by_first_byte.items():
-                after = machine.step(state, first)
-                if after is not None:
-                    out.extend(i for i in ids if advance(after, vocab[i][1:]) is not None)
+            out = self._walk(machine, state)
         out.sort()
+        return out
+
+    def _walk(self, machine, state) -> list[int]:
+        """Depth-first over the sorted tokens: each run shares a prefix, which the recognizer read once."""
+        keys, ids, step = self._keys, self._ids, machine.step
+        out: list[int] = []
+        stack = [(0, len(keys), 0, state)]  # a run [lo, hi) sharing ``depth`` bytes, the state after them
+        while stack:
+            lo, hi, depth, after = stack.pop()
+            while lo < hi and len(keys[lo]) == depth:  # a token that is the whole prefix sorts first
+                out.append(ids[lo])
+                lo += 1
+            while lo < hi:
+                byte = keys[lo][depth]
+                end = hi if byte == 255 else bisect_left(keys, keys[lo][:depth] + bytes((byte + 1,)), lo, hi)
+                nxt = step(after, byte)
+                if nxt is not None:
+                    stack.append((lo, end, depth + 1, nxt))
+                lo = end
         return out
 
     def mask(self, machine, state, device: torch.device, end_ids: tuple[int, ...] = ()) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""``TokenMasks.allowed`` (the sorted-vocabulary walk, and the plain-string shortcut inside strings) against a
+brute-force check of every token, on random vocabularies and the states of random walks of each recognizer."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninefold.llm.guided import ChoiceMachine, SchemaMachine, TokenMasks
+from ninefold.llm.guided.json_machine import JSON_OBJECT
+
+# Bytes that matter to JSON, plus the extremes of the byte range (the walk special-cases 255).
+ALPHABET = list(b'{}[]":, \n\t\\-+.0123456789eEtrufalsnbxyz') + [0x00, 0x1F, 0xC3, 0xA9, 0xFE, 0xFF]
+TOKENS = st.lists(st.binary(min_size=1, max_size=6).map(lambda b: bytes(ALPHABET[x % len(ALPHABET)] for x in b)),
+                  min_size=1, max_size=120)
+MACHINES = [
+    JSON_OBJECT,
+    SchemaMachine({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}},
+                                                     "b": {"enum": ["x", "xyz", None]}, "c": {"type": "string"}},
+                   "required": ["a"]}),
+    SchemaMachine({"type": "array", "items": {"anyOf": [
+        {"type": "object", "properties": {"n": {"const": "a"}, "p": {"type": "integer"}}, "required": ["n"]},
+        {"type": "object", "properties": {"n": {"const": "ab"}, "q": {"type": "boolean"}}, "required": ["n", "q"]}]}}),
+    ChoiceMachine(("true", "tru", "{\"x\": 1}", "\xe9t\xe9", "")),
+]
+
+
+def _brute(machine, state, vocab):
+    return [i for i, data in enumerate(vocab) if data and machine.advance(state, data) is not None]
+
+
+@settings(max_examples=60, deadline=None)
+@given(TOKENS, st.integers(0, len(MACHINES) - 1), st.integers(0, 10**6))
+def test_allowed_tokens_match_a_brute_force_check(tokens, which, seed):
+    machine = MACHINES[which]
+    # every single byte of the alphabet, so that random walks can go on; None: a special token
+    vocab = [None, *sorted(set(tokens)), *[bytes((b,)) for b in ALPHABET]]
+    table, rng = TokenMasks(vocab, len(vocab)), random.Random(seed)
+    state = machine.start
+    for _ in range(40):
+        brute = _brute(machine, state, vocab)
+        assert table.allowed(machine, state) == brute, (machine.key, state)
+        if not brute or machine.complete(state):
+            state = machine.start
+            continue
+        state = machine.advance(state, vocab[rng.choice(brute)])
