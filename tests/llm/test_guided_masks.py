@@ -44,3 +44,22 @@ def test_allowed_tokens_match_a_brute_force_check(tokens, which, seed):
             state = machine.start
             continue
         state = machine.advance(state, vocab[rng.choice(brute)])
+
+
+ESCAPES = [b'\\', b'\\n', b'\\n"', b'\\n"x', b'\\n"}', b'\\nab', b'\\n\\', b'\\t"', b'\\"', b'\\u', b'\\u00e9x',
+           b'\\u00', b'"', b'"}', b'}', b'a', b'ab"', b'ab\\', b'x"', b'\\\\', b'\\/', b'\\b\x01', b'\\q']
+ESCAPES += [b'n', b'n"', b'n"x', b'n"}', b'nab', b'n\\', b't"', b'u00e9x', b'u00', b'b\x01', b'q', b'/x']
+
+
+def test_runs_inside_a_string_after_an_escape_match_a_brute_force_check():
+    vocab = [None, *ESCAPES]
+    table = TokenMasks(vocab, len(vocab))
+    schema = SchemaMachine({"type": "object", "properties": {"s": {"type": "string"}, "t": {"enum": ["x"]}},
+                            "required": ["s"]})
+    for machine, prefix in ((JSON_OBJECT, b'{"k": "'), (JSON_OBJECT, b'{"'), (schema, b'{"s": "a'),
+                            (schema, b'{"s": "\\n')):
+        state = machine.advance(machine.start, prefix)
+        for extra in (b"", b"\\", b"\\u0", b"ab"):
+            inner = machine.advance(state, extra)
+            if inner is not None:
+                assert table.allowed(machine, inner) == _brute(machine, inner, vocab), (prefix, extra)

@@ -7,7 +7,8 @@ tokens sharing a prefix are one run of the sorted list, so the recognizer steps 
 it refuses drops the whole run (after whitespace between JSON tokens, the tens of thousands of tokens that
 start with a space and go on with a letter cost one step per letter). Inside a JSON string, where almost
 every token passes, the tokens that are plain string content (no quote, backslash or control byte) are
-taken whole and only the rest are checked one by one. Masks are cached by the recognizer's ``key`` (what
+taken whole and only the rest are checked one by one; a run that reaches a string (after an escape, say)
+takes its tokens whose remaining bytes are plain the same way. Masks are cached by the recognizer's ``key`` (what
 it recognizes) and the state's ``cache_key`` (for JSON the state with its innermost containers only), so
 a handful of states covers a whole generation; at most ``MAX_MASKS`` are kept, least recently used dropped
 first.
@@ -28,6 +29,14 @@ def _plain_string(data: bytes) -> bool:
     return all(byte >= 0x20 and byte not in (0x22, 0x5C) for byte in data)
 
 
+def _plain_tail(data: bytes) -> int:
+    """The index from which ``data`` is plain string content to its end."""
+    end = len(data)
+    while end and data[end - 1] >= 0x20 and data[end - 1] not in (0x22, 0x5C):
+        end -= 1
+    return end
+
+
 class TokenMasks:
     """Allowed-token masks of one vocabulary (``vocab[token_id]``: its bytes, None for special tokens)."""
 
@@ -42,6 +51,8 @@ class TokenMasks:
         ordered = sorted((data, token_id) for token_id, data in enumerate(vocab) if data)
         self._keys = [data for data, _ in ordered]  # the implicit trie: prefixes are runs of this list
         self._ids = [token_id for _, token_id in ordered]
+        # where each token's plain-string tail starts: inside a string, the rest of a run needs no recognizer
+        self._plain_from = [_plain_tail(data) for data in self._keys]
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -57,11 +68,15 @@ class TokenMasks:
 
     def _walk(self, machine, state) -> list[int]:
         """Depth-first over the sorted tokens: each run shares a prefix, which the recognizer read once."""
-        keys, ids, step = self._keys, self._ids, machine.step
+        keys, ids, step, plain_from = self._keys, self._ids, machine.step, self._plain_from
         out: list[int] = []
         stack = [(0, len(keys), 0, state)]  # a run [lo, hi) sharing ``depth`` bytes, the state after them
         while stack:
             lo, hi, depth, after = stack.pop()
+            if machine.in_string(after):  # after an escape, say: plain tails stay in the string
+                out.extend(ids[k] for k in range(lo, hi)
+                           if plain_from[k] <= depth or machine.advance(after, keys[k][depth:]) is not None)
+                continue
             while lo < hi and len(keys[lo]) == depth:  # a token that is the whole prefix sorts first
                 out.append(ids[lo])
                 lo += 1
