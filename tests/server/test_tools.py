@@ -1,6 +1,6 @@
 """Tool calling through the official openai client: ``tools`` and ``tool_choice`` (named, ``required``, ``auto``
 with ``--enable-auto-tool-choice --tool-call-parser hermes``), streamed and whole, tool messages in the chat
-template, and the 400s. The model is random; guided decoding makes named and required calls follow the
+template, reasoning apart from the answer (``--reasoning-parser qwen3``), and the 400s. The model is random; guided decoding makes named and required calls follow the
 tools' schemas, and a forced output (``guided_choice``) stands in for a model that writes Hermes tool calls."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def tool_server(tiny_model, tmp_path_factory):
     template = folder / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
     proc = ServerProcess(tiny_model, folder, "--max-model-len", "2048", "--num-kv-blocks", "512",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(template))
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(template),
+                         "--reasoning-parser", "qwen3")
     yield proc
     assert proc.stop() == 0
 
@@ -87,12 +88,16 @@ def _check_calls(calls, finish_reason: str) -> None:
     assert len({c.id for c in calls}) == len(calls)
 
 
-def _streamed(client, **args):
-    """A streamed choice put back together: content, calls as [(id, name, arguments)], finish reason."""
+def _streamed(client, reasoning: list | None = None, **args):
+    """A streamed choice put back together: content, calls as [(id, name, arguments)], finish reason (and the
+    reasoning deltas appended to ``reasoning``)."""
     content, calls, reason = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **args):
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            if reasoning is not None and getattr(choice.delta, "reasoning", None):
+                assert choice.delta.reasoning == choice.delta.reasoning_content
+                reasoning.append(choice.delta.reasoning)
             for delta in choice.delta.tool_calls or []:
                 if delta.index not in calls:
                     assert delta.id and delta.function.name, "a call's first delta carries its id and name"
@@ -239,8 +244,40 @@ def test_bad_tool_requests_are_400s_and_the_server_keeps_serving(server, body, p
     (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "hermes"),
     (["--chat-template", "no-such-file.jinja"], "--chat-template"),
+    (["--reasoning-parser", "r2"], "deepseek_r1"),
 ])
 def test_bad_tool_flags_stop_serve_before_loading(tiny_model, flags, words):
     done = subprocess.run([sys.executable, "-m", "ninefold", "serve", "--model", str(tiny_model.path), "--port", str(free_port()),
                            *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+THOUGHT = "<think>\nThe user wants the weather; I call the tool.\n</think>\n\n"
+
+
+def test_reasoning_comes_apart_from_the_answer_and_its_tool_calls(tool_client):
+    args = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=250,
+                extra_body={"guided_choice": [THOUGHT + HERMES_CALL]})
+    out = tool_client.chat.completions.create(**args).choices[0]
+    message = out.message.model_dump()
+    assert message["reasoning"] == message["reasoning_content"] == "\nThe user wants the weather; I call the tool.\n"
+    assert out.message.content == "Let me look." and out.finish_reason == "tool_calls"
+    assert [c.function.name for c in out.message.tool_calls] == ["get_weather", "get_time"]
+    pieces: list[str] = []
+    content, calls, reason = _streamed(tool_client, reasoning=pieces, **args)
+    assert "".join(pieces) == message["reasoning"] and len(pieces) > 1  # streamed as it came
+    assert (content, reason) == ("Let me look.", "tool_calls")
+    assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    quiet = dict(args, extra_body={"guided_choice": [THOUGHT + "Sunny."], "include_reasoning": False})
+    out = tool_client.chat.completions.create(**quiet).choices[0].message.model_dump()
+    assert out["content"] == "Sunny." and out.get("reasoning") is None and out.get("reasoning_content") is None
+    pieces = []
+    assert _streamed(tool_client, reasoning=pieces, **quiet)[0] == "Sunny." and pieces == []
+
+
+def test_an_answer_without_thinking_has_no_reasoning(tool_client):
+    args = dict(model="tiny", messages=ASK, max_tokens=20, extra_body={"guided_choice": ["Plain answer."]})
+    out = tool_client.chat.completions.create(**args).choices[0].message.model_dump()
+    assert out["content"] == "Plain answer." and out.get("reasoning") is None
+    pieces: list[str] = []
+    assert _streamed(tool_client, reasoning=pieces, **args) == ("Plain answer.", [], "stop") and pieces == []

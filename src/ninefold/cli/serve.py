@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let the model decide when to call tools (tool_choice 'auto'); needs --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes), llama3_json, mistral")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="return reasoning apart from the answer: deepseek_r1 (DeepSeek-R1, QwQ) or qwen3")
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
                         help="largest request body accepted (default: 4 MiB)")
     parser.add_argument("--drain-timeout", type=_seconds, default=30.0,
@@ -114,6 +116,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     tool_parser = _tool_parser(args)
     if isinstance(tool_parser, tuple):
         return fail("serve", tool_parser[0])
+    if args.reasoning_parser is not None:
+        from ninefold.llm.reasoning import get_reasoning_parser
+
+        try:
+            get_reasoning_parser(args.reasoning_parser)
+        except ValueError as error:
+            return fail("serve", f"argument --reasoning-parser: {error}")
     template = None
     if args.chat_template is not None:
         template = read_chat_template(args.chat_template)
@@ -148,6 +157,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
             tool_call_parser=tool_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except (ValueError, TypeError) as error:
         shutdown = getattr(engine, "shutdown", None)

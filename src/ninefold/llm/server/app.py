@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ninefold.llm.reasoning import get_reasoning_parser
 from ninefold.llm.server import handlers
 from ninefold.llm.server.admission import Admission
 from ninefold.llm.server.errors import APIError, install_error_handlers
@@ -50,16 +51,20 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     retry_after_s: int = 1,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The server's ASGI app around a started ``AsyncEngine``.
 
     At most ``max_num_seqs + max_queue`` sequences are admitted at once (both given), the rest get
     429 with Retry-After; with ``api_key`` the API routes need ``Authorization: Bearer <key>``.
     ``tool_call_parser`` (a name of ``ninefold.llm.tools.PARSERS``) turns on ``tool_choice: "auto"``: outputs
-    are read for tool calls in that model family's format.
+    are read for tool calls in that model family's format. ``reasoning_parser`` (``deepseek_r1``, ``qwen3``)
+    returns chat reasoning apart from the answer, in ``reasoning`` / ``reasoning_content``.
     """
     if tool_call_parser is not None:
         get_parser(tool_call_parser)  # an unknown name fails here, not at the first request
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name: got {served_model_name!r}; expected a non-empty string")
     capacity = None
@@ -82,6 +87,7 @@ def build_app(
         texts=TokenTexts(engine.tokenizer),
         defaults=engine_defaults(engine),
         tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)
     app.state.server = state

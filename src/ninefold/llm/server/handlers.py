@@ -11,7 +11,9 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ninefold.llm.guided import GuidedDecodingParams
+from ninefold.llm.reasoning import get_reasoning_parser
 from ninefold.llm.server import preprocess, tool_choice
+from ninefold.llm.server.chat_output import ChatDeltas, ChatOutput
 from ninefold.llm.server.deltas import DeltaStream
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.event_stream import EventStreamResponse
@@ -26,7 +28,6 @@ from ninefold.llm.server.logprobs import (
 from ninefold.llm.server.protocol import ChatCompletionRequest, CompletionRequest
 from ninefold.llm.server.sse import DONE, sse_data, sse_error
 from ninefold.llm.server.state import ServerState
-from ninefold.llm.tools import ToolCallDeltas
 
 logger = logging.getLogger("ninefold.server")
 
@@ -162,9 +163,9 @@ class _View:
         self.sent_tokens: dict[int, int] = {}
         self.token_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
         self.stops = req.stop or []
-        self.tools = tools if tools is not None and tools.reads_calls else None
-        self.tool_deltas: dict[int, ToolCallDeltas] = {}
-        self.streamed: dict[int, str] = {}  # chat with tools: each choice's text streamed so far
+        reasoning = get_reasoning_parser(state.reasoning_parser) if self.chat and state.reasoning_parser else None
+        self.output = ChatOutput(tools, reasoning, self.chat and req.include_reasoning) if self.chat else None
+        self.readers: dict[int, ChatDeltas] = {}  # chat choices read for reasoning or tool calls
 
     def _envelope(self, choices: list[dict]) -> dict[str, Any]:
         return {
@@ -240,8 +241,8 @@ class _View:
             if echoed is not None:
                 logprobs = joined(echoed, logprobs)
             choice: dict[str, Any] = {"index": seq.index, "logprobs": logprobs, "finish_reason": self._reason(seq)}
-            if self.chat and self.tools is not None:
-                choice["message"], choice["finish_reason"] = self.tools.message(text, choice["finish_reason"])
+            if self.chat and not self.output.plain:
+                choice["message"], choice["finish_reason"] = self.output.message(text, choice["finish_reason"])
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -279,14 +280,14 @@ class _View:
         offset = self.token_offsets.get(seq.index, 0)
         shown = out.text if out is not None and not self.score_only else ""
         text = prefix + deltas.delta(shown, finished)
-        calls: list[dict] = []
-        if self.tools is not None:  # the text is read for tool calls: content is what is left of it
-            self.streamed[seq.index] = self.streamed.get(seq.index, "") + text
-            reader = self.tool_deltas.setdefault(seq.index, self.tools.deltas())
-            text, calls = reader.update(self.streamed[seq.index], finished)
+        fields = None  # chat read for reasoning or tool calls: the delta's fields
+        if self.chat and not self.output.plain:
+            reader = self.readers.setdefault(seq.index, self.output.deltas())
+            fields = reader.update(text, finished)
         start = self.sent_tokens.get(seq.index, 0)
         end = self._generated(seq) if out is not None else start
-        if not text and not calls and not finished and not opening and (self.logprobs is None or end == start):
+        news = text if fields is None else fields
+        if not news and not finished and not opening and (self.logprobs is None or end == start):
             return None
         self.opened.add(seq.index)
         self.sent_tokens[seq.index] = end
@@ -297,11 +298,12 @@ class _View:
             logprobs = joined(echoed, logprobs)
         reason = self._reason(seq) if finished else None
         if self.chat:
-            delta = {"content": text} if text or (not finished and not calls) else {}
-            if calls:
-                delta["tool_calls"] = calls
-            if self.tools is not None and finished:
-                reason = self.tools.reason(reason, self.tool_deltas[seq.index].calls_sent > 0)
+            if fields is None:
+                delta = {"content": text} if text or not finished else {}
+            else:
+                delta = fields
+                if finished and self.output.tools is not None:
+                    reason = self.output.tools.reason(reason, reader.called)
             choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -215,6 +215,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool = Field(True, description="With 'required': whether more than one call may come.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. {'enable_thinking': false}).")
+    include_reasoning: StrictBool = Field(True, description="With --reasoning-parser: return the reasoning too.")
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -325,6 +326,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] = []
 
 

@@ -27,6 +27,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     active: set = field(default_factory=set)  # Generation objects in flight
     tool_parser: str | None = None  # --tool-call-parser when auto tool choice is on
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning split from the answer
 
     @property
     def tokenizer(self) -> Any:
