@@ -63,3 +63,16 @@ def test_runs_inside_a_string_after_an_escape_match_a_brute_force_check():
             inner = machine.advance(state, extra)
             if inner is not None:
                 assert table.allowed(machine, inner) == _brute(machine, inner, vocab), (prefix, extra)
+
+
+def test_the_engine_indexes_its_vocabulary_in_the_background_once(llama_dir):
+    from ninefold import LLM
+
+    engine = LLM(str(llama_dir), device="cpu").engine
+    engine.index_vocabulary()
+    table = engine._token_masks()  # waits for the background index
+    engine.index_vocabulary()  # already built: nothing new starts
+    assert engine._token_masks() is table and table.size == engine.model_config.vocab_size
+    start = JSON_OBJECT.start
+    assert table.allowed(JSON_OBJECT, start) == _brute(JSON_OBJECT, start, table.vocab)
+    assert table.allowed(JSON_OBJECT, start)  # "{" and whitespace tokens at least

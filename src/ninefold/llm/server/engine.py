@@ -24,4 +24,6 @@ def start_engine(model: str | None, engine_args: dict[str, Any]) -> Any:
     from ninefold.llm.async_engine import AsyncEngine
 
     print(f"loading {model or DEFAULT_SERVED_NAME} ...", file=sys.stderr, flush=True)
-    return AsyncEngine(model, **engine_args)
+    engine = AsyncEngine(model, **engine_args)
+    engine.engine.index_vocabulary()  # for guided decoding and tool calls, while the server starts
+    return engine
