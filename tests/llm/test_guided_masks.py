@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from ninefold.llm.guided import ChoiceMachine, SchemaMachine, TokenMasks
 from ninefold.llm.guided.json_machine import JSON_OBJECT
+from ninefold.llm.guided.reasoning_machine import AfterReasoning
 
 # Bytes that matter to JSON, plus the extremes of the byte range (the walk special-cases 255).
-ALPHABET = list(b'{}[]":, \n\t\\-+.0123456789eEtrufalsnbxyz') + [0x00, 0x1F, 0xC3, 0xA9, 0xFE, 0xFF]
+ALPHABET = list(b'{}[]":, \n\t\\-+.0123456789eEtrufalsnbxyz<>/hik') + [0x00, 0x1F, 0xC3, 0xA9, 0xFE, 0xFF]
+MARKERS = [b"<think>", b"</think>", b"</think>\n\n{", b"</think>x", b"k>y", b"</th", b"ink>", b"</think>yes"]
 TOKENS = st.lists(st.binary(min_size=1, max_size=6).map(lambda b: bytes(ALPHABET[x % len(ALPHABET)] for x in b)),
                   min_size=1, max_size=120)
 MACHINES = [
@@ -22,6 +24,8 @@ MACHINES = [
         {"type": "object", "properties": {"n": {"const": "a"}, "p": {"type": "integer"}}, "required": ["n"]},
         {"type": "object", "properties": {"n": {"const": "ab"}, "q": {"type": "boolean"}}, "required": ["n", "q"]}]}}),
     ChoiceMachine(("true", "tru", "{\"x\": 1}", "\xe9t\xe9", "")),
+    AfterReasoning(JSON_OBJECT, "</think>", "<think>"),  # Qwen3: thinking only after a leading <think>
+    AfterReasoning(ChoiceMachine(("yes", "no")), "</think>"),  # DeepSeek-R1: thinking from the start
 ]
 
 
@@ -34,7 +38,7 @@ def _brute(machine, state, vocab):
 def test_allowed_tokens_match_a_brute_force_check(tokens, which, seed):
     machine = MACHINES[which]
     # every single byte of the alphabet, so that random walks can go on; None: a special token
-    vocab = [None, *sorted(set(tokens)), *[bytes((b,)) for b in ALPHABET]]
+    vocab = [None, *sorted(set(tokens) | set(MARKERS)), *[bytes((b,)) for b in ALPHABET]]
     table, rng = TokenMasks(vocab, len(vocab)), random.Random(seed)
     state = machine.start
     for _ in range(40):
@@ -76,3 +80,33 @@ def test_the_engine_indexes_its_vocabulary_in_the_background_once(llama_dir):
     start = JSON_OBJECT.start
     assert table.allowed(JSON_OBJECT, start) == _brute(JSON_OBJECT, start, table.vocab)
     assert table.allowed(JSON_OBJECT, start)  # "{" and whitespace tokens at least
+
+
+def _follow(guide, vocab, target: bytes) -> bytes:
+    """Sample as a model that wants ``target`` would: the allowed token covering most of what is left."""
+    out = b""
+    while not guide.complete:
+        allowed = guide.mask("cpu").nonzero().flatten().tolist()
+        rest = target[len(out):]
+        token = max((i for i in allowed if vocab[i] and rest.startswith(vocab[i])), key=lambda i: len(vocab[i]))
+        out += vocab[token]
+        guide.accept(token)
+    return out
+
+
+def test_a_format_after_thinking_lets_the_thinking_run_free_and_then_holds():
+    from ninefold.llm.guided import Guide, GuidedDecodingParams
+
+    vocab = [None, *MARKERS, b"<", b"think", b"</", b"Let me see", b"{", b"}", b'"a": 1', b" ", b"\n", b"x"]
+    table = TokenMasks(vocab, len(vocab))
+    target = b'<think>\nLet me see</think>\n\n{"a": 1}'
+    guide = Guide(GuidedDecodingParams(json_object=True, reasoning="qwen3").machine(), table, end_ids=(0,))
+    assert _follow(guide, vocab, target) == target
+    thinking = Guide(guide.machine, table, end_ids=(0,))
+    thinking.accept(vocab.index(b"<think>"))
+    allowed = thinking.mask("cpu")
+    assert allowed[0] and allowed[vocab.index(b"x")] and allowed[vocab.index(b"</think>\n\n{")]  # free, may end
+    assert not allowed[vocab.index(b"</think>x")] and not allowed[vocab.index(b"</think>yes")]  # closes into "x"
+    plain = Guide(guide.machine, table, end_ids=(0,))  # no leading <think>: the JSON from the first byte
+    assert not plain.mask("cpu")[vocab.index(b"x")] and plain.mask("cpu")[vocab.index(b"<")]
+    assert _follow(plain, vocab, b'{"a": 1}') == b'{"a": 1}'

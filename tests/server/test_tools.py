@@ -79,6 +79,16 @@ def no_blanks(tiny_model) -> dict[str, int]:
     return {str(i): -100 for i in range(tok.get_vocab_size()) if (s := tok.decode([i])) and not s.strip()}
 
 
+@pytest.fixture(scope="module")
+def no_think(tiny_model) -> dict[str, int]:
+    """A logit_bias against tokens that start with "<": with --reasoning-parser qwen3 a forced format starts after
+    an opening <think> if the model writes one, and a random model may; these tests force the answer itself."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model.path / "tokenizer.json"))
+    return {str(i): -100 for i in range(tok.get_vocab_size()) if tok.decode([i]).startswith("<")}
+
+
 def _check_calls(calls, finish_reason: str) -> None:
     """Finished calls name a tool and carry arguments following its schema."""
     assert calls, "expected tool calls"
@@ -161,8 +171,9 @@ HERMES_CALL = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"
                '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
 
 
-def test_auto_tool_choice_reads_hermes_calls_from_the_output(tool_client):
-    args = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200, extra_body={"guided_choice": [HERMES_CALL]})
+def test_auto_tool_choice_reads_hermes_calls_from_the_output(tool_client, no_think):
+    args = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200, logit_bias=no_think,
+                extra_body={"guided_choice": [HERMES_CALL]})
     out = tool_client.chat.completions.create(**args).choices[0]
     assert out.finish_reason == "tool_calls" and out.message.content == "Let me look."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [
@@ -173,8 +184,8 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_output(tool_client):
     assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
 
 
-def test_auto_tool_choice_without_a_call_is_plain_content(tool_client):
-    args = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=50,
+def test_auto_tool_choice_without_a_call_is_plain_content(tool_client, no_think):
+    args = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=50, logit_bias=no_think,
                 extra_body={"guided_choice": ["It is sunny, no tool needed <tool"]})
     out = tool_client.chat.completions.create(**args).choices[0]
     assert out.finish_reason == "stop" and out.message.tool_calls in (None, [])
@@ -183,9 +194,9 @@ def test_auto_tool_choice_without_a_call_is_plain_content(tool_client):
     assert (content, calls, reason) == ("It is sunny, no tool needed <tool", [], "stop")
 
 
-def test_a_malformed_call_comes_back_as_content(tool_client):
-    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": }\n</tool_call>'
-    out = tool_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80,
+def test_a_malformed_call_comes_back_as_content(tool_client, no_think):
+    broken = 'Calling <tool_call>\n{"name": "get_weather", "arguments": {"unit": }\n</tool_call>'
+    out = tool_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, logit_bias=no_think,
                                               extra_body={"guided_choice": [broken]}).choices[0]
     assert out.finish_reason == "stop" and out.message.content == broken and not out.message.tool_calls
 
@@ -252,32 +263,29 @@ def test_bad_tool_flags_stop_serve_before_loading(tiny_model, flags, words):
     assert done.returncode == 2 and words in done.stderr, done.stderr
 
 
-THOUGHT = "<think>\nThe user wants the weather; I call the tool.\n</think>\n\n"
-
-
-def test_reasoning_comes_apart_from_the_answer_and_its_tool_calls(tool_client):
-    args = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=250,
-                extra_body={"guided_choice": [THOUGHT + HERMES_CALL]})
-    out = tool_client.chat.completions.create(**args).choices[0]
-    message = out.message.model_dump()
-    assert message["reasoning"] == message["reasoning_content"] == "\nThe user wants the weather; I call the tool.\n"
-    assert out.message.content == "Let me look." and out.finish_reason == "tool_calls"
-    assert [c.function.name for c in out.message.tool_calls] == ["get_weather", "get_time"]
-    pieces: list[str] = []
-    content, calls, reason = _streamed(tool_client, reasoning=pieces, **args)
-    assert "".join(pieces) == message["reasoning"] and len(pieces) > 1  # streamed as it came
-    assert (content, reason) == ("Let me look.", "tool_calls")
-    assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
-    quiet = dict(args, extra_body={"guided_choice": [THOUGHT + "Sunny."], "include_reasoning": False})
-    out = tool_client.chat.completions.create(**quiet).choices[0].message.model_dump()
-    assert out["content"] == "Sunny." and out.get("reasoning") is None and out.get("reasoning_content") is None
-    pieces = []
-    assert _streamed(tool_client, reasoning=pieces, **quiet)[0] == "Sunny." and pieces == []
-
-
-def test_an_answer_without_thinking_has_no_reasoning(tool_client):
-    args = dict(model="tiny", messages=ASK, max_tokens=20, extra_body={"guided_choice": ["Plain answer."]})
+def test_an_answer_without_thinking_has_no_reasoning(tool_client, no_think):
+    args = dict(model="tiny", messages=ASK, max_tokens=20, logit_bias=no_think,
+                extra_body={"guided_choice": ["Plain answer."]})
     out = tool_client.chat.completions.create(**args).choices[0].message.model_dump()
     assert out["content"] == "Plain answer." and out.get("reasoning") is None
     pieces: list[str] = []
     assert _streamed(tool_client, reasoning=pieces, **args) == ("Plain answer.", [], "stop") and pieces == []
+
+
+def test_a_json_format_holds_after_the_thinking(tool_client, no_blanks, no_think):
+    """With --reasoning-parser qwen3 a format applies to the answer: a random model kept from opening a <think>
+    writes the JSON at once and has no reasoning; one left free may think first (then its thinking is free
+    text and the JSON follows it)."""
+    args = dict(model="tiny", messages=ASK, max_tokens=64, temperature=1.0, response_format={"type": "json_object"})
+    out = tool_client.chat.completions.create(seed=3, logit_bias={**no_blanks, **no_think}, **args).choices[0]
+    assert out.message.model_dump().get("reasoning") is None
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.message.content), dict)
+    else:
+        assert out.finish_reason == "length" and out.message.content.lstrip().startswith("{")
+    # pushed towards "<", it opens a <think> (the only way "<" continues) and then thinks freely: no JSON yet
+    think = {k: 100 for k in no_think}
+    free = tool_client.chat.completions.create(seed=0, logit_bias=think, **args).choices[0]
+    message = free.message.model_dump()
+    assert free.finish_reason == "length" and message["content"] == ""
+    assert message["reasoning"] and message["reasoning"].startswith("<")  # not JSON: the thinking is free

@@ -9,6 +9,10 @@
   ``guided_json``): JSON that follows the schema, within the subset ``schema_machine`` supports
   (others are refused with a ValueError naming the keyword).
 
+With ``reasoning`` (a ``--reasoning-parser`` name) the format applies after the model's thinking
+(``reasoning_machine.AfterReasoning``): free text up to ``</think>``, for Qwen3 only when the output opens
+with ``<think>``.
+
 Either way an output cut by ``max_tokens`` is a prefix of what was asked for. Each step masks the
 logits of the tokens whose bytes cannot continue the output (``masks.TokenMasks``), after penalties
 and ``logit_bias``.
@@ -24,7 +28,10 @@ import torch
 from ninefold.llm.guided.choice_machine import ChoiceMachine
 from ninefold.llm.guided.json_machine import JSON_OBJECT
 from ninefold.llm.guided.masks import TokenMasks
+from ninefold.llm.guided.reasoning_machine import AfterReasoning
 from ninefold.llm.guided.schema_machine import SchemaMachine
+from ninefold.llm.reasoning import END, START
+from ninefold.llm.reasoning import PARSERS as REASONING_PARSERS
 
 __all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "SchemaMachine", "TokenMasks"]
 
@@ -39,6 +46,8 @@ class GuidedDecodingParams:
     json_object: bool = False
     choice: tuple[str, ...] | list[str] | None = None
     json: dict | str | None = None
+    # the format applies after the thinking this --reasoning-parser reads (deepseek_r1, qwen3); None: from the start
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None:
@@ -64,14 +73,22 @@ class GuidedDecodingParams:
             if size > MAX_CHOICE_BYTES:
                 raise ValueError(f"guided_decoding.choice: {size} bytes of choices; at most {MAX_CHOICE_BYTES}")
             object.__setattr__(self, "choice", tuple(dict.fromkeys(choices)))
+        if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
+            raise ValueError(f"guided_decoding.reasoning: got {self.reasoning!r}; expected None or one of "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
         if self.json_object + (self.choice is not None) + (self.json is not None) != 1:
             raise ValueError("guided_decoding: set exactly one of json_object=True, choice=[...] and json=schema")
 
     def machine(self):
-        """The recognizer of this format."""
+        """The recognizer of this format (after the thinking, with ``reasoning``)."""
         if self.json is not None:
-            return self._schema
-        return JSON_OBJECT if self.json_object else ChoiceMachine(self.choice)
+            inner = self._schema
+        else:
+            inner = JSON_OBJECT if self.json_object else ChoiceMachine(self.choice)
+        if self.reasoning is None:
+            return inner
+        parser = REASONING_PARSERS[self.reasoning]
+        return AfterReasoning(inner, END, None if parser.untagged_is_reasoning else START)
 
 
 def _refuse_constant(name: str):

@@ -75,10 +75,15 @@ def step(state: tuple, byte: int) -> tuple | None:
 
 def advance(state: tuple | None, data: bytes) -> tuple | None:
     """The state after every byte of ``data`` (None once one cannot follow)."""
+    return steps(step, state, data)
+
+
+def steps(step_one, state, data: bytes):
+    """``step_one`` applied for every byte of ``data`` from ``state`` (None once a byte cannot follow)."""
     for byte in data:
         if state is None:
             return None
-        state = step(state, byte)
+        state = step_one(state, byte)
     return state
 
 

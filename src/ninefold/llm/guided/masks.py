@@ -53,11 +53,14 @@ class TokenMasks:
         self._ids = [token_id for _, token_id in ordered]
         # where each token's plain-string tail starts: inside a string, the rest of a run needs no recognizer
         self._plain_from = [_plain_tail(data) for data in self._keys]
+        self._holding: dict[int, list[int]] = {}  # tokens holding a byte (the end of a reasoning marker)
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
     def allowed(self, machine, state) -> list[int]:
         """Token ids whose bytes can follow ``state`` of ``machine`` (sorted)."""
+        if getattr(machine, "free", None) is not None and machine.free(state):
+            return self._free(machine, state)
         if machine.in_string(state):
             vocab, advance = self.vocab, machine.advance
             out = self.plain + [i for i in self.other if advance(state, vocab[i]) is not None]
@@ -65,6 +68,15 @@ class TokenMasks:
             out = self._walk(machine, state)
         out.sort()
         return out
+
+    def _free(self, machine, state) -> list[int]:
+        """Free text (a reasoning model thinking): every token but those that end it into refused bytes, all
+        of which hold the end marker's last byte."""
+        byte = machine.end_byte
+        if byte not in self._holding:
+            self._holding[byte] = [i for i, data in enumerate(self.vocab) if data and byte in data]
+        refused = {i for i in self._holding[byte] if machine.advance(state, self.vocab[i]) is None}
+        return [i for i, data in enumerate(self.vocab) if data and i not in refused]
 
     def _walk(self, machine, state) -> list[int]:
         """Depth-first over the sorted tokens: each run shares a prefix, which the recognizer read once."""

@@ -31,6 +31,7 @@ from ninefold.llm.guided.json_machine import (
     NUMBER_ENDS,
     WHITESPACE,
     number_next,
+    steps,
 )
 
 ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -318,11 +319,7 @@ class SchemaMachine:
         return None
 
     def advance(self, state: tuple | None, data: bytes) -> tuple | None:
-        for byte in data:
-            if state is None:
-                return None
-            state = self.step(state, byte)
-        return state
+        return steps(self.step, state, data)
 
     @staticmethod
     def complete(state) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -53,6 +54,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     guided = preprocess.guided_decoding(req)
     tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None)
     guided = tools.guided or guided
+    if guided is not None and state.reasoning_parser is not None:  # the format holds after the thinking
+        guided = dataclasses.replace(guided, reasoning=state.reasoning_parser)
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
