@@ -61,3 +61,34 @@ def test_cuda_200_concurrent_streams_and_disconnect(cuda_server):
         assert next(lines).startswith("data: {")
     m = cuda_server.wait_idle()
     assert m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"]
+
+
+def test_cuda_required_tool_calls_follow_the_schemas(cuda_server, tiny_model):
+    """Guided decoding's masks on the device (CUDA graphs, overlapped steps around guided rows): forced tool
+    calls of a random model still follow the tools' parameter schemas."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2]}},
+              "required": ["unit", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}},
+             {"type": "function", "function": {"name": "ping"}}]
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model.path / "tokenizer.json"))
+    no_blanks = {str(i): -100 for i in range(tok.get_vocab_size()) if (t := tok.decode([i])) and not t.strip()}
+    client = openai.OpenAI(base_url=cuda_server.base + "/v1", api_key="x", max_retries=0)
+    finished = 0
+    for seed in range(6):
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                             tools=tools, tool_choice="required", max_tokens=96, seed=seed,
+                                             temperature=1.0, logit_bias=no_blanks).choices[0]
+        if out.finish_reason == "length":
+            continue
+        finished += 1
+        assert out.finish_reason == "tool_calls"
+        for call in out.message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            jsonschema.validate(arguments, schema if call.function.name == "get_weather" else {"maxProperties": 0})
+    assert finished >= 1
