@@ -3,8 +3,11 @@
 import json
 
 import httpx
+import openai
 import pytest
 from tokenizers import Tokenizer
+
+import ninefold
 
 from .tiny_model import CHAIN_TEXT
 
@@ -145,7 +148,11 @@ def test_tokenize_and_detokenize_round_trip(server, reference_tokenizer):
 def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base + "/version").json() == {"version": ninefold.__version__}
 
 
 def test_raw_sse_format(server):

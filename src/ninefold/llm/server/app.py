@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ninefold import __version__
 from ninefold.llm.reasoning import get_reasoning_parser
 from ninefold.llm.server import handlers
 from ninefold.llm.server.admission import Admission
@@ -104,12 +105,25 @@ def build_app(
         """OpenAI chat completions through the model's chat template; streams with ``stream: true``."""
         return await handlers.create_chat_completion(state, body, request.receive)
 
+    def card() -> ModelCard:
+        return ModelCard(id=served_model_name, created=state.created, root=str(getattr(engine, "model_name", "")),
+                         max_model_len=limits.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
         """The one served model."""
-        card = ModelCard(id=served_model_name, created=state.created, root=str(getattr(engine, "model_name", "")),
-                         max_model_len=limits.max_model_len)
-        return dump(ModelList(data=[card]))
+        return dump(ModelList(data=[card()]))
+
+    @app.get("/v1/models/{model_id}", response_model=ModelCard)
+    async def model(model_id: str) -> dict:
+        """One model: the served one, else 404."""
+        state.check_model(model_id)
+        return dump(card())
+
+    @app.get("/version")
+    async def version() -> dict:
+        """The ninefold version serving."""
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:
