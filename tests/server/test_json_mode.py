@@ -57,6 +57,21 @@ def test_guided_choice_gives_one_of_the_strings(client):
     assert out.choices[0].text in choices
 
 
+def test_guided_regex_matches_the_pattern_streamed_or_not(client):
+    import re
+
+    pattern = r"(?:yes|no), [0-9]{1,3}%"
+    args = dict(model="tiny", messages=[{"role": "user", "content": "sure?"}], seed=6, temperature=1.0,
+                max_tokens=16, extra_body={"guided_regex": pattern})
+    out = client.chat.completions.create(n=4, **args)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.message.content), choice
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **args)
+                       if c.choices)
+    assert streamed == whole and re.fullmatch(pattern, whole)
+
+
 def test_bad_guided_requests_are_400(server):
     import httpx
 
@@ -67,6 +82,8 @@ def test_bad_guided_requests_are_400(server):
                 "guided_choice")
     check_error(httpx.post(url, json={"prompt": "x", "guided_choice": []}), 400, "guided_choice")
     check_error(httpx.post(url, json={"prompt": "x", "guided_choice": ["a", ""]}), 400, "guided_choice")
+    check_error(httpx.post(url, json={"prompt": "x", "guided_regex": "(a"}), 400, "guided_regex")
+    check_error(httpx.post(url, json={"prompt": "x", "guided_regex": "a", "guided_json": {}}), 400, "guided_regex")
     assert httpx.get(server.base + "/health").status_code == 200
 
 

@@ -7,7 +7,8 @@ vocabulary as the engine does, then walks each format's recognizer along a typic
 and times ``TokenMasks.allowed`` at every distinct state (uncached: what a step pays the first time it
 meets the state) against a brute-force check of every token (what a mask costs without an index).
 The formats: ``json_object``; the ``tool_choice: "required"`` schema of two tools; one tool's arguments
-(a named tool choice); a ``guided_choice`` of 20 strings. Prints a table; writes JSON under --out.
+(a named tool choice); a ``guided_choice`` of 20 strings; a ``guided_regex`` of a dated weather line, and
+one whose ``.*`` lets nearly every token through. Prints a table; writes JSON under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ REQUIRED = {"type": "array", "minItems": 1, "items": {"anyOf": [
     for name, schema in (("get_weather", WEATHER), ("get_time", TIME))]}}
 CALL = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius", "days": 12}}]'
 ARGUMENTS = '{\n  "city": "Saint-\\u00c9tienne",\n  "unit": "fahrenheit",\n  "days": 3\n}'
+REGEX = r"[A-Z][a-z]+, \d{4}-\d{2}-\d{2}: (?:sunny|rainy|cloudy)(?: and (?:warm|cold))?\."
 CHOICES = [f"option {word} {i}" for i, word in enumerate(
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
     "upsilon".split())]
@@ -35,11 +37,14 @@ def formats():
     """(name, recognizer, output text) of each benchmarked format."""
     from ninefold.llm.guided import ChoiceMachine, SchemaMachine
     from ninefold.llm.guided.json_machine import JSON_OBJECT
+    from ninefold.llm.guided.regex_machine import RegexMachine
 
     return [("json_object", JSON_OBJECT, '{"answer": [1, 2.5, true, null], "why": "it is \\"so\\""}'),
             ("tools required", SchemaMachine(REQUIRED), CALL),
             ("named tool", SchemaMachine(WEATHER), ARGUMENTS),
-            ("choice of 20", ChoiceMachine(tuple(CHOICES)), CHOICES[7])]
+            ("choice of 20", ChoiceMachine(tuple(CHOICES)), CHOICES[7]),
+            ("regex", RegexMachine(REGEX), "Paris, 2026-12-05: sunny and warm."),
+            ("regex .*", RegexMachine(r"[A-Z].*\."), "Paris, 2026-12-05: sunny and warm.")]
 
 
 def states(machine, text: str) -> list:

@@ -8,6 +8,8 @@
 - ``json=schema`` (a dict or its JSON text; OpenAI's ``response_format`` ``json_schema``, vLLM's
   ``guided_json``): JSON that follows the schema, within the subset ``schema_machine`` supports
   (others are refused with a ValueError naming the keyword).
+- ``regex=pattern`` (vLLM's ``guided_regex``): text that matches the regular expression as a whole
+  (``regex_machine``: Python syntax without backreferences, lookaround or flags).
 
 With ``reasoning`` (a ``--reasoning-parser`` name) the format applies after the model's thinking
 (``reasoning_machine.AfterReasoning``): free text up to ``</think>``, for Qwen3 only when the output opens
@@ -29,6 +31,7 @@ from ninefold.llm.guided.choice_machine import ChoiceMachine
 from ninefold.llm.guided.json_machine import JSON_OBJECT
 from ninefold.llm.guided.masks import TokenMasks
 from ninefold.llm.guided.reasoning_machine import AfterReasoning
+from ninefold.llm.guided.regex_machine import RegexMachine
 from ninefold.llm.guided.schema_machine import SchemaMachine
 from ninefold.llm.reasoning import END, START
 from ninefold.llm.reasoning import PARSERS as REASONING_PARSERS
@@ -46,6 +49,7 @@ class GuidedDecodingParams:
     json_object: bool = False
     choice: tuple[str, ...] | list[str] | None = None
     json: dict | str | None = None
+    regex: str | None = None
     # the format applies after the thinking this --reasoning-parser reads (deepseek_r1, qwen3); None: from the start
     reasoning: str | None = None
 
@@ -76,13 +80,18 @@ class GuidedDecodingParams:
         if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
             raise ValueError(f"guided_decoding.reasoning: got {self.reasoning!r}; expected None or one of "
                              f"{', '.join(sorted(REASONING_PARSERS))}")
-        if self.json_object + (self.choice is not None) + (self.json is not None) != 1:
-            raise ValueError("guided_decoding: set exactly one of json_object=True, choice=[...] and json=schema")
+        if self.regex is not None:
+            object.__setattr__(self, "_regex", RegexMachine(self.regex))  # a pattern it cannot follow fails here
+        if self.json_object + (self.choice is not None) + (self.json is not None) + (self.regex is not None) != 1:
+            raise ValueError("guided_decoding: set exactly one of json_object=True, choice=[...], json=schema and "
+                             "regex=pattern")
 
     def machine(self):
         """The recognizer of this format (after the thinking, with ``reasoning``)."""
         if self.json is not None:
             inner = self._schema
+        elif self.regex is not None:
+            inner = self._regex
         else:
             inner = JSON_OBJECT if self.json_object else ChoiceMachine(self.choice)
         if self.reasoning is None:

@@ -195,20 +195,23 @@ def logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float]
 
 def guided_decoding(req) -> GuidedDecodingParams | None:
     """What the output must follow: ``response_format`` (``text`` or none: nothing; ``json_object``: one JSON
-    object; ``json_schema``: JSON following its schema) or vLLM's ``guided_choice`` / ``guided_json``; two
-    at once, or a schema outside the supported subset, is a 400."""
+    object; ``json_schema``: JSON following its schema) or vLLM's ``guided_choice`` / ``guided_json`` /
+    ``guided_regex``; two at once, or a schema or pattern outside the supported subset, is a 400."""
     fmt = req.response_format or {}
     kind = fmt.get("type", "text")
-    given = [name for name, value in (("response_format", kind != "text"), ("guided_choice", req.guided_choice),
-                                      ("guided_json", req.guided_json)) if value]
+    given = [name for name, value in (("response_format", kind != "text" or None),
+                                      ("guided_choice", req.guided_choice), ("guided_json", req.guided_json),
+                                      ("guided_regex", req.guided_regex)) if value is not None]
     if len(given) > 1:
-        raise bad_request(f"give one of response_format, guided_choice and guided_json, not {' and '.join(given)}",
-                          given[-1])
+        raise bad_request(f"give one of response_format, guided_choice, guided_json and guided_regex, not "
+                          f"{' and '.join(given)}", given[-1])
     try:
         if req.guided_choice is not None:
             return GuidedDecodingParams(choice=req.guided_choice)
         if req.guided_json is not None:
             return GuidedDecodingParams(json=req.guided_json)
+        if req.guided_regex is not None:
+            return GuidedDecodingParams(regex=req.guided_regex)
         if kind == "text":
             return None
         if kind == "json_object":

@@ -81,6 +81,9 @@ class SamplingFields(BaseModel):
         None, min_length=1, max_length=1024, description="The output is one of these strings (vLLM's extra).")
     guided_json: dict[str, Any] | StrictStr | None = Field(
         None, description="The output is JSON following this JSON Schema (vLLM's extra; a supported subset).")
+    guided_regex: StrictStr | None = Field(
+        None, description="The output matches this regular expression as a whole (vLLM's extra; Python syntax "
+                          "without backreferences, lookaround or flags).")
 
     @field_validator("stop")
     @classmethod

@@ -109,7 +109,7 @@ def plan(req: ChatCompletionRequest, auto_parser: str | None, other_format: bool
         return ToolPlan("auto", parser=get_parser(auto_parser))
     if other_format:
         raise bad_request(f"tool_choice {_shown(choice)} decides the output's format; it cannot be combined with "
-                          "response_format, guided_json or guided_choice", "tool_choice")
+                          "response_format, guided_json, guided_choice or guided_regex", "tool_choice")
     parameters = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools}
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
