@@ -6,9 +6,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninefold.llm.guided import ChoiceMachine, SchemaMachine, TokenMasks
+from ninefold.llm.guided import ChoiceMachine, SchemaMachine, TokenMasks, masks
 from ninefold.llm.guided.json_machine import JSON_OBJECT
 from ninefold.llm.guided.reasoning_machine import AfterReasoning
+from ninefold.llm.guided.regex_machine import RegexMachine
 
 # Bytes that matter to JSON, plus the extremes of the byte range (the walk special-cases 255).
 ALPHABET = list(b'{}[]":, \n\t\\-+.0123456789eEtrufalsnbxyz<>/hik') + [0x00, 0x1F, 0xC3, 0xA9, 0xFE, 0xFF]
@@ -24,6 +25,7 @@ MACHINES = [
         {"type": "object", "properties": {"n": {"const": "a"}, "p": {"type": "integer"}}, "required": ["n"]},
         {"type": "object", "properties": {"n": {"const": "ab"}, "q": {"type": "boolean"}}, "required": ["n", "q"]}]}}),
     ChoiceMachine(("true", "tru", "{\"x\": 1}", "\xe9t\xe9", "")),
+    RegexMachine(r"(?:ab|\d)+.*x?[^a]{0,2}"),
     AfterReasoning(JSON_OBJECT, "</think>", "<think>"),  # Qwen3: thinking only after a leading <think>
     AfterReasoning(ChoiceMachine(("yes", "no")), "</think>"),  # DeepSeek-R1: thinking from the start
 ]
@@ -33,10 +35,18 @@ def _brute(machine, state, vocab):
     return [i for i, data in enumerate(vocab) if data and machine.advance(state, data) is not None]
 
 
-@settings(max_examples=60, deadline=None)
-@given(TOKENS, st.integers(0, len(MACHINES) - 1), st.integers(0, 10**6))
-def test_allowed_tokens_match_a_brute_force_check(tokens, which, seed):
-    machine = MACHINES[which]
+@settings(max_examples=80, deadline=None)
+@given(TOKENS, st.integers(0, len(MACHINES) - 1), st.integers(0, 10**6), st.sampled_from([20000, 3, 0]))
+def test_allowed_tokens_match_a_brute_force_check(tokens, which, seed, budget):
+    """With the walk's budget at 0 (or nearly), every mask outside strings comes from the sweep instead."""
+    masks.WALK_BUDGET, saved = budget, masks.WALK_BUDGET
+    try:
+        _check_random_walk(tokens, MACHINES[which], seed)
+    finally:
+        masks.WALK_BUDGET = saved
+
+
+def _check_random_walk(tokens, machine, seed):
     # every single byte of the alphabet, so that random walks can go on; None: a special token
     vocab = [None, *sorted(set(tokens) | set(MARKERS)), *[bytes((b,)) for b in ALPHABET]]
     table, rng = TokenMasks(vocab, len(vocab)), random.Random(seed)

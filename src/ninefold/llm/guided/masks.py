@@ -20,13 +20,28 @@ import threading
 from bisect import bisect_left
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
+WALK_BUDGET = 3000  # runs of the walk before it gives way to a sweep of the whole vocabulary
 MAX_MASKS = 512  # cached masks (a vocabulary's worth of booleans each), least recently used dropped first
 
 
 def _plain_string(data: bytes) -> bool:
     return all(byte >= 0x20 and byte not in (0x22, 0x5C) for byte in data)
+
+
+def _byte_columns(keys: list[bytes], ids: list[int]):
+    """The tokens longest first: for each byte position the column of their bytes there, how many tokens reach
+    that position (a prefix of the order), and the token ids in that order."""
+    order = sorted(range(len(keys)), key=lambda k: -len(keys[k]))
+    longest = len(keys[order[0]]) if keys else 0
+    matrix = np.zeros((longest, len(keys)), dtype=np.uint8)
+    for row, k in enumerate(order):
+        matrix[: len(keys[k]), row] = np.frombuffer(keys[k], dtype=np.uint8)
+    lengths = np.asarray([len(keys[k]) for k in order])
+    ends = [int(np.count_nonzero(lengths > depth)) for depth in range(longest)]
+    return list(matrix), ends, np.asarray([ids[k] for k in order], dtype=np.int64)
 
 
 def _plain_tail(data: bytes) -> int:
@@ -53,6 +68,7 @@ class TokenMasks:
         self._ids = [token_id for _, token_id in ordered]
         # where each token's plain-string tail starts: inside a string, the rest of a run needs no recognizer
         self._plain_from = [_plain_tail(data) for data in self._keys]
+        self._columns = None  # the tokens' bytes by position, for sweeps (built on the first)
         self._holding: dict[int, list[int]] = {}  # tokens holding a byte (the end of a reasoning marker)
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
@@ -65,9 +81,45 @@ class TokenMasks:
             vocab, advance = self.vocab, machine.advance
             out = self.plain + [i for i in self.other if advance(state, vocab[i]) is not None]
         else:
-            out = self._walk(machine, state)
+            out = self._walk(machine, state, WALK_BUDGET)
+            if out is None:  # most tokens pass (a regex's ".*"): run them all at once instead
+                out = self._sweep(machine, state)
         out.sort()
         return out
+
+    def _sweep(self, machine, state) -> list[int]:
+        """Every token through the recognizer together, a byte position at a time: the recognizer steps once per
+        distinct (state, byte) pair met, kept in a table the next positions look up."""
+        if self._columns is None:
+            self._columns, self._ends, self._token_ids = _byte_columns(self._keys, self._ids)
+        states, index = [state], {state: 0}
+        table = np.full((64, 256), -2, dtype=np.int32)  # -2: not met yet, -1: refused
+        live = np.arange(len(self._token_ids), dtype=np.int64)  # longest tokens first
+        current = np.zeros(len(live), dtype=np.int32)
+        refused = np.zeros(len(live), dtype=bool)
+        for column, end in zip(self._columns, self._ends):
+            live = live[live < end]  # tokens shorter than this position are done (and passed)
+            if not len(live):
+                break
+            byte = column[live]
+            nxt = table[current[live], byte]
+            unknown = nxt == -2
+            if unknown.any():
+                for pair in np.unique(current[live[unknown]].astype(np.int64) * 256 + byte[unknown]):
+                    sid, value = divmod(int(pair), 256)
+                    after = machine.step(states[sid], value)
+                    if after is not None and after not in index:
+                        index[after] = len(states)
+                        states.append(after)
+                        if len(states) > len(table):
+                            table = np.vstack([table, np.full_like(table, -2)])
+                    table[sid, value] = -1 if after is None else index[after]
+                nxt = table[current[live], byte]
+            out = nxt < 0
+            refused[live[out]] = True
+            live, current_live = live[~out], nxt[~out]
+            current[live] = current_live
+        return self._token_ids[~refused].tolist()
 
     def _free(self, machine, state) -> list[int]:
         """Free text (a reasoning model thinking): every token but those that end it into refused bytes, all
@@ -78,12 +130,16 @@ class TokenMasks:
         refused = {i for i in self._holding[byte] if machine.advance(state, self.vocab[i]) is None}
         return [i for i, data in enumerate(self.vocab) if data and i not in refused]
 
-    def _walk(self, machine, state) -> list[int]:
-        """Depth-first over the sorted tokens: each run shares a prefix, which the recognizer read once."""
+    def _walk(self, machine, state, budget: int) -> list[int] | None:
+        """Depth-first over the sorted tokens: each run shares a prefix, which the recognizer read once. None
+        when it would take more than ``budget`` runs."""
         keys, ids, step, plain_from = self._keys, self._ids, machine.step, self._plain_from
         out: list[int] = []
         stack = [(0, len(keys), 0, state)]  # a run [lo, hi) sharing ``depth`` bytes, the state after them
         while stack:
+            budget -= 1
+            if budget < 0:
+                return None
             lo, hi, depth, after = stack.pop()
             if machine.in_string(after):  # after an escape, say: plain tails stay in the string
                 out.extend(ids[k] for k in range(lo, hi)
