@@ -197,3 +197,19 @@ def test_an_invalid_generation_config_value_is_left_out_with_a_warning_and_the_r
     assert "top_p=1.5 ignored" in messages and "repetition_penalty='1.1' ignored" in messages
     # before: one bad value dropped every default (temperature 1.0, top_k off)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 1.0, 20, 0.05, 1.0)
+
+
+def test_structured_outputs_is_guided_decoding_under_vllms_newer_name():
+    from ninefold import StructuredOutputsParams
+    from ninefold.llm.guided import GuidedDecodingParams
+
+    fmt = StructuredOutputsParams(regex="a+")
+    assert StructuredOutputsParams is GuidedDecodingParams
+    params = SamplingParams(structured_outputs=fmt)
+    assert params.guided_decoding is fmt and params.structured_outputs is fmt
+    assert SamplingParams(guided_decoding=fmt).structured_outputs is fmt
+    assert SamplingParams(guided_decoding=fmt, structured_outputs=StructuredOutputsParams(regex="a+")).guided_decoding
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(guided_decoding=fmt, structured_outputs=StructuredOutputsParams(choice=["a"]))
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SamplingParams(structured_outputs={"regex": "a"})

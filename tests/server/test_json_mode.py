@@ -72,6 +72,19 @@ def test_guided_regex_matches_the_pattern_streamed_or_not(client):
     assert streamed == whole and re.fullmatch(pattern, whole)
 
 
+def test_structured_outputs_is_vllms_newer_form_of_the_guided_fields(client):
+    import re
+
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "pick"}], seed=2, temperature=1.0, max_tokens=12)
+    out = client.chat.completions.create(extra_body={"structured_outputs": {"choice": ["left", "right"]}}, **chat)
+    assert out.choices[0].message.content in ("left", "right")
+    out = client.chat.completions.create(extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}, **chat)
+    assert re.fullmatch("[0-9]{3}", out.choices[0].message.content)
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=64, seed=1,
+                                    extra_body={"structured_outputs": {"json": {"enum": [True, None]}}})
+    assert out.choices[0].text.strip() in ("true", "null")  # whitespace may come first
+
+
 def test_bad_guided_requests_are_400(server):
     import httpx
 
@@ -83,6 +96,15 @@ def test_bad_guided_requests_are_400(server):
     check_error(httpx.post(url, json={"prompt": "x", "guided_choice": []}), 400, "guided_choice")
     check_error(httpx.post(url, json={"prompt": "x", "guided_choice": ["a", ""]}), 400, "guided_choice")
     check_error(httpx.post(url, json={"prompt": "x", "guided_regex": "(a"}), 400, "guided_regex")
+    check_error(httpx.post(url, json={"prompt": "x", "structured_outputs": {"grammar": "root ::= 'a'"}}), 400,
+                "structured_outputs")
+    check_error(httpx.post(url, json={"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}), 400,
+                "structured_outputs")
+    check_error(httpx.post(url, json={"prompt": "x", "structured_outputs": {}}), 400, "structured_outputs")
+    check_error(httpx.post(url, json={"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_json": {}}), 400,
+                "structured_outputs")
+    check_error(httpx.post(url, json={"prompt": "x", "structured_outputs": {"regex": "a", "whitespace": 1}}), 400,
+                None)
     check_error(httpx.post(url, json={"prompt": "x", "guided_regex": "a", "guided_json": {}}), 400, "guided_regex")
     assert httpx.get(server.base + "/health").status_code == 200
 

@@ -19,7 +19,8 @@ class SamplingParams:
     ``prompt_logprobs=N`` returns, for every prompt token after the first, its log-probability given
     the tokens before it and the N most likely tokens at that position (``RequestOutput.prompt_logprobs``).
     ``guided_decoding=GuidedDecodingParams(json_object=True)`` constrains the output to one JSON object
-    (``ninefold.llm.guided``).
+    (``ninefold.llm.guided``); ``structured_outputs=StructuredOutputsParams(...)`` is the same under vLLM's
+    newer names.
     """
 
     n: int = 1
@@ -42,6 +43,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    structured_outputs: GuidedDecodingParams | None = None  # vLLM's newer name for guided_decoding
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,8 +100,14 @@ class SamplingParams:
                 raise bad("stop_token_ids", "a list of non-negative integers or None")
             self.stop_token_ids = list(ids)
 
+        if self.structured_outputs is not None:
+            if self.guided_decoding is not None and self.guided_decoding != self.structured_outputs:
+                raise bad("structured_outputs", "the same as guided_decoding when both are given (one is the "
+                                                "other's name)")
+            self.guided_decoding = self.structured_outputs
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
-            raise bad("guided_decoding", "a GuidedDecodingParams or None")
+            raise bad("guided_decoding", "a GuidedDecodingParams (StructuredOutputsParams) or None")
+        self.structured_outputs = self.guided_decoding
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or not all(

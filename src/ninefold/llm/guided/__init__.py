@@ -36,7 +36,7 @@ from ninefold.llm.guided.schema_machine import SchemaMachine
 from ninefold.llm.reasoning import END, START
 from ninefold.llm.reasoning import PARSERS as REASONING_PARSERS
 
-__all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "SchemaMachine", "TokenMasks"]
+__all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "SchemaMachine", "StructuredOutputsParams", "TokenMasks"]
 
 MAX_CHOICES = 1024
 MAX_CHOICE_BYTES = 1 << 16  # all choices together, UTF-8
@@ -98,6 +98,9 @@ class GuidedDecodingParams:
             return inner
         parser = REASONING_PARSERS[self.reasoning]
         return AfterReasoning(inner, END, None if parser.untagged_is_reasoning else START)
+
+
+StructuredOutputsParams = GuidedDecodingParams  # vLLM's newer name (SamplingParams.structured_outputs)
 
 
 def _refuse_constant(name: str):

@@ -199,13 +199,26 @@ def guided_decoding(req) -> GuidedDecodingParams | None:
     ``guided_regex``; two at once, or a schema or pattern outside the supported subset, is a 400."""
     fmt = req.response_format or {}
     kind = fmt.get("type", "text")
+    structured = req.structured_outputs
+    if structured is not None:
+        if structured.grammar is not None:
+            raise bad_request("structured_outputs.grammar (a context-free grammar) is not supported; json, regex, "
+                              "choice and json_object are", "structured_outputs")
+        chosen = [k for k in ("json", "regex", "choice", "json_object") if getattr(structured, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise bad_request(f"structured_outputs needs exactly one of json, regex, choice and json_object, got "
+                              f"{chosen or 'none'}", "structured_outputs")
     given = [name for name, value in (("response_format", kind != "text" or None),
                                       ("guided_choice", req.guided_choice), ("guided_json", req.guided_json),
-                                      ("guided_regex", req.guided_regex)) if value is not None]
+                                      ("guided_regex", req.guided_regex), ("structured_outputs", structured))
+             if value is not None]
     if len(given) > 1:
-        raise bad_request(f"give one of response_format, guided_choice, guided_json and guided_regex, not "
-                          f"{' and '.join(given)}", given[-1])
+        raise bad_request(f"give one of response_format, structured_outputs, guided_choice, guided_json and "
+                          f"guided_regex, not {' and '.join(given)}", given[-1])
     try:
+        if structured is not None:
+            return GuidedDecodingParams(json=structured.json, regex=structured.regex, choice=structured.choice,
+                                        json_object=bool(structured.json_object))
         if req.guided_choice is not None:
             return GuidedDecodingParams(choice=req.guided_choice)
         if req.guided_json is not None:

@@ -46,6 +46,18 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class StructuredOutputs(BaseModel):
+    """``structured_outputs`` (vLLM >= 0.12's replacement of the ``guided_*`` fields); one of its formats."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json: dict[str, Any] | StrictStr | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1, max_length=1024)
+    json_object: StrictBool | None = None
+    grammar: StrictStr | None = Field(None, description="Not supported: a 400 says so.")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
@@ -81,6 +93,8 @@ class SamplingFields(BaseModel):
         None, min_length=1, max_length=1024, description="The output is one of these strings (vLLM's extra).")
     guided_json: dict[str, Any] | StrictStr | None = Field(
         None, description="The output is JSON following this JSON Schema (vLLM's extra; a supported subset).")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's newer form of the guided_* fields: {'json' | 'regex' | 'choice' | 'json_object': ...}")
     guided_regex: StrictStr | None = Field(
         None, description="The output matches this regular expression as a whole (vLLM's extra; Python syntax "
                           "without backreferences, lookaround or flags).")
