@@ -291,6 +291,11 @@ def test_the_discriminator_picks_the_alternative_and_its_properties():
     {"anyOf": [{"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]},
                {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
     {"anyOf": [{"type": "object"}, {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+    # another alternative that can start with "{", before or after the tagged objects
+    *[{"oneOf": order} for first in ({}, {"type": ["object", "string"]}, {"anyOf": [
+        {"type": "object", "properties": {"d": {"const": "d"}}, "required": ["d"]}, {"type": "array"}]})
+      for order in ([first, *_tagged_union(["a", "b"], [{"x": {"type": "integer"}}, {}], key="t")["anyOf"]],
+                    [*_tagged_union(["a", "b"], [{"x": {"type": "integer"}}, {}], key="t")["anyOf"], first])],
 ])
 def test_objects_without_a_discriminator_are_still_refused(schema):
     with pytest.raises(ValueError, match="same byte.*discriminator|discriminator"):

@@ -71,3 +71,14 @@ def test_include_reasoning_false_leaves_the_reasoning_out():
                                                                ("wer.", True))]
     assert all("reasoning" not in f and "reasoning_content" not in f for f in fields)
     assert "".join(f.get("content", "") for f in fields) == "Answer."
+
+
+def test_a_call_found_malformed_at_the_end_is_no_call_either_way():
+    text = 'Sure.<tool_call>\n{"name": "get_time", "arguments": "utc"}\n</tool_call>'  # arguments not an object
+    output = _output(None, True)
+    message, finish = output.message(text, "stop")
+    assert finish == "stop" and message["content"] == text and message["tool_calls"] == []
+    deltas = output.deltas()
+    for end in range(1, len(text) + 1):
+        deltas.update(text[end - 1:end], end == len(text))
+    assert not deltas.called  # the stream reports "stop" too, though it had announced the call

@@ -256,6 +256,7 @@ def test_bad_tool_requests_are_400s_and_the_server_keeps_serving(server, body, p
     (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "hermes"),
     (["--chat-template", "no-such-file.jinja"], "--chat-template"),
     (["--reasoning-parser", "r2"], "deepseek_r1"),
+    (["--chat-template", "{% for m in messages %}{{ m.content }"], "not a valid Jinja template"),
 ])
 def test_bad_tool_flags_stop_serve_before_loading(tiny_model, flags, words):
     done = subprocess.run([sys.executable, "-m", "ninefold", "serve", "--model", str(tiny_model.path), "--port", str(free_port()),
@@ -289,3 +290,34 @@ def test_a_json_format_holds_after_the_thinking(tool_client, no_blanks, no_think
     message = free.message.model_dump()
     assert free.finish_reason == "length" and message["content"] == ""
     assert message["reasoning"] and message["reasoning"].startswith("<")  # not JSON: the thinking is free
+
+
+def test_required_calls_of_tools_whose_schemas_hold_their_own_definitions(client, no_blanks):
+    """Each tool's $defs move to the root of the combined schema (renamed per tool); its $id is dropped."""
+    units = {"$id": "https://example.com/weather", "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+             "required": ["unit"], "$defs": {"Unit": {"enum": ["celsius", "kelvin"]}}}
+    zones = {"type": "object", "properties": {"zone": {"$ref": "#/definitions/Unit"}}, "required": ["zone"],
+             "definitions": {"Unit": {"enum": ["utc"]}}}  # the same definition name, another tool
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": units}},
+             {"type": "function", "function": {"name": "time", "parameters": zones}}]
+    finished = 0
+    for seed in range(8):
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="required",
+                                             max_tokens=128, seed=seed, temperature=1.0, logit_bias=no_blanks)
+        choice = out.choices[0]
+        if choice.finish_reason == "length":
+            continue
+        finished += 1
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), units if call.function.name == "weather" else zones)
+    assert finished >= 2
+
+
+def test_odd_histories_and_template_variables_render(tool_server):
+    deep = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "ping", "arguments": "[" * 50000}}]}]
+    response = httpx.post(tool_server.base + "/tokenize", json={"model": "tiny", "messages": deep}, timeout=30)
+    assert response.status_code == 200, response.text  # arguments that are not a JSON object stay text
+    response = httpx.post(tool_server.base + "/tokenize", timeout=30, json={
+        "model": "tiny", "messages": ASK, "chat_template_kwargs": {"eos_token": "</s>", "pad_token": "<pad>"}})
+    assert response.status_code == 200, response.text  # a request may set the special-token variables

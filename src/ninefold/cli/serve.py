@@ -125,10 +125,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             return fail("serve", f"argument --reasoning-parser: {error}")
     template = None
     if args.chat_template is not None:
-        template = read_chat_template(args.chat_template)
-        if template is None:
-            return fail("serve", f"argument --chat-template: {args.chat_template!r} is neither a file nor a template "
-                                 "(expected a path to a .jinja file, or text with {{ }} or {% %})")
+        try:
+            template = read_chat_template(args.chat_template)
+        except ValueError as error:
+            return fail("serve", f"argument --chat-template: {error}")
 
     from ninefold.llm.server import build_app, run_server
     from ninefold.llm.server.engine import served_name, start_engine
@@ -186,9 +186,24 @@ def _tool_parser(args: argparse.Namespace) -> str | None | tuple[str]:
     return args.tool_call_parser
 
 
-def read_chat_template(value: str) -> str | None:
-    """The template a ``--chat-template`` value gives: a file's text, or the value itself when it is a template."""
+def read_chat_template(value: str) -> str:
+    """The template a ``--chat-template`` value gives: a file's text, or the value itself when it is a template;
+    ValueError when it is neither, or not valid Jinja."""
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as file:
-            return file.read()
-    return value if ("{{" in value or "{%" in value) else None
+        try:
+            with open(value, encoding="utf-8") as file:
+                template = file.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read {value!r} as UTF-8 text: {error}") from None
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"{value!r} is neither a file nor a template (expected a path to a .jinja file, or text "
+                         "with {{ }} or {% %})")
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"not a valid Jinja template: {error.message} (line {error.lineno})") from None
+    return template

@@ -172,7 +172,7 @@ class Tokenizer:
             if key.endswith("_token") and _token_text(value) is not None
         }
         text = _compiled(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs
+            messages=messages, add_generation_prompt=add_generation_prompt, **{**special, **kwargs}
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

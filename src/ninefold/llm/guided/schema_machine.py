@@ -236,11 +236,9 @@ class SchemaMachine:
         tagged = self._tagged(objects) if len(objects) > 1 else None
         by_first: dict[int, int] = {}
         for alt in alternatives:
-            if tagged is not None and alt in objects:
-                by_first[0x7B] = tagged
-                continue
-            for byte in self._first_bytes(alt):
-                if by_first.setdefault(byte, alt) != alt:
+            target = tagged if tagged is not None and alt in objects else alt  # the objects share the tagged node
+            for byte in b"{" if target == tagged else self._first_bytes(alt):
+                if by_first.setdefault(byte, target) != target:
                     hint = (" (objects are told apart only by a discriminator: a first property, required in each, "
                             "whose const or enum strings differ)") if byte == 0x7B else ""
                     raise ValueError(f"json_schema: {where}: alternatives that can start with the same byte "

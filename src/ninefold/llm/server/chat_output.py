@@ -55,8 +55,9 @@ class ChatDeltas:
 
     @property
     def called(self) -> bool:
-        """Whether tool calls were streamed."""
-        return self.calls is not None and self.calls.calls_sent > 0
+        """Whether the finished output made tool calls (as the whole message reads it: markup that turned out
+        malformed at the end makes none, even if a call was already streamed)."""
+        return self.calls is not None and bool(self.calls.final_calls)
 
     def update(self, new_text: str, final: bool) -> dict:
         """The delta's fields for ``new_text`` appended to the choice's text (only non-empty ones)."""

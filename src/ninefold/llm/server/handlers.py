@@ -54,6 +54,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     guided = preprocess.guided_decoding(req)
     tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None)
     guided = tools.guided or guided
+    if tools.mode == "auto" and req.skip_special_tokens:  # a model's call markers may be special tokens
+        req = req.model_copy(update={"skip_special_tokens": False})
     if guided is not None and state.reasoning_parser is not None:  # the format holds after the thinking
         guided = dataclasses.replace(guided, reasoning=state.reasoning_parser)
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]

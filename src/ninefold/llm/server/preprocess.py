@@ -110,7 +110,7 @@ def _arguments(text: str):
     """A tool call's arguments as an object when they are a JSON object, else the text as given."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
     return value if isinstance(value, dict) else text
 
@@ -204,7 +204,9 @@ def guided_decoding(req) -> GuidedDecodingParams | None:
         if structured.grammar is not None:
             raise bad_request("structured_outputs.grammar (a context-free grammar) is not supported; json, regex, "
                               "choice and json_object are", "structured_outputs")
-        chosen = [k for k in ("json", "regex", "choice", "json_object") if getattr(structured, k) not in (None, False)]
+        chosen = [k for k, v in (("json", structured.json_schema), ("regex", structured.regex),
+                                 ("choice", structured.choice), ("json_object", structured.json_object))
+                  if v not in (None, False)]
         if len(chosen) != 1:
             raise bad_request(f"structured_outputs needs exactly one of json, regex, choice and json_object, got "
                               f"{chosen or 'none'}", "structured_outputs")
@@ -217,7 +219,7 @@ def guided_decoding(req) -> GuidedDecodingParams | None:
                           f"guided_regex, not {' and '.join(given)}", given[-1])
     try:
         if structured is not None:
-            return GuidedDecodingParams(json=structured.json, regex=structured.regex, choice=structured.choice,
+            return GuidedDecodingParams(json=structured.json_schema, regex=structured.regex, choice=structured.choice,
                                         json_object=bool(structured.json_object))
         if req.guided_choice is not None:
             return GuidedDecodingParams(choice=req.guided_choice)

@@ -49,9 +49,9 @@ class StreamOptions(BaseModel):
 class StructuredOutputs(BaseModel):
     """``structured_outputs`` (vLLM >= 0.12's replacement of the ``guided_*`` fields); one of its formats."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    json: dict[str, Any] | StrictStr | None = None
+    json_schema: dict[str, Any] | StrictStr | None = Field(None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = Field(None, min_length=1, max_length=1024)
     json_object: StrictBool | None = None

@@ -118,9 +118,15 @@ def plan(req: ChatCompletionRequest, auto_parser: str | None, other_format: bool
                               f"({', '.join(map(repr, names))})", "tool_choice")
         return ToolPlan("named", _guided(parameters[name], f"tools[{names.index(name)}] ({name})"),
                         NamedCallParser(name))
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-         "required": ["name", "parameters"]} for name, schema in parameters.items()]}}
+    definitions: dict = {}
+    alternatives = []
+    for i, (name, schema) in enumerate(parameters.items()):
+        schema = _hoist_definitions(schema, f"tool{i}.", definitions)
+        alternatives.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                             "required": ["name", "parameters"]})
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    if definitions:
+        calls["$defs"] = definitions
     if not req.parallel_tool_calls:
         calls["maxItems"] = 1
     return ToolPlan("required", _guided(calls, "tools"), get_parser("json_array"))
@@ -131,6 +137,32 @@ def template_tools(req) -> list[dict] | None:
     if not req.tools:
         return None
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools]
+
+
+def _hoist_definitions(schema, prefix: str, definitions: dict):
+    """``schema`` with its ``$defs`` / ``definitions`` moved into ``definitions`` under ``prefix`` (its ``$ref``s
+    rewritten to match) and its ``$id`` dropped: the tools' schemas become parts of one schema, whose root
+    alone may hold them."""
+    if not isinstance(schema, dict):
+        return schema
+    local = {}
+    for container in ("$defs", "definitions"):
+        for key, value in (schema.get(container) or {}).items() if isinstance(schema.get(container), dict) else ():
+            local[f"#/{container}/{key}"] = f"#/$defs/{prefix}{key}"
+            definitions[f"{prefix}{key}"] = value
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: (local.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in node.items() if node is not schema or k not in ("$defs", "definitions", "$id")}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    out = rewrite(schema)
+    for key in [k for k in definitions if k.startswith(prefix)]:
+        definitions[key] = rewrite(definitions[key])
+    return out
 
 
 def _guided(schema: dict, where: str) -> GuidedDecodingParams:

@@ -31,6 +31,7 @@ class ToolCallDeltas:
         self._content = ""  # content sent so far
         self._names: list[str] = []  # name of each announced call
         self._arguments: list[str] = []  # arguments sent so far, per announced call
+        self.final_calls: int | None = None  # the calls of the final parse, once ``update`` has seen it
 
     @property
     def calls_sent(self) -> int:
@@ -40,6 +41,8 @@ class ToolCallDeltas:
     def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """text: the whole output so far (grows between calls). Returns (content delta, tool_call deltas)."""
         parsed = self.parser.parse(text, final)
+        if final:
+            self.final_calls = len(parsed.calls)
         content_delta = ""
         if len(parsed.content) > len(self._content) and parsed.content.startswith(self._content):
             content_delta = parsed.content[len(self._content) :]
