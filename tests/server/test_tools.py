@@ -180,7 +180,7 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_output(tool_client, no_thi
         ("get_weather", {"unit": "celsius", "days": 2}), ("get_time", {"zone": "utc"})]
     _check_calls(out.message.tool_calls, out.finish_reason)
     content, calls, reason = _streamed(tool_client, **args)
-    assert content == "Let me look." and reason == "tool_calls"
+    assert content == "Let me look." and reason == "tool_calls", (content, calls, reason)
     assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
 
 
