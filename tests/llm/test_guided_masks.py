@@ -3,6 +3,7 @@ brute-force check of every token, on random vocabularies and the states of rando
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,3 +121,20 @@ def test_a_format_after_thinking_lets_the_thinking_run_free_and_then_holds():
     plain = Guide(guide.machine, table, end_ids=(0,))  # no leading <think>: the JSON from the first byte
     assert not plain.mask("cpu")[vocab.index(b"x")] and plain.mask("cpu")[vocab.index(b"<")]
     assert _follow(plain, vocab, b'{"a": 1}') == b'{"a": 1}'
+
+
+@pytest.mark.parametrize("name, fmt, text", [
+    ("qwen3", {"choice": ["\nyes", "no"]}, "<think>x</think>\n\nno"), ("qwen3", {"choice": ["no"]}, " \n<think>ok</think>no"),
+    ("qwen3", {"choice": ["<think", "x"]}, "<think"), ("qwen3", {"json_object": True}, '\n{"a": 1}'),
+    ("deepseek_r1", {"json_object": True}, "hm</think>\n\n{}"), ("deepseek_r1", {"regex": "[0-9]+"}, "a</think>\n42"),
+])
+def test_the_guide_splits_thinking_from_the_answer_where_the_reasoning_parser_does(name, fmt, text):
+    from ninefold.llm.guided import GuidedDecodingParams
+    from ninefold.llm.reasoning import get_reasoning_parser
+
+    machine = GuidedDecodingParams(**fmt, reasoning=name).machine()
+    state = machine.advance(machine.start, text.encode())
+    assert state is not None and machine.may_end(state), (text, state)
+    _, answer = get_reasoning_parser(name).split(text, final=True)
+    inner = machine.inner
+    assert inner.may_end(inner.advance(inner.start, answer.encode())), (text, answer)  # the answer alone fits

@@ -104,11 +104,23 @@ def test_complete_means_nothing_may_follow():
     (r"(a)\1", "backreferences"), (r"a(?=b)", "lookaround"), (r"\bword", "word boundaries"), (r"(?i)a", "flags"),
     ("a{3,1}", "wrong way round"), ("a{5000}", "repetition counts"), ("*a", "nothing to repeat"), ("(a", "closed"),
     ("a)", "unexpected"), ("[b-a]", "backwards"), (r"\q", "escape"), ("a^b", "inside the pattern"), ("", "non-empty"),
-    ("[abc", "ends early"), (r"[\W]", "negated classes"), (r"\x4", "hex digits"), ("a++", "possessive"),
+    ("[abc", "ends early"), (r"\x4", "hex digits"), ("a++", "possessive"), ("a{2}+", "possessive"),
+    ("a{1}{2}", "multiple repeat"), ("a**", "multiple repeat"), (r"\12", "backreferences"),
+    ("(.?.?){900}", "more than"), ("(a?){300}", "ways to match open"),
 ])
 def test_unsupported_or_broken_patterns_are_refused_by_name(pattern, word):
     with pytest.raises(ValueError, match=f"regex.*{word}"):
         GuidedDecodingParams(regex=pattern)
+
+
+@pytest.mark.parametrize("pattern, texts", [
+    (r"\d{,3}", ["", "4", "42", "421", "4213", "4{,3}"]), (r"\012|\0|\101", ["\n", "\0", "A", "\x0012"]),
+    (r"[\s\S]+", ["a\n", " ", "é", ""]), (r"[^\W\d]+", ["ab_", "a1", "é"]), (r"x{,0}y", ["y", "xy"]),
+])
+def test_python_forms_read_as_re_reads_them(pattern, texts):
+    machine = RegexMachine(pattern)
+    for text in texts:
+        assert _matches(machine, text) == bool(re.fullmatch(pattern, text, re.ASCII)), (pattern, text)
 
 
 def test_size_limits():

@@ -1,5 +1,7 @@
 """SamplingParams validation and sampling behaviour: seeds, n, stops, penalties, logprobs."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -206,8 +208,10 @@ def test_structured_outputs_is_guided_decoding_under_vllms_newer_name():
     fmt = StructuredOutputsParams(regex="a+")
     assert StructuredOutputsParams is GuidedDecodingParams
     params = SamplingParams(structured_outputs=fmt)
-    assert params.guided_decoding is fmt and params.structured_outputs is fmt
-    assert SamplingParams(guided_decoding=fmt).structured_outputs is fmt
+    assert params.guided_decoding is fmt and params.structured_outputs is None  # stored under one name
+    assert dataclasses.replace(params, guided_decoding=None).guided_decoding is None
+    other = StructuredOutputsParams(choice=["x"])
+    assert dataclasses.replace(params, guided_decoding=other).guided_decoding is other
     assert SamplingParams(guided_decoding=fmt, structured_outputs=StructuredOutputsParams(regex="a+")).guided_decoding
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(guided_decoding=fmt, structured_outputs=StructuredOutputsParams(choice=["a"]))

@@ -43,7 +43,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     guided_decoding: GuidedDecodingParams | None = None
-    structured_outputs: GuidedDecodingParams | None = None  # vLLM's newer name for guided_decoding
+    # vLLM's newer name for guided_decoding: taken into it at construction, then None (so replace() sees one)
+    structured_outputs: GuidedDecodingParams | None = field(default=None, repr=False, compare=False)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,7 +108,7 @@ class SamplingParams:
             self.guided_decoding = self.structured_outputs
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "a GuidedDecodingParams (StructuredOutputsParams) or None")
-        self.structured_outputs = self.guided_decoding
+        self.structured_outputs = None
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or not all(

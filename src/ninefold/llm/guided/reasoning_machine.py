@@ -5,13 +5,17 @@ an output that begins otherwise follows the format from its first byte (thinking
 ``start`` (DeepSeek-R1, whose prompt opens the thinking), the output is free text until the end tag.
 The end tag is found across token boundaries (a KMP automaton over its bytes); bytes after it in the
 same token already belong to the format. While thinking, every token may come and the sequence may end,
-except a token that would close the thinking with bytes the format refuses.
+except a token that would close the thinking with bytes the format refuses. The boundaries are read as
+``ninefold.llm.reasoning`` reads them: whitespace before ``<think>`` does not stop it from opening the
+thinking, and newlines right after ``</think>`` (at most ``MAX_GAP``) are not part of the answer.
 """
 
 from __future__ import annotations
 
-from ninefold.llm.guided.json_machine import steps
+from ninefold.llm.guided.json_machine import WHITESPACE, steps
 
+MAX_GAP = 8  # newlines between </think> and the answer
+MAX_LEAD = 16  # whitespace before <think>
 
 class AfterReasoning:
     """``inner`` (a recognizer: JSON, schema, choice) after free thinking text."""
@@ -31,15 +35,21 @@ class AfterReasoning:
         if phase == "inner":
             nxt = self.inner.step(value, byte)
             return None if nxt is None else ("inner", nxt)
+        if phase == "gap":  # right after </think>: newlines, then the answer
+            if byte == 0x0A and value < MAX_GAP:
+                return ("gap", value + 1)
+            nxt = self.inner.step(self.inner.start, byte)
+            return None if nxt is None else ("inner", nxt)
         if phase == "free":
             matched = value
             while matched and self.end[matched] != byte:
                 matched = self._fail[matched - 1]
             matched += self.end[matched] == byte
-            return ("inner", self.inner.start) if matched == len(self.end) else ("free", matched)
+            return ("gap", 0) if matched == len(self.end) else ("free", matched)
         seen = value + bytes((byte,))  # "open": is the output beginning with the start tag?
-        if self.start_tag.startswith(seen):
-            return ("free", 0) if seen == self.start_tag else ("open", seen)
+        tag = seen.lstrip(bytes(WHITESPACE))
+        if self.start_tag.startswith(tag) and len(seen) - len(tag) <= MAX_LEAD:
+            return ("free", 0) if tag == self.start_tag else ("open", seen)
         inner = self.inner.advance(self.inner.start, seen)
         return None if inner is None else ("inner", inner)
 
@@ -55,7 +65,13 @@ class AfterReasoning:
 
     def may_end(self, state: tuple) -> bool:
         """The format's own ends, and anywhere while thinking (a model may stop there)."""
-        return state[0] == "free" or (state[0] == "inner" and self.inner.may_end(state[1]))
+        phase, value = state
+        if phase == "open":  # what came so far is also the format's (a prefix of <think> that matches it)
+            inner = self.inner.advance(self.inner.start, value)
+            return inner is not None and self.inner.may_end(inner)
+        if phase == "gap":
+            return self.inner.may_end(self.inner.start)
+        return phase == "free" or self.inner.may_end(value)
 
     def cache_key(self, state: tuple):
         return ("inner", self.inner.cache_key(state[1])) if state[0] == "inner" else state

@@ -16,7 +16,9 @@ from __future__ import annotations
 from ninefold.llm.guided.json_machine import steps
 
 MAX_PATTERN = 4096  # characters
-MAX_STATES = 20000  # NFA positions (bounded repetition copies its body)
+MAX_STATES = 4000  # NFA positions (bounded repetition copies its body)
+MAX_ACTIVE = 256  # positions one character may leave the match at (checked per position at compile time)
+MAX_MOVES = 1 << 20  # positions held by the cache of moves, all entries together
 MAX_REPEAT = 1000
 
 _DIGITS = ((0x30, 0x39),)
@@ -97,40 +99,39 @@ class _Parser:
         return ("cat", items)
 
     def quantified(self, node):
-        while True:
-            c = self.peek()
-            if c == "*":
-                low, high = 0, None
-            elif c == "+":
-                low, high = 1, None
-            elif c == "?":
-                low, high = 0, 1
-            elif c == "{" and self._counted():
-                low, high = self._counts()
-                node = ("repeat", node, low, high)
-                if self.peek() == "?":
-                    self.i += 1
-                continue
-            else:
-                return node
+        counts = self._quantifier()
+        if counts is None:
+            return node
+        if self.peek() == "?":  # lazy: the same strings
             self.i += 1
-            if self.peek() == "?":  # lazy: the same strings
-                self.i += 1
-            elif self.peek() == "+":
-                self.fail("possessive quantifiers are not supported")
-            node = ("repeat", node, low, high)
+        elif self.peek() == "+":
+            self.fail("possessive quantifiers are not supported")
+        if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self._counted()):
+            self.fail("multiple repeat (a quantifier right after another)")
+        return ("repeat", node, *counts)
+
+    def _quantifier(self) -> tuple[int, int | None] | None:
+        c = self.peek()
+        if c == "{" and self._counted():
+            return self._counts()
+        if c not in ("*", "+", "?"):
+            return None
+        self.i += 1
+        return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
 
     def _counted(self) -> bool:
         end = self.text.find("}", self.i)
         inner = self.text[self.i + 1:end] if end > 0 else ""
         parts = inner.split(",")
-        return end > 0 and len(parts) <= 2 and parts[0].isdigit() and all(p.isdigit() or p == "" for p in parts[1:])
+        if end < 0 or len(parts) > 2 or not all(p.isdigit() or p == "" for p in parts):
+            return False
+        return bool(parts[0]) or (len(parts) == 2 and bool(parts[1]))  # {m} {m,} {m,n} {,n}
 
     def _counts(self) -> tuple[int, int | None]:
         end = self.text.index("}", self.i)
         parts = self.text[self.i + 1:end].split(",")
         self.i = end + 1
-        low = int(parts[0])
+        low = int(parts[0] or 0)
         high = low if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
         if high is not None and high < low:
             self.fail(f"{{{low},{high}}} has its bounds the wrong way round")
@@ -177,7 +178,14 @@ class _Parser:
             return CharSet(ranges, negated)
         if c in _UNSUPPORTED_ESCAPES:
             self.fail(f"{_UNSUPPORTED_ESCAPES[c]} is not supported")
-        if c.isdigit() and c != "0":
+        if c in "01234567" and (c == "0" or self.text[self.i:self.i + 2].isdigit()):
+            digits = c  # an octal escape: \0, \0N, \0NN, or \NNN from 1
+            while len(digits) < 3 and self.peek() is not None and self.peek() in "01234567":
+                digits += self.take()
+            if c != "0" and len(digits) < 3:
+                self.fail("backreferences are not supported")
+            return CharSet(((int(digits, 8),) * 2,))
+        if c.isdigit():
             self.fail("backreferences are not supported")
         if c in ("x", "u", "U"):
             digits = {"x": 2, "u": 4, "U": 8}[c]
@@ -204,8 +212,9 @@ class _Parser:
             first = False
             if c == "\\":
                 part = self._escape()
-                if part.negated:
-                    self.fail("negated classes (\\D \\W \\S) inside [...] are not supported")
+                if part.negated:  # \D \W \S inside [...]: the characters outside their ranges
+                    ranges.extend(_complement(part.ranges))
+                    continue
                 if len(part.ranges) == 1 and part.ranges[0][0] == part.ranges[0][1]:
                     low = part.ranges[0][0]
                 else:
@@ -239,7 +248,9 @@ class RegexMachine:
         start, self.accept = self._build(tree)
         self.key = ("regex", pattern)
         self.start = (self._closure({start}), b"")
+        self._check_activity(start)
         self._moves: dict[tuple[frozenset, int], frozenset] = {}
+        self._moved = 0  # positions held by _moves
 
     # -- compiling -----------------------------------------------------------------------------------
 
@@ -294,6 +305,22 @@ class RegexMachine:
         self.empty[b].append(end)
         return a, end
 
+    def _check_activity(self, start: int) -> None:
+        """Refuse patterns where one position reaches more than MAX_ACTIVE others without a character (``(.?){900}``):
+        every step would carry thousands of positions."""
+        entries = {start} | {nxt for edges in self.edges for _, nxt in edges}
+        for position in entries:
+            seen, todo = {position}, [position]
+            while todo:
+                for nxt in self.empty[todo.pop()]:
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+                        if len(seen) > MAX_ACTIVE:
+                            raise ValueError(f"guided_decoding.regex: the pattern keeps more than {MAX_ACTIVE} ways "
+                                             "to match open at once (optional parts repeated many times); "
+                                             "not supported")
+
     def _closure(self, positions) -> frozenset:
         seen, todo = set(positions), list(positions)
         while todo:
@@ -310,8 +337,11 @@ class RegexMachine:
         moved = self._moves.get(key)
         if moved is None:
             moved = self._closure({nxt for p in positions for chars, nxt in self.edges[p] if code in chars})
-            if len(self._moves) < 1 << 16:
-                self._moves[key] = moved
+            if self._moved + len(moved) > MAX_MOVES:
+                self._moves.clear()
+                self._moved = 0
+            self._moves[key] = moved
+            self._moved += len(moved)
         return moved
 
     def step(self, state: tuple, byte: int) -> tuple | None:
@@ -367,6 +397,18 @@ def _completions(pending: bytes, need: int) -> tuple[int, int] | None:
     low = pending + (bytes((low_second,)) if len(pending) == 1 else b"") + b"\x80" * (rest - (len(pending) == 1))
     high = pending + (bytes((high_second,)) if len(pending) == 1 else b"") + b"\xbf" * (rest - (len(pending) == 1))
     return ord(low.decode("utf-8")), ord(high.decode("utf-8"))
+
+
+def _complement(ranges) -> list[tuple[int, int]]:
+    """The code points outside sorted ``ranges``."""
+    out, low = [], 0
+    for a, b in sorted(ranges):
+        if a > low:
+            out.append((low, a - 1))
+        low = max(low, b + 1)
+    if low <= 0x10FFFF:
+        out.append((low, 0x10FFFF))
+    return out
 
 
 def _utf8_length(first: int) -> int:

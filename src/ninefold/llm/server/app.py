@@ -114,7 +114,7 @@ def build_app(
         """The one served model."""
         return dump(ModelList(data=[card()]))
 
-    @app.get("/v1/models/{model_id}", response_model=ModelCard)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def model(model_id: str) -> dict:
         """One model: the served one, else 404."""
         state.check_model(model_id)
