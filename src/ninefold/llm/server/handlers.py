@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -51,13 +50,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    guided = preprocess.guided_decoding(req)
-    tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None)
+    # with a reasoning parser, a format holds after the thinking
+    guided = preprocess.guided_decoding(req, reasoning=state.reasoning_parser)
+    tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None,
+                             reasoning=state.reasoning_parser)
     guided = tools.guided or guided
     if tools.mode == "auto" and req.skip_special_tokens:  # a model's call markers may be special tokens
         req = req.model_copy(update={"skip_special_tokens": False})
-    if guided is not None and state.reasoning_parser is not None:  # the format holds after the thinking
-        guided = dataclasses.replace(guided, reasoning=state.reasoning_parser)
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"

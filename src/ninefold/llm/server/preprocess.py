@@ -193,10 +193,11 @@ def logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float]
     return bias
 
 
-def guided_decoding(req) -> GuidedDecodingParams | None:
+def guided_decoding(req, reasoning: str | None = None) -> GuidedDecodingParams | None:
     """What the output must follow: ``response_format`` (``text`` or none: nothing; ``json_object``: one JSON
     object; ``json_schema``: JSON following its schema) or vLLM's ``guided_choice`` / ``guided_json`` /
-    ``guided_regex``; two at once, or a schema or pattern outside the supported subset, is a 400."""
+    ``guided_regex``; two at once, or a schema or pattern outside the supported subset, is a 400. ``reasoning``:
+    the server's reasoning parser, after whose thinking the format holds."""
     fmt = req.response_format or {}
     kind = fmt.get("type", "text")
     structured = req.structured_outputs
@@ -220,22 +221,22 @@ def guided_decoding(req) -> GuidedDecodingParams | None:
     try:
         if structured is not None:
             return GuidedDecodingParams(json=structured.json_schema, regex=structured.regex, choice=structured.choice,
-                                        json_object=bool(structured.json_object))
+                                        json_object=bool(structured.json_object), reasoning=reasoning)
         if req.guided_choice is not None:
-            return GuidedDecodingParams(choice=req.guided_choice)
+            return GuidedDecodingParams(choice=req.guided_choice, reasoning=reasoning)
         if req.guided_json is not None:
-            return GuidedDecodingParams(json=req.guided_json)
+            return GuidedDecodingParams(json=req.guided_json, reasoning=reasoning)
         if req.guided_regex is not None:
-            return GuidedDecodingParams(regex=req.guided_regex)
+            return GuidedDecodingParams(regex=req.guided_regex, reasoning=reasoning)
         if kind == "text":
             return None
         if kind == "json_object":
-            return GuidedDecodingParams(json_object=True)
+            return GuidedDecodingParams(json_object=True, reasoning=reasoning)
         if kind == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
-            return GuidedDecodingParams(json=spec["schema"])
+            return GuidedDecodingParams(json=spec["schema"], reasoning=reasoning)
     except ValueError as error:
         raise bad_request(str(error), given[0] if given else "response_format") from None
     raise bad_request(f"response_format type {kind!r} is unknown; expected 'text', 'json_object' or 'json_schema'",

@@ -85,11 +85,13 @@ def call_object(call: ParsedCall) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def plan(req: ChatCompletionRequest, auto_parser: str | None, other_format: bool) -> ToolPlan:
+def plan(req: ChatCompletionRequest, auto_parser: str | None, other_format: bool,
+         reasoning: str | None = None) -> ToolPlan:
     """The request's ToolPlan; a 400 for a choice the tools or the server cannot give.
 
     ``auto_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on.
-    ``other_format``: the request also asks for ``response_format`` / ``guided_*``.
+    ``other_format``: the request also asks for ``response_format`` / ``guided_*``. ``reasoning``: the server's
+    reasoning parser, after whose thinking forced calls hold.
     """
     tools = req.tools or []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -116,7 +118,7 @@ def plan(req: ChatCompletionRequest, auto_parser: str | None, other_format: bool
         if name not in parameters:
             raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                               f"({', '.join(map(repr, names))})", "tool_choice")
-        return ToolPlan("named", _guided(parameters[name], f"tools[{names.index(name)}] ({name})"),
+        return ToolPlan("named", _guided(parameters[name], f"tools[{names.index(name)}] ({name})", reasoning),
                         NamedCallParser(name))
     definitions: dict = {}
     alternatives = []
@@ -129,7 +131,7 @@ def plan(req: ChatCompletionRequest, auto_parser: str | None, other_format: bool
         calls["$defs"] = definitions
     if not req.parallel_tool_calls:
         calls["maxItems"] = 1
-    return ToolPlan("required", _guided(calls, "tools"), get_parser("json_array"))
+    return ToolPlan("required", _guided(calls, "tools", reasoning), get_parser("json_array"))
 
 
 def template_tools(req) -> list[dict] | None:
@@ -165,9 +167,9 @@ def _hoist_definitions(schema, prefix: str, definitions: dict):
     return out
 
 
-def _guided(schema: dict, where: str) -> GuidedDecodingParams:
+def _guided(schema: dict, where: str, reasoning: str | None) -> GuidedDecodingParams:
     try:
-        return GuidedDecodingParams(json=schema)
+        return GuidedDecodingParams(json=schema, reasoning=reasoning)
     except ValueError as error:
         raise bad_request(f"{where}: the parameters cannot be enforced: {error}", "tools") from None
 
