@@ -134,18 +134,25 @@ VOCAB = [None, b"{", b"}", b'"', b'":', b"a", b"ab", b"1", b"12", b"-", b".", b"
 def test_masks_match_a_brute_force_check_along_random_walks():
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 12, "x"]}},
                                                "b": {"type": ["integer", "null"]}, "c": {}}, "required": ["a"]}
-    machine, table = SchemaMachine(schema), TokenMasks(VOCAB, len(VOCAB))
-    rng = random.Random(0)
-    state, seen = machine.start, 0
-    for _ in range(400):
-        brute = [i for i, data in enumerate(VOCAB) if data and machine.advance(state, data) is not None]
+    checked, _ = _walk_against_brute_force(SchemaMachine(schema), VOCAB, random.Random(0))
+    assert checked == 400
+
+
+def _walk_against_brute_force(machine, vocab, rng, steps: int = 400) -> tuple[int, int]:
+    """Walk random allowed tokens, checking each state's mask against every token; returns (states checked,
+    outputs completed)."""
+    table = TokenMasks(vocab, len(vocab))
+    state, checked, completed = machine.start, 0, 0
+    for _ in range(steps):
+        brute = [i for i, data in enumerate(vocab) if data and machine.advance(state, data) is not None]
         assert table.allowed(machine, state) == brute, state
-        seen += 1
+        checked += 1
         if not brute or machine.complete(state):
+            completed += machine.complete(state)
             state = machine.start
             continue
-        state = machine.advance(state, VOCAB[rng.choice(brute)])
-    assert seen == 400
+        state = machine.advance(state, vocab[rng.choice(brute)])
+    return checked, completed
 
 
 @pytest.fixture(scope="module")
@@ -307,17 +314,7 @@ def test_tagged_union_masks_match_a_brute_force_check():
              b'b"', b'":"', b'x":', b'y":', b"x", b"y", b"2"]
     schema = {"type": "array", "items": _tagged_union(["a", "ab", "b"], [{"x": {"type": "integer"}}, {},
                                                                        {"y": {"type": "array"}}], key="k")}
-    machine, table = SchemaMachine(schema), TokenMasks(vocab, len(vocab))
-    rng = random.Random(1)
-    state, completed = machine.start, 0
-    for _ in range(400):
-        brute = [i for i, data in enumerate(vocab) if data and machine.advance(state, data) is not None]
-        assert table.allowed(machine, state) == brute, state
-        if not brute or machine.complete(state):
-            completed += machine.complete(state)
-            state = machine.start
-            continue
-        state = machine.advance(state, vocab[rng.choice(brute)])
+    _, completed = _walk_against_brute_force(SchemaMachine(schema), vocab, random.Random(1))
     assert completed > 0
 
 

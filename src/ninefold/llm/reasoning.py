@@ -12,15 +12,9 @@ cannot change: a partial tag at the end is held back, and each part only grows.
 
 from __future__ import annotations
 
+from ninefold.llm.markers import partial_marker_length
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
 
 
 class ReasoningParser:
@@ -44,7 +38,7 @@ class ReasoningParser:
         end = body.find(END)
         if end >= 0:
             return body[:end], body[end + len(END):].lstrip("\n") if final or body[end + len(END):].strip() else ""
-        return body if final else body[:len(body) - _held(body, END)], ""
+        return body if final else body[:len(body) - partial_marker_length(body, (END,))], ""
 
 
 class DeepSeekR1Parser(ReasoningParser):

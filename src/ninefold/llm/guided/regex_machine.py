@@ -26,7 +26,7 @@ _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
 _SPACE = ((0x09, 0x0D), (0x20, 0x20))
 _CLASSES = {"d": (_DIGITS, False), "D": (_DIGITS, True), "w": (_WORD, False), "W": (_WORD, True),
             "s": (_SPACE, False), "S": (_SPACE, True)}
-_CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+_CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}  # \0 is read as octal
 _UNSUPPORTED_ESCAPES = {"b": "word boundaries (\\b)", "B": "\\B", "A": "\\A", "Z": "\\Z", "z": "\\z"}
 
 

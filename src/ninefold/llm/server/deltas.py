@@ -9,18 +9,12 @@ never reach the client if the stop string then completes, because the engine dro
 
 from __future__ import annotations
 
+from ninefold.llm.markers import partial_marker_length
+
 REPLACEMENT = "\ufffd"
 
 
-def stop_prefix_overlap(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``."""
-    best = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:length]):
-                best = length
-                break
-    return best
+stop_prefix_overlap = partial_marker_length  # the tail that may become a stop string
 
 
 class DeltaStream:

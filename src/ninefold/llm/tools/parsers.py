@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ninefold.llm.markers import partial_marker_length
 from ninefold.llm.tools.partial_json import WHITESPACE, ObjectScan, scan_object, skip_whitespace
 
 
@@ -115,10 +116,7 @@ def _refuse_constant(name: str) -> None:
 
 def _hold_back(text: str, marker: str) -> str:
     """``text`` less its longest suffix that is a proper prefix of ``marker`` (it may become the marker)."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return text[:-length]
-    return text
+    return text[: len(text) - partial_marker_length(text, (marker,))]
 
 
 def _only_whitespace(text: str, start: int) -> bool:
