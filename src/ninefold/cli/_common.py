@@ -45,6 +45,32 @@ def add_parallel_argument(parser) -> None:
                                         "workers, on consecutive GPUs from --device or all on the CPU (default: 1)")
 
 
+def speculative_config_type(text: str) -> dict:
+    """An argparse ``type`` for ``--speculative-config``: a JSON object vLLM's way, checked here."""
+    import json
+
+    from ninefold.llm.speculative import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as "
+                                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}', "
+                                         f"got {text!r} ({error.msg})") from None
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
+def add_speculative_argument(parser) -> None:
+    """``--speculative-config``, as vLLM spells it (n-gram prompt lookup only)."""
+    parser.add_argument("--speculative-config", type=speculative_config_type, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4}\': drafts copied from earlier in the text, checked in one pass')
+
+
 def device_error(spec: str | None) -> str | None:
     """Why ``--device spec`` cannot be used here (not a device name, not on this machine), or None."""
     if spec is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ninefold.cli._common import (
     add_parallel_argument,
+    add_speculative_argument,
     clean_text,
     device_error,
     fail,
@@ -47,6 +48,7 @@ def register(subparsers) -> None:
                    help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(p)
+    add_speculative_argument(p)
     p.set_defaults(func=run)
 
 
@@ -188,7 +190,8 @@ def _load(args: argparse.Namespace):
     start = time.perf_counter()
     model = str(hub.resolve_model(args.model))
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"),
-                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                       speculative_config=getattr(args, "speculative_config", None))
     return engine, name, time.perf_counter() - start
 
 

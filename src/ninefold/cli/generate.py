@@ -7,6 +7,7 @@ import sys
 
 from ninefold.cli._common import (
     add_parallel_argument,
+    add_speculative_argument,
     clean_text,
     device_error,
     fail,
@@ -43,6 +44,7 @@ def register(subparsers) -> None:
                    help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(p)
+    add_speculative_argument(p)
     p.set_defaults(func=run)
 
 
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                           quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
+                           quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                           speculative_config=args.speculative_config)
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("model: has no tokenizer, so text prompts cannot be encoded")

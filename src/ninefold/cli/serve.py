@@ -7,7 +7,14 @@ import os
 import socket
 import sys
 
-from ninefold.cli._common import add_parallel_argument, device_error, fail, port_type, seconds_type
+from ninefold.cli._common import (
+    add_parallel_argument,
+    add_speculative_argument,
+    device_error,
+    fail,
+    port_type,
+    seconds_type,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                              "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(parser)
+    add_speculative_argument(parser)
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (a file, or the template text) in place of the model's")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -141,6 +149,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "quantization": getattr(args, "quantization", None),
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
+        "speculative_config": getattr(args, "speculative_config", None),
     }
     try:
         engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})

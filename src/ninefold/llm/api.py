@@ -44,7 +44,8 @@ class LLM:
         prompt_token_ids: list[list[int]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a str, a list of str, or token-id lists); outputs in prompt order."""
+        """Generate for every prompt (a str, a token-id list, or vLLM's ``{"prompt": str}`` /
+        ``{"prompt_token_ids": [...]}`` dicts; one or a list of them); outputs in prompt order."""
         items = _prompt_list(prompts, prompt_token_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(items):
@@ -92,10 +93,11 @@ def _prompt_list(prompts, prompt_token_ids) -> list:
         if all(isinstance(t, int) for t in prompt_token_ids):
             return [prompt_token_ids]
         return list(prompt_token_ids)
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and not isinstance(prompts, (bytes, bytearray)):
         if all(isinstance(t, int) for t in prompts):
             return [list(prompts)]
         return list(prompts)
-    raise TypeError(f"prompts: expected a str, a list of str or token-id lists, got {type(prompts).__name__}")
+    raise TypeError(f"prompts: expected a str, a dict, or a list of str, dicts or token-id lists, "
+                    f"got {type(prompts).__name__}")

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ninefold.llm.speculative import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -265,6 +267,9 @@ class EngineConfig:
     # Ranks that each hold a slice of every layer (Megatron-style; ``ninefold.llm.parallel``): this
     # process is rank 0 and starts the others, on consecutive GPUs from ``device`` or all on the CPU.
     tensor_parallel_size: int = 1
+    # Speculative decoding (``ninefold.llm.speculative``): vLLM's dict, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4}; None: off.
+    speculative_config: dict | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -288,6 +293,7 @@ class EngineConfig:
             raise ValueError(f"quantization: got {self.quantization!r}; supported: "
                              f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
         resolve_dtype(self.dtype)
+        SpeculativeConfig.parse(self.speculative_config)
 
 
 def split_engine_args(kwargs: dict) -> EngineConfig:

@@ -27,6 +27,7 @@ from ninefold.llm.sampler import Sampler
 from ninefold.llm.sampling import SamplingParams
 from ninefold.llm.scheduler import Scheduler
 from ninefold.llm.sequence import Request, Sequence, Status
+from ninefold.llm.speculative import NgramProposer, SpeculativeConfig, accepted_count
 from ninefold.llm.token_bytes import vocabulary_bytes
 from ninefold.llm.tokenizer import Tokenizer
 from ninefold.runtime import KVCachePool
@@ -79,8 +80,11 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)
         self.generation_config = dict(ckpt.generation_config)
         self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+        self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.scheduler = Scheduler(
+            self.blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            propose=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
         self.runner = ModelRunner(
             self.model, self.pool, Sampler(self.device, mc.vocab_size, self.eos_token_ids),
             max_model_len=self.max_model_len,
@@ -232,6 +236,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._auto_ids)) if request_id is None else str(request_id)
+        prompt = _unwrap_prompt_dict(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids (a list of int)")
@@ -365,6 +370,8 @@ class LLMEngine:
 
     def _may_run_ahead(self, launched) -> bool:
         """Whether the next step may be scheduled before ``launched``'s tokens are read."""
+        if self.speculative is not None:  # drafts follow from the last token, and how many were accepted
+            return False
         if launched.tokens is None:
             return True
         if launched.tokens.read_back:  # logprobs were asked for: already read
@@ -390,7 +397,7 @@ class LLMEngine:
                         seq.drop_placeholder()
             raise
         for s in step:  # counted at launch: the next step is scheduled before this one's tokens are read
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft_ids)  # drafts: once accepted
         return launched
 
     def _complete(self, launched) -> list[RequestOutput]:
@@ -403,11 +410,14 @@ class LLMEngine:
         for s in launched.step:
             seq = s.seq
             if s.samples:
-                token, token_logprobs = tokens[j], logprobs[j]
-                j += 1
+                rows = s.num_sampled_rows
+                j += rows
                 if seq.status is Status.FINISHED:  # ended (stop, abort) while this step was in flight
                     continue
-                self._append(seq, token, token_logprobs, commit)
+                if s.draft_ids:
+                    self._append_speculated(s, tokens[j - rows : j], logprobs[j - rows : j], commit)
+                else:
+                    self._append(seq, tokens[j - 1], logprobs[j - 1], commit)
                 if self.stream_outputs or seq.status is Status.FINISHED:
                     touched[seq.request_id] = self.requests[seq.request_id]
             elif commit is not None and seq.status is not Status.FINISHED:
@@ -420,6 +430,19 @@ class LLMEngine:
             elif self.stream_outputs:
                 outputs.append(self._output(request))
         return outputs
+
+    def _append_speculated(self, s, tokens: list[int], logprobs: list, commit) -> None:
+        """Append the drafts of ``s`` that the model's ``tokens`` confirm, then its token after them."""
+        seq = s.seq
+        accepted = accepted_count(s.draft_ids, tokens)
+        self.num_draft_tokens += len(s.draft_ids)
+        self.num_accepted_tokens += accepted
+        for m in range(accepted + 1):
+            # the step computed the key and value of the token before this one (an accepted draft)
+            seq.num_computed_tokens = s.start + 1 + m
+            self._append(seq, tokens[m], logprobs[m], commit)
+            if seq.status is Status.FINISHED:
+                return
 
     def _ends_by_length(self, seq: Sequence, extra: int) -> bool:
         """Whether ``seq`` reaches max_tokens or max_model_len with ``extra`` more tokens."""
@@ -498,7 +521,22 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "prefix_cache_hit_rate": self.blocks.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
         }
+
+
+def _unwrap_prompt_dict(prompt):
+    """vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (exactly one key)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        return prompt["prompt_token_ids"]
+    raise TypeError(f"prompt: a dict must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+                    f"got keys {sorted(map(str, keys))}")
 
 
 def _copy(values: list | None) -> list | None:

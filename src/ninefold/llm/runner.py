@@ -22,6 +22,7 @@ from ninefold.llm.prompt_logprobs import positions_to_score, score
 from ninefold.llm.sampler import PendingTokens, SampledTokens, Sampler
 from ninefold.llm.scheduler import ScheduledSeq
 from ninefold.llm.sequence import Sequence
+from ninefold.llm.speculative import DraftRow
 
 
 class _HostBuffers:
@@ -95,6 +96,17 @@ class LaunchedStep:
         return self.tokens.read()
 
 
+def sampled_rows(step: list[ScheduledSeq]) -> list:
+    """What the sampler draws for, row by row: each sequence that samples, and after it one
+    ``DraftRow`` per draft token (the sequence as it stands after that many drafts)."""
+    rows = []
+    for s in step:
+        if s.samples:
+            rows.append(s.seq)
+            rows.extend(DraftRow(s.seq, s.draft_ids[: i + 1]) for i in range(len(s.draft_ids)))
+    return rows
+
+
 def longest_context_first(step: list[ScheduledSeq]) -> list[ScheduledSeq]:
     """``step`` reordered by context length after the step, longest first (stable).
 
@@ -141,7 +153,7 @@ class ModelRunner:
         prev_tokens = previous.tokens.tokens if previous is not None and previous.tokens is not None else None
         step = longest_context_first(step)
         logits = self.forward_logits(step, prev_tokens)
-        samplers = [s.seq for s in step if s.samples]
+        samplers = sampled_rows(step)
         tokens = self.sampler.sample(logits, samplers) if samplers else None
         return LaunchedStep(list(step), samplers, tokens)  # its own list: callers may reuse theirs
 
@@ -155,7 +167,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, step: list[ScheduledSeq], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[S, V]`` (``compute_logits``'s dtype) at the last token of every sequence in ``step`` that samples.
+        """Logits ``[S, V]`` (``compute_logits``'s dtype) at the last token of every sequence in ``step`` that
+        samples, and at each of its draft tokens (``sampled_rows``'s order).
 
         ``prev_tokens``: the device tokens of the step in flight, for sequences holding a placeholder.
         """
@@ -259,7 +272,8 @@ class ModelRunner:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             pos = np.arange(start, start + n, dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            ids.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
+            known = n - len(s.draft_ids)
+            ids.append(np.asarray(seq.token_ids[start : start + known] + s.draft_ids, dtype=np.int64))
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             row += n
@@ -269,7 +283,7 @@ class ModelRunner:
                 cu_k.append(cu_k[-1] + start + n)
                 use_cache |= start > 0
                 max_q, max_k = max(max_q, n), max(max_k, start + n)
-        last = [row_end[id(s)] - 1 for s in step if s.samples]
+        last = [row for s in step for row in range(row_end[id(s)] - s.num_sampled_rows, row_end[id(s)])]
         waiting = [(row, s.seq.pending_row) for row, s in enumerate(decodes) if s.seq.pending_row >= 0]
         put = self.buffers.to_device
         meta = AttentionMetadata(

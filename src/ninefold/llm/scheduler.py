@@ -7,13 +7,16 @@ the budget, ``max_num_seqs`` and the KV cache allow; a prompt longer than what i
 budget is prefilled in chunks over several steps, so decode and prefill tokens share a step.
 When a running sequence needs a block and none is left, the latest-arrived running sequence
 is preempted: its blocks are freed and it is recomputed later from its tokens (not before the
-token a step in flight is sampling for it has been read).
+token a step in flight is sampling for it has been read). With a ``propose`` function
+(speculative decoding), a decoding sequence also gets the draft tokens it proposes, within the
+budget, as extra query rows of its step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.sequence import Sequence, Status
@@ -24,23 +27,33 @@ class ScheduledSeq:
     """A sequence and the ``num_new_tokens`` of its tokens, from ``start``, computed in this step.
 
     ``samples``: this step computes the sequence's last token, so a new token is sampled.
+    ``draft_ids``: speculative tokens after the last one, counted in ``num_new_tokens``; each row
+    from the last token on samples one token.
     """
 
     seq: Sequence
     num_new_tokens: int
     start: int = 0
     samples: bool = False
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
+        self.samples = self.start + self.num_new_tokens - len(self.draft_ids) == len(self.seq.token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Tokens sampled for this sequence in the step: one per draft plus one, or none."""
+        return len(self.draft_ids) + 1 if self.samples else 0
 
 
 class Scheduler:
     """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute."""
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 propose: Callable[[Sequence, int], list[int]] | None = None):
         self.blocks = block_manager
+        self.propose = propose  # (sequence, most drafts wanted) -> draft tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -68,7 +81,11 @@ class Scheduler:
             if n == 0:  # its next token is still being sampled by the step in flight
                 i += 1
                 continue
-            end = seq.num_computed_tokens + n
+            drafts = (self.propose(seq, budget - 1) if self.propose is not None and n == 1 and budget > 1
+                      and seq.pending_row < 0 else [])
+            if drafts and not self.blocks.ensure(seq, seq.num_computed_tokens + n + len(drafts)):
+                drafts = []  # no other sequence is preempted to make room for drafts
+            end = seq.num_computed_tokens + n + len(drafts)
             while end > len(seq.block_table) * bs and not self.blocks.ensure(seq, end):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -76,8 +93,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                scheduled.append(ScheduledSeq(seq, n + len(drafts), draft_ids=drafts))
+                budget -= n + len(drafts)
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]

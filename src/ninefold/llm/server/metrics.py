@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 disable_created_metrics()  # no *_created series: they only add noise to scrapes
@@ -31,14 +31,21 @@ class _EngineGauges(Collector):
         ("num_sequences_admitted", "admitted", "Sequences the server holds (running, queued or still streaming)."),
     )
 
+    # counters that only grow, under Prometheus's ``_total`` names (as vLLM's)
+    _COUNTERS = (
+        ("num_preemptions", "num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
+        ("spec_decode_num_draft_tokens", "num_draft_tokens", "Speculative draft tokens proposed."),
+        ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Speculative draft tokens the model accepted."),
+    )
+
     def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str,
                  admitted: Callable[[], int] | None) -> None:
         self.stats = stats
         self.model_name = model_name
         self.admitted = admitted
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        """One gauge per engine figure, plus the sequences the server has admitted."""
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """One gauge per engine figure, plus the sequences the server has admitted, and the counters."""
         stats = self.stats()
         if self.admitted is not None:
             stats = {**stats, "admitted": self.admitted()}
@@ -48,6 +55,11 @@ class _EngineGauges(Collector):
             family = GaugeMetricFamily(f"ninefold:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats[key]))
             yield family
+        for name, key, doc in self._COUNTERS:
+            if key in stats:
+                counter = CounterMetricFamily(f"ninefold:{name}", doc, labels=["model_name"])
+                counter.add_metric([self.model_name], float(stats[key]))
+                yield counter
 
 
 class ServerMetrics:
