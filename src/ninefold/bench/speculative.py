@@ -1,0 +1,97 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, one request at a time.
+
+    python -m ninefold.bench.speculative [--model PATH] [--device cpu] [--max-tokens 128] [--k 4] [--out DIR]
+
+Loads the model twice (default: the cached SmolLM2-135M-Instruct GGUF), once with
+``speculative_config={"method": "ngram", ...}``, and decodes each task greedily with both: a text to
+repeat, a code edit, a story (little to copy). Greedy decoding gives the same tokens with and without
+speculation (checked; a difference is reported as a failure); the table shows tokens per second, the
+speed-up, drafts proposed and accepted, and tokens per step. Writes JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+        "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.")
+CODE = "def f(xs):\n    count = 0\n    for x in xs:\n        count += x\n    return count\n"
+TASKS = {
+    "repeat": f"Repeat this text exactly, word for word:\n\n{TEXT}",
+    "code edit": f"Rename the variable `count` to `total` in this code and print the whole code:\n\n{CODE}",
+    "story": "Write a short story about a robot.",
+}
+
+
+def run_task(llm, prompt: str, max_tokens: int, repeats: int) -> dict:
+    """Best of ``repeats`` timed greedy generations after one warm-up; tokens and draft counts of the last."""
+    from ninefold import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate([prompt], params)
+    best, tokens, drafted, accepted = float("inf"), [], 0, 0
+    for _ in range(repeats):
+        before = llm.engine.stats()
+        start = time.perf_counter()
+        out = llm.generate([prompt], params)[0].outputs[0]
+        best = min(best, time.perf_counter() - start)
+        after = llm.engine.stats()
+        tokens = list(out.token_ids)
+        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    return {"seconds": best, "tokens": tokens, "tok_s": len(tokens) / best, "drafted": drafted,
+            "accepted": accepted}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model path or known name (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="directory for speculative.json")
+    args = parser.parse_args(argv)
+
+    from ninefold import LLM
+    from ninefold.llm import hub
+
+    model = str(hub.resolve_model(args.model))
+    config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+              "prompt_lookup_min": args.lookup_min}
+    results = {"model": model, "device": args.device, "speculative_config": config, "tasks": {}}
+    arms = {}
+    for name, spec in (("plain", None), ("ngram", config)):
+        print(f"loading {Path(model).name} ({name}) ...", flush=True)
+        arms[name] = LLM(model, device=args.device, dtype=args.dtype, speculative_config=spec)
+    template = arms["plain"].engine.tokenizer
+    print(f"{'task':10s} {'plain tok/s':>11s} {'ngram tok/s':>11s} {'speed-up':>8s} {'drafted':>7s} "
+          f"{'accepted':>8s} {'tokens/step':>11s}")
+    failures = 0
+    for task, message in TASKS.items():
+        prompt = template.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+        plain = run_task(arms["plain"], prompt, args.max_tokens, args.repeats)
+        ngram = run_task(arms["ngram"], prompt, args.max_tokens, args.repeats)
+        same = plain["tokens"] == ngram["tokens"]
+        failures += not same
+        steps = len(ngram["tokens"]) - ngram["accepted"]
+        per_step = len(ngram["tokens"]) / max(steps, 1)
+        results["tasks"][task] = {"plain": plain, "ngram": ngram, "same_tokens": same, "tokens_per_step": per_step}
+        print(f"{task:10s} {plain['tok_s']:11.1f} {ngram['tok_s']:11.1f} {ngram['tok_s'] / plain['tok_s']:7.2f}x "
+              f"{ngram['drafted']:7d} {ngram['accepted']:8d} {per_step:11.2f}"
+              + ("" if same else "  DIFFERENT TOKENS"), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "speculative.json").write_text(json.dumps(results, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
