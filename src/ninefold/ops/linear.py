@@ -61,3 +61,14 @@ def _embedding_torch(ids, weight):
         raise spec.OpError(f"embedding: ids must lie in [0, {weight.shape[0]}), got values from {int(ids.min())} "
                            f"to {int(ids.max())}") from None
 register("linear", "vendor")(F.linear)
+
+
+def _register_cpu_linear() -> None:
+    from ninefold.ops import cpu_linear
+
+    # Above F.linear on CPUs where it applies (2..64 rows, large weights): it measures both forms first.
+    register("linear", "cpu_measured", devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16),
+             supports=cpu_linear.supports, priority={"cpu": 5})(cpu_linear.linear)
+
+
+_register_cpu_linear()
