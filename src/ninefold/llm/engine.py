@@ -248,6 +248,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("prompt: empty (0 tokens); at least one token is needed")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token id(s) {bad[:5]} out of the vocabulary range [0, {vocab})")
@@ -259,6 +261,10 @@ class LLMEngine:
                 raise ValueError(f"{name}: got {getattr(params, name)}; this model has {vocab} tokens")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} out of the vocabulary range [0, {vocab})")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} out of the vocabulary "
+                             f"range [0, {vocab})")
+        bad_words = self._bad_word_ids(params.bad_words) if params.bad_words else None
         machine = None
         if params.guided_decoding is not None:
             if self.tokenizer is None:
@@ -273,7 +279,7 @@ class LLMEngine:
                              f"blocks, the cache has {self.pool.num_blocks}")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(request_id, i, list(ids), len(ids), params)
+            seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1_000_003 * i)
             if params.logprobs is not None:
@@ -288,6 +294,18 @@ class LLMEngine:
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(seq)
         return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic())
+
+    def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """The token sequences of ``bad_words``: each word as given and after a space (as vLLM does)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer, so the words cannot be turned into tokens")
+        sequences = set()
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids:
+                    sequences.add(tuple(ids))
+        return sorted(sequences)
 
     def _token_masks(self) -> TokenMasks:
         """The vocabulary's index and mask cache for guided decoding (built on the first guided request, unless
@@ -376,8 +394,8 @@ class LLMEngine:
             return True
         if launched.tokens.read_back:  # logprobs were asked for: already read
             return False
-        # Penalties read every earlier token on the host; a guide's mask follows from the last token.
-        return not any(seq.penalized or seq.guide is not None for seq in launched.samplers)
+        # Penalties and bad words read every earlier token on the host; a guide's mask follows from the last token.
+        return not any(seq.penalized or seq.guide is not None or seq.bad_words for seq in launched.samplers)
 
     def _launch(self, previous):
         """Schedule and enqueue a step; ``previous``: the step in flight, whose tokens are not read yet."""

@@ -112,6 +112,11 @@ class Sampler:
                     ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device)
                     values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
                     logits[row].index_add_(0, ids, values)
+        allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        if allowed:
+            logits = logits.clone() if logits is raw else logits
+            for row in allowed:
+                logits[row] += self._allowed_mask(seqs[row])
         banned = [self._banned(s) for s in seqs]
         if any(banned):
             logits = logits.clone() if logits is raw else logits
@@ -146,14 +151,29 @@ class Sampler:
         generators = [s.generator for s in seqs] if any(s.generator is not None for s in seqs) else None
         return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators)
 
+    def _allowed_mask(self, seq: Sequence) -> torch.Tensor:
+        """0 at ``allowed_token_ids``, -inf elsewhere (built once per sequence)."""
+        if seq.allowed_mask is None:
+            mask = torch.full((self.vocab_size,), float("-inf"), device=self.device)
+            mask[torch.tensor(seq.params.allowed_token_ids, dtype=torch.long, device=self.device)] = 0.0
+            seq.allowed_mask = mask
+        return seq.allowed_mask
+
     def _banned(self, seq: Sequence) -> list[int]:
-        """Token ids that may not end the sequence yet (``min_tokens``)."""
+        """Token ids not allowed next: those that would end the sequence before ``min_tokens``, and the last
+        token of each bad word whose other tokens end the output."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return []
-        ids = list(p.stop_token_ids or [])
-        if not p.ignore_eos:
-            ids += list(self.eos_token_ids)
+        ids = []
+        if seq.num_output_tokens < p.min_tokens:
+            ids += list(p.stop_token_ids or [])
+            if not p.ignore_eos:
+                ids += list(self.eos_token_ids)
+        if seq.bad_words:
+            output = seq.output_ids
+            for word in seq.bad_words:
+                head = len(word) - 1
+                if head == 0 or (len(output) >= head and tuple(output[len(output) - head:]) == word[:-1]):
+                    ids.append(word[-1])
         return [i for i in ids if i < self.vocab_size]
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

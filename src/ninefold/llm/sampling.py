@@ -20,7 +20,9 @@ class SamplingParams:
     the tokens before it and the N most likely tokens at that position (``RequestOutput.prompt_logprobs``).
     ``guided_decoding=GuidedDecodingParams(json_object=True)`` constrains the output to one JSON object
     (``ninefold.llm.guided``); ``structured_outputs=StructuredOutputsParams(...)`` is the same under vLLM's
-    newer names.
+    newer names. vLLM's ``allowed_token_ids`` restricts every sampled token to a list; ``bad_words`` are
+    never generated (their last token is banned wherever the output ends with the tokens before it, each
+    word tokenized as given and after a space); ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens.
     """
 
     n: int = 1
@@ -42,6 +44,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
     # vLLM's newer name for guided_decoding: taken into it at construction, then None (so replace() sees one)
     structured_outputs: GuidedDecodingParams | None = field(default=None, repr=False, compare=False)
@@ -117,11 +122,27 @@ class SamplingParams:
                 raise bad("logit_bias", "a dict of token id (int >= 0) -> bias (number in [-1e4, 1e4]) or None")
             self.logit_bias = {int(k): float(v) for k, v in bias.items()}
 
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+                raise bad("allowed_token_ids", "a non-empty list of non-negative integers or None")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise bad("bad_words", "a list of strings that are not blank, or None")
+            self.bad_words = list(words)
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                         or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", "an integer >= 1 or None")
+
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with nothing else to apply (no penalties, bias, logprobs, min_tokens or guide)."""
+        """Greedy with nothing else to apply (no penalties, bias, token restrictions, logprobs, min_tokens
+        or guide)."""
         return (self.temperature == 0 and not self.has_penalties and not self.logit_bias
-                and self.logprobs is None and self.min_tokens == 0 and self.guided_decoding is None)
+                and self.logprobs is None and self.min_tokens == 0 and self.guided_decoding is None
+                and self.allowed_token_ids is None and not self.bad_words)
 
     @property
     def greedy(self) -> bool:

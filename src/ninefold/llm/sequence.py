@@ -45,6 +45,8 @@ class Sequence:
     plain_greedy: bool = False  # params.plain_greedy, read once (the sampler checks it every step)
     penalized: bool = False  # params.has_penalties, read once (the engine checks it every step)
     guide: Any = None  # guided decoding: a ``ninefold.llm.guided`` guide advanced by every output token
+    bad_words: list[tuple[int, ...]] | None = None  # token sequences never to complete (SamplingParams.bad_words)
+    allowed_mask: Any = None  # additive logits mask of SamplingParams.allowed_token_ids, built on first use
     output_ids: list[int] = field(default_factory=list)  # the generated tokens (grows in place)
     # With overlapped scheduling, a token still on the device: its row in the step in flight, and
     # PLACEHOLDER stands at the end of ``token_ids``/``output_ids`` until the engine reads it.

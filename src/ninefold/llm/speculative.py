@@ -118,6 +118,14 @@ class DraftRow:
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens + len(self.drafts)
 
+    @property
+    def allowed_mask(self):
+        return self.seq.allowed_mask
+
+    @allowed_mask.setter
+    def allowed_mask(self, mask) -> None:  # the sampler's cache belongs to the sequence
+        self.seq.allowed_mask = mask
+
 
 class NgramProposer:
     """The scheduler's ``propose`` for n-gram speculation: drafts for one decoding sequence, no more

@@ -81,6 +81,7 @@ async def _serve(
     arrival = time.perf_counter()
     limits = state.limits
     prompt_param = "prompt" if kind == "cmpl" else "messages"
+    prompts = [preprocess.truncated(p, req.truncate_prompt_tokens, state.tokenizer) for p in prompts]
     for prompt in prompts:
         preprocess.check_prompt(prompt, limits, prompt_param)
     preprocess.check_admissible(len(prompts) * req.n, limits)

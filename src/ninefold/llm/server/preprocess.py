@@ -115,6 +115,14 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else text
 
 
+def truncated(prompt: Prompt, keep: int | None, tokenizer) -> Prompt:
+    """``prompt`` cut to its last ``keep`` tokens (``truncate_prompt_tokens``), its text decoded from them."""
+    if keep is None or len(prompt.token_ids) <= keep:
+        return prompt
+    ids = prompt.token_ids[-keep:]
+    return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else None)
+
+
 def check_prompt(prompt: Prompt, limits: Limits, param: str) -> None:
     """Reject an empty prompt, token ids outside the vocabulary, and a prompt at or over the context."""
     ids = prompt.token_ids
@@ -297,6 +305,13 @@ def sampling_params(
     bias = logit_bias(req.logit_bias, limits)
     if bias:
         kwargs["logit_bias"] = bias
+    if req.allowed_token_ids is not None:
+        if max(req.allowed_token_ids) >= limits.vocab_size:
+            raise bad_request(f"allowed_token_ids holds {max(req.allowed_token_ids)}, outside the vocabulary "
+                              f"[0, {limits.vocab_size})", "allowed_token_ids")
+        kwargs["allowed_token_ids"] = req.allowed_token_ids
+    if req.bad_words:
+        kwargs["bad_words"] = req.bad_words
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:

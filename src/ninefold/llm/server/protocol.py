@@ -83,6 +83,12 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     skip_special_tokens: StrictBool = True
+    allowed_token_ids: list[TokenId] | None = Field(
+        None, min_length=1, max_length=1 << 20, description="Every generated token is one of these (vLLM's extra).")
+    bad_words: list[StrictStr] | None = Field(
+        None, max_length=256, description="Words never generated, as given or after a space (vLLM's extra).")
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=1, le=2**31 - 1, description="Keep only the prompt's last N tokens (vLLM's extra).")
     prompt_logprobs: StrictInt | None = Field(
         None, ge=0, le=MAX_LOGPROBS,
         description="Every prompt token's logprob and the N most likely tokens at its position (choices[].prompt_logprobs).")
@@ -112,6 +118,13 @@ class SamplingFields(BaseModel):
         if any(len(s) > 1000 for s in stops):
             raise ValueError("stop strings must be at most 1000 characters")
         return stops
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not w.strip() or len(w) > 1000 for w in value):
+            raise ValueError("bad words must be non-blank strings of at most 1000 characters")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -1,0 +1,41 @@
+"""vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens through the HTTP API."""
+
+import httpx
+
+
+def letters(server) -> dict[str, int]:
+    """The token ids of single letters, each one token in the tiny model's vocabulary."""
+    ids = {c: httpx.post(server.base + "/tokenize", json={"prompt": c, "add_special_tokens": False}).json()["tokens"]
+           for c in "abc"}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    return {c: v[0] for c, v in ids.items()}
+
+
+def test_allowed_token_ids_and_bad_words(server, client):
+    ids = letters(server)
+    args = dict(model="tiny", prompt="Hello", max_tokens=24, temperature=1.0, seed=2)
+    allowed = {"ignore_eos": True, "allowed_token_ids": list(ids.values())}
+    text = client.completions.create(**args, extra_body=allowed).choices[0].text
+    assert len(text) == 24 and set(text) <= set("abc")
+    pair = next(text[i : i + 2] for i in range(len(text) - 1) if text[i] != text[i + 1])
+    again = client.completions.create(**args, extra_body={**allowed, "bad_words": [pair]}).choices[0].text
+    assert len(again) == 24 and set(again) <= set("abc") and pair not in again
+
+
+def test_truncate_prompt_tokens(server, client):
+    long = list(range(5, 60))
+    cut = client.completions.create(model="tiny", prompt=long, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True, "truncate_prompt_tokens": 8})
+    same = client.completions.create(model="tiny", prompt=long[-8:], max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].text == same.choices[0].text
+
+
+def test_bad_values_are_400_naming_the_field(server):
+    cases = [({"allowed_token_ids": [10**9]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+             ({"bad_words": ["  "]}, "bad_words"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]
+    for extra, field in cases:
+        r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert field in r.text
+    assert httpx.get(server.base + "/health").status_code == 200
