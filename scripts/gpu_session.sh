@@ -83,7 +83,7 @@ step_command() {
     llm-host-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts host_overhead,offline --host-batches 1,2,4,8,16,32,64,128,256" ;;
     nccl-tests) echo 'python3 -m pytest tests/comm/test_collectives.py tests/llm/test_kv_transfer.py tests/llm/test_disagg_cluster.py tests/server/test_cuda.py -q -n 2 -rs -k cuda --timeout 150 -p no:cacheprovider' ;;
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;
-    engine-features-cuda) echo 'python3 -m pytest tests/llm/test_cuda.py tests/server/test_cuda.py tests/llm/test_speculative.py -q -n 2 -k "prompt_logprobs or json or tool or cuda_speculation" --timeout 200 -p no:cacheprovider' ;;
+    engine-features-cuda) echo 'python3 -m pytest tests/llm/test_cuda.py tests/server/test_cuda.py tests/llm/test_speculative.py tests/llm/test_token_restrictions.py -q -n 2 -k "prompt_logprobs or json or tool or cuda_speculation or cuda_restrictions" --timeout 200 -p no:cacheprovider' ;;
     llm-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts offline" ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     *) echo "echo unknown step $1; false" ;;

@@ -86,3 +86,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert cut.outputs[0].token_ids == llm.generate([long[-8:]], params)[0].outputs[0].token_ids
     short = llm.generate([long[:5]], SamplingParams(max_tokens=2, truncate_prompt_tokens=8))[0]
     assert short.prompt_token_ids == long[:5]
+
+
+def test_cuda_restrictions_match_the_cpu(llama_dir, llm):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gpu = LLM(str(llama_dir), device="cuda", dtype="float32")
+    word = llm.engine.tokenizer.decode([40, 41])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=[40, 41, 42],
+                            bad_words=[word], truncate_prompt_tokens=6)
+    assert ([o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)]
+            == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
