@@ -173,14 +173,17 @@ class ModelRunner:
         ``prev_tokens``: the device tokens of the step in flight, for sequences holding a placeholder.
         """
         self._switch_buffers()
-        decode_shaped = all(s.num_new_tokens == 1 for s in step)
+        # one new token per sequence, and its drafts: each draft is a decode row of its own (below)
+        decode_shaped = all(s.num_new_tokens - len(s.draft_ids) == 1 for s in step)
         if decode_shaped and not all(s.samples for s in step):
             # a one-token prompt chunk whose hidden state scores a prompt token runs as a prefill
             decode_shaped = not any(positions_to_score(s.seq, s.start, 1) for s in step)
         if decode_shaped:
             logits = self._decode(step, prev_tokens)
             if not all(s.samples for s in step):  # a one-token prompt chunk: no token to sample yet
-                rows = np.array([i for i, s in enumerate(step) if s.samples], dtype=np.int64)
+                first = np.cumsum([0] + [len(s.draft_ids) + 1 for s in step])
+                rows = np.array([r for i, s in enumerate(step) if s.samples for r in range(first[i], first[i + 1])],
+                                dtype=np.int64)
                 logits = logits.index_select(0, self.buffers.to_device("sampling_rows", rows, torch.int64))
         else:
             logits = self._prefill(step, prev_tokens)
@@ -230,12 +233,18 @@ class ModelRunner:
         return host if pinned else buffers.upload("tables", host)
 
     def _decode(self, step: list[ScheduledSeq], prev_tokens=None) -> torch.Tensor:
+        """One decode row per sequence, plus one per draft token: a draft's row sits at the next position
+        and attends to the context up to itself, which holds the keys and values the rows before it write
+        in the same layer (every row is cached before any row attends), so it computes what a decode step
+        after the accepted drafts would."""
         bs = self.block_size
         ids, positions, slots = [], [], []
         rows, sources = [], []
+        if any(s.draft_ids for s in step):
+            step = [ScheduledSeq.row_of(s, i) for s in step for i in range(len(s.draft_ids) + 1)]
         for row, s in enumerate(step):
             seq, start = s.seq, s.start
-            ids.append(seq.token_ids[start])
+            ids.append(s.draft_ids[-1] if s.draft_ids else seq.token_ids[start])
             positions.append(start)
             slots.append(seq.block_table[start // bs] * bs + start % bs)
             if seq.pending_row >= 0:

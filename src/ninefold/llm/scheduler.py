@@ -41,6 +41,15 @@ class ScheduledSeq:
         self.start = self.seq.num_computed_tokens
         self.samples = self.start + self.num_new_tokens - len(self.draft_ids) == len(self.seq.token_ids)
 
+    @classmethod
+    def row_of(cls, s: ScheduledSeq, i: int) -> ScheduledSeq:
+        """Row ``i`` of a speculative ``s`` as a one-token step: position ``s.start + i``, its token the
+        sequence's next (``i == 0``) or draft ``i - 1`` (the last of its ``draft_ids``)."""
+        row = cls.__new__(cls)
+        row.seq, row.num_new_tokens, row.start, row.samples = s.seq, 1, s.start + i, True
+        row.draft_ids = s.draft_ids[:i]
+        return row
+
     @property
     def num_sampled_rows(self) -> int:
         """Tokens sampled for this sequence in the step: one per draft plus one, or none."""
