@@ -7,6 +7,13 @@ Loads the model twice (default: the cached SmolLM2-135M-Instruct GGUF), once wit
 repeat, a code edit, a story (little to copy). Greedy decoding gives the same tokens with and without
 speculation (checked; a difference is reported as a failure); the table shows tokens per second, the
 speed-up, drafts proposed and accepted, and tokens per step. Writes JSON under --out.
+
+    python -m ninefold.bench.speculative --step-cost [--model llama-3.1-8b] [--device cuda] [--context 1024]
+
+times what speculation costs per step instead: one sequence of ``--context`` random tokens on a model of
+dummy weights (a shape name of ``ninefold.llm.config``), its decode step with 0, 1, 2, 4 and 8 drafts
+(the drafts' rows replay the decode CUDA graphs on GPUs), as the engine's runner launches them. A step
+with k drafts pays off when the tokens it yields per step exceed its cost over the plain step.
 """
 
 from __future__ import annotations
@@ -46,6 +53,47 @@ def run_task(llm, prompt: str, max_tokens: int, repeats: int) -> dict:
             "accepted": accepted}
 
 
+def step_cost(args) -> dict:
+    """Milliseconds per decode step of one sequence with 0..8 drafts (median of ``args.repeats`` x 20 steps)."""
+    import statistics
+
+    import torch
+
+    from ninefold import SamplingParams
+    from ninefold.llm.engine import LLMEngine
+    from ninefold.llm.scheduler import ScheduledSeq
+
+    engine = LLMEngine(args.model, load_format="dummy", dtype=args.dtype, device=args.device,
+                       max_model_len=args.context + 64)
+    request = engine.build_request(list(range(100, 100 + args.context)),
+                                   SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    engine.add_request(request)
+    while request.seqs[0].num_computed_tokens < args.context:  # the prompt's prefill
+        engine.step()
+    engine.sync()
+    seq, runner = request.seqs[0], engine.runner
+    cuda = engine.device.type == "cuda"
+    times = {}
+    for k in (0, 1, 2, 4, 8):
+        engine.blocks.ensure(seq, seq.num_computed_tokens + 1 + k)
+        step = [ScheduledSeq(seq, 1 + k, draft_ids=[7] * k)]
+        runner.forward_logits(step)
+        rounds = []
+        for _ in range(args.repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                runner.forward_logits(step)
+            if cuda:
+                torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - start) / 20 * 1e3)
+        times[k] = statistics.median(rounds)
+        print(f"{k} drafts: {times[k]:.3f} ms per step ({times[k] / times[0]:.2f}x the plain step)", flush=True)
+    engine.close()
+    return {"model": args.model, "device": args.device, "context": args.context, "ms_per_step": times}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path or known name (default: SmolLM2-135M-Instruct)")
@@ -57,7 +105,17 @@ def main(argv=None) -> int:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="directory for speculative.json")
+    parser.add_argument("--step-cost", action="store_true", help="time steps with 0..8 drafts on dummy weights")
+    parser.add_argument("--context", type=int, default=1024, help="--step-cost: the sequence's context")
     args = parser.parse_args(argv)
+    if args.step_cost:
+        args.model = args.model or "llama-3.1-8b"
+        args.dtype = "bfloat16" if args.dtype == "auto" and args.device != "cpu" else args.dtype
+        result = step_cost(args)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "speculative_step_cost.json").write_text(json.dumps(result, indent=1))
+        return 0
 
     from ninefold import LLM
     from ninefold.llm import hub
