@@ -39,3 +39,17 @@ def test_bad_values_are_400_naming_the_field(server):
         assert r.status_code == 400, (extra, r.text)
         assert field in r.text
     assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_continuous_usage_stats_count_every_chunk(client):
+    stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted and all(c.usage is not None for c in chunks)
+    assert counted == sorted(counted) and counted[-1] == 10 and chunks[-1].usage.completion_tokens == 10
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True,
+                                      stream_options={"continuous_usage_stats": True})
+    assert all(c.usage is None for c in plain)  # without include_usage, as vLLM

@@ -131,11 +131,11 @@ async def _serve(
 async def _stream(view: _View, gen: Generation) -> AsyncIterator[str]:
     try:
         for chunk in view.opening_chunks(gen):
-            yield sse_data(chunk)
+            yield sse_data(view.with_usage(chunk, gen))
         async for seq in gen.events():
             chunk = view.chunk(seq)
             if chunk is not None:
-                yield sse_data(chunk)
+                yield sse_data(view.with_usage(chunk, gen))
         if view.include_usage:
             yield sse_data(view.usage_chunk(gen))
     except APIError as err:
@@ -164,6 +164,7 @@ class _View:
         self.prompt_top = req.prompt_logprobs  # vLLM's field: the top N per prompt token (None: not asked)
         self.opened: set[int] = set()  # choices whose first chunk (echoed prompt, prompt logprobs) was sent
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
         self.deltas: dict[int, DeltaStream] = {}
         self.sent_tokens: dict[int, int] = {}
         self.token_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
@@ -315,6 +316,12 @@ class _View:
         if opening:
             self._opening(seq, choice)
         return self._envelope([choice])
+
+    def with_usage(self, chunk: dict[str, Any], gen: Generation) -> dict[str, Any]:
+        """``chunk`` with the token counts so far when ``continuous_usage_stats`` asks for them."""
+        if self.continuous_usage:
+            chunk["usage"] = self.usage(gen)
+        return chunk
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:
         """The last chunk of a stream with ``include_usage``: no choices, the token counts."""

@@ -41,9 +41,11 @@ Number = Annotated[float, BeforeValidator(_number_only), Field(allow_inf_nan=Fal
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+    """``stream_options``: ``include_usage`` adds a final chunk with token counts; with it, vLLM's
+    ``continuous_usage_stats`` puts the counts so far in every chunk too."""
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class StructuredOutputs(BaseModel):
