@@ -53,3 +53,21 @@ def test_continuous_usage_stats_count_every_chunk(client):
     plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True,
                                       stream_options={"continuous_usage_stats": True})
     assert all(c.usage is None for c in plain)  # without include_usage, as vLLM
+
+
+def test_return_tokens_as_token_ids(server, client):
+    body = dict(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True})
+    named = client.completions.create(**body).choices[0].logprobs
+    as_ids = client.completions.create(**{**body, "extra_body": {"ignore_eos": True,
+                                                                 "return_tokens_as_token_ids": True}})
+    tokens = as_ids.choices[0].logprobs.tokens
+    assert len(tokens) == 5 and all(t.startswith("token_id:") for t in tokens)
+    ids = [int(t.split(":")[1]) for t in tokens]
+    detok = httpx.post(server.base + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert detok == as_ids.choices[0].text
+    assert as_ids.choices[0].logprobs.token_logprobs == named.token_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=1,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)

@@ -19,6 +19,7 @@ from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.event_stream import EventStreamResponse
 from ninefold.llm.server.generation import Generation, Sequence, until_disconnect
 from ninefold.llm.server.logprobs import (
+    TokenIdTexts,
     chat_logprobs,
     completion_logprobs,
     echoed_prompt_logprobs,
@@ -163,6 +164,7 @@ class _View:
         self.score_only = score_only  # max_tokens 0 with echo: the generated token is left out
         self.prompt_top = req.prompt_logprobs  # vLLM's field: the top N per prompt token (None: not asked)
         self.opened: set[int] = set()  # choices whose first chunk (echoed prompt, prompt logprobs) was sent
+        self.texts = TokenIdTexts(state.texts) if req.return_tokens_as_token_ids else state.texts
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
         self.deltas: dict[int, DeltaStream] = {}
@@ -205,8 +207,8 @@ class _View:
             return None
         ids, steps = out.token_ids[start:end], out.logprobs[start:end]
         if self.chat:
-            return chat_logprobs(ids, steps, self.logprobs, self.state.texts)
-        return completion_logprobs(ids, steps, self.logprobs, self.state.texts, text_offset)
+            return chat_logprobs(ids, steps, self.logprobs, self.texts)
+        return completion_logprobs(ids, steps, self.logprobs, self.texts, text_offset)
 
     def _prompt_text(self, seq: Sequence) -> str:
         prompt = self.prompts[seq.index // self.n]
@@ -220,7 +222,7 @@ class _View:
         prompt = self.prompts[seq.index // self.n]
         if self.logprobs is None or seq.prompt_logprobs is None:
             return self._prompt_text(seq), None, 0
-        logprobs = echoed_prompt_logprobs(prompt.token_ids, seq.prompt_logprobs, self.logprobs, self.state.texts)
+        logprobs = echoed_prompt_logprobs(prompt.token_ids, seq.prompt_logprobs, self.logprobs, self.texts)
         return self._prompt_text(seq), logprobs, logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
     def _opening(self, seq: Sequence, choice: dict[str, Any]) -> None:
@@ -228,7 +230,7 @@ class _View:
         if self.prompt_top is not None:
             prompt = self.prompts[seq.index // self.n]
             choice["prompt_logprobs"] = (prompt_logprobs(seq.prompt_logprobs, prompt.token_ids, self.prompt_top,
-                                                         self.state.texts)
+                                                         self.texts)
                                          if seq.prompt_logprobs is not None else None)
 
     async def collect(self, gen: Generation) -> dict[str, Any]:
