@@ -1,9 +1,11 @@
-"""``ninefold serve --speculative-config``: the same greedy text as without it, drafts counted in /metrics."""
+"""``ninefold serve --speculative-config --scheduling-policy priority``: the same greedy text as without
+speculation, drafts counted in /metrics; request priorities accepted (a first-come server refuses them)."""
 
 import json
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -16,7 +18,7 @@ PROMPTS = ["abcabcabcabcabc", "Hello Hello Hello Hello", "one two three one two 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model, tmp_path_factory):
     proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("spec-logs"), "--max-model-len", "2048",
-                         "--speculative-config", NGRAM)
+                         "--speculative-config", NGRAM, "--scheduling-policy", "priority")
     yield proc
     assert proc.stop() == 0
 
@@ -49,3 +51,12 @@ def test_bad_speculative_config_exits_with_a_usage_error(value, message):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--speculative-config" in done.stderr and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_priority_needs_the_priority_policy(spec_server, server):
+    body = {"prompt": "Hello", "max_tokens": 3, "priority": -5}
+    ok = httpx.post(spec_server.base + "/v1/completions", json=body, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    refused = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in refused.json()["error"]["message"]

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $NINEFOLD_API_KEY, else none)")
     parser.add_argument("--max-model-len", type=_positive, default=None, help="context length in tokens")
     parser.add_argument("--max-num-seqs", type=_positive, default=None, help="sequences run at once")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                        help="fcfs (default), or priority: requests' 'priority' (lower first) orders admission "
+                             "and preemption")
     parser.add_argument("--max-queue", type=_non_negative, default=1024,
                         help="sequences waiting beyond --max-num-seqs before 429 (default: 1024)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: sized)")
@@ -150,6 +153,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "quantization": getattr(args, "quantization", None),
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
         "speculative_config": getattr(args, "speculative_config", None),
+        "scheduling_policy": getattr(args, "scheduling_policy", None),
     }
     try:
         engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})

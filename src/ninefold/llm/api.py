@@ -43,10 +43,14 @@ class LLM:
         *,
         prompt_token_ids: list[list[int]] | None = None,
         use_tqdm: bool = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a str, a token-id list, or vLLM's ``{"prompt": str}`` /
-        ``{"prompt_token_ids": [...]}`` dicts; one or a list of them); outputs in prompt order."""
+        ``{"prompt_token_ids": [...]}`` dicts; one or a list of them); outputs in prompt order.
+        ``priority``: one per prompt, for an engine with ``scheduling_policy="priority"`` (lower first)."""
         items = _prompt_list(prompts, prompt_token_ids)
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
+            raise ValueError(f"priority: expected a list of {len(items)} ints (one per prompt), got {priority!r}")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(items):
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(items)} prompts")
@@ -54,7 +58,8 @@ class LLM:
         else:
             params = [sampling_params or self.engine.default_sampling_params()] * len(items)
         engine = self.engine
-        requests = [engine.build_request(p, sp) for p, sp in zip(items, params)]  # all checked first
+        ranks = priority if priority is not None else [0] * len(items)
+        requests = [engine.build_request(p, sp, priority=r) for p, sp, r in zip(items, params, ranks)]  # checked first
         for request in requests:
             engine.add_request(request)
         order = {r.request_id: i for i, r in enumerate(requests)}

@@ -67,15 +67,16 @@ class AsyncEngine:
         return self.engine.device
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None, request_id: str
+        self, prompt: str | list[int], sampling_params: SamplingParams | None, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request; the last has ``finished=True``.
+        """Stream cumulative outputs of one request; the last has ``finished=True``. ``priority``: see
+        ``LLMEngine.build_request``.
 
         Closing the iterator early (or cancelling the task) aborts the request.
         """
         if self._stopped:
             raise RuntimeError("AsyncEngine: shut down")
-        request = self.engine.build_request(prompt, sampling_params, request_id)
+        request = self.engine.build_request(prompt, sampling_params, request_id, priority)
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in use")

@@ -270,6 +270,8 @@ class EngineConfig:
     # Speculative decoding (``ninefold.llm.speculative``): vLLM's dict, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4}; None: off.
     speculative_config: dict | None = None
+    # "fcfs", or "priority": requests' ``priority`` (lower first) orders admission, budget and preemption
+    scheduling_policy: str = "fcfs"
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -294,6 +296,8 @@ class EngineConfig:
                              f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
         resolve_dtype(self.dtype)
         SpeculativeConfig.parse(self.speculative_config)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: got {self.scheduling_policy!r}; supported: 'fcfs', 'priority'")
 
 
 def split_engine_args(kwargs: dict) -> EngineConfig:

@@ -84,7 +84,8 @@ class LLMEngine:
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            propose=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
+            propose=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None,
+            policy=cfg.scheduling_policy)
         self.runner = ModelRunner(
             self.model, self.pool, Sampler(self.device, mc.vocab_size, self.eos_token_ids),
             max_model_len=self.max_model_len,
@@ -230,8 +231,16 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def build_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        """Check and tokenize one request (touches no engine state). Raises ValueError/TypeError."""
+    def build_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                      priority: int = 0) -> Request:
+        """Check and tokenize one request (touches no engine state). Raises ValueError/TypeError.
+
+        ``priority``: under ``scheduling_policy="priority"``, lower values are admitted and kept first."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority: expected an int, got {type(priority).__name__}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: got {priority}, but the engine schedules first come first served; start "
+                             "it with scheduling_policy='priority' (--scheduling-policy priority)")
         params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -279,7 +288,7 @@ class LLMEngine:
                              f"blocks, the cache has {self.pool.num_blocks}")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words)
+            seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words, priority=priority)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1_000_003 * i)
             if params.logprobs is not None:
@@ -293,7 +302,7 @@ class LLMEngine:
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(seq)
-        return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic())
+        return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic(), priority=priority)
 
     def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
         """The token sequences of ``bad_words``: each word as given and after a space (as vLLM does)."""

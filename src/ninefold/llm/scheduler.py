@@ -10,6 +10,10 @@ is preempted: its blocks are freed and it is recomputed later from its tokens (n
 token a step in flight is sampling for it has been read). With a ``propose`` function
 (speculative decoding), a decoding sequence also gets the draft tokens it proposes, within the
 budget, as extra query rows of its step.
+
+Under the ``"priority"`` policy (vLLM's ``scheduling_policy``) both queues are kept in order of
+``(priority, arrival)``, lower values first: the waiting sequence admitted next is the most urgent one,
+running sequences get the budget in that order, and the one preempted for blocks is the least urgent.
 """
 
 from __future__ import annotations
@@ -56,11 +60,24 @@ class ScheduledSeq:
         return len(self.draft_ids) + 1 if self.samples else 0
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def urgency(seq: Sequence) -> tuple[int, int]:
+    """The ``"priority"`` policy's order: the request's priority, then arrival (lower first)."""
+    return seq.priority, seq.seq_id
+
+
 class Scheduler:
-    """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute."""
+    """Continuous-batching scheduler (first come first served, or by priority) with chunked prefill
+    and preemption by recompute."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 propose: Callable[[Sequence, int], list[int]] | None = None):
+                 propose: Callable[[Sequence, int], list[int]] | None = None, policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy: got {policy!r}; supported: {', '.join(POLICIES)}")
+        self.by_priority = policy == "priority"
+        self._unsorted = False  # (priority policy) a queue changed since they were last put in order
         self.blocks = block_manager
         self.propose = propose  # (sequence, most drafts wanted) -> draft tokens
         self.max_num_seqs = max_num_seqs
@@ -73,6 +90,7 @@ class Scheduler:
         """Queue a new sequence."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self._unsorted = self.by_priority
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,6 +99,10 @@ class Scheduler:
         """Pick this step's sequences and token counts, allocating their blocks."""
         budget = self.max_num_batched_tokens
         bs = self.blocks.block_size
+        if self._unsorted:
+            self.waiting = deque(sorted(self.waiting, key=urgency))
+            self.running.sort(key=urgency)  # the least urgent last: the first to be preempted
+            self._unsorted = False
         scheduled: list[ScheduledSeq] = []
         preempted = False
         i = 0
@@ -119,6 +141,7 @@ class Scheduler:
                 raise RuntimeError("BlockManager.can_admit and ensure disagree")  # a bug, not bad input
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self._unsorted = self.by_priority
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled
@@ -128,6 +151,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        self._unsorted = self.by_priority
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:

@@ -51,6 +51,7 @@ class Sequence:
     # With overlapped scheduling, a token still on the device: its row in the step in flight, and
     # PLACEHOLDER stands at the end of ``token_ids``/``output_ids`` until the engine reads it.
     pending_row: int = -1
+    priority: int = 0  # the request's (scheduling_policy "priority": lower runs first)
 
     def __post_init__(self) -> None:
         self.plain_greedy = self.params.plain_greedy
@@ -102,6 +103,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival: float = 0.0
+    priority: int = 0
 
     @property
     def finished(self) -> bool:

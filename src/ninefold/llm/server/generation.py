@@ -36,6 +36,7 @@ class Sequence:
     output: CompletionOutput | None = None
     done: bool = False
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
+    priority: int = 0  # the request's (scheduling_policy "priority")
 
     @property
     def finish_reason(self) -> str | None:
@@ -122,7 +123,7 @@ class Generation:
 
     async def _run(self, seq: Sequence) -> None:
         try:
-            async for out in self.engine.generate(seq.prompt.token_ids, seq.params, seq.request_id):
+            async for out in self.engine.generate(seq.prompt.token_ids, seq.params, seq.request_id, seq.priority):
                 if out.prompt_logprobs is not None:
                     seq.prompt_logprobs = out.prompt_logprobs
                 if not out.outputs:

@@ -82,6 +82,9 @@ async def _serve(
     arrival = time.perf_counter()
     limits = state.limits
     prompt_param = "prompt" if kind == "cmpl" else "messages"
+    if req.priority and state.engine.engine.config.scheduling_policy != "priority":
+        raise APIError(400, f"'priority' is {req.priority}, but this server schedules first come first served "
+                            "(start it with --scheduling-policy priority)", param="priority")
     prompts = [preprocess.truncated(p, req.truncate_prompt_tokens, state.tokenizer) for p in prompts]
     for prompt in prompts:
         preprocess.check_prompt(prompt, limits, prompt_param)
@@ -99,7 +102,8 @@ async def _serve(
             params = preprocess.sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=logprobs, limits=limits,
                                                 child=i, defaults=state.defaults,
                                                 prompt_logprobs=max(scored) if scored else None, guided=guided)
-            sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params))
+            sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params,
+                                      priority=req.priority))
     gen = Generation(state.engine, sequences)
     view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0, tools=tools)
     state.admission.acquire(len(sequences))

@@ -89,6 +89,8 @@ class SamplingFields(BaseModel):
         None, min_length=1, max_length=1 << 20, description="Every generated token is one of these (vLLM's extra).")
     bad_words: list[StrictStr] | None = Field(
         None, max_length=256, description="Words never generated, as given or after a space (vLLM's extra).")
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1,
+                                description="Lower runs first, with --scheduling-policy priority (vLLM's extra).")
     return_tokens_as_token_ids: StrictBool = Field(
         False, description="Logprobs name tokens as 'token_id:<id>' (vLLM's extra).")
     truncate_prompt_tokens: StrictInt | None = Field(
