@@ -30,7 +30,10 @@ def token_ids(outputs):
 
 def test_config_is_checked_naming_the_key():
     assert SpeculativeConfig.parse(None) is None
-    assert SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig()
+    assert SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig(prompt_lookup_max=5, prompt_lookup_min=5)
+    # as vLLM: a missing bound takes the other's value
+    assert SpeculativeConfig.parse({"method": "[ngram]", "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    assert SpeculativeConfig.parse({"prompt_lookup_min": 2}).prompt_lookup_max == 2
     bad = [({"method": "eagle"}, "speculative_config.method"),
            ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
            ({"num_speculative_tokens": 33}, "num_speculative_tokens"),
@@ -155,12 +158,17 @@ def test_preemption_prefix_cache_and_a_small_token_budget(llama_dir):
     assert stats["num_free_blocks"] == stats["num_blocks"]  # nothing leaked
 
 
-def test_seeded_sampling_is_reproducible_and_n_works(pair):
-    _, spec = pair
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding_whatever_the_load(pair, llama_dir):
+    plain, spec = pair
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=11, n=3, ignore_eos=True)
     first = token_ids(spec.generate(PROMPTS, params))
-    assert first == token_ids(spec.generate(PROMPTS, params))
     assert all(len(c) == 30 for ids in first for c in ids)
+    assert first == token_ids(spec.generate(PROMPTS, params))
+    # a token depends on the seed and its position only: not on refused drafts, nor on the step budget
+    assert first == token_ids(plain.generate(PROMPTS, params))
+    _, tight = engines(llama_dir, max_num_batched_tokens=3)
+    assert token_ids(tight.generate(PROMPTS[:1], params)) == first[:1]
+    assert token_ids(spec.generate(PROMPTS[:1], params)) == first[:1]  # alone instead of in a batch
 
 
 def test_sampled_tokens_follow_the_model_distribution(llama_dir):

@@ -86,6 +86,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert cut.outputs[0].token_ids == llm.generate([long[-8:]], params)[0].outputs[0].token_ids
     short = llm.generate([long[:5]], SamplingParams(max_tokens=2, truncate_prompt_tokens=8))[0]
     assert short.prompt_token_ids == long[:5]
+    limit = llm.engine.max_model_len
+    too_long = [5 + i % 200 for i in range(limit + 30)]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([too_long], params)
+    fitted = llm.generate([too_long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0]
+    assert fitted.prompt_token_ids == too_long[-(limit - 1):] and len(fitted.outputs[0].token_ids) == 1
 
 
 def test_cuda_restrictions_match_the_cpu(llama_dir, llm):

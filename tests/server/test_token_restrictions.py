@@ -48,6 +48,14 @@ def test_continuous_usage_stats_count_every_chunk(client):
     chunks = list(stream)
     counted = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counted and all(c.usage is not None for c in chunks)
+    two = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=1.0, seed=1, n=2,
+                                    stream=True, extra_body={"ignore_eos": True},
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    per_choice: dict[int, list[int]] = {}
+    for c in two:
+        for choice in c.choices:
+            per_choice.setdefault(choice.index, []).append(c.usage.completion_tokens)
+    assert sorted(per_choice) == [0, 1] and all(v[-1] == 6 and v == sorted(v) for v in per_choice.values())
     assert counted == sorted(counted) and counted[-1] == 10 and chunks[-1].usage.completion_tokens == 10
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
     plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True,

@@ -258,7 +258,8 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt: empty (0 tokens); at least one token is needed")
         if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token id(s) {bad[:5]} out of the vocabulary range [0, {vocab})")
@@ -290,7 +291,8 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words, priority=priority)
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1_000_003 * i)
+                seq.seed = (params.seed + 1_000_003 * i) % 2**63
+                seq.generator = torch.Generator(device=self.device)
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.guided_decoding is not None:
@@ -305,12 +307,13 @@ class LLMEngine:
         return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic(), priority=priority)
 
     def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
-        """The token sequences of ``bad_words``: each word as given and after a space (as vLLM does)."""
+        """The token sequences of ``bad_words``: each word without leading whitespace, alone and after a space
+        (as vLLM does)."""
         if self.tokenizer is None:
             raise ValueError("bad_words: this model has no tokenizer, so the words cannot be turned into tokens")
         sequences = set()
         for word in words:
-            for variant in (word, " " + word.lstrip()):
+            for variant in (word.lstrip(), " " + word.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
                 if ids:
                     sequences.add(tuple(ids))

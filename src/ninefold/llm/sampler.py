@@ -148,8 +148,7 @@ class Sampler:
         top_k = column([p.top_k for p in params], torch.int32) if any(p.top_k > 0 for p in params) else None
         top_p = column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None
         min_p = column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
-        generators = [s.generator for s in seqs] if any(s.generator is not None for s in seqs) else None
-        return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators)
+        return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators(seqs))
 
     def _allowed_mask(self, seq: Sequence) -> torch.Tensor:
         """0 at ``allowed_token_ids``, -inf elsewhere (built once per sequence)."""
@@ -201,6 +200,25 @@ class Sampler:
         for b, entry in zip(rows, entries):
             result[b] = entry
         return result
+
+
+def generators(seqs) -> list | None:
+    """Per row, the sequence's generator seeded for the output position this row samples (None where the
+    request has no seed): a token depends on the seed and its position only, not on how many draws the
+    sequence made before, so seeded sampling gives the same tokens whatever the batch, the step budget
+    or speculation (whose refused drafts would otherwise have used up draws)."""
+    if all(s.generator is None for s in seqs):
+        return None
+    out, taken = [], set()
+    for s in seqs:
+        g = s.generator
+        if g is not None:
+            if id(g) in taken:  # a draft row of a sequence with a row already in this step: a generator of its own
+                g = torch.Generator(device=g.device)
+            taken.add(id(g))
+            g.manual_seed((s.seed * 0x9E3779B97F4A7C15 + s.num_output_tokens) % 2**63)
+        out.append(g)
+    return out
 
 
 def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, float]]:

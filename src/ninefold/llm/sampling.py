@@ -22,7 +22,8 @@ class SamplingParams:
     (``ninefold.llm.guided``); ``structured_outputs=StructuredOutputsParams(...)`` is the same under vLLM's
     newer names. vLLM's ``allowed_token_ids`` restricts every sampled token to a list; ``bad_words`` are
     never generated (their last token is banned wherever the output ends with the tokens before it, each
-    word tokenized as given and after a space); ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens.
+    word tokenized without its leading whitespace, alone and after a space); ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens
+(-1: as many as leave room for one generated token).
     """
 
     n: int = 1
@@ -133,8 +134,9 @@ class SamplingParams:
                 raise bad("bad_words", "a list of strings that are not blank, or None")
             self.bad_words = list(words)
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
-                                                         or self.truncate_prompt_tokens < 1):
-            raise bad("truncate_prompt_tokens", "an integer >= 1 or None")
+                                                         or self.truncate_prompt_tokens < -1
+                                                         or self.truncate_prompt_tokens == 0):
+            raise bad("truncate_prompt_tokens", "an integer >= 1, -1 (as much as the context takes) or None")
 
     @property
     def plain_greedy(self) -> bool:

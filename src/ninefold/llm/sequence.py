@@ -34,7 +34,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
-    generator: Any = None
+    generator: Any = None  # seeded requests: reseeded for every token (``Sampler.generators``)
+    seed: int | None = None
     detokenizer: Any = None
     logprobs: list[dict[int, float]] | None = None
     # ``prompt_logprobs`` requests: one entry per prompt token computed so far (None for the first)

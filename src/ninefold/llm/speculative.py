@@ -12,7 +12,8 @@ The output distribution is the model's: a draft is one fixed token (a one-hot pr
 such a proposal the rejection-sampling rule (accept ``d`` with probability ``p(d)``, else sample from
 ``p`` without ``d``) is the same as drawing ``t ~ p`` at that row and accepting ``d`` iff ``t == d``,
 emitting ``t`` otherwise. Greedy decoding therefore gives exactly the tokens it gives without
-speculation; seeded sampling is reproducible but draws differently from a run without it.
+speculation, and so does seeded sampling, whose draw for a token depends only on the seed and the
+token's position (``ninefold.llm.sampler.generators``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ MAX_SPECULATIVE_TOKENS = 32
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method`` (only ``"ngram"``), ``num_speculative_tokens`` drafts per step at most, and the n-gram
-    lengths looked up, from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+    """``method`` (only ``"ngram"``; vLLM's older ``"[ngram]"`` too), ``num_speculative_tokens`` drafts per
+    step at most, and the n-gram lengths looked up, from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+    As in vLLM, a missing bound takes the other's value, and both missing are 5."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -49,8 +51,14 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; accepted: {sorted(known)}")
         method = value.get("method", "ngram")
+        method = "ngram" if method == "[ngram]" else method
         if method not in METHODS:
             raise ValueError(f"speculative_config.method: got {method!r}; supported: {', '.join(METHODS)}")
+        value = dict(value)
+        if value.get("prompt_lookup_min") is None and value.get("prompt_lookup_max") is not None:
+            value["prompt_lookup_min"] = value["prompt_lookup_max"]
+        if value.get("prompt_lookup_max") is None and value.get("prompt_lookup_min") is not None:
+            value["prompt_lookup_max"] = value["prompt_lookup_min"]
         fields = {}
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             got = value.get(name, cls.__dataclass_fields__[name].default)

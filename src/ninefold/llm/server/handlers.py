@@ -85,7 +85,12 @@ async def _serve(
     if req.priority and state.engine.engine.config.scheduling_policy != "priority":
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules first come first served "
                             "(start it with --scheduling-policy priority)", param="priority")
-    prompts = [preprocess.truncated(p, req.truncate_prompt_tokens, state.tokenizer) for p in prompts]
+    keep = req.truncate_prompt_tokens
+    if keep == 0:
+        raise APIError(400, "'truncate_prompt_tokens' must be >= 1, or -1 (as much as the context takes)",
+                       param="truncate_prompt_tokens")
+    keep = state.limits.max_model_len - 1 if keep == -1 else keep
+    prompts = [preprocess.truncated(p, keep, state.tokenizer) for p in prompts]
     for prompt in prompts:
         preprocess.check_prompt(prompt, limits, prompt_param)
     preprocess.check_admissible(len(prompts) * req.n, limits)
@@ -136,11 +141,11 @@ async def _serve(
 async def _stream(view: _View, gen: Generation) -> AsyncIterator[str]:
     try:
         for chunk in view.opening_chunks(gen):
-            yield sse_data(view.with_usage(chunk, gen))
+            yield sse_data(chunk)
         async for seq in gen.events():
             chunk = view.chunk(seq)
             if chunk is not None:
-                yield sse_data(view.with_usage(chunk, gen))
+                yield sse_data(view.with_usage(chunk, seq))
         if view.include_usage:
             yield sse_data(view.usage_chunk(gen))
     except APIError as err:
@@ -323,10 +328,13 @@ class _View:
             self._opening(seq, choice)
         return self._envelope([choice])
 
-    def with_usage(self, chunk: dict[str, Any], gen: Generation) -> dict[str, Any]:
-        """``chunk`` with the token counts so far when ``continuous_usage_stats`` asks for them."""
+    def with_usage(self, chunk: dict[str, Any], seq: Sequence) -> dict[str, Any]:
+        """``chunk`` of choice ``seq`` with that choice's token counts so far (its prompt and what it generated,
+        as vLLM counts them) when ``continuous_usage_stats`` asks for them."""
         if self.continuous_usage:
-            chunk["usage"] = self.usage(gen)
+            prompt, completion = len(seq.prompt.token_ids), self._generated(seq)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
         return chunk
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: StrictBool = Field(
         False, description="Logprobs name tokens as 'token_id:<id>' (vLLM's extra).")
     truncate_prompt_tokens: StrictInt | None = Field(
-        None, ge=1, le=2**31 - 1, description="Keep only the prompt's last N tokens (vLLM's extra).")
+        None, ge=-1, le=2**31 - 1,
+        description="Keep only the prompt's last N tokens; -1: as many as the context takes (vLLM's extra).")
     prompt_logprobs: StrictInt | None = Field(
         None, ge=0, le=MAX_LOGPROBS,
         description="Every prompt token's logprob and the N most likely tokens at its position (choices[].prompt_logprobs).")
