@@ -114,8 +114,8 @@ class Scheduler:
                 continue
             drafts = (self.propose(seq, budget - 1) if self.propose is not None and n == 1 and budget > 1
                       and seq.pending_row < 0 else [])
-            if drafts and not self.blocks.ensure(seq, seq.num_computed_tokens + n + len(drafts)):
-                drafts = []  # no other sequence is preempted to make room for drafts
+            if drafts and not self._room_for_drafts(seq, n, len(drafts), later=len(self.running) - i - 1):
+                drafts = []
             end = seq.num_computed_tokens + n + len(drafts)
             while end > len(seq.block_table) * bs and not self.blocks.ensure(seq, end):
                 victim = self.running.pop()
@@ -145,6 +145,15 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled
+
+    def _room_for_drafts(self, seq: Sequence, n: int, drafts: int, later: int) -> bool:
+        """Take the blocks ``drafts`` need beyond ``seq``'s ``n`` tokens, only if as many blocks stay free as the
+        ``later`` running sequences may each need for their next token: drafts never cause a preemption."""
+        extra = (self.blocks.blocks_for(seq.num_computed_tokens + n + drafts)
+                 - max(self.blocks.blocks_for(seq.num_computed_tokens + n), len(seq.block_table)))
+        if extra > 0 and self.blocks.num_available - extra < later:
+            return False
+        return self.blocks.ensure(seq, seq.num_computed_tokens + n + drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

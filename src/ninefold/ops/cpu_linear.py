@@ -73,7 +73,7 @@ def choice(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
 
 def tune(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
     """Time both forms on ``rows`` random rows with ``weight``; ``{"choice", "times_us"}``."""
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))  # not the global RNG
     times = {LINEAR: timing.measure(lambda: F.linear(x, weight, bias), "cpu", warmup=1, repeats=7, max_seconds=0.3),
              SWAPPED: timing.measure(lambda: swapped(x, weight, bias), "cpu", warmup=1, repeats=7, max_seconds=0.3)}
     return {"choice": min(times, key=times.get), "times_us": times}
