@@ -53,3 +53,19 @@ def test_errors_name_the_problem(tmp_path, llama_dir):
         tok.encode(123)
     with pytest.raises(ValueError, match="chat_template"):
         Tokenizer(tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))).apply_chat_template(MESSAGES)
+
+
+def test_continue_final_message_leaves_the_last_turn_open(llama_dir):
+    from ninefold import LLM, SamplingParams
+
+    llm = LLM(str(llama_dir), device="cpu")
+    tok = llm.engine.tokenizer
+    begun = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    closed = tok.apply_chat_template(begun, add_generation_prompt=False)
+    opened = tok.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True)
+    assert closed.startswith(opened) and opened.endswith("Hello there") and len(closed) > len(opened)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tok.apply_chat_template(begun, continue_final_message=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chat = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert chat.prompt_token_ids == tok.encode(opened, add_special_tokens=False)

@@ -79,3 +79,38 @@ def test_return_tokens_as_token_ids(server, client):
                                           temperature=0, logprobs=True, top_logprobs=1,
                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+
+
+def test_include_stop_str_in_output(client):
+    args = dict(model="tiny", prompt="Hello world", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(**args).choices[0].text
+    stop = free[6:8]
+    assert stop.strip() and stop not in free[:6]
+    cut = client.completions.create(**args, stop=[stop]).choices[0]
+    kept = client.completions.create(**{**args, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}},
+                                     stop=[stop]).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == cut.text + stop and kept.text.endswith(stop)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **{**args, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}, stop=[stop], stream=True))
+    assert streamed == kept.text
+
+
+def test_continue_final_message(server, client):
+    begun = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello, my friend"}]
+    tokens = httpx.post(server.base + "/tokenize", json={"messages": [begun[0]], "add_generation_prompt": True})
+    opened = tokens.json()["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": opened}).json()["prompt"]
+    reply = client.chat.completions.create(model="tiny", messages=begun, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True, "continue_final_message": True,
+                                                       "add_generation_prompt": False})
+    # the same tokens as a completion of the rendered conversation cut after the assistant's words
+    same = client.completions.create(model="tiny", prompt=text + "Hello, my friend", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == same.choices[0].text
+    cut = httpx.post(server.base + "/tokenize", json={"messages": begun, "add_generation_prompt": False,
+                                                      "continue_final_message": True}).json()["tokens"]
+    assert httpx.post(server.base + "/detokenize", json={"tokens": cut}).json()["prompt"].endswith("Hello, my friend")
+    both = httpx.post(server.base + "/v1/chat/completions",
+                      json={"messages": begun, "max_tokens": 2, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"

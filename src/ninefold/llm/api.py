@@ -79,12 +79,15 @@ class LLM:
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              **kwargs) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the model's chat template."""
+        """Generate replies to conversations rendered with the model's chat template (``continue_final_message``:
+        continue the last message instead of starting a new turn; it needs ``add_generation_prompt=False``)."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                  continue_final_message=continue_final_message, **kwargs)
                for c in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
 

@@ -157,9 +157,16 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render ``messages`` with the model's chat template (text, or token ids with ``tokenize``)."""
+        """Render ``messages`` with the model's chat template (text, or token ids with ``tokenize``).
+
+        ``continue_final_message`` (as in transformers): the text stops right after the last message's
+        content, without what the template closes a turn with, so the model continues that message (an
+        assistant reply begun by the caller); it excludes ``add_generation_prompt``."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it False)")
         if not self.chat_template:
             raise ValueError("chat_template: this model's tokenizer_config has no chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -174,7 +181,23 @@ class Tokenizer:
         text = _compiled(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **{**special, **kwargs}
         )
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1])
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _open_final_message(text: str, message: dict) -> str:
+    """``text`` cut right after the last occurrence of ``message``'s content (its turn left open)."""
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: the text parts
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    content = (content or "").strip()
+    if not content:
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    at = text.rfind(content)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not show the final message's text as given")
+    return text[: at + len(content)]
 
 
 _TEMPLATES: dict[str, Any] = {}

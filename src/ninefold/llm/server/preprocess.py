@@ -60,16 +60,20 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> Prompt:
     """The chat messages rendered through the model's chat template (with the request's tools)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message")
     return Prompt(render_chat(req.messages, tokenizer, req.add_generation_prompt, tools=template_tools(req),
-                              template_kwargs=req.chat_template_kwargs))
+                              template_kwargs=req.chat_template_kwargs,
+                              continue_final_message=req.continue_final_message))
 
 
 # Variables the server itself passes to the template; chat_template_kwargs may not replace them.
-_RESERVED = frozenset(("messages", "tools", "add_generation_prompt", "tokenize"))
+_RESERVED = frozenset(("messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"))
 
 
 def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool, *,
-                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                continue_final_message: bool = False) -> list[int]:
     """Token ids of ``messages`` under the chat template; template failures are the client's 400.
 
     ``tools`` go to the template as ``tools`` (transformers' convention); earlier tool calls' JSON arguments
@@ -84,7 +88,7 @@ def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
     plain = [_template_message(m) for m in messages]
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            **extra)
+                                            continue_final_message=continue_final_message, **extra)
     except (ValueError, TypeError) as exc:
         raise bad_request(f"cannot render the messages with the chat template: {exc}", "messages") from exc
     except Exception as exc:  # jinja2 TemplateError and friends: raised by the template on these messages
@@ -300,6 +304,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         guided_decoding=guided,
     )
     bias = logit_bias(req.logit_bias, limits)

@@ -85,6 +85,8 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = Field(
+        False, description="Keep the stop string (or render the stop token) that ended the output (vLLM's extra).")
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, max_length=1 << 20, description="Every generated token is one of these (vLLM's extra).")
     bad_words: list[StrictStr] | None = Field(
@@ -245,6 +247,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = Field(
+        False, description="Continue the last message (e.g. a begun assistant reply) instead of opening a new turn; "
+                           "needs add_generation_prompt false (vLLM's extra).")
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="'none', 'auto' (the default with tools; needs --enable-auto-tool-choice), 'required' "
@@ -273,6 +278,7 @@ class TokenizeChatRequest(BaseModel):
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
 
