@@ -141,9 +141,6 @@ def build_app(
         """Token ids of a prompt, or of chat messages rendered through the chat template."""
         state.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            if body.continue_final_message and body.add_generation_prompt:
-                raise APIError(400, "'continue_final_message' needs 'add_generation_prompt': false",
-                               param="continue_final_message")
             tokens = render_chat(body.messages, engine.tokenizer, body.add_generation_prompt,
                                  tools=template_tools(body), template_kwargs=body.chat_template_kwargs,
                                  continue_final_message=body.continue_final_message)

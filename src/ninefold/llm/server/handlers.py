@@ -86,9 +86,6 @@ async def _serve(
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules first come first served "
                             "(start it with --scheduling-policy priority)", param="priority")
     keep = req.truncate_prompt_tokens
-    if keep == 0:
-        raise APIError(400, "'truncate_prompt_tokens' must be >= 1, or -1 (as much as the context takes)",
-                       param="truncate_prompt_tokens")
     keep = state.limits.max_model_len - 1 if keep == -1 else keep
     prompts = [preprocess.truncated(p, keep, state.tokenizer) for p in prompts]
     for prompt in prompts:

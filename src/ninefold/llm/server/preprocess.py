@@ -60,8 +60,6 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> Prompt:
     """The chat messages rendered through the model's chat template (with the request's tools)."""
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message")
     return Prompt(render_chat(req.messages, tokenizer, req.add_generation_prompt, tools=template_tools(req),
                               template_kwargs=req.chat_template_kwargs,
                               continue_final_message=req.continue_final_message))
@@ -79,6 +77,8 @@ def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
     ``tools`` go to the template as ``tools`` (transformers' convention); earlier tool calls' JSON arguments
     reach it as objects, as Hugging Face templates expect.
     """
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message")
     extra = dict(template_kwargs or {})
     clash = sorted(_RESERVED & set(extra))
     if clash:

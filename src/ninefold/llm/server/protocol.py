@@ -128,6 +128,13 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must be at most 1000 characters")
         return stops
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be >= 1, or -1 (as much as the context takes)")
+        return value
+
     @field_validator("bad_words")
     @classmethod
     def _check_bad_words(cls, value: list[str] | None) -> list[str] | None:
