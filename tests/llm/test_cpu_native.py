@@ -26,8 +26,7 @@ from .test_gguf import hf_weights, write_gguf
 from .test_gguf_packed import _greedy as greedy
 from .test_parity import decode_step_both_ways
 
-pytestmark = pytest.mark.skipif(not cpu_native.vnni(), reason=f"native CPU kernels without AVX-512 VNNI here "
-                                                                f"({cpu_native.reason() or 'portable build'})")
+pytestmark = pytest.mark.skipif(not cpu_native.fast(), reason=cpu_native.slow_reason())
 
 GREEDY_KW = dict(temperature=0, ignore_eos=True)
 
@@ -52,6 +51,23 @@ def _prompts(vocab, lengths=(5, 23, 9), seed=1):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch,qtype", [("llama", T.Q4_1), ("llama", T.Q8_0), ("qwen2", T.Q4_0), ("qwen3", T.Q4_1)])
 def test_native_step_matches_the_generic_path(tmp_path, arch, qtype, dtype):
+    _check_step(tmp_path, arch, qtype, dtype)
+
+
+@pytest.mark.parametrize("tier", ["avx2", "avx512-vnni"])
+def test_other_vector_tiers_run_the_step_as_the_generic_path(tmp_path, monkeypatch, tier):
+    """The tiers this CPU runs besides the loaded one (an AVX-512 machine checks the AVX2 kernels here)."""
+    if tier not in cpu_native.tiers_runnable_here():
+        pytest.skip(f"this CPU cannot run the {tier} tier")
+    if tier == cpu_native.isa():
+        pytest.skip(f"{tier} is the loaded build: test_native_step_matches_the_generic_path checks it")
+    monkeypatch.setitem(cpu_native._state, "lib", cpu_native.build_tier(tier, tmp_path))
+    assert cpu_native.isa() == tier
+    for qtype in (T.Q4_1, T.Q8_0):
+        _check_step(tmp_path, "qwen3", qtype, "float32")
+
+
+def _check_step(tmp_path, arch, qtype, dtype):
     from ninefold.llm.sampling import SamplingParams
 
     path = write_gguf(tmp_path / f"{arch}-{qtype.name}.gguf", _weights(arch, tied=qtype != T.Q8_0), qtype, arch=arch)

@@ -92,10 +92,12 @@ def test_packed_float32_engine_matches_the_dequantized_one(tmp_path, qtype, arch
     assert not _packed_linears(exact)
     assert all(isinstance(layer.gate_up, PackedLinear) for layer in packed.model.layers)
     assert isinstance(packed.model.lm_head, PackedLinear)
-    # packs on CPUs with bfloat16: native kernels (int8 activations) for Q4_0/Q4_1/Q8_0 where they build,
-    # else torch's int4 kernel in bfloat16
+    # packs on CPUs with bfloat16 (native kernels with int8 activations for Q4_0/Q4_1/Q8_0 where they
+    # build, else torch's int4 kernel in bfloat16) and, for the kernels' types, where they build with vector code
     auto = _engine(path, "float32", "auto")
-    assert bool(_packed_linears(auto)) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    blocks = cpu_native.fast() and qtype != T.Q4_K
+    assert bool(_packed_linears(auto)) == (torch.ops.mkldnn._is_mkldnn_bf16_supported() or blocks)
+    assert all((p.blocks is not None) == blocks for p in _packed_linears(auto))
     want = _first_step_logits(exact)
     # Packed codes with float32 activations: the same weights summed in another order.
     for linear in _packed_linears(packed):

@@ -7,7 +7,7 @@ so they agree with it to float32 rounding. A second check bounds the distance to
 product by the rounding itself (sum |w| dx / 2 per output), so the int8 error is what it claims.
 """
 
-import ctypes
+import itertools
 import os
 import subprocess
 import sys
@@ -173,32 +173,70 @@ def test_first_use_compiles_into_the_cache_then_loads(tmp_path):
 
 
 @pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
-@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 build flags")
-def test_portable_build_computes_what_the_vnni_build_computes(tmp_path):
-    """The C loops CPUs without AVX-512 VNNI run (compiled here for baseline x86-64) give the same
-    results as the loaded build, on both weight kinds."""
-    so = tmp_path / "portable.so"
-    sources = [str(cpu_native.HERE / n) for n in cpu_native.SOURCES if n.endswith(".c")]
-    flags = [f for f in cpu_native.FLAGS if f != "-march=native"] + ["-march=x86-64"]
-    subprocess.run([cpu_native._compiler(), *flags, *sources, "-o", str(so), "-lm"], check=True, timeout=300)
-    lib = ctypes.CDLL(str(so))
-    cpu_native._declare(lib)
-    assert lib.nf_vnni() == 0
-    for bits in (4, 8):
-        weight, _ = _weight(40, 128, bits, seed=9)
-        x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
-        out = torch.empty(5, 40)
-        scratch = torch.empty(lib.nf_linear_scratch_bytes(5, 128), dtype=torch.uint8)
-        lib.nf_linear(weight.mat(), x.data_ptr(), 0, 128, 5, out.data_ptr(), 0, 40, 1, scratch.data_ptr())
-        torch.testing.assert_close(out, ops.linear_blocks(x, weight), rtol=1e-5, atol=1e-5)
-    # the portable attention loops too (the library's own entry point, packed sequences of 20 and 7 rows)
-    q, k, v = (torch.randn(27, h, 32, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
-    cu = torch.tensor([0, 20, 27], dtype=torch.int64)
-    out = torch.empty(27, 4, 32)
-    scratch = torch.empty(lib.nf_attention_scratch_floats(cu.data_ptr(), 2, 2, 32), dtype=torch.float32)
-    lib.nf_attention_prefill(q.data_ptr(), 128, k.data_ptr(), 64, v.data_ptr(), 64, 0, cu.data_ptr(), cu.data_ptr(),
-                             2, 4, 2, 32, 0.25, out.data_ptr(), 128, scratch.data_ptr())
-    torch.testing.assert_close(out.double(), _attention64(q, k, v, cu.tolist(), cu.tolist(), 0.25), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("tier", list(cpu_native.TIER_MARCH))
+def test_every_tier_this_cpu_runs_computes_what_the_references_do(tmp_path, tier):
+    """Each instruction tier (portable C, AVX2, AVX-512 VNNI), built here for itself when this CPU runs it,
+    through the library's own entry points: the linear kernel on both weight kinds (1, 5 and 11 rows:
+    passes of 8 rows and a remainder; one and two activation terms; float32 and bf16 in and out) against
+    float64, the prefill attention against float64 and the row operators against the loaded build's
+    ``ops`` results (themselves checked against vendor above). The loaded build is one of the tiers; the
+    others are what CPUs of other kinds run."""
+    if tier not in cpu_native.tiers_runnable_here():
+        pytest.skip(f"this CPU cannot run the {tier} tier")
+    lib = cpu_native.build_tier(tier, tmp_path)
+    assert lib.nf_simd() == {"portable": 0, "avx2": 1, "avx512-vnni": 2}[tier]
+    g = torch.Generator().manual_seed(4)
+    for bits, terms, m, dtype in itertools.product((4, 8), (1, 2), (1, 5, 11), (torch.float32, torch.bfloat16)):
+        weight, dense = _weight(40, 128, bits, seed=9 + bits, terms=terms)
+        x = torch.randn(m, 128, generator=g).to(dtype)
+        out = torch.empty(m, 40, dtype=dtype)
+        scratch = torch.empty(lib.nf_linear_scratch_bytes(m * terms, 128), dtype=torch.uint8)
+        flag = int(dtype == torch.bfloat16)
+        lib.nf_linear(weight.mat(), x.data_ptr(), flag, 128, m, out.data_ptr(), flag, 40, terms, scratch.data_ptr())
+        want = _reference(x, dense, None, terms)
+        tol = 2e-6 * 2 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item(),
+                                   msg=lambda s, c=f"bits={bits} terms={terms} rows={m} {dtype}": f"{c}: {s}")
+    for d in (32, 64, 80):  # 64: the value pass in 64-wide chunks; 32 and 80 in chunks of 16
+        q = torch.randn(27, 4, d, generator=g)
+        cu = torch.tensor([0, 20, 27], dtype=torch.int64)
+        cu_k = torch.tensor([0, 20, 43], dtype=torch.int64)  # the second sequence: 7 queries after 16 cached keys
+        k, v = (torch.randn(43, 2, d, generator=g) for _ in range(2))
+        out = torch.empty(27, 4, d)
+        scratch = torch.empty(lib.nf_attention_scratch_floats(cu_k.data_ptr(), 2, 2, d), dtype=torch.float32)
+        lib.nf_attention_prefill(q.data_ptr(), 4 * d, k.data_ptr(), 2 * d, v.data_ptr(), 2 * d, 0, cu.data_ptr(),
+                                 cu_k.data_ptr(), 2, 4, 2, d, 0.25, out.data_ptr(), 4 * d, scratch.data_ptr())
+        want = _attention64(q, k, v, cu.tolist(), cu_k.tolist(), 0.25)
+        torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5, msg=lambda s, c=f"head size {d}": f"{c}: {s}")
+    for dtype in (torch.float32, torch.bfloat16):
+        _rows_with(lib, dtype, g)
+
+
+def _rows_with(lib, dtype, g):
+    """nf_add_rms_norm, nf_silu_and_mul and nf_rope_neox of ``lib`` against the loaded build's through ops."""
+    flag = int(dtype == torch.bfloat16)
+    x, r = (torch.randn(9, 104, generator=g).to(dtype) for _ in range(2))  # 104: 6 vectors of 16 and a tail
+    w = torch.rand(104, generator=g) + 0.5
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    lib.nf_add_rms_norm(x.data_ptr(), 104, r.data_ptr(), 104, w.data_ptr(), 9, 104, 1e-6, flag, out.data_ptr(),
+                        total.data_ptr())
+    want = ops.add_rms_norm(x, r, w, 1e-6)
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    for a, b in zip((out, total), want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    gu = torch.randn(9, 2 * 88, generator=g).to(dtype) * 4
+    act = torch.empty(9, 88, dtype=dtype)
+    lib.nf_silu_and_mul(gu.data_ptr(), 2 * 88, 9, 88, flag, act.data_ptr())
+    torch.testing.assert_close(act.float(), ops.silu_and_mul(gu).float(), rtol=tol, atol=tol)
+    qkv = torch.randn(9, 6 * 64, generator=g).to(dtype)
+    q, k = qkv[:, :256].view(9, 4, 64), qkv[:, 256:].view(9, 2, 64)
+    cache = torch.randn(50, 48, generator=g)  # rotary over the first 48 of 64 features
+    pos = torch.randint(0, 50, (9,), generator=g)
+    qo, ko = torch.empty(9, 4, 64, dtype=dtype), torch.empty(9, 2, 64, dtype=dtype)
+    lib.nf_rope_neox(q.data_ptr(), 6 * 64, k.data_ptr(), 6 * 64, pos.data_ptr(), cache.data_ptr(), 48, 9, 4, 2, 64,
+                     flag, qo.data_ptr(), ko.data_ptr())
+    for a, b in zip((qo, ko), ops.rope(q, k, pos, cache, True)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
 def _attention64(q, k, v, cu_q, cu_k, scale):
@@ -216,7 +254,7 @@ def _attention64(q, k, v, cu_q, cu_k, scale):
     return out
 
 
-@pytest.mark.skipif(not cpu_native.vnni(), reason="native CPU kernels without AVX-512 VNNI here")
+@pytest.mark.skipif(not cpu_native.fast(), reason="native CPU kernels without vector code here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("hq,hk,d,lens", [
     (9, 3, 64, [(70, 70), (5, 5), (33, 33)]),  # packed prompts, GQA 3, tiles of 32 rows and 16 keys partly filled
@@ -240,7 +278,7 @@ def test_native_prefill_attention_matches_float64(dtype, hq, hk, d, lens):
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(not cpu_native.vnni(), reason="native CPU kernels without AVX-512 VNNI here")
+@pytest.mark.skipif(not cpu_native.fast(), reason="native CPU kernels without vector code here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_row_operators_run_natively_and_round_like_vendor(dtype):
     """add_rms_norm, silu_and_mul and rope on many rows dispatch to cpu_native (one row does not) and

@@ -4,7 +4,7 @@
 
 ninefold runs five ways: `ninefold-bf16` (bfloat16, `quantization="auto"`: the Q4_1 and Q8_0 matrices
 stay in their blocks for ninefold's native CPU kernels, `ninefold.ops.cpu_native`: int8 activations,
-AVX-512 VNNI, the whole decode step in one native call; a dense bf16 copy serves prefill),
+AVX-512 VNNI or AVX2, the whole decode step in one native call; a dense bf16 copy serves prefill),
 `ninefold-f32-packed` (what `ninefold chat` runs by default on a CPU: the same in a float32 model,
 prefill on a dense float32 copy), `ninefold-bf16-torch` (bfloat16 "auto" with the native kernels off:
 torch's int4 kernel, the Q8_0 lm_head as two int4 halves, the decode step in torch ops), and
@@ -142,7 +142,8 @@ def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "
     if not model.packed:
         packed, label = "dequantized at load", "" if dtype == "float32" else " exact"
     elif on:
-        packed, label = "native kernels (GGUF blocks, int8 activations)", " packed" if dtype == "float32" else ""
+        packed = f"native kernels ({cpu_native.isa()}; GGUF blocks, int8 activations)"
+        label = " packed" if dtype == "float32" else ""
     else:
         packed, label = "torch int4 (Q8_0 lm_head as 2 int4 halves)", " torch-int4"
     return Result(f"ninefold {dtype}{label}", load, _best(decode1), _best(prefill), _best(decode8),
@@ -377,10 +378,11 @@ def bench_kernels(repeats: int) -> str:
     from ninefold.ops.cpu_native.attention import _attention_prefill_native
     from ninefold.ops.quantized import _linear_blocks_native, _linear_int4_cpu
 
-    if not cpu_native.vnni():
-        return f"native kernels without AVX-512 VNNI here ({cpu_native.reason() or 'portable build'}): nothing to time"
+    if not cpu_native.fast():
+        return f"{cpu_native.slow_reason()}: nothing to time"
     g = torch.Generator().manual_seed(0)
-    lines = [f"threads={torch.get_num_threads()}, best of {repeats}; GB/s = the native weight's bytes per call time",
+    lines = [f"native tier {cpu_native.isa()}, threads={torch.get_num_threads()}, best of {repeats}; "
+             "GB/s = the native weight's bytes per call time",
              "| matrix | N x K | rows | native us (GB/s) | torch int4 us | dense bf16 us |", "| --- | --- | --- | --- | --- | --- |"]
     for name, n, k, bits in KERNEL_SHAPES:
         scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()

@@ -4,8 +4,8 @@ With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int
 matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy). The model turns them into
 ``PackedLinear`` layers (``packed_linear``).
 
-Where ninefold's native CPU kernels build with AVX-512 VNNI (``ninefold.ops.cpu_native``), Q4_0, Q4_1
-and Q8_0 matrices become ``ops.BlockWeight`` (the same blocks, repacked for VNNI) and run on
+Where ninefold's native CPU kernels build with vector code (AVX-512 VNNI or AVX2: ``ninefold.ops.cpu_native``),
+Q4_0, Q4_1 and Q8_0 matrices become ``ops.BlockWeight`` (the same blocks, repacked in 16-row groups) and run on
 ``ninefold.ops.linear_blocks`` (activations rounded to int8 per 32 values, as llama.cpp does); the
 CPU decode step (``llm/models/llama_cpu.py``) then runs whole layers natively. Otherwise (no compiler,
 ``NINEFOLD_CPU_NATIVE=0``, Q4_K, other devices) they run on ``ninefold.ops.linear_int4``:
@@ -162,21 +162,25 @@ class PackedLinear:
 
 
 def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep_dense: bool,
-                  compute_dtype: torch.dtype | None = None) -> PackedLinear | None:
+                  compute_dtype: torch.dtype | None = None, blocks_only: bool = False) -> PackedLinear | None:
     """A ``PackedLinear`` of ``parts`` stacked by rows, or None when they are not all one kind of
     GGUF-quantized matrix (the caller then dequantizes). ``keep_dense`` also keeps a ``dtype`` copy
-    (the model's dtype: a float32 model prefills with exact float32 weights)."""
+    (the model's dtype: a float32 model prefills with exact float32 weights). ``blocks_only``: None
+    too where the native kernels cannot take the matrix (Q4_K; CPUs whose torch int4 kernel would run
+    float32 activations on its slow path)."""
     whole = cat_rows(parts)
     if whole is None:
         return None
     n, k = whole.shape
-    dense = whole.dequantize(dtype).to(device) if keep_dense else None
     # In a float32 model the packed calls (prefill steps of up to DENSE_MIN_ROWS rows, the lm_head) round
     # activations twice as finely (ops.BlockWeight's activation_terms=2, ~1e-4 relative): logits pick
     # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
     # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
     terms = 2 if dtype == torch.float32 else 1
     blocks = _block_weight(whole, terms) if device.type == "cpu" else None
+    if blocks is None and blocks_only:
+        return None
+    dense = whole.dequantize(dtype).to(device) if keep_dense else None
     if blocks is not None:
         return PackedLinear(None, n, k, doubled=False, dense=dense, compute_dtype=compute_dtype, blocks=blocks)
     codes, scales, offsets = whole.int4_parts()
@@ -185,11 +189,11 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
 
 
 def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | None:
-    """The native kernels' form of ``whole`` when they are built with AVX-512 VNNI and its scales are
+    """The native kernels' form of ``whole`` when they are built with vector code and its scales are
     fp16 values (Q4_0, Q4_1, Q8_0; not Q4_K, whose sub-block scales are products); else None."""
     from ninefold.ops import cpu_native
 
-    if not cpu_native.vnni():  # the portable C loops are for correctness, slower than torch's int4 kernel
+    if not cpu_native.fast():  # the portable C loops are for correctness, slower than torch's int4 kernel
         return None
     # A dozen small copies per matrix: on one thread they take as long, and a core taken by another
     # process does not stall each of them at an OpenMP barrier.

@@ -190,7 +190,7 @@ def _fp16_exact(t: torch.Tensor) -> bool:
 class BlockWeight:
     """A ``[N, K]`` weight in blocks of 32 columns with an fp16 scale and offset per block, in the
     layout of the native CPU kernels (``ninefold/ops/cpu_native/nf_cpu.h``: 16-row groups, codes
-    interleaved for AVX-512 VNNI, ~0.625 bytes per value at 4 bits, 1.06 at 8). GGUF's Q4_0, Q4_1
+    interleaved so one vector instruction covers 16 (AVX-512 VNNI) or 8 (AVX2) rows, ~0.625 bytes per value at 4 bits, 1.06 at 8). GGUF's Q4_0, Q4_1
     and Q8_0 map onto it exactly.
 
     ``BlockWeight(codes, scales, offsets, bits=4)``: ``codes`` integer ``[N, K]`` in ``[0, 15]``,

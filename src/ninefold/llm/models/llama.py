@@ -150,9 +150,11 @@ class LlamaForCausalLM:
         # scalar path ~20x slower than a dense matmul): on CPUs with bfloat16 support the packed
         # GEMMs run in bfloat16 whatever the model's dtype (the rest of a float32 model stays float32).
         cpu_bf16 = self.device.type == "cpu" and _cpu_has_bf16()
-        # CPUs with AVX-512 VNNI but no bfloat16 (Ice Lake, Cascade Lake) pack for ops.cpu_native's kernels.
-        cpu_vnni = self.device.type == "cpu" and not cpu_bf16 and mode == "auto" and cpu_native.vnni()
-        self.pack = mode == "int4" or (mode == "auto" and (cpu_bf16 or cpu_vnni))
+        # CPUs without bfloat16 but with AVX-512 VNNI (Ice Lake, Cascade Lake) or AVX2 (Haswell and later,
+        # Zen) pack for ops.cpu_native's kernels.
+        cpu_blocks = self.device.type == "cpu" and not cpu_bf16 and mode == "auto" and cpu_native.fast()
+        self.pack = mode == "int4" or (mode == "auto" and (cpu_bf16 or cpu_blocks))
+        self.pack_blocks_only = mode == "auto" and cpu_blocks  # matrices the kernels cannot take: dense
         self.compute_dtype = torch.bfloat16 if cpu_bf16 else None
         c = config
         layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size
@@ -163,7 +165,7 @@ class LlamaForCausalLM:
         """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense."""
         if self.pack and all(isinstance(p, QUANTIZED) for p in parts):
             packed = packed_linear(parts, self.device, self.dtype, keep_dense=dense_copy and self.dense_copies,
-                                   compute_dtype=self.compute_dtype)
+                                   compute_dtype=self.compute_dtype, blocks_only=self.pack_blocks_only)
             if packed is not None:
                 return packed
         dense = [p.dequantize(torch.float32) if isinstance(p, QUANTIZED) else p for p in parts]

@@ -13,7 +13,8 @@ kernels use torch's thread count (``torch.set_num_threads``) and its thread pool
 
 What the kernels compute is in ``nf_cpu.h`` (the block layout, int8 activations) and
 ``nf_decode.c`` (the fused decode step), ``nf_attention.c`` (causal prefill attention), ``nf_rows.c``
-(add + rms_norm, silu * up, rope over many rows); ``ninefold.ops.quantized`` (``BlockWeight``,
+(add + rms_norm, silu * up, rope over many rows); ``isa()`` names the instruction tier the build has
+(AVX-512 VNNI, AVX2 with FMA and F16C, or portable C); ``ninefold.ops.quantized`` (``BlockWeight``,
 ``linear_blocks``), ``ninefold.ops.cpu_native.attention`` and ``.rows`` (``cpu_native`` implementations
 of ``attention_prefill``, ``add_rms_norm``, ``silu_and_mul``, ``rope``) and
 ``ninefold.llm.models.llama_cpu`` call them.
@@ -103,7 +104,7 @@ def build_key(cc: str) -> str:
     return h.hexdigest()[:20]
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"ninefold: compiling the native CPU kernels (once per machine) into {target.parent} ...", file=sys.stderr,
           flush=True)
@@ -111,7 +112,7 @@ def _build(cc: str, target: Path) -> None:
     os.close(fd)
     sources = [str(HERE / n) for n in SOURCES if n.endswith(".c")]
     try:
-        proc = subprocess.run([cc, *FLAGS, *sources, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders (test workers) each leave a whole file
@@ -124,6 +125,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.nf_vnni.restype = i64
     lib.nf_vnni.argtypes = []
+    lib.nf_simd.restype = i64
+    lib.nf_simd.argtypes = []
     lib.nf_linear_scratch_bytes.restype = i64
     lib.nf_linear_scratch_bytes.argtypes = [i64, i64]
     lib.nf_linear.restype = None
@@ -188,9 +191,65 @@ def reason() -> str | None:
 
 
 def vnni() -> bool:
-    """Whether the loaded build has the AVX-512 VNNI kernels (else portable C loops)."""
+    """Whether the loaded build has the AVX-512 VNNI kernels."""
     lib = library()
     return bool(lib is not None and lib.nf_vnni())
+
+
+ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
+
+
+def isa() -> str | None:
+    """The loaded build's instruction tier: "avx512-vnni", "avx2" (with FMA and F16C) or "portable"
+    (plain C loops, for correctness); None when the kernels are off."""
+    lib = library()
+    return None if lib is None else ISA_NAMES[int(lib.nf_simd())]
+
+
+# x86-64 compiler flags that build each tier whatever this CPU is (tests and benchmarks of the tiers)
+TIER_MARCH = {"portable": ("-march=x86-64",), "avx2": ("-march=x86-64-v3",),
+              "avx512-vnni": ("-march=x86-64-v4", "-mavx512vnni")}
+_TIER_CPU_FLAGS = {"portable": (), "avx2": ("avx2", "fma", "f16c"),
+                   "avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
+
+
+def tiers_runnable_here() -> list[str]:
+    """The tiers of ``TIER_MARCH`` this CPU can run (x86-64 Linux; empty elsewhere)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    have = set(_cpu_flags().split())
+    return [tier for tier, need in _TIER_CPU_FLAGS.items() if all(f in have for f in need)]
+
+
+def build_tier(tier: str, directory: str | os.PathLike) -> ctypes.CDLL:
+    """Compiles the kernels for ``tier`` (a key of ``TIER_MARCH``) into ``directory`` and loads them,
+    beside the library ``library()`` uses: to check or time one tier on a CPU that has a higher one."""
+    if tier not in TIER_MARCH:
+        raise ValueError(f"tier must be one of {sorted(TIER_MARCH)}, not {tier!r}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc)")
+    import torch  # noqa: F401  (torch's libgomp first, as in _load)
+
+    flags = tuple(f for f in FLAGS if not f.startswith("-march")) + TIER_MARCH[tier]
+    target = Path(directory) / f"libninefold_cpu-{tier}.so"
+    _build(cc, target, flags)
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib
+
+
+def fast() -> bool:
+    """Whether the loaded build has vector kernels (AVX-512 VNNI or AVX2): the tiers worth dispatching
+    to. The portable build is slower than torch's own CPU paths, so callers keep those there."""
+    return isa() in ("avx512-vnni", "avx2")
+
+
+def slow_reason() -> str:
+    """Why ``fast()`` is false, for the ``supports`` reasons of the operators that need it."""
+    return f"native CPU kernels without AVX2 or AVX-512 VNNI here ({reason() or 'portable build'})"
 
 
 class enabled:

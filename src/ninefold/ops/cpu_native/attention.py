@@ -32,8 +32,8 @@ def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, bloc
             return "the heads of q, k or v are not contiguous rows"
     if q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
-    if not cpu_native.vnni():  # the portable C loops would be slower than torch's attention
-        return f"native CPU kernels without AVX-512 VNNI here ({cpu_native.reason() or 'portable build'})"
+    if not cpu_native.fast():  # the portable C loops would be slower than torch's attention
+        return cpu_native.slow_reason()
     return None
 
 

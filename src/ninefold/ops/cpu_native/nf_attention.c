@@ -32,6 +32,54 @@ int64_t nf_attention_scratch_floats(const int64_t *cu_k, int64_t nseq, int64_t h
 
 static int64_t tiles_of(int64_t lq) { return (lq + NF_QT - 1) / NF_QT; }
 
+#if NF_AVX2
+/* row[j] = exp(q . k_j - max) for the nk visible keys of the transposed tiles (zero past them up to a
+ * multiple of 16); returns their sum. Each tile of 16 keys is two registers of 8. */
+static float scores_exp8(const float *qf, const float *kt, int64_t hd, int64_t nk, float *row) {
+    const int64_t ntile = (nk + 15) / 16;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < ntile; t++) {
+        const float *kb = kt + t * hd * 16;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        for (int64_t d = 0; d < hd; d += 2) {
+            const __m256 q0 = _mm256_set1_ps(qf[d]), q1 = _mm256_set1_ps(qf[d + 1]);
+            a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kb + d * 16), a0);
+            b0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kb + d * 16 + 8), b0);
+            a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kb + d * 16 + 16), a1);
+            b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kb + d * 16 + 24), b1);
+        }
+        __m256 sc[2] = {_mm256_add_ps(a0, a1), _mm256_add_ps(b0, b1)};
+        for (int h = 0; h < 2; h++) {
+            const int64_t valid = nk - t * 16 - 8 * h;
+            if (valid < 8) sc[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc[h], nf_lanes_below(valid));
+            _mm256_storeu_ps(row + t * 16 + 8 * h, sc[h]);
+            mx = _mm256_max_ps(mx, sc[h]);
+        }
+    }
+    const __m256 mv = _mm256_set1_ps(nf_hmax8(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < ntile * 16; j += 8) {
+        __m256 e = nf_exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
+        if (nk - j < 8) e = _mm256_and_ps(e, nf_lanes_below(nk - j));
+        _mm256_storeu_ps(row + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return nf_hsum8(sum);
+}
+
+/* o[d .. d + 8 n8) = sum over the nk keys of row[j] * v_j: n8 independent accumulators of 8. */
+static inline __attribute__((always_inline)) void weigh_values8(const float *row, const float *vf, int64_t nk,
+                                                                int64_t hd, int64_t d, float *o, const int n8) {
+    __m256 acc[8];
+    for (int c = 0; c < n8; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nk; j++) {
+        const __m256 pj = _mm256_set1_ps(row[j]);
+        for (int c = 0; c < n8; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vf + j * hd + d + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < n8; c++) _mm256_storeu_ps(o + d + 8 * c, acc[c]);
+}
+#endif
+
 void nf_attention_prefill(const void *q, int64_t sq, const void *k, int64_t sk, const void *v, int64_t sv,
                           int64_t bf16, const int64_t *cu_q, const int64_t *cu_k, int64_t nseq, int64_t hq,
                           int64_t hk, int64_t hd, double scale, void *out, int64_t so, float *scratch) {
@@ -129,6 +177,12 @@ void nf_attention_prefill(const void *q, int64_t sq, const void *k, int64_t sk, 
                         for (int64_t j = 0; j < nk; j++)
                             for (int64_t d = 0; d < hd; d++) o[d] += row[j] * vf[j * hd + d];
                     }
+#elif NF_AVX2
+                    l = scores_exp8(qf, kt, hd, nk, row);
+                    if (hd % 64 == 0)
+                        for (int64_t d = 0; d < hd; d += 64) weigh_values8(row, vf, nk, hd, d, o, 8);
+                    else
+                        for (int64_t d = 0; d < hd; d += 16) weigh_values8(row, vf, nk, hd, d, o, 2);
 #else
                     float m = -INFINITY;
                     for (int64_t j = 0; j < nk; j++) {

@@ -20,11 +20,19 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Instruction tiers: AVX-512 VNNI (NF_VNNI), else AVX2 with FMA and F16C (NF_AVX2: vpmaddubsw sums two
+ * u8 x s8 products per 16-bit lane, so 8 rows of a group share one 256-bit register), else portable C. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NF_VNNI 1
+#define NF_AVX2 0
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NF_VNNI 0
+#define NF_AVX2 1
 #include <immintrin.h>
 #else
 #define NF_VNNI 0
+#define NF_AVX2 0
 #endif
 
 #define NF_ROWS 16  /* rows per group */
@@ -104,6 +112,55 @@ static inline __m512 nf_exp512(__m512 x) {
 }
 #endif
 
+#if NF_AVX2
+static inline float nf_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float nf_hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t nf_hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* exp(x) for x in [-87, 88], the same reduction and polynomial as nf_exp512; 2^n built in the exponent bits. */
+static inline __m256 nf_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* 8 bfloat16 values as float32 */
+static inline __m256 nf_ld8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Lanes at or past `valid` (< 8) of a row of 8: all ones where kept. */
+static inline __m256 nf_lanes_below(int64_t valid) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), iota));
+}
+#endif
+
 /* Quantize 32 float32 values to int8 q; returns dx, writes dx * sum(q) to *xs. */
 static inline float nf_quantize_block(const float *x, int8_t *q, float *xs) {
 #if NF_VNNI
@@ -115,6 +172,22 @@ static inline float nf_quantize_block(const float *x, int8_t *q, float *xs) {
     _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
     *xs = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    return dx;
+#elif NF_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    float amax = nf_hmax8(mx);
+    float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    /* packs interleave the 128-bit lanes: the permute puts the 32 bytes back in order */
+    __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    q16 = _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q16);
+    *xs = dx * (float)nf_hsum8i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
     return dx;
 #else
     float amax = 0.0f;
@@ -182,6 +255,55 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
         }
     }
     for (int i = 0; i < mc; i++) _mm512_storeu_ps(acc_out[i], acc[i]);
+#elif NF_AVX2
+    /* h = 0, 1: rows 8 h .. 8 h + 7, the 32-byte half of each 64-byte record slice */
+    __m256 acc[NF_MC][2];
+    for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const int64_t rec = bits == 4 ? 320 : 544, nbx = k / NF_BLOCK;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * rec;
+        const uint8_t *scales = blk + (bits == 4 ? 256 : 512);
+        __m256 d[2], m[2];
+        for (int h = 0; h < 2; h++) {
+            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
+            m[h] = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)))
+                             : _mm256_setzero_ps();
+        }
+        for (int i = 0; i < mc; i++) {
+            int32_t x4[8];
+            memcpy(x4, xq + i * k + b * NF_BLOCK, 32);
+            for (int h = 0; h < 2; h++) {
+                __m256i dot;
+                if (bits == 4) {
+                    /* |code x| <= 15 * 127: eight pair sums fit a 16-bit lane */
+                    __m256i t = _mm256_setzero_si256();
+                    for (int p = 0; p < 4; p++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * p + 32 * h));
+                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(x4[p])));
+                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                                     _mm256_set1_epi32(x4[p + 4])));
+                    }
+                    dot = _mm256_madd_epi16(t, ones);
+                } else {
+                    /* the signed code w: |w| (as u8) times x with w's sign; each pair sum fits 16 bits */
+                    dot = _mm256_setzero_si256();
+                    for (int s = 0; s < 8; s++) {
+                        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * h)), flip);
+                        __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(x4[s]), w));
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
+                    }
+                }
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], _mm256_set1_ps(xd[i * nbx + b])),
+                                            acc[i][h]);
+                if (bits == 4) acc[i][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xs[i * nbx + b]), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mc; i++) {
+        _mm256_storeu_ps(acc_out[i], acc[i][0]);
+        _mm256_storeu_ps(acc_out[i] + 8, acc[i][1]);
+    }
 #else
     const int64_t rec = nf_record_bytes(bits), nbx = k / NF_BLOCK;
     for (int i = 0; i < mc; i++)

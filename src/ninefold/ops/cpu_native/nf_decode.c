@@ -67,6 +67,17 @@ static float dot_cache(const float *q, const void *k, int64_t hd, int64_t bf16) 
         }
         return _mm512_reduce_add_ps(acc);
     }
+#elif NF_AVX2
+    if (hd % 16 == 0) { /* two chains: FMA latency */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int64_t i = 0; i < hd; i += 16) {
+            const uint16_t *kh = (const uint16_t *)k + i;
+            const float *kf = (const float *)k + i;
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16 ? nf_ld8_bf16(kh) : _mm256_loadu_ps(kf), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), bf16 ? nf_ld8_bf16(kh + 8) : _mm256_loadu_ps(kf + 8), a1);
+        }
+        return nf_hsum8(_mm256_add_ps(a0, a1));
+    }
 #endif
     float s = 0.0f;
     for (int64_t i = 0; i < hd; i++) s += q[i] * nf_load(k, i, bf16);
@@ -82,6 +93,15 @@ static void axpy_cache(float a, const void *v, int64_t hd, int64_t bf16, float *
                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i))), 16))
                              : _mm512_loadu_ps((const float *)v + i);
             _mm512_storeu_ps(o + i, _mm512_fmadd_ps(av, vv, _mm512_loadu_ps(o + i)));
+        }
+        return;
+    }
+#elif NF_AVX2
+    if (hd % 8 == 0) {
+        const __m256 av = _mm256_set1_ps(a);
+        for (int64_t i = 0; i < hd; i += 8) {
+            __m256 vv = bf16 ? nf_ld8_bf16((const uint16_t *)v + i) : _mm256_loadu_ps((const float *)v + i);
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(o + i)));
         }
         return;
     }
@@ -102,6 +122,14 @@ static float softmax_exp(float *s, int64_t n) {
         acc = _mm512_add_ps(acc, e);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif NF_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = nf_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = nf_hsum8(acc);
 #endif
     for (; t < n; t++) {
         s[t] = expf(s[t] - mx);
@@ -118,6 +146,12 @@ static void silu_mul_block(const float *g, const float *u, float *out) {
         __m512 e = nf_exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(sig, _mm512_loadu_ps(u + i)));
+    }
+#elif NF_AVX2
+    for (int i = 0; i < NF_BLOCK; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), nf_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
     }
 #else
     for (int i = 0; i < NF_BLOCK; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];

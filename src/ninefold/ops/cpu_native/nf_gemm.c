@@ -3,8 +3,11 @@
 
 #include <omp.h>
 
-/* Whether this build has the AVX-512 VNNI kernels (1) or the portable C loops (0). */
+/* Whether this build has the AVX-512 VNNI kernels (1) or not (0). */
 int64_t nf_vnni(void) { return NF_VNNI; }
+
+/* This build's instruction tier: 2 AVX-512 VNNI, 1 AVX2 (with FMA and F16C), 0 portable C loops. */
+int64_t nf_simd(void) { return NF_VNNI ? 2 : NF_AVX2; }
 
 /* Bytes of scratch nf_linear needs for m rows of k columns. */
 int64_t nf_linear_scratch_bytes(int64_t m, int64_t k) {

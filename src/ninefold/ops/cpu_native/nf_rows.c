@@ -31,6 +31,28 @@ static inline void st16(void *p, int64_t i, __m512 v, int64_t bf16) {
     __m512i b = _mm512_srli_epi32(_mm512_castps_si512(rnd16(v)), 16);
     _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(b));
 }
+#elif NF_AVX2
+/* the same for 8 values */
+static inline __m256 ld8(const void *p, int64_t i, int64_t bf16) {
+    return bf16 ? nf_ld8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __m256 rnd8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void st8(void *p, int64_t i, __m256 v, int64_t bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m256i b = _mm256_srli_epi32(_mm256_castps_si256(rnd8(v)), 16); /* 0 .. 65535: packus keeps them */
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
 #endif
 
 /* total = x + residual (rounded to the dtype), out = total * rsqrt(mean(total^2) + eps) * w. */
@@ -51,6 +73,21 @@ void nf_add_rms_norm(const void *x, int64_t sx, const void *r, int64_t sr, const
             for (int64_t j = 0; j < d; j += 16)
                 st16(out, i * d + j, _mm512_mul_ps(_mm512_mul_ps(ld16(total, i * d + j, bf16), inv), _mm512_loadu_ps(w + j)),
                      bf16);
+            continue;
+        }
+#elif NF_AVX2
+        if (d % 8 == 0) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < d; j += 8) {
+                __m256 t = _mm256_add_ps(ld8(x, i * sx + j, bf16), ld8(r, i * sr + j, bf16));
+                if (bf16) t = rnd8(t);
+                st8(total, i * d + j, t, bf16);
+                acc = _mm256_fmadd_ps(t, t, acc);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(nf_hsum8(acc) / (float)d + (float)eps));
+            for (int64_t j = 0; j < d; j += 8)
+                st8(out, i * d + j, _mm256_mul_ps(_mm256_mul_ps(ld8(total, i * d + j, bf16), inv), _mm256_loadu_ps(w + j)),
+                    bf16);
             continue;
         }
 #endif
@@ -77,6 +114,14 @@ void nf_silu_and_mul(const void *x, int64_t sx, int64_t rows, int64_t d, int64_t
             __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             if (bf16) sv = rnd16(sv);
             st16(out, i * d + j, _mm512_mul_ps(sv, ld16(x, i * sx + d + j, bf16)), bf16);
+        }
+#elif NF_AVX2
+        for (; j + 8 <= d; j += 8) {
+            const __m256 gv = ld8(x, i * sx + j, bf16);
+            const __m256 e = nf_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            if (bf16) sv = rnd8(sv);
+            st8(out, i * d + j, _mm256_mul_ps(sv, ld8(x, i * sx + d + j, bf16)), bf16);
         }
 #endif
         for (; j < d; j++) {
@@ -107,6 +152,13 @@ void nf_rope_neox(const void *q, int64_t sq, const void *k, int64_t sk, const in
             const __m512 c = _mm512_loadu_ps(cs + j), sn = _mm512_loadu_ps(cs + half + j);
             st16(dst, o + j, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, sn)), bf16);
             st16(dst, o + half + j, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, sn)), bf16);
+        }
+#elif NF_AVX2
+        for (; j + 8 <= half; j += 8) {
+            const __m256 x1 = ld8(src, in + j, bf16), x2 = ld8(src, in + half + j, bf16);
+            const __m256 c = _mm256_loadu_ps(cs + j), sn = _mm256_loadu_ps(cs + half + j);
+            st8(dst, o + j, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, sn)), bf16);
+            st8(dst, o + half + j, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, sn)), bf16);
         }
 #endif
         for (; j < half; j++) {

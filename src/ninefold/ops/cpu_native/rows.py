@@ -4,7 +4,7 @@ CPUs (``nf_rows.c``): one pass per row on all threads instead of torch's several
 A 512-token SmolLM2 prefill spends ~70 ms of ~500 in these three through torch (13:34 UTC, 2 threads).
 They take float32 or bfloat16, round where the ``vendor`` formulas round, and step aside (a reason
 from ``supports``) for single rows (``norm_row``'s ``cpu_row`` and the native decode step cover those),
-other dtypes, non-contiguous rows and CPUs where the kernels are not built with AVX-512 VNNI.
+other dtypes, non-contiguous rows and CPUs where the kernels build without vector code (no AVX2).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def _common(x: torch.Tensor) -> str | None:
         return f"takes float32 or bfloat16, not {spec.dtype_name(x.dtype)}"
     if x.numel() <= x.shape[-1]:
         return "one row (cpu_row / the native decode step cover it)"
-    if not cpu_native.vnni():
-        return f"native CPU kernels without AVX-512 VNNI here ({cpu_native.reason() or 'portable build'})"
+    if not cpu_native.fast():
+        return cpu_native.slow_reason()
     return None
 
 
