@@ -140,7 +140,8 @@ def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "
     model = engine.model
     on = bool(model.packed) and any(p.blocks is not None for p in model.packed.values())
     if not model.packed:
-        packed, label = "dequantized at load", "" if dtype == "float32" else " exact"
+        packed = "dequantized at load"
+        label = (" kernels-off" if quantization != "none" else "") + ("" if dtype == "float32" else " exact")
     elif on:
         packed = f"native kernels ({cpu_native.isa()}; GGUF blocks, int8 activations)"
         label = " packed" if dtype == "float32" else ""

@@ -64,11 +64,14 @@ register("linear", "vendor")(F.linear)
 
 
 def _register_cpu_linear() -> None:
-    from ninefold.ops import cpu_linear
+    from ninefold.ops import cpu_linear, cpu_upcast
 
     # Above F.linear on CPUs where it applies (2..64 rows, large weights): it measures both forms first.
     register("linear", "cpu_measured", devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16),
              supports=cpu_linear.supports, priority={"cpu": 5})(cpu_linear.linear)
+    # Above both for bfloat16/float16 on CPUs without a fast GEMM in those dtypes (AVX2), 9+ rows.
+    register("linear", "cpu_upcast", devices=("cpu",), dtypes=(torch.bfloat16, torch.float16),
+             supports=cpu_upcast.supports, priority={"cpu": 6})(cpu_upcast.linear)
 
 
 _register_cpu_linear()
