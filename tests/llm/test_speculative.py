@@ -219,8 +219,9 @@ def test_prompt_dicts_as_vllm_takes_them(pair):
 def test_cuda_speculation_matches_plain_decoding(llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    plain = LLM(str(llama_dir), device="cuda", dtype="float32")
-    spec = LLM(str(llama_dir), device="cuda", dtype="float32", speculative_config=NGRAM)
+    small = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64, cuda_graph_max_batch=4)  # beside other workers
+    plain = LLM(str(llama_dir), **small)
+    spec = LLM(str(llama_dir), **small, speculative_config=NGRAM)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert token_ids(spec.generate(PROMPTS, params)) == token_ids(plain.generate(PROMPTS, params))
     assert spec.engine.stats()["num_accepted_tokens"] > 0

@@ -99,7 +99,7 @@ def test_cuda_restrictions_match_the_cpu(llama_dir, llm):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    gpu = LLM(str(llama_dir), device="cuda", dtype="float32")
+    gpu = LLM(str(llama_dir), device="cuda", dtype="float32", block_size=16, num_kv_blocks=64, cuda_graph_max_batch=4)
     word = llm.engine.tokenizer.decode([40, 41])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=[40, 41, 42],
                             bad_words=[word], truncate_prompt_tokens=6)

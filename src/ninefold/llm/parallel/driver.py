@@ -24,6 +24,7 @@ from ninefold.llm.parallel.protocol import Op
 from ninefold.llm.parallel.rank_model import TensorParallel
 
 DEFAULT_TIMEOUT_S = 600.0
+FAILURE_EXIT_WAIT_S = 2.0  # after a failed collective, how long to look for the worker that exited
 
 
 class WorkerGroup:
@@ -173,7 +174,10 @@ class WorkerGroup:
     def fail(self, error: BaseException) -> None:
         """Stop the workers after an error on rank 0 mid-call: the ranks' collectives are out of step."""
         if self.failed is None:
-            gone = self.workers_gone()
+            # a killed worker's socket can close before the process is reaped: give its exit a moment to show
+            deadline = time.monotonic() + FAILURE_EXIT_WAIT_S
+            while (gone := self.workers_gone()) is None and time.monotonic() < deadline:
+                time.sleep(0.02)
             self.failed = f"{type(error).__name__}: {error}" + (f" (tensor-parallel workers gone: {gone})" if gone else "")
         self.shutdown(graceful=False)
 
