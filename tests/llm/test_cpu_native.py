@@ -31,6 +31,15 @@ pytestmark = pytest.mark.skipif(not cpu_native.fast(), reason=cpu_native.slow_re
 GREEDY_KW = dict(temperature=0, ignore_eos=True)
 
 
+@pytest.fixture
+def two_threads():
+    """Two OpenMP threads (this package's conftest runs one): rows of one step then meet on two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _weights(arch, tied):
     """hf_weights with matrices scaled by 1/sqrt(fan-in): activations of order one, as in trained models
     (unit-variance matrices make attention one-hot and every rounding difference a different token)."""
@@ -139,6 +148,31 @@ def test_smollm2_native_decode_follows_the_float32_model(dtype, tie):
     assert max(agree) >= 8, agree
 
 
+def test_smollm2_speculation_on_the_native_step_keeps_the_plain_tokens(two_threads):
+    """SmolLM2 copying a paragraph and telling a story: steps of up to five rows of one sequence (nine
+    query heads each) spread over the threads, and the tokens stay the plain engine's."""
+    from ninefold.bench.speculative import TASKS
+    from ninefold.llm import hub
+
+    try:
+        path = hub.resolve_model(None)
+    except hub.ModelNotAvailable as error:
+        pytest.skip(f"SmolLM2 GGUF not cached and not fetchable here: {error}")
+
+    def engine(**kw):
+        return LLMEngine(str(path), dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False, **kw)
+
+    plain = engine()
+    prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}], tokenize=True)
+               for task in ("repeat", "story")]
+    spec = engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                      "prompt_lookup_min": 2})
+    for prompt in prompts:  # one at a time, as the benchmark: the story's tokens parted when rows raced
+        assert _greedy(spec, [prompt], 64) == _greedy(plain, [prompt], 64)
+    assert spec.model._cpu_decoder.native is not None
+    assert spec.stats()["num_accepted_tokens"] >= 16
+
+
 def test_native_step_refuses_ids_and_positions_outside_its_tables(tmp_path):
     """The C step indexes the embedding and rotary tables directly: out-of-range values are refused
     before it runs (the engine validates prompts, this guards direct callers of the model)."""
@@ -158,3 +192,22 @@ def test_native_step_refuses_ids_and_positions_outside_its_tables(tmp_path):
         model.forward(torch.tensor([vocab]), torch.tensor([0]), meta())
     with pytest.raises(ValueError, match=rf"positions must lie in \[0, {positions}\)"):
         model.forward(torch.tensor([1]), torch.tensor([positions]), meta())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_drafts_on_the_native_step_give_the_plain_tokens(tmp_path, dtype, two_threads):
+    """Draft rows of one sequence attend to each other's new keys inside one native step: every row's key
+    and value reach the cache before any row attends, so speculation changes no greedy token."""
+    from ninefold.llm.sampling import SamplingParams
+
+    path = write_gguf(tmp_path / "llama-Q4_1.gguf", _weights("llama", tied=True), T.Q4_1, arch="llama")
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22, 23, 20, 21], [3] * 10]
+    params = SamplingParams(max_tokens=24, **GREEDY_KW)
+    plain = greedy(_engine(path, dtype), prompts, params)
+    spec = LLMEngine(str(path), dtype=dtype, device="cpu", block_size=4, num_kv_blocks=64, enable_prefix_caching=False,
+                     speculative_config=ngram)
+    assert spec.model._cpu_decoder is None or spec.model._cpu_decoder.native is not None
+    assert greedy(spec, prompts, params) == plain
+    assert spec.model._cpu_decoder.native is not None
+    assert spec.stats()["num_accepted_tokens"] > 0

@@ -205,12 +205,11 @@ static void rope_head(const nf_model *md, const float *in, const float *norm_w, 
     }
 }
 
-/* Hidden states after the final norm for one decode step: md->out [m, dim].
- * Five barriers per layer (after each GEMM and after attention; six for more than NF_PRIVATE_SILU
- * sequences): every thread computes the norms (and, for few sequences, silu * up) for itself, and
- * each attention task rotates its own copy of the new key (the first task of a KV head also writes
- * it and the value into the cache; the others take the newest position from their copy, never from
- * the cache being written). */
+/* Hidden states after the final norm for one decode step: md->out [m, dim]. A row is one new token at
+ * md->positions[i] attending to md->context_lens[i] cached positions (its own included); several rows
+ * may belong to one sequence (speculative drafts at consecutive positions).
+ * Six barriers per layer (after each GEMM, after the cache writes and after attention; seven for more
+ * than NF_PRIVATE_SILU rows): every thread computes the norms (and, for few rows, silu * up) for itself. */
 void nf_decode_step(const nf_model *md) {
     const int64_t m = md->m, dim = md->dim, hq = md->hq, hk = md->hk, hd = md->hd, inter = md->inter;
     const int64_t nqkv = (hq + 2 * hk) * hd, group = hq / hk, k = kmax(md);
@@ -238,43 +237,39 @@ void nf_decode_step(const nf_model *md) {
             norm_quantize_private(md, h, ly->in_norm, priv, &pq, &pd, &ps);
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < nf_groups(&ly->qkv); g++) nf_gemm_group(&ly->qkv, g, pq, pd, ps, m, qkv, nqkv, 0);
+            /* the new keys (rotated) and values into the cache first: rows of one sequence (speculative
+             * drafts) attend to each other's, so every row is cached before any attends */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < m * hk; task++) {
+                const int64_t i = task / hk, g = task % hk;
+                const float *row = qkv + i * nqkv;
+                float knew[512];
+                rope_head(md, row + (hq + g) * hd, ly->k_norm, md->positions[i], knew);
+                void *kd = cache_row(ly->k_cache, md->slots[i], hk, g, hd, cb);
+                void *vd = cache_row(ly->v_cache, md->slots[i], hk, g, hd, cb);
+                for (int64_t j = 0; j < hd; j++) {
+                    nf_store(kd, j, knew[j], cb);
+                    nf_store(vd, j, row[(hq + hk + g) * hd + j], cb);
+                }
+            }
             /* attention: one task per (sequence, query head); its output is quantized per block at once */
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < m * hq; task++) {
                 const int64_t i = task / hq, head = task % hq, g = head / group, ctx = md->context_lens[i];
-                const float *row = qkv + i * nqkv;
-                const float *vnew = row + (hq + hk + g) * hd;
-                float q[512], knew[512];
-                rope_head(md, row + head * hd, ly->q_norm, md->positions[i], q);
-                rope_head(md, row + (hq + g) * hd, ly->k_norm, md->positions[i], knew);
-                if (head % group == 0) {
-                    void *kd = cache_row(ly->k_cache, md->slots[i], hk, g, hd, cb);
-                    void *vd = cache_row(ly->v_cache, md->slots[i], hk, g, hd, cb);
-                    for (int64_t j = 0; j < hd; j++) {
-                        nf_store(kd, j, knew[j], cb);
-                        nf_store(vd, j, vnew[j], cb);
-                    }
-                }
-                /* the new key and value as the cache holds them (rounded to its dtype) */
-                float kr[512], vr[512];
-                for (int64_t j = 0; j < hd; j++) {
-                    kr[j] = cb ? nf_bf16_to_float(nf_float_to_bf16(knew[j])) : knew[j];
-                    vr[j] = cb ? nf_bf16_to_float(nf_float_to_bf16(vnew[j])) : vnew[j];
-                }
+                float q[512];
+                rope_head(md, qkv + i * nqkv + head * hd, ly->q_norm, md->positions[i], q);
                 const int32_t *table = md->block_tables + i * md->table_stride;
                 float *s = scores + task * md->max_ctx, *o = att + i * hq * hd + head * hd;
-                for (int64_t p = 0; p < ctx - 1; p++) {
+                for (int64_t p = 0; p < ctx; p++) {
                     const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
                     s[p] = (float)md->scale * dot_cache(q, cache_row(ly->k_cache, slot, hk, g, hd, cb), hd, cb);
                 }
-                s[ctx - 1] = (float)md->scale * dot_cache(q, kr, hd, 0);
                 const float inv = 1.0f / softmax_exp(s, ctx);
                 for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-                for (int64_t p = 0; p < ctx - 1; p++) {
+                for (int64_t p = 0; p < ctx; p++) {
                     const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
                     axpy_cache(s[p] * inv, cache_row(ly->v_cache, slot, hk, g, hd, cb), hd, cb, o);
                 }
-                axpy_cache(s[ctx - 1] * inv, vr, hd, 0, o);
                 const int64_t kk = hq * hd, nb = kk / NF_BLOCK;
                 for (int64_t b = head * hd / NF_BLOCK; b < (head + 1) * hd / NF_BLOCK; b++)
                     xd[i * nb + b] = nf_quantize_block(att + i * kk + b * NF_BLOCK, xq + i * kk + b * NF_BLOCK,
