@@ -38,3 +38,20 @@ def test_byte_level_pieces_decode_through_the_byte_alphabet_and_end_ids_are_left
         if data is not None and token_id not in tok.all_special_ids:
             assert tok.decode([token_id], skip_special_tokens=False).encode() == data or b"\xef\xbf\xbd" in \
                 tok.decode([token_id], skip_special_tokens=False).encode()  # partial UTF-8 shows as U+FFFD
+
+
+def test_logprob_token_texts_show_the_bytes_a_piece_stands_for():
+    """The server's logprob texts and bytes: a SentencePiece byte-fallback token is its byte (not "<0x0A>",
+    not U+FFFD's bytes), a metaspace piece keeps its leading space, special tokens show their text."""
+    from ninefold.llm.server.logprobs import TokenTexts
+
+    tok = _sentencepiece()
+    texts = TokenTexts(tok)
+    ids = {p: tok._tk.token_to_id(p) for p in ("<0x0A>", "<0xE2>", "▁the", "é", "</s>")}
+    assert texts.text(ids["<0x0A>"]) == "\n" and texts.bytes(ids["<0x0A>"]) == [10]
+    assert texts.bytes(ids["<0xE2>"]) == [0xE2] and texts.text(ids["<0xE2>"]) == "\ufffd"  # a lone lead byte
+    assert texts.text(ids["▁the"]) == " the" and texts.bytes(ids["▁the"]) == list(b" the")
+    assert texts.text(ids["é"]) == "é" and texts.text(ids["</s>"]) == "</s>"
+    level = Tokenizer(build_tokenizer())
+    newline = level.encode("\n", add_special_tokens=False)[0]
+    assert TokenTexts(level).text(newline) == "\n" and TokenTexts(level).bytes(newline) == [10]

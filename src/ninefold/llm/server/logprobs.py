@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from ninefold.llm.token_bytes import BYTE_DECODER as _BYTE_DECODER
+from ninefold.llm.token_bytes import piece_bytes
 
 
 class TokenTexts:
@@ -22,8 +22,11 @@ class TokenTexts:
 
     def _compute(self, token_id: int) -> tuple[str, tuple[int, ...]]:
         piece = self.tokenizer.id_to_token(token_id) if hasattr(self.tokenizer, "id_to_token") else None
-        if piece is not None and all(ch in _BYTE_DECODER for ch in piece):
-            raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+        special = token_id in getattr(self.tokenizer, "all_special_ids", ())
+        if piece is not None and not special:
+            # the piece's own bytes: a SentencePiece byte-fallback token is its byte, not "<0x0A>" nor U+FFFD,
+            # and a metaspace keeps the leading space that decoding a lone token strips
+            raw = piece_bytes(piece, bool(getattr(self.tokenizer, "byte_level", True)))
         else:
             raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
         return raw.decode("utf-8", errors="replace"), tuple(raw)
