@@ -223,6 +223,10 @@ def tiers_runnable_here() -> list[str]:
     return [tier for tier, need in _TIER_CPU_FLAGS.items() if all(f in have for f in need)]
 
 
+class TierUnsupported(RuntimeError):
+    """The C compiler does not know the flags of the tier asked for."""
+
+
 def build_tier(tier: str, directory: str | os.PathLike) -> ctypes.CDLL:
     """Compiles the kernels for ``tier`` (a key of ``TIER_MARCH``) into ``directory`` and loads them,
     beside the library ``library()`` uses: to check or time one tier on a CPU that has a higher one."""
@@ -235,7 +239,12 @@ def build_tier(tier: str, directory: str | os.PathLike) -> ctypes.CDLL:
 
     flags = tuple(f for f in FLAGS if not f.startswith("-march")) + TIER_MARCH[tier]
     target = Path(directory) / f"libninefold_cpu-{tier}.so"
-    _build(cc, target, flags)
+    try:
+        _build(cc, target, flags)
+    except RuntimeError as error:
+        if "march" in str(error):  # e.g. gcc < 11 knows no x86-64-v3
+            raise TierUnsupported(f"{cc} cannot build the {tier} tier ({' '.join(TIER_MARCH[tier])})") from error
+        raise
     lib = ctypes.CDLL(str(target))
     _declare(lib)
     return lib
