@@ -54,7 +54,9 @@ def run_task(llm, prompt: str, max_tokens: int, repeats: int) -> dict:
 
 
 def step_cost(args) -> dict:
-    """Milliseconds per decode step of one sequence with 0..8 drafts (median of ``args.repeats`` x 20 steps)."""
+    """Milliseconds per decode step of one sequence with 0..8 drafts (median of ``args.repeats`` x 20 steps);
+    random weights of a known shape, or the checkpoint when ``args.model`` is a path (a GGUF runs the CPU's
+    native kernels)."""
     import statistics
 
     import torch
@@ -63,7 +65,8 @@ def step_cost(args) -> dict:
     from ninefold.llm.engine import LLMEngine
     from ninefold.llm.scheduler import ScheduledSeq
 
-    engine = LLMEngine(args.model, load_format="dummy", dtype=args.dtype, device=args.device,
+    load_format = "auto" if Path(args.model).exists() else "dummy"
+    engine = LLMEngine(args.model, load_format=load_format, dtype=args.dtype, device=args.device,
                        max_model_len=args.context + 64)
     request = engine.build_request(list(range(100, 100 + args.context)),
                                    SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
