@@ -225,3 +225,17 @@ def test_cuda_speculation_matches_plain_decoding(llama_dir):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert token_ids(spec.generate(PROMPTS, params)) == token_ids(plain.generate(PROMPTS, params))
     assert spec.engine.stats()["num_accepted_tokens"] > 0
+
+
+def test_step_cost_times_a_checkpoint_given_as_a_path(llama_dir, tmp_path):
+    """``bench.speculative --step-cost`` on real files: one timing per draft count, written as JSON."""
+    import json
+
+    from ninefold.bench.speculative import main
+
+    assert main(["--step-cost", "--model", str(llama_dir), "--context", "12", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "speculative_step_cost.json").read_text())
+    assert result["model"] == str(llama_dir)
+    assert sorted(int(k) for k in result["ms_per_step"]) == [0, 1, 2, 4, 8]
+    assert all(ms > 0 for ms in result["ms_per_step"].values())

@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="directory for speculative.json")
-    parser.add_argument("--step-cost", action="store_true", help="time steps with 0..8 drafts on dummy weights")
+    parser.add_argument("--step-cost", action="store_true",
+                        help="time steps with 0..8 drafts (random weights of a known shape, or the checkpoint at a path)")
     parser.add_argument("--context", type=int, default=1024, help="--step-cost: the sequence's context")
     args = parser.parse_args(argv)
     if args.step_cost:
