@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ninefold.llm.scheduler import POLICIES
 from ninefold.llm.speculative import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = (
@@ -296,8 +297,8 @@ class EngineConfig:
                              f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
         resolve_dtype(self.dtype)
         SpeculativeConfig.parse(self.speculative_config)
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy: got {self.scheduling_policy!r}; supported: 'fcfs', 'priority'")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy: got {self.scheduling_policy!r}; supported: {', '.join(POLICIES)}")
 
 
 def split_engine_args(kwargs: dict) -> EngineConfig:

@@ -24,7 +24,7 @@ from ninefold.llm.models import model_class
 from ninefold.llm.outputs import CompletionOutput, RequestOutput
 from ninefold.llm.runner import ModelRunner
 from ninefold.llm.sampler import Sampler
-from ninefold.llm.sampling import SamplingParams
+from ninefold.llm.sampling import SamplingParams, prompt_tokens_kept
 from ninefold.llm.scheduler import Scheduler
 from ninefold.llm.sequence import Request, Sequence, Status
 from ninefold.llm.speculative import NgramProposer, SpeculativeConfig, accepted_count
@@ -257,9 +257,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("prompt: empty (0 tokens); at least one token is needed")
-        if params.truncate_prompt_tokens is not None:
-            keep = params.truncate_prompt_tokens
-            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep):]
+        keep = prompt_tokens_kept(params.truncate_prompt_tokens, self.max_model_len)
+        if keep is not None:
+            ids = ids[-keep:]
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token id(s) {bad[:5]} out of the vocabulary range [0, {vocab})")

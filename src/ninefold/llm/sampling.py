@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from ninefold.llm.guided import GuidedDecodingParams
 
 
+def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all); -1 keeps as many as
+    leave room for one generated token."""
+    if truncate_prompt_tokens == -1:
+        return max_model_len - 1
+    return truncate_prompt_tokens
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request; invalid values raise ValueError naming the field.

@@ -154,7 +154,7 @@ class LlamaForCausalLM:
         # Zen) pack for ops.cpu_native's kernels.
         cpu_blocks = self.device.type == "cpu" and not cpu_bf16 and mode == "auto" and cpu_native.fast()
         self.pack = mode == "int4" or (mode == "auto" and (cpu_bf16 or cpu_blocks))
-        self.pack_blocks_only = mode == "auto" and cpu_blocks  # matrices the kernels cannot take: dense
+        self.pack_blocks_only = cpu_blocks  # matrices the kernels cannot take: dense
         self.compute_dtype = torch.bfloat16 if cpu_bf16 else None
         c = config
         layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from ninefold.llm.guided import GuidedDecodingParams
 from ninefold.llm.reasoning import get_reasoning_parser
+from ninefold.llm.sampling import prompt_tokens_kept
 from ninefold.llm.server import preprocess, tool_choice
 from ninefold.llm.server.chat_output import ChatDeltas, ChatOutput
 from ninefold.llm.server.deltas import DeltaStream
@@ -85,8 +86,7 @@ async def _serve(
     if req.priority and state.engine.engine.config.scheduling_policy != "priority":
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules first come first served "
                             "(start it with --scheduling-policy priority)", param="priority")
-    keep = req.truncate_prompt_tokens
-    keep = state.limits.max_model_len - 1 if keep == -1 else keep
+    keep = prompt_tokens_kept(req.truncate_prompt_tokens, state.limits.max_model_len)
     prompts = [preprocess.truncated(p, keep, state.tokenizer) for p in prompts]
     for prompt in prompts:
         preprocess.check_prompt(prompt, limits, prompt_param)

@@ -123,8 +123,6 @@ def _build(cc: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.nf_vnni.restype = i64
-    lib.nf_vnni.argtypes = []
     lib.nf_simd.restype = i64
     lib.nf_simd.argtypes = []
     lib.nf_linear_scratch_bytes.restype = i64
@@ -188,12 +186,6 @@ def available() -> bool:
 def reason() -> str | None:
     """Why the native kernels are off (None when they are on or not yet tried)."""
     return _state.get("reason")
-
-
-def vnni() -> bool:
-    """Whether the loaded build has the AVX-512 VNNI kernels."""
-    lib = library()
-    return bool(lib is not None and lib.nf_vnni())
 
 
 ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "portable"}

@@ -3,9 +3,6 @@
 
 #include <omp.h>
 
-/* Whether this build has the AVX-512 VNNI kernels (1) or not (0). */
-int64_t nf_vnni(void) { return NF_VNNI; }
-
 /* This build's instruction tier: 2 AVX-512 VNNI, 1 AVX2 (with FMA and F16C), 0 portable C loops. */
 int64_t nf_simd(void) { return NF_VNNI ? 2 : NF_AVX2; }
 
