@@ -4,6 +4,7 @@ config come from the metadata, and every kind of bad file raises an error naming
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +102,7 @@ def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
 
 # Relative RMS error each type must stay within (4-bit: 1/15 of a block's range per step).
 REL_ERROR = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.01, T.Q6_K: 0.03, T.Q5_K: 0.05,
-             T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1}
+             T.Q5_0: 0.06, T.Q5_1: 0.05, T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1}
 ALL_TYPES = list(REL_ERROR)
 
 
@@ -158,10 +159,12 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
-def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype: T = T.F32, arch: str = "llama",
+def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype: T | Callable[[str], T] = T.F32, arch: str = "llama",
                metadata_overrides: dict | None = None, skip: tuple[str, ...] = (), extra: dict | None = None,
                extra_kv: dict | None = None, eot_id: int | None = None) -> Path:
-    """A GGUF file of `weights`: matrices in `qtype`, vectors in F32, llama.cpp's naming and q/k order."""
+    """A GGUF file of `weights`: matrices in `qtype` (or `qtype(hf_name)`, one type per matrix), vectors in
+    F32, llama.cpp's naming and q/k order."""
+    type_of = qtype if callable(qtype) else (lambda name: qtype)
     writer = GGUFWriter(str(path), arch)
     meta = {
         "block_count": LAYERS, "context_length": 512, "embedding_length": HIDDEN, "feed_forward_length": FFN,
@@ -195,9 +198,9 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype: T = T.F32, arc
             value = llama_permute(value, HEADS)
         elif arch in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):
             value = llama_permute(value, KV_HEADS)
-        if value.ndim == 2 and qtype != T.F32:
-            data = quantize(value, qtype)
-            writer.add_tensor(gguf_name(name), data, raw_dtype=None if data.dtype != np.uint8 else qtype)
+        if value.ndim == 2 and type_of(name) != T.F32:
+            data = quantize(value, type_of(name))
+            writer.add_tensor(gguf_name(name), data, raw_dtype=None if data.dtype != np.uint8 else type_of(name))
         else:
             writer.add_tensor(gguf_name(name), value)
     for name, value in (extra or {}).items():
@@ -240,7 +243,8 @@ def test_round_trip_within_quantization_error(tmp_path, qtype):
         torch.testing.assert_close(got, torch.from_numpy(ref), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.BF16],
+                         ids=lambda t: t.name)
 def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     """Random bytes are valid blocks for every type (with finite float16 scales): decode like gguf-py."""
     from gguf import GGML_QUANT_SIZES
@@ -248,7 +252,8 @@ def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     block, nbytes = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
     raw = rng.integers(0, 256, size=(5 * 3, nbytes), dtype=np.uint8)
-    scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.BF16: []}[qtype]
+    scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
+                T.Q6_K: [208], T.BF16: []}[qtype]
     for at in scale_at:
         raw[:, at : at + 2] = _f16_bytes(rng.standard_normal(raw.shape[0]).astype(np.float32))
     if qtype == T.BF16:
@@ -327,8 +332,8 @@ def test_bfloat16_output_dtype(tmp_path):
 # ----------------------------------------------------------------------------- errors
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    path = write_gguf(tmp_path / "q5_0.gguf", hf_weights(), T.Q5_0)
-    with pytest.raises(GGUFError, match="Q5_0"):
+    path = write_gguf(tmp_path / "tq2_0.gguf", hf_weights(), T.TQ2_0)
+    with pytest.raises(GGUFError, match="TQ2_0"):
         load_gguf(path)
 
 
@@ -385,8 +390,8 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path):
 
 
 def test_dequantize_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="Q5_1"):
-        dequantize(np.zeros(24, np.uint8), int(T.Q5_1), (32,))
+    with pytest.raises(ValueError, match="TQ2_0"):
+        dequantize(np.zeros(66, np.uint8), int(T.TQ2_0), (256,))
     with pytest.raises(ValueError, match="needs"):
         dequantize(np.zeros(33, np.uint8), int(T.Q8_0), (32,))
     with pytest.raises(ValueError, match="not a ggml type"):

@@ -23,24 +23,25 @@ from gguf import GGMLQuantizationType as T
 
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.gguf import load_gguf
-from ninefold.llm.gguf_packed import Int4Codes, PackedLinear, Q8Codes
+from ninefold.llm.gguf_packed import GGUFRows, Int4Codes, PackedLinear, Q8Codes
 from ninefold.llm.sampling import SamplingParams
 from ninefold.ops import cpu_native
 
 from .test_gguf import hf_weights, write_gguf
 
 PACKED_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
+ROWS_TYPES = [T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K]  # kept as raw blocks (GGUFRows)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 77, 130, 9, 41], [200, 3, 3, 17, 88, 61, 150, 12, 99], [42]]
 
 
-@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PACKED_TYPES + ROWS_TYPES, ids=lambda t: t.name)
 def test_kept_codes_dequantize_exactly_like_the_float_loader(tmp_path, qtype):
     path = write_gguf(tmp_path / f"t-{qtype.name}.gguf", hf_weights(arch="llama", tied=False), qtype)
     dense = load_gguf(path).tensors
     kept = load_gguf(path, keep_quantized=True).tensors
     assert set(dense) == set(kept)
-    kind = Q8Codes if qtype == T.Q8_0 else Int4Codes
+    kind = Q8Codes if qtype == T.Q8_0 else GGUFRows if qtype in ROWS_TYPES else Int4Codes
     for name, tensor in dense.items():
         got = kept[name]
         if tensor.dim() == 1:
@@ -92,10 +93,10 @@ def test_packed_float32_engine_matches_the_dequantized_one(tmp_path, qtype, arch
     assert not _packed_linears(exact)
     assert all(isinstance(layer.gate_up, PackedLinear) for layer in packed.model.layers)
     assert isinstance(packed.model.lm_head, PackedLinear)
-    # packs on CPUs with bfloat16 (native kernels with int8 activations for Q4_0/Q4_1/Q8_0 where they
-    # build, else torch's int4 kernel in bfloat16) and, for the kernels' types, where they build with vector code
+    # packs on CPUs with bfloat16 (native kernels with int8 activations where they build, else torch's
+    # int4 kernel in bfloat16) and where the native kernels build with vector code
     auto = _engine(path, "float32", "auto")
-    blocks = cpu_native.fast() and qtype != T.Q4_K
+    blocks = cpu_native.fast()
     assert bool(_packed_linears(auto)) == (torch.ops.mkldnn._is_mkldnn_bf16_supported() or blocks)
     assert all((p.blocks is not None) == blocks for p in _packed_linears(auto))
     want = _first_step_logits(exact)

@@ -17,12 +17,13 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from ninefold.llm.gguf_dequant import INT4_TYPES, SUPPORTED_TYPES, dequantize, int4_codes, q8_0_codes
-from ninefold.llm.gguf_packed import Int4Codes, Q8Codes
+from ninefold.llm.gguf_packed import GGUFRows, Int4Codes, Q8Codes
 from ninefold.llm.gguf_reader import GGUFError, GGUFFile, read_gguf
 from ninefold.llm.gguf_tokenizer import build_tokenizer
 
@@ -75,9 +76,10 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     """Read a GGUF file: config, dequantized HF-named tensors (`dtype`), tokenizer and its config.
 
     `progress` shows a tqdm bar while dequantizing (default: when stderr is a terminal).
-    `keep_quantized`: Q4_0/Q4_1/Q4_K matrices come back as `gguf_packed.Int4Codes` and Q8_0
-    matrices as `gguf_packed.Q8Codes` (their codes and scales, nothing dequantized); the model
-    runs them on `ninefold.ops.linear_int4`.
+    `keep_quantized`: Q4_0/Q4_1/Q4_K matrices come back as `gguf_packed.Int4Codes`, Q8_0
+    matrices as `gguf_packed.Q8Codes` (their codes and scales, nothing dequantized) and other
+    quantized matrices as `gguf_packed.GGUFRows` (their raw blocks); the model packs them
+    (`gguf_packed.packed_linear`) or dequantizes them.
     Raises GGUFError (a ValueError) for unsupported architectures or tensor types, truncated or
     corrupt files and tensors that disagree with the metadata.
     """
@@ -225,7 +227,7 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bool | None,
-                  keep_quantized: bool = False) -> dict[str, torch.Tensor | Int4Codes | Q8Codes]:
+                  keep_quantized: bool = False) -> dict[str, torch.Tensor | Int4Codes | Q8Codes | GGUFRows]:
     required, extras = _expected_shapes(config)
     permuted = SUPPORTED_ARCHITECTURES[file.metadata["general.architecture"]][1]
     names = {}
@@ -282,6 +284,9 @@ def _read_tensor(file: GGUFFile, info, dtype: torch.dtype, keep_quantized: bool)
             return Int4Codes(*int4_codes(raw, info.ggml_type, tuple(info.shape)), info.type_name)
         if info.type_name == "Q8_0":
             return Q8Codes(*q8_0_codes(raw, tuple(info.shape)))
+        if info.type_name not in ("F32", "F16", "BF16"):
+            rows = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(info.shape[0], -1)
+            return GGUFRows(rows, info.ggml_type, info.shape[1])
     return dequantize(raw, info.ggml_type, info.shape, dtype)
 
 

@@ -47,6 +47,21 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return _f16(b, 0) * q + _f16(b, 2)
 
 
+def _five_bit_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 codes in ``[0, 31]`` ``[n, 32]``: value ``j``'s low bits are nibble ``j // 16`` of ``qs[j % 16]``
+    (low nibbles first), its fifth bit is bit ``j`` of the little-endian word ``qh``."""
+    high = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, 4 bytes, 8 bits]
+    return _nibbles(qs).reshape(-1, 32) | (high.reshape(-1, 32) << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_five_bit_codes(b[:, 2:6], b[:, 6:22]).float() - 16.0)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _five_bit_codes(b[:, 4:8], b[:, 8:24]).float() + _f16(b, 2)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scales_mins(b[:, 4:16])
@@ -84,6 +99,8 @@ _DECODERS = {
     T.Q8_0: _q8_0,
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
@@ -101,7 +118,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
     """Decode the bytes of one GGUF tensor into a `dtype` tensor of `shape` (PyTorch order).
 
     `raw` is the tensor's uint8 bytes; supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    Q4_K, Q5_K and Q6_K (`SUPPORTED_TYPES`). Anything else raises ValueError naming the type.
+    Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (`SUPPORTED_TYPES`). Anything else raises ValueError naming the type.
     """
     try:
         qtype = T(ggml_type)
@@ -181,13 +198,29 @@ def int4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
     return codes.reshape(n, k), scales.reshape(n, k // 32), offsets.reshape(n, k // 32)
 
 
-def q8_0_codes(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 matrix as ``(codes int8 [N, K], scales float32 [N, K // 32])``: value = code * scale."""
+def _matrix_blocks(raw: np.ndarray | torch.Tensor, qtype: T, shape: tuple[int, int]) -> torch.Tensor:
+    """The bytes of an ``[N, K]`` ``qtype`` matrix as ``[blocks, block_bytes]`` uint8 (size checked)."""
     if isinstance(raw, np.ndarray):
         raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
     n, k = shape
-    block, block_bytes = GGML_QUANT_SIZES[T.Q8_0]
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
     if k % block or raw.numel() != n * k // block * block_bytes:
-        raise ValueError(f"raw has {raw.numel()} bytes; shape {tuple(shape)} in Q8_0 needs {n * k // block * block_bytes}")
-    b = raw.reshape(-1).view(-1, block_bytes)
-    return b[:, 2:34].contiguous().view(torch.int8).reshape(n, k), _f16(b, 0).reshape(n, k // block)
+        raise ValueError(f"raw has {raw.numel()} bytes; shape {tuple(shape)} in {qtype.name} needs "
+                         f"{n * k // block * block_bytes}")
+    return raw.reshape(-1).view(-1, block_bytes)
+
+
+def q8_0_codes(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix as ``(codes int8 [N, K], scales float32 [N, K // 32])``: value = code * scale."""
+    b = _matrix_blocks(raw, T.Q8_0, shape)
+    n, k = shape
+    return b[:, 2:34].contiguous().view(torch.int8).reshape(n, k), _f16(b, 0).reshape(n, k // 32)
+
+
+def q5_0_codes(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q5_0 matrix as 8-bit codes: ``(codes int8 [N, K] in [-16, 15], scales float32 [N, K // 32])``, value =
+    code * scale exactly (the native CPU kernels' 8-bit blocks hold it without loss)."""
+    b = _matrix_blocks(raw, T.Q5_0, shape)
+    n, k = shape
+    codes = _five_bit_codes(b[:, 2:6], b[:, 6:22]).to(torch.int8) - 16
+    return codes.reshape(n, k), _f16(b, 0).reshape(n, k // 32)

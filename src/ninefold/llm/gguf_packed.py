@@ -1,14 +1,27 @@
 """GGUF matrices kept quantized, and the linear layers built from them.
 
-With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes`` and Q8_0
-matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy). The model turns them into
-``PackedLinear`` layers (``packed_linear``).
+With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes``, Q8_0
+matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy) and the other quantized types
+(Q5_0, Q5_1, Q5_K, Q6_K) as ``GGUFRows`` (their raw blocks). The model turns them into ``PackedLinear``
+layers (``packed_linear``).
 
 Where ninefold's native CPU kernels build with vector code (AVX-512 VNNI or AVX2: ``ninefold.ops.cpu_native``),
-Q4_0, Q4_1 and Q8_0 matrices become ``ops.BlockWeight`` (the same blocks, repacked in 16-row groups) and run on
-``ninefold.ops.linear_blocks`` (activations rounded to int8 per 32 values, as llama.cpp does); the
-CPU decode step (``llm/models/llama_cpu.py``) then runs whole layers natively. Otherwise (no compiler,
-``NINEFOLD_CPU_NATIVE=0``, Q4_K, other devices) they run on ``ninefold.ops.linear_int4``:
+every quantized matrix becomes an ``ops.BlockWeight`` (blocks of 32 values repacked in 16-row groups, one float16
+scale per block and an offset for 4 bits) and runs on ``ninefold.ops.linear_blocks`` (activations rounded to int8
+per 32 values, as llama.cpp does); the CPU decode step (``llm/models/llama_cpu.py``) then runs whole layers
+natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
+
+* all parts 4-bit: 4-bit blocks. Q4_0 and Q4_1 scales are float16 already; Q4_K's per-32 scale and offset
+  are products (``d * sc``, ``dmin * m``) and are rounded to float16 (relative error at most 2^-11, the
+  precision Q4_1 stores them with).
+* otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); the
+  rest (Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q5_K, Q6_K) requantized to 8 bits per 32 values
+  (``requantize_q8``: at most half a step of ``max|w| / 127`` per value, a quarter of a Q6_K step or less).
+  This is how a Q4_K_M file (Q4_K beside Q6_K and, for rows that are not a multiple of 256, Q5_0 or Q8_0)
+  runs natively.
+
+Otherwise (no compiler, ``NINEFOLD_CPU_NATIVE=0``, other devices) ``GGUFRows`` are dequantized exactly and
+the rest run on ``ninefold.ops.linear_int4``:
 
 * 4-bit matrices map exactly onto ``ops.Int4Weight`` (``w = code * scale + offset`` per 32 values).
 * A Q8_0 matrix (SmolLM2's tied embedding / lm_head) runs as two 4-bit halves of the same code:
@@ -30,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ninefold import ops
+from ninefold.llm.gguf_dequant import T, dequantize, q5_0_codes
 
 # Steps with more rows than this use the dense copy when there is one. Measured in the engine on
 # the 2-core EPYC (SmolLM2, bf16, 2 threads), where weights stream from memory rather than sit in
@@ -63,6 +77,17 @@ class Int4Codes:
     def int4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scales, self.offsets
 
+    def fp16_scaled(self) -> Int4Codes:
+        """This matrix with its scales and offsets rounded to float16 values (unchanged for Q4_0/Q4_1)."""
+        return Int4Codes(self.codes, _fp16_values(self.scales, self.type_name),
+                         _fp16_values(self.offsets, self.type_name), self.type_name)
+
+    def to_q8(self) -> Q8Codes:
+        """8-bit codes of this matrix: exact for Q4_0 (offset -8 * scale), requantized otherwise."""
+        if torch.equal(self.offsets, -8 * self.scales):
+            return Q8Codes(self.codes.to(torch.int8) - 8, self.scales, self.type_name)
+        return requantize_q8(self.dequantize(), self.type_name)
+
 
 @dataclass
 class Q8Codes:
@@ -91,7 +116,69 @@ class Q8Codes:
         return codes, torch.cat((16 * d, d), dim=1), torch.cat((torch.zeros_like(d), -128 * d), dim=1)
 
 
-QUANTIZED = (Int4Codes, Q8Codes)
+    def to_q8(self) -> Q8Codes:
+        return self
+
+
+@dataclass
+class GGUFRows:
+    """A GGUF matrix of a type the packed layers do not take as it is (Q5_0, Q5_1, Q5_K, Q6_K): its raw
+    blocks, one row of ``row_bytes`` per weight row (``raw`` uint8 ``[N, row_bytes]``), decoded on demand."""
+
+    raw: torch.Tensor
+    ggml_type: int
+    k: int
+
+    @property
+    def type_name(self) -> str:
+        return T(self.ggml_type).name
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.k
+
+    def map_rows(self, fn) -> GGUFRows:
+        return GGUFRows(fn(self.raw), self.ggml_type, self.k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.raw.reshape(-1), self.ggml_type, self.shape, dtype)
+
+    def to_q8(self) -> Q8Codes:
+        """8-bit codes of this matrix: exact for Q5_0, requantized (``requantize_q8``) for the others."""
+        if self.ggml_type == T.Q5_0:
+            return Q8Codes(*q5_0_codes(self.raw.reshape(-1), self.shape), self.type_name)
+        return requantize_q8(self.dequantize(), self.type_name)
+
+
+QUANTIZED = (Int4Codes, Q8Codes, GGUFRows)
+
+
+def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
+    """``weight`` ``[N, K]`` (K a multiple of 32) as 8-bit codes with one float16-exact scale per 32 values:
+    scale ``max|w| / 127`` rounded to float16, code ``round(w / scale)`` in ``[-127, 127]``."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // 32, 32)
+    scales = _fp16_values(blocks.abs().amax(-1) / 127, type_name)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return Q8Codes(codes.reshape(n, k), scales, type_name)
+
+
+def native_matrix(parts: list) -> Int4Codes | Q8Codes:
+    """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit, else
+    8-bit (see the module docstring for which conversions are exact)."""
+    if all(type(p) is Int4Codes for p in parts):
+        return cat_rows([p.fp16_scaled() for p in parts])
+    return cat_rows([p.to_q8() for p in parts])
+
+
+def _fp16_values(values: torch.Tensor, type_name: str) -> torch.Tensor:
+    """``values`` rounded to float16 (kept as float32); a value beyond float16's range is an error."""
+    rounded = values.to(torch.float16).float()
+    if not torch.isfinite(rounded).all():
+        raise ValueError(f"a {type_name} matrix has block scales beyond float16's range (max "
+                         f"{values.abs().max().item():.3g}); load it with quantization='none'")
+    return rounded
 
 
 def cat_rows(parts: list) -> Int4Codes | Q8Codes | torch.Tensor | None:
@@ -163,53 +250,44 @@ class PackedLinear:
 
 def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep_dense: bool,
                   compute_dtype: torch.dtype | None = None, blocks_only: bool = False) -> PackedLinear | None:
-    """A ``PackedLinear`` of ``parts`` stacked by rows, or None when they are not all one kind of
-    GGUF-quantized matrix (the caller then dequantizes). ``keep_dense`` also keeps a ``dtype`` copy
-    (the model's dtype: a float32 model prefills with exact float32 weights). ``blocks_only``: None
-    too where the native kernels cannot take the matrix (Q4_K; CPUs whose torch int4 kernel would run
-    float32 activations on its slow path)."""
-    whole = cat_rows(parts)
-    if whole is None:
+    """A ``PackedLinear`` of ``parts`` stacked by rows, or None where it cannot hold them (the caller then
+    dequantizes). On CPUs where the native kernels build with vector code every quantized matrix is packed
+    as ``ops.BlockWeight`` (``native_matrix``); elsewhere only matrices all of one exact kind (all 4-bit or
+    all Q8_0) are, on ``ops.linear_int4``. ``keep_dense`` also keeps a ``dtype`` copy, dequantized exactly
+    (the model's dtype: a float32 model prefills with exact float32 weights). ``blocks_only``: None instead of
+    the ``linear_int4`` form (CPUs whose torch int4 kernel would run float32 activations on its slow path)."""
+    from ninefold.ops import cpu_native
+
+    native = device.type == "cpu" and cpu_native.fast()  # the portable C loops are slower than torch's int4 kernel
+    whole = native_matrix(parts) if native else cat_rows(parts)
+    if whole is None or (blocks_only and not native):
         return None
     n, k = whole.shape
-    # In a float32 model the packed calls (prefill steps of up to DENSE_MIN_ROWS rows, the lm_head) round
-    # activations twice as finely (ops.BlockWeight's activation_terms=2, ~1e-4 relative): logits pick
-    # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
-    # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
-    terms = 2 if dtype == torch.float32 else 1
-    blocks = _block_weight(whole, terms) if device.type == "cpu" else None
-    if blocks is None and blocks_only:
-        return None
-    dense = whole.dequantize(dtype).to(device) if keep_dense else None
-    if blocks is not None:
+    dense = None
+    if keep_dense:
+        dense = torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
+        dense = dense.to(device)
+    if native:
+        # In a float32 model the packed calls (prefill steps of up to DENSE_MIN_ROWS rows, the lm_head) round
+        # activations twice as finely (ops.BlockWeight's activation_terms=2, ~1e-4 relative): logits pick
+        # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
+        # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
+        blocks = _block_weight(whole, 2 if dtype == torch.float32 else 1)
         return PackedLinear(None, n, k, doubled=False, dense=dense, compute_dtype=compute_dtype, blocks=blocks)
     codes, scales, offsets = whole.int4_parts()
     weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)
     return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)
 
 
-def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | None:
-    """The native kernels' form of ``whole`` when they are built with vector code and its scales are
-    fp16 values (Q4_0, Q4_1, Q8_0; not Q4_K, whose sub-block scales are products); else None."""
-    from ninefold.ops import cpu_native
-
-    if not cpu_native.fast():  # the portable C loops are for correctness, slower than torch's int4 kernel
-        return None
+def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight:
+    """The native kernels' form of ``whole`` (whose scales and offsets are float16 values)."""
     # A dozen small copies per matrix: on one thread they take as long, and a core taken by another
     # process does not stall each of them at an OpenMP barrier.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _repack(whole, terms)
+        if isinstance(whole, Q8Codes):
+            return ops.BlockWeight(whole.codes, whole.scales, None, bits=8, activation_terms=terms)
+        return ops.BlockWeight(whole.codes, whole.scales, whole.offsets, bits=4, activation_terms=terms)
     finally:
         torch.set_num_threads(threads)
-
-
-def _repack(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight | None:
-    if isinstance(whole, Q8Codes):
-        if not ops.BlockWeight.fits(whole.scales):
-            return None
-        return ops.BlockWeight(whole.codes, whole.scales, None, bits=8, activation_terms=terms)
-    if not ops.BlockWeight.fits(whole.scales, whole.offsets):
-        return None
-    return ops.BlockWeight(whole.codes, whole.scales, whole.offsets, bits=4, activation_terms=terms)

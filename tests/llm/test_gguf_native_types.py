@@ -1,0 +1,167 @@
+"""Every quantized GGUF type on the native CPU kernels' blocks (``gguf_packed.native_matrix``).
+
+What is asserted and why:
+* the conversions that can be exact are (Q8_0, Q5_0, Q4_0 as 8-bit codes; Q4_0/Q4_1 as 4-bit), bit for bit;
+* Q4_K's per-block products ``d * sc`` and ``dmin * m``, rounded to float16, move no weight by more than
+  2^-11 of its block's scale and offset;
+* requantized types (Q5_1, Q5_K, Q6_K; 4-bit parts stacked with 8-bit ones) move no weight by more than
+  half an 8-bit step of its block, which is at most a quarter of a Q6_K step;
+* a model mixed like llama.cpp's Q4_K_M (Q4_K beside Q6_K, Q5_0 and Q8_0) runs its decode step natively,
+  and its logits stay as close to the dequantized float32 model as a bfloat16 model of the same weights does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ninefold import ops
+from ninefold.llm.engine import LLMEngine
+from ninefold.llm.gguf_dequant import int4_codes, q8_0_codes
+from ninefold.llm.gguf_packed import GGUFRows, Int4Codes, PackedLinear, Q8Codes, native_matrix, requantize_q8
+from ninefold.llm.models import llama_cpu
+from ninefold.llm.sampling import SamplingParams
+from ninefold.ops import cpu_native
+
+from .test_gguf import hf_weights, quantize, write_gguf
+
+N, K = 48, 512
+
+
+def _weights(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    w[3, :64] += 4.0  # blocks far from zero-centred: offsets matter
+    w[5, 32:64] = 0.0  # an all-zero block
+    return w
+
+
+def _kept(qtype: T, w: np.ndarray) -> Int4Codes | Q8Codes | GGUFRows:
+    """What ``load_gguf(keep_quantized=True)`` returns for ``w`` stored as ``qtype``."""
+    raw = torch.from_numpy(np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(w.shape[0], -1).copy())
+    if qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
+        return Int4Codes(*int4_codes(raw.reshape(-1), int(qtype), w.shape), qtype.name)
+    if qtype == T.Q8_0:
+        return Q8Codes(*q8_0_codes(raw.reshape(-1), w.shape))
+    return GGUFRows(raw, int(qtype), w.shape[1])
+
+
+def _block_bound(exact: torch.Tensor) -> torch.Tensor:
+    """Half an 8-bit step (``max|w| / 127`` of its block, float16-rounded) of every weight, ``[N, K]``."""
+    n, k = exact.shape
+    step = exact.abs().reshape(n, k // 32, 32).amax(-1) / 127 * (1 + 2.0**-10)
+    return (step / 2).repeat_interleave(32, dim=1) + 1e-12
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_0], ids=lambda t: t.name)
+def test_exact_8_bit_forms(qtype):
+    kept = _kept(qtype, _weights())
+    q8 = kept.to_q8()
+    assert q8.codes.dtype == torch.int8 and int(q8.codes.abs().max()) <= 127
+    torch.testing.assert_close(q8.dequantize(), kept.dequantize(), rtol=0, atol=0)
+    assert ops.BlockWeight.fits(q8.scales)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_legacy_4_bit_stays_4_bit_and_exact(qtype):
+    kept = _kept(qtype, _weights())
+    whole = native_matrix([kept, kept])
+    assert isinstance(whole, Int4Codes) and whole.shape == (2 * N, K)
+    torch.testing.assert_close(whole.dequantize(), torch.cat([kept.dequantize()] * 2), rtol=0, atol=0)
+
+
+def test_q4_k_scales_rounded_to_float16_within_their_precision():
+    kept = _kept(T.Q4_K, _weights())
+    assert not ops.BlockWeight.fits(kept.scales, kept.offsets)  # products of d and 6-bit sc: not float16 values
+    whole = native_matrix([kept])
+    assert isinstance(whole, Int4Codes) and ops.BlockWeight.fits(whole.scales, whole.offsets)
+    bound = (kept.scales.abs() * 15 + kept.offsets.abs()) * 2.0**-11
+    err = (whole.dequantize() - kept.dequantize()).abs().reshape(N, K // 32, 32).amax(-1)
+    assert (err <= bound + 1e-12).all()
+    assert err.max() > 0  # the rounding is real, not skipped
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_1, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_requantized_types_within_half_an_8_bit_step(qtype):
+    kept = _kept(qtype, _weights())
+    exact = kept.dequantize()
+    q8 = kept.to_q8()
+    err = (q8.dequantize() - exact).abs()
+    assert (err <= _block_bound(exact)).all()
+    assert torch.equal(q8.dequantize()[5, 32:64], torch.zeros(32))  # the zero block stays zero, no NaN
+    if qtype == T.Q6_K:  # a quarter of Q6_K's own step: max|w| / 127 / 2 against d * max(sc) (~max|w| / 32)
+        assert (err.reshape(N, K // 32, 32).amax(-1) <= exact.abs().reshape(N, K // 32, 32).amax(-1) / 250).all()
+
+
+def test_mixed_parts_become_8_bit_in_row_order():
+    w = _weights()
+    parts = [_kept(T.Q4_K, w[:16]), _kept(T.Q4_K, w[16:32]), _kept(T.Q6_K, w[32:])]
+    whole = native_matrix(parts)
+    assert isinstance(whole, Q8Codes) and whole.shape == (N, K)
+    exact = torch.cat([p.dequantize() for p in parts])
+    assert ((whole.dequantize() - exact).abs() <= _block_bound(exact)).all()
+
+
+def test_requantize_q8_refuses_scales_beyond_float16():
+    with pytest.raises(ValueError, match="Q6_K matrix has block scales beyond float16's range"):
+        requantize_q8(torch.full((1, 32), 1e7), "Q6_K")
+
+
+def test_gguf_rows_keep_the_row_permutation():
+    w = _weights()
+    kept = _kept(T.Q6_K, w)
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(kept.map_rows(lambda t: t[order]).dequantize(), kept.dequantize()[order], rtol=0, atol=0)
+
+
+# -- a Q4_K_M-like model --------------------------------------------------------------------------------------
+
+def _q4_k_m(name: str) -> T:
+    """llama.cpp's Q4_K_M mix: Q4_K, Q6_K for v and down, Q5_0 for o (its fallback type), Q8_0 embeddings."""
+    if "v_proj" in name or "down_proj" in name:
+        return T.Q6_K
+    if "o_proj" in name:
+        return T.Q5_0
+    if "embed" in name or "lm_head" in name:
+        return T.Q8_0
+    return T.Q4_K
+
+
+def _engine(path, dtype, quantization):
+    return LLMEngine(str(path), dtype=dtype, device="cpu", block_size=4, num_kv_blocks=64,
+                     enable_prefix_caching=False, quantization=quantization)
+
+
+def _decode_shaped_logits(engine) -> torch.Tensor:
+    """Logits of one step of three one-token prompts: a decode-shaped step (the native decode step on the CPU)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, token in enumerate((5, 77, 130)):
+        engine.add_request(engine.build_request([token], params, f"r{i}"))
+    logits = engine.runner.forward_logits(engine.scheduler.schedule())
+    for i in range(3):
+        engine.abort_request(f"r{i}")
+    return logits
+
+
+def test_q4_k_m_mix_runs_natively_and_close_to_the_float_model(tmp_path):
+    path = write_gguf(tmp_path / "q4_k_m.gguf", hf_weights(arch="llama", tied=True), _q4_k_m, arch="llama")
+    exact = _engine(path, "float32", "none")
+    want = _decode_shaped_logits(exact)
+    with cpu_native.enabled(False):  # no native kernels: the mixed matrices are dequantized exactly
+        plain = _engine(path, "float32", "auto")
+    for layer in plain.model.layers:
+        assert isinstance(layer.qkv, torch.Tensor) and isinstance(layer.down, torch.Tensor)
+    torch.testing.assert_close(_decode_shaped_logits(plain), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if not cpu_native.fast():
+        pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
+    auto = _engine(path, "float32", "auto")
+    m = auto.model
+    bits = {f: {getattr(layer, f).blocks.bits for layer in m.layers} for f in ("qkv", "o", "gate_up", "down")}
+    assert bits == {"qkv": {8}, "o": {8}, "gate_up": {4}, "down": {8}}
+    assert isinstance(m.lm_head, PackedLinear) and m.lm_head.blocks.bits == 8
+    assert llama_cpu.NativeDecoder.why_not(m) is None
+    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    auto_err = (_decode_shaped_logits(auto) - want).abs().max()
+    assert auto_err <= 2 * bf16_err, (auto_err, bf16_err)
