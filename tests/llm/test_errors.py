@@ -72,6 +72,10 @@ def test_config_errors_name_the_field():
         ModelConfig.from_dict({**base, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="rope_scaling.*yarn"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    for factors in ([1.0] * 7, [1.0] * 7 + [0.0], [1.0] * 7 + [float("inf")], None, "8"):  # head_dim 16: 8 needed
+        with pytest.raises(ValueError, match=r"rope_type 'freq_factors' needs freq_factors, 8 positive finite"):
+            ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "freq_factors", "freq_factors": factors}})
+    assert ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "freq_factors", "freq_factors": [2] * 8}})
     with pytest.raises(ValueError, match="intermediate_size"):
         ModelConfig.from_dict({k: v for k, v in base.items() if k != "intermediate_size"})
 

@@ -384,9 +384,66 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path):
     path = write_gguf(tmp_path / "s.gguf", weights, T.F32, metadata_overrides={"feed_forward_length": 512})
     with pytest.raises(GGUFError, match="shape"):
         load_gguf(path)
-    path = write_gguf(tmp_path / "r.gguf", weights, T.F32, extra={"rope_freqs.weight": np.ones(32, np.float32)})
-    with pytest.raises(GGUFError, match="rope_freqs"):
+    path = write_gguf(tmp_path / "r.gguf", weights, T.F32, extra={"rope_freqs.weight": np.ones(16, np.float32)})
+    with pytest.raises(GGUFError, match=r"rope_freqs.weight is F32 of shape \(16,\); expected .* shape \(32,\)"):
         load_gguf(path)
+    path = write_gguf(tmp_path / "z.gguf", weights, T.F32, extra={"rope_freqs.weight": np.zeros(32, np.float32)})
+    with pytest.raises(GGUFError, match="not positive and finite"):
+        load_gguf(path)
+
+
+def llama_cpp_rope_factors(base: float, dim: int, factor: float, low: float, high: float, old_len: int) -> np.ndarray:
+    """The rope_freqs.weight llama.cpp's converter writes for a llama3 ``rope_scaling`` (its published formula,
+    written out here independently of ninefold's)."""
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * base ** (i / dim)
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def test_rope_freqs_give_transformers_llama3_frequencies(tmp_path):
+    """A Llama 3.1-style GGUF (rope_freqs.weight) loads, and its frequencies are transformers' llama3 ones."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ninefold.llm.config import ModelConfig, rope_inv_freq
+
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    factors = llama_cpp_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64)
+    assert len(set(factors.tolist())) > 3  # all three regimes: kept, divided by 8, interpolated
+    ckpt = load_gguf(write_gguf(tmp_path / "l31.gguf", hf_weights(), T.F32, extra={"rope_freqs.weight": factors}))
+    assert "rope_freqs.weight" not in ckpt.tensors
+    assert ckpt.config["rope_scaling"] == {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                                                        rope_theta=10000.0, rope_scaling=scaling), "cpu")
+    torch.testing.assert_close(rope_inv_freq(ModelConfig.from_dict(ckpt.config)), want.float(), rtol=1e-6, atol=0)
+
+
+def test_rope_freqs_reach_the_model(tmp_path):
+    """Factors of 1 change nothing; llama3 factors change the logits of a long prompt."""
+    from ninefold import LLM, SamplingParams
+
+    weights = hf_weights()
+    prompt = [{"prompt_token_ids": [(7 * i) % 90 + 5 for i in range(120)]}]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def top5(extra):
+        llm = LLM(str(write_gguf(tmp_path / f"m{len(extra)}{sum(extra.get('rope_freqs.weight', [0]))}.gguf",
+                                 weights, T.F32, extra=extra)), device="cpu")
+        return llm.generate(prompt, params)[0].outputs[0].logprobs[0]
+
+    plain = top5({})
+    assert top5({"rope_freqs.weight": np.ones(HEAD_DIM // 2, np.float32)}) == plain
+    scaled = top5({"rope_freqs.weight": llama_cpp_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 16)})
+    assert scaled != plain
 
 
 def test_dequantize_rejects_bad_arguments():

@@ -166,10 +166,13 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
-            elif kind != "llama3":
-                raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3'")
-            else:
+            elif kind == "llama3":
                 _check_llama3_scaling(scaling)
+            elif kind == "freq_factors":
+                _check_freq_factors(scaling, head_dim)
+            else:
+                raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3', "
+                                 "'freq_factors'")
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         sliding = config.get("sliding_window")
@@ -214,13 +217,35 @@ def _check_llama3_scaling(scaling: dict) -> None:
                          f"{numbers['low_freq_factor']!r} and {numbers['high_freq_factor']!r}")
 
 
-def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
-    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest."""
+def _check_freq_factors(scaling: dict, head_dim: int) -> None:
+    """rope_type 'freq_factors' (ninefold's form of a GGUF ``rope_freqs`` tensor) needs ``freq_factors``: one
+    positive number per rotated pair, ``head_dim / 2`` of them."""
+    factors = scaling.get("freq_factors")
+    if (not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2
+            or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf for f in factors)):
+        shown = factors if not isinstance(factors, (list, tuple)) else f"{len(factors)} values"
+        raise ValueError(f"rope_scaling: rope_type 'freq_factors' needs freq_factors, {head_dim // 2} positive finite "
+                         f"numbers (head_dim / 2); got {shown}")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies ``[head_dim / 2]`` float32, scaled as ``config.rope_scaling`` says: llama3's
+    smooth interpolation, or per-frequency divisors (``freq_factors``: ``inv_freq / factor``, as llama.cpp
+    applies a GGUF's ``rope_freqs``)."""
     dim = config.head_dim
     # float32 throughout, rounding the way the reference implementation (transformers) does
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if config.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) == "freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    return _llama3_scale(inv_freq, scaling)
+
+
+def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
+    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest."""
+    inv_freq = rope_inv_freq(config)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)

@@ -132,11 +132,6 @@ def gguf_config(file: GGUFFile) -> dict:
     rope_dim = get("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise GGUFError(f"GGUF file {file.path}: rotary dimension {rope_dim} != head size {head_dim} (partial rotary) is not supported")
-    if "rope_freqs.weight" in file.tensors:
-        raise GGUFError(
-            f"GGUF file {file.path} holds rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1 scaling); "
-            "not supported from GGUF"
-        )
     tokens = meta.get("tokenizer.ggml.tokens")
     embed = file.tensors.get("token_embd.weight")
     vocab = get("vocab_size") or (len(tokens) if tokens is not None else None) or (embed.shape[0] if embed else None)
@@ -154,7 +149,7 @@ def gguf_config(file: GGUFFile) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(get),
+        "rope_scaling": _rope_freq_factors(file, head_dim) or _rope_scaling(get),
         "vocab_size": int(vocab),
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
@@ -168,6 +163,25 @@ def gguf_config(file: GGUFFile) -> dict:
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
     return config
+
+
+def _rope_freq_factors(file: GGUFFile, head_dim: int) -> dict | None:
+    """A GGUF's ``rope_freqs.weight`` (per-frequency divisors, which llama.cpp's converter writes for Llama
+    3.1/3.2's llama3 scaling) as ``rope_scaling`` ``{"rope_type": "freq_factors", "freq_factors": [...]}``."""
+    info = file.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    arch = file.metadata["general.architecture"]
+    if file.metadata.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise GGUFError(f"GGUF file {file.path} holds rope_freqs.weight and {arch}.rope.scaling.type "
+                        f"{file.metadata[f'{arch}.rope.scaling.type']!r}; the two together are not supported")
+    if tuple(info.shape) != (head_dim // 2,) or info.type_name not in ("F32", "F16", "BF16"):
+        raise GGUFError(f"GGUF file {file.path}: rope_freqs.weight is {info.type_name} of shape {tuple(info.shape)}; "
+                        f"expected float values of shape ({head_dim // 2},) (head_dim / 2)")
+    factors = dequantize(file.tensor_bytes(info), info.ggml_type, tuple(info.shape)).tolist()
+    if not all(0 < f < float("inf") for f in factors):
+        raise GGUFError(f"GGUF file {file.path}: rope_freqs.weight holds values that are not positive and finite")
+    return {"rope_type": "freq_factors", "freq_factors": factors}
 
 
 def _rope_scaling(get) -> dict | None:
@@ -232,6 +246,8 @@ def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bo
     permuted = SUPPORTED_ARCHITECTURES[file.metadata["general.architecture"]][1]
     names = {}
     for name, info in file.tensors.items():
+        if name == "rope_freqs.weight":  # read into the config (rope_scaling) by gguf_config
+            continue
         target = hf_name(name)
         if target is None or (target not in required and target not in extras):
             raise GGUFError(
