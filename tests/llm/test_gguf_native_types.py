@@ -129,8 +129,8 @@ def _q4_k_m(name: str) -> T:
     return T.Q4_K
 
 
-def _engine(path, dtype, quantization):
-    return LLMEngine(str(path), dtype=dtype, device="cpu", block_size=4, num_kv_blocks=64,
+def _engine(path, dtype, quantization, device="cpu"):
+    return LLMEngine(str(path), dtype=dtype, device=device, block_size=4, num_kv_blocks=64,
                      enable_prefix_caching=False, quantization=quantization)
 
 
@@ -165,3 +165,15 @@ def test_q4_k_m_mix_runs_natively_and_close_to_the_float_model(tmp_path):
     bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
     auto_err = (_decode_shaped_logits(auto) - want).abs().max()
     assert auto_err <= 2 * bf16_err, (auto_err, bf16_err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_q4_k_m_mix_on_cuda_is_the_dequantized_model(tmp_path):
+    """On a GPU every GGUF matrix is dequantized (GGUFRows included): the CPU's exact float32 logits."""
+    path = write_gguf(tmp_path / "q4_k_m.gguf", hf_weights(arch="llama", tied=True), _q4_k_m, arch="llama")
+    want = _decode_shaped_logits(_engine(path, "float32", "none"))
+    cuda = _engine(path, "float32", "auto", device="cuda")
+    assert not any(isinstance(getattr(layer, f), PackedLinear) for layer in cuda.model.layers
+                   for f in ("qkv", "o", "gate_up", "down"))
+    got = _decode_shaped_logits(cuda).float().cpu()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
