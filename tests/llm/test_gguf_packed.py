@@ -116,15 +116,15 @@ def test_packed_float32_engine_matches_the_dequantized_one(tmp_path, qtype, arch
 
 def test_int4_mode_keeps_no_dense_copy_and_auto_does(tmp_path):
     path = write_gguf(tmp_path / "q41.gguf", hf_weights(), T.Q4_1)
-    auto, int4 = _engine(path, "bfloat16", "auto"), _engine(path, "bfloat16", "int4")
-    if auto.model.pack:  # packing pays on this CPU (bfloat16 or a VNNI build): packed, with a dense copy
+    auto, int4 = _engine(path, "float32", "auto"), _engine(path, "float32", "int4")
+    if auto.model.pack:  # packing pays on this CPU (bfloat16 or a native build): packed, with a dense copy
         assert all(layer.down.dense is not None for layer in auto.model.layers)
     else:  # neither: "auto" keeps the dequantized weights only
         assert all(isinstance(layer.down, torch.Tensor) for layer in auto.model.layers)
     assert all(layer.down.dense is None for layer in int4.model.layers)
     assert int4.model.weight_bytes < auto.model.weight_bytes
-    # a prefill of more than DENSE_MIN_ROWS tokens runs on the dense copy in "auto" and on int4
-    # codes in "int4"; both are the same Q4_1 weights in bf16 arithmetic
+    # a prefill of more than DENSE_MIN_ROWS tokens runs on the dense copy in "auto" and on the packed
+    # codes in "int4"; both are the same Q4_1 weights
     long_prompt = [[(7 * i) % 250 + 3 for i in range(40)]]
     outs = []
     for engine in (auto, int4):
@@ -132,6 +132,19 @@ def test_int4_mode_keeps_no_dense_copy_and_auto_does(tmp_path):
         outs.append(engine.runner.forward_logits(engine.scheduler.schedule()))
     scale = outs[0].abs().max().item()
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.05 * scale)
+
+
+def test_half_models_keep_a_dense_copy_only_where_torch_multiplies_them_fast(tmp_path):
+    """Without a fast bfloat16 GEMM the native blocks prefill faster than a bfloat16 copy (docs/perf/cpu.md)."""
+    from ninefold.ops import cpu_upcast
+
+    path = write_gguf(tmp_path / "q41.gguf", hf_weights(), T.Q4_1)
+    engine = _engine(path, "bfloat16", "auto")
+    if not engine.model.pack:
+        pytest.skip("nothing is packed on this CPU")
+    slow = (all(p.blocks is not None for p in _packed_linears(engine))
+            and not cpu_upcast.native_half_gemm(torch.bfloat16))
+    assert all((layer.down.dense is None) == slow for layer in engine.model.layers)
 
 
 def test_bad_quantization_is_refused(tmp_path):

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(_row(result), flush=True)
     print()
-    print(format_table(results))
+    print(format_table(results, args.prefill_tokens))
     out = args.out or (os.path.join(os.environ["OUT"], "cpu.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -443,7 +443,7 @@ def _row(r: Result) -> str:
             f"load avg {r.extra.get('loadavg_1min')}  {r.note}")
 
 
-def format_table(results: list[Result]) -> str:
+def format_table(results: list[Result], prefill_tokens: int = 512) -> str:
     """A markdown table; ninefold rows get their ratio to the best peer in each column."""
     keys = ("load_s", "decode_b1_tok_s", "prefill_tok_s", "decode_b8_tok_s")
     peers = [r for r in results if not r.system.startswith("ninefold")]
@@ -451,7 +451,7 @@ def format_table(results: list[Result]) -> str:
     for key in keys:
         values = [getattr(r, key) for r in peers if getattr(r, key) is not None]
         best[key] = (min(values) if key == "load_s" else max(values)) if values else None
-    lines = ["| system | load (s) | batch-1 decode (tok/s) | prefill 512 (tok/s) | batch-8 decode (tok/s) "
+    lines = [f"| system | load (s) | batch-1 decode (tok/s) | prefill {prefill_tokens} (tok/s) | batch-8 decode (tok/s) "
              "| machine load avg (before, after) | note |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:

@@ -20,7 +20,7 @@ from ninefold import ops
 from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
 from ninefold.llm.gguf_packed import QUANTIZED, PackedLinear, packed_linear
 from ninefold.llm.models import llama_cpu
-from ninefold.ops import cpu_native
+from ninefold.ops import cpu_native, cpu_upcast
 from ninefold.runtime.memory import WeightStore
 
 # Steps of at most this many tokens call the fused norm/activation + linear operators (decode steps of few
@@ -159,7 +159,14 @@ class LlamaForCausalLM:
         c = config
         layer_elems = c.num_layers * c.hidden_size * (self.q_size + 2 * self.kv_size + self.q_size
                                                       + 3 * c.intermediate_size)
-        self.dense_copies = mode == "auto" and layer_elems * self.dtype.itemsize <= DENSE_COPY_BUDGET
+        # A dense copy serves prefill where it beats the blocks: float32 (oneDNN/MKL GEMM) or a half dtype torch
+        # multiplies fast. Without such a GEMM (AVX2: ops/cpu_upcast.py converts the weight to float32 on every
+        # call) the native blocks win at every row count: SmolLM2 in bfloat16 prefilled 512 tokens at 691 tok/s on
+        # the blocks against 533 on the copy (docs/perf/cpu.md), and a Llama-3.2-1B-shaped model 32 tokens at
+        # 13.6 tok/s on the copy.
+        slow_half = (cpu_blocks and self.dtype in (torch.bfloat16, torch.float16)
+                     and not cpu_upcast.native_half_gemm(self.dtype))
+        self.dense_copies = mode == "auto" and not slow_half and layer_elems * self.dtype.itemsize <= DENSE_COPY_BUDGET
 
     def _matrix(self, parts: list, dense_copy: bool = True) -> torch.Tensor | PackedLinear:
         """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense."""
