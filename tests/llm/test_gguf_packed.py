@@ -147,6 +147,23 @@ def test_half_models_keep_a_dense_copy_only_where_torch_multiplies_them_fast(tmp
     assert all((layer.down.dense is None) == slow for layer in engine.model.layers)
 
 
+def test_float32_layer_blocks_round_finely_only_beside_a_dense_copy(tmp_path, monkeypatch):
+    """Two-term int8 activations cost twice the work: kept for the output layer and for matrices whose packed
+    calls are only short prefill chunks (a dense copy takes the long ones); one term where the blocks prefill."""
+    import ninefold.llm.models.llama as llama
+
+    if not cpu_native.fast():
+        pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
+    path = write_gguf(tmp_path / "q41.gguf", hf_weights(), T.Q4_1)
+    for budget, layer_terms in ((llama.DENSE_COPY_BUDGET, 2), (0, 1)):
+        monkeypatch.setattr(llama, "DENSE_COPY_BUDGET", budget)
+        model = _engine(path, "float32", "auto").model
+        assert model.lm_head.blocks.activation_terms == 2
+        assert {getattr(ly, f).blocks.activation_terms for ly in model.layers for f in ("qkv", "o", "gate_up", "down")} \
+            == {layer_terms}
+        assert all((ly.down.dense is not None) == (layer_terms == 2) for ly in model.layers)
+
+
 def test_bad_quantization_is_refused(tmp_path):
     path = write_gguf(tmp_path / "q41.gguf", hf_weights(), T.Q4_1)
     with pytest.raises(ValueError, match="quantization: got 'q4'; supported: 'auto', 'int4', 'none'"):

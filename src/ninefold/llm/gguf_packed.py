@@ -249,13 +249,16 @@ class PackedLinear:
 
 
 def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep_dense: bool,
-                  compute_dtype: torch.dtype | None = None, blocks_only: bool = False) -> PackedLinear | None:
+                  compute_dtype: torch.dtype | None = None, blocks_only: bool = False,
+                  fine_activations: bool | None = None) -> PackedLinear | None:
     """A ``PackedLinear`` of ``parts`` stacked by rows, or None where it cannot hold them (the caller then
     dequantizes). On CPUs where the native kernels build with vector code every quantized matrix is packed
     as ``ops.BlockWeight`` (``native_matrix``); elsewhere only matrices all of one exact kind (all 4-bit or
     all Q8_0) are, on ``ops.linear_int4``. ``keep_dense`` also keeps a ``dtype`` copy, dequantized exactly
     (the model's dtype: a float32 model prefills with exact float32 weights). ``blocks_only``: None instead of
-    the ``linear_int4`` form (CPUs whose torch int4 kernel would run float32 activations on its slow path)."""
+    the ``linear_int4`` form (CPUs whose torch int4 kernel would run float32 activations on its slow path).
+    ``fine_activations``: the native blocks round activations in two terms (``ops.BlockWeight``'s
+    ``activation_terms=2``); default: in a float32 model."""
     from ninefold.ops import cpu_native
 
     native = device.type == "cpu" and cpu_native.fast()  # the portable C loops are slower than torch's int4 kernel
@@ -272,7 +275,8 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
         # activations twice as finely (ops.BlockWeight's activation_terms=2, ~1e-4 relative): logits pick
         # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
         # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
-        blocks = _block_weight(whole, 2 if dtype == torch.float32 else 1)
+        fine = dtype == torch.float32 if fine_activations is None else fine_activations
+        blocks = _block_weight(whole, 2 if fine else 1)
         return PackedLinear(None, n, k, doubled=False, dense=dense, compute_dtype=compute_dtype, blocks=blocks)
     codes, scales, offsets = whole.int4_parts()
     weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)

@@ -114,11 +114,11 @@ class LlamaForCausalLM:
         embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         fused = {"embed": embed, "norm": take("model.norm.weight", (config.hidden_size,))}
         if config.tie_word_embeddings:
-            fused["lm_head"] = self._matrix([embed], dense_copy=False)
+            fused["lm_head"] = self._matrix([embed], dense_copy=False, head=True)
         elif not has_head:
             pass
         elif "lm_head.weight" in tensors:
-            fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))])
+            fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))], head=True)
         else:
             raise ValueError("checkpoint: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
         if isinstance(embed, QUANTIZED):
@@ -168,11 +168,18 @@ class LlamaForCausalLM:
                      and not cpu_upcast.native_half_gemm(self.dtype))
         self.dense_copies = mode == "auto" and not slow_half and layer_elems * self.dtype.itemsize <= DENSE_COPY_BUDGET
 
-    def _matrix(self, parts: list, dense_copy: bool = True) -> torch.Tensor | PackedLinear:
-        """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense."""
+    def _matrix(self, parts: list, dense_copy: bool = True, head: bool = False) -> torch.Tensor | PackedLinear:
+        """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense.
+
+        In a float32 model the native blocks round activations in two terms (``gguf_packed.packed_linear``) for
+        the output layer, and for layer matrices that also keep a dense copy (whose packed calls are then
+        only short prefill chunks); a layer matrix without one prefills on the blocks in one term, as the
+        decode step and llama.cpp do, at half the work."""
         if self.pack and all(isinstance(p, QUANTIZED) for p in parts):
-            packed = packed_linear(parts, self.device, self.dtype, keep_dense=dense_copy and self.dense_copies,
-                                   compute_dtype=self.compute_dtype, blocks_only=self.pack_blocks_only)
+            keep_dense = dense_copy and self.dense_copies
+            packed = packed_linear(parts, self.device, self.dtype, keep_dense=keep_dense,
+                                   compute_dtype=self.compute_dtype, blocks_only=self.pack_blocks_only,
+                                   fine_activations=self.dtype == torch.float32 and (head or keep_dense))
             if packed is not None:
                 return packed
         dense = [p.dequantize(torch.float32) if isinstance(p, QUANTIZED) else p for p in parts]
