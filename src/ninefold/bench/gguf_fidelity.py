@@ -6,8 +6,8 @@ Each system decodes the same prompts greedily (end-of-sequence ignored); the exa
 loaded with ``quantization="none"`` (every weight dequantized to float32), then scores every generated
 token teacher-forced (``prompt_logprobs`` over prompt + generation). Reported per system: how often its
 token is the exact model's argmax at that position, and the mean log-probability gap between the exact
-model's best token and the chosen one (0 when they agree). Systems: ninefold as ``ninefold chat`` runs
-the file on this CPU (``quantization="auto"``: the native kernels' blocks where they build), and
+model's best token and the chosen one (0 when they agree). Everything runs on the CPU. Systems: ninefold as
+``ninefold chat`` runs the file on this CPU (``quantization="auto"``: the native kernels' blocks where they build), and
 llama.cpp through llama-cpp-python when it is installed (a benchmark-only peer). The exact model
 scoring its own greedy tokens is the self-check: agreement 1.0, gap 0.
 
@@ -28,11 +28,13 @@ PROMPTS = ("Once upon a time", "The capital of France is", "def fibonacci(n):", 
            "Water boils at", "The quick brown fox")
 
 
-def greedy_ninefold(path: Path, prompts: list[list[int]], tokens: int, quantization: str) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` (token ids) by ninefold with ``quantization``."""
+def greedy_ninefold(path: Path | object, prompts: list[list[int]], tokens: int, quantization: str = "auto"
+                    ) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (token ids) by ninefold on the CPU with ``quantization``, or by an
+    ``LLM`` given instead of a path."""
     from ninefold import LLM, SamplingParams
 
-    llm = LLM(str(path), quantization=quantization)
+    llm = path if isinstance(path, LLM) else LLM(str(path), quantization=quantization, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -115,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         systems["llama.cpp"] = greedy_llama_cpp(path, prompts, args.tokens, args.threads)
     except ImportError:
         print("llama-cpp-python is not installed: llama.cpp not measured", file=sys.stderr)
-    exact = LLM(str(path), quantization="none")
-    systems["exact model (self-check)"] = greedy_ninefold(path, prompts, args.tokens, "none")
+    exact = LLM(str(path), quantization="none", device="cpu")
+    systems["exact model (self-check)"] = greedy_ninefold(exact, prompts, args.tokens)
     rows = {name: teacher_forced(exact, prompts, generations) for name, generations in systems.items()}
     print(f"\n{path.name}: {len(prompts)} prompts x {args.tokens} greedy tokens, scored by the exact float32 model")
     print("| system | argmax agreement | mean log-prob gap |\n| --- | --- | --- |")

@@ -7,9 +7,9 @@ file, so both encode a text to the same ids:
 
 - `gpt2` (byte-level BPE: SmolLM2, Llama 3, Qwen 2/3): the GPT-2 byte alphabet, a pre-tokenizer
   split chosen by `tokenizer.ggml.pre`, ByteLevel decoding.
-- `llama` (sentencepiece BPE: Llama 2, Mistral): `▁` for spaces and a prefix space (Metaspace, as
-  transformers' LlamaTokenizer), byte fallback, merges from the file or, when absent, derived from
-  the token scores.
+- `llama` (sentencepiece BPE: Llama 2, Mistral): `▁` for spaces and a prefix space before every stretch
+  of text between special tokens (as llama.cpp tokenizes these files), byte fallback, merges from the
+  file or, when absent, derived from the token scores.
 
 Control tokens become special added tokens (matched whole, skipped when decoding with
 `skip_special_tokens`); user-defined tokens become plain added tokens.
@@ -17,7 +17,7 @@ Control tokens become special added tokens (matched whole, skipped when decoding
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -116,8 +116,11 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores, metadata
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    # Spaces become "▁"; a text gets one "▁" in front unless it starts with a space already.
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    # Spaces become "▁", and every stretch of text between special tokens gets one "▁" in front, also when it
+    # starts with a space: what llama.cpp (and sentencepiece's dummy prefix) do with these files. (transformers
+    # 5.17 builds the same; 5.25 adds the "▁" only at the very start and only when no space is there.)
+    steps = [normalizers.Replace(" ", "\u2581")]
+    tokenizer.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + steps)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tokenizer, lambda tok: True
