@@ -95,13 +95,24 @@ def test_requantized_types_within_half_an_8_bit_step(qtype):
         assert (err.reshape(N, K // 32, 32).amax(-1) <= exact.abs().reshape(N, K // 32, 32).amax(-1) / 250).all()
 
 
-def test_mixed_parts_become_8_bit_in_row_order():
+def test_4_bit_parts_over_8_bit_ones_stay_4_bit_in_row_order():
     w = _weights()
     parts = [_kept(T.Q4_K, w[:16]), _kept(T.Q4_K, w[16:32]), _kept(T.Q6_K, w[32:])]
-    whole = native_matrix(parts)
-    assert isinstance(whole, Q8Codes) and whole.shape == (N, K)
-    exact = torch.cat([p.dequantize() for p in parts])
-    assert ((whole.dequantize() - exact).abs() <= _block_bound(exact)).all()
+    head, tail = native_matrix(parts)
+    assert isinstance(head, Int4Codes) and head.shape == (32, K) and isinstance(tail, Q8Codes) and tail.shape == (16, K)
+    torch.testing.assert_close(head.dequantize(), native_matrix(parts[:2]).dequantize(), rtol=0, atol=0)
+    exact = parts[2].dequantize()
+    assert ((tail.dequantize() - exact).abs() <= _block_bound(exact)).all()
+
+
+def test_other_mixes_become_8_bit_in_row_order():
+    w = _weights()
+    for parts in ([_kept(T.Q6_K, w[:16]), _kept(T.Q4_K, w[16:])],  # 8-bit first
+                  [_kept(T.Q4_K, w[:8]), _kept(T.Q6_K, w[8:])]):  # a 4-bit head of 8 rows: not whole 16-row groups
+        whole = native_matrix(parts)
+        assert isinstance(whole, Q8Codes) and whole.shape == (N, K)
+        exact = torch.cat([p.dequantize() for p in parts])
+        assert ((whole.dequantize() - exact).abs() <= _block_bound(exact)).all()
 
 
 def test_requantize_q8_refuses_scales_beyond_float16():
@@ -159,8 +170,10 @@ def test_q4_k_m_mix_runs_natively_and_close_to_the_float_model(tmp_path):
         pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
     auto = _engine(path, "float32", "auto")
     m = auto.model
-    bits = {f: {getattr(layer, f).blocks.bits for layer in m.layers} for f in ("qkv", "o", "gate_up", "down")}
-    assert bits == {"qkv": {8}, "o": {8}, "gate_up": {4}, "down": {8}}
+    bits = {f: {(getattr(layer, f).blocks.bits, getattr(layer, f).blocks.lead) for layer in m.layers}
+            for f in ("qkv", "o", "gate_up", "down")}
+    # q and k (Q4_K) stay 4-bit over v's 8-bit rows (Q6_K); o is Q5_0, 8-bit exactly
+    assert bits == {"qkv": {(8, m.q_size + m.kv_size)}, "o": {(8, 0)}, "gate_up": {(4, 0)}, "down": {(8, 0)}}
     assert isinstance(m.lm_head, PackedLinear) and m.lm_head.blocks.bits == 8
     assert llama_cpu.NativeDecoder.why_not(m) is None
     bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()

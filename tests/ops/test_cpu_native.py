@@ -25,6 +25,9 @@ NATIVE = cpu_native.available()
 
 
 def _weight(n, k, bits, seed=0, terms=1):
+    if bits == "4+8":  # a 4-bit head of 32 rows stacked over an 8-bit tail (BlockWeight.stacked)
+        (head, head_dense), (tail, tail_dense) = _weight(32, k, 4, seed, terms), _weight(n - 32, k, 8, seed + 1, terms)
+        return ops.BlockWeight.stacked(head, tail), torch.cat((head_dense, tail_dense))
     g = torch.Generator().manual_seed(seed)
     scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()
     if bits == 4:
@@ -66,6 +69,8 @@ def _reference(x, dense, bias, terms):
     (8, (1,), 40, 96, False, False, 1),
     (8, (9,), 64, 128, False, True, 2),
     (8, (4,), 16, 512, True, False, 1),
+    ("4+8", (1,), 48, 96, True, False, 1),  # a stacked weight: 4-bit row groups, then 8-bit ones
+    ("4+8", (11,), 41, 64, False, True, 2),
 ])
 def test_linear_blocks_matches_float64(device, impl, dtype, bits, lead, n, k, bias, strided, terms):
     weight, dense = _weight(n, k, bits, seed=n + k, terms=terms)
@@ -114,6 +119,19 @@ def test_block_weight_stores_the_blocks_exactly():
         assert torch.equal(weight.dequantize64(), dense)
         assert weight.dequantize(torch.bfloat16).dtype == torch.bfloat16
         assert weight.nbytes == 3 * 3 * (320 if bits == 4 else 544)  # 3 groups of 16 rows x 3 blocks
+
+
+def test_stacked_block_weight_keeps_both_parts_exactly():
+    weight, dense = _weight(41, 96, "4+8", seed=3)
+    assert (weight.shape, weight.bits, weight.lead) == ((41, 96), 8, 32)
+    assert torch.equal(weight.dequantize64(), dense)
+    assert weight.nbytes == 2 * 3 * 320 + 1 * 3 * 544  # two 4-bit groups, one 8-bit group (9 rows), 3 blocks
+    head, _ = _weight(16, 96, 4)
+    tail, _ = _weight(9, 96, 8)
+    with pytest.raises(ValueError, match="head rows must be a multiple of 16"):
+        ops.BlockWeight.stacked(_weight(17, 96, 4)[0], tail)
+    with pytest.raises(ValueError, match="head must be a plain 4-bit weight and tail a plain 8-bit one"):
+        ops.BlockWeight.stacked(tail, head)
 
 
 def test_block_weight_refuses_bad_input():

@@ -14,8 +14,10 @@ natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
 * all parts 4-bit: 4-bit blocks. Q4_0 and Q4_1 scales are float16 already; Q4_K's per-32 scale and offset
   are products (``d * sc``, ``dmin * m``) and are rounded to float16 (relative error at most 2^-11, the
   precision Q4_1 stores them with).
+* 4-bit parts followed by others (a Q4_K q and k over a Q6_K v): the 4-bit rows keep 4-bit blocks and the rest
+  take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when the 4-bit rows fill whole 16-row groups.
 * otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); the
-  rest (Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q5_K, Q6_K) requantized to 8 bits per 32 values
+  rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q5_K, Q6_K) requantized to 8 bits per 32 values
   (``requantize_q8``: at most half a step of ``max|w| / 127`` per value, a quarter of a Q6_K step or less).
   This is how a Q4_K_M file (Q4_K beside Q6_K and, for rows that are not a multiple of 256, Q5_0 or Q8_0)
   runs natively.
@@ -152,6 +154,7 @@ class GGUFRows:
 
 QUANTIZED = (Int4Codes, Q8Codes, GGUFRows)
 SMALL_MATRIX = 1 << 22  # weights; smaller matrices are repacked on one thread
+STACK_ROWS = 16  # a 4-bit head over an 8-bit tail fills whole row groups of the native layout
 
 
 def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
@@ -165,11 +168,17 @@ def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
     return Q8Codes(codes.reshape(n, k), scales, type_name)
 
 
-def native_matrix(parts: list) -> Int4Codes | Q8Codes:
-    """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit, else
-    8-bit (see the module docstring for which conversions are exact)."""
+def native_matrix(parts: list) -> Int4Codes | Q8Codes | tuple[Int4Codes, Q8Codes]:
+    """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit; 4-bit parts
+    followed by 8-bit ones as a (4-bit head, 8-bit tail) pair when the head fills whole 16-row groups (a Q4_K
+    q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module docstring for which
+    conversions are exact)."""
     if all(type(p) is Int4Codes for p in parts):
         return cat_rows([p.fp16_scaled() for p in parts])
+    lead = next(i for i, p in enumerate(parts) if type(p) is not Int4Codes)
+    if (lead and not any(type(p) is Int4Codes for p in parts[lead:])
+            and sum(p.shape[0] for p in parts[:lead]) % STACK_ROWS == 0):
+        return cat_rows([p.fp16_scaled() for p in parts[:lead]]), cat_rows([p.to_q8() for p in parts[lead:]])
     return cat_rows([p.to_q8() for p in parts])
 
 
@@ -266,7 +275,7 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     whole = native_matrix(parts) if native else cat_rows(parts)
     if whole is None or (blocks_only and not native):
         return None
-    n, k = whole.shape
+    n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
     dense = None
     if keep_dense:
         dense = torch.cat([p.dequantize(dtype) for p in parts]) if len(parts) > 1 else parts[0].dequantize(dtype)
@@ -284,8 +293,10 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)
 
 
-def _block_weight(whole: Int4Codes | Q8Codes, terms: int) -> ops.BlockWeight:
-    """The native kernels' form of ``whole`` (whose scales and offsets are float16 values)."""
+def _block_weight(whole: Int4Codes | Q8Codes | tuple[Int4Codes, Q8Codes], terms: int) -> ops.BlockWeight:
+    """The native kernels' form of ``whole`` (whose scales and offsets are float16 values; a pair is stacked)."""
+    if isinstance(whole, tuple):
+        return ops.BlockWeight.stacked(*(_block_weight(part, terms) for part in whole))
     # A dozen copies per matrix: for a small one, one thread takes as long as all and a core taken by another
     # process does not stall each of them at an OpenMP barrier; a large one (a 16384 x 2048 gate/up) packs
     # twice as fast on two threads.

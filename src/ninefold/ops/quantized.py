@@ -235,10 +235,29 @@ class BlockWeight:
                                  "Q8_0 scales are); requantize, or use Int4Weight")
         self.shape = (n, k)
         self.bits = bits
+        self.lead = 0  # leading rows held in 4-bit records ahead of the rest (``stacked``)
         self.device = codes.device
         self.data = _pack_blocks(codes, scales, offsets, bits)
         self.activation_terms = activation_terms
         self._mat = None
+
+    @classmethod
+    def stacked(cls, head: BlockWeight, tail: BlockWeight) -> BlockWeight:
+        """``head`` (4-bit, rows a multiple of 16) over ``tail`` (8-bit) as one ``[N_head + N_tail, K]`` weight:
+        each keeps its own records (a Q4_K q/k beside a Q6_K v stays 4-bit), the kernels pick per 16-row group."""
+        if head.bits != 4 or tail.bits != 8 or head.lead or tail.lead:
+            raise ValueError(f"BlockWeight.stacked: head must be a plain 4-bit weight and tail a plain 8-bit one, got "
+                             f"{head!r} and {tail!r}")
+        if head.shape[0] % _GROUP or head.shape[1] != tail.shape[1] or head.activation_terms != tail.activation_terms:
+            raise ValueError(f"BlockWeight.stacked: head rows must be a multiple of {_GROUP} and both must share K and "
+                             f"activation_terms, got {head!r} (terms {head.activation_terms}) and {tail!r} "
+                             f"(terms {tail.activation_terms})")
+        out = cls.__new__(cls)
+        out.shape = (head.shape[0] + tail.shape[0], head.shape[1])
+        out.bits, out.lead, out.device = 8, head.shape[0], head.device
+        out.data = torch.cat((head.data, tail.data))
+        out.activation_terms, out._mat = head.activation_terms, None
+        return out
 
     @staticmethod
     def fits(scales: torch.Tensor, offsets: torch.Tensor | None = None) -> bool:
@@ -250,7 +269,9 @@ class BlockWeight:
         return self.data.numel()
 
     def _records(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(codes [N, K] uint8 as stored, d [N, K/32] float32, m [N, K/32] float32 or None)."""
+        """(codes [N, K] uint8 as stored, d [N, K/32] float32, m [N, K/32] float32 or None) of a plain weight."""
+        if self.lead:
+            raise ValueError("BlockWeight._records: a stacked weight has two kinds of records; see parts()")
         n, k = self.shape
         g, b = -(-n // _GROUP), k // BLOCK
         rec = self.data.view(g, b, 320 if self.bits == 4 else 544)
@@ -274,8 +295,23 @@ class BlockWeight:
         """The ``[N, K]`` matrix in ``dtype`` (computed in float32)."""
         return self.dequantize64().to(dtype)
 
+    def parts(self) -> list[BlockWeight]:
+        """The plain weights this one holds: itself, or a stacked weight's 4-bit head and 8-bit tail (views)."""
+        if not self.lead:
+            return [self]
+        k = self.shape[1]
+        split = self.lead // _GROUP * (k // BLOCK) * 320
+        head, tail = (BlockWeight.__new__(BlockWeight) for _ in range(2))
+        for part, rows, bits, data in ((head, self.lead, 4, self.data[:split]),
+                                       (tail, self.shape[0] - self.lead, 8, self.data[split:])):
+            part.shape, part.bits, part.lead, part.device, part.data = (rows, k), bits, 0, self.device, data
+            part.activation_terms, part._mat = self.activation_terms, None
+        return [head, tail]
+
     def dequantize64(self) -> torch.Tensor:
         """The ``[N, K]`` matrix in float64, exactly."""
+        if self.lead:
+            return torch.cat([part.dequantize64() for part in self.parts()])
         n, k = self.shape
         codes, d, m = self._records()
         q = codes.double().reshape(n, k // BLOCK, BLOCK)
@@ -288,11 +324,12 @@ class BlockWeight:
         if self._mat is None:
             from ninefold.ops import cpu_native
 
-            self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None)
+            self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None, self.lead)
         return self._mat
 
     def __repr__(self) -> str:
-        return f"BlockWeight(shape={self.shape}, bits={self.bits})"
+        lead = f", 4-bit lead rows={self.lead}" if self.lead else ""
+        return f"BlockWeight(shape={self.shape}, bits={self.bits}{lead})"
 
 
 def _pack_blocks(codes, scales, offsets, bits) -> torch.Tensor:
@@ -336,7 +373,7 @@ def quantize_activations(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
 def _linear_blocks_key(x, weight, bias=None):
     n, k = _check_quantized_linear("linear_blocks", BlockWeight, x, weight, bias)
     m = x.numel() // max(k, 1)
-    return x.device, x.dtype, (spec.pow2(m), n, k, weight.bits, weight.activation_terms), bias is not None
+    return x.device, x.dtype, (spec.pow2(m), n, k, weight.bits, weight.lead > 0, weight.activation_terms), bias is not None
 
 
 def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

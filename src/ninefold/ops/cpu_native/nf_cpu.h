@@ -43,6 +43,7 @@ typedef struct {
     const uint8_t *data; /* the block records */
     int64_t n, k, bits;  /* rows (before padding), columns, 4 or 8 */
     const float *bias;   /* [n] or NULL */
+    int64_t lead;        /* with bits 8: the first `lead` rows (a multiple of 16) are 4-bit records, stored first */
 } nf_mat;
 
 static inline int64_t nf_record_bytes(int64_t bits) { return bits == 4 ? 320 : 544; }
@@ -339,8 +340,11 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
  * accumulate: y += result instead of y = result. The bias, if any, is added. */
 static inline void nf_gemm_group(const nf_mat *w, int64_t g, const int8_t *xq, const float *xd, const float *xs,
                                  int64_t m, float *y, int64_t ldy, int accumulate) {
-    const int64_t nb = w->k / NF_BLOCK, rec = nf_record_bytes(w->bits);
-    const uint8_t *wg = w->data + g * nb * rec;
+    const int64_t nb = w->k / NF_BLOCK, lead_groups = w->lead / NF_ROWS;
+    const int bits = g < lead_groups ? 4 : (int)w->bits;
+    const uint8_t *wg = g < lead_groups ? w->data + g * nb * nf_record_bytes(4)
+                                        : w->data + lead_groups * nb * nf_record_bytes(4)
+                                              + (g - lead_groups) * nb * nf_record_bytes(w->bits);
     const int64_t r0 = g * NF_ROWS, rows = w->n - r0 < NF_ROWS ? w->n - r0 : NF_ROWS;
     float acc[NF_MC][NF_ROWS];
     for (int64_t i0 = 0; i0 < m; i0 += NF_MC) {
@@ -348,7 +352,7 @@ static inline void nf_gemm_group(const nf_mat *w, int64_t g, const int8_t *xq, c
         const int8_t *xq0 = xq + i0 * w->k;
         const float *xd0 = xd + i0 * nb, *xs0 = xs + i0 * nb;
 #define NF_CASE(B, MC) case MC: nf_group(wg, nb, B, xq0, xd0, xs0, w->k, MC, acc); break;
-        if (w->bits == 4) {
+        if (bits == 4) {
             switch (mc) { NF_CASE(4, 1) NF_CASE(4, 2) NF_CASE(4, 3) NF_CASE(4, 4)
                           NF_CASE(4, 5) NF_CASE(4, 6) NF_CASE(4, 7) NF_CASE(4, 8) }
         } else {
