@@ -191,3 +191,23 @@ def test_q4_k_m_mix_on_cuda_is_the_dequantized_model(tmp_path):
                    for f in ("qkv", "o", "gate_up", "down"))
     got = _decode_shaped_logits(cuda).float().cpu()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
+
+
+def test_a_tied_quantized_embedding_is_decoded_once(tmp_path, monkeypatch):
+    """The embedding table and the output layer of a tied Q6_K embedding share one decode of its blocks."""
+    import ninefold.llm.gguf_packed as gguf_packed
+
+    path = write_gguf(tmp_path / "q6k.gguf", hf_weights(arch="llama", tied=True), T.Q6_K, arch="llama")
+    decoded = []
+    real = gguf_packed.dequantize
+
+    def counting(raw, ggml_type, shape, dtype=torch.float32):
+        decoded.append(tuple(shape))
+        return real(raw, ggml_type, shape, dtype)
+
+    monkeypatch.setattr(gguf_packed, "dequantize", counting)
+    engine = _engine(path, "float32", "auto")
+    vocab, hidden = engine.model.embed.shape
+    assert decoded.count((vocab, hidden)) == 1
+    exact = _engine(path, "float32", "none")
+    assert torch.equal(engine.model.embed, exact.model.embed)

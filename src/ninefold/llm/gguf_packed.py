@@ -130,6 +130,12 @@ class GGUFRows:
     raw: torch.Tensor
     ggml_type: int
     k: int
+    dense: torch.Tensor | None = None  # its float32 values, when a caller decoded them already (``with_dense``)
+
+    def with_dense(self, dense: torch.Tensor) -> GGUFRows:
+        """This matrix holding its float32 values ``dense`` (as ``dequantize()`` gives them), so a second use
+        (a tied embedding's output layer) does not decode the blocks again."""
+        return GGUFRows(self.raw, self.ggml_type, self.k, dense)
 
     @property
     def type_name(self) -> str:
@@ -140,9 +146,11 @@ class GGUFRows:
         return self.raw.shape[0], self.k
 
     def map_rows(self, fn) -> GGUFRows:
-        return GGUFRows(fn(self.raw), self.ggml_type, self.k)
+        return GGUFRows(fn(self.raw), self.ggml_type, self.k, None if self.dense is None else fn(self.dense))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense.to(dtype)
         return dequantize(self.raw.reshape(-1), self.ggml_type, self.shape, dtype)
 
     def to_q8(self) -> Q8Codes:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ninefold import ops
 from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
-from ninefold.llm.gguf_packed import QUANTIZED, PackedLinear, packed_linear
+from ninefold.llm.gguf_packed import QUANTIZED, GGUFRows, PackedLinear, packed_linear
 from ninefold.llm.models import llama_cpu
 from ninefold.ops import cpu_native, cpu_upcast
 from ninefold.runtime.memory import WeightStore
@@ -112,6 +112,8 @@ class LlamaForCausalLM:
         take = _WeightReader(tensors)
         self._setup_packing(config)
         embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        if isinstance(embed, GGUFRows) and config.tie_word_embeddings:  # decoded once for the table and the head
+            embed = embed.with_dense(embed.dequantize(torch.float32))
         fused = {"embed": embed, "norm": take("model.norm.weight", (config.hidden_size,))}
         if config.tie_word_embeddings:
             fused["lm_head"] = self._matrix([embed], dense_copy=False, head=True)
