@@ -84,6 +84,44 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
 
 
+def _two_bit_bytes(q: np.ndarray) -> np.ndarray:
+    """2-bit codes [n, 256] (order: half, j, s, l) -> qs [n, 64]: bits 2j of byte 32 half + 16 s + l."""
+    q = q.reshape(-1, 2, 4, 2, 16).astype(np.uint8)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _quant_q2_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    low = np.maximum(-sub.min(-1), 0)  # value = d * sc * q - dmin * m, q in 0..3
+    scale = (sub.max(-1) + low) / 3
+    d = np.maximum(scale.max(-1, keepdims=True) / 15, 1e-8).astype(np.float16).astype(np.float32)
+    dmin = np.maximum(low.max(-1, keepdims=True) / 15, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 15)
+    mn = np.clip(np.round(low / dmin), 0, 15)
+    q = np.clip(np.round((sub + (dmin * mn)[..., None]) / (d * sc)[..., None]), 0, 3)
+    scales = (sc.astype(np.uint8) | (mn.astype(np.uint8) << 4))
+    return np.concatenate([scales, _two_bit_bytes(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+
+
+def _quant_q3_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 4  # value = d * sc * (q - 4), q in 0..7
+    d = np.maximum(scale.max(-1, keepdims=True) / 31, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 31)
+    q = (np.clip(np.round(sub / (d * sc)[..., None]), -4, 3) + 4).astype(np.uint8)  # [n, 16, 16]
+    high = (q >> 2).reshape(-1, 2, 4, 2, 16)  # the third bit: set = no -4
+    hmask = np.zeros((q.shape[0], 2, 16), np.uint8)
+    for h in range(2):
+        for j in range(4):
+            hmask |= high[:, h, j] << (4 * h + j)
+    stored = (sc + 32).astype(np.uint8)  # [n, 16], 6 bits
+    packed = np.zeros((q.shape[0], 12), np.uint8)
+    packed[:, :8] = (stored[:, :8] & 15) | ((stored[:, 8:] & 15) << 4)
+    for i in range(16):
+        packed[:, 8 + i % 4] |= (stored[:, i] >> 4) << (2 * (i // 4))
+    return np.concatenate([hmask.reshape(-1, 32), _two_bit_bytes(q & 3), packed, _f16_bytes(d)], axis=1)
+
+
 def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
     """Bytes (or values for F32/F16) of `x` [rows, cols] in `qtype`."""
     if qtype == T.F32:
@@ -97,12 +135,16 @@ def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
         return _quant_q4_k(x, five_bits=True).reshape(rows, -1)
     if qtype == T.Q6_K:
         return _quant_q6_k(x).reshape(rows, -1)
+    if qtype == T.Q3_K:
+        return _quant_q3_k(x).reshape(rows, -1)
+    if qtype == T.Q2_K:
+        return _quant_q2_k(x).reshape(rows, -1)
     return quants.quantize(x, qtype)
 
 
 # Relative RMS error each type must stay within (4-bit: 1/15 of a block's range per step).
 REL_ERROR = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.01, T.Q6_K: 0.03, T.Q5_K: 0.05,
-             T.Q5_0: 0.06, T.Q5_1: 0.05, T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1}
+             T.Q5_0: 0.06, T.Q5_1: 0.05, T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1, T.Q3_K: 0.22, T.Q2_K: 0.4}
 ALL_TYPES = list(REL_ERROR)
 
 
@@ -243,8 +285,8 @@ def test_round_trip_within_quantization_error(tmp_path, qtype):
         torch.testing.assert_close(got, torch.from_numpy(ref), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.BF16],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                                   T.BF16], ids=lambda t: t.name)
 def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     """Random bytes are valid blocks for every type (with finite float16 scales): decode like gguf-py."""
     from gguf import GGML_QUANT_SIZES
@@ -252,8 +294,8 @@ def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     block, nbytes = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
     raw = rng.integers(0, 256, size=(5 * 3, nbytes), dtype=np.uint8)
-    scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-                T.Q6_K: [208], T.BF16: []}[qtype]
+    scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
+                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.BF16: []}[qtype]
     for at in scale_at:
         raw[:, at : at + 2] = _f16_bytes(rng.standard_normal(raw.shape[0]).astype(np.float32))
     if qtype == T.BF16:

@@ -30,7 +30,7 @@ from ninefold.ops import cpu_native
 from .test_gguf import hf_weights, write_gguf
 
 PACKED_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
-ROWS_TYPES = [T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K]  # kept as raw blocks (GGUFRows)
+ROWS_TYPES = [T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K]  # kept as raw blocks (GGUFRows)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 77, 130, 9, 41], [200, 3, 3, 17, 88, 61, 150, 12, 99], [42]]
 

@@ -62,6 +62,43 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return _f16(b, 0) * _five_bit_codes(b[:, 4:8], b[:, 8:24]).float() + _f16(b, 2)
 
 
+def _two_bit_planes(qs: torch.Tensor) -> torch.Tensor:
+    """K-quant 2-bit codes ``[n, 256]`` from ``qs`` ``[n, 64]``: per half of 128 values, 32 bytes; value ``l`` of
+    sixteen-value group ``(j, s)`` is bits ``2j, 2j+1`` of byte ``16 s + l`` (order: half, j, s, l)."""
+    q = qs.reshape(-1, 2, 1, 2, 16)  # [n, half, -, s, l]
+    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1, 1)
+    return ((q >> shift) & 3).reshape(-1, 256)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    # scales[16] (low nibble: scale, high nibble: min, one per 16 values), qs[64], d, dmin
+    scale, low = (b[:, 0:16] & 15).float(), (b[:, 0:16] >> 4).float()
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    q = _two_bit_planes(b[:, 16:80]).float().reshape(-1, 16, 16)
+    return ((d * scale).unsqueeze(-1) * q - (dmin * low).unsqueeze(-1)).reshape(-1, 256)
+
+
+def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The sixteen 6-bit scales of a Q3_K block (12 bytes) -> float32 ``[n, 16]``, minus 32: low nibbles of
+    bytes 0-7 (scales 0-7) and their high nibbles (8-15), the top two bits from bytes 8-11 in pairs."""
+    p = packed.to(torch.int32)
+    low = torch.cat((p[:, 0:8] & 15, p[:, 0:8] >> 4), dim=1)  # [n, 16]
+    top = p[:, 8:12]  # byte 8 + i holds the top bits of scales i, i + 4, i + 8, i + 12 at bits 0, 2, 4, 6
+    high = torch.stack([(top >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(-1, 16)
+    return (low | (high << 4)).float() - 32
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    # hmask[32] (the third bit, inverted: set = 0, clear = -4), qs[64], scales[12], d
+    hmask, d = b[:, 0:32], _f16(b, 108)
+    scales = _q3_k_scales(b[:, 96:108])
+    low = _two_bit_planes(b[:, 32:96]).reshape(-1, 2, 4, 2, 16)  # [n, half, j, s, l]
+    bit = (4 * torch.arange(2).view(2, 1) + torch.arange(4).view(1, 4)).to(torch.uint8).view(1, 2, 4, 1, 1)
+    high = (hmask.reshape(-1, 1, 1, 2, 16) >> bit) & 1  # bit (4 half + j) of hmask[16 s + l]
+    q = low.to(torch.int16) - 4 * (1 - high.to(torch.int16))
+    return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q.float().reshape(-1, 16, 16)).reshape(-1, 256)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scales_mins(b[:, 4:16])
@@ -101,6 +138,8 @@ _DECODERS = {
     T.Q4_1: _q4_1,
     T.Q5_0: _q5_0,
     T.Q5_1: _q5_1,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
@@ -118,7 +157,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
     """Decode the bytes of one GGUF tensor into a `dtype` tensor of `shape` (PyTorch order).
 
     `raw` is the tensor's uint8 bytes; supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (`SUPPORTED_TYPES`). Anything else raises ValueError naming the type.
+    Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (`SUPPORTED_TYPES`). Anything else raises ValueError naming the type.
     """
     try:
         qtype = T(ggml_type)

@@ -2,7 +2,7 @@
 
 With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes``, Q8_0
 matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy) and the other quantized types
-(Q5_0, Q5_1, Q5_K, Q6_K) as ``GGUFRows`` (their raw blocks). The model turns them into ``PackedLinear``
+(Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) as ``GGUFRows`` (their raw blocks). The model turns them into ``PackedLinear``
 layers (``packed_linear``).
 
 Where ninefold's native CPU kernels build with vector code (AVX-512 VNNI or AVX2: ``ninefold.ops.cpu_native``),
@@ -17,7 +17,8 @@ natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
 * 4-bit parts followed by others (a Q4_K q and k over a Q6_K v): the 4-bit rows keep 4-bit blocks and the rest
   take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when the 4-bit rows fill whole 16-row groups.
 * otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); the
-  rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q5_K, Q6_K) requantized to 8 bits per 32 values
+  rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) requantized to 8 bits per
+  32 values
   (``requantize_q8``: at most half a step of ``max|w| / 127`` per value, a quarter of a Q6_K step or less).
   This is how a Q4_K_M file (Q4_K beside Q6_K and, for rows that are not a multiple of 256, Q5_0 or Q8_0)
   runs natively.
@@ -124,7 +125,7 @@ class Q8Codes:
 
 @dataclass
 class GGUFRows:
-    """A GGUF matrix of a type the packed layers do not take as it is (Q5_0, Q5_1, Q5_K, Q6_K): its raw
+    """A GGUF matrix of a type the packed layers do not take as it is (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K): its raw
     blocks, one row of ``row_bytes`` per weight row (``raw`` uint8 ``[N, row_bytes]``), decoded on demand."""
 
     raw: torch.Tensor
