@@ -46,6 +46,25 @@ def rotating_weights(n: int, k: int, device) -> list[torch.Tensor]:
     return [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
 
 
+def decode_cases(batches, names, device):
+    """For each layer of ``names`` (``SHAPES``) and row count of ``batches``: ``(layer, m, n, k, x, weights,
+    want)``, ``x`` random bf16 rows, ``weights`` the layer's ``rotating_weights`` (freed after its last row
+    count), ``want`` the float32 product of ``x`` with the first copy."""
+    for layer in names:
+        n, k = SHAPES[layer]
+        weights = rotating_weights(n, k, device)
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            yield layer, m, n, k, x, weights, x.float() @ weights[0].float().T
+        del weights
+        torch.cuda.empty_cache()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference over ``want``'s largest magnitude (the benches' check before timing)."""
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
 def bound_us(m: int, n: int, k: int, bw: float, rate: float) -> float:
     """max(weight bytes / copy bandwidth, FLOPs / cuBLAS rate) of ``[m, k] @ [n, k].T``, in us."""
     return max(n * k * 2 / bw, 2 * m * n * k / rate) * 1e6
@@ -63,48 +82,41 @@ def run(batches, names, only=None) -> dict:
     impls = {i.name: i for i in implementations("linear") if "cuda" in i.devices and torch.bfloat16 in i.dtypes
              and (only is None or i.name in only)}
     rows = []
-    for layer in names:
-        n, k = SHAPES[layer]
-        weights = rotating_weights(n, k, device)
-        for m in batches:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            want = x.float() @ weights[0].float().T
-            bound = bound_us(m, n, k, bw, rate)
-            row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound, 2)}
-            for impl, entry in impls.items():
-                fn = entry.fn
-                reason = entry.reason((x, weights[0], None))
-                if reason:
-                    row[impl] = f"not supported: {reason}"
+    for layer, m, n, k, x, weights, want in decode_cases(batches, names, device):
+        bound = bound_us(m, n, k, bw, rate)
+        row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound, 2)}
+        for impl, entry in impls.items():
+            fn = entry.fn
+            reason = entry.reason((x, weights[0], None))
+            if reason:
+                row[impl] = f"not supported: {reason}"
+                continue
+            try:
+                with gemm_tuning.autotune(), cublaslt_tuning.autotune():  # tuned implementations measure first
+                    got = fn(x, weights[0], None).float()
+                if impl == "cublaslt":
+                    times = cublaslt_tuning.measured_times(m, n, k, x.dtype, device) or {}
+                    row["cublaslt_tuning_us"] = times
+                    row["cublaslt_config"] = next(iter(times), "tuned in an earlier process")
+                if impl == "triton_gemm":
+                    cfg = gemm_tuning.choice(m, n, k, x.dtype, device, False)
+                    row["triton_gemm_config"] = gemm_tuning.VENDOR if cfg is None else gemm_tuning.describe(cfg)
+                    row["triton_gemm_tuning_us"] = gemm_tuning.measured_times(m, n, k, x.dtype, device)
+                err = relative_error(got, want)
+                if not err < 2e-2:
+                    row[impl] = f"wrong (relative error {err:.3g})"
                     continue
-                try:
-                    with gemm_tuning.autotune(), cublaslt_tuning.autotune():  # tuned implementations measure first
-                        got = fn(x, weights[0], None).float()
-                    if impl == "cublaslt":
-                        times = cublaslt_tuning.measured_times(m, n, k, x.dtype, device) or {}
-                        row["cublaslt_tuning_us"] = times
-                        row["cublaslt_config"] = next(iter(times), "tuned in an earlier process")
-                    if impl == "triton_gemm":
-                        cfg = gemm_tuning.choice(m, n, k, x.dtype, device, False)
-                        row["triton_gemm_config"] = gemm_tuning.VENDOR if cfg is None else gemm_tuning.describe(cfg)
-                        row["triton_gemm_tuning_us"] = gemm_tuning.measured_times(m, n, k, x.dtype, device)
-                    err = ((got - want).abs().max() / want.abs().max()).item()
-                    if not err < 2e-2:
-                        row[impl] = f"wrong (relative error {err:.3g})"
-                        continue
-                    row[impl] = round(graph_time([lambda w=w, f=fn, x=x: f(x, w, None) for w in weights], device, 50), 2)
-                except Exception as e:  # an implementation that cannot run this shape: say why, keep going
-                    row[impl] = f"{type(e).__name__}: {str(e)[:80]}"
-            rows.append(row)
-            cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound / row[i]:4.0%})" if isinstance(row[i], float)
-                              else f"{i} {row[i]}" for i in impls)
-            for impl in impls:
-                if f"{impl}_config" in row:
-                    top = list((row[f"{impl}_tuning_us"] or {}).items())[:3]
-                    cells += f"  [{impl}: {row[f'{impl}_config']}; tuner: {', '.join(f'{c} {t:.1f}' for c, t in top)}]"
-            print(f"{layer:8s} M={m:<4d} bound {bound:8.2f} us  {cells}", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+                row[impl] = round(graph_time([lambda w=w, f=fn, x=x: f(x, w, None) for w in weights], device, 50), 2)
+            except Exception as e:  # an implementation that cannot run this shape: say why, keep going
+                row[impl] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(row)
+        cells = "  ".join(f"{i} {row[i]:8.2f} us ({bound / row[i]:4.0%})" if isinstance(row[i], float)
+                          else f"{i} {row[i]}" for i in impls)
+        for impl in impls:
+            if f"{impl}_config" in row:
+                top = list((row[f"{impl}_tuning_us"] or {}).items())[:3]
+                cells += f"  [{impl}: {row[f'{impl}_config']}; tuner: {', '.join(f'{c} {t:.1f}' for c, t in top)}]"
+        print(f"{layer:8s} M={m:<4d} bound {bound:8.2f} us  {cells}", flush=True)
     return {"device": torch.cuda.get_device_name(device), "copy_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
             "rows": rows}
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ninefold.bench.decode_gemm import SHAPES, bound_us, ceilings, rotating_weights
+from ninefold.bench.decode_gemm import SHAPES, bound_us, ceilings, decode_cases, relative_error
 
 LAYOUTS = ("tn", "nn", "swap")
 
@@ -49,27 +49,20 @@ def run(batches: list[int], names: list[str]) -> dict:
     device = torch.device("cuda")
     bw, rate = ceilings(device)
     rows = []
-    for layer in names:
-        n, k = SHAPES[layer]
-        weights = rotating_weights(n, k, device)
-        for m in batches:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            want = x.float() @ weights[0].float().T
-            bound = bound_us(m, n, k, bw, rate)
-            row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound, 2)}
-            for layout in LAYOUTS:
-                calls = [layout_call(layout, x, w) for w in weights]
-                err = ((calls[0]().float() - want).abs().max() / want.abs().max()).item()
-                if not err < 2e-2:
-                    row[layout] = f"wrong (relative error {err:.3g})"
-                    continue
-                row[layout] = round(graph_time(calls, device, 50), 2)
-            rows.append(row)
-            cells = "  ".join(f"{lay} {row[lay]:7.2f} us ({bound / row[lay]:4.0%})" if isinstance(row[lay], float)
-                              else f"{lay} {row[lay]}" for lay in LAYOUTS)
-            print(f"{layer:8s} M={m:<4d} bound {bound:7.2f} us  {cells}", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+    for layer, m, n, k, x, weights, want in decode_cases(batches, names, device):
+        bound = bound_us(m, n, k, bw, rate)
+        row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": round(bound, 2)}
+        for layout in LAYOUTS:
+            calls = [layout_call(layout, x, w) for w in weights]
+            err = relative_error(calls[0](), want)
+            if not err < 2e-2:
+                row[layout] = f"wrong (relative error {err:.3g})"
+                continue
+            row[layout] = round(graph_time(calls, device, 50), 2)
+        rows.append(row)
+        cells = "  ".join(f"{lay} {row[lay]:7.2f} us ({bound / row[lay]:4.0%})" if isinstance(row[lay], float)
+                          else f"{lay} {row[lay]}" for lay in LAYOUTS)
+        print(f"{layer:8s} M={m:<4d} bound {bound:7.2f} us  {cells}", flush=True)
     return {"device": torch.cuda.get_device_name(device), "copy_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
             "rows": rows}
 

@@ -139,7 +139,7 @@ def describe(cfg) -> str:
 
 def run(batches, names, limit_s: float, mode: str = "all") -> dict:
     from ninefold.bench.decode_attention import graph_time
-    from ninefold.bench.decode_gemm import SHAPES, bound_us, ceilings, rotating_weights
+    from ninefold.bench.decode_gemm import bound_us, ceilings, decode_cases, relative_error
 
     device = torch.device("cuda")
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
@@ -147,48 +147,41 @@ def run(batches, names, limit_s: float, mode: str = "all") -> dict:
     count = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     start = time.perf_counter()
     rows = []
-    for layer in names:
-        n, k = SHAPES[layer]
-        weights = rotating_weights(n, k, device)
-        for m in batches:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            want = x.float() @ weights[0].float().T
-            bound = bound_us(m, n, k, bw, rate)
-            vendor = graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights], device, 50)
-            row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": bound, "cublas_us": vendor, "configs": {}}
-            for cfg in configs(k, mode):
-                if time.perf_counter() - start > limit_s:
-                    row["cut_short"] = True
-                    break
-                bm, bn = cfg[0], cfg[1]
-                tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-                ws = torch.empty(max(1, tiles * cfg[4] * bm * bn if cfg[4] > 1 else 1), dtype=torch.float32,
-                                 device=device)
-                y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-                try:
-                    compiled = launch(x, weights[0], y, cfg, ws, count)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001  (a configuration that does not compile is a row)
-                    row["configs"][describe(cfg)] = f"{type(e).__name__}: {str(e)[:120]}"
-                    continue
-                err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                if not err < 2e-2:
-                    row["configs"][describe(cfg)] = f"wrong (relative error {err:.3g})"
-                    continue
-                us = graph_time([lambda w=w, a=(x, y, cfg, ws): launch(a[0], w, a[1], a[2], a[3], count) for w in weights],
-                                device, 50)
-                row["configs"][describe(cfg)] = {"us": us, "warps": compiled.metadata.num_warps,
-                                                 "setmaxnreg": compiled.asm["ptx"].count("setmaxnreg")}
-            timed = sorted((v["us"], c, v) for c, v in row["configs"].items() if isinstance(v, dict))
-            best = "; ".join(f"{c} {us:.1f} ({v['warps']}w)" for us, c, v in timed[:3])
-            best_ws = next(((us, c) for us, c, v in timed if c.endswith(" ws") and v["warps"] > 4), None)
-            row["best"] = timed[0][1] if timed else None
-            print(f"{layer:8s} M={m:<4d} bound {bound:7.1f} us  cuBLAS {vendor:7.1f}  best: {best}"
-                  + (f"  | best warp-specialized: {best_ws[1]} {best_ws[0]:.1f}" if best_ws else
-                     "  | no warp-specialized variant compiled to 12 warps"), flush=True)
-            rows.append(row)
-        del weights
-        torch.cuda.empty_cache()
+    for layer, m, n, k, x, weights, want in decode_cases(batches, names, device):
+        bound = bound_us(m, n, k, bw, rate)
+        vendor = graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights], device, 50)
+        row = {"layer": layer, "m": m, "n": n, "k": k, "bound_us": bound, "cublas_us": vendor, "configs": {}}
+        for cfg in configs(k, mode):
+            if time.perf_counter() - start > limit_s:
+                row["cut_short"] = True
+                break
+            bm, bn = cfg[0], cfg[1]
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            ws = torch.empty(max(1, tiles * cfg[4] * bm * bn if cfg[4] > 1 else 1), dtype=torch.float32,
+                             device=device)
+            y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            try:
+                compiled = launch(x, weights[0], y, cfg, ws, count)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (a configuration that does not compile is a row)
+                row["configs"][describe(cfg)] = f"{type(e).__name__}: {str(e)[:120]}"
+                continue
+            err = relative_error(y, want)
+            if not err < 2e-2:
+                row["configs"][describe(cfg)] = f"wrong (relative error {err:.3g})"
+                continue
+            us = graph_time([lambda w=w, a=(x, y, cfg, ws): launch(a[0], w, a[1], a[2], a[3], count) for w in weights],
+                            device, 50)
+            row["configs"][describe(cfg)] = {"us": us, "warps": compiled.metadata.num_warps,
+                                             "setmaxnreg": compiled.asm["ptx"].count("setmaxnreg")}
+        timed = sorted((v["us"], c, v) for c, v in row["configs"].items() if isinstance(v, dict))
+        best = "; ".join(f"{c} {us:.1f} ({v['warps']}w)" for us, c, v in timed[:3])
+        best_ws = next(((us, c) for us, c, v in timed if c.endswith(" ws") and v["warps"] > 4), None)
+        row["best"] = timed[0][1] if timed else None
+        print(f"{layer:8s} M={m:<4d} bound {bound:7.1f} us  cuBLAS {vendor:7.1f}  best: {best}"
+              + (f"  | best warp-specialized: {best_ws[1]} {best_ws[0]:.1f}" if best_ws else
+                 "  | no warp-specialized variant compiled to 12 warps"), flush=True)
+        rows.append(row)
     return {"device": torch.cuda.get_device_name(device), "triton": triton.__version__, "copy_GBps": bw / 1e9,
             "matmul_TFLOPs": rate / 1e12, "rows": rows}
 
