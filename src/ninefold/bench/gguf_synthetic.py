@@ -15,8 +15,8 @@ follows the float weights (``ninefold.bench.gguf_fidelity``), are what it is for
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,17 +26,13 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
                   "tokenizer.ggml.padding_token_id", "tokenizer.chat_template")
 
 
-def llama3_freq_factors(base: float, dim: int, scaling: dict) -> np.ndarray:
-    """The per-frequency divisors of llama3 rope scaling (``rope_freqs.weight``), ``[dim / 2]`` float32."""
-    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling.get("original_max_position_embeddings", 8192)
-    out = []
-    for i in range(0, dim, 2):
-        wavelen = 2 * math.pi * base ** (i / dim)
-        smooth = (old_len / wavelen - low) / (high - low)
-        out.append(1.0 if wavelen < old_len / high else factor if wavelen > old_len / low
-                   else 1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, np.float32)
+def freq_factors(shape: dict, vocab: int) -> np.ndarray:
+    """The per-frequency divisors (``rope_freqs.weight``, ``[head_dim / 2]`` float32) that give ``shape``'s scaled
+    rotary frequencies (``config.rope_inv_freq``) from the plain ones."""
+    from ninefold.llm.config import ModelConfig, rope_inv_freq
+
+    scaled = ModelConfig.from_dict({**shape, "vocab_size": vocab})
+    return (rope_inv_freq(replace(scaled, rope_scaling=None)) / rope_inv_freq(scaled)).numpy()
 
 
 def write_synthetic(shape: str | dict, out: Path, tokenizer_source: Path, seed: int = 0) -> Path:
@@ -86,7 +82,7 @@ def write_synthetic(shape: str | dict, out: Path, tokenizer_source: Path, seed: 
         writer.add_tensor("output.weight", matrix(vocab, hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     if s.get("rope_scaling"):
-        writer.add_tensor("rope_freqs.weight", llama3_freq_factors(float(s["rope_theta"]), head_dim, s["rope_scaling"]))
+        writer.add_tensor("rope_freqs.weight", freq_factors(s, vocab))
     for i in range(s["num_hidden_layers"]):
         for name, rows, cols in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
                                  ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),

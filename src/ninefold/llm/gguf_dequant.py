@@ -226,14 +226,8 @@ def int4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
         raise ValueError(f"ggml_type {qtype.name} has no 4-bit codes; supported: {', '.join(INT4_TYPES)}")
     if len(shape) != 2:
         raise ValueError(f"shape: a matrix [N, K] is needed, got {tuple(shape)}")
-    if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
     n, k = shape
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
-    if k % block or raw.numel() != n * k // block * block_bytes:
-        raise ValueError(f"raw has {raw.numel()} bytes; shape {tuple(shape)} in {qtype.name} needs "
-                         f"{n * k // block * block_bytes} bytes and rows of a multiple of {block}")
-    codes, scales, offsets = _AFFINE[qtype](raw.reshape(-1).view(-1, block_bytes))
+    codes, scales, offsets = _AFFINE[qtype](_matrix_blocks(raw, qtype, shape))
     return codes.reshape(n, k), scales.reshape(n, k // 32), offsets.reshape(n, k // 32)
 
 
@@ -245,7 +239,7 @@ def _matrix_blocks(raw: np.ndarray | torch.Tensor, qtype: T, shape: tuple[int, i
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     if k % block or raw.numel() != n * k // block * block_bytes:
         raise ValueError(f"raw has {raw.numel()} bytes; shape {tuple(shape)} in {qtype.name} needs "
-                         f"{n * k // block * block_bytes}")
+                         f"{n * k // block * block_bytes} bytes and rows of a multiple of {block}")
     return raw.reshape(-1).view(-1, block_bytes)
 
 

@@ -252,11 +252,15 @@ class BlockWeight:
             raise ValueError(f"BlockWeight.stacked: head rows must be a multiple of {_GROUP} and both must share K and "
                              f"activation_terms, got {head!r} (terms {head.activation_terms}) and {tail!r} "
                              f"(terms {tail.activation_terms})")
+        return cls._of_records(torch.cat((head.data, tail.data)), (head.shape[0] + tail.shape[0], head.shape[1]), 8,
+                               head.shape[0], head.activation_terms)
+
+    @classmethod
+    def _of_records(cls, data: torch.Tensor, shape: tuple[int, int], bits: int, lead: int, terms: int) -> BlockWeight:
+        """A weight over records packed already (``data``), checked by whoever packed them."""
         out = cls.__new__(cls)
-        out.shape = (head.shape[0] + tail.shape[0], head.shape[1])
-        out.bits, out.lead, out.device = 8, head.shape[0], head.device
-        out.data = torch.cat((head.data, tail.data))
-        out.activation_terms, out._mat = head.activation_terms, None
+        out.shape, out.bits, out.lead, out.device, out.data = shape, bits, lead, data.device, data
+        out.activation_terms, out._mat = terms, None
         return out
 
     @staticmethod
@@ -301,12 +305,8 @@ class BlockWeight:
             return [self]
         k = self.shape[1]
         split = self.lead // _GROUP * (k // BLOCK) * 320
-        head, tail = (BlockWeight.__new__(BlockWeight) for _ in range(2))
-        for part, rows, bits, data in ((head, self.lead, 4, self.data[:split]),
-                                       (tail, self.shape[0] - self.lead, 8, self.data[split:])):
-            part.shape, part.bits, part.lead, part.device, part.data = (rows, k), bits, 0, self.device, data
-            part.activation_terms, part._mat = self.activation_terms, None
-        return [head, tail]
+        return [self._of_records(self.data[:split], (self.lead, k), 4, 0, self.activation_terms),
+                self._of_records(self.data[split:], (self.shape[0] - self.lead, k), 8, 0, self.activation_terms)]
 
     def dequantize64(self) -> torch.Tensor:
         """The ``[N, K]`` matrix in float64, exactly."""
