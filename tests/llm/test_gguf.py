@@ -4,9 +4,11 @@ config come from the metadata, and every kind of bad file raises an error naming
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -122,6 +124,56 @@ def _quant_q3_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([hmask.reshape(-1, 32), _two_bit_bytes(q & 3), packed, _f16_bytes(d)], axis=1)
 
 
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _iq4_nibbles(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The IQ4 levels nearest to ``x / scale`` (``[n, 32]``, one scale per row) packed as 16 bytes per 32 values."""
+    safe = np.where(scale == 0, 1, scale)
+    q = np.abs(x / safe[:, None] - IQ4_LEVELS[:, None, None]).argmin(0).astype(np.uint8)  # [n, 32]
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _signed_max(x: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+
+
+def _quant_iq4_nl(x: np.ndarray) -> np.ndarray:
+    blocks = x.reshape(-1, 32)
+    d = (_signed_max(blocks) / -127).astype(np.float16).astype(np.float32)  # the largest value lands on -127
+    return np.concatenate([_f16_bytes(d), _iq4_nibbles(blocks, d)], axis=1)
+
+
+def _quant_iq4_xs(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 8, 32)
+    want = _signed_max(sub) / -127  # [n, 8]
+    d = np.maximum(np.abs(want).max(-1, keepdims=True) / 32, 1e-8).astype(np.float16).astype(np.float32)
+    ls = np.clip(np.round(want / d), -32, 31).astype(np.int32) + 32  # 6 bits
+    qs = _iq4_nibbles(sub.reshape(-1, 32), (d * (ls - 32)).reshape(-1)).reshape(-1, 128)
+    high = ((ls >> 4) << (2 * np.arange(8))).sum(-1).astype(np.uint16)
+    low = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), high.reshape(-1, 1).view(np.uint8), low, qs], axis=1)
+
+
+# Lattice types whose blocks start with their float16 scale ``d``; the tests write them as random blocks.
+LATTICE_TYPES = (T.IQ1_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)
+
+
+def random_lattice_blocks(x: np.ndarray, qtype: T) -> np.ndarray:
+    """Random ``qtype`` blocks (no encoder exists here) for a matrix shaped like ``x``, each block's ``d`` set so the
+    decoded values have the standard deviation of ``x``'s block: a weight of the right type, not of ``x``'s values."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng([zlib.crc32(np.ascontiguousarray(x).tobytes()), int(qtype)])
+    raw = rng.integers(0, 256, size=(x.size // block, nbytes), dtype=np.uint8)
+    raw[:, 0:2] = _f16_bytes(np.ones(raw.shape[0], np.float32))
+    unit = quants.dequantize(raw, qtype).std(-1)
+    d = x.reshape(-1, block).std(-1) / np.maximum(unit, 1e-6)
+    raw[:, 0:2] = _f16_bytes(d.astype(np.float32))
+    return raw.reshape(x.shape[0], -1)
+
+
 def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
     """Bytes (or values for F32/F16) of `x` [rows, cols] in `qtype`."""
     if qtype == T.F32:
@@ -139,12 +191,21 @@ def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
         return _quant_q3_k(x).reshape(rows, -1)
     if qtype == T.Q2_K:
         return _quant_q2_k(x).reshape(rows, -1)
+    if qtype == T.IQ4_NL:
+        return _quant_iq4_nl(x).reshape(rows, -1)
+    if qtype == T.IQ4_XS:
+        return _quant_iq4_xs(x).reshape(rows, -1)
+    if qtype in LATTICE_TYPES:
+        return random_lattice_blocks(x, qtype)
+    if qtype == T.Q8_K:  # no encoder anywhere: zero blocks of the right size, for the error test
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((rows, x.shape[1] // block * nbytes), np.uint8)
     return quants.quantize(x, qtype)
 
 
 # Relative RMS error each type must stay within (4-bit: 1/15 of a block's range per step).
 REL_ERROR = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.01, T.Q6_K: 0.03, T.Q5_K: 0.05,
-             T.Q5_0: 0.06, T.Q5_1: 0.05, T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1, T.Q3_K: 0.22, T.Q2_K: 0.4}
+             T.Q5_0: 0.06, T.Q5_1: 0.05, T.Q4_0: 0.12, T.Q4_1: 0.1, T.Q4_K: 0.1, T.IQ4_NL: 0.12, T.IQ4_XS: 0.12, T.Q3_K: 0.22, T.Q2_K: 0.4}
 ALL_TYPES = list(REL_ERROR)
 
 
@@ -286,7 +347,8 @@ def test_round_trip_within_quantization_error(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
-                                   T.BF16], ids=lambda t: t.name)
+                                   T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ3_S, T.TQ2_0, T.MXFP4, T.BF16],
+                         ids=lambda t: t.name)
 def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     """Random bytes are valid blocks for every type (with finite float16 scales): decode like gguf-py."""
     from gguf import GGML_QUANT_SIZES
@@ -295,7 +357,8 @@ def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     rng = np.random.default_rng(int(qtype))
     raw = rng.integers(0, 256, size=(5 * 3, nbytes), dtype=np.uint8)
     scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
-                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.BF16: []}[qtype]
+                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0], T.IQ4_XS: [0], T.IQ2_XXS: [0],
+                T.IQ3_S: [0], T.TQ2_0: [64], T.MXFP4: [], T.BF16: []}[qtype]
     for at in scale_at:
         raw[:, at : at + 2] = _f16_bytes(rng.standard_normal(raw.shape[0]).astype(np.float32))
     if qtype == T.BF16:
@@ -374,8 +437,9 @@ def test_bfloat16_output_dtype(tmp_path):
 # ----------------------------------------------------------------------------- errors
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    path = write_gguf(tmp_path / "tq2_0.gguf", hf_weights(), T.TQ2_0)
-    with pytest.raises(GGUFError, match="TQ2_0"):
+    # Q8_K is ggml's activation type: no file format, no decoder here or in gguf-py
+    path = write_gguf(tmp_path / "q8_k.gguf", hf_weights(), T.Q8_K)
+    with pytest.raises(GGUFError, match="has type Q8_K; supported: .*IQ4_XS"):
         load_gguf(path)
 
 
@@ -489,8 +553,8 @@ def test_rope_freqs_reach_the_model(tmp_path):
 
 
 def test_dequantize_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="TQ2_0"):
-        dequantize(np.zeros(66, np.uint8), int(T.TQ2_0), (256,))
+    with pytest.raises(ValueError, match="Q8_K is not supported"):
+        dequantize(np.zeros(292, np.uint8), int(T.Q8_K), (256,))
     with pytest.raises(ValueError, match="needs"):
         dequantize(np.zeros(33, np.uint8), int(T.Q8_0), (32,))
     with pytest.raises(ValueError, match="not a ggml type"):

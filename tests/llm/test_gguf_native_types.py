@@ -1,11 +1,11 @@
 """Every quantized GGUF type on the native CPU kernels' blocks (``gguf_packed.native_matrix``).
 
 What is asserted and why:
-* the conversions that can be exact are (Q8_0, Q5_0, Q4_0 as 8-bit codes; Q4_0/Q4_1 as 4-bit), bit for bit;
-* Q4_K's per-block products ``d * sc`` and ``dmin * m``, rounded to float16, move no weight by more than
-  2^-11 of its block's scale and offset;
-* requantized types (Q5_1, Q5_K, Q6_K; 4-bit parts stacked with 8-bit ones) move no weight by more than
-  half an 8-bit step of its block, which is at most a quarter of a Q6_K step;
+* the conversions that can be exact are (Q8_0, Q5_0, Q4_0, IQ4_NL as 8-bit codes; Q4_0/Q4_1 as 4-bit), bit for bit;
+* Q4_K's per-block products ``d * sc`` and ``dmin * m`` (IQ4_XS's ``d * (ls - 32)``), rounded to float16, move
+  no weight by more than 2^-11 of its block's scale and offset;
+* requantized types (Q5_1, Q2_K..Q6_K, the lattice IQ types, TQ2_0, MXFP4; 4-bit parts stacked with 8-bit ones)
+  move no weight by more than half an 8-bit step of its block, which is at most a quarter of a Q6_K step;
 * a model mixed like llama.cpp's Q4_K_M (Q4_K beside Q6_K, Q5_0 and Q8_0) runs its decode step natively,
   and its logits stay as close to the dequantized float32 model as a bfloat16 model of the same weights does.
 """
@@ -25,7 +25,7 @@ from ninefold.llm.models import llama_cpu
 from ninefold.llm.sampling import SamplingParams
 from ninefold.ops import cpu_native
 
-from .test_gguf import hf_weights, quantize, write_gguf
+from .test_gguf import LATTICE_TYPES, hf_weights, quantize, write_gguf
 
 N, K = 48, 512
 
@@ -55,7 +55,7 @@ def _block_bound(exact: torch.Tensor) -> torch.Tensor:
     return (step / 2).repeat_interleave(32, dim=1) + 1e-12
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL], ids=lambda t: t.name)
 def test_exact_8_bit_forms(qtype):
     kept = _kept(qtype, _weights())
     q8 = kept.to_q8()
@@ -83,14 +83,27 @@ def test_q4_k_scales_rounded_to_float16_within_their_precision():
     assert err.max() > 0  # the rounding is real, not skipped
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_iq4_xs_scales_rounded_to_float16_within_their_precision():
+    kept = _kept(T.IQ4_XS, _weights())
+    exact = kept.dequantize()
+    q8 = kept.to_q8()
+    assert q8.codes.dtype == torch.int8 and ops.BlockWeight.fits(q8.scales)
+    assert set(q8.codes.unique().tolist()) <= {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+    err = (q8.dequantize() - exact).abs().reshape(N, K // 32, 32).amax(-1)
+    assert (err <= exact.abs().reshape(N, K // 32, 32).amax(-1) * 2.0**-11 + 1e-12).all()
+    assert err.max() > 0  # d * (ls - 32) is not always a float16 value: the rounding is real
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K, T.TQ2_0, T.MXFP4, *LATTICE_TYPES],
+                         ids=lambda t: t.name)
 def test_requantized_types_within_half_an_8_bit_step(qtype):
     kept = _kept(qtype, _weights())
     exact = kept.dequantize()
     q8 = kept.to_q8()
     err = (q8.dequantize() - exact).abs()
     assert (err <= _block_bound(exact)).all()
-    assert torch.equal(q8.dequantize()[5, 32:64], torch.zeros(32))  # the zero block stays zero, no NaN
+    if qtype not in LATTICE_TYPES:  # random lattice blocks (no encoder here) have no zero block
+        assert torch.equal(q8.dequantize()[5, 32:64], torch.zeros(32))  # the zero block stays zero, no NaN
     if qtype == T.Q6_K:  # a quarter of Q6_K's own step: max|w| / 127 / 2 against d * max(sc) (~max|w| / 32)
         assert (err.reshape(N, K // 32, 32).amax(-1) <= exact.abs().reshape(N, K // 32, 32).amax(-1) / 250).all()
 
@@ -213,8 +226,8 @@ def test_a_tied_quantized_embedding_is_decoded_once(tmp_path, monkeypatch):
     assert torch.equal(engine.model.embed, exact.model.embed)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K], ids=lambda t: t.name)
-def test_2_and_3_bit_models_run_natively_as_8_bit_blocks(tmp_path, qtype):
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ3_S, T.IQ2_XXS], ids=lambda t: t.name)
+def test_2_to_4_bit_models_run_natively_as_8_bit_blocks(tmp_path, qtype):
     if not cpu_native.fast():
         pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
     path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf_weights(arch="llama", tied=True), qtype, arch="llama")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 T = GGMLQuantizationType
 
@@ -132,7 +133,66 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(-1, 256)
 
 
+# The sixteen values a 4-bit IQ4_NL/IQ4_XS code stands for (ggml's kvalues_iq4nl), before the block's scale.
+IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
+
+
+def _iq4_values(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, 16 * m]`` of IQ4 nibbles -> int8 values ``[n * m, 32]``: per 16 bytes, the low nibbles are values
+    0-15 and the high nibbles 16-31 (Q4_0's order), each mapped through ``IQ4_VALUES``."""
+    return IQ4_VALUES[_nibbles(packed.reshape(-1, 16)).long()].reshape(-1, 32)
+
+
+def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """The eight 6-bit sub-block scales of IQ4_XS blocks, minus 32, times ``d``: float32 ``[n, 8]``. Sub-block
+    ``i`` takes nibble ``i % 2`` of ``scales_l[i // 2]`` and bits ``2i, 2i+1`` of the 16-bit ``scales_h``."""
+    high = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, 1]
+    low = b[:, 4:8].to(torch.int32)
+    nib = torch.stack((low & 15, low >> 4), dim=-1).reshape(-1, 8)
+    top = (high >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+    return _f16(b, 0) * ((nib | (top << 4)) - 32).float()
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _iq4_values(b[:, 2:18]).float()
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    values = _iq4_values(b[:, 8:136]).reshape(-1, 8, 32).float()
+    return (_iq4_xs_scales(b).unsqueeze(-1) * values).reshape(-1, 256)
+
+
+def iq4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An IQ4_NL or IQ4_XS matrix as 8-bit codes: ``(codes int8 [N, K], scales float32 [N, K // 32])`` with value =
+    code * scale exactly (the codes are ``IQ4_VALUES``; IQ4_XS's scale of 32 values is ``d * (ls - 32)``)."""
+    qtype = T(ggml_type)
+    if qtype not in (T.IQ4_NL, T.IQ4_XS):
+        raise ValueError(f"ggml_type {qtype.name} has no IQ4 codes; supported: IQ4_NL, IQ4_XS")
+    b = _matrix_blocks(raw, qtype, shape)
+    n, k = shape
+    if qtype == T.IQ4_NL:
+        return _iq4_values(b[:, 2:18]).reshape(n, k), _f16(b, 0).reshape(n, k // 32)
+    return _iq4_values(b[:, 8:136]).reshape(n, k), _iq4_xs_scales(b).reshape(n, k // 32)
+
+
+def _gguf_py_decoder(qtype: T):
+    """A decoder for ``qtype`` by gguf-py's own numpy code (the lattice-based IQ1/IQ2/IQ3 types, the ternary
+    TQ types, MXFP4...), or None where the installed gguf-py cannot dequantize it."""
+    if not hasattr(gguf_quants, qtype.name):
+        return None
+
+    def decode(b: torch.Tensor) -> torch.Tensor:
+        with np.errstate(all="ignore"):  # inf/nan scales in a block pass through as they are
+            values = gguf_quants.dequantize(b.contiguous().numpy(), qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    return decode
+
+
 _DECODERS = {
+    T.IQ4_NL: _iq4_nl,
+    T.IQ4_XS: _iq4_xs,
     T.Q8_0: _q8_0,
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
@@ -144,6 +204,8 @@ _DECODERS = {
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
 }
+_DECODERS.update({t: d for t in T if t not in _DECODERS and t.name not in ("F32", "F16", "BF16", "F64")
+                  and t in GGML_QUANT_SIZES and (d := _gguf_py_decoder(t)) is not None})
 _PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_PLAIN, *_DECODERS))
@@ -156,8 +218,9 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode the bytes of one GGUF tensor into a `dtype` tensor of `shape` (PyTorch order).
 
-    `raw` is the tensor's uint8 bytes; supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (`SUPPORTED_TYPES`). Anything else raises ValueError naming the type.
+    `raw` is the tensor's uint8 bytes; supported types (`SUPPORTED_TYPES`) are F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL and IQ4_XS (decoded here) and every other block type the installed gguf-py
+    dequantizes (IQ1_S..IQ3_S, TQ1_0, TQ2_0, MXFP4, ...). Anything else raises ValueError naming the type.
     """
     try:
         qtype = T(ggml_type)

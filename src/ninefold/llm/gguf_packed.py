@@ -2,7 +2,7 @@
 
 With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes``, Q8_0
 matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy) and the other quantized types
-(Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) as ``GGUFRows`` (their raw blocks). The model turns them into ``PackedLinear``
+(Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ and TQ types, MXFP4) as ``GGUFRows`` (their raw blocks). The model turns them into ``PackedLinear``
 layers (``packed_linear``).
 
 Where ninefold's native CPU kernels build with vector code (AVX-512 VNNI or AVX2: ``ninefold.ops.cpu_native``),
@@ -16,9 +16,10 @@ natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
   precision Q4_1 stores them with).
 * 4-bit parts followed by others (a Q4_K q and k over a Q6_K v): the 4-bit rows keep 4-bit blocks and the rest
   take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when the 4-bit rows fill whole 16-row groups.
-* otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); the
-  rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) requantized to 8 bits per
-  32 values
+* otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); IQ4_NL
+  exactly (its sixteen non-uniform levels are int8 values); IQ4_XS with its per-32 scale ``d * (ls - 32)`` rounded
+  to float16 (as Q4_K's); the rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K,
+  the lattice IQ1/IQ2/IQ3 types, TQ1_0/TQ2_0, MXFP4) requantized to 8 bits per 32 values
   (``requantize_q8``: at most half a step of ``max|w| / 127`` per value, a quarter of a Q6_K step or less).
   This is how a Q4_K_M file (Q4_K beside Q6_K and, for rows that are not a multiple of 256, Q5_0 or Q8_0)
   runs natively.
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ninefold import ops
-from ninefold.llm.gguf_dequant import T, dequantize, q5_0_codes
+from ninefold.llm.gguf_dequant import T, dequantize, iq4_codes, q5_0_codes
 
 # Steps with more rows than this use the dense copy when there is one. Measured in the engine on
 # the 2-core EPYC (SmolLM2, bf16, 2 threads), where weights stream from memory rather than sit in
@@ -125,8 +126,8 @@ class Q8Codes:
 
 @dataclass
 class GGUFRows:
-    """A GGUF matrix of a type the packed layers do not take as it is (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K): its raw
-    blocks, one row of ``row_bytes`` per weight row (``raw`` uint8 ``[N, row_bytes]``), decoded on demand."""
+    """A GGUF matrix of a type the packed layers do not take as it is (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, IQ and TQ
+    types, MXFP4): its raw blocks, one row of ``row_bytes`` per weight row (``raw`` uint8 ``[N, row_bytes]``), decoded on demand."""
 
     raw: torch.Tensor
     ggml_type: int
@@ -155,9 +156,13 @@ class GGUFRows:
         return dequantize(self.raw.reshape(-1), self.ggml_type, self.shape, dtype)
 
     def to_q8(self) -> Q8Codes:
-        """8-bit codes of this matrix: exact for Q5_0, requantized (``requantize_q8``) for the others."""
+        """8-bit codes of this matrix: exact for Q5_0 and IQ4_NL, IQ4_XS's scales rounded to float16, requantized
+        (``requantize_q8``) for the others."""
         if self.ggml_type == T.Q5_0:
             return Q8Codes(*q5_0_codes(self.raw.reshape(-1), self.shape), self.type_name)
+        if self.ggml_type in (T.IQ4_NL, T.IQ4_XS):
+            codes, scales = iq4_codes(self.raw.reshape(-1), self.ggml_type, self.shape)
+            return Q8Codes(codes, _fp16_values(scales, self.type_name), self.type_name)
         return requantize_q8(self.dequantize(), self.type_name)
 
 
