@@ -6,6 +6,7 @@ What is asserted and why:
   no weight by more than 2^-11 of its block's scale and offset;
 * requantized types (Q5_1, Q2_K..Q6_K, the lattice IQ types, TQ2_0, MXFP4; 4-bit parts stacked with 8-bit ones)
   move no weight by more than half an 8-bit step of its block, which is at most a quarter of a Q6_K step;
+* IQ4_NL/IQ4_XS rows stay 4-bit codes of the IQ4 levels, and a model of them decodes natively on those;
 * a model mixed like llama.cpp's Q4_K_M (Q4_K beside Q6_K, Q5_0 and Q8_0) runs its decode step natively,
   and its logits stay as close to the dequantized float32 model as a bfloat16 model of the same weights does.
 """
@@ -19,8 +20,16 @@ from gguf import GGMLQuantizationType as T
 
 from ninefold import ops
 from ninefold.llm.engine import LLMEngine
-from ninefold.llm.gguf_dequant import int4_codes, q8_0_codes
-from ninefold.llm.gguf_packed import GGUFRows, Int4Codes, PackedLinear, Q8Codes, native_matrix, requantize_q8
+from ninefold.llm.gguf_dequant import IQ4_VALUES, int4_codes, q8_0_codes
+from ninefold.llm.gguf_packed import (
+    GGUFRows,
+    Int4Codes,
+    LevelCodes,
+    PackedLinear,
+    Q8Codes,
+    native_matrix,
+    requantize_q8,
+)
 from ninefold.llm.models import llama_cpu
 from ninefold.llm.sampling import SamplingParams
 from ninefold.ops import cpu_native
@@ -133,6 +142,19 @@ def test_requantize_q8_refuses_scales_beyond_float16():
         requantize_q8(torch.full((1, 32), 1e7), "Q6_K")
 
 
+def test_iq4_parts_stay_4_bit_levels_in_row_order():
+    w = _weights()
+    parts = [_kept(T.IQ4_NL, w[:16]), _kept(T.IQ4_XS, w[16:])]
+    whole = native_matrix(parts)
+    assert isinstance(whole, LevelCodes) and whole.codes.shape == (N, K) and int(whole.codes.max()) <= 15
+    values = (IQ4_VALUES[whole.codes.long()].float().reshape(N, K // 32, 32) * whole.scales[..., None]).reshape(N, K)
+    torch.testing.assert_close(values, torch.cat([p.to_q8().dequantize() for p in parts]), rtol=0, atol=0)
+    # with an 8-bit part beside them, every row is 8-bit: the IQ4 rows as their levels, exactly as above
+    mixed = native_matrix([*parts, _kept(T.Q8_0, w[:16])])
+    assert isinstance(mixed, Q8Codes)
+    torch.testing.assert_close(mixed.dequantize()[:N], values, rtol=0, atol=0)
+
+
 def test_gguf_rows_keep_the_row_permutation():
     w = _weights()
     kept = _kept(T.Q6_K, w)
@@ -195,9 +217,11 @@ def test_q4_k_m_mix_runs_natively_and_close_to_the_float_model(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_q4_k_m_mix_on_cuda_is_the_dequantized_model(tmp_path):
+@pytest.mark.parametrize("mix", ["q4_k_m", "iq4_xs"])
+def test_quantized_mixes_on_cuda_are_the_dequantized_model(tmp_path, mix):
     """On a GPU every GGUF matrix is dequantized (GGUFRows included): the CPU's exact float32 logits."""
-    path = write_gguf(tmp_path / "q4_k_m.gguf", hf_weights(arch="llama", tied=True), _q4_k_m, arch="llama")
+    types = {"q4_k_m": _q4_k_m, "iq4_xs": _iq4_xs}[mix]
+    path = write_gguf(tmp_path / f"{mix}.gguf", hf_weights(arch="llama", tied=True), types, arch="llama")
     want = _decode_shaped_logits(_engine(path, "float32", "none"))
     cuda = _engine(path, "float32", "auto", device="cuda")
     assert not any(isinstance(getattr(layer, f), PackedLinear) for layer in cuda.model.layers
@@ -226,8 +250,28 @@ def test_a_tied_quantized_embedding_is_decoded_once(tmp_path, monkeypatch):
     assert torch.equal(engine.model.embed, exact.model.embed)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ3_S, T.IQ2_XXS], ids=lambda t: t.name)
-def test_2_to_4_bit_models_run_natively_as_8_bit_blocks(tmp_path, qtype):
+def _iq4_xs(name: str) -> T:
+    """llama.cpp's IQ4_XS mix on a model whose rows are multiples of 256, with IQ4_NL (its fallback) for o."""
+    return T.IQ4_NL if "o_proj" in name else T.IQ4_XS
+
+
+def test_iq4_models_run_natively_on_4_bit_levels(tmp_path):
+    if not cpu_native.fast():
+        pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
+    path = write_gguf(tmp_path / "iq4_xs.gguf", hf_weights(arch="llama", tied=False), _iq4_xs, arch="llama")
+    auto = _engine(path, "float32", "auto")
+    m = auto.model
+    blocks = [getattr(ly, f).blocks for ly in m.layers for f in ("qkv", "o", "gate_up", "down")] + [m.lm_head.blocks]
+    assert all(b.bits == 4 and b.levels is not None for b in blocks)
+    assert llama_cpu.NativeDecoder.why_not(m) is None
+    want = _decode_shaped_logits(_engine(path, "float32", "none"))
+    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    # the weights are IQ4's (float16-rounded IQ4_XS scales aside): only the int8 activations differ from the float model
+    assert (_decode_shaped_logits(auto) - want).abs().max() <= 2 * bf16_err
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ3_S, T.IQ2_XXS], ids=lambda t: t.name)
+def test_2_and_3_bit_models_run_natively_as_8_bit_blocks(tmp_path, qtype):
     if not cpu_native.fast():
         pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
     path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf_weights(arch="llama", tied=True), qtype, arch="llama")

@@ -30,6 +30,12 @@ def _weight(n, k, bits, seed=0, terms=1):
         return ops.BlockWeight.stacked(head, tail), torch.cat((head_dense, tail_dense))
     g = torch.Generator().manual_seed(seed)
     scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()
+    if bits == "L4":  # 4-bit codes indexing 16 int8 levels (GGUF's IQ4): the extremes -128 and 127 included
+        levels = torch.tensor([-128, -104, -83, -65, -49, -35, -22, -10, 0, 13, 25, 38, 53, 69, 89, 127], dtype=torch.int8)
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        dense = levels.double()[codes.long()].reshape(n, k // 32, 32) * scales.double()[..., None]
+        weight = ops.BlockWeight(codes, scales, None, 4, activation_terms=terms, levels=levels)
+        return weight, dense.reshape(n, k)
     if bits == 4:
         codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         offsets = (-8 * scales + torch.randn((n, k // 32), generator=g) * 0.01).half().float()
@@ -71,6 +77,9 @@ def _reference(x, dense, bias, terms):
     (8, (4,), 16, 512, True, False, 1),
     ("4+8", (1,), 48, 96, True, False, 1),  # a stacked weight: 4-bit row groups, then 8-bit ones
     ("4+8", (11,), 41, 64, False, True, 2),
+    ("L4", (1,), 16, 64, False, False, 1),
+    ("L4", (13,), 37, 96, True, True, 1),
+    ("L4", (3,), 48, 256, False, False, 2),
 ])
 def test_linear_blocks_matches_float64(device, impl, dtype, bits, lead, n, k, bias, strided, terms):
     weight, dense = _weight(n, k, bits, seed=n + k, terms=terms)
@@ -89,7 +98,7 @@ def test_linear_blocks_matches_float64(device, impl, dtype, bits, lead, n, k, bi
 
 
 @pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "L4"])
 def test_int8_rounding_error_is_bounded_by_the_rounding(bits):
     n, k = 64, 320
     weight, dense = _weight(n, k, bits, seed=5)
@@ -102,7 +111,8 @@ def test_int8_rounding_error_is_bounded_by_the_rounding(bits):
     assert (err <= bound * 1.001 + 1e-5).all()
     assert err.max() > 0  # it is a rounding, not the exact product
     # the two-term rounding is ~127x finer
-    fine = ops.linear_blocks(x, ops.BlockWeight(*_codes_of(weight), bits=bits, activation_terms=2)).double()
+    fine = ops.linear_blocks(x, ops.BlockWeight(*_codes_of(weight), bits=weight.bits, activation_terms=2,
+                                                levels=weight.levels)).double()
     assert (fine - exact).abs().max() < err.max() / 20
 
 
@@ -114,11 +124,11 @@ def _codes_of(weight):
 
 
 def test_block_weight_stores_the_blocks_exactly():
-    for bits in (4, 8):
+    for bits in (4, 8, "L4"):
         weight, dense = _weight(37, 96, bits, seed=3)
         assert torch.equal(weight.dequantize64(), dense)
         assert weight.dequantize(torch.bfloat16).dtype == torch.bfloat16
-        assert weight.nbytes == 3 * 3 * (320 if bits == 4 else 544)  # 3 groups of 16 rows x 3 blocks
+        assert weight.nbytes == 3 * 3 * {4: 320, 8: 544, "L4": 288}[bits]  # 3 groups of 16 rows x 3 blocks
 
 
 def test_stacked_block_weight_keeps_both_parts_exactly():
@@ -132,6 +142,8 @@ def test_stacked_block_weight_keeps_both_parts_exactly():
         ops.BlockWeight.stacked(_weight(17, 96, 4)[0], tail)
     with pytest.raises(ValueError, match="head must be a plain 4-bit weight and tail a plain 8-bit one"):
         ops.BlockWeight.stacked(tail, head)
+    with pytest.raises(ValueError, match="head must be a plain 4-bit weight"):
+        ops.BlockWeight.stacked(_weight(16, 96, "L4")[0], tail)
 
 
 def test_block_weight_refuses_bad_input():
@@ -151,6 +163,13 @@ def test_block_weight_refuses_bad_input():
         ops.BlockWeight(codes.float(), s, s, 4)
     with pytest.raises(ValueError, match="activation_terms must be 1 or 2, got 3"):
         ops.BlockWeight(codes, s, s, 4, activation_terms=3)
+    levels = torch.arange(-8, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="levels must be 16 int8 values with bits=4, got 15 int8 values"):
+        ops.BlockWeight(codes, s, None, 4, levels=levels[:15])
+    with pytest.raises(ValueError, match="levels must be 16 int8 values with bits=4, got 16 int32 values"):
+        ops.BlockWeight(codes, s, None, 4, levels=levels.int())
+    with pytest.raises(ValueError, match="offsets are not accepted with levels"):
+        ops.BlockWeight(codes, s, s, 4, levels=levels)
     weight = ops.BlockWeight(codes, s, s, 4)
     with pytest.raises(ops.OpError, match="x's last dimension must be weight's K = 64"):
         ops.linear_blocks(torch.zeros(2, 32), weight)
@@ -207,8 +226,8 @@ def test_every_tier_this_cpu_runs_computes_what_the_references_do(tmp_path, tier
         pytest.skip(str(error))
     assert lib.nf_simd() == {"portable": 0, "avx2": 1, "avx512-vnni": 2}[tier]
     g = torch.Generator().manual_seed(4)
-    for bits, terms, m, dtype in itertools.product((4, 8), (1, 2), (1, 5, 11), (torch.float32, torch.bfloat16)):
-        weight, dense = _weight(40, 128, bits, seed=9 + bits, terms=terms)
+    for bits, terms, m, dtype in itertools.product((4, 8, "L4"), (1, 2), (1, 5, 11), (torch.float32, torch.bfloat16)):
+        weight, dense = _weight(40, 128, bits, seed=9 + (bits if isinstance(bits, int) else 0), terms=terms)
         x = torch.randn(m, 128, generator=g).to(dtype)
         out = torch.empty(m, 40, dtype=dtype)
         scratch = torch.empty(lib.nf_linear_scratch_bytes(m * terms, 128), dtype=torch.uint8)

@@ -137,10 +137,15 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
 
 
+def _iq4_indices(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, 16 * m]`` of IQ4 nibbles -> their indices into ``IQ4_VALUES``, uint8 ``[n * m, 32]``: per 16 bytes,
+    the low nibbles are values 0-15 and the high nibbles 16-31 (Q4_0's order)."""
+    return _nibbles(packed.reshape(-1, 16)).reshape(-1, 32)
+
+
 def _iq4_values(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, 16 * m]`` of IQ4 nibbles -> int8 values ``[n * m, 32]``: per 16 bytes, the low nibbles are values
-    0-15 and the high nibbles 16-31 (Q4_0's order), each mapped through ``IQ4_VALUES``."""
-    return IQ4_VALUES[_nibbles(packed.reshape(-1, 16)).long()].reshape(-1, 32)
+    """The int8 levels of IQ4 nibbles (``_iq4_indices`` mapped through ``IQ4_VALUES``)."""
+    return IQ4_VALUES[_iq4_indices(packed).long()]
 
 
 def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
@@ -164,16 +169,16 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 def iq4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An IQ4_NL or IQ4_XS matrix as 8-bit codes: ``(codes int8 [N, K], scales float32 [N, K // 32])`` with value =
-    code * scale exactly (the codes are ``IQ4_VALUES``; IQ4_XS's scale of 32 values is ``d * (ls - 32)``)."""
+    """An IQ4_NL or IQ4_XS matrix as ``(indices uint8 [N, K] in [0, 15], scales float32 [N, K // 32])``: value =
+    ``IQ4_VALUES[index] * scale`` exactly (IQ4_XS's scale of 32 values is ``d * (ls - 32)``)."""
     qtype = T(ggml_type)
     if qtype not in (T.IQ4_NL, T.IQ4_XS):
         raise ValueError(f"ggml_type {qtype.name} has no IQ4 codes; supported: IQ4_NL, IQ4_XS")
     b = _matrix_blocks(raw, qtype, shape)
     n, k = shape
     if qtype == T.IQ4_NL:
-        return _iq4_values(b[:, 2:18]).reshape(n, k), _f16(b, 0).reshape(n, k // 32)
-    return _iq4_values(b[:, 8:136]).reshape(n, k), _iq4_xs_scales(b).reshape(n, k // 32)
+        return _iq4_indices(b[:, 2:18]).reshape(n, k), _f16(b, 0).reshape(n, k // 32)
+    return _iq4_indices(b[:, 8:136]).reshape(n, k), _iq4_xs_scales(b).reshape(n, k // 32)
 
 
 def _gguf_py_decoder(qtype: T):

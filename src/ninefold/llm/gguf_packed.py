@@ -14,11 +14,12 @@ natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
 * all parts 4-bit: 4-bit blocks. Q4_0 and Q4_1 scales are float16 already; Q4_K's per-32 scale and offset
   are products (``d * sc``, ``dmin * m``) and are rounded to float16 (relative error at most 2^-11, the
   precision Q4_1 stores them with).
+* all parts IQ4_NL/IQ4_XS: 4-bit blocks whose codes index the sixteen IQ4 levels (``ops.BlockWeight(levels=)``):
+  IQ4_NL exactly, IQ4_XS with its per-32 scale ``d * (ls - 32)`` rounded to float16 (as Q4_K's).
 * 4-bit parts followed by others (a Q4_K q and k over a Q6_K v): the 4-bit rows keep 4-bit blocks and the rest
   take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when the 4-bit rows fill whole 16-row groups.
 * otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); IQ4_NL
-  exactly (its sixteen non-uniform levels are int8 values); IQ4_XS with its per-32 scale ``d * (ls - 32)`` rounded
-  to float16 (as Q4_K's); the rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K,
+  and IQ4_XS as their levels (int8 values) with the scales above; the rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K,
   the lattice IQ1/IQ2/IQ3 types, TQ1_0/TQ2_0, MXFP4) requantized to 8 bits per 32 values
   (``requantize_q8``: at most half a step of ``max|w| / 127`` per value, a quarter of a Q6_K step or less).
   This is how a Q4_K_M file (Q4_K beside Q6_K and, for rows that are not a multiple of 256, Q5_0 or Q8_0)
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ninefold import ops
-from ninefold.llm.gguf_dequant import T, dequantize, iq4_codes, q5_0_codes
+from ninefold.llm.gguf_dequant import IQ4_VALUES, T, dequantize, iq4_codes, q5_0_codes
 
 # Steps with more rows than this use the dense copy when there is one. Measured in the engine on
 # the 2-core EPYC (SmolLM2, bf16, 2 threads), where weights stream from memory rather than sit in
@@ -161,9 +162,28 @@ class GGUFRows:
         if self.ggml_type == T.Q5_0:
             return Q8Codes(*q5_0_codes(self.raw.reshape(-1), self.shape), self.type_name)
         if self.ggml_type in (T.IQ4_NL, T.IQ4_XS):
-            codes, scales = iq4_codes(self.raw.reshape(-1), self.ggml_type, self.shape)
-            return Q8Codes(codes, _fp16_values(scales, self.type_name), self.type_name)
+            levels = LevelCodes.of(self)
+            return Q8Codes(IQ4_VALUES[levels.codes.long()], levels.scales, self.type_name)
         return requantize_q8(self.dequantize(), self.type_name)
+
+
+@dataclass
+class LevelCodes:
+    """IQ4_NL/IQ4_XS rows as ``codes`` uint8 ``[N, K]`` in ``[0, 15]`` indexing ``IQ4_VALUES`` and float16-exact
+    ``scales`` float32 ``[N, K // 32]``: value = ``IQ4_VALUES[code] * scale``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: GGUFRows) -> LevelCodes:
+        """The levels of IQ4_NL/IQ4_XS ``rows`` (IQ4_XS's scales rounded to float16)."""
+        indices, scales = iq4_codes(rows.raw.reshape(-1), rows.ggml_type, rows.shape)
+        return cls(indices, _fp16_values(scales, rows.type_name))
+
+
+def _iq4(part) -> bool:
+    return type(part) is GGUFRows and part.ggml_type in (T.IQ4_NL, T.IQ4_XS)
 
 
 QUANTIZED = (Int4Codes, Q8Codes, GGUFRows)
@@ -182,13 +202,17 @@ def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
     return Q8Codes(codes.reshape(n, k), scales, type_name)
 
 
-def native_matrix(parts: list) -> Int4Codes | Q8Codes | tuple[Int4Codes, Q8Codes]:
-    """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit; 4-bit parts
+def native_matrix(parts: list) -> Int4Codes | LevelCodes | Q8Codes | tuple[Int4Codes, Q8Codes]:
+    """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit (affine, or all
+    IQ4 levels); 4-bit parts
     followed by 8-bit ones as a (4-bit head, 8-bit tail) pair when the head fills whole 16-row groups (a Q4_K
     q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module docstring for which
     conversions are exact)."""
     if all(type(p) is Int4Codes for p in parts):
         return cat_rows([p.fp16_scaled() for p in parts])
+    if all(_iq4(p) for p in parts):
+        levels = [LevelCodes.of(p) for p in parts]
+        return LevelCodes(torch.cat([p.codes for p in levels]), torch.cat([p.scales for p in levels]))
     lead = next(i for i, p in enumerate(parts) if type(p) is not Int4Codes)
     if (lead and not any(type(p) is Int4Codes for p in parts[lead:])
             and sum(p.shape[0] for p in parts[:lead]) % STACK_ROWS == 0):
@@ -307,7 +331,7 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)
 
 
-def _block_weight(whole: Int4Codes | Q8Codes | tuple[Int4Codes, Q8Codes], terms: int) -> ops.BlockWeight:
+def _block_weight(whole: Int4Codes | LevelCodes | Q8Codes | tuple[Int4Codes, Q8Codes], terms: int) -> ops.BlockWeight:
     """The native kernels' form of ``whole`` (whose scales and offsets are float16 values; a pair is stacked)."""
     if isinstance(whole, tuple):
         return ops.BlockWeight.stacked(*(_block_weight(part, terms) for part in whole))
@@ -320,6 +344,8 @@ def _block_weight(whole: Int4Codes | Q8Codes | tuple[Int4Codes, Q8Codes], terms:
     try:
         if isinstance(whole, Q8Codes):
             return ops.BlockWeight(whole.codes, whole.scales, None, bits=8, activation_terms=terms)
+        if isinstance(whole, LevelCodes):
+            return ops.BlockWeight(whole.codes, whole.scales, None, bits=4, activation_terms=terms, levels=IQ4_VALUES)
         return ops.BlockWeight(whole.codes, whole.scales, whole.offsets, bits=4, activation_terms=terms)
     finally:
         torch.set_num_threads(threads)

@@ -196,6 +196,8 @@ class BlockWeight:
     ``BlockWeight(codes, scales, offsets, bits=4)``: ``codes`` integer ``[N, K]`` in ``[0, 15]``,
     ``w = codes * scales + offsets`` per block (``scales``/``offsets`` ``[N, K // 32]``).
     ``BlockWeight(codes, scales, None, bits=8)``: ``codes`` in ``[-128, 127]``, ``w = codes * scales``.
+    ``BlockWeight(codes, scales, None, bits=4, levels=table)``: 4-bit ``codes`` index ``table`` (16 int8 values,
+    GGUF's IQ4_NL/IQ4_XS levels), ``w = table[codes] * scales``: 4-bit storage, 8-bit arithmetic.
     ``K`` is a positive multiple of 32; the scales and offsets must be exact in fp16 (as GGUF stores
     them; ``BlockWeight.fits`` says whether they are). CPU only.
 
@@ -206,7 +208,7 @@ class BlockWeight:
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None, bits: int = 4,
-                 activation_terms: int = 1):
+                 activation_terms: int = 1, levels: torch.Tensor | None = None):
         spec.tensor("BlockWeight", "codes", codes, ndim=2)
         if codes.dtype.is_floating_point or codes.dtype == torch.bool:
             raise TypeError(f"BlockWeight: codes must be an integer tensor, got {spec.dtype_name(codes.dtype)}")
@@ -214,7 +216,14 @@ class BlockWeight:
             raise ValueError(f"BlockWeight: bits must be 4 or 8, got {bits!r}")
         if activation_terms not in (1, 2) or isinstance(activation_terms, bool):
             raise ValueError(f"BlockWeight: activation_terms must be 1 or 2, got {activation_terms!r}")
-        if (offsets is None) != (bits == 8):
+        if levels is not None:
+            spec.tensor("BlockWeight", "levels", levels, ndim=1)
+            if levels.dtype != torch.int8 or levels.numel() != 16 or bits != 4:
+                raise ValueError(f"BlockWeight: levels must be 16 int8 values with bits=4, got {levels.numel()} "
+                                 f"{spec.dtype_name(levels.dtype)} values with bits={bits!r}")
+            if offsets is not None:
+                raise ValueError("BlockWeight: offsets are not accepted with levels (w = levels[code] * scale)")
+        elif (offsets is None) != (bits == 8):
             raise ValueError("BlockWeight: offsets are required with bits=4 and not accepted with bits=8")
         if codes.device.type != "cpu":
             raise ValueError(f"BlockWeight: the weight must be on the CPU, got {codes.device}")
@@ -236,6 +245,7 @@ class BlockWeight:
         self.shape = (n, k)
         self.bits = bits
         self.lead = 0  # leading rows held in 4-bit records ahead of the rest (``stacked``)
+        self.levels = None if levels is None else levels.contiguous().clone()
         self.device = codes.device
         self.data = _pack_blocks(codes, scales, offsets, bits)
         self.activation_terms = activation_terms
@@ -245,7 +255,7 @@ class BlockWeight:
     def stacked(cls, head: BlockWeight, tail: BlockWeight) -> BlockWeight:
         """``head`` (4-bit, rows a multiple of 16) over ``tail`` (8-bit) as one ``[N_head + N_tail, K]`` weight:
         each keeps its own records (a Q4_K q/k beside a Q6_K v stays 4-bit), the kernels pick per 16-row group."""
-        if head.bits != 4 or tail.bits != 8 or head.lead or tail.lead:
+        if head.bits != 4 or tail.bits != 8 or head.lead or tail.lead or head.levels is not None:
             raise ValueError(f"BlockWeight.stacked: head must be a plain 4-bit weight and tail a plain 8-bit one, got "
                              f"{head!r} and {tail!r}")
         if head.shape[0] % _GROUP or head.shape[1] != tail.shape[1] or head.activation_terms != tail.activation_terms:
@@ -260,7 +270,7 @@ class BlockWeight:
         """A weight over records packed already (``data``), checked by whoever packed them."""
         out = cls.__new__(cls)
         out.shape, out.bits, out.lead, out.device, out.data = shape, bits, lead, data.device, data
-        out.activation_terms, out._mat = terms, None
+        out.activation_terms, out._mat, out.levels = terms, None, None
         return out
 
     @staticmethod
@@ -278,13 +288,13 @@ class BlockWeight:
             raise ValueError("BlockWeight._records: a stacked weight has two kinds of records; see parts()")
         n, k = self.shape
         g, b = -(-n // _GROUP), k // BLOCK
-        rec = self.data.view(g, b, 320 if self.bits == 4 else 544)
+        rec = self.data.view(g, b, _record_bytes(self.bits, self.levels))
         if self.bits == 4:
             byte = rec[..., :256].reshape(g, b, 4, _GROUP, 4)  # (g, b, p, r, j)
             c = torch.stack((byte & 15, byte >> 4), dim=-1)  # (g, b, p, r, j, half)
             codes = c.permute(0, 3, 1, 5, 2, 4).reshape(g * _GROUP, k)  # (g, r, b, half, p, j)
             d = rec[..., 256:288].contiguous().view(torch.float16)
-            m = rec[..., 288:320].contiguous().view(torch.float16)
+            m = None if self.levels is not None else rec[..., 288:320].contiguous().view(torch.float16)
         else:
             codes = rec[..., :512].reshape(g, b, 8, _GROUP, 4).permute(0, 3, 1, 2, 4).reshape(g * _GROUP, k)
             d = rec[..., 512:544].contiguous().view(torch.float16)
@@ -317,6 +327,8 @@ class BlockWeight:
         q = codes.double().reshape(n, k // BLOCK, BLOCK)
         if self.bits == 8:
             return ((q - 128) * d.double()[..., None]).reshape(n, k)
+        if self.levels is not None:
+            return (self.levels.double()[codes.long()].reshape(q.shape) * d.double()[..., None]).reshape(n, k)
         return (q * d.double()[..., None] + m.double()[..., None]).reshape(n, k)
 
     def mat(self):
@@ -324,12 +336,23 @@ class BlockWeight:
         if self._mat is None:
             from ninefold.ops import cpu_native
 
-            self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None, self.lead)
+            self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None, self.lead,
+                                       self.levels_ptr())
         return self._mat
+
+    def levels_ptr(self) -> int | None:
+        """The address of the 16 levels for the native kernels (None: affine or 8-bit codes)."""
+        return None if self.levels is None else self.levels.data_ptr()
 
     def __repr__(self) -> str:
         lead = f", 4-bit lead rows={self.lead}" if self.lead else ""
-        return f"BlockWeight(shape={self.shape}, bits={self.bits}{lead})"
+        levels = ", levels" if self.levels is not None else ""
+        return f"BlockWeight(shape={self.shape}, bits={self.bits}{lead}{levels})"
+
+
+def _record_bytes(bits: int, levels: torch.Tensor | None) -> int:
+    """Bytes of one record (16 rows x 32 columns) in the native layout (nf_cpu.h)."""
+    return 544 if bits == 8 else 288 if levels is not None else 320
 
 
 def _pack_blocks(codes, scales, offsets, bits) -> torch.Tensor:
@@ -348,7 +371,9 @@ def _pack_blocks(codes, scales, offsets, bits) -> torch.Tensor:
     if bits == 4:
         c = pad(codes.to(torch.uint8), torch.uint8).view(g, _GROUP, b, 2, 4, 4)  # (g, r, b, half, p, j)
         c = c.permute(0, 2, 4, 1, 5, 3)  # (g, b, p, r, j, half)
-        recs = [(c[..., 0] | (c[..., 1] << 4)).reshape(g, b, 256), fp16_bytes(scales), fp16_bytes(offsets)]
+        recs = [(c[..., 0] | (c[..., 1] << 4)).reshape(g, b, 256), fp16_bytes(scales)]
+        if offsets is not None:  # none with levels
+            recs.append(fp16_bytes(offsets))
     else:
         u = pad((codes.to(torch.int16) + 128).to(torch.uint8), torch.uint8).view(g, _GROUP, b, 8, 4)  # (g, r, b, s, j)
         recs = [u.permute(0, 2, 3, 1, 4).reshape(g, b, 512), fp16_bytes(scales)]
@@ -373,7 +398,8 @@ def quantize_activations(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
 def _linear_blocks_key(x, weight, bias=None):
     n, k = _check_quantized_linear("linear_blocks", BlockWeight, x, weight, bias)
     m = x.numel() // max(k, 1)
-    return x.device, x.dtype, (spec.pow2(m), n, k, weight.bits, weight.lead > 0, weight.activation_terms), bias is not None
+    kind = (weight.bits, weight.lead > 0, weight.levels is not None, weight.activation_terms)
+    return x.device, x.dtype, (spec.pow2(m), n, k, *kind), bias is not None
 
 
 def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,8 @@
  *          column 16 + 4 p + j in its high nibble (p < 4, r < 16, j < 4)
  *   8-bit: 512 bytes of codes + 128, then 16 fp16 scales d                       (544 bytes)
  *          byte (s, r, j) at 64 s + 4 r + j holds column 4 s + j of row r (s < 8)
+ *   4-bit levels: the 4-bit codes' 256 bytes, then 16 fp16 scales d              (288 bytes)
+ *          the code indexes a table of 16 int8 levels (GGUF's IQ4_NL/IQ4_XS): value = d * levels[code]
  * A weight value is d * code + m (8-bit: m = -128 d, so d * (code - 128) = d * gguf_code).
  * Activations are quantized per row and block of 32: q = round(x / dx) in [-127, 127] with
  * dx = max|x| / 127, and xs = dx * sum(q) (what the offsets multiply).
@@ -40,13 +42,19 @@
 #define NF_MC 8     /* activation rows per pass of a group */
 
 typedef struct {
-    const uint8_t *data; /* the block records */
-    int64_t n, k, bits;  /* rows (before padding), columns, 4 or 8 */
-    const float *bias;   /* [n] or NULL */
-    int64_t lead;        /* with bits 8: the first `lead` rows (a multiple of 16) are 4-bit records, stored first */
+    const uint8_t *data;   /* the block records */
+    int64_t n, k, bits;    /* rows (before padding), columns, 4 or 8 */
+    const float *bias;     /* [n] or NULL */
+    int64_t lead;          /* with bits 8: the first `lead` rows (a multiple of 16) are 4-bit records, stored first */
+    const int8_t *levels;  /* with bits 4: NULL (codes are affine), or the 16 levels the codes index */
 } nf_mat;
 
-static inline int64_t nf_record_bytes(int64_t bits) { return bits == 4 ? 320 : 544; }
+/* The kind of a group's records, what nf_group specializes on: affine 4-bit, 8-bit, 4-bit levels. */
+#define NF_KIND_4 4
+#define NF_KIND_8 8
+#define NF_KIND_L4 3
+
+static inline int64_t nf_record_bytes(int kind) { return kind == NF_KIND_4 ? 320 : kind == NF_KIND_8 ? 544 : 288; }
 static inline int64_t nf_groups(const nf_mat *w) { return (w->n + NF_ROWS - 1) / NF_ROWS; }
 
 static inline float nf_half_to_float(uint16_t h) {
@@ -212,13 +220,20 @@ static inline void nf_quantize_row(const float *x, int64_t k, int8_t *q, float *
 }
 
 /* One group (16 rows) against mc <= NF_MC quantized activation rows: out[i][r] (+)= sum over blocks. */
-static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, int64_t nb, const int bits,
-                                                           const int8_t *xq, const float *xd, const float *xs,
-                                                           int64_t k, const int mc, float acc_out[][NF_ROWS]) {
+/* kind: NF_KIND_4, NF_KIND_8 or NF_KIND_L4 (then `levels` holds the 16 int8 levels). */
+static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, int64_t nb, const int kind,
+                                                           const int8_t *levels, const int8_t *xq, const float *xd,
+                                                           const float *xs, int64_t k, const int mc,
+                                                           float acc_out[][NF_ROWS]) {
+    const int bits = kind == NF_KIND_8 ? 8 : 4;
 #if NF_VNNI
     __m512 acc[NF_MC];
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t rec = bits == 4 ? 320 : 544;
+    const int64_t rec = nf_record_bytes(kind);
+    /* the levels + 128 as unsigned bytes, in every 128-bit lane: a byte shuffle maps codes to 8-bit codes */
+    const __m512i lut = kind == NF_KIND_L4
+        ? _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)levels), _mm_set1_epi8((char)0x80)))
+        : _mm512_setzero_si512();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * rec;
         __m512i w[8];
@@ -231,7 +246,12 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                 w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+            if (kind == NF_KIND_L4) {
+                for (int p = 0; p < 8; p++) w[p] = _mm512_shuffle_epi8(lut, w[p]);
+                m = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+            } else {
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+            }
         } else {
             for (int s = 0; s < 8; s++) w[s] = _mm512_loadu_si512((const void *)(blk + 64 * s));
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));
@@ -260,23 +280,37 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
     /* h = 0, 1: rows 8 h .. 8 h + 7, the 32-byte half of each 64-byte record slice */
     __m256 acc[NF_MC][2];
     for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const int64_t rec = bits == 4 ? 320 : 544, nbx = k / NF_BLOCK;
+    const int64_t rec = nf_record_bytes(kind), nbx = k / NF_BLOCK;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i lut = kind == NF_KIND_L4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
+                                           : _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * rec;
         const uint8_t *scales = blk + (bits == 4 ? 256 : 512);
         __m256 d[2], m[2];
         for (int h = 0; h < 2; h++) {
             d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
-            m[h] = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)))
-                             : _mm256_setzero_ps();
+            m[h] = kind == NF_KIND_4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)))
+                                     : _mm256_setzero_ps();
         }
         for (int i = 0; i < mc; i++) {
             int32_t x4[8];
             memcpy(x4, xq + i * k + b * NF_BLOCK, 32);
             for (int h = 0; h < 2; h++) {
                 __m256i dot;
-                if (bits == 4) {
+                if (kind == NF_KIND_L4) {
+                    /* the signed level w: |w| (as u8) times x with w's sign, as the 8-bit codes below */
+                    dot = _mm256_setzero_si256();
+                    for (int p = 0; p < 4; p++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * p + 32 * h));
+                        __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low));
+                        __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                        __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(_mm256_set1_epi32(x4[p]), wl));
+                        __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh),
+                                                          _mm256_sign_epi8(_mm256_set1_epi32(x4[p + 4]), wh));
+                        dot = _mm256_add_epi32(dot, _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+                    }
+                } else if (bits == 4) {
                     /* |code x| <= 15 * 127: eight pair sums fit a 16-bit lane */
                     __m256i t = _mm256_setzero_si256();
                     for (int p = 0; p < 4; p++) {
@@ -297,7 +331,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                 }
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], _mm256_set1_ps(xd[i * nbx + b])),
                                             acc[i][h]);
-                if (bits == 4) acc[i][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xs[i * nbx + b]), acc[i][h]);
+                if (kind == NF_KIND_4) acc[i][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xs[i * nbx + b]), acc[i][h]);
             }
         }
     }
@@ -306,7 +340,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
         _mm256_storeu_ps(acc_out[i] + 8, acc[i][1]);
     }
 #else
-    const int64_t rec = nf_record_bytes(bits), nbx = k / NF_BLOCK;
+    const int64_t rec = nf_record_bytes(kind), nbx = k / NF_BLOCK;
     for (int i = 0; i < mc; i++)
         for (int r = 0; r < NF_ROWS; r++) acc_out[i][r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -319,12 +353,13 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                     int p = (c % 16) / 4, j = c % 4;
                     uint8_t byte = blk[64 * p + 4 * r + j];
                     code[c] = c < 16 ? (byte & 0x0F) : (byte >> 4);
+                    if (kind == NF_KIND_L4) code[c] = (uint8_t)(levels[code[c]] + 128);
                 } else {
                     code[c] = blk[64 * (c / 4) + 4 * r + c % 4];
                 }
             }
             float d = nf_half_to_float(dh[r]);
-            float m = bits == 4 ? nf_half_to_float(dh[NF_ROWS + r]) : -128.0f * d;
+            float m = kind == NF_KIND_4 ? nf_half_to_float(dh[NF_ROWS + r]) : -128.0f * d;
             for (int i = 0; i < mc; i++) {
                 const int8_t *xb = xq + i * k + b * NF_BLOCK;
                 int32_t dot = 0;
@@ -341,23 +376,27 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
 static inline void nf_gemm_group(const nf_mat *w, int64_t g, const int8_t *xq, const float *xd, const float *xs,
                                  int64_t m, float *y, int64_t ldy, int accumulate) {
     const int64_t nb = w->k / NF_BLOCK, lead_groups = w->lead / NF_ROWS;
-    const int bits = g < lead_groups ? 4 : (int)w->bits;
-    const uint8_t *wg = g < lead_groups ? w->data + g * nb * nf_record_bytes(4)
-                                        : w->data + lead_groups * nb * nf_record_bytes(4)
-                                              + (g - lead_groups) * nb * nf_record_bytes(w->bits);
+    const int tail = w->bits == 8 ? NF_KIND_8 : w->levels ? NF_KIND_L4 : NF_KIND_4;
+    const int kind = g < lead_groups ? NF_KIND_4 : tail;
+    const uint8_t *wg = g < lead_groups ? w->data + g * nb * nf_record_bytes(NF_KIND_4)
+                                        : w->data + lead_groups * nb * nf_record_bytes(NF_KIND_4)
+                                              + (g - lead_groups) * nb * nf_record_bytes(tail);
     const int64_t r0 = g * NF_ROWS, rows = w->n - r0 < NF_ROWS ? w->n - r0 : NF_ROWS;
     float acc[NF_MC][NF_ROWS];
     for (int64_t i0 = 0; i0 < m; i0 += NF_MC) {
         const int64_t mc = m - i0 < NF_MC ? m - i0 : NF_MC;
         const int8_t *xq0 = xq + i0 * w->k;
         const float *xd0 = xd + i0 * nb, *xs0 = xs + i0 * nb;
-#define NF_CASE(B, MC) case MC: nf_group(wg, nb, B, xq0, xd0, xs0, w->k, MC, acc); break;
-        if (bits == 4) {
-            switch (mc) { NF_CASE(4, 1) NF_CASE(4, 2) NF_CASE(4, 3) NF_CASE(4, 4)
-                          NF_CASE(4, 5) NF_CASE(4, 6) NF_CASE(4, 7) NF_CASE(4, 8) }
+#define NF_CASE(K, MC) case MC: nf_group(wg, nb, K, w->levels, xq0, xd0, xs0, w->k, MC, acc); break;
+        if (kind == NF_KIND_4) {
+            switch (mc) { NF_CASE(NF_KIND_4, 1) NF_CASE(NF_KIND_4, 2) NF_CASE(NF_KIND_4, 3) NF_CASE(NF_KIND_4, 4)
+                          NF_CASE(NF_KIND_4, 5) NF_CASE(NF_KIND_4, 6) NF_CASE(NF_KIND_4, 7) NF_CASE(NF_KIND_4, 8) }
+        } else if (kind == NF_KIND_L4) {
+            switch (mc) { NF_CASE(NF_KIND_L4, 1) NF_CASE(NF_KIND_L4, 2) NF_CASE(NF_KIND_L4, 3) NF_CASE(NF_KIND_L4, 4)
+                          NF_CASE(NF_KIND_L4, 5) NF_CASE(NF_KIND_L4, 6) NF_CASE(NF_KIND_L4, 7) NF_CASE(NF_KIND_L4, 8) }
         } else {
-            switch (mc) { NF_CASE(8, 1) NF_CASE(8, 2) NF_CASE(8, 3) NF_CASE(8, 4)
-                          NF_CASE(8, 5) NF_CASE(8, 6) NF_CASE(8, 7) NF_CASE(8, 8) }
+            switch (mc) { NF_CASE(NF_KIND_8, 1) NF_CASE(NF_KIND_8, 2) NF_CASE(NF_KIND_8, 3) NF_CASE(NF_KIND_8, 4)
+                          NF_CASE(NF_KIND_8, 5) NF_CASE(NF_KIND_8, 6) NF_CASE(NF_KIND_8, 7) NF_CASE(NF_KIND_8, 8) }
         }
 #undef NF_CASE
         for (int64_t i = 0; i < mc; i++) {
