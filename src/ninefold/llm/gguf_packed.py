@@ -2,8 +2,8 @@
 
 With ``keep_quantized`` the GGUF loader returns Q4_0/Q4_1/Q4_K matrices as ``Int4Codes``, Q8_0
 matrices as ``Q8Codes`` (codes plus per-32-value scales, no float copy) and the other quantized types
-(Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ and TQ types, MXFP4) as ``GGUFRows`` (their raw blocks). The model turns them into ``PackedLinear``
-layers (``packed_linear``).
+(Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ and TQ types, MXFP4) as ``GGUFRows`` (their raw blocks). The model
+turns them into ``PackedLinear`` layers (``packed_linear``).
 
 Where ninefold's native CPU kernels build with vector code (AVX-512 VNNI or AVX2: ``ninefold.ops.cpu_native``),
 every quantized matrix becomes an ``ops.BlockWeight`` (blocks of 32 values repacked in 16-row groups, one float16
@@ -19,8 +19,9 @@ natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
 * 4-bit parts followed by others (a Q4_K q and k over a Q6_K v): the 4-bit rows keep 4-bit blocks and the rest
   take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when the 4-bit rows fill whole 16-row groups.
 * otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); IQ4_NL
-  and IQ4_XS as their levels (int8 values) with the scales above; the rest (other Q4_1/Q4_K parts stacked with 8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K,
-  the lattice IQ1/IQ2/IQ3 types, TQ1_0/TQ2_0, MXFP4) requantized to 8 bits per 32 values
+  and IQ4_XS as their levels (int8 values) with the scales above; the rest (other Q4_1/Q4_K parts stacked with
+  8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the lattice IQ1/IQ2/IQ3 types, TQ1_0/TQ2_0, MXFP4) requantized to
+  8 bits per 32 values
   (``requantize_q8``: at most half a step of ``max|w| / 127`` per value, a quarter of a Q6_K step or less).
   This is how a Q4_K_M file (Q4_K beside Q6_K and, for rows that are not a multiple of 256, Q5_0 or Q8_0)
   runs natively.
@@ -128,7 +129,8 @@ class Q8Codes:
 @dataclass
 class GGUFRows:
     """A GGUF matrix of a type the packed layers do not take as it is (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, IQ and TQ
-    types, MXFP4): its raw blocks, one row of ``row_bytes`` per weight row (``raw`` uint8 ``[N, row_bytes]``), decoded on demand."""
+    types, MXFP4): its raw blocks, one row of ``row_bytes`` per weight row (``raw`` uint8 ``[N, row_bytes]``),
+    decoded on demand."""
 
     raw: torch.Tensor
     ggml_type: int
@@ -204,10 +206,9 @@ def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
 
 def native_matrix(parts: list) -> Int4Codes | LevelCodes | Q8Codes | tuple[Int4Codes, Q8Codes]:
     """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit (affine, or all
-    IQ4 levels); 4-bit parts
-    followed by 8-bit ones as a (4-bit head, 8-bit tail) pair when the head fills whole 16-row groups (a Q4_K
-    q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module docstring for which
-    conversions are exact)."""
+    IQ4 levels); 4-bit parts followed by 8-bit ones as a (4-bit head, 8-bit tail) pair when the head fills whole
+    16-row groups (a Q4_K q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module
+    docstring for which conversions are exact)."""
     if all(type(p) is Int4Codes for p in parts):
         return cat_rows([p.fp16_scaled() for p in parts])
     if all(_iq4(p) for p in parts):

@@ -170,6 +170,19 @@ static inline __m256 nf_lanes_below(int64_t valid) {
 }
 #endif
 
+#if NF_AVX2
+/* The signed 8-bit codes of 4-column slice sl (columns 4 sl .. 4 sl + 3) of rows 8 h .. 8 h + 7 of a record:
+ * 8-bit records store code + 128; level records (NF_KIND_L4) hold 4-bit indices into `lut`, slices 0-3 in the low
+ * nibbles of bytes 64 sl .., slices 4-7 in the high nibbles of bytes 64 (sl - 4) ... */
+static inline __m256i nf_signed_slice(const uint8_t *blk, int kind, int h, int sl, __m256i lut) {
+    if (kind == NF_KIND_L4) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (sl % 4) + 32 * h));
+        return _mm256_shuffle_epi8(lut, _mm256_and_si256(sl < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)));
+    }
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * sl + 32 * h)), _mm256_set1_epi8((char)0x80));
+}
+#endif
+
 /* Quantize 32 float32 values to int8 q; returns dx, writes dx * sum(q) to *xs. */
 static inline float nf_quantize_block(const float *x, int8_t *q, float *xs) {
 #if NF_VNNI
@@ -281,7 +294,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
     __m256 acc[NF_MC][2];
     for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const int64_t rec = nf_record_bytes(kind), nbx = k / NF_BLOCK;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i lut = kind == NF_KIND_L4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
                                            : _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
@@ -293,24 +306,31 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
             m[h] = kind == NF_KIND_4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)))
                                      : _mm256_setzero_ps();
         }
+        /* Signed codes (8-bit, levels): each weight w enters as |w| (u8) times x with w's sign, every pair sum
+         * within 16 bits. With several activation rows, |w| and w of each 4-column slice are made once per block. */
+        __m256i wmag[2][8], wsgn[2][8];
+        if (kind != NF_KIND_4 && mc > 1) {
+            for (int h = 0; h < 2; h++) {
+                for (int sl = 0; sl < 8; sl++) {
+                    wsgn[h][sl] = nf_signed_slice(blk, kind, h, sl, lut);
+                    wmag[h][sl] = _mm256_sign_epi8(wsgn[h][sl], wsgn[h][sl]);
+                }
+            }
+        }
         for (int i = 0; i < mc; i++) {
             int32_t x4[8];
             memcpy(x4, xq + i * k + b * NF_BLOCK, 32);
             for (int h = 0; h < 2; h++) {
                 __m256i dot;
-                if (kind == NF_KIND_L4) {
-                    /* the signed level w: |w| (as u8) times x with w's sign, as the 8-bit codes below */
+                if (kind != NF_KIND_4) {
                     dot = _mm256_setzero_si256();
-                    for (int p = 0; p < 4; p++) {
-                        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * p + 32 * h));
-                        __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low));
-                        __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-                        __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(_mm256_set1_epi32(x4[p]), wl));
-                        __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh),
-                                                          _mm256_sign_epi8(_mm256_set1_epi32(x4[p + 4]), wh));
-                        dot = _mm256_add_epi32(dot, _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+                    for (int sl = 0; sl < 8; sl++) {
+                        __m256i w = mc > 1 ? wsgn[h][sl] : nf_signed_slice(blk, kind, h, sl, lut);
+                        __m256i mag = mc > 1 ? wmag[h][sl] : _mm256_sign_epi8(w, w);
+                        __m256i pr = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(x4[sl]), w));
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
                     }
-                } else if (bits == 4) {
+                } else {
                     /* |code x| <= 15 * 127: eight pair sums fit a 16-bit lane */
                     __m256i t = _mm256_setzero_si256();
                     for (int p = 0; p < 4; p++) {
@@ -320,14 +340,6 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                                                                      _mm256_set1_epi32(x4[p + 4])));
                     }
                     dot = _mm256_madd_epi16(t, ones);
-                } else {
-                    /* the signed code w: |w| (as u8) times x with w's sign; each pair sum fits 16 bits */
-                    dot = _mm256_setzero_si256();
-                    for (int s = 0; s < 8; s++) {
-                        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * s + 32 * h)), flip);
-                        __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(x4[s]), w));
-                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
-                    }
                 }
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], _mm256_set1_ps(xd[i * nbx + b])),
                                             acc[i][h]);
