@@ -137,6 +137,17 @@ def test_other_mixes_become_8_bit_in_row_order():
         assert ((whole.dequantize() - exact).abs() <= _block_bound(exact)).all()
 
 
+def test_requantize_q8_natively_is_the_torch_result():
+    w = torch.from_numpy(_weights()) * torch.linspace(0.001, 3, K)  # scales of many sizes
+    scale = (w[7, 96:128].abs().max() / 127).half().float()
+    w[7, 100], w[7, 101] = 2.5 * scale, -3.5 * scale  # half way between two codes: rounded to even (2, -4)
+    native = requantize_q8(w)
+    assert native.codes[7, 100] == 2 and native.codes[7, 101] == -4
+    with cpu_native.enabled(False):
+        plain = requantize_q8(w)
+    assert torch.equal(native.codes, plain.codes) and torch.equal(native.scales, plain.scales)
+
+
 def test_requantize_q8_refuses_scales_beyond_float16():
     with pytest.raises(ValueError, match="Q6_K matrix has block scales beyond float16's range"):
         requantize_q8(torch.full((1, 32), 1e7), "Q6_K")

@@ -131,6 +131,17 @@ def test_block_weight_stores_the_blocks_exactly():
         assert weight.nbytes == 3 * 3 * {4: 320, 8: 544, "L4": 288}[bits]  # 3 groups of 16 rows x 3 blocks
 
 
+@pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
+@pytest.mark.parametrize("bits", [4, 8, "L4"])
+def test_native_packing_is_the_torch_packing_byte_for_byte(bits):
+    from ninefold.ops.quantized import _pack_blocks_torch
+
+    for n, k in ((16, 32), (37, 96), (70, 256)):  # padded last group; several blocks
+        weight, _ = _weight(n, k, bits, seed=n)
+        codes, d, m = _codes_of(weight)
+        assert torch.equal(weight.data, _pack_blocks_torch(codes, d, m, weight.bits))
+
+
 def test_stacked_block_weight_keeps_both_parts_exactly():
     weight, dense = _weight(41, 96, "4+8", seed=3)
     assert (weight.shape, weight.bits, weight.lead) == ((41, 96), 8, 32)
@@ -215,8 +226,8 @@ def test_every_tier_this_cpu_runs_computes_what_the_references_do(tmp_path, tier
     """Each instruction tier (portable C, AVX2, AVX-512 VNNI), built here for itself when this CPU runs it,
     through the library's own entry points: the linear kernel on both weight kinds (1, 5 and 11 rows:
     passes of 8 rows and a remainder; one and two activation terms; float32 and bf16 in and out) against
-    float64, the prefill attention against float64 and the row operators against the loaded build's
-    ``ops`` results (themselves checked against vendor above). The loaded build is one of the tiers; the
+    float64, the prefill attention against float64, the row operators against the loaded build's
+    ``ops`` results (themselves checked against vendor above) and the 8-bit requantization against torch. The loaded build is one of the tiers; the
     others are what CPUs of other kinds run."""
     if tier not in cpu_native.tiers_runnable_here():
         pytest.skip(f"this CPU cannot run the {tier} tier")
@@ -250,6 +261,21 @@ def test_every_tier_this_cpu_runs_computes_what_the_references_do(tmp_path, tier
         torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5, msg=lambda s, c=f"head size {d}": f"{c}: {s}")
     for dtype in (torch.float32, torch.bfloat16):
         _rows_with(lib, dtype, g)
+    _requantize_with(lib, g)
+
+
+def _requantize_with(lib, g):
+    """``nf_requantize_q8`` against torch: block maxima from float16-subnormal scales to past float16's range."""
+    w = torch.randn(9, 128, generator=g) * torch.logspace(-9, 3, 9)[:, None]
+    w[4, :32] = 0.0
+    w[8, 0] = 65504 * 127 * 1.01  # a scale beyond float16: inf, its block's codes zero
+    codes, scales = torch.empty(9, 128, dtype=torch.int8), torch.empty(9, 4)
+    lib.nf_requantize_q8(w.data_ptr(), 9, 128, scales.data_ptr(), codes.data_ptr())
+    want_scales = (w.reshape(9, 4, 32).abs().amax(-1) / 127).half().float()
+    safe = torch.where(want_scales > 0, want_scales, torch.ones_like(want_scales))
+    want_codes = torch.round(w.reshape(9, 4, 32) / safe[..., None]).clamp(-127, 127).to(torch.int8).reshape(9, 128)
+    assert torch.equal(scales, want_scales) and torch.equal(codes, want_codes)
+    assert ((scales > 0) & (scales < 2**-14)).sum() >= 4 and torch.isinf(scales[8, 0])  # float16-subnormal scales
 
 
 def _rows_with(lib, dtype, g):

@@ -249,12 +249,22 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
             f"{n // block * block_bytes} bytes and a multiple of {block} elements"
         )
     blocks = raw.view(-1, block_bytes)
+    if qtype == T.Q6_K and (lib := _native_library()) is not None:  # one pass on all threads, the same values
+        values = torch.empty(n, dtype=torch.float32)
+        lib.nf_dequantize_q6_k(blocks.contiguous().data_ptr(), blocks.shape[0], values.data_ptr())
+        return values.reshape(shape).to(dtype)
     out = torch.empty(n, dtype=dtype)
     decode = _DECODERS[qtype]
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         part = blocks[start : start + _CHUNK_BLOCKS]
         out[start * block : (start + part.shape[0]) * block] = decode(part).reshape(-1)
     return out.reshape(shape)
+
+
+def _native_library():
+    from ninefold.ops import cpu_native
+
+    return cpu_native.library()
 
 
 # -- 4-bit blocks kept as codes: w = code * scale + offset per group of 32 ------------------------

@@ -50,6 +50,7 @@ import torch
 
 from ninefold import ops
 from ninefold.llm.gguf_dequant import IQ4_VALUES, T, dequantize, iq4_codes, q5_0_codes
+from ninefold.ops import cpu_native
 
 # Steps with more rows than this use the dense copy when there is one. Measured in the engine on
 # the 2-core EPYC (SmolLM2, bf16, 2 threads), where weights stream from memory rather than sit in
@@ -197,7 +198,13 @@ def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
     """``weight`` ``[N, K]`` (K a multiple of 32) as 8-bit codes with one float16-exact scale per 32 values:
     scale ``max|w| / 127`` rounded to float16, code ``round(w / scale)`` in ``[-127, 127]``."""
     n, k = weight.shape
-    blocks = weight.float().reshape(n, k // 32, 32)
+    blocks = weight.float().contiguous().reshape(n, k // 32, 32)
+    lib = cpu_native.library() if weight.device.type == "cpu" else None
+    if lib is not None:  # one pass on all threads
+        codes, scales = torch.empty((n, k), dtype=torch.int8), torch.empty((n, k // 32), dtype=torch.float32)
+        lib.nf_requantize_q8(blocks.data_ptr(), n, k, scales.data_ptr(), codes.data_ptr())
+        _fp16_values(scales, type_name)  # only checks the range
+        return Q8Codes(codes, scales, type_name)
     scales = _fp16_values(blocks.abs().amax(-1) / 127, type_name)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
@@ -308,8 +315,6 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     the ``linear_int4`` form (CPUs whose torch int4 kernel would run float32 activations on its slow path).
     ``fine_activations``: the native blocks round activations in two terms (``ops.BlockWeight``'s
     ``activation_terms=2``); default: in a float32 model."""
-    from ninefold.ops import cpu_native
-
     native = device.type == "cpu" and cpu_native.fast()  # the portable C loops are slower than torch's int4 kernel
     whole = native_matrix(parts) if native else cat_rows(parts)
     if whole is None or (blocks_only and not native):

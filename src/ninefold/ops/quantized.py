@@ -247,7 +247,7 @@ class BlockWeight:
         self.lead = 0  # leading rows held in 4-bit records ahead of the rest (``stacked``)
         self.levels = None if levels is None else levels.contiguous().clone()
         self.device = codes.device
-        self.data = _pack_blocks(codes, scales, offsets, bits)
+        self.data = _pack_blocks(codes, scales, offsets, bits, levels)
         self.activation_terms = activation_terms
         self._mat = None
 
@@ -355,7 +355,25 @@ def _record_bytes(bits: int, levels: torch.Tensor | None) -> int:
     return 544 if bits == 8 else 288 if levels is not None else 320
 
 
-def _pack_blocks(codes, scales, offsets, bits) -> torch.Tensor:
+def _pack_blocks(codes, scales, offsets, bits, levels=None) -> torch.Tensor:
+    """The records of ``codes``/``scales``/``offsets`` in the native layout: by the native library on all threads
+    where it is built, else by ``_pack_blocks_torch`` (the reference; the two agree byte for byte)."""
+    from ninefold.ops import cpu_native
+
+    lib = cpu_native.library()
+    if lib is None:
+        return _pack_blocks_torch(codes, scales, offsets, bits)
+    n, k = codes.shape
+    kind = 8 if bits == 8 else 3 if levels is not None else 4  # NF_KIND_8, NF_KIND_L4, NF_KIND_4 (nf_cpu.h)
+    out = torch.empty(-(-n // _GROUP) * (k // BLOCK) * _record_bytes(bits, levels), dtype=torch.uint8)
+    c = codes.to(torch.int8 if bits == 8 else torch.uint8).contiguous()
+    d = scales.to(torch.float16).contiguous()
+    m = None if offsets is None else offsets.to(torch.float16).contiguous()
+    lib.nf_pack_blocks(c.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), n, k, kind, out.data_ptr())
+    return out
+
+
+def _pack_blocks_torch(codes, scales, offsets, bits) -> torch.Tensor:
     n, k = codes.shape
     g, b = -(-n // _GROUP), k // BLOCK
     rows = g * _GROUP

@@ -1,7 +1,7 @@
 """ninefold's native CPU kernels: C sources in this folder, compiled on first use, loaded with ctypes.
 
 ``library()`` returns the loaded library (or None). The first call on a machine compiles
-``nf_gemm.c``, ``nf_decode.c``, ``nf_attention.c`` and ``nf_rows.c`` with the system C compiler (``$CC``, else ``cc``/``gcc``:
+``nf_gemm.c``, ``nf_decode.c``, ``nf_attention.c``, ``nf_rows.c`` and ``nf_pack.c`` with the system C compiler (``$CC``, else ``cc``/``gcc``:
 ``-O3 -march=native -fopenmp -shared -fPIC``, ~2 s, one line on stderr) into
 ``$NINEFOLD_CACHE_DIR/cpu_native/`` under a name keyed by the sources, the compiler's version,
 the flags and the CPU's feature flags, so a changed source, compiler or CPU rebuilds and an
@@ -13,11 +13,11 @@ kernels use torch's thread count (``torch.set_num_threads``) and its thread pool
 
 What the kernels compute is in ``nf_cpu.h`` (the block layout, int8 activations) and
 ``nf_decode.c`` (the fused decode step), ``nf_attention.c`` (causal prefill attention), ``nf_rows.c``
-(add + rms_norm, silu * up, rope over many rows); ``isa()`` names the instruction tier the build has
-(AVX-512 VNNI, AVX2 with FMA and F16C, or portable C); ``ninefold.ops.quantized`` (``BlockWeight``,
-``linear_blocks``), ``ninefold.ops.cpu_native.attention`` and ``.rows`` (``cpu_native`` implementations
-of ``attention_prefill``, ``add_rms_norm``, ``silu_and_mul``, ``rope``) and
-``ninefold.llm.models.llama_cpu`` call them.
+(add + rms_norm, silu * up, rope over many rows), ``nf_pack.c`` (the block records, made at load);
+``isa()`` names the instruction tier the build has (AVX-512 VNNI, AVX2 with FMA and F16C, or portable C);
+``ninefold.ops.quantized`` (``BlockWeight``, ``linear_blocks``), ``ninefold.ops.cpu_native.attention`` and
+``.rows`` (``cpu_native`` implementations of ``attention_prefill``, ``add_rms_norm``, ``silu_and_mul``, ``rope``),
+``ninefold.llm.gguf_packed`` (``requantize_q8``) and ``ninefold.llm.models.llama_cpu`` call them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("nf_cpu.h", "nf_gemm.c", "nf_decode.c", "nf_attention.c", "nf_rows.c")
+SOURCES = ("nf_cpu.h", "nf_gemm.c", "nf_decode.c", "nf_attention.c", "nf_rows.c", "nf_pack.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -141,6 +141,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nf_silu_and_mul.argtypes = [p, i64, i64, i64, i64, p]
     lib.nf_rope_neox.restype = None
     lib.nf_rope_neox.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, p, p]
+    lib.nf_pack_blocks.restype = None
+    lib.nf_pack_blocks.argtypes = [p, p, p, i64, i64, i64, p]
+    lib.nf_requantize_q8.restype = None
+    lib.nf_requantize_q8.argtypes = [p, i64, i64, p, p]
+    lib.nf_dequantize_q6_k.restype = None
+    lib.nf_dequantize_q6_k.argtypes = [p, i64, p]
     lib.nf_attention_prefill.restype = None
     lib.nf_attention_prefill.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64, i64, i64, i64, ctypes.c_double, p, i64,
                                          p]

@@ -1,0 +1,101 @@
+/* ninefold CPU kernels: building the block records of nf_cpu.h at load time, on all OpenMP threads.
+ *
+ * The torch reference of both is in ninefold/ops/quantized.py (_pack_blocks_torch, requantize_q8's torch path);
+ * the tests check these against it byte for byte. */
+#include "nf_cpu.h"
+
+#include <omp.h>
+
+/* Records of an [n, k] weight (k a multiple of 32) into out (groups of 16 rows, padded rows zero).
+ * kind NF_KIND_8: codes int8, stored + 128; NF_KIND_4 / NF_KIND_L4: codes uint8 in [0, 15], two per byte.
+ * scales and offsets (NF_KIND_4 only; else NULL) are float16 bit patterns [n, k / 32]. */
+void nf_pack_blocks(const uint8_t *codes, const uint16_t *scales, const uint16_t *offsets, int64_t n, int64_t k,
+                    int64_t kind, uint8_t *out) {
+    const int64_t nb = k / NF_BLOCK, groups = (n + NF_ROWS - 1) / NF_ROWS, rec = nf_record_bytes((int)kind);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < groups * nb; t++) {
+        const int64_t g = t / nb, b = t % nb;
+        uint8_t *r = out + t * rec;
+        memset(r, 0, (size_t)rec);
+        uint16_t *d = (uint16_t *)(r + (kind == NF_KIND_8 ? 512 : 256)), *m = d + NF_ROWS;
+        for (int64_t row = 0; row < NF_ROWS && g * NF_ROWS + row < n; row++) {
+            const int64_t src = g * NF_ROWS + row;
+            const uint8_t *c = codes + src * k + b * NF_BLOCK;
+            if (kind == NF_KIND_8) { /* byte (s, row, j) at 64 s + 4 row + j: column 4 s + j */
+                for (int s = 0; s < 8; s++)
+                    for (int j = 0; j < 4; j++) r[64 * s + 4 * row + j] = (uint8_t)(c[4 * s + j] + 128);
+            } else { /* byte (p, row, j): column 4 p + j in the low nibble, 16 + 4 p + j in the high one */
+                for (int p = 0; p < 4; p++)
+                    for (int j = 0; j < 4; j++)
+                        r[64 * p + 4 * row + j] = (uint8_t)((c[4 * p + j] & 15) | (c[16 + 4 * p + j] << 4));
+            }
+            d[row] = scales[src * nb + b];
+            if (kind == NF_KIND_4) m[row] = offsets[src * nb + b];
+        }
+    }
+}
+
+/* f rounded to the nearest float16 value (ties to even), as a float; beyond float16's range: +-inf. */
+static inline float nf_round_to_half(float f) {
+#if NF_VNNI || NF_AVX2
+    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    const float a = fabsf(f);
+    if (!(a < 65520.0f)) return a != a ? f : copysignf(INFINITY, f); /* 65520 and up round past 65504 */
+    if (a < 6.103515625e-05f) return nearbyintf(f * 16777216.0f) / 16777216.0f; /* subnormal: steps of 2^-24 */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits += 0xFFFu + ((bits >> 13) & 1u); /* keep 10 of the 23 mantissa bits, ties to even */
+    bits &= ~0x1FFFu;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Per block of 32 values of w (float32 [n, k]): scale = max|w| / 127 rounded to float16 (scales, float32
+ * [n, k / 32]), codes = round(w / scale) clamped to [-127, 127], ties to even as torch.round; a zero block gives
+ * a zero scale and zero codes. */
+void nf_requantize_q8(const float *w, int64_t n, int64_t k, float *scales, int8_t *codes) {
+    const int64_t blocks = n * (k / NF_BLOCK);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < NF_BLOCK; i++) amax = fmaxf(amax, fabsf(w[b * NF_BLOCK + i]));
+        scales[b] = nf_round_to_half(amax / 127.0f);
+        const float s = scales[b] > 0 ? scales[b] : 1.0f;
+        for (int i = 0; i < NF_BLOCK; i++) {
+            float q = nearbyintf(w[b * NF_BLOCK + i] / s);
+            codes[b * NF_BLOCK + i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
+        }
+    }
+}
+
+/* GGUF Q6_K blocks (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d) -> float32 values, 256 per block:
+ * value = d * (scale * q) with q the 6-bit code minus 32 (each product exact in float32), as ggml decodes them. */
+void nf_dequantize_q6_k(const uint8_t *blocks, int64_t n_blocks, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = blocks + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const float d = nf_half_to_float(dh);
+        float *y = out + b * 256;
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            const int8_t *s = sc + 8 * half;
+            float *yh = y + 128 * half;
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                yh[l] = d * (float)(s[is] * q1);
+                yh[l + 32] = d * (float)(s[is + 2] * q2);
+                yh[l + 64] = d * (float)(s[is + 4] * q3);
+                yh[l + 96] = d * (float)(s[is + 6] * q4);
+            }
+        }
+    }
+}
