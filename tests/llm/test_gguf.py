@@ -369,11 +369,15 @@ def test_dequantize_matches_gguf_reference_on_random_blocks(qtype):
     got = dequantize(raw, int(qtype), (5, cols))
     ref = quants.dequantize(raw, qtype)
     np.testing.assert_array_equal(got.numpy(), ref)
-    if qtype == T.Q6_K:  # decoded by the native library where it is built: the torch decoder too
+    if qtype in (T.Q6_K, T.Q4_K):  # decoded by the native library where it is built: the torch decoders too
+        from ninefold.llm.gguf_dequant import int4_codes
         from ninefold.ops import cpu_native
 
         with cpu_native.enabled(False):
             np.testing.assert_array_equal(dequantize(raw, int(qtype), (5, cols)).numpy(), ref)
+            plain = int4_codes(raw, int(qtype), (5, cols)) if qtype == T.Q4_K else ()
+        for native, torch_path in zip(int4_codes(raw, int(qtype), (5, cols)) if plain else (), plain):
+            assert torch.equal(native, torch_path)
 
 
 def test_qk_rows_back_in_hf_order(tmp_path):

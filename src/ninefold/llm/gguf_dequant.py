@@ -305,7 +305,14 @@ def int4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
     if len(shape) != 2:
         raise ValueError(f"shape: a matrix [N, K] is needed, got {tuple(shape)}")
     n, k = shape
-    codes, scales, offsets = _AFFINE[qtype](_matrix_blocks(raw, qtype, shape))
+    blocks = _matrix_blocks(raw, qtype, shape)
+    if qtype == T.Q4_K and (lib := _native_library()) is not None:  # one pass on all threads, the same values
+        codes = torch.empty((n, k), dtype=torch.uint8)
+        scales, offsets = torch.empty((n, k // 32)), torch.empty((n, k // 32))
+        lib.nf_q4_k_codes(blocks.contiguous().data_ptr(), blocks.shape[0], codes.data_ptr(), scales.data_ptr(),
+                          offsets.data_ptr())
+        return codes, scales, offsets
+    codes, scales, offsets = _AFFINE[qtype](blocks)
     return codes.reshape(n, k), scales.reshape(n, k // 32), offsets.reshape(n, k // 32)
 
 

@@ -99,3 +99,29 @@ void nf_dequantize_q6_k(const uint8_t *blocks, int64_t n_blocks, float *out) {
         }
     }
 }
+
+/* GGUF Q4_K blocks (144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) as
+ * 4-bit codes (uint8 [256] per block, in value order) with per-32 scales d * sc and offsets -(dmin * m) (float32,
+ * each product exact): value = code * scale + offset, as ggml decodes them. */
+void nf_q4_k_codes(const uint8_t *blocks, int64_t n_blocks, uint8_t *codes, float *scales, float *offsets) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = blocks + b * 144, *q = blk + 4, *qs = blk + 16;
+        uint16_t dh, mh;
+        memcpy(&dh, blk, 2);
+        memcpy(&mh, blk + 2, 2);
+        const float d = nf_half_to_float(dh), dmin = nf_half_to_float(mh);
+        for (int j = 0; j < 8; j++) { /* scale and min j: 6 bits each, the top two bits of 4-7 beside 0-3's */
+            const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+            const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+            scales[b * 8 + j] = d * (float)sc;
+            offsets[b * 8 + j] = -(dmin * (float)mn);
+        }
+        uint8_t *c = codes + b * 256;
+        for (int i = 0; i < 4; i++) /* 32 bytes per 64 values: low nibbles first, then high ones */
+            for (int l = 0; l < 32; l++) {
+                c[64 * i + l] = qs[32 * i + l] & 15;
+                c[64 * i + 32 + l] = qs[32 * i + l] >> 4;
+            }
+    }
+}
