@@ -17,7 +17,7 @@ def test_cpu_blocks_checks_and_times_every_kind(tmp_path, monkeypatch, capsys):
     cpu_blocks.main(["--n", "48", "--k", "96", "--rows", "1,9", "--repeats", "1"])
     results = json.loads((tmp_path / "cpu_blocks.json").read_text())["results"]
     assert [(r["kind"], r["rows"]) for r in results] == [
-        (kind, m) for kind in ("4-bit affine", "4-bit levels", "8-bit") for m in (1, 9)]
+        (kind, m) for kind in ("4-bit affine", "5-bit affine", "4-bit levels", "8-bit") for m in (1, 9)]
     assert all(r["ms"] > 0 and r["rel_error"] < 1e-4 for r in results)
     assert "4-bit levels   rows    9" in capsys.readouterr().out
 

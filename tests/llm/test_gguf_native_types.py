@@ -19,11 +19,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ninefold import ops
+from ninefold.llm import gguf_packed
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.gguf_dequant import IQ4_VALUES, int4_codes, q8_0_codes
 from ninefold.llm.gguf_packed import (
     GGUFRows,
     Int4Codes,
+    Int5Codes,
     LevelCodes,
     PackedLinear,
     Q8Codes,
@@ -153,6 +155,43 @@ def test_requantize_q8_refuses_scales_beyond_float16():
         requantize_q8(torch.full((1, 32), 1e7), "Q6_K")
 
 
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+def test_legacy_5_bit_stays_5_bit_and_exact(qtype):
+    kept = _kept(qtype, _weights())
+    whole = native_matrix([kept, kept])
+    assert isinstance(whole, Int5Codes) and whole.codes.shape == (2 * N, K) and int(whole.codes.max()) <= 31
+    torch.testing.assert_close(_affine_values(whole), torch.cat([kept.dequantize()] * 2), rtol=0, atol=0)
+
+
+def _affine_values(whole) -> torch.Tensor:
+    n, k = whole.codes.shape
+    return (whole.codes.float().reshape(n, k // 32, 32) * whole.scales[..., None]
+            + whole.offsets[..., None]).reshape(n, k)
+
+
+def test_q5_k_and_4_bit_parts_become_5_bit_within_float16_rounding():
+    w = _weights()
+    parts = [_kept(T.Q4_K, w[:16]), _kept(T.Q5_K, w[16:]), _kept(T.Q4_0, w[:16])]
+    whole = native_matrix(parts)
+    assert isinstance(whole, Int5Codes) and ops.BlockWeight.fits(whole.scales, whole.offsets)
+    exact = torch.cat([p.dequantize() for p in parts])
+    err = (_affine_values(whole) - exact).abs().reshape(-1, K // 32, 32).amax(-1)
+    bound = (whole.scales.abs() * 31 + whole.offsets.abs()) * 2.0**-11
+    assert (err <= bound + 1e-12).all() and err.max() > 0
+    torch.testing.assert_close(_affine_values(whole)[-16:], parts[2].dequantize(), rtol=0, atol=0)  # Q4_0: exact
+
+
+def test_5_bit_parts_over_8_bit_ones_stay_5_bit_in_row_order():
+    w = _weights()
+    parts = [_kept(T.Q5_0, w[:16]), _kept(T.Q4_K, w[16:32]), _kept(T.Q6_K, w[32:])]
+    head, tail = native_matrix(parts)
+    assert isinstance(head, Int5Codes) and head.codes.shape == (32, K) and isinstance(tail, Q8Codes)
+    weight = gguf_packed._block_weight((head, tail), 1)
+    assert (weight.bits, weight.lead, weight.lead_bits) == (8, 32, 5)
+    torch.testing.assert_close(weight.dequantize()[:32], _affine_values(head), rtol=0, atol=0)
+    torch.testing.assert_close(weight.dequantize()[32:], tail.dequantize(), rtol=0, atol=0)
+
+
 def test_iq4_parts_stay_4_bit_levels_in_row_order():
     w = _weights()
     parts = [_kept(T.IQ4_NL, w[:16]), _kept(T.IQ4_XS, w[16:])]
@@ -218,8 +257,8 @@ def test_q4_k_m_mix_runs_natively_and_close_to_the_float_model(tmp_path):
     m = auto.model
     bits = {f: {(getattr(layer, f).blocks.bits, getattr(layer, f).blocks.lead) for layer in m.layers}
             for f in ("qkv", "o", "gate_up", "down")}
-    # q and k (Q4_K) stay 4-bit over v's 8-bit rows (Q6_K); o is Q5_0, 8-bit exactly
-    assert bits == {"qkv": {(8, m.q_size + m.kv_size)}, "o": {(8, 0)}, "gate_up": {(4, 0)}, "down": {(8, 0)}}
+    # q and k (Q4_K) stay 4-bit over v's 8-bit rows (Q6_K); o is Q5_0, 5-bit exactly
+    assert bits == {"qkv": {(8, m.q_size + m.kv_size)}, "o": {(5, 0)}, "gate_up": {(4, 0)}, "down": {(8, 0)}}
     assert isinstance(m.lm_head, PackedLinear) and m.lm_head.blocks.bits == 8
     assert llama_cpu.NativeDecoder.why_not(m) is None
     bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
@@ -259,6 +298,30 @@ def test_a_tied_quantized_embedding_is_decoded_once(tmp_path, monkeypatch):
     assert decoded.count((vocab, hidden)) == 1
     exact = _engine(path, "float32", "none")
     assert torch.equal(engine.model.embed, exact.model.embed)
+
+
+def _q5_k_m(name: str) -> T:
+    """llama.cpp's Q5_K_M mix: Q5_K, Q6_K for v and down and the embeddings."""
+    return T.Q6_K if any(part in name for part in ("v_proj", "down_proj", "embed", "lm_head")) else T.Q5_K
+
+
+def test_q5_k_m_mix_runs_natively_on_5_bit_blocks(tmp_path):
+    if not cpu_native.fast():
+        pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
+    path = write_gguf(tmp_path / "q5_k_m.gguf", hf_weights(arch="llama", tied=True), _q5_k_m, arch="llama")
+    auto = _engine(path, "float32", "auto")
+    m = auto.model
+    kinds = {f: {(getattr(ly, f).blocks.bits, getattr(ly, f).blocks.lead, getattr(ly, f).blocks.lead_bits)
+                 for ly in m.layers} for f in ("qkv", "o", "gate_up", "down")}
+    # q and k (Q5_K) stay 5-bit over v's 8-bit rows (Q6_K)
+    assert kinds == {"qkv": {(8, m.q_size + m.kv_size, 5)}, "o": {(5, 0, 4)}, "gate_up": {(5, 0, 4)},
+                     "down": {(8, 0, 4)}}
+    assert llama_cpu.NativeDecoder.why_not(m) is None
+    want = _decode_shaped_logits(_engine(path, "float32", "none"))
+    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    # on this random model the int8 activations and the 8-bit Q6_K rows part the logits 2.1x as far as bf16 weights
+    # do (with every Q5_K row requantized to 8 bits as well, before 5-bit blocks: 2.5x)
+    assert (_decode_shaped_logits(auto) - want).abs().max() <= 3 * bf16_err
 
 
 def _iq4_xs(name: str) -> T:

@@ -25,8 +25,10 @@ NATIVE = cpu_native.available()
 
 
 def _weight(n, k, bits, seed=0, terms=1):
-    if bits == "4+8":  # a 4-bit head of 32 rows stacked over an 8-bit tail (BlockWeight.stacked)
-        (head, head_dense), (tail, tail_dense) = _weight(32, k, 4, seed, terms), _weight(n - 32, k, 8, seed + 1, terms)
+    if bits in ("4+8", "5+8"):  # a 4- or 5-bit head of 32 rows stacked over an 8-bit tail (BlockWeight.stacked)
+        head_bits = int(bits[0])
+        (head, head_dense), (tail, tail_dense) = (_weight(32, k, head_bits, seed, terms),
+                                                  _weight(n - 32, k, 8, seed + 1, terms))
         return ops.BlockWeight.stacked(head, tail), torch.cat((head_dense, tail_dense))
     g = torch.Generator().manual_seed(seed)
     scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()
@@ -36,11 +38,11 @@ def _weight(n, k, bits, seed=0, terms=1):
         dense = levels.double()[codes.long()].reshape(n, k // 32, 32) * scales.double()[..., None]
         weight = ops.BlockWeight(codes, scales, None, 4, activation_terms=terms, levels=levels)
         return weight, dense.reshape(n, k)
-    if bits == 4:
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        offsets = (-8 * scales + torch.randn((n, k // 32), generator=g) * 0.01).half().float()
+    if bits in (4, 5):
+        codes = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
+        offsets = (-(2 ** (bits - 1)) * scales + torch.randn((n, k // 32), generator=g) * 0.01).half().float()
         dense = codes.double().reshape(n, k // 32, 32) * scales.double()[..., None] + offsets.double()[..., None]
-        return ops.BlockWeight(codes, scales, offsets, 4, activation_terms=terms), dense.reshape(n, k)
+        return ops.BlockWeight(codes, scales, offsets, bits, activation_terms=terms), dense.reshape(n, k)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     dense = codes.double().reshape(n, k // 32, 32) * scales.double()[..., None]
     return ops.BlockWeight(codes, scales, None, 8, activation_terms=terms), dense.reshape(n, k)
@@ -77,6 +79,10 @@ def _reference(x, dense, bias, terms):
     (8, (4,), 16, 512, True, False, 1),
     ("4+8", (1,), 48, 96, True, False, 1),  # a stacked weight: 4-bit row groups, then 8-bit ones
     ("4+8", (11,), 41, 64, False, True, 2),
+    (5, (1,), 16, 64, False, False, 1),
+    (5, (9,), 37, 96, True, True, 2),
+    (5, (5,), 48, 256, False, False, 1),
+    ("5+8", (3,), 41, 64, True, False, 1),
     ("L4", (1,), 16, 64, False, False, 1),
     ("L4", (13,), 37, 96, True, True, 1),
     ("L4", (3,), 48, 256, False, False, 2),
@@ -98,7 +104,7 @@ def test_linear_blocks_matches_float64(device, impl, dtype, bits, lead, n, k, bi
 
 
 @pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
-@pytest.mark.parametrize("bits", [4, 8, "L4"])
+@pytest.mark.parametrize("bits", [4, 5, 8, "L4"])
 def test_int8_rounding_error_is_bounded_by_the_rounding(bits):
     n, k = 64, 320
     weight, dense = _weight(n, k, bits, seed=5)
@@ -124,15 +130,15 @@ def _codes_of(weight):
 
 
 def test_block_weight_stores_the_blocks_exactly():
-    for bits in (4, 8, "L4"):
+    for bits in (4, 5, 8, "L4"):
         weight, dense = _weight(37, 96, bits, seed=3)
         assert torch.equal(weight.dequantize64(), dense)
         assert weight.dequantize(torch.bfloat16).dtype == torch.bfloat16
-        assert weight.nbytes == 3 * 3 * {4: 320, 8: 544, "L4": 288}[bits]  # 3 groups of 16 rows x 3 blocks
+        assert weight.nbytes == 3 * 3 * {4: 320, 5: 384, 8: 544, "L4": 288}[bits]  # 3 groups of 16 rows x 3 blocks
 
 
 @pytest.mark.skipif(not NATIVE, reason=f"native CPU kernels: {cpu_native.reason()}")
-@pytest.mark.parametrize("bits", [4, 8, "L4"])
+@pytest.mark.parametrize("bits", [4, 5, 8, "L4"])
 def test_native_packing_is_the_torch_packing_byte_for_byte(bits):
     from ninefold.ops.quantized import _pack_blocks_torch
 
@@ -151,19 +157,25 @@ def test_stacked_block_weight_keeps_both_parts_exactly():
     tail, _ = _weight(9, 96, 8)
     with pytest.raises(ValueError, match="head rows must be a multiple of 16"):
         ops.BlockWeight.stacked(_weight(17, 96, 4)[0], tail)
-    with pytest.raises(ValueError, match="head must be a plain 4-bit weight and tail a plain 8-bit one"):
+    with pytest.raises(ValueError, match="head must be a plain 4- or 5-bit weight and tail a plain 8-bit one"):
         ops.BlockWeight.stacked(tail, head)
-    with pytest.raises(ValueError, match="head must be a plain 4-bit weight"):
+    with pytest.raises(ValueError, match="head must be a plain 4- or 5-bit weight"):
         ops.BlockWeight.stacked(_weight(16, 96, "L4")[0], tail)
+    five, five_dense = _weight(41, 96, "5+8", seed=4)
+    assert (five.bits, five.lead, five.lead_bits) == (8, 32, 5) and torch.equal(five.dequantize64(), five_dense)
+    assert five.nbytes == 2 * 3 * 384 + 1 * 3 * 544
 
 
 def test_block_weight_refuses_bad_input():
     codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
     s = torch.full((16, 2), 0.5)
-    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+    with pytest.raises(ValueError, match="bits must be 4, 5 or 8, got 3"):
         ops.BlockWeight(codes, s, s, 3)
-    with pytest.raises(ValueError, match="offsets are required with bits=4"):
-        ops.BlockWeight(codes, s, None, 4)
+    with pytest.raises(ValueError, match="offsets are required with bits=4 or 5 and not accepted with bits=8, got "
+                                         "bits=5 and no offsets"):
+        ops.BlockWeight(codes, s, None, 5)
+    with pytest.raises(ValueError, match="5-bit codes must lie in \\[0, 31\\], got values from 0 to 60"):
+        ops.BlockWeight(codes * 4, s, s, 5)
     with pytest.raises(ValueError, match="must lie in \\[0, 15\\]"):
         ops.BlockWeight(codes * 2, s, s, 4)
     with pytest.raises(ValueError, match="K must be a positive multiple of 32"):
@@ -237,7 +249,8 @@ def test_every_tier_this_cpu_runs_computes_what_the_references_do(tmp_path, tier
         pytest.skip(str(error))
     assert lib.nf_simd() == {"portable": 0, "avx2": 1, "avx512-vnni": 2}[tier]
     g = torch.Generator().manual_seed(4)
-    for bits, terms, m, dtype in itertools.product((4, 8, "L4"), (1, 2), (1, 5, 11), (torch.float32, torch.bfloat16)):
+    for bits, terms, m, dtype in itertools.product((4, 5, 8, "L4", "5+8"), (1, 2), (1, 5, 11),
+                                                   (torch.float32, torch.bfloat16)):
         weight, dense = _weight(40, 128, bits, seed=9 + (bits if isinstance(bits, int) else 0), terms=terms)
         x = torch.randn(m, 128, generator=g).to(dtype)
         out = torch.empty(m, 40, dtype=dtype)

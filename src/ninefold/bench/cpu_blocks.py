@@ -2,8 +2,8 @@
 
     python -m ninefold.bench.cpu_blocks [--n 8192] [--k 2048] [--rows 1,8,64] [--repeats 5]
 
-Kinds: 4-bit affine codes (GGUF Q4_0/Q4_1/Q4_K), 4-bit codes of the sixteen IQ4 levels (IQ4_NL/IQ4_XS) and 8-bit
-codes (Q8_0, Q5_0, requantized types), random codes and float16 scales of the same ``[N, K]`` shape. Each kind is
+Kinds: 4-bit affine codes (GGUF Q4_0/Q4_1/Q4_K), 5-bit affine codes (Q5_0/Q5_1/Q5_K), 4-bit codes of the sixteen
+IQ4 levels (IQ4_NL/IQ4_XS) and 8-bit codes (Q8_0, requantized types), random codes and float16 scales of the same ``[N, K]`` shape. Each kind is
 first checked against its dequantized weight times the int8-rounded activations (float64), then timed: best of
 ``--repeats`` loops, in ms per call and in GOP/s (2 N K rows / time). Full results go to ``$OUT/cpu_blocks.json``
 when ``OUT`` is set.
@@ -30,8 +30,10 @@ def block_weights(n: int, k: int, seed: int = 0) -> dict[str, ops.BlockWeight]:
     g = torch.Generator().manual_seed(seed)
     scales = (torch.rand((n, k // 32), generator=g) * 0.02 + 0.001).half().float()
     nibbles = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    fives = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     return {
         "4-bit affine": ops.BlockWeight(nibbles, scales, -8 * scales, 4),
+        "5-bit affine": ops.BlockWeight(fives, scales, -16 * scales, 5),
         "4-bit levels": ops.BlockWeight(nibbles, scales, None, 4, levels=IQ4_VALUES),
         "8-bit": ops.BlockWeight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), scales, None, 8),
     }

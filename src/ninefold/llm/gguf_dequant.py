@@ -328,6 +328,33 @@ def _matrix_blocks(raw: np.ndarray | torch.Tensor, qtype: T, shape: tuple[int, i
     return raw.reshape(-1).view(-1, block_bytes)
 
 
+INT5_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q5_K")
+
+
+def int5_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes of a Q5_0/Q5_1/Q5_K matrix without dequantizing: ``(codes uint8 [N, K] in [0, 31], scales, offsets
+    float32 [N, K // 32])`` with value = ``codes * scales + offsets`` per group of 32 (Q5_0's offset is ``-16 d``;
+    Q5_K's scale and offset the products ``d * sc`` and ``-dmin * m``, as ``dequantize`` computes them)."""
+    qtype = T(ggml_type)
+    if qtype.name not in INT5_TYPES:
+        raise ValueError(f"ggml_type {qtype.name} has no 5-bit codes; supported: {', '.join(INT5_TYPES)}")
+    b = _matrix_blocks(raw, qtype, shape)
+    n, k = shape
+    if qtype == T.Q5_K:
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _k_scales_mins(b[:, 4:16])
+        low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+        high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+        codes, scales, offsets = low | (high << 4), d * sc, -dmin * mn
+    elif qtype == T.Q5_0:
+        d = _f16(b, 0)
+        codes, scales, offsets = _five_bit_codes(b[:, 2:6], b[:, 6:22]), d, -16.0 * d
+    else:
+        codes, scales, offsets = _five_bit_codes(b[:, 4:8], b[:, 8:24]), _f16(b, 0), _f16(b, 2)
+    return codes.reshape(n, k), scales.reshape(n, k // 32), offsets.reshape(n, k // 32)
+
+
 def q8_0_codes(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 matrix as ``(codes int8 [N, K], scales float32 [N, K // 32])``: value = code * scale."""
     b = _matrix_blocks(raw, T.Q8_0, shape)

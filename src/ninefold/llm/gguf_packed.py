@@ -16,8 +16,10 @@ natively. ``native_matrix`` decides the blocks of a (row-stacked) matrix:
   precision Q4_1 stores them with).
 * all parts IQ4_NL/IQ4_XS: 4-bit blocks whose codes index the sixteen IQ4 levels (``ops.BlockWeight(levels=)``):
   IQ4_NL exactly, IQ4_XS with its per-32 scale ``d * (ls - 32)`` rounded to float16 (as Q4_K's).
-* 4-bit parts followed by others (a Q4_K q and k over a Q6_K v): the 4-bit rows keep 4-bit blocks and the rest
-  take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when the 4-bit rows fill whole 16-row groups.
+* all parts affine 4- or 5-bit, one of them 5-bit (Q5_0, Q5_1, Q5_K): 5-bit blocks (``ops.BlockWeight(bits=5)``);
+  Q5_0 (offset ``-16 d``) and Q5_1 exactly, Q5_K's products rounded to float16; 4-bit parts keep their codes.
+* affine parts followed by others (a Q4_K q and k over a Q6_K v): the affine rows keep 4- or 5-bit blocks and
+  the rest take 8-bit ones, in one weight (``ops.BlockWeight.stacked``), when they fill whole 16-row groups.
 * otherwise 8-bit blocks: Q8_0 and Q5_0 exactly (Q5_0's codes minus 16); Q4_0 exactly (codes minus 8); IQ4_NL
   and IQ4_XS as their levels (int8 values) with the scales above; the rest (other Q4_1/Q4_K parts stacked with
   8-bit parts, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the lattice IQ1/IQ2/IQ3 types, TQ1_0/TQ2_0, MXFP4) requantized to
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ninefold import ops
-from ninefold.llm.gguf_dequant import IQ4_VALUES, T, dequantize, iq4_codes, q5_0_codes
+from ninefold.llm.gguf_dequant import INT5_TYPES, IQ4_VALUES, T, dequantize, int5_codes, iq4_codes, q5_0_codes
 from ninefold.ops import cpu_native
 
 # Steps with more rows than this use the dense copy when there is one. Measured in the engine on
@@ -185,6 +187,26 @@ class LevelCodes:
         return cls(indices, _fp16_values(scales, rows.type_name))
 
 
+@dataclass
+class Int5Codes:
+    """5-bit affine rows for the native kernels: ``codes`` uint8 ``[N, K]`` in ``[0, 31]``, float16-exact ``scales``
+    and ``offsets`` float32 ``[N, K // 32]``: value = ``code * scale + offset``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def of(cls, part: Int4Codes | GGUFRows) -> Int5Codes:
+        """Q5_0/Q5_1/Q5_K rows (Q5_K's per-32 products rounded to float16, as Q4_K's), or 4-bit rows unchanged (a
+        4-bit code is a 5-bit code)."""
+        if type(part) is Int4Codes:
+            four = part.fp16_scaled()
+            return cls(four.codes, four.scales, four.offsets)
+        codes, scales, offsets = int5_codes(part.raw.reshape(-1), part.ggml_type, part.shape)
+        return cls(codes, _fp16_values(scales, part.type_name), _fp16_values(offsets, part.type_name))
+
+
 def _iq4(part) -> bool:
     return type(part) is GGUFRows and part.ggml_type in (T.IQ4_NL, T.IQ4_XS)
 
@@ -211,21 +233,38 @@ def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
     return Q8Codes(codes.reshape(n, k), scales, type_name)
 
 
-def native_matrix(parts: list) -> Int4Codes | LevelCodes | Q8Codes | tuple[Int4Codes, Q8Codes]:
+def native_matrix(parts: list) -> Int4Codes | Int5Codes | LevelCodes | Q8Codes | tuple:
     """``parts`` stacked by rows in a form ``ops.BlockWeight`` holds: 4-bit when every part is 4-bit (affine, or all
-    IQ4 levels); 4-bit parts followed by 8-bit ones as a (4-bit head, 8-bit tail) pair when the head fills whole
-    16-row groups (a Q4_K q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module
-    docstring for which conversions are exact)."""
-    if all(type(p) is Int4Codes for p in parts):
-        return cat_rows([p.fp16_scaled() for p in parts])
+    IQ4 levels); 5-bit when every part is affine 4- or 5-bit (Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K) and one is 5-bit;
+    affine parts followed by 8-bit ones as a (4- or 5-bit head, 8-bit tail) pair when the head fills whole 16-row
+    groups (a Q4_K q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module docstring for
+    which conversions are exact)."""
     if all(_iq4(p) for p in parts):
         levels = [LevelCodes.of(p) for p in parts]
         return LevelCodes(torch.cat([p.codes for p in levels]), torch.cat([p.scales for p in levels]))
-    lead = next(i for i, p in enumerate(parts) if type(p) is not Int4Codes)
-    if (lead and not any(type(p) is Int4Codes for p in parts[lead:])
+    bits = [_affine_bits(p) for p in parts]
+    lead = next((i for i, b in enumerate(bits) if b is None), len(parts))
+    if lead == len(parts):
+        return _affine_rows(parts, max(bits))
+    if (lead and all(b is None for b in bits[lead:])
             and sum(p.shape[0] for p in parts[:lead]) % STACK_ROWS == 0):
-        return cat_rows([p.fp16_scaled() for p in parts[:lead]]), cat_rows([p.to_q8() for p in parts[lead:]])
+        return _affine_rows(parts[:lead], max(bits[:lead])), cat_rows([p.to_q8() for p in parts[lead:]])
     return cat_rows([p.to_q8() for p in parts])
+
+
+def _affine_bits(part) -> int | None:
+    """4 or 5 for rows the affine blocks hold (``Int4Codes``; Q5_0/Q5_1/Q5_K ``GGUFRows``), else None."""
+    if type(part) is Int4Codes:
+        return 4
+    return 5 if type(part) is GGUFRows and part.type_name in INT5_TYPES else None
+
+
+def _affine_rows(parts: list, bits: int) -> Int4Codes | Int5Codes:
+    """Affine ``parts`` stacked as ``bits``-bit rows with float16-exact scales and offsets."""
+    if bits == 4:
+        return cat_rows([p.fp16_scaled() for p in parts])
+    five = [Int5Codes.of(p) for p in parts]
+    return Int5Codes(*(torch.cat([getattr(p, f) for p in five]) for f in ("codes", "scales", "offsets")))
 
 
 def _fp16_values(values: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -337,7 +376,7 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)
 
 
-def _block_weight(whole: Int4Codes | LevelCodes | Q8Codes | tuple[Int4Codes, Q8Codes], terms: int) -> ops.BlockWeight:
+def _block_weight(whole: Int4Codes | Int5Codes | LevelCodes | Q8Codes | tuple, terms: int) -> ops.BlockWeight:
     """The native kernels' form of ``whole`` (whose scales and offsets are float16 values; a pair is stacked)."""
     if isinstance(whole, tuple):
         return ops.BlockWeight.stacked(*(_block_weight(part, terms) for part in whole))
@@ -352,6 +391,8 @@ def _block_weight(whole: Int4Codes | LevelCodes | Q8Codes | tuple[Int4Codes, Q8C
             return ops.BlockWeight(whole.codes, whole.scales, None, bits=8, activation_terms=terms)
         if isinstance(whole, LevelCodes):
             return ops.BlockWeight(whole.codes, whole.scales, None, bits=4, activation_terms=terms, levels=IQ4_VALUES)
+        if isinstance(whole, Int5Codes):
+            return ops.BlockWeight(whole.codes, whole.scales, whole.offsets, bits=5, activation_terms=terms)
         return ops.BlockWeight(whole.codes, whole.scales, whole.offsets, bits=4, activation_terms=terms)
     finally:
         torch.set_num_threads(threads)

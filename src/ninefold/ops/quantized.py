@@ -194,7 +194,8 @@ class BlockWeight:
     and Q8_0 map onto it exactly.
 
     ``BlockWeight(codes, scales, offsets, bits=4)``: ``codes`` integer ``[N, K]`` in ``[0, 15]``,
-    ``w = codes * scales + offsets`` per block (``scales``/``offsets`` ``[N, K // 32]``).
+    ``w = codes * scales + offsets`` per block (``scales``/``offsets`` ``[N, K // 32]``); ``bits=5``: the same
+    with codes in ``[0, 31]`` (GGUF's Q5_0/Q5_1/Q5_K; 0.75 bytes per value).
     ``BlockWeight(codes, scales, None, bits=8)``: ``codes`` in ``[-128, 127]``, ``w = codes * scales``.
     ``BlockWeight(codes, scales, None, bits=4, levels=table)``: 4-bit ``codes`` index ``table`` (16 int8 values,
     GGUF's IQ4_NL/IQ4_XS levels), ``w = table[codes] * scales``: 4-bit storage, 8-bit arithmetic.
@@ -212,8 +213,8 @@ class BlockWeight:
         spec.tensor("BlockWeight", "codes", codes, ndim=2)
         if codes.dtype.is_floating_point or codes.dtype == torch.bool:
             raise TypeError(f"BlockWeight: codes must be an integer tensor, got {spec.dtype_name(codes.dtype)}")
-        if bits not in (4, 8) or isinstance(bits, bool):
-            raise ValueError(f"BlockWeight: bits must be 4 or 8, got {bits!r}")
+        if bits not in (4, 5, 8) or isinstance(bits, bool):
+            raise ValueError(f"BlockWeight: bits must be 4, 5 or 8, got {bits!r}")
         if activation_terms not in (1, 2) or isinstance(activation_terms, bool):
             raise ValueError(f"BlockWeight: activation_terms must be 1 or 2, got {activation_terms!r}")
         if levels is not None:
@@ -224,13 +225,14 @@ class BlockWeight:
             if offsets is not None:
                 raise ValueError("BlockWeight: offsets are not accepted with levels (w = levels[code] * scale)")
         elif (offsets is None) != (bits == 8):
-            raise ValueError("BlockWeight: offsets are required with bits=4 and not accepted with bits=8")
+            raise ValueError(f"BlockWeight: offsets are required with bits=4 or 5 and not accepted with bits=8, got "
+                             f"bits={bits} and {'no ' if offsets is None else ''}offsets")
         if codes.device.type != "cpu":
             raise ValueError(f"BlockWeight: the weight must be on the CPU, got {codes.device}")
         n, k = codes.shape
         if k % BLOCK or k == 0 or n == 0:
             raise ValueError(f"BlockWeight: codes has shape {(n, k)}; K must be a positive multiple of {BLOCK}, N > 0")
-        lo, hi = (0, 15) if bits == 4 else (-128, 127)
+        lo, hi = {4: (0, 15), 5: (0, 31), 8: (-128, 127)}[bits]
         if int(codes.min()) < lo or int(codes.max()) > hi:
             raise ValueError(f"BlockWeight: {bits}-bit codes must lie in [{lo}, {hi}], got values from "
                              f"{int(codes.min())} to {int(codes.max())}")
@@ -244,7 +246,8 @@ class BlockWeight:
                                  "Q8_0 scales are); requantize, or use Int4Weight")
         self.shape = (n, k)
         self.bits = bits
-        self.lead = 0  # leading rows held in 4-bit records ahead of the rest (``stacked``)
+        self.lead = 0  # leading rows held in 4- or 5-bit records ahead of the rest (``stacked``)
+        self.lead_bits = 4
         self.levels = None if levels is None else levels.contiguous().clone()
         self.device = codes.device
         self.data = _pack_blocks(codes, scales, offsets, bits, levels)
@@ -253,24 +256,26 @@ class BlockWeight:
 
     @classmethod
     def stacked(cls, head: BlockWeight, tail: BlockWeight) -> BlockWeight:
-        """``head`` (4-bit, rows a multiple of 16) over ``tail`` (8-bit) as one ``[N_head + N_tail, K]`` weight:
-        each keeps its own records (a Q4_K q/k beside a Q6_K v stays 4-bit), the kernels pick per 16-row group."""
-        if head.bits != 4 or tail.bits != 8 or head.lead or tail.lead or head.levels is not None:
-            raise ValueError(f"BlockWeight.stacked: head must be a plain 4-bit weight and tail a plain 8-bit one, got "
-                             f"{head!r} and {tail!r}")
+        """``head`` (affine 4- or 5-bit, rows a multiple of 16) over ``tail`` (8-bit) as one ``[N_head + N_tail, K]``
+        weight: each keeps its own records (a Q4_K q/k beside a Q6_K v stays 4-bit), the kernels pick per 16-row
+        group."""
+        if head.bits not in (4, 5) or tail.bits != 8 or head.lead or tail.lead or head.levels is not None:
+            raise ValueError(f"BlockWeight.stacked: head must be a plain 4- or 5-bit weight and tail a plain 8-bit "
+                             f"one, got {head!r} and {tail!r}")
         if head.shape[0] % _GROUP or head.shape[1] != tail.shape[1] or head.activation_terms != tail.activation_terms:
             raise ValueError(f"BlockWeight.stacked: head rows must be a multiple of {_GROUP} and both must share K and "
                              f"activation_terms, got {head!r} (terms {head.activation_terms}) and {tail!r} "
                              f"(terms {tail.activation_terms})")
         return cls._of_records(torch.cat((head.data, tail.data)), (head.shape[0] + tail.shape[0], head.shape[1]), 8,
-                               head.shape[0], head.activation_terms)
+                               head.shape[0], head.activation_terms, head.bits)
 
     @classmethod
-    def _of_records(cls, data: torch.Tensor, shape: tuple[int, int], bits: int, lead: int, terms: int) -> BlockWeight:
+    def _of_records(cls, data: torch.Tensor, shape: tuple[int, int], bits: int, lead: int, terms: int,
+                    lead_bits: int = 4) -> BlockWeight:
         """A weight over records packed already (``data``), checked by whoever packed them."""
         out = cls.__new__(cls)
         out.shape, out.bits, out.lead, out.device, out.data = shape, bits, lead, data.device, data
-        out.activation_terms, out._mat, out.levels = terms, None, None
+        out.activation_terms, out._mat, out.levels, out.lead_bits = terms, None, None, lead_bits
         return out
 
     @staticmethod
@@ -289,12 +294,18 @@ class BlockWeight:
         n, k = self.shape
         g, b = -(-n // _GROUP), k // BLOCK
         rec = self.data.view(g, b, _record_bytes(self.bits, self.levels))
-        if self.bits == 4:
+        if self.bits in (4, 5):
             byte = rec[..., :256].reshape(g, b, 4, _GROUP, 4)  # (g, b, p, r, j)
             c = torch.stack((byte & 15, byte >> 4), dim=-1)  # (g, b, p, r, j, half)
             codes = c.permute(0, 3, 1, 5, 2, 4).reshape(g * _GROUP, k)  # (g, r, b, half, p, j)
-            d = rec[..., 256:288].contiguous().view(torch.float16)
-            m = None if self.levels is not None else rec[..., 288:320].contiguous().view(torch.float16)
+            at = 256
+            if self.bits == 5:  # bit s of plane byte (r, j): the fifth bit of column 4 s + j
+                plane = rec[..., 256:320].reshape(g, b, 1, _GROUP, 4)  # (g, b, -, r, j)
+                fifth = (plane >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1, 1)) & 1  # (g, b, s, r, j)
+                codes = codes | (fifth.permute(0, 3, 1, 2, 4).reshape(g * _GROUP, k) << 4)
+                at = 320
+            d = rec[..., at:at + 32].contiguous().view(torch.float16)
+            m = None if self.levels is not None else rec[..., at + 32:at + 64].contiguous().view(torch.float16)
         else:
             codes = rec[..., :512].reshape(g, b, 8, _GROUP, 4).permute(0, 3, 1, 2, 4).reshape(g * _GROUP, k)
             d = rec[..., 512:544].contiguous().view(torch.float16)
@@ -310,12 +321,12 @@ class BlockWeight:
         return self.dequantize64().to(dtype)
 
     def parts(self) -> list[BlockWeight]:
-        """The plain weights this one holds: itself, or a stacked weight's 4-bit head and 8-bit tail (views)."""
+        """The plain weights this one holds: itself, or a stacked weight's 4- or 5-bit head and 8-bit tail (views)."""
         if not self.lead:
             return [self]
         k = self.shape[1]
-        split = self.lead // _GROUP * (k // BLOCK) * 320
-        return [self._of_records(self.data[:split], (self.lead, k), 4, 0, self.activation_terms),
+        split = self.lead // _GROUP * (k // BLOCK) * _record_bytes(self.lead_bits, None)
+        return [self._of_records(self.data[:split], (self.lead, k), self.lead_bits, 0, self.activation_terms),
                 self._of_records(self.data[split:], (self.shape[0] - self.lead, k), 8, 0, self.activation_terms)]
 
     def dequantize64(self) -> torch.Tensor:
@@ -337,7 +348,7 @@ class BlockWeight:
             from ninefold.ops import cpu_native
 
             self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None, self.lead,
-                                       self.levels_ptr())
+                                       self.levels_ptr(), self.lead_bits)
         return self._mat
 
     def levels_ptr(self) -> int | None:
@@ -352,7 +363,7 @@ class BlockWeight:
 
 def _record_bytes(bits: int, levels: torch.Tensor | None) -> int:
     """Bytes of one record (16 rows x 32 columns) in the native layout (nf_cpu.h)."""
-    return 544 if bits == 8 else 288 if levels is not None else 320
+    return {8: 544, 5: 384}.get(bits, 288 if levels is not None else 320)
 
 
 def _pack_blocks(codes, scales, offsets, bits, levels=None) -> torch.Tensor:
@@ -364,7 +375,7 @@ def _pack_blocks(codes, scales, offsets, bits, levels=None) -> torch.Tensor:
     if lib is None:
         return _pack_blocks_torch(codes, scales, offsets, bits)
     n, k = codes.shape
-    kind = 8 if bits == 8 else 3 if levels is not None else 4  # NF_KIND_8, NF_KIND_L4, NF_KIND_4 (nf_cpu.h)
+    kind = bits if bits in (5, 8) else 3 if levels is not None else 4  # NF_KIND_5/8, NF_KIND_L4, NF_KIND_4 (nf_cpu.h)
     out = torch.empty(-(-n // _GROUP) * (k // BLOCK) * _record_bytes(bits, levels), dtype=torch.uint8)
     c = codes.to(torch.int8 if bits == 8 else torch.uint8).contiguous()
     d = scales.to(torch.float16).contiguous()
@@ -386,10 +397,15 @@ def _pack_blocks_torch(codes, scales, offsets, bits) -> torch.Tensor:
     def fp16_bytes(t):  # [N, B] -> (g, b, 32 bytes): the 16 rows' fp16 values of each block
         return pad(t.float(), torch.float16).view(g, _GROUP, b).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    if bits == 4:
-        c = pad(codes.to(torch.uint8), torch.uint8).view(g, _GROUP, b, 2, 4, 4)  # (g, r, b, half, p, j)
-        c = c.permute(0, 2, 4, 1, 5, 3)  # (g, b, p, r, j, half)
-        recs = [(c[..., 0] | (c[..., 1] << 4)).reshape(g, b, 256), fp16_bytes(scales)]
+    if bits in (4, 5):
+        full = pad(codes.to(torch.uint8), torch.uint8)
+        c = (full & 15).view(g, _GROUP, b, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # (g, b, p, r, j, half)
+        recs = [(c[..., 0] | (c[..., 1] << 4)).reshape(g, b, 256)]
+        if bits == 5:  # bit s of plane byte (r, j): the fifth bit of column 4 s + j
+            fifth = (full >> 4).view(g, _GROUP, b, 8, 4).permute(0, 2, 3, 1, 4)  # (g, b, s, r, j)
+            shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1, 1)
+            recs.append((fifth << shifts).sum(dim=2, dtype=torch.uint8).reshape(g, b, 64))
+        recs.append(fp16_bytes(scales))
         if offsets is not None:  # none with levels
             recs.append(fp16_bytes(offsets))
     else:

@@ -152,7 +152,8 @@ class NativeDecoder:
 
         def mat(linear, bias=None):
             w = linear.blocks
-            return cpu_native.Mat(w.data.data_ptr(), w.shape[0], w.shape[1], w.bits, f32(bias), w.lead, w.levels_ptr())
+            return cpu_native.Mat(w.data.data_ptr(), w.shape[0], w.shape[1], w.bits, f32(bias), w.lead, w.levels_ptr(),
+                                  w.lead_bits)
 
         self.layers = (cpu_native.Layer * c.num_layers)()
         for i, ly in enumerate(model.layers):

@@ -47,7 +47,8 @@ class Mat(ctypes.Structure):
     """``nf_mat``: one weight in the block layout (see nf_cpu.h)."""
 
     _fields_ = [("data", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bits", ctypes.c_int64),
-                ("bias", ctypes.c_void_p), ("lead", ctypes.c_int64), ("levels", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("lead", ctypes.c_int64), ("levels", ctypes.c_void_p),
+                ("lead_bits", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

@@ -9,6 +9,8 @@
  *          byte (s, r, j) at 64 s + 4 r + j holds column 4 s + j of row r (s < 8)
  *   4-bit levels: the 4-bit codes' 256 bytes, then 16 fp16 scales d              (288 bytes)
  *          the code indexes a table of 16 int8 levels (GGUF's IQ4_NL/IQ4_XS): value = d * levels[code]
+ *   5-bit: the low 4 bits as the 4-bit codes (256 bytes), then 64 bytes of fifth bits, then 16 fp16 scales d and
+ *          16 fp16 offsets m (384 bytes); bit s of byte 256 + 4 r + j is the fifth bit of column 4 s + j of row r
  * A weight value is d * code + m (8-bit: m = -128 d, so d * (code - 128) = d * gguf_code).
  * Activations are quantized per row and block of 32: q = round(x / dx) in [-127, 127] with
  * dx = max|x| / 127, and xs = dx * sum(q) (what the offsets multiply).
@@ -45,16 +47,23 @@ typedef struct {
     const uint8_t *data;   /* the block records */
     int64_t n, k, bits;    /* rows (before padding), columns, 4 or 8 */
     const float *bias;     /* [n] or NULL */
-    int64_t lead;          /* with bits 8: the first `lead` rows (a multiple of 16) are 4-bit records, stored first */
+    int64_t lead;          /* with bits 8: the first `lead` rows (a multiple of 16) are lead_bits records, stored first */
     const int8_t *levels;  /* with bits 4: NULL (codes are affine), or the 16 levels the codes index */
+    int64_t lead_bits;     /* 4 or 5: the affine records of the lead rows */
 } nf_mat;
 
-/* The kind of a group's records, what nf_group specializes on: affine 4-bit, 8-bit, 4-bit levels. */
+/* The kind of a group's records, what nf_group specializes on: affine 4-bit, affine 5-bit, 8-bit, 4-bit levels. */
 #define NF_KIND_4 4
+#define NF_KIND_5 5
 #define NF_KIND_8 8
 #define NF_KIND_L4 3
 
-static inline int64_t nf_record_bytes(int kind) { return kind == NF_KIND_4 ? 320 : kind == NF_KIND_8 ? 544 : 288; }
+static inline int64_t nf_record_bytes(int kind) {
+    return kind == NF_KIND_4 ? 320 : kind == NF_KIND_5 ? 384 : kind == NF_KIND_8 ? 544 : 288;
+}
+
+/* Records with offsets m (affine codes): 4- and 5-bit. */
+static inline int nf_affine(int kind) { return kind == NF_KIND_4 || kind == NF_KIND_5; }
 static inline int64_t nf_groups(const nf_mat *w) { return (w->n + NF_ROWS - 1) / NF_ROWS; }
 
 static inline float nf_half_to_float(uint16_t h) {
@@ -233,7 +242,7 @@ static inline void nf_quantize_row(const float *x, int64_t k, int8_t *q, float *
 }
 
 /* One group (16 rows) against mc <= NF_MC quantized activation rows: out[i][r] (+)= sum over blocks. */
-/* kind: NF_KIND_4, NF_KIND_8 or NF_KIND_L4 (then `levels` holds the 16 int8 levels). */
+/* kind: NF_KIND_4, NF_KIND_5, NF_KIND_8 or NF_KIND_L4 (then `levels` holds the 16 int8 levels). */
 static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, int64_t nb, const int kind,
                                                            const int8_t *levels, const int8_t *xq, const float *xd,
                                                            const float *xs, int64_t k, const int mc,
@@ -258,12 +267,20 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                 w[p] = _mm512_and_si512(v, low);
                 w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+            if (kind == NF_KIND_5) { /* bit s of each byte of the fifth-bit plane: bit 4 of w[s]'s byte */
+                const __m512i hb = _mm512_loadu_si512((const void *)(blk + 256)), bit4 = _mm512_set1_epi8(0x10);
+                for (int sl = 0; sl < 8; sl++) {
+                    __m512i hi = sl <= 4 ? _mm512_slli_epi16(hb, 4 - sl) : _mm512_srli_epi16(hb, sl - 4);
+                    w[sl] = _mm512_or_si512(w[sl], _mm512_and_si512(hi, bit4));
+                }
+            }
+            const int at = kind == NF_KIND_5 ? 320 : 256; /* the scales */
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + at)));
             if (kind == NF_KIND_L4) {
                 for (int p = 0; p < 8; p++) w[p] = _mm512_shuffle_epi8(lut, w[p]);
                 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
             } else {
-                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + at + 32)));
             }
         } else {
             for (int s = 0; s < 8; s++) w[s] = _mm512_loadu_si512((const void *)(blk + 64 * s));
@@ -299,17 +316,17 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                                            : _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * rec;
-        const uint8_t *scales = blk + (bits == 4 ? 256 : 512);
+        const uint8_t *scales = blk + (kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256);
         __m256 d[2], m[2];
         for (int h = 0; h < 2; h++) {
             d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
-            m[h] = kind == NF_KIND_4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)))
-                                     : _mm256_setzero_ps();
+            m[h] = nf_affine(kind) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)))
+                                   : _mm256_setzero_ps();
         }
         /* Signed codes (8-bit, levels): each weight w enters as |w| (u8) times x with w's sign, every pair sum
          * within 16 bits. With several activation rows, |w| and w of each 4-column slice are made once per block. */
         __m256i wmag[2][8], wsgn[2][8];
-        if (kind != NF_KIND_4 && mc > 1) {
+        if (!nf_affine(kind) && mc > 1) {
             for (int h = 0; h < 2; h++) {
                 for (int sl = 0; sl < 8; sl++) {
                     wsgn[h][sl] = nf_signed_slice(blk, kind, h, sl, lut);
@@ -322,7 +339,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
             memcpy(x4, xq + i * k + b * NF_BLOCK, 32);
             for (int h = 0; h < 2; h++) {
                 __m256i dot;
-                if (kind != NF_KIND_4) {
+                if (!nf_affine(kind)) {
                     dot = _mm256_setzero_si256();
                     for (int sl = 0; sl < 8; sl++) {
                         __m256i w = mc > 1 ? wsgn[h][sl] : nf_signed_slice(blk, kind, h, sl, lut);
@@ -331,19 +348,27 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
                     }
                 } else {
-                    /* |code x| <= 15 * 127: eight pair sums fit a 16-bit lane */
-                    __m256i t = _mm256_setzero_si256();
+                    /* |code x| <= 15 * 127 (4-bit): eight pair sums fit a 16-bit lane; 31 * 127 (5-bit): four */
+                    __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+                    const __m256i hb = kind == NF_KIND_5 ? _mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * h))
+                                                         : _mm256_setzero_si256();
                     for (int p = 0; p < 4; p++) {
                         __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * p + 32 * h));
-                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(x4[p])));
-                        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                                     _mm256_set1_epi32(x4[p + 4])));
+                        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                        if (kind == NF_KIND_5) { /* fifth bits: bit p (columns 4 p + j) and bit p + 4 (16 + 4 p + j) */
+                            const __m256i bit4 = _mm256_set1_epi8(0x10);
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - p), bit4));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(p == 0 ? hb : _mm256_srli_epi16(hb, p), bit4));
+                        }
+                        t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[p])));
+                        t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[p + 4])));
                     }
-                    dot = _mm256_madd_epi16(t, ones);
+                    dot = kind == NF_KIND_5 ? _mm256_add_epi32(_mm256_madd_epi16(t0, ones), _mm256_madd_epi16(t1, ones))
+                                            : _mm256_madd_epi16(_mm256_add_epi16(t0, t1), ones);
                 }
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[h], _mm256_set1_ps(xd[i * nbx + b])),
                                             acc[i][h]);
-                if (kind == NF_KIND_4) acc[i][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xs[i * nbx + b]), acc[i][h]);
+                if (nf_affine(kind)) acc[i][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xs[i * nbx + b]), acc[i][h]);
             }
         }
     }
@@ -357,7 +382,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
         for (int r = 0; r < NF_ROWS; r++) acc_out[i][r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * rec;
-        const uint16_t *dh = (const uint16_t *)(blk + (bits == 4 ? 256 : 512));
+        const uint16_t *dh = (const uint16_t *)(blk + (kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256));
         for (int r = 0; r < NF_ROWS; r++) {
             uint8_t code[NF_BLOCK];
             for (int c = 0; c < NF_BLOCK; c++) {
@@ -365,13 +390,14 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                     int p = (c % 16) / 4, j = c % 4;
                     uint8_t byte = blk[64 * p + 4 * r + j];
                     code[c] = c < 16 ? (byte & 0x0F) : (byte >> 4);
+                    if (kind == NF_KIND_5) code[c] |= ((blk[256 + 4 * r + c % 4] >> (c / 4)) & 1) << 4;
                     if (kind == NF_KIND_L4) code[c] = (uint8_t)(levels[code[c]] + 128);
                 } else {
                     code[c] = blk[64 * (c / 4) + 4 * r + c % 4];
                 }
             }
             float d = nf_half_to_float(dh[r]);
-            float m = kind == NF_KIND_4 ? nf_half_to_float(dh[NF_ROWS + r]) : -128.0f * d;
+            float m = nf_affine(kind) ? nf_half_to_float(dh[NF_ROWS + r]) : -128.0f * d;
             for (int i = 0; i < mc; i++) {
                 const int8_t *xb = xq + i * k + b * NF_BLOCK;
                 int32_t dot = 0;
@@ -388,10 +414,11 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
 static inline void nf_gemm_group(const nf_mat *w, int64_t g, const int8_t *xq, const float *xd, const float *xs,
                                  int64_t m, float *y, int64_t ldy, int accumulate) {
     const int64_t nb = w->k / NF_BLOCK, lead_groups = w->lead / NF_ROWS;
-    const int tail = w->bits == 8 ? NF_KIND_8 : w->levels ? NF_KIND_L4 : NF_KIND_4;
-    const int kind = g < lead_groups ? NF_KIND_4 : tail;
-    const uint8_t *wg = g < lead_groups ? w->data + g * nb * nf_record_bytes(NF_KIND_4)
-                                        : w->data + lead_groups * nb * nf_record_bytes(NF_KIND_4)
+    const int tail = w->bits == 8 ? NF_KIND_8 : w->bits == 5 ? NF_KIND_5 : w->levels ? NF_KIND_L4 : NF_KIND_4;
+    const int head = w->lead_bits == 5 ? NF_KIND_5 : NF_KIND_4;
+    const int kind = g < lead_groups ? head : tail;
+    const uint8_t *wg = g < lead_groups ? w->data + g * nb * nf_record_bytes(head)
+                                        : w->data + lead_groups * nb * nf_record_bytes(head)
                                               + (g - lead_groups) * nb * nf_record_bytes(tail);
     const int64_t r0 = g * NF_ROWS, rows = w->n - r0 < NF_ROWS ? w->n - r0 : NF_ROWS;
     float acc[NF_MC][NF_ROWS];
@@ -403,6 +430,9 @@ static inline void nf_gemm_group(const nf_mat *w, int64_t g, const int8_t *xq, c
         if (kind == NF_KIND_4) {
             switch (mc) { NF_CASE(NF_KIND_4, 1) NF_CASE(NF_KIND_4, 2) NF_CASE(NF_KIND_4, 3) NF_CASE(NF_KIND_4, 4)
                           NF_CASE(NF_KIND_4, 5) NF_CASE(NF_KIND_4, 6) NF_CASE(NF_KIND_4, 7) NF_CASE(NF_KIND_4, 8) }
+        } else if (kind == NF_KIND_5) {
+            switch (mc) { NF_CASE(NF_KIND_5, 1) NF_CASE(NF_KIND_5, 2) NF_CASE(NF_KIND_5, 3) NF_CASE(NF_KIND_5, 4)
+                          NF_CASE(NF_KIND_5, 5) NF_CASE(NF_KIND_5, 6) NF_CASE(NF_KIND_5, 7) NF_CASE(NF_KIND_5, 8) }
         } else if (kind == NF_KIND_L4) {
             switch (mc) { NF_CASE(NF_KIND_L4, 1) NF_CASE(NF_KIND_L4, 2) NF_CASE(NF_KIND_L4, 3) NF_CASE(NF_KIND_L4, 4)
                           NF_CASE(NF_KIND_L4, 5) NF_CASE(NF_KIND_L4, 6) NF_CASE(NF_KIND_L4, 7) NF_CASE(NF_KIND_L4, 8) }

@@ -7,8 +7,9 @@
 #include <omp.h>
 
 /* Records of an [n, k] weight (k a multiple of 32) into out (groups of 16 rows, padded rows zero).
- * kind NF_KIND_8: codes int8, stored + 128; NF_KIND_4 / NF_KIND_L4: codes uint8 in [0, 15], two per byte.
- * scales and offsets (NF_KIND_4 only; else NULL) are float16 bit patterns [n, k / 32]. */
+ * kind NF_KIND_8: codes int8, stored + 128; NF_KIND_4 / NF_KIND_L4: codes uint8 in [0, 15], two per byte;
+ * NF_KIND_5: codes uint8 in [0, 31], their low 4 bits as NF_KIND_4's and the fifth bits in a plane of their own.
+ * scales and offsets (NF_KIND_4 and NF_KIND_5; else NULL) are float16 bit patterns [n, k / 32]. */
 void nf_pack_blocks(const uint8_t *codes, const uint16_t *scales, const uint16_t *offsets, int64_t n, int64_t k,
                     int64_t kind, uint8_t *out) {
     const int64_t nb = k / NF_BLOCK, groups = (n + NF_ROWS - 1) / NF_ROWS, rec = nf_record_bytes((int)kind);
@@ -17,7 +18,7 @@ void nf_pack_blocks(const uint8_t *codes, const uint16_t *scales, const uint16_t
         const int64_t g = t / nb, b = t % nb;
         uint8_t *r = out + t * rec;
         memset(r, 0, (size_t)rec);
-        uint16_t *d = (uint16_t *)(r + (kind == NF_KIND_8 ? 512 : 256)), *m = d + NF_ROWS;
+        uint16_t *d = (uint16_t *)(r + (kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256)), *m = d + NF_ROWS;
         for (int64_t row = 0; row < NF_ROWS && g * NF_ROWS + row < n; row++) {
             const int64_t src = g * NF_ROWS + row;
             const uint8_t *c = codes + src * k + b * NF_BLOCK;
@@ -27,10 +28,13 @@ void nf_pack_blocks(const uint8_t *codes, const uint16_t *scales, const uint16_t
             } else { /* byte (p, row, j): column 4 p + j in the low nibble, 16 + 4 p + j in the high one */
                 for (int p = 0; p < 4; p++)
                     for (int j = 0; j < 4; j++)
-                        r[64 * p + 4 * row + j] = (uint8_t)((c[4 * p + j] & 15) | (c[16 + 4 * p + j] << 4));
+                        r[64 * p + 4 * row + j] = (uint8_t)((c[4 * p + j] & 15) | ((c[16 + 4 * p + j] & 15) << 4));
+                if (kind == NF_KIND_5) /* bit s of byte 256 + 4 row + j: the fifth bit of column 4 s + j */
+                    for (int col = 0; col < NF_BLOCK; col++)
+                        r[256 + 4 * row + col % 4] |= (uint8_t)(((c[col] >> 4) & 1) << (col / 4));
             }
             d[row] = scales[src * nb + b];
-            if (kind == NF_KIND_4) m[row] = offsets[src * nb + b];
+            if (nf_affine((int)kind)) m[row] = offsets[src * nb + b];
         }
     }
 }
