@@ -1,8 +1,9 @@
 """Every quantized GGUF type on the native CPU kernels' blocks (``gguf_packed.native_matrix``).
 
 What is asserted and why:
-* the conversions that can be exact are (Q8_0, Q5_0, Q4_0, IQ4_NL as 8-bit codes; Q4_0/Q4_1 as 4-bit), bit for bit;
-* Q4_K's per-block products ``d * sc`` and ``dmin * m`` (IQ4_XS's ``d * (ls - 32)``), rounded to float16, move
+* the conversions that can be exact are (Q8_0, Q5_0, Q4_0, IQ4_NL as 8-bit codes; Q4_0/Q4_1 as 4-bit; Q5_0/Q5_1
+  and 4-bit parts as 5-bit), bit for bit;
+* Q4_K's and Q5_K's per-block products ``d * sc`` and ``dmin * m`` (IQ4_XS's ``d * (ls - 32)``), rounded to float16, move
   no weight by more than 2^-11 of its block's scale and offset;
 * requantized types (Q5_1, Q2_K..Q6_K, the lattice IQ types, TQ2_0, MXFP4; 4-bit parts stacked with 8-bit ones)
   move no weight by more than half an 8-bit step of its block, which is at most a quarter of a Q6_K step;
@@ -305,23 +306,35 @@ def _q5_k_m(name: str) -> T:
     return T.Q6_K if any(part in name for part in ("v_proj", "down_proj", "embed", "lm_head")) else T.Q5_K
 
 
-def test_q5_k_m_mix_runs_natively_on_5_bit_blocks(tmp_path):
+def _native_engine(path):
+    """The float32 engine of ``path`` on the native kernels, whose decode step runs natively (skips without them)."""
     if not cpu_native.fast():
         pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
+    engine = _engine(path, "float32", "auto")
+    assert llama_cpu.NativeDecoder.why_not(engine.model) is None
+    return engine
+
+
+def _logit_errors(path, engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far ``engine``'s and the bfloat16 model's decode-step logits are from the float32 model's (max abs)."""
+    want = _decode_shaped_logits(_engine(path, "float32", "none"))
+    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    return (_decode_shaped_logits(engine) - want).abs().max(), bf16_err
+
+
+def test_q5_k_m_mix_runs_natively_on_5_bit_blocks(tmp_path):
     path = write_gguf(tmp_path / "q5_k_m.gguf", hf_weights(arch="llama", tied=True), _q5_k_m, arch="llama")
-    auto = _engine(path, "float32", "auto")
+    auto = _native_engine(path)
     m = auto.model
     kinds = {f: {(getattr(ly, f).blocks.bits, getattr(ly, f).blocks.lead, getattr(ly, f).blocks.lead_bits)
                  for ly in m.layers} for f in ("qkv", "o", "gate_up", "down")}
     # q and k (Q5_K) stay 5-bit over v's 8-bit rows (Q6_K)
     assert kinds == {"qkv": {(8, m.q_size + m.kv_size, 5)}, "o": {(5, 0, 4)}, "gate_up": {(5, 0, 4)},
                      "down": {(8, 0, 4)}}
-    assert llama_cpu.NativeDecoder.why_not(m) is None
-    want = _decode_shaped_logits(_engine(path, "float32", "none"))
-    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    auto_err, bf16_err = _logit_errors(path, auto)
     # on this random model the int8 activations and the 8-bit Q6_K rows part the logits 2.1x as far as bf16 weights
     # do (with every Q5_K row requantized to 8 bits as well, before 5-bit blocks: 2.5x)
-    assert (_decode_shaped_logits(auto) - want).abs().max() <= 3 * bf16_err
+    assert auto_err <= 3 * bf16_err
 
 
 def _iq4_xs(name: str) -> T:
@@ -330,31 +343,23 @@ def _iq4_xs(name: str) -> T:
 
 
 def test_iq4_models_run_natively_on_4_bit_levels(tmp_path):
-    if not cpu_native.fast():
-        pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
     path = write_gguf(tmp_path / "iq4_xs.gguf", hf_weights(arch="llama", tied=False), _iq4_xs, arch="llama")
-    auto = _engine(path, "float32", "auto")
+    auto = _native_engine(path)
     m = auto.model
     blocks = [getattr(ly, f).blocks for ly in m.layers for f in ("qkv", "o", "gate_up", "down")] + [m.lm_head.blocks]
     assert all(b.bits == 4 and b.levels is not None for b in blocks)
-    assert llama_cpu.NativeDecoder.why_not(m) is None
-    want = _decode_shaped_logits(_engine(path, "float32", "none"))
-    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    auto_err, bf16_err = _logit_errors(path, auto)
     # the weights are IQ4's (float16-rounded IQ4_XS scales aside): only the int8 activations differ from the float model
-    assert (_decode_shaped_logits(auto) - want).abs().max() <= 2 * bf16_err
+    assert auto_err <= 2 * bf16_err
 
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ3_S, T.IQ2_XXS], ids=lambda t: t.name)
 def test_2_and_3_bit_models_run_natively_as_8_bit_blocks(tmp_path, qtype):
-    if not cpu_native.fast():
-        pytest.skip(f"native CPU kernels without vector code here: {cpu_native.slow_reason()}")
     path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf_weights(arch="llama", tied=True), qtype, arch="llama")
-    auto = _engine(path, "float32", "auto")
+    auto = _native_engine(path)
     m = auto.model
     assert {getattr(ly, f).blocks.bits for ly in m.layers for f in ("qkv", "o", "gate_up", "down")} == {8}
-    assert llama_cpu.NativeDecoder.why_not(m) is None
-    want = _decode_shaped_logits(_engine(path, "float32", "none"))
-    bf16_err = (_decode_shaped_logits(_engine(path, "bfloat16", "none")) - want).abs().max()
+    auto_err, bf16_err = _logit_errors(path, auto)
     # the 8-bit requantization moves these weights by 0.5% (RMS, as for Q6_K), the bf16 model's by 0.4%; on this
     # random 2-bit model the logits then part 2.4x as far as the bf16 model's (Q3_K: within 2x)
-    assert (_decode_shaped_logits(auto) - want).abs().max() <= 3 * bf16_err
+    assert auto_err <= 3 * bf16_err
