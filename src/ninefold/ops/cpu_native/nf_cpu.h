@@ -192,6 +192,21 @@ static inline __m256i nf_signed_slice(const uint8_t *blk, int kind, int h, int s
 }
 #endif
 
+#if NF_AVX2
+/* The unsigned codes (4- or 5-bit affine records) of slice sl of rows 8 h .. 8 h + 7, placed as nf_signed_slice's. */
+static inline __m256i nf_affine_slice(const uint8_t *blk, int kind, int h, int sl) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * (sl % 4) + 32 * h));
+    __m256i c = _mm256_and_si256(sl < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    if (kind == NF_KIND_5) { /* bit sl of each byte of the fifth-bit plane, moved to bit 4 */
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * h));
+        hb = sl <= 4 ? _mm256_slli_epi16(hb, 4 - sl) : _mm256_srli_epi16(hb, sl - 4);
+        c = _mm256_or_si256(c, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+    }
+    return c;
+}
+#endif
+
 /* Quantize 32 float32 values to int8 q; returns dx, writes dx * sum(q) to *xs. */
 static inline float nf_quantize_block(const float *x, int8_t *q, float *xs) {
 #if NF_VNNI
@@ -325,12 +340,16 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
         }
         /* Signed codes (8-bit, levels): each weight w enters as |w| (u8) times x with w's sign, every pair sum
          * within 16 bits. With several activation rows, |w| and w of each 4-column slice are made once per block. */
-        __m256i wmag[2][8], wsgn[2][8];
-        if (!nf_affine(kind) && mc > 1) {
+        __m256i wmag[2][8], wsgn[2][8]; /* affine kinds: the unsigned codes in wmag */
+        if (mc > 1) {
             for (int h = 0; h < 2; h++) {
                 for (int sl = 0; sl < 8; sl++) {
-                    wsgn[h][sl] = nf_signed_slice(blk, kind, h, sl, lut);
-                    wmag[h][sl] = _mm256_sign_epi8(wsgn[h][sl], wsgn[h][sl]);
+                    if (nf_affine(kind)) {
+                        wmag[h][sl] = nf_affine_slice(blk, kind, h, sl);
+                    } else {
+                        wsgn[h][sl] = nf_signed_slice(blk, kind, h, sl, lut);
+                        wmag[h][sl] = _mm256_sign_epi8(wsgn[h][sl], wsgn[h][sl]);
+                    }
                 }
             }
         }
@@ -350,16 +369,9 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                 } else {
                     /* |code x| <= 15 * 127 (4-bit): eight pair sums fit a 16-bit lane; 31 * 127 (5-bit): four */
                     __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
-                    const __m256i hb = kind == NF_KIND_5 ? _mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * h))
-                                                         : _mm256_setzero_si256();
-                    for (int p = 0; p < 4; p++) {
-                        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * p + 32 * h));
-                        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                        if (kind == NF_KIND_5) { /* fifth bits: bit p (columns 4 p + j) and bit p + 4 (16 + 4 p + j) */
-                            const __m256i bit4 = _mm256_set1_epi8(0x10);
-                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - p), bit4));
-                            hi = _mm256_or_si256(hi, _mm256_and_si256(p == 0 ? hb : _mm256_srli_epi16(hb, p), bit4));
-                        }
+                    for (int p = 0; p < 4; p++) { /* slices p (columns 4 p + j) and p + 4 (16 + 4 p + j) */
+                        __m256i lo = mc > 1 ? wmag[h][p] : nf_affine_slice(blk, kind, h, p);
+                        __m256i hi = mc > 1 ? wmag[h][p + 4] : nf_affine_slice(blk, kind, h, p + 4);
                         t0 = _mm256_add_epi16(t0, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[p])));
                         t1 = _mm256_add_epi16(t1, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[p + 4])));
                     }
