@@ -262,8 +262,8 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                                                            const int8_t *levels, const int8_t *xq, const float *xd,
                                                            const float *xs, int64_t k, const int mc,
                                                            float acc_out[][NF_ROWS]) {
-    const int bits = kind == NF_KIND_8 ? 8 : 4;
 #if NF_VNNI
+    const int bits = kind == NF_KIND_8 ? 8 : 4;
     __m512 acc[NF_MC];
     for (int i = 0; i < mc; i++) acc[i] = _mm512_setzero_ps();
     const int64_t rec = nf_record_bytes(kind);
@@ -326,7 +326,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
     __m256 acc[NF_MC][2];
     for (int i = 0; i < mc; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const int64_t rec = nf_record_bytes(kind), nbx = k / NF_BLOCK;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i lut = kind == NF_KIND_L4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
                                            : _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
@@ -389,6 +389,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
         _mm256_storeu_ps(acc_out[i] + 8, acc[i][1]);
     }
 #else
+    const int bits = kind == NF_KIND_8 ? 8 : 4;
     const int64_t rec = nf_record_bytes(kind), nbx = k / NF_BLOCK;
     for (int i = 0; i < mc; i++)
         for (int r = 0; r < NF_ROWS; r++) acc_out[i][r] = 0.0f;
