@@ -30,10 +30,11 @@ from ninefold.llm.gguf_packed import (
     LevelCodes,
     PackedLinear,
     Q8Codes,
+    QuantizedEmbedding,
     native_matrix,
     requantize_q8,
 )
-from ninefold.llm.models import llama_cpu
+from ninefold.llm.models import llama, llama_cpu
 from ninefold.llm.sampling import SamplingParams
 from ninefold.ops import cpu_native
 
@@ -299,6 +300,40 @@ def test_a_tied_quantized_embedding_is_decoded_once(tmp_path, monkeypatch):
     assert decoded.count((vocab, hidden)) == 1
     exact = _engine(path, "float32", "none")
     assert torch.equal(engine.model.embed, exact.model.embed)
+
+
+@pytest.mark.parametrize("tied,qtype", [(True, T.Q6_K), (False, T.Q8_0), (True, T.Q4_K)],
+                         ids=["tied-Q6_K", "untied-Q8_0", "tied-Q4_K"])
+def test_a_quantized_embedding_table_stays_quantized_without_dense_copies(tmp_path, monkeypatch, tied, qtype):
+    """Models packed without dense copies keep the embedding table in its GGUF form and decode only the looked-up
+    rows: the same values as the float table, so the same logits and tokens."""
+    monkeypatch.setattr(llama, "DENSE_COPY_BUDGET", 0)  # the tiny model as a large one: no dense copies
+    types = {"embed": qtype, "lm_head": qtype}
+    path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf_weights(arch="llama", tied=tied),
+                      lambda name: next((t for key, t in types.items() if key in name), T.Q4_K), arch="llama")
+    kept = _engine(path, "float32", "auto")
+    monkeypatch.setattr(llama, "KEEP_TABLES_QUANTIZED", False)
+    dense = _engine(path, "float32", "auto")
+    assert isinstance(kept.model.embed, QuantizedEmbedding) and isinstance(dense.model.embed, torch.Tensor)
+    assert kept.model.weight_bytes < dense.model.weight_bytes
+    ids = torch.tensor([[0, 5, 77], [130, 255, 5]])
+    assert torch.equal(kept.model.embed(ids), dense.model.embed[ids])
+    if cpu_native.fast():
+        assert llama_cpu.NativeDecoder.why_not(kept.model) is None
+    assert torch.equal(_decode_shaped_logits(kept), _decode_shaped_logits(dense))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 77, 130, 9, 41], [200, 3, 3, 17, 88, 61, 150, 12, 99, 7, 7, 7, 1, 2, 3, 4, 5, 6, 8]]
+    assert _greedy(kept, prompts, params) == _greedy(dense, prompts, params)
+
+
+def _greedy(engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    """The token ids each prompt generates on ``engine`` (all prompts batched)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(engine.build_request(prompt, params, f"g{i}"))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: list(out.outputs[0].token_ids) for out in engine.step() if out.finished})
+    return done
 
 
 def _q5_k_m(name: str) -> T:

@@ -212,6 +212,33 @@ def _iq4(part) -> bool:
 
 
 QUANTIZED = (Int4Codes, Q8Codes, GGUFRows)
+
+
+class QuantizedEmbedding:
+    """An embedding table kept in its GGUF form (``Int4Codes``, ``Q8Codes`` or ``GGUFRows``): calling it with token
+    ids decodes just those rows, to exactly the values the dense table would hold (a 1B-shaped Q6_K table takes
+    215 MB instead of 1 GB as float32). ``shape`` is the table's ``[vocab, hidden]``."""
+
+    def __init__(self, table: Int4Codes | Q8Codes | GGUFRows, dtype: torch.dtype):
+        if type(table) is GGUFRows:
+            table = GGUFRows(table.raw, table.ggml_type, table.k)  # without a decoded copy
+        self.table, self.dtype, self.shape = table, dtype, tuple(table.shape)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (any shape), ``[*ids.shape, hidden]`` in ``dtype``."""
+        flat = ids.reshape(-1).long()
+        rows = self.table.map_rows(lambda t: t.index_select(0, flat)).dequantize(self.dtype)
+        return rows.reshape(*ids.shape, self.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        fields = ("raw",) if type(self.table) is GGUFRows else ("codes", "scales", "offsets")
+        return sum(getattr(self.table, f).nbytes for f in fields if hasattr(self.table, f))
+
+
+def embed_rows(table: torch.Tensor | QuantizedEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of ``ids`` from a dense table (``ops.embedding``) or a ``QuantizedEmbedding``."""
+    return table(ids) if isinstance(table, QuantizedEmbedding) else ops.embedding(ids, table)
 SMALL_MATRIX = 1 << 22  # weights; smaller matrices are repacked on one thread
 STACK_ROWS = 16  # a 4-bit head over an 8-bit tail fills whole row groups of the native layout
 

@@ -18,7 +18,14 @@ from tqdm.auto import tqdm
 
 from ninefold import ops
 from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
-from ninefold.llm.gguf_packed import QUANTIZED, GGUFRows, PackedLinear, packed_linear
+from ninefold.llm.gguf_packed import (
+    QUANTIZED,
+    GGUFRows,
+    PackedLinear,
+    QuantizedEmbedding,
+    embed_rows,
+    packed_linear,
+)
 from ninefold.llm.models import llama_cpu
 from ninefold.ops import cpu_native, cpu_upcast
 from ninefold.runtime.memory import WeightStore
@@ -28,6 +35,8 @@ from ninefold.runtime.memory import WeightStore
 FUSED_MAX_ROWS = 32
 # "auto" keeps a dense copy of packed layer matrices for prefill while it costs at most this.
 DENSE_COPY_BUDGET = 2 << 30
+# Quantized embedding tables stay quantized where ``LlamaModel._table_stays_quantized`` says so (tests turn it off).
+KEEP_TABLES_QUANTIZED = True
 
 
 @dataclass
@@ -123,15 +132,19 @@ class LlamaForCausalLM:
             fused["lm_head"] = self._matrix([take("lm_head.weight", (config.vocab_size, config.hidden_size))], head=True)
         else:
             raise ValueError("checkpoint: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
-        if isinstance(embed, QUANTIZED):
+        if isinstance(embed, QUANTIZED) and self._table_stays_quantized(fused.get("lm_head")):
+            fused["embed"] = QuantizedEmbedding(embed, dtype)
+        elif isinstance(embed, QUANTIZED):
             fused["embed"] = embed.dequantize(torch.float32)
             if config.tie_word_embeddings and not isinstance(fused["lm_head"], PackedLinear):
                 fused["lm_head"] = fused["embed"]
         for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", leave=False):
             fused.update(self._fused_layer(take, i))
         self.packed = {name: t for name, t in fused.items() if isinstance(t, PackedLinear)}
-        self.weights = WeightStore({n: t for n, t in fused.items() if n not in self.packed}, device, dtype=dtype)
-        w = {**self.weights, **self.packed}
+        self.tables = {name: t for name, t in fused.items() if isinstance(t, QuantizedEmbedding)}
+        dense = {n: t for n, t in fused.items() if n not in self.packed and n not in self.tables}
+        self.weights = WeightStore(dense, device, dtype=dtype)
+        w = {**self.weights, **self.packed, **self.tables}
         self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w.get("lm_head")
         if config.tie_word_embeddings and type(self.lm_head) is PackedLinear and self.dense_copies:
             self.lm_head.dense = self.embed  # batches of more rows read the embedding table itself
@@ -169,6 +182,13 @@ class LlamaForCausalLM:
         slow_half = (cpu_blocks and self.dtype in (torch.bfloat16, torch.float16)
                      and not cpu_upcast.native_half_gemm(self.dtype))
         self.dense_copies = mode == "auto" and not slow_half and layer_elems * self.dtype.itemsize <= DENSE_COPY_BUDGET
+
+    def _table_stays_quantized(self, lm_head) -> bool:
+        """Whether a quantized embedding table stays in its GGUF form (``QuantizedEmbedding``): on CPUs whose layers
+        are packed without dense copies (models past ``DENSE_COPY_BUDGET``, half dtypes on AVX2), where the float
+        table would be the largest tensor in memory; not where a tied output layer reads the table itself."""
+        return (KEEP_TABLES_QUANTIZED and self.device.type == "cpu" and self.pack and not self.dense_copies
+                and self.parallel is None and (lm_head is None or isinstance(lm_head, PackedLinear)))
 
     def _matrix(self, parts: list, dense_copy: bool = True, head: bool = False) -> torch.Tensor | PackedLinear:
         """Row-stacked ``parts``: a ``PackedLinear`` when they are quantized and packing is on, else dense.
@@ -223,8 +243,9 @@ class LlamaForCausalLM:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all weights (tied embeddings counted once; packed layers with their dense copies)."""
-        return self.weights.nbytes + sum(p.nbytes for p in self.packed.values())
+        """Bytes of all weights (tied embeddings counted once; packed layers with their dense copies; quantized
+        embedding tables as stored)."""
+        return self.weights.nbytes + sum(p.nbytes for p in (*self.packed.values(), *self.tables.values()))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``."""
@@ -233,7 +254,7 @@ class LlamaForCausalLM:
                 self._cpu_decoder = llama_cpu.CpuDecoder(self)
             return self._cpu_decoder.forward(input_ids, positions, meta)
         eps = self.config.rms_norm_eps
-        hidden = ops.embedding(input_ids, self.embed)
+        hidden = embed_rows(self.embed, input_ids)
         # Up to 32 rows on a GPU (decode steps of few sequences): the norms run in the prologues of the
         # q/k/v and gate_up GEMVs and the SwiGLU gate in down's (ops.*_linear; one kernel each where a
         # GEMV applies, the unfused pair otherwise). Other shapes and the CPU take the unfused path.

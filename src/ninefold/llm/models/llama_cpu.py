@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ninefold import ops
-from ninefold.llm.gguf_packed import PackedLinear
+from ninefold.llm.gguf_packed import PackedLinear, embed_rows
 
 
 class CpuDecoder:
@@ -91,7 +91,7 @@ class CpuDecoder:
         else:
             keys = n * bs
             mask = (torch.arange(keys)[None, :] < lens[:, None])[:, None, None, :]
-        hidden = F.embedding(input_ids, m.embed)
+        hidden = embed_rows(m.embed, input_ids)
         # Scratch reused by every layer of this step: each is consumed before the next layer refills it.
         rot = torch.empty((b, hq + hk, d), dtype=self.dtype)
         rms_norm, add_rms_norm = self._norms(hidden, m.norm)
@@ -141,6 +141,8 @@ class NativeDecoder:
         c = model.config
         self.model = model
         self.lib = cpu_native.library()
+        # a QuantizedEmbedding: each step decodes its rows into a small table the C code indexes 0 .. B-1
+        self._quantized_table = not isinstance(model.embed, torch.Tensor)
         keep = self._keep = []  # float32 copies whose addresses the structures hold
 
         def f32(t):
@@ -165,7 +167,8 @@ class NativeDecoder:
             n_layers=c.num_layers, dim=c.hidden_size, hq=c.num_heads, hk=c.num_kv_heads, hd=c.head_dim,
             inter=c.intermediate_size, block_size=0, table_stride=0, cache_bf16=bf16, io_bf16=bf16,
             eps=c.rms_norm_eps, scale=model.scale, layers=ctypes.addressof(self.layers),
-            embed=model.embed.data_ptr(), final_norm=f32(model.norm), cos_sin=model.cos_sin.data_ptr())
+            embed=None if self._quantized_table else model.embed.data_ptr(), final_norm=f32(model.norm),
+            cos_sin=model.cos_sin.data_ptr())
         self._kv = None
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
@@ -183,8 +186,10 @@ class NativeDecoder:
         if c.head_dim % 32 or c.head_dim > 512 or c.num_heads % c.num_kv_heads:
             return f"head_dim {c.head_dim} (needs a multiple of 32, at most 512) or GQA {c.num_heads}/{c.num_kv_heads}"
         embed, cs = model.embed, model.cos_sin
-        if not (isinstance(embed, torch.Tensor) and embed.dtype == model.dtype and embed.is_contiguous()):
+        if isinstance(embed, torch.Tensor) and not (embed.dtype == model.dtype and embed.is_contiguous()):
             return "the embedding is not a contiguous table in the model's dtype"
+        if not isinstance(embed, torch.Tensor) and embed.dtype != model.dtype:
+            return "the quantized embedding does not decode to the model's dtype"
         if cs.dtype != torch.float32 or cs.shape[1] != c.head_dim or not cs.is_contiguous():
             return "rotary table"
         if not cpu_native.available():
@@ -218,6 +223,10 @@ class NativeDecoder:
         if tables.stride(-1) != 1:
             tables = tables.contiguous()
         b = ids.shape[0]
+        if self._quantized_table:  # this step's rows, decoded; the C code reads row i for the i-th sequence
+            rows = m.embed(ids).contiguous()
+            ids = torch.arange(b, dtype=torch.int64)
+            md.embed = rows.data_ptr()
         md.m, md.max_ctx, md.table_stride = b, int(lens.max()), tables.stride(0)
         md.ids, md.positions, md.slots = ids.data_ptr(), pos.data_ptr(), slots.data_ptr()
         md.block_tables, md.context_lens = tables.data_ptr(), lens.data_ptr()

@@ -6,6 +6,10 @@
 
 #include <omp.h>
 
+/* Below this many blocks or records the work stays on the calling thread: waking the team costs more (a few
+ * looked-up embedding rows each step). */
+#define NF_PARALLEL_MIN 256
+
 /* Records of an [n, k] weight (k a multiple of 32) into out (groups of 16 rows, padded rows zero).
  * kind NF_KIND_8: codes int8, stored + 128; NF_KIND_4 / NF_KIND_L4: codes uint8 in [0, 15], two per byte;
  * NF_KIND_5: codes uint8 in [0, 31], their low 4 bits as NF_KIND_4's and the fifth bits in a plane of their own.
@@ -13,7 +17,7 @@
 void nf_pack_blocks(const uint8_t *codes, const uint16_t *scales, const uint16_t *offsets, int64_t n, int64_t k,
                     int64_t kind, uint8_t *out) {
     const int64_t nb = k / NF_BLOCK, groups = (n + NF_ROWS - 1) / NF_ROWS, rec = nf_record_bytes((int)kind);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (groups * nb >= NF_PARALLEL_MIN)
     for (int64_t t = 0; t < groups * nb; t++) {
         const int64_t g = t / nb, b = t % nb;
         uint8_t *r = out + t * rec;
@@ -61,7 +65,7 @@ static inline float nf_round_to_half(float f) {
  * a zero scale and zero codes. */
 void nf_requantize_q8(const float *w, int64_t n, int64_t k, float *scales, int8_t *codes) {
     const int64_t blocks = n * (k / NF_BLOCK);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (blocks >= NF_PARALLEL_MIN)
     for (int64_t b = 0; b < blocks; b++) {
         float amax = 0.0f;
         for (int i = 0; i < NF_BLOCK; i++) amax = fmaxf(amax, fabsf(w[b * NF_BLOCK + i]));
@@ -77,7 +81,7 @@ void nf_requantize_q8(const float *w, int64_t n, int64_t k, float *scales, int8_
 /* GGUF Q6_K blocks (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d) -> float32 values, 256 per block:
  * value = d * (scale * q) with q the 6-bit code minus 32 (each product exact in float32), as ggml decodes them. */
 void nf_dequantize_q6_k(const uint8_t *blocks, int64_t n_blocks, float *out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_blocks >= NF_PARALLEL_MIN)
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = blocks + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -108,7 +112,7 @@ void nf_dequantize_q6_k(const uint8_t *blocks, int64_t n_blocks, float *out) {
  * 4-bit codes (uint8 [256] per block, in value order) with per-32 scales d * sc and offsets -(dmin * m) (float32,
  * each product exact): value = code * scale + offset, as ggml decodes them. */
 void nf_q4_k_codes(const uint8_t *blocks, int64_t n_blocks, uint8_t *codes, float *scales, float *offsets) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_blocks >= NF_PARALLEL_MIN)
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *blk = blocks + b * 144, *q = blk + 4, *qs = blk + 16;
         uint16_t dh, mh;
