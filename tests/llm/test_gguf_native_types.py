@@ -152,6 +152,14 @@ def test_requantize_q8_natively_is_the_torch_result():
     assert torch.equal(native.codes, plain.codes) and torch.equal(native.scales, plain.scales)
 
 
+def test_q6_k_requantized_block_by_block_is_the_torch_result():
+    kept = _kept(T.Q6_K, _weights() * np.linspace(0.001, 3, K, dtype=np.float32))
+    native = kept.to_q8()
+    with cpu_native.enabled(False):
+        plain = kept.to_q8()
+    assert torch.equal(native.codes, plain.codes) and torch.equal(native.scales, plain.scales)
+
+
 def test_requantize_q8_refuses_scales_beyond_float16():
     with pytest.raises(ValueError, match="Q6_K matrix has block scales beyond float16's range"):
         requantize_q8(torch.full((1, 32), 1e7), "Q6_K")

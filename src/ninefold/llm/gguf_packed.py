@@ -169,6 +169,13 @@ class GGUFRows:
         if self.ggml_type in (T.IQ4_NL, T.IQ4_XS):
             levels = LevelCodes.of(self)
             return Q8Codes(IQ4_VALUES[levels.codes.long()], levels.scales, self.type_name)
+        lib = cpu_native.library() if self.dense is None and self.raw.device.type == "cpu" else None
+        if self.ggml_type == T.Q6_K and lib is not None:  # block by block: no float copy of the whole matrix
+            n, k = self.shape
+            codes, scales = torch.empty((n, k), dtype=torch.int8), torch.empty((n, k // 32))
+            lib.nf_requantize_q6_k(self.raw.contiguous().data_ptr(), n * k // 256, scales.data_ptr(), codes.data_ptr())
+            _fp16_values(scales, self.type_name)  # only checks the range
+            return Q8Codes(codes, scales, self.type_name)
         return requantize_q8(self.dequantize(), self.type_name)
 
 

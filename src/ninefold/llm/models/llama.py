@@ -121,7 +121,8 @@ class LlamaForCausalLM:
         take = _WeightReader(tensors)
         self._setup_packing(config)
         embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
-        if isinstance(embed, GGUFRows) and config.tie_word_embeddings:  # decoded once for the table and the head
+        if (isinstance(embed, GGUFRows) and config.tie_word_embeddings
+                and not self._table_stays_quantized(None)):  # decoded once for the table and the head
             embed = embed.with_dense(embed.dequantize(torch.float32))
         fused = {"embed": embed, "norm": take("model.norm.weight", (config.hidden_size,))}
         if config.tie_word_embeddings:

@@ -148,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nf_requantize_q8.argtypes = [p, i64, i64, p, p]
     lib.nf_q4_k_codes.restype = None
     lib.nf_q4_k_codes.argtypes = [p, i64, p, p, p]
+    lib.nf_requantize_q6_k.restype = None
+    lib.nf_requantize_q6_k.argtypes = [p, i64, p, p]
     lib.nf_dequantize_q6_k.restype = None
     lib.nf_dequantize_q6_k.argtypes = [p, i64, p]
     lib.nf_attention_prefill.restype = None

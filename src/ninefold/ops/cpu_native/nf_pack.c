@@ -63,48 +63,61 @@ static inline float nf_round_to_half(float f) {
 /* Per block of 32 values of w (float32 [n, k]): scale = max|w| / 127 rounded to float16 (scales, float32
  * [n, k / 32]), codes = round(w / scale) clamped to [-127, 127], ties to even as torch.round; a zero block gives
  * a zero scale and zero codes. */
+static inline void nf_q8_block(const float *w, float *scale, int8_t *codes) {
+    float amax = 0.0f;
+    for (int i = 0; i < NF_BLOCK; i++) amax = fmaxf(amax, fabsf(w[i]));
+    *scale = nf_round_to_half(amax / 127.0f);
+    const float s = *scale > 0 ? *scale : 1.0f;
+    for (int i = 0; i < NF_BLOCK; i++) {
+        float q = nearbyintf(w[i] / s);
+        codes[i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
+    }
+}
+
 void nf_requantize_q8(const float *w, int64_t n, int64_t k, float *scales, int8_t *codes) {
     const int64_t blocks = n * (k / NF_BLOCK);
 #pragma omp parallel for schedule(static) if (blocks >= NF_PARALLEL_MIN)
-    for (int64_t b = 0; b < blocks; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < NF_BLOCK; i++) amax = fmaxf(amax, fabsf(w[b * NF_BLOCK + i]));
-        scales[b] = nf_round_to_half(amax / 127.0f);
-        const float s = scales[b] > 0 ? scales[b] : 1.0f;
-        for (int i = 0; i < NF_BLOCK; i++) {
-            float q = nearbyintf(w[b * NF_BLOCK + i] / s);
-            codes[b * NF_BLOCK + i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
-        }
-    }
+    for (int64_t b = 0; b < blocks; b++) nf_q8_block(w + b * NF_BLOCK, scales + b, codes + b * NF_BLOCK);
 }
 
 /* GGUF Q6_K blocks (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d) -> float32 values, 256 per block:
  * value = d * (scale * q) with q the 6-bit code minus 32 (each product exact in float32), as ggml decodes them. */
+static inline void nf_q6_k_block(const uint8_t *blk, float *y) {
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    uint16_t dh;
+    memcpy(&dh, blk + 208, 2);
+    const float d = nf_half_to_float(dh);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+        const int8_t *s = sc + 8 * half;
+        float *yh = y + 128 * half;
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+            const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            yh[l] = d * (float)(s[is] * q1);
+            yh[l + 32] = d * (float)(s[is + 2] * q2);
+            yh[l + 64] = d * (float)(s[is + 4] * q3);
+            yh[l + 96] = d * (float)(s[is + 6] * q4);
+        }
+    }
+}
+
 void nf_dequantize_q6_k(const uint8_t *blocks, int64_t n_blocks, float *out) {
 #pragma omp parallel for schedule(static) if (n_blocks >= NF_PARALLEL_MIN)
+    for (int64_t b = 0; b < n_blocks; b++) nf_q6_k_block(blocks + b * 210, out + b * 256);
+}
+
+/* Q6_K blocks straight to 8-bit codes and scales (nf_requantize_q8 of their decoded values, without the float
+ * copy of the whole matrix): 8 scales and 256 codes per block. */
+void nf_requantize_q6_k(const uint8_t *blocks, int64_t n_blocks, float *scales, int8_t *codes) {
+#pragma omp parallel for schedule(static) if (n_blocks >= NF_PARALLEL_MIN)
     for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = blocks + b * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        uint16_t dh;
-        memcpy(&dh, blk + 208, 2);
-        const float d = nf_half_to_float(dh);
-        float *y = out + b * 256;
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
-            const int8_t *s = sc + 8 * half;
-            float *yh = y + 128 * half;
-            for (int l = 0; l < 32; l++) {
-                const int is = l / 16;
-                const int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
-                const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                yh[l] = d * (float)(s[is] * q1);
-                yh[l + 32] = d * (float)(s[is + 2] * q2);
-                yh[l + 64] = d * (float)(s[is + 4] * q3);
-                yh[l + 96] = d * (float)(s[is + 6] * q4);
-            }
-        }
+        float y[256];
+        nf_q6_k_block(blocks + b * 210, y);
+        for (int j = 0; j < 8; j++) nf_q8_block(y + 32 * j, scales + 8 * b + j, codes + 256 * b + 32 * j);
     }
 }
 
