@@ -12,6 +12,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from ninefold.ops import cpu_native
+
 T = GGMLQuantizationType
 
 
@@ -109,14 +111,8 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scales_mins(b[:, 4:16])
-    qh = b[:, 16:48]
-    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
-    bit = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = (qh.unsqueeze(1) >> bit) & 1
-    q = (low | (high << 4)).float()
-    return (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
+    codes, scales, offsets = _q5_k_affine(b)
+    return (codes.float() * scales + offsets).reshape(-1, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -249,7 +245,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
             f"{n // block * block_bytes} bytes and a multiple of {block} elements"
         )
     blocks = raw.view(-1, block_bytes)
-    if qtype == T.Q6_K and (lib := _native_library()) is not None:  # one pass on all threads, the same values
+    if qtype == T.Q6_K and (lib := cpu_native.library()) is not None:  # one pass on all threads, the same values
         values = torch.empty(n, dtype=torch.float32)
         lib.nf_dequantize_q6_k(blocks.contiguous().data_ptr(), blocks.shape[0], values.data_ptr())
         return values.reshape(shape).to(dtype)
@@ -259,12 +255,6 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
         part = blocks[start : start + _CHUNK_BLOCKS]
         out[start * block : (start + part.shape[0]) * block] = decode(part).reshape(-1)
     return out.reshape(shape)
-
-
-def _native_library():
-    from ninefold.ops import cpu_native
-
-    return cpu_native.library()
 
 
 # -- 4-bit blocks kept as codes: w = code * scale + offset per group of 32 ------------------------
@@ -288,7 +278,26 @@ def _q4_k_affine(b: torch.Tensor):
     return codes.reshape(-1, 32), (d * sc).reshape(-1, 1), (-dmin * mn).reshape(-1, 1)
 
 
+def _q5_0_affine(b: torch.Tensor):
+    d = _f16(b, 0)
+    return _five_bit_codes(b[:, 2:6], b[:, 6:22]), d, -16.0 * d
+
+
+def _q5_1_affine(b: torch.Tensor):
+    return _five_bit_codes(b[:, 4:8], b[:, 8:24]), _f16(b, 0), _f16(b, 2)
+
+
+def _q5_k_affine(b: torch.Tensor):
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    return (low | (high << 4)).reshape(-1, 32), (d * sc).reshape(-1, 1), (-dmin * mn).reshape(-1, 1)
+
+
+# Per group of 32 values: (codes, scales, offsets) with value = code * scale + offset, as dequantize computes it.
 _AFFINE = {T.Q4_0: _q4_0_affine, T.Q4_1: _q4_1_affine, T.Q4_K: _q4_k_affine}
+_AFFINE5 = {T.Q5_0: _q5_0_affine, T.Q5_1: _q5_1_affine, T.Q5_K: _q5_k_affine}
 
 
 def int4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
@@ -306,7 +315,7 @@ def int4_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
         raise ValueError(f"shape: a matrix [N, K] is needed, got {tuple(shape)}")
     n, k = shape
     blocks = _matrix_blocks(raw, qtype, shape)
-    if qtype == T.Q4_K and (lib := _native_library()) is not None:  # one pass on all threads, the same values
+    if qtype == T.Q4_K and (lib := cpu_native.library()) is not None:  # one pass on all threads, the same values
         codes = torch.empty((n, k), dtype=torch.uint8)
         scales, offsets = torch.empty((n, k // 32)), torch.empty((n, k // 32))
         lib.nf_q4_k_codes(blocks.contiguous().data_ptr(), blocks.shape[0], codes.data_ptr(), scales.data_ptr(),
@@ -337,21 +346,10 @@ def int5_codes(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int,
     float32 [N, K // 32])`` with value = ``codes * scales + offsets`` per group of 32 (Q5_0's offset is ``-16 d``;
     Q5_K's scale and offset the products ``d * sc`` and ``-dmin * m``, as ``dequantize`` computes them)."""
     qtype = T(ggml_type)
-    if qtype.name not in INT5_TYPES:
+    if qtype not in _AFFINE5:
         raise ValueError(f"ggml_type {qtype.name} has no 5-bit codes; supported: {', '.join(INT5_TYPES)}")
-    b = _matrix_blocks(raw, qtype, shape)
     n, k = shape
-    if qtype == T.Q5_K:
-        d, dmin = _f16(b, 0), _f16(b, 2)
-        sc, mn = _k_scales_mins(b[:, 4:16])
-        low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
-        high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
-        codes, scales, offsets = low | (high << 4), d * sc, -dmin * mn
-    elif qtype == T.Q5_0:
-        d = _f16(b, 0)
-        codes, scales, offsets = _five_bit_codes(b[:, 2:6], b[:, 6:22]), d, -16.0 * d
-    else:
-        codes, scales, offsets = _five_bit_codes(b[:, 4:8], b[:, 8:24]), _f16(b, 0), _f16(b, 2)
+    codes, scales, offsets = _AFFINE5[qtype](_matrix_blocks(raw, qtype, shape))
     return codes.reshape(n, k), scales.reshape(n, k // 32), offsets.reshape(n, k // 32)
 
 

@@ -219,6 +219,8 @@ def _iq4(part) -> bool:
 
 
 QUANTIZED = (Int4Codes, Q8Codes, GGUFRows)
+SMALL_MATRIX = 1 << 22  # weights; smaller matrices are repacked on one thread
+STACK_ROWS = 16  # a 4-bit head over an 8-bit tail fills whole row groups of the native layout
 
 
 class QuantizedEmbedding:
@@ -239,15 +241,12 @@ class QuantizedEmbedding:
 
     @property
     def nbytes(self) -> int:
-        fields = ("raw",) if type(self.table) is GGUFRows else ("codes", "scales", "offsets")
-        return sum(getattr(self.table, f).nbytes for f in fields if hasattr(self.table, f))
+        return sum(t.nbytes for t in vars(self.table).values() if isinstance(t, torch.Tensor))
 
 
 def embed_rows(table: torch.Tensor | QuantizedEmbedding, ids: torch.Tensor) -> torch.Tensor:
     """The embedding rows of ``ids`` from a dense table (``ops.embedding``) or a ``QuantizedEmbedding``."""
     return table(ids) if isinstance(table, QuantizedEmbedding) else ops.embedding(ids, table)
-SMALL_MATRIX = 1 << 22  # weights; smaller matrices are repacked on one thread
-STACK_ROWS = 16  # a 4-bit head over an 8-bit tail fills whole row groups of the native layout
 
 
 def requantize_q8(weight: torch.Tensor, type_name: str = "Q8") -> Q8Codes:
@@ -274,8 +273,7 @@ def native_matrix(parts: list) -> Int4Codes | Int5Codes | LevelCodes | Q8Codes |
     groups (a Q4_K q and k over a Q6_K v: ``ops.BlockWeight.stacked``); else 8-bit (see the module docstring for
     which conversions are exact)."""
     if all(_iq4(p) for p in parts):
-        levels = [LevelCodes.of(p) for p in parts]
-        return LevelCodes(torch.cat([p.codes for p in levels]), torch.cat([p.scales for p in levels]))
+        return cat_rows([LevelCodes.of(p) for p in parts])
     bits = [_affine_bits(p) for p in parts]
     lead = next((i for i, b in enumerate(bits) if b is None), len(parts))
     if lead == len(parts):
@@ -295,10 +293,7 @@ def _affine_bits(part) -> int | None:
 
 def _affine_rows(parts: list, bits: int) -> Int4Codes | Int5Codes:
     """Affine ``parts`` stacked as ``bits``-bit rows with float16-exact scales and offsets."""
-    if bits == 4:
-        return cat_rows([p.fp16_scaled() for p in parts])
-    five = [Int5Codes.of(p) for p in parts]
-    return Int5Codes(*(torch.cat([getattr(p, f) for p in five]) for f in ("codes", "scales", "offsets")))
+    return cat_rows([p.fp16_scaled() for p in parts] if bits == 4 else [Int5Codes.of(p) for p in parts])
 
 
 def _fp16_values(values: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -310,18 +305,24 @@ def _fp16_values(values: torch.Tensor, type_name: str) -> torch.Tensor:
     return rounded
 
 
-def cat_rows(parts: list) -> Int4Codes | Q8Codes | torch.Tensor | None:
-    """Stack matrices by rows when they are all of one kind (all 4-bit or all Q8_0); else None."""
+def cat_rows(parts: list) -> Int4Codes | Int5Codes | LevelCodes | Q8Codes | None:
+    """Stack matrices by rows when they are all of one kind (all 4-bit, all 5-bit, all IQ4 levels or all 8-bit);
+    else None. A 4-bit stack keeps the first part's type name; an 8-bit one is named Q8_0."""
     kinds = {type(p) for p in parts}
     if len(kinds) != 1:
         return None
     kind = kinds.pop()
+    if kind not in (Int4Codes, Int5Codes, LevelCodes, Q8Codes):
+        return None
+
+    def cat(field: str) -> torch.Tensor:
+        return torch.cat([getattr(p, field) for p in parts])
+
     if kind is Int4Codes:
-        return Int4Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "offsets")),
-                         parts[0].type_name)
-    if kind is Q8Codes:
-        return Q8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-    return None
+        return Int4Codes(cat("codes"), cat("scales"), cat("offsets"), parts[0].type_name)
+    if kind is Int5Codes:
+        return Int5Codes(cat("codes"), cat("scales"), cat("offsets"))
+    return kind(cat("codes"), cat("scales"))
 
 
 class PackedLinear:

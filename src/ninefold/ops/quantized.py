@@ -345,11 +345,15 @@ class BlockWeight:
     def mat(self):
         """The ``nf_mat`` structure the native kernels take (built once)."""
         if self._mat is None:
-            from ninefold.ops import cpu_native
-
-            self._mat = cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, None, self.lead,
-                                       self.levels_ptr(), self.lead_bits)
+            self._mat = self.nf_mat()
         return self._mat
+
+    def nf_mat(self, bias: int | None = None):
+        """A new ``nf_mat`` of this weight with the address of a float32 ``bias`` (or None)."""
+        from ninefold.ops import cpu_native
+
+        return cpu_native.Mat(self.data.data_ptr(), self.shape[0], self.shape[1], self.bits, bias, self.lead,
+                              self.levels_ptr(), self.lead_bits)
 
     def levels_ptr(self) -> int | None:
         """The address of the 16 levels for the native kernels (None: affine or 8-bit codes)."""

@@ -153,9 +153,7 @@ class NativeDecoder:
             return t.data_ptr()
 
         def mat(linear, bias=None):
-            w = linear.blocks
-            return cpu_native.Mat(w.data.data_ptr(), w.shape[0], w.shape[1], w.bits, f32(bias), w.lead, w.levels_ptr(),
-                                  w.lead_bits)
+            return linear.blocks.nf_mat(f32(bias))
 
         self.layers = (cpu_native.Layer * c.num_layers)()
         for i, ly in enumerate(model.layers):

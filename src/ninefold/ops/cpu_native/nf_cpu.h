@@ -62,6 +62,9 @@ static inline int64_t nf_record_bytes(int kind) {
     return kind == NF_KIND_4 ? 320 : kind == NF_KIND_5 ? 384 : kind == NF_KIND_8 ? 544 : 288;
 }
 
+/* Where a record's 16 fp16 scales start (the offsets, for affine kinds, follow them). */
+static inline int64_t nf_scales_at(int kind) { return kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256; }
+
 /* Records with offsets m (affine codes): 4- and 5-bit. */
 static inline int nf_affine(int kind) { return kind == NF_KIND_4 || kind == NF_KIND_5; }
 static inline int64_t nf_groups(const nf_mat *w) { return (w->n + NF_ROWS - 1) / NF_ROWS; }
@@ -289,7 +292,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                     w[sl] = _mm512_or_si512(w[sl], _mm512_and_si512(hi, bit4));
                 }
             }
-            const int at = kind == NF_KIND_5 ? 320 : 256; /* the scales */
+            const int64_t at = nf_scales_at(kind);
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + at)));
             if (kind == NF_KIND_L4) {
                 for (int p = 0; p < 8; p++) w[p] = _mm512_shuffle_epi8(lut, w[p]);
@@ -331,7 +334,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
                                            : _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * rec;
-        const uint8_t *scales = blk + (kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256);
+        const uint8_t *scales = blk + nf_scales_at(kind);
         __m256 d[2], m[2];
         for (int h = 0; h < 2; h++) {
             d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
@@ -395,7 +398,7 @@ static inline __attribute__((always_inline)) void nf_group(const uint8_t *wg, in
         for (int r = 0; r < NF_ROWS; r++) acc_out[i][r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * rec;
-        const uint16_t *dh = (const uint16_t *)(blk + (kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256));
+        const uint16_t *dh = (const uint16_t *)(blk + nf_scales_at(kind));
         for (int r = 0; r < NF_ROWS; r++) {
             uint8_t code[NF_BLOCK];
             for (int c = 0; c < NF_BLOCK; c++) {

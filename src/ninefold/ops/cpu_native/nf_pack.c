@@ -22,7 +22,7 @@ void nf_pack_blocks(const uint8_t *codes, const uint16_t *scales, const uint16_t
         const int64_t g = t / nb, b = t % nb;
         uint8_t *r = out + t * rec;
         memset(r, 0, (size_t)rec);
-        uint16_t *d = (uint16_t *)(r + (kind == NF_KIND_8 ? 512 : kind == NF_KIND_5 ? 320 : 256)), *m = d + NF_ROWS;
+        uint16_t *d = (uint16_t *)(r + nf_scales_at((int)kind)), *m = d + NF_ROWS;
         for (int64_t row = 0; row < NF_ROWS && g * NF_ROWS + row < n; row++) {
             const int64_t src = g * NF_ROWS + row;
             const uint8_t *c = codes + src * k + b * NF_BLOCK;
