@@ -169,6 +169,30 @@ def test_storage_shapes_and_views():
     assert pool.bytes_per_block == 2 * LAYERS * BLOCK * HEADS * DIM * 4
 
 
+_RESIDENT_PROBE = """
+import psutil
+import torch
+from ninefold.runtime import KVCachePool
+rss = psutil.Process().memory_info().rss
+pool = KVCachePool(4, 8, 64, 16, torch.float32, "cpu", 2048)  # 512 MiB
+fresh = psutil.Process().memory_info().rss - rss
+pool.k_cache(3)[:1024] = 1.0  # one layer's keys in half the blocks: 32 MiB
+touched = psutil.Process().memory_info().rss - rss
+print(fresh, touched, float(pool.v_cache(3).abs().sum()), float(pool.k_cache(3).sum()))
+"""
+
+
+def test_host_pool_is_resident_only_where_written():
+    """A host pool takes its zeros from the kernel page by page: a 512 MiB budget costs nothing
+    until blocks are written, then about what was written. Measured in a fresh process."""
+    probe = subprocess.run([sys.executable, "-c", _RESIDENT_PROBE], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    fresh, touched, untouched_sum, written_sum = probe.stdout.split()
+    assert int(fresh) < 16 * 2**20
+    assert 28 * 2**20 < int(touched) < 64 * 2**20
+    assert float(untouched_sum) == 0.0 and float(written_sum) == 1024 * 16 * 8 * 64
+
+
 def test_free_returns_blocks_only_at_zero_references():
     pool = make_pool(num_blocks=4)
     a, b = pool.allocate(2)

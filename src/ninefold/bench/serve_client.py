@@ -10,8 +10,7 @@ import httpx
 
 from ninefold.bench.serve_datasets import BenchRequest
 from ninefold.bench.serve_metrics import RequestResult
-
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+from ninefold.bench.serve_options import ENDPOINTS
 
 
 def api_root(base_url: str) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ninefold.bench.serve_client import ENDPOINTS
 from ninefold.bench.serve_metrics import LATENCY_KEYS, STAT_KEYS
+from ninefold.bench.serve_options import ENDPOINTS
 
 
 def format_report(report: dict) -> str:

@@ -15,8 +15,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Benchmark an OpenAI-compatible server (ninefold or any other): TTFT, ITL, TPOT, "
         "end-to-end latency, throughput, and goodput under SLOs.",
     )
-    from ninefold.bench import serve as serve_bench
+    from ninefold.bench.serve_options import add_arguments
 
-    serve_bench.add_arguments(serve)
-    serve.set_defaults(func=serve_bench.run_from_args)
+    add_arguments(serve)
+    serve.set_defaults(func=_run_serve_bench)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _run_serve_bench(args: argparse.Namespace) -> int:
+    from ninefold.bench.serve import run_from_args
+
+    return run_from_args(args)

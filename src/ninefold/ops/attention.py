@@ -7,6 +7,7 @@ in groups (GQA): query head ``h`` reads KV head ``h // (Hq // Hk)``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -290,9 +291,11 @@ def _attention_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache
     return out
 
 
+@functools.cache
 def _varlen_attn():
     """torch's packed-sequence flash attention (``torch.nn.attention.varlen.varlen_attn``) and the
-    keyword names its version takes, or ``None`` where this torch has none."""
+    keyword names its version takes, or ``None`` where this torch has none. Looked up on first use:
+    importing it pulls in torch's compiler stack (about 2 s), which CPU-only processes never need."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -300,17 +303,15 @@ def _varlen_attn():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-_VARLEN = _varlen_attn()
-
-
 VARLEN_UNBOUNDED_SEQS = 8  # without max_seqlen_q the launch has Tq / 128 row blocks per sequence: few sequences only
 
 
 def _varlen_supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, max_seqlen_q=None,
                      max_seqlen_k=None) -> str | None:
-    if _VARLEN is None:
+    varlen = _varlen_attn()
+    if varlen is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
-    names = _VARLEN[1]
+    names = varlen[1]
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"flash attention takes float16/bfloat16, not {spec.dtype_name(q.dtype)}"
     if block_tables is not None:
@@ -334,7 +335,7 @@ def _attention_prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cach
     """Packed sequences in one flash-attention launch. Without the caller's maxima the launch is
     sized by the token totals (a bound: programs past a sequence's end exit at once), so nothing
     is read back from the device. GQA is native; the causal mask is bottom-right aligned."""
-    fn, names = _VARLEN
+    fn, names = _varlen_attn()
     kwargs = {}
     if "is_causal" in names:
         kwargs["is_causal"] = True

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
+import mmap
 import operator
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -26,6 +28,17 @@ __all__ = ["KVCacheExhausted", "KVCachePool"]
 
 POLICIES = ("preempt", "swap")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+
+
+def _zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros for the pool. In host memory they come from an anonymous mapping, whose pages the
+    kernel zero-fills on first touch: the process pays time and resident memory only for the blocks
+    that sequences use, not for the whole budget up front."""
+    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 class KVCacheExhausted(RuntimeError):
@@ -104,7 +117,7 @@ class KVCachePool:
                 needed=host_needed, available=host_free, unit="bytes")
 
         shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self._kv = torch.zeros((shape[0], 2, num_blocks, *shape[2:]), dtype=dtype, device=self.device.torch)
+        self._kv = _zero_filled((shape[0], 2, num_blocks, *shape[2:]), dtype, self.device.torch)
         self._host = self.device.empty_host((num_host_blocks, *shape), dtype)
 
         self._ref = [0] * num_blocks
