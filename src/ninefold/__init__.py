@@ -10,10 +10,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "ninefold.llm.api",
     "SamplingParams": "ninefold.llm.sampling",
+    "PoolingParams": "ninefold.llm.pooling",
     "GuidedDecodingParams": "ninefold.llm.guided",
     "StructuredOutputsParams": "ninefold.llm.guided",
     "RequestOutput": "ninefold.llm.outputs",
     "CompletionOutput": "ninefold.llm.outputs",
+    "EmbeddingRequestOutput": "ninefold.llm.outputs",
 }
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from ninefold.llm.async_engine import AsyncEngine
@@ -91,3 +92,35 @@ def test_stats_and_attributes(engine):
     assert 0 <= stats["kv_usage"] <= 1 and stats["block_size"] == 4
     assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant\n")
     assert engine.max_model_len == 256
+
+
+def test_embed_jobs_share_steps_and_a_cancelled_one_is_dropped(llama_dir):
+    """Steps of at most 32 tokens: jobs of several prompts span steps and steps hold prompts of several jobs;
+    results equal the offline engine's. A cancelled job stops being computed and the next one is answered."""
+    from ninefold.llm.api import LLM
+    from ninefold.llm.pooling import PoolingParams
+
+    prompts = [f"Hello number {i}, the quick brown fox" for i in range(12)]
+    offline = [o.outputs.embedding for o in LLM(str(llama_dir), device="cpu").embed(prompts)]
+    eng = AsyncEngine(str(llama_dir), device="cpu", max_num_batched_tokens=32)
+    try:
+        async def main():
+            jobs = [eng.embed(prompts[i:i + 4], None, f"e{i}") for i in range(0, 12, 4)]
+            together = await asyncio.gather(*jobs)
+            doomed = asyncio.ensure_future(eng.embed(prompts * 20, PoolingParams(), "doomed"))
+            await asyncio.sleep(0)
+            doomed.cancel()
+            after = await eng.embed(prompts[:2], [PoolingParams(normalize=False), PoolingParams()], "after")
+            return together, doomed, after
+
+        together, doomed, after = asyncio.run(main())
+        got = [o.outputs.embedding for job in together for o in job]
+        assert [o.request_id for o in together[1]] == ["e4-0", "e4-1", "e4-2", "e4-3"]
+        np.testing.assert_allclose(got, offline, atol=1e-5)
+        assert doomed.cancelled() and not eng._embed_jobs
+        np.testing.assert_allclose(after[1].outputs.embedding, offline[1], atol=1e-5)
+        assert abs(np.linalg.norm(after[0].outputs.embedding) - 1) > 1e-3  # normalize=False kept the raw state
+        with pytest.raises(ValueError, match="pooling_params: 1 given for 2 prompts"):
+            asyncio.run(eng.embed(prompts[:2], [PoolingParams()], "bad"))
+    finally:
+        eng.shutdown()

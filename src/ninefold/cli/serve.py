@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $NINEFOLD_API_KEY, else none)")
     parser.add_argument("--max-model-len", type=_positive, default=None, help="context length in tokens")
     parser.add_argument("--max-num-seqs", type=_positive, default=None, help="sequences run at once")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                        help="tokens one step computes at most (prefill chunks, embedding batches; default 8192)")
+    parser.add_argument("--pooling-type", type=str.upper, choices=("LAST", "MEAN", "CLS"), default=None,
+                        help="how /v1/embeddings pools the final hidden states (default: what the model's files say, "
+                             "else LAST)")
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                         help="fcfs (default), or priority: requests' 'priority' (lower first) orders admission "
                              "and preemption")
@@ -149,6 +154,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         "device": args.device,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", None),
+        "pooling_type": getattr(args, "pooling_type", None),
         "num_kv_blocks": args.num_kv_blocks,
         "quantization": getattr(args, "quantization", None),
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),

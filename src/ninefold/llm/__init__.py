@@ -1,11 +1,13 @@
 """ninefold.llm: LLM serving on top of ``ninefold.ops`` and ``ninefold.runtime``.
 
 User surface (mirrors vLLM): ``LLM`` (``api.py``), ``SamplingParams`` (``sampling.py``),
-``RequestOutput`` / ``CompletionOutput`` (``outputs.py``), ``AsyncEngine`` (``async_engine.py``).
+``PoolingParams`` (``pooling.py``), ``RequestOutput`` / ``CompletionOutput`` / ``EmbeddingRequestOutput``
+(``outputs.py``), ``AsyncEngine`` (``async_engine.py``).
 
 Inside, one job per module: ``loader.py`` (HF directories, GGUF via ``gguf.py``, known names via
 ``hub.py``, dummy weights) -> ``config.py`` (``ModelConfig``) -> ``models/llama.py`` (the decoder);
 ``tokenizer.py`` + ``detokenizer.py``; ``kv_cache.py`` (``BlockManager``, prefix cache) ->
 ``scheduler.py`` (continuous batching) -> ``runner.py`` (+ ``cuda_graphs.py``, ``sampler.py``) ->
-``engine.py`` (``LLMEngine.step``); ``server/`` (OpenAI-compatible HTTP server).
+``engine.py`` (``LLMEngine.step``); ``embedding.py`` + ``pooling.py`` (embeddings: cache-free packed steps,
+pooled); ``server/`` (OpenAI-compatible HTTP server).
 """

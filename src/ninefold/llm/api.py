@@ -7,7 +7,8 @@ from collections.abc import Sequence as SequenceABC
 from tqdm.auto import tqdm
 
 from ninefold.llm.engine import LLMEngine
-from ninefold.llm.outputs import RequestOutput
+from ninefold.llm.outputs import EmbeddingRequestOutput, RequestOutput
+from ninefold.llm.pooling import PoolingParams
 from ninefold.llm.sampling import SamplingParams
 
 
@@ -90,6 +91,37 @@ class LLM:
                                                   continue_final_message=continue_final_message, **kwargs)
                for c in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
+
+    def embed(
+        self,
+        prompts=None,
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        *,
+        prompt_token_ids: list[list[int]] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (the same prompt forms as ``generate``), in prompt order: the model's final
+        hidden states pooled as its files say (``ninefold.llm.pooling``; last token and normalized by default).
+        ``truncate_prompt_tokens`` applies to every prompt whose ``PoolingParams`` leave it unset."""
+        items = _prompt_list(prompts, prompt_token_ids)
+        if isinstance(pooling_params, list):
+            if len(pooling_params) != len(items):
+                raise ValueError(f"pooling_params: {len(pooling_params)} given for {len(items)} prompts")
+            params = pooling_params
+        else:
+            params = [pooling_params or PoolingParams()] * len(items)
+        if truncate_prompt_tokens is not None:
+            params = [p if not isinstance(p, PoolingParams) or p.truncate_prompt_tokens is not None
+                      else PoolingParams(p.dimensions, p.normalize, truncate_prompt_tokens) for p in params]
+        embedder = self.engine.embedder
+        requests = [embedder.build_request(item, p) for item, p in zip(items, params)]  # all checked first
+        outputs = []
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="embedding") as bar:
+            for batch in embedder.batches(requests):
+                outputs += embedder.run_batch(batch)
+                bar.update(len(batch))
+        return outputs
 
 
 def _prompt_list(prompts, prompt_token_ids) -> list:

@@ -4,7 +4,9 @@ All engine state is touched by the engine thread only. ``generate`` checks and t
 request in the caller (bad requests raise ValueError/TypeError before anything is yielded),
 then posts it to the thread's inbox; ``abort`` posts an abort. The thread drains the inbox
 before every step, so an abort that lands mid-step is applied right after that step and
-frees the request's KV blocks before the next one is scheduled.
+frees the request's KV blocks before the next one is scheduled. ``embed`` posts embedding requests;
+the thread runs one step's worth of them (``max_num_batched_tokens``) between generation steps, so
+a large embedding batch does not stall the streams of running requests.
 """
 
 from __future__ import annotations
@@ -13,13 +15,39 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+from ninefold.llm.embedding import EmbeddingRequest
 from ninefold.llm.engine import LLMEngine
-from ninefold.llm.outputs import RequestOutput
+from ninefold.llm.outputs import EmbeddingRequestOutput, RequestOutput
+from ninefold.llm.pooling import PoolingParams
 from ninefold.llm.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _EmbedJob:
+    """One ``embed`` call's requests, its caller's future, and the results so far (by position)."""
+
+    requests: list[EmbeddingRequest]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    results: list = field(default_factory=list)
+    next: int = 0  # requests[:next] have been sent to a step
+
+    def settle(self, value) -> None:
+        """Resolve the caller's future with outputs, or an exception (from the engine thread)."""
+        def resolve():
+            if not self.future.done():
+                (self.future.set_exception if isinstance(value, BaseException) else self.future.set_result)(value)
+
+        try:
+            self.loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the caller's loop is closed
+            pass
 
 
 class AsyncEngine:
@@ -30,6 +58,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._embed_jobs: deque[_EmbedJob] = deque()  # engine thread only
         self._thread = threading.Thread(target=self._run, name="ninefold-engine", daemon=True)
         self._thread.start()
 
@@ -99,6 +128,23 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(("abort", rid))
 
+    async def embed(self, prompts: list, pooling_params: PoolingParams | list[PoolingParams] | None,
+                    request_id: str) -> list[EmbeddingRequestOutput]:
+        """Embeddings of ``prompts`` (each a str, token ids or prompt dict; ``pooling_params`` one for all or one
+        per prompt), in order. Bad prompts raise ValueError/TypeError before anything is queued; cancelling the
+        call drops what is not computed yet."""
+        if self._stopped:
+            raise RuntimeError("AsyncEngine: shut down")
+        params = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"pooling_params: {len(params)} given for {len(prompts)} prompts")
+        embedder = self.engine.embedder
+        requests = [embedder.build_request(p, pp, f"{request_id}-{i}") for i, (p, pp) in enumerate(zip(prompts, params))]
+        loop = asyncio.get_running_loop()
+        job = _EmbedJob(requests, loop, loop.create_future())
+        self._inbox.put(("embed", job))
+        return await job.future
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (no-op for unknown or finished ids); its KV blocks are freed before the next step."""
         self._inbox.put(("abort", str(request_id)))
@@ -128,9 +174,11 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            idle = not engine.has_unfinished_requests()
+            idle = not engine.has_unfinished_requests() and not self._embed_jobs
             if not self._drain(block=idle):
                 break
+            if self._embed_jobs:
+                self._embed_step()
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -146,6 +194,40 @@ class AsyncEngine:
         for rid in list(engine.requests):
             engine.abort_request(rid)
             self._deliver(rid, RuntimeError("AsyncEngine: shut down"))
+        while self._embed_jobs:
+            self._embed_jobs.popleft().settle(RuntimeError("AsyncEngine: shut down"))
+
+    def _embed_step(self) -> None:
+        """One step of queued embedding requests, oldest first, across jobs up to the token budget."""
+        budget = self.engine.config.max_num_batched_tokens
+        batch, owners, tokens = [], [], 0
+        for job in self._embed_jobs:
+            if job.future.cancelled():  # the caller went away: compute nothing more for it
+                job.next = len(job.requests)
+            while job.next < len(job.requests):
+                request = job.requests[job.next]
+                if batch and tokens + len(request.token_ids) > budget:
+                    break
+                batch.append(request)
+                owners.append(job)
+                tokens += len(request.token_ids)
+                job.next += 1
+            if job.next < len(job.requests):
+                break
+        try:
+            outputs = self.engine.embedder.run_batch(batch) if batch else []
+        except Exception as error:  # a bug: fail the jobs in this step, keep serving
+            log.exception("embedding step failed")
+            for job in set(owners):
+                job.next = len(job.requests)
+                job.settle(RuntimeError(f"embedding step failed: {error!r}"))
+            outputs = None
+        for job, out in zip(owners, outputs or []):
+            job.results.append(out)
+        while self._embed_jobs and self._embed_jobs[0].next == len(self._embed_jobs[0].requests):
+            job = self._embed_jobs.popleft()
+            if len(job.results) == len(job.requests):
+                job.settle(job.results)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once asked to stop."""
@@ -159,7 +241,9 @@ class AsyncEngine:
             block = False
             if kind == "stop":
                 return False
-            if kind == "add":
+            if kind == "embed":
+                self._embed_jobs.append(item)
+            elif kind == "add":
                 try:
                     self.engine.add_request(item)
                 except ValueError as error:

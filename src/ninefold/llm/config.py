@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ninefold.llm.pooling import POOLING_TYPES
 from ninefold.llm.scheduler import POLICIES
 from ninefold.llm.speculative import SpeculativeConfig
 
@@ -22,6 +23,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+# The decoders without an output layer (transformers' base classes, which embedding checkpoints such as
+# e5-mistral name) -> the family they belong to.
+BASE_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 
 # config.json model_type -> architecture, for configs without an ``architectures`` entry.
 MODEL_TYPES = {
@@ -115,6 +125,8 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # False for a checkpoint of the decoder alone (an embedding model): it embeds but cannot generate
+    has_lm_head: bool = True
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -126,6 +138,9 @@ class ModelConfig:
         if isinstance(archs, str):
             archs = [archs]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        base = arch is None and any(a in BASE_ARCHITECTURES for a in archs)
+        if base:
+            arch = next(BASE_ARCHITECTURES[a] for a in archs if a in BASE_ARCHITECTURES)
         if arch is None and not archs:
             # No architectures entry: transformers' AutoModelForCausalLM goes by model_type.
             arch = MODEL_TYPES.get(config.get("model_type"))
@@ -136,7 +151,7 @@ class ModelConfig:
                 )
         if arch is None:
             raise ValueError(
-                f"architectures: got {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architectures: got {archs!r}; supported: {', '.join((*SUPPORTED_ARCHITECTURES, *BASE_ARCHITECTURES))}"
             )
         quant = config.get("quantization_config")
         if quant:
@@ -199,6 +214,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            has_lm_head=not (config.get("ninefold_headless") or (base and not config.get("tie_word_embeddings"))),
             raw=dict(config),
         )
 
@@ -298,6 +314,9 @@ class EngineConfig:
     speculative_config: dict | None = None
     # "fcfs", or "priority": requests' ``priority`` (lower first) orders admission, budget and preemption
     scheduling_policy: str = "fcfs"
+    # How embeddings pool the prompt's hidden states ("LAST", "MEAN" or "CLS"); None: what the model's
+    # files say (``ninefold.llm.pooling``), else LAST.
+    pooling_type: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -322,6 +341,9 @@ class EngineConfig:
                              f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
         resolve_dtype(self.dtype)
         SpeculativeConfig.parse(self.speculative_config)
+        if self.pooling_type is not None and str(self.pooling_type).upper() not in POOLING_TYPES:
+            raise ValueError(f"pooling_type: got {self.pooling_type!r}; supported: {', '.join(POOLING_TYPES)} or None "
+                             "(the model's own)")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy: got {self.scheduling_policy!r}; supported: {', '.join(POLICIES)}")
 

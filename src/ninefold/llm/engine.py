@@ -17,11 +17,13 @@ import torch
 
 from ninefold.llm.config import ModelConfig, resolve_dtype, split_engine_args
 from ninefold.llm.detokenizer import IncrementalDetokenizer
+from ninefold.llm.embedding import Embedder
 from ninefold.llm.guided import Guide, TokenMasks
 from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.loader import load_checkpoint
 from ninefold.llm.models import model_class
 from ninefold.llm.outputs import CompletionOutput, RequestOutput
+from ninefold.llm.pooling import pooler_config
 from ninefold.llm.runner import ModelRunner
 from ninefold.llm.sampler import Sampler
 from ninefold.llm.sampling import SamplingParams, prompt_tokens_kept
@@ -66,6 +68,7 @@ class LLMEngine:
             self.model = model_class(mc.architecture)(
                 mc, ckpt.tensors, dtype=self.dtype, device=self.device, max_positions=max_len, seed=cfg.seed)
         ckpt.tensors = None
+        self.embedder = Embedder(self, pooler_config(ckpt.config, ckpt.source, cfg.pooling_type))
         try:
             self._build_serving_state(ckpt, max_len)
         except BaseException:  # the caller gets no engine to close: stop a tensor-parallel group's workers now
@@ -90,10 +93,10 @@ class LLMEngine:
             self.model, self.pool, Sampler(self.device, mc.vocab_size, self.eos_token_ids),
             max_model_len=self.max_model_len,
             # tensor parallelism: the workers follow rank 0's calls one by one, so no decode graphs yet
-            enforce_eager=cfg.enforce_eager or self.parallel_group is not None,
+            enforce_eager=cfg.enforce_eager or self.parallel_group is not None or not mc.has_lm_head,
             cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
         )
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and mc.has_lm_head:
             self._warm_up_prefill()
             # Weights, graphs, compiled kernels and caches built so far live as long as the engine:
             # moved out of the collector's generations, a collection during a step scans only what
@@ -169,7 +172,8 @@ class LLMEngine:
                                  cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False, max_seqlen_q=L, max_seqlen_k=L)
         ids = torch.zeros(T, dtype=torch.int64, device=dev)
         hidden = self.model.forward(ids, torch.arange(T, device=dev) % L, meta)
-        self.model.compute_logits(hidden[:logits_rows])
+        if self.model_config.has_lm_head:
+            self.model.compute_logits(hidden[:logits_rows])
 
     @torch.inference_mode()
     def _warm_up_prefill(self) -> None:
@@ -241,28 +245,15 @@ class LLMEngine:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority: got {priority}, but the engine schedules first come first served; start "
                              "it with scheduling_policy='priority' (--scheduling-policy priority)")
+        if not self.model_config.has_lm_head:
+            raise ValueError("model: this checkpoint holds the decoder without its output layer (lm_head), as "
+                             "embedding models are saved; it computes embeddings (LLM.embed, /v1/embeddings), not text")
         params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._auto_ids)) if request_id is None else str(request_id)
-        prompt = _unwrap_prompt_dict(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids (a list of int)")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, ids = None, list(prompt)
-        else:
-            raise TypeError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
+        text, ids = self.prompt_token_ids(prompt, prompt_tokens_kept(params.truncate_prompt_tokens, self.max_model_len))
         vocab = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("prompt: empty (0 tokens); at least one token is needed")
-        keep = prompt_tokens_kept(params.truncate_prompt_tokens, self.max_model_len)
-        if keep is not None:
-            ids = ids[-keep:]
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token id(s) {bad[:5]} out of the vocabulary range [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens; max_model_len is {self.max_model_len}, which leaves "
                              "no room for output")
@@ -305,6 +296,28 @@ class LLMEngine:
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(seq)
         return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic(), priority=priority)
+
+    def prompt_token_ids(self, prompt, keep: int | None = None) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a str (tokenized), a list of token ids, or vLLM's prompt dict;
+        ``keep``: only the last ``keep`` tokens. Raises TypeError/ValueError naming what is wrong."""
+        prompt = _unwrap_prompt_dict(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids (a list of int)")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise TypeError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: empty (0 tokens); at least one token is needed")
+        if keep is not None:
+            ids = ids[-keep:]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id(s) {bad[:5]} out of the vocabulary range [0, {vocab})")
+        return text, ids
 
     def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
         """The token sequences of ``bad_words``: each word without leading whitespace, alone and after a space

@@ -26,6 +26,7 @@ from ninefold.llm.gguf_dequant import INT4_TYPES, SUPPORTED_TYPES, dequantize, i
 from ninefold.llm.gguf_packed import GGUFRows, Int4Codes, Q8Codes
 from ninefold.llm.gguf_reader import GGUFError, GGUFFile, read_gguf
 from ninefold.llm.gguf_tokenizer import build_tokenizer
+from ninefold.llm.pooling import GGUF_POOLING_TYPES
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "SUPPORTED_ARCHITECTURES", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
 
@@ -162,6 +163,8 @@ def gguf_config(file: GGUFFile) -> dict:
     }
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
+    if get("pooling_type") in GGUF_POOLING_TYPES:  # an embedding model's (llama.cpp's --pooling)
+        config["ninefold_pooling_type"] = GGUF_POOLING_TYPES[get("pooling_type")]
     return config
 
 

@@ -114,7 +114,10 @@ def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None
 
         plan = shard_plan(model_config, *tensor_parallel)
         index_for = lambda name: shard_index(name, model_config, plan)  # noqa: E731
-    tensors, origin, full_shapes = _read_weights(path, index_for)
+    tensors, origin, full_shapes, decoder_only = _read_weights(path, index_for)
+    if decoder_only and model_config.has_lm_head and not model_config.tie_word_embeddings:
+        config["ninefold_headless"] = True  # the decoder alone, saved from its base class: embeddings only
+        model_config = ModelConfig.from_dict(config)
     check_tensors(model_config, config, tensors, origin, source=str(path), full_shapes=full_shapes)
     return Checkpoint(
         config=config,
@@ -164,37 +167,47 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     return files, None
 
 
-def _read_weights(path: Path, index_for=None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, tuple]]:
-    """Every tensor of the checkpoint's safetensors files, the file each came from, and the full shape of
-    each tensor read in part: ``index_for(name)``, where given and not None, is the part to read."""
+def _read_weights(path: Path, index_for=None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, tuple], bool]:
+    """Every tensor of the checkpoint's safetensors files (``*ForCausalLM`` names), the file each came from, the
+    full shape of each tensor read in part (``index_for(name)``, where given and not None, is the part to read),
+    and whether the files hold the decoder alone (names without ``model.``, no ``lm_head``)."""
     from safetensors import SafetensorError, safe_open
 
     files, weight_map = _weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     full_shapes: dict[str, tuple] = {}
+    decoder_only = True
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
+                for stored in handle.keys():
+                    name = _canonical_name(stored)
+                    decoder_only = decoder_only and name != stored
                     if name in origin:
                         raise ValueError(f"{path}: tensor {name!r} is stored twice, in {origin[name]} and {file.name}")
                     index = index_for(name) if index_for is not None else None
                     if index is None:
-                        tensors[name] = handle.get_tensor(name)
+                        tensors[name] = handle.get_tensor(stored)
                     else:
-                        part = handle.get_slice(name)
+                        part = handle.get_slice(stored)
                         full_shapes[name] = tuple(part.get_shape())
                         tensors[name] = part[index]
                     origin[name] = file.name
         except SafetensorError as error:
             raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {error}") from error
     if weight_map is not None:
-        for name, shard in weight_map.items():
+        for name, shard in ((_canonical_name(n), s) for n, s in weight_map.items()):
             if origin.get(name) != shard:
                 where = f"it is in {origin[name]}" if name in origin else "no shard holds it"
                 raise ValueError(f"{path / INDEX_FILE}: maps tensor {name!r} to {shard}, but {where}")
-    return tensors, origin, full_shapes
+    return tensors, origin, full_shapes, decoder_only and bool(tensors)
+
+
+def _canonical_name(name: str) -> str:
+    """The ``*ForCausalLM`` name of a tensor: checkpoints of the decoder alone (transformers' ``*Model``
+    classes, as embedding models are saved) store ``layers.0...`` for ``model.layers.0...``."""
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
 
 
 # Tensors a checkpoint may hold that the model does not use: per-layer rotary buffers of old
@@ -208,7 +221,7 @@ def expected_tensor_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
     D, Dh, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
     q, kv = mc.num_heads * Dh, mc.num_kv_heads * Dh
     shapes = {"model.embed_tokens.weight": (mc.vocab_size, D), "model.norm.weight": (D,)}
-    if not mc.tie_word_embeddings:
+    if not mc.tie_word_embeddings and mc.has_lm_head:
         shapes["lm_head.weight"] = (mc.vocab_size, D)
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."

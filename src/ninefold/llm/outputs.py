@@ -1,4 +1,4 @@
-"""Result types of ``LLM.generate`` and ``AsyncEngine.generate`` (mirror vLLM's)."""
+"""Result types of ``LLM.generate`` / ``LLM.embed`` and ``AsyncEngine.generate`` / ``AsyncEngine.embed`` (mirror vLLM's)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,24 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (``embedding``: float values; ``hidden_size``: how many)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one ``LLM.embed`` prompt (mirrors vLLM's)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -111,7 +111,7 @@ class LlamaForCausalLM:
         # A tensor-parallel group (``ninefold.llm.parallel``): ``config`` and ``tensors`` are then this
         # rank's shard, an all-reduce follows the o and down projections, and only rank 0 has an output layer.
         self.parallel = parallel
-        has_head = parallel is None or parallel.rank == 0
+        has_head = (parallel is None or parallel.rank == 0) and config.has_lm_head
         self.dtype, self.device = dtype, device
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -330,6 +330,8 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` in the model's dtype for hidden states ``[B, D]`` (the sampler casts to
         float32 where it needs to; greedy argmax reads them as they are)."""
+        if self.lm_head is None:
+            raise RuntimeError("this model has no output layer (its checkpoint holds the decoder alone): no logits")
         return _linear(hidden, self.lm_head)
 
 

@@ -11,6 +11,7 @@ from ninefold import __version__
 from ninefold.llm.reasoning import get_reasoning_parser
 from ninefold.llm.server import handlers
 from ninefold.llm.server.admission import Admission
+from ninefold.llm.server.embeddings import create_embedding
 from ninefold.llm.server.errors import APIError, install_error_handlers
 from ninefold.llm.server.logprobs import TokenTexts
 from ninefold.llm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -23,6 +24,8 @@ from ninefold.llm.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -104,6 +107,11 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions through the model's chat template; streams with ``stream: true``."""
         return await handlers.create_chat_completion(state, body, request.receive)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI embeddings: the model's final hidden states pooled per input (``ninefold.llm.pooling``)."""
+        return await create_embedding(state, body, request.receive)
 
     def card() -> ModelCard:
         return ModelCard(id=served_model_name, created=state.created, root=str(getattr(engine, "model_name", "")),

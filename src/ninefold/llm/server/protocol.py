@@ -267,6 +267,45 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: StrictBool = Field(True, description="With --reasoning-parser: return the reasoning too.")
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens`` and ``normalize``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = Field(None, description="Served model name; omitted means the only model.")
+    input: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
+        ..., description="A string, a list of strings, a list of token ids, or a list of lists of token ids.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="'float': lists of numbers; 'base64': little-endian float32 bytes, base64-encoded.")
+    dimensions: StrictInt | None = Field(None, ge=1, description="Keep the first N values (Matryoshka models).")
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, description="Keep the last N tokens (-1: all that fit).")
+    normalize: StrictBool | None = Field(None, description="Unit length (default: the model's).")
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class TokenizeCompletionRequest(BaseModel):
     """``POST /tokenize`` with a prompt."""
 

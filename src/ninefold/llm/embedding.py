@@ -1,0 +1,97 @@
+"""Embedding requests: prompts packed into cache-free forward passes, pooled per prompt.
+
+An embedding needs the prompt's hidden states only, so its tokens go through the model once, packed
+with other prompts (no padding) into steps of at most ``max_num_batched_tokens`` tokens that write no KV
+cache slot. A prompt must fit one step and the rotary table; ``truncate_prompt_tokens`` shortens longer
+ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ninefold.llm.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from ninefold.llm.pooling import PoolerConfig, PoolingParams, pool
+
+
+@dataclass
+class EmbeddingRequest:
+    """A checked, tokenized embedding request (``Embedder.build_request``)."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: PoolingParams
+
+
+class Embedder:
+    """The embedding side of an ``LLMEngine``: ``build_request`` checks, ``run`` computes."""
+
+    def __init__(self, engine, pooler: PoolerConfig):
+        self.engine = engine
+        self.pooler = pooler
+        self._ids = itertools.count()
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt one step embeds: the step budget, within the rotary table."""
+        return min(self.engine.config.max_num_batched_tokens, self.engine.model.cos_sin.shape[0])
+
+    def build_request(self, prompt, params: PoolingParams | None = None,
+                      request_id: str | None = None) -> EmbeddingRequest:
+        """Check and tokenize one prompt (a str, token ids or vLLM's prompt dict); ValueError/TypeError if bad."""
+        params = PoolingParams() if params is None else params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params: expected PoolingParams, got {type(params).__name__}")
+        self.pooler.check(params, self.engine.model_config.hidden_size)
+        limit = self.max_prompt_tokens
+        keep = limit if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        text, ids = self.engine.prompt_token_ids(prompt, keep)
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens; an embedding is computed in one step of at most {limit} tokens "
+                f"(max_num_batched_tokens {self.engine.config.max_num_batched_tokens}, rotary table "
+                f"{self.engine.model.cos_sin.shape[0]}); raise max_num_batched_tokens or set truncate_prompt_tokens")
+        rid = f"embd-{next(self._ids)}" if request_id is None else str(request_id)
+        return EmbeddingRequest(rid, text, ids, params)
+
+    def batches(self, requests: list[EmbeddingRequest]) -> Iterator[list[EmbeddingRequest]]:
+        """``requests`` in order, grouped into steps of at most ``max_num_batched_tokens`` tokens."""
+        budget, batch, tokens = self.engine.config.max_num_batched_tokens, [], 0
+        for request in requests:
+            if batch and tokens + len(request.token_ids) > budget:
+                yield batch
+                batch, tokens = [], 0
+            batch.append(request)
+            tokens += len(request.token_ids)
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def run_batch(self, batch: list[EmbeddingRequest]) -> list[EmbeddingRequestOutput]:
+        """One forward pass over the packed prompts of ``batch`` (built by ``batches``)."""
+        from ninefold.llm.models.llama import AttentionMetadata
+
+        dev = self.engine.device
+        lengths = [len(r.token_ids) for r in batch]
+        total = sum(lengths)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+                                 cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False,
+                                 max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        ids = torch.tensor([t for r in batch for t in r.token_ids], dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        vectors = pool(self.engine.model.forward(ids, positions, meta), lengths, self.pooler.pooling_type)
+        outputs = []
+        for request, vector in zip(batch, vectors):
+            values = self.pooler.finish(vector[None], request.params)[0].tolist()
+            outputs.append(EmbeddingRequestOutput(request.request_id, EmbeddingOutput(values), request.token_ids))
+        return outputs
+
+    def run(self, requests: list[EmbeddingRequest]) -> list[EmbeddingRequestOutput]:
+        """Embeddings of ``requests``, in their order."""
+        return [out for batch in self.batches(requests) for out in self.run_batch(batch)]
