@@ -178,3 +178,12 @@ def test_gguf_pooling_type_is_read(tmp_path):
     prefixes = embed(last, [ids[:i + 1] for i in range(len(ids))], raw)[0]
     np.testing.assert_allclose(embed(mean, [ids], raw)[0][0], prefixes.mean(0), rtol=1e-4, atol=1e-5)
     assert not np.allclose(embed(mean, [ids], raw)[0][0], prefixes[-1], atol=1e-3)
+
+
+def test_two_tensor_parallel_ranks_embed_as_one(qwen3_embedding):
+    """A decoder-only checkpoint split over two worker processes (Gloo): rank 0 pools what the ranks computed."""
+    one = embed(LLM(str(qwen3_embedding), device="cpu"), PROMPTS)[0]
+    with LLM(str(qwen3_embedding), device="cpu", tensor_parallel_size=2) as two:
+        assert not two.engine.model_config.has_lm_head
+        got = embed(two, PROMPTS)[0]
+    np.testing.assert_allclose(got, one, atol=2e-5)

@@ -86,21 +86,23 @@ def test_embeddings_run_beside_streaming_generation(async_client, expected):
 
     async def run():
         stream = await async_client.completions.create(model="tiny", prompt="Hello", max_tokens=200, stream=True,
+                                                       stream_options={"include_usage": True},
                                                        extra_body={"ignore_eos": True})
-        generated = asyncio.ensure_future(_count_chunks(stream))
+        generated = asyncio.ensure_future(_generated_tokens(stream))
         embedded = await asyncio.gather(*[async_client.embeddings.create(model="tiny", input=TEXTS)
                                           for _ in range(6)])
         return await generated, embedded
 
-    chunks, embedded = asyncio.run(run())
+    tokens, embedded = asyncio.run(run())
     want = [vector(tokenizer.encode(t).ids)[0] for t in TEXTS]
     for result in embedded:
         np.testing.assert_allclose([d.embedding for d in result.data], want, atol=1e-5)
-    assert chunks >= 100
+    assert tokens == 200
 
 
-async def _count_chunks(stream) -> int:
-    count = 0
-    async for _ in stream:
-        count += 1
-    return count
+async def _generated_tokens(stream) -> int:
+    """The stream's completion tokens, from its closing usage chunk."""
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+    return usage.completion_tokens
