@@ -126,6 +126,9 @@ def test_base_architecture_checkpoint_embeds_but_does_not_generate(tmp_path):
     np.testing.assert_allclose(got, reference(path, [o.prompt_token_ids for o in outputs], "last", True), atol=2e-5)
     with pytest.raises(ValueError, match="output layer"):
         llm.generate(["Hello"])
+    # no memory for a KV cache it never uses; its prompts may still fill the rotary table
+    assert llm.engine.pool.num_blocks == 1 and llm.engine.max_model_len == 512
+    assert llm.engine.embedder.max_prompt_tokens == 512
 
 
 def test_generative_checkpoint_embeds_too(model_dirs):

@@ -79,7 +79,8 @@ class LLMEngine:
         """The KV cache, scheduler, runner and step state, around the loaded model."""
         cfg, mc = self.config, self.model_config
         self.pool = self._make_pool(max_len)
-        self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size)
+        # a model without an output layer only embeds, in steps that read no cache: its context is the rotary table's
+        self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size) if mc.has_lm_head else max_len
         self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)
         self.generation_config = dict(ckpt.generation_config)
         self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching)
@@ -144,6 +145,8 @@ class LLMEngine:
         args = (mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size, self.dtype, self.device)
         if cfg.num_kv_blocks is not None:
             return KVCachePool(*args, cfg.num_kv_blocks)
+        if not self.model_config.has_lm_head:  # embeddings only: their steps write no cache slot
+            return KVCachePool(*args, 1)
         if self.device.type == "cpu":
             per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
