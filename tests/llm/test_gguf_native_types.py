@@ -406,3 +406,22 @@ def test_2_and_3_bit_models_run_natively_as_8_bit_blocks(tmp_path, qtype):
     # the 8-bit requantization moves these weights by 0.5% (RMS, as for Q6_K), the bf16 model's by 0.4%; on this
     # random 2-bit model the logits then part 2.4x as far as the bf16 model's (Q3_K: within 2x)
     assert auto_err <= 3 * bf16_err
+
+
+@pytest.mark.skipif(not cpu_native.fast(), reason="packed_linear builds BlockWeights only with the vector kernels")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.IQ4_XS, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_parts_of_one_type_are_packed_alone_and_joined_byte_for_byte(qtype):
+    """q/k/v (or gate/up) of one type: each part packed alone and the records joined are the bytes of the stacked
+    matrix packed whole; rows that do not fill 16-row groups are stacked first, as before."""
+    parts = [_kept(qtype, _weights(seed)) for seed in range(3)]  # 48 rows each
+    joined = gguf_packed.packed_linear(parts, torch.device("cpu"), torch.float32, keep_dense=False).blocks
+    whole = gguf_packed._block_weight(native_matrix(parts), 2)
+    assert joined.shape == whole.shape == (3 * N, K) and joined.bits == whole.bits
+    assert torch.equal(joined.data, whole.data)
+    assert (joined.levels is None) == (whole.levels is None)
+    x = torch.randn(5, K)
+    torch.testing.assert_close(ops.linear_blocks(x, joined), ops.linear_blocks(x, whole), rtol=0, atol=0)
+    ragged = [_kept(qtype, _weights()[:40]), _kept(qtype, _weights(1))]  # 40 rows: not whole groups
+    assert gguf_packed._blocks_by_part(ragged, 2) is None
+    with pytest.raises(ValueError, match="BlockWeight.joined: expected plain weights"):
+        ops.BlockWeight.joined([gguf_packed._block_weight(native_matrix([p]), 2) for p in ragged])

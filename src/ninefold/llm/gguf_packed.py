@@ -315,8 +315,8 @@ def cat_rows(parts: list) -> Int4Codes | Int5Codes | LevelCodes | Q8Codes | None
     if kind not in (Int4Codes, Int5Codes, LevelCodes, Q8Codes):
         return None
 
-    def cat(field: str) -> torch.Tensor:
-        return torch.cat([getattr(p, field) for p in parts])
+    def cat(field: str) -> torch.Tensor:  # (one part: its own tensors, not a copy)
+        return torch.cat([getattr(p, field) for p in parts]) if len(parts) > 1 else getattr(parts[0], field)
 
     if kind is Int4Codes:
         return Int4Codes(cat("codes"), cat("scales"), cat("offsets"), parts[0].type_name)
@@ -390,8 +390,8 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
     ``fine_activations``: the native blocks round activations in two terms (``ops.BlockWeight``'s
     ``activation_terms=2``); default: in a float32 model."""
     native = device.type == "cpu" and cpu_native.fast()  # the portable C loops are slower than torch's int4 kernel
-    whole = native_matrix(parts) if native else cat_rows(parts)
-    if whole is None or (blocks_only and not native):
+    whole = None if native else cat_rows(parts)
+    if not native and (whole is None or blocks_only):
         return None
     n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
     dense = None
@@ -404,11 +404,21 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
         # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
         # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
         fine = dtype == torch.float32 if fine_activations is None else fine_activations
-        blocks = _block_weight(whole, 2 if fine else 1)
+        blocks = _blocks_by_part(parts, 2 if fine else 1) or _block_weight(native_matrix(parts), 2 if fine else 1)
         return PackedLinear(None, n, k, doubled=False, dense=dense, compute_dtype=compute_dtype, blocks=blocks)
     codes, scales, offsets = whole.int4_parts()
     weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)
     return PackedLinear(weight, n, k, doubled=isinstance(whole, Q8Codes), dense=dense, compute_dtype=compute_dtype)
+
+
+def _blocks_by_part(parts: list, terms: int) -> ops.BlockWeight | None:
+    """Parts of one GGUF type whose rows fill whole 16-row groups (q/k/v, gate/up), each packed alone and their
+    records joined: the bytes ``native_matrix`` would pack from the stacked codes, without copying the unpacked
+    codes into one matrix first. None where that does not hold (mixed types decide their blocks together)."""
+    kinds = {(type(p), getattr(p, "type_name", None)) for p in parts}
+    if len(parts) < 2 or len(kinds) != 1 or any(p.shape[0] % STACK_ROWS for p in parts[:-1]):
+        return None
+    return ops.BlockWeight.joined([_block_weight(native_matrix([p]), terms) for p in parts])
 
 
 def _block_weight(whole: Int4Codes | Int5Codes | LevelCodes | Q8Codes | tuple, terms: int) -> ops.BlockWeight:

@@ -270,6 +270,24 @@ class BlockWeight:
                                head.shape[0], head.activation_terms, head.bits)
 
     @classmethod
+    def joined(cls, weights: list[BlockWeight]) -> BlockWeight:
+        """``weights`` stacked by rows as one: their records joined, which equals packing the stacked codes when
+        every weight but the last fills whole 16-row groups. All must be plain weights of one kind (bits, levels,
+        activation_terms) and K."""
+        first = weights[0]
+        same = all(w.bits == first.bits and w.shape[1] == first.shape[1] and not w.lead
+                   and w.activation_terms == first.activation_terms
+                   and (w.levels is None) == (first.levels is None)
+                   and (w.levels is None or torch.equal(w.levels, first.levels)) for w in weights)
+        if not same or any(w.shape[0] % _GROUP for w in weights[:-1]):
+            raise ValueError(f"BlockWeight.joined: expected plain weights of one kind and K whose rows (all but the "
+                             f"last) are multiples of {_GROUP}, got {weights!r}")
+        out = cls._of_records(torch.cat([w.data for w in weights]), (sum(w.shape[0] for w in weights), first.shape[1]),
+                              first.bits, 0, first.activation_terms)
+        out.levels = first.levels
+        return out
+
+    @classmethod
     def _of_records(cls, data: torch.Tensor, shape: tuple[int, int], bits: int, lead: int, terms: int,
                     lead_bits: int = 4) -> BlockWeight:
         """A weight over records packed already (``data``), checked by whoever packed them."""
