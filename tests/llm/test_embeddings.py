@@ -3,51 +3,16 @@ classes, names without ``model.``, no output layer), checked against transformer
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_tokenizer, hf_config
+from tiny_models import write_embedding_model
 
 from ninefold.llm.api import LLM
 from ninefold.llm.pooling import PoolingParams
 
 PROMPTS = ["Hello world!", "Paris is the capital of France, and Berlin is the capital of Germany.",
            "The quick brown fox", "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000; symbols: + - * / = < > ( ) [ ]"]
-
-
-def write_embedding_model(path, variant="qwen3", architecture=None, pooling=None, normalize=True, **overrides):
-    """A tiny embedding checkpoint: the decoder alone (``AutoModel``), as Qwen3-Embedding and e5-mistral are
-    saved; ``architecture`` overrides what config.json names (Qwen3-Embedding's says ``Qwen3ForCausalLM``);
-    ``pooling``: a sentence-transformers Pooling mode written to modules.json."""
-    from transformers import AutoModel
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    config = hf_config(variant, tok.get_vocab_size(), **overrides)
-    torch.manual_seed(3)
-    model = AutoModel.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "</s>"}))
-    if architecture is not None:
-        data = json.loads((path / "config.json").read_text())
-        data["architectures"] = [architecture]
-        (path / "config.json").write_text(json.dumps(data))
-    if pooling is not None:
-        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})
-        (path / "modules.json").write_text(json.dumps(modules))
-        (path / "1_Pooling").mkdir()
-        (path / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"word_embedding_dimension": config.hidden_size, "pooling_mode_cls_token": pooling == "cls",
-             "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
-             "pooling_mode_lasttoken": pooling == "last"}))
-    return path
 
 
 def reference(path, token_ids: list[list[int]], pooling: str, normalize: bool, dimensions=None) -> np.ndarray:

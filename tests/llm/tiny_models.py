@@ -2,7 +2,8 @@
 
 ``build_model_dir(path, variant)`` writes config.json, model.safetensors, generation_config.json,
 a byte-level BPE tokenizer.json trained here on a small corpus, and a tokenizer_config.json
-with a ChatML chat template. Other test suites may import it (``tests/llm`` on ``sys.path``).
+with a ChatML chat template; ``write_embedding_model(path, ...)`` an embedding checkpoint of the decoder alone.
+Other test suites may import it (``tests/llm`` on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -90,4 +91,37 @@ def build_model_dir(path: str | Path, variant: str = "llama", seed: int = 0, **o
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>", "add_bos_token": variant.startswith("llama"),
         "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
     }))
+    return path
+
+
+def write_embedding_model(path, variant="qwen3", architecture=None, pooling=None, normalize=True, **overrides):
+    """A tiny embedding checkpoint: the decoder alone (``AutoModel``), as Qwen3-Embedding and e5-mistral are
+    saved; ``architecture`` overrides what config.json names (Qwen3-Embedding's says ``Qwen3ForCausalLM``);
+    ``pooling``: a sentence-transformers Pooling mode written to modules.json."""
+    from transformers import AutoModel
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    config = hf_config(variant, tok.get_vocab_size(), **overrides)
+    torch.manual_seed(3)
+    model = AutoModel.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "</s>"}))
+    if architecture is not None:
+        data = json.loads((path / "config.json").read_text())
+        data["architectures"] = [architecture]
+        (path / "config.json").write_text(json.dumps(data))
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": config.hidden_size, "pooling_mode_cls_token": pooling == "cls",
+             "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
+             "pooling_mode_lasttoken": pooling == "last"}))
     return path

@@ -106,3 +106,34 @@ async def _generated_tokens(stream) -> int:
     async for chunk in stream:
         usage = chunk.usage or usage
     return usage.completion_tokens
+
+
+def test_the_banner_names_the_pooling(server):
+    assert "LAST pooling (default)" in server.log()
+
+
+def test_a_decoder_only_checkpoint_serves_embeddings_and_refuses_text(tmp_path):
+    """A real server process on a checkpoint saved without its output layer (as embedding models are)."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import openai
+
+    from .conftest import ServerProcess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llm"))
+    from tiny_models import write_embedding_model
+
+    path = write_embedding_model(tmp_path / "embedding-model", variant="llama", pooling="mean")
+    proc = ServerProcess(SimpleNamespace(path=path), tmp_path)
+    try:
+        assert "embeddings only" in proc.log()
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        result = client.embeddings.create(model="tiny", input=["Hello world", "The quick brown fox"])
+        assert [len(d.embedding) for d in result.data] == [64, 64]
+        with pytest.raises(openai.BadRequestError, match="output layer"):
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+        assert client.embeddings.create(model="tiny", input="still serving").data
+    finally:
+        assert proc.stop() == 0

@@ -20,7 +20,7 @@ logger = logging.getLogger("ninefold.server")
 
 
 def banner(engine: Any, state: ServerState, url: str) -> str:
-    """The start-up summary: model, dtype, device, KV cache, context and URL."""
+    """The start-up summary: model, dtype, device, KV cache, context, embedding pooling and URL."""
     stats = engine.stats()
     kv = "unknown"
     if "num_blocks" in stats:
@@ -40,6 +40,13 @@ def banner(engine: Any, state: ServerState, url: str) -> str:
         ("admits", "no limit" if state.admission.capacity is None else f"{state.admission.capacity} sequences"),
         ("URL", url),
     ]
+    inner = getattr(engine, "engine", None)
+    if inner is not None and not inner.model_config.has_lm_head:
+        rows.insert(1, ("serves", "embeddings only (/v1/embeddings): the checkpoint has no output layer"))
+    else:
+        pooler = getattr(getattr(inner, "embedder", None), "pooler", None)
+        if pooler is not None:
+            rows.insert(-1, ("embeddings", f"{pooler.pooling_type} pooling ({pooler.source})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["ninefold OpenAI-compatible server"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
 
