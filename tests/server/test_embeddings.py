@@ -137,3 +137,21 @@ def test_a_decoder_only_checkpoint_serves_embeddings_and_refuses_text(tmp_path):
         assert client.embeddings.create(model="tiny", input="still serving").data
     finally:
         assert proc.stop() == 0
+
+
+def test_chat_messages_are_embedded_through_the_chat_template(server, expected):
+    """vLLM's ``messages`` form: the conversation rendered as /tokenize renders it (no generation prompt by default)."""
+    _, vector = expected
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
+    tokens = httpx.post(server.base + "/tokenize", json={"model": "tiny", "messages": messages,
+                                                         "add_generation_prompt": False}, timeout=60).json()["tokens"]
+    reply = httpx.post(server.base + "/v1/embeddings", json={"model": "tiny", "messages": messages}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    assert data["usage"]["prompt_tokens"] == len(tokens)
+    np.testing.assert_allclose(data["data"][0]["embedding"], vector(tokens)[0], atol=1e-5)
+    with_prompt = httpx.post(server.base + "/v1/embeddings", timeout=60, json={
+        "model": "tiny", "messages": messages, "add_generation_prompt": True}).json()
+    assert with_prompt["usage"]["prompt_tokens"] > len(tokens)
+    empty = httpx.post(server.base + "/v1/embeddings", json={"model": "tiny", "messages": []}, timeout=60)
+    assert empty.status_code == 400

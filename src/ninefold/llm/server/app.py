@@ -24,7 +24,7 @@ from ninefold.llm.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
+    EmbeddingBody,
     EmbeddingResponse,
     ErrorResponse,
     ModelCard,
@@ -109,8 +109,9 @@ def build_app(
         return await handlers.create_chat_completion(state, body, request.receive)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        """OpenAI embeddings: the model's final hidden states pooled per input (``ninefold.llm.pooling``)."""
+    async def embeddings(body: EmbeddingBody, request: Request) -> Response:
+        """OpenAI embeddings: the model's final hidden states pooled per input (``ninefold.llm.pooling``); vLLM's
+        ``messages`` form embeds one conversation rendered through the chat template."""
         return await create_embedding(state, body, request.receive)
 
     def card() -> ModelCard:

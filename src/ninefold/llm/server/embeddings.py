@@ -13,14 +13,19 @@ from starlette.responses import JSONResponse, Response
 from ninefold.llm.pooling import PoolingParams
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.generation import until_disconnect
-from ninefold.llm.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest
+from ninefold.llm.server.preprocess import render_chat
+from ninefold.llm.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingChatRequest, EmbeddingRequest
 from ninefold.llm.server.state import ServerState
 
 Receive = Callable[[], Awaitable[dict]]
 
 
-def embedding_inputs(req: EmbeddingRequest) -> list:
-    """The request's inputs as engine prompts (strings or token-id lists); empty ones are the client's 400."""
+def embedding_inputs(req: EmbeddingRequest | EmbeddingChatRequest, tokenizer) -> list:
+    """The request's inputs as engine prompts (strings or token-id lists; chat messages rendered through the chat
+    template); empty ones are the client's 400."""
+    if isinstance(req, EmbeddingChatRequest):
+        return [render_chat(req.messages, tokenizer, req.add_generation_prompt, template_kwargs=req.chat_template_kwargs,
+                            continue_final_message=req.continue_final_message)]
     raw = req.input
     if isinstance(raw, str):
         items: list = [raw]
@@ -46,10 +51,11 @@ def encode(values: list[float], encoding_format: str) -> list[float] | str:
     return values
 
 
-async def create_embedding(state: ServerState, req: EmbeddingRequest, receive: Receive) -> Response:
+async def create_embedding(state: ServerState, req: EmbeddingRequest | EmbeddingChatRequest,
+                           receive: Receive) -> Response:
     """``POST /v1/embeddings``."""
     state.check_model(req.model)
-    items = embedding_inputs(req)
+    items = embedding_inputs(req, state.tokenizer)
     try:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=req.truncate_prompt_tokens)

@@ -97,7 +97,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
 def _looks_like_type_name(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "dict", "list"} or "[" in part or part.startswith(
         "function-"
-    )
+    ) or part.endswith("-form")  # a tagged union's member (protocol.EmbeddingBody)
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:

@@ -13,10 +13,12 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
     StrictStr,
+    Tag,
     field_validator,
 )
 
@@ -284,6 +286,36 @@ class EmbeddingRequest(BaseModel):
     user: StrictStr | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, description="Keep the last N tokens (-1: all that fit).")
     normalize: StrictBool | None = Field(None, description="Unit length (default: the model's).")
+
+
+class EmbeddingChatRequest(BaseModel):
+    """``POST /v1/embeddings`` with chat messages instead of ``input`` (vLLM's form): one embedding of the
+    conversation rendered through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: StrictBool = Field(False, description="End with the template's assistant header.")
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(None, ge=1)
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    normalize: StrictBool | None = None
+
+
+def _embedding_form(body: Any) -> str:
+    return "messages-form" if isinstance(body, dict) and "messages" in body else "input-form"
+
+
+# The body of ``POST /v1/embeddings``: chat messages when it has a ``messages`` key, else inputs (only the chosen
+# form's errors are reported; ``errors.describe_validation_errors`` drops the tag from their locations).
+EmbeddingBody = Annotated[
+    Annotated[EmbeddingRequest, Tag("input-form")] | Annotated[EmbeddingChatRequest, Tag("messages-form")],
+    Discriminator(_embedding_form),
+]
 
 
 class EmbeddingData(BaseModel):
