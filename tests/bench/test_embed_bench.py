@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 def test_embed_bench_checks_then_times(tiny, tmp_path, capsys):
     code = embed.main(["--model", str(tiny), "--prompts", "5", "--min-len", "3", "--max-len", "40", "--repeats", "1",
-                       "--systems", "ninefold,transformers", "--out", str(tmp_path)])
+                       "--systems", "ninefold,transformers", "--out", str(tmp_path), "--device", "cpu"])
     assert code == 0
     report = json.loads((tmp_path / "embed_bench.json").read_text())
     assert [r["system"] for r in report["rows"]] == ["ninefold", "transformers"]
@@ -41,7 +41,7 @@ def test_a_disagreeing_peer_stops_the_run(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(embed, "bench_transformers", shuffled)
     assert embed.main(["--model", str(tiny), "--prompts", "4", "--min-len", "3", "--max-len", "20", "--repeats", "1",
-                       "--systems", "ninefold,transformers"]) == 1
+                       "--systems", "ninefold,transformers", "--device", "cpu"]) == 1
 
 
 def test_bad_systems_are_refused():

@@ -43,7 +43,7 @@ def embed(llm, prompts, params=None):
 
 def test_last_token_pooling_matches_transformers_in_packed_batches(qwen3_embedding):
     """Four prompts of different lengths, packed into steps of at most 64 tokens (several steps)."""
-    llm = LLM(str(qwen3_embedding), max_num_batched_tokens=64)
+    llm = LLM(str(qwen3_embedding), device="cpu", max_num_batched_tokens=64)
     got, outputs = embed(llm, PROMPTS)
     ids = [o.prompt_token_ids for o in outputs]
     assert [len(i) for i in ids] == [len(llm.tokenizer.encode(p)) for p in PROMPTS]
@@ -54,7 +54,7 @@ def test_last_token_pooling_matches_transformers_in_packed_batches(qwen3_embeddi
 
 
 def test_options_normalize_dimensions_truncation(qwen3_embedding):
-    llm = LLM(str(qwen3_embedding))
+    llm = LLM(str(qwen3_embedding), device="cpu")
     ids = [o.prompt_token_ids for o in llm.embed(PROMPTS)]
     raw, _ = embed(llm, PROMPTS, PoolingParams(normalize=False))
     np.testing.assert_allclose(raw, reference(qwen3_embedding, ids, "last", False), rtol=2e-5, atol=2e-5)
@@ -71,13 +71,13 @@ def test_options_normalize_dimensions_truncation(qwen3_embedding):
 def test_sentence_transformers_pooling_config_is_followed(tmp_path, pooling):
     """modules.json names the Pooling module: its mode is used; without a Normalize module vectors stay raw."""
     path = write_embedding_model(tmp_path / pooling, variant="llama", pooling=pooling, normalize=False)
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     assert llm.engine.embedder.pooler.pooling_type == pooling.upper()
     got, outputs = embed(llm, PROMPTS)
     want = reference(path, [o.prompt_token_ids for o in outputs], pooling, normalize=False)
     np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5)
     # The engine argument wins over the files; normalize per request.
-    last = LLM(str(path), pooling_type="last")
+    last = LLM(str(path), device="cpu", pooling_type="last")
     got, _ = embed(last, PROMPTS, PoolingParams(normalize=True))
     np.testing.assert_allclose(got, reference(path, [o.prompt_token_ids for o in outputs], "last", True), atol=2e-5)
 
@@ -85,7 +85,7 @@ def test_sentence_transformers_pooling_config_is_followed(tmp_path, pooling):
 def test_base_architecture_checkpoint_embeds_but_does_not_generate(tmp_path):
     """config.json naming MistralModel (as e5-mistral's does), no output layer."""
     path = write_embedding_model(tmp_path / "mistral", variant="mistral")
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     assert not llm.engine.model_config.has_lm_head
     got, outputs = embed(llm, PROMPTS[:2])
     np.testing.assert_allclose(got, reference(path, [o.prompt_token_ids for o in outputs], "last", True), atol=2e-5)
@@ -98,7 +98,7 @@ def test_base_architecture_checkpoint_embeds_but_does_not_generate(tmp_path):
 
 def test_generative_checkpoint_embeds_too(model_dirs):
     """A tied chat model (its ``model.``-prefixed checkpoint) keeps generating and embeds from the same weights."""
-    llm = LLM(str(model_dirs["llama_tied"]))
+    llm = LLM(str(model_dirs["llama_tied"]), device="cpu")
     got, outputs = embed(llm, PROMPTS[:3])
     np.testing.assert_allclose(got, reference(model_dirs["llama_tied"], [o.prompt_token_ids for o in outputs],
                                               "last", True), atol=2e-5)
@@ -107,7 +107,7 @@ def test_generative_checkpoint_embeds_too(model_dirs):
 
 def test_bad_embedding_requests_name_the_argument(tmp_path, qwen3_embedding):
     plain = write_embedding_model(tmp_path / "plain", variant="llama")
-    llm = LLM(str(plain), max_num_batched_tokens=16)
+    llm = LLM(str(plain), device="cpu", max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="dimensions: got 16; this model was not trained"):
         llm.embed("Hello", PoolingParams(dimensions=16))
     with pytest.raises(ValueError, match="prompt: .* tokens; an embedding is computed in one step of at most 16"):
@@ -123,14 +123,14 @@ def test_bad_embedding_requests_name_the_argument(tmp_path, qwen3_embedding):
                        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens: got -2")):
         with pytest.raises(ValueError, match=match):
             PoolingParams(**bad)
-    matryoshka = LLM(str(qwen3_embedding))
+    matryoshka = LLM(str(qwen3_embedding), device="cpu")
     with pytest.raises(ValueError, match="dimensions: got 65; this model's embeddings have 64 values"):
         matryoshka.embed("Hello", PoolingParams(dimensions=65))
     with pytest.raises(ValueError, match="pooling_type: got 'max'"):
-        LLM(str(plain), pooling_type="max")
+        LLM(str(plain), device="cpu", pooling_type="max")
     maxed = write_embedding_model(tmp_path / "max", variant="llama", pooling="max")
     with pytest.raises(ValueError, match="1_Pooling/config.json: pooling modes \\['pooling_mode_max_tokens'\\]"):
-        LLM(str(maxed))
+        LLM(str(maxed), device="cpu")
 
 
 def test_gguf_pooling_type_is_read(tmp_path):
@@ -138,9 +138,9 @@ def test_gguf_pooling_type_is_read(tmp_path):
     from test_gguf import hf_weights, write_gguf
 
     path = write_gguf(tmp_path / "emb.gguf", hf_weights(tied=True), metadata_overrides={"pooling_type": 1})
-    mean = LLM(str(path))
+    mean = LLM(str(path), device="cpu")
     assert mean.engine.embedder.pooler.pooling_type == "MEAN"
-    last = LLM(str(path), pooling_type="LAST")
+    last = LLM(str(path), device="cpu", pooling_type="LAST")
     ids, raw = [5, 9, 14, 3, 7], PoolingParams(normalize=False)
     # Causal attention: position i's state is the last state of the prompt's first i + 1 tokens.
     prefixes = embed(last, [ids[:i + 1] for i in range(len(ids))], raw)[0]
@@ -155,3 +155,16 @@ def test_two_tensor_parallel_ranks_embed_as_one(qwen3_embedding):
         assert not two.engine.model_config.has_lm_head
         got = embed(two, PROMPTS)[0]
     np.testing.assert_allclose(got, one, atol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_embeddings_on_cuda_in_bfloat16_follow_transformers(qwen3_embedding):
+    """The same packed, cache-free steps on a GPU (bfloat16): directions within bfloat16's rounding of float32's."""
+    llm = LLM(str(qwen3_embedding), device="cuda", dtype="bfloat16", max_num_batched_tokens=64)
+    got, outputs = embed(llm, PROMPTS)
+    want = reference(qwen3_embedding, [o.prompt_token_ids for o in outputs], "last", True)
+    assert (np.sum(got * want, axis=1) > 0.999).all()
+    mean = LLM(str(qwen3_embedding), device="cuda", dtype="float32", pooling_type="mean")
+    got, outputs = embed(mean, PROMPTS, PoolingParams(normalize=False))
+    np.testing.assert_allclose(got, reference(qwen3_embedding, [o.prompt_token_ids for o in outputs], "mean", False),
+                               rtol=2e-3, atol=2e-3)

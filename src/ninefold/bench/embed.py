@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", default=None, help="ninefold's device (default: the engine's choice); the peers run "
+                        "on the CPU")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args(argv)
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(args.model or hub.resolve_model(None))
     print(f"ninefold: loading {model}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    llm = LLM(model)
+    llm = LLM(model, device=args.device)
     load = time.perf_counter() - start
     prompts = workload(llm.engine.model_config.vocab_size, args.prompts, args.min_len, args.max_len)
     print("ninefold: running", file=sys.stderr, flush=True)
