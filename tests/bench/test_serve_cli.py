@@ -98,7 +98,7 @@ def test_jsonl_dataset_through_the_command(standin, tmp_path):
         (["--slo", "latency=5ms"], "argument --slo: --slo items must be KEY=DURATION with KEY one of"),
         (["--sweep-rates", "1,0"], "argument --sweep-rates: --sweep-rates must be a positive float, got '0'"),
         (["--sweep-rates", "1,1"], "argument --sweep-rates: --sweep-rates repeats a rate"),
-        (["--endpoint", "embeddings"], "argument --endpoint: invalid choice: 'embeddings'"),
+        (["--endpoint", "rerank"], "argument --endpoint: invalid choice: 'rerank'"),
     ],
 )
 def test_bad_values_are_rejected_by_the_parser(tmp_path, capsys, extra, message):

@@ -91,3 +91,21 @@ def test_one_command_gpu_path_on_the_cpu(tiny_model, tmp_path):
     for name in ("serve_inf.png", "serve_sweep.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
     assert (tmp_path / "server.log").is_file()
+
+
+def test_embeddings_endpoint_reports_end_to_end_latency_and_prompt_tokens(ninefold_server, tmp_path):
+    """``--endpoint embeddings``: one prompt per request; no output tokens, so no TTFT/ITL/TPOT, only E2E."""
+    out, plot = tmp_path / "embeddings.json", tmp_path / "embeddings.png"
+    command = [sys.executable, "-m", "ninefold", "bench", "serve", "--base-url", ninefold_server.base,
+               "--endpoint", "embeddings", "--num-prompts", "10", "--input-len", "8:40", "--request-rate", "20",
+               "--slo", "e2e=60s", "--output", str(out), "--plot", str(plot)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 10 and report["failed"] == 0 and report["total_output_tokens"] == 0
+    assert report["config"]["token_sources"] == {"usage": 10}
+    assert all(8 <= r["prompt_tokens"] <= 40 for r in report["requests"])
+    assert report["total_input_tokens"] == sum(r["prompt_tokens"] for r in report["requests"])
+    assert report["ttft_ms"]["median"] is None and report["e2e_ms"]["median"] > 0
+    assert report["slo_attainment"] == 1.0 and "/v1/embeddings" in done.stdout
+    assert plot.read_bytes()[:8] == PNG_MAGIC

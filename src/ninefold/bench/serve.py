@@ -137,8 +137,8 @@ def warm_up(client: StreamClient, counter: TokenCounter, timeout_s: float = 600.
     load = LoadShape(timeout_s=timeout_s)
     result = asyncio.run(send_all(client, [request], load, progress=False)).results[0]
     if result.success:
-        print(f"warm-up request: ok, TTFT {1e3 * (result.ttft or 0):.1f} ms, E2E {1e3 * result.e2e:.1f} ms",
-              file=sys.stderr)
+        first = "" if result.ttft is None else f"TTFT {1e3 * result.ttft:.1f} ms, "
+        print(f"warm-up request: ok, {first}E2E {1e3 * result.e2e:.1f} ms", file=sys.stderr)
     else:
         print(f"warm-up request failed: {result.error}", file=sys.stderr)
     return result

@@ -67,7 +67,8 @@ class ServerTokenizer:
 
 @dataclass(frozen=True)
 class StreamClient:
-    """Sends one benchmark request as a streamed OpenAI completion and times every chunk."""
+    """Sends one benchmark request as a streamed OpenAI completion and times every chunk (an embedding request:
+    its end-to-end time)."""
 
     root: str
     model: str
@@ -76,7 +77,9 @@ class StreamClient:
     ignore_eos: bool = False
 
     def body(self, request: BenchRequest) -> dict:
-        """The JSON body for one request (greedy, streamed, usage asked for)."""
+        """The JSON body for one request (greedy, streamed, usage asked for; an embedding of the prompt)."""
+        if self.endpoint == "embeddings":
+            return {"model": self.model, "input": request.prompt, "encoding_format": "base64"}
         body: dict = {"model": self.model, "max_tokens": request.output_len, "temperature": 0.0, "stream": True,
                       "stream_options": {"include_usage": True}}
         if self.endpoint == "chat":
@@ -93,6 +96,8 @@ class StreamClient:
         Never raises for a failed request: HTTP errors, SSE error events, broken streams and bad
         JSON all come back as an unsuccessful result with the reason in ``error``.
         """
+        if self.endpoint == "embeddings":
+            return await self._send_embedding(http, request, t0), ""
         start = time.perf_counter() - t0
         chunk_times: list[float] = []
         pieces: list[str] = []
@@ -118,6 +123,26 @@ class StreamClient:
             result.output_tokens = int(usage.get("completion_tokens", len(chunk_times)))
             result.token_source = "usage"
         return result, "".join(pieces)
+
+    async def _send_embedding(self, http: httpx.AsyncClient, request: BenchRequest, t0: float) -> RequestResult:
+        """One embedding request: its end-to-end time and the prompt tokens the server counted (no output tokens)."""
+        start = time.perf_counter() - t0
+        error, prompt_tokens, source = "", request.prompt_len, "chunks"
+        try:
+            response = await http.post(self.root + ENDPOINTS["embeddings"], json=self.body(request),
+                                       headers=auth_headers(self.api_key))
+            if response.status_code != 200:
+                error = f"HTTP {response.status_code}: {response.text[:300]}"
+            else:
+                reply = response.json()
+                if not reply.get("data"):
+                    error = f"no embedding in the reply: {response.text[:300]}"
+                if reply.get("usage"):
+                    prompt_tokens, source = int(reply["usage"].get("prompt_tokens", prompt_tokens)), "usage"
+        except Exception as exc:  # recorded, never raised
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        return RequestResult(start=start, end=time.perf_counter() - t0, success=not error, chunk_times=[],
+                             error=error, prompt_tokens=prompt_tokens, output_tokens=0, token_source=source)
 
     async def _read_events(self, response: httpx.Response, t0: float, chunk_times: list[float],
                            pieces: list[str]) -> tuple[dict | None, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ninefold.bench.serve_datasets import parse_length_range
 from ninefold.bench.serve_metrics import SLO
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
     parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
-                        help="/v1/completions or /v1/chat/completions (default: completions)")
+                        help="/v1/completions, /v1/chat/completions or /v1/embeddings (one prompt per request, "
+                             "end-to-end latency only; default: completions)")
     parser.add_argument("--dataset", nargs="+", default=["random"], metavar=("KIND", "FILE"),
                         help="'random' (prompts of --input-len tokens) or 'jsonl FILE' (lines with 'prompt' and "
                              "optional 'output_len'); default random")
