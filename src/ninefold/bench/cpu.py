@@ -205,6 +205,24 @@ def _same_length(prompts: list[list[int]]) -> list[list[int]]:
 
 # ----------------------------------------------------------------------------- llama.cpp
 
+def llama_cpp_context(llm, params):
+    """A second llama.cpp context of ``params`` over ``llm``'s model (the API's name differs between versions)."""
+    import llama_cpp
+
+    init = getattr(llama_cpp, "llama_init_from_model", None) or llama_cpp.llama_new_context_with_model
+    return init(llm.model, params)
+
+
+def llama_cpp_clear(ctx) -> None:
+    """Empty a llama.cpp context's KV memory, in whichever API this llama-cpp-python has."""
+    import llama_cpp
+
+    if hasattr(llama_cpp, "llama_memory_clear"):
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    else:  # llama-cpp-python before the llama_memory API
+        (getattr(llama_cpp, "llama_kv_self_clear", None) or llama_cpp.llama_kv_cache_clear)(ctx)
+
+
 def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
     import ctypes
 
@@ -240,8 +258,7 @@ def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_seq_max = 4096, 512, len(work.batch)
     params.n_threads, params.n_threads_batch = threads, threads
-    init = getattr(llama_cpp, "llama_init_from_model", None) or llama_cpp.llama_new_context_with_model
-    ctx = init(llm.model, params)
+    ctx = llama_cpp_context(llm, params)
     batch = llama_cpp.llama_batch_init(512, 0, len(work.batch))
 
     def submit(entries: list[tuple[int, int, int, bool]]) -> None:
@@ -257,10 +274,7 @@ def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
         return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,))))
 
     def decode_b8() -> float:
-        if hasattr(llama_cpp, "llama_memory_clear"):
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        else:  # llama-cpp-python before the llama_memory API
-            (getattr(llama_cpp, "llama_kv_self_clear", None) or llama_cpp.llama_kv_cache_clear)(ctx)
+        llama_cpp_clear(ctx)
         entries, last = [], []
         for s, ids in enumerate(work.batch):
             entries += [(t, p, s, p == len(ids) - 1) for p, t in enumerate(ids)]

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ninefold.bench.cpu import llama_cpp_clear, llama_cpp_context
+
 SYSTEMS = ("ninefold", "transformers", "llama.cpp")
 MIN_COSINE = 0.98  # below this a peer and ninefold compute different things: the run stops
 
@@ -117,20 +119,13 @@ def bench_llama_cpp(model: str, prompts, repeats: int, threads: int):
     params.n_threads, params.n_threads_batch = threads, threads
     if hasattr(params, "kv_unified"):
         params.kv_unified = True  # sequences share the cells: a step holds as many tokens as n_ctx
-    init = getattr(llama_cpp, "llama_init_from_model", None) or llama_cpp.llama_new_context_with_model
-    ctx = init(llm.model, params)
+    ctx = llama_cpp_context(llm, params)
     load = time.perf_counter() - start
     n_embd = llama_cpp.llama_model_n_embd(llm.model)
     batch = llama_cpp.llama_batch_init(budget, 0, params.n_seq_max)
 
-    def clear():
-        if hasattr(llama_cpp, "llama_memory_clear"):
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        else:
-            (getattr(llama_cpp, "llama_kv_self_clear", None) or llama_cpp.llama_kv_cache_clear)(ctx)
-
     def decode(group: list[list[int]]) -> list[np.ndarray]:
-        clear()
+        llama_cpp_clear(ctx)
         n = 0
         for s, ids in enumerate(group):
             for p, t in enumerate(ids):

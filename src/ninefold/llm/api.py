@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -105,17 +106,13 @@ class LLM:
         hidden states pooled as its files say (``ninefold.llm.pooling``; last token and normalized by default).
         ``truncate_prompt_tokens`` applies to every prompt whose ``PoolingParams`` leave it unset."""
         items = _prompt_list(prompts, prompt_token_ids)
-        if isinstance(pooling_params, list):
-            if len(pooling_params) != len(items):
-                raise ValueError(f"pooling_params: {len(pooling_params)} given for {len(items)} prompts")
-            params = pooling_params
-        else:
-            params = [pooling_params or PoolingParams()] * len(items)
+        params = pooling_params
         if truncate_prompt_tokens is not None:
             params = [p if not isinstance(p, PoolingParams) or p.truncate_prompt_tokens is not None
-                      else PoolingParams(p.dimensions, p.normalize, truncate_prompt_tokens) for p in params]
+                      else replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                      for p in (params if isinstance(params, list) else [params or PoolingParams()] * len(items))]
         embedder = self.engine.embedder
-        requests = [embedder.build_request(item, p) for item, p in zip(items, params)]  # all checked first
+        requests = embedder.build_requests(items, params)
         outputs = []
         with tqdm(total=len(requests), disable=not use_tqdm, desc="embedding") as bar:
             for batch in embedder.batches(requests):

@@ -135,11 +135,7 @@ class AsyncEngine:
         call drops what is not computed yet."""
         if self._stopped:
             raise RuntimeError("AsyncEngine: shut down")
-        params = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"pooling_params: {len(params)} given for {len(prompts)} prompts")
-        embedder = self.engine.embedder
-        requests = [embedder.build_request(p, pp, f"{request_id}-{i}") for i, (p, pp) in enumerate(zip(prompts, params))]
+        requests = self.engine.embedder.build_requests(prompts, pooling_params, request_id)
         loop = asyncio.get_running_loop()
         job = _EmbedJob(requests, loop, loop.create_future())
         self._inbox.put(("embed", job))

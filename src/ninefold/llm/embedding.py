@@ -29,7 +29,7 @@ class EmbeddingRequest:
 
 
 class Embedder:
-    """The embedding side of an ``LLMEngine``: ``build_request`` checks, ``run`` computes."""
+    """The embedding side of an ``LLMEngine``: ``build_requests`` checks, ``batches`` groups, ``run_batch`` computes."""
 
     def __init__(self, engine, pooler: PoolerConfig):
         self.engine = engine
@@ -59,6 +59,16 @@ class Embedder:
         rid = f"embd-{next(self._ids)}" if request_id is None else str(request_id)
         return EmbeddingRequest(rid, text, ids, params)
 
+    def build_requests(self, prompts: list, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+                       request_id: str | None = None) -> list[EmbeddingRequest]:
+        """``build_request`` for every prompt, all checked before any is returned; ``pooling_params``: one for all
+        or one per prompt; ``request_id``: the prefix of the requests' ids (``{request_id}-{i}``)."""
+        params = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"pooling_params: {len(params)} given for {len(prompts)} prompts")
+        return [self.build_request(p, pp, None if request_id is None else f"{request_id}-{i}")
+                for i, (p, pp) in enumerate(zip(prompts, params))]
+
     def batches(self, requests: list[EmbeddingRequest]) -> Iterator[list[EmbeddingRequest]]:
         """``requests`` in order, grouped into steps of at most ``max_num_batched_tokens`` tokens."""
         budget, batch, tokens = self.engine.config.max_num_batched_tokens, [], 0
@@ -85,13 +95,10 @@ class Embedder:
                                  max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
         ids = torch.tensor([t for r in batch for t in r.token_ids], dtype=torch.int64, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
-        vectors = pool(self.engine.model.forward(ids, positions, meta), lengths, self.pooler.pooling_type)
+        hidden = self.engine.model.forward(ids, positions, meta)
+        vectors = pool(hidden, cu, self.pooler.pooling_type).cpu()  # one copy to the host for the whole step
         outputs = []
         for request, vector in zip(batch, vectors):
             values = self.pooler.finish(vector[None], request.params)[0].tolist()
             outputs.append(EmbeddingRequestOutput(request.request_id, EmbeddingOutput(values), request.token_ids))
         return outputs
-
-    def run(self, requests: list[EmbeddingRequest]) -> list[EmbeddingRequestOutput]:
-        """Embeddings of ``requests``, in their order."""
-        return [out for batch in self.batches(requests) for out in self.run_batch(batch)]

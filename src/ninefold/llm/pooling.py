@@ -87,20 +87,20 @@ class PoolerConfig:
         return vectors
 
 
-def pool(hidden: torch.Tensor, lengths: list[int], pooling_type: str) -> torch.Tensor:
-    """One float32 vector per sequence from the packed hidden states ``[T, D]`` of sequences of ``lengths``."""
-    starts = torch.tensor([0, *lengths[:-1]], device=hidden.device).cumsum(0)
-    ends = starts + torch.tensor(lengths, device=hidden.device)
+def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    """One float32 vector per sequence from the packed hidden states ``[T, D]`` of the sequences that
+    ``cu_seqlens`` ``[B+1]`` (their offsets, on ``hidden``'s device) delimit."""
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
     if pooling_type == "LAST":
         return hidden[ends - 1].float()
     if pooling_type == "CLS":
         return hidden[starts].float()
     if pooling_type == "MEAN":
-        owner = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device),
-                                        torch.tensor(lengths, device=hidden.device))
+        lengths = ends - starts
+        owner = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)
         sums = torch.zeros((len(lengths), hidden.shape[1]), dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, owner, hidden.float())
-        return sums / torch.tensor(lengths, dtype=torch.float32, device=hidden.device)[:, None]
+        return sums / lengths[:, None].float()
     raise ValueError(f"pooling_type: got {pooling_type!r}; supported: {', '.join(POOLING_TYPES)}")
 
 

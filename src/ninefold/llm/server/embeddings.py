@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from ninefold.llm.pooling import PoolingParams
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.generation import until_disconnect
-from ninefold.llm.server.preprocess import render_chat
+from ninefold.llm.server.preprocess import prompt_items, render_chat
 from ninefold.llm.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingChatRequest, EmbeddingRequest
 from ninefold.llm.server.state import ServerState
 
@@ -26,18 +26,7 @@ def embedding_inputs(req: EmbeddingRequest | EmbeddingChatRequest, tokenizer) ->
     if isinstance(req, EmbeddingChatRequest):
         return [render_chat(req.messages, tokenizer, req.add_generation_prompt, template_kwargs=req.chat_template_kwargs,
                             continue_final_message=req.continue_final_message)]
-    raw = req.input
-    if isinstance(raw, str):
-        items: list = [raw]
-    elif len(raw) == 0:
-        raise APIError(400, "'input' must not be empty", param="input")
-    elif isinstance(raw[0], int):
-        items = [raw]
-    else:
-        items = list(raw)
-    if len(items) > MAX_EMBEDDING_INPUTS:
-        raise APIError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request are supported, got {len(items)}",
-                       param="input")
+    items = prompt_items(req.input, "input", "inputs", MAX_EMBEDDING_INPUTS)
     for i, item in enumerate(items):
         if len(item) == 0:
             raise APIError(400, f"'input' item {i} is empty; every input needs at least one token", param="input")

@@ -38,24 +38,29 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
     """The prompts of a completions request (a string, strings, token ids or lists of token ids)."""
     if req.suffix:
         raise bad_request("'suffix' is not supported", "suffix")
-    raw = req.prompt
-    if isinstance(raw, str):
-        items: list = [raw]
-    elif len(raw) == 0:
-        raise bad_request("'prompt' must not be empty", "prompt")
-    elif isinstance(raw[0], int):
-        items = [raw]
-    else:
-        items = list(raw)
-    if len(items) > 64:
-        raise bad_request(f"at most 64 prompts per request are supported, got {len(items)}", "prompt")
     prompts = []
-    for item in items:
+    for item in prompt_items(req.prompt, "prompt", "prompts", 64):
         if isinstance(item, str):
             prompts.append(Prompt(tokenizer.encode(item), item))
         else:
             prompts.append(Prompt(list(item)))
     return prompts
+
+
+def prompt_items(raw, param: str, noun: str, limit: int) -> list:
+    """The prompts of a ``param`` field that holds a string, strings, token ids or lists of token ids, one list
+    entry each; an empty field, or more than ``limit`` ``noun``, is the client's 400."""
+    if isinstance(raw, str):
+        items: list = [raw]
+    elif len(raw) == 0:
+        raise bad_request(f"'{param}' must not be empty", param)
+    elif isinstance(raw[0], int):
+        items = [raw]
+    else:
+        items = list(raw)
+    if len(items) > limit:
+        raise bad_request(f"at most {limit} {noun} per request are supported, got {len(items)}", param)
+    return items
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> Prompt:
