@@ -175,8 +175,7 @@ class LLMEngine:
                                  cu_seqlens_q=cu, cu_seqlens_k=cu, use_cache=False, max_seqlen_q=L, max_seqlen_k=L)
         ids = torch.zeros(T, dtype=torch.int64, device=dev)
         hidden = self.model.forward(ids, torch.arange(T, device=dev) % L, meta)
-        if self.model_config.has_lm_head:
-            self.model.compute_logits(hidden[:logits_rows])
+        self.model.compute_logits(hidden[:logits_rows])
 
     @torch.inference_mode()
     def _warm_up_prefill(self) -> None:

@@ -404,7 +404,8 @@ def packed_linear(parts: list, device: torch.device, dtype: torch.dtype, *, keep
         # tokens, and the first token of a chat answer is often a near tie (test_chat's "What is the capital
         # of France?"). The native decode step rounds once per layer matrix, as llama.cpp does.
         fine = dtype == torch.float32 if fine_activations is None else fine_activations
-        blocks = _blocks_by_part(parts, 2 if fine else 1) or _block_weight(native_matrix(parts), 2 if fine else 1)
+        terms = 2 if fine else 1
+        blocks = _blocks_by_part(parts, terms) or _block_weight(native_matrix(parts), terms)
         return PackedLinear(None, n, k, doubled=False, dense=dense, compute_dtype=compute_dtype, blocks=blocks)
     codes, scales, offsets = whole.int4_parts()
     weight = ops.Int4Weight(codes.to(device), scales.to(device), offsets.to(device), 32)
