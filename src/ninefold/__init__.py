@@ -11,6 +11,7 @@ _LAZY = {
     "LLM": "ninefold.llm.api",
     "SamplingParams": "ninefold.llm.sampling",
     "PoolingParams": "ninefold.llm.pooling",
+    "LoRARequest": "ninefold.llm.lora.request",
     "GuidedDecodingParams": "ninefold.llm.guided",
     "StructuredOutputsParams": "ninefold.llm.guided",
     "RequestOutput": "ninefold.llm.outputs",

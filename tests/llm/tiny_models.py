@@ -125,3 +125,24 @@ def write_embedding_model(path, variant="qwen3", architecture=None, pooling=None
              "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
              "pooling_mode_lasttoken": pooling == "last"}))
     return path
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapter(model_dir, path, r=8, target_modules=LORA_MODULES, seed=1, **options) -> Path:
+    """A PEFT LoRA adapter for the checkpoint in ``model_dir``, written by peft itself (its ``B`` matrices drawn at
+    random: peft starts them at zero, which would make the adapter a no-op); ``options`` go to ``LoraConfig``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, target_modules=list(target_modules), lora_dropout=0.0, **{"lora_alpha": 16, **options})
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(path)
+    return Path(path)

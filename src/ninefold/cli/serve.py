@@ -15,6 +15,7 @@ from ninefold.cli._common import (
     port_type,
     seconds_type,
 )
+from ninefold.cli.lora_options import add_lora_arguments, lora_engine_args, lora_modules
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -78,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(parser)
     add_speculative_argument(parser)
+    add_lora_arguments(parser)
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (a file, or the template text) in place of the model's")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -139,6 +141,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             get_reasoning_parser(args.reasoning_parser)
         except ValueError as error:
             return fail("serve", f"argument --reasoning-parser: {error}")
+    try:
+        adapters = lora_modules(args)
+    except ValueError as error:
+        return fail("serve", str(error))
     template = None
     if args.chat_template is not None:
         try:
@@ -161,6 +167,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
         "speculative_config": getattr(args, "speculative_config", None),
         "scheduling_policy": getattr(args, "scheduling_policy", None),
+        **lora_engine_args(args),
     }
     try:
         engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})
@@ -178,6 +185,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             tool_call_parser=tool_parser,
             reasoning_parser=args.reasoning_parser,
+            lora_modules=adapters,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
     except (ValueError, TypeError) as error:
         shutdown = getattr(engine, "shutdown", None)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from ninefold.llm.engine import LLMEngine
+from ninefold.llm.lora import LoRARequest
 from ninefold.llm.outputs import EmbeddingRequestOutput, RequestOutput
 from ninefold.llm.pooling import PoolingParams
 from ninefold.llm.sampling import SamplingParams
@@ -46,11 +47,19 @@ class LLM:
         prompt_token_ids: list[list[int]] | None = None,
         use_tqdm: bool = False,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a str, a token-id list, or vLLM's ``{"prompt": str}`` /
         ``{"prompt_token_ids": [...]}`` dicts; one or a list of them); outputs in prompt order.
-        ``priority``: one per prompt, for an engine with ``scheduling_policy="priority"`` (lower first)."""
+        ``priority``: one per prompt, for an engine with ``scheduling_policy="priority"`` (lower first).
+        ``lora_request``: a LoRA adapter for every prompt, or one (or None) per prompt (``enable_lora=True``)."""
         items = _prompt_list(prompts, prompt_token_ids)
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(items):
+                raise ValueError(f"lora_request: {len(lora_request)} given for {len(items)} prompts")
+            adapters = lora_request
+        else:
+            adapters = [lora_request] * len(items)
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
             raise ValueError(f"priority: expected a list of {len(items)} ints (one per prompt), got {priority!r}")
         if isinstance(sampling_params, list):
@@ -61,7 +70,8 @@ class LLM:
             params = [sampling_params or self.engine.default_sampling_params()] * len(items)
         engine = self.engine
         ranks = priority if priority is not None else [0] * len(items)
-        requests = [engine.build_request(p, sp, priority=r) for p, sp, r in zip(items, params, ranks)]  # checked first
+        requests = [engine.build_request(p, sp, priority=r, lora_request=a)  # every request checked first
+                    for p, sp, r, a in zip(items, params, ranks, adapters)]
         for request in requests:
             engine.add_request(request)
         order = {r.request_id: i for i, r in enumerate(requests)}
@@ -82,7 +92,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             **kwargs) -> list[RequestOutput]:
+             lora_request: LoRARequest | None = None, **kwargs) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the model's chat template (``continue_final_message``:
         continue the last message instead of starting a new turn; it needs ``add_generation_prompt=False``)."""
         if self.tokenizer is None:
@@ -91,7 +101,7 @@ class LLM:
         ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                   continue_final_message=continue_final_message, **kwargs)
                for c in conversations]
-        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, lora_request=lora_request)
 
     def embed(
         self,

@@ -96,16 +96,17 @@ class AsyncEngine:
         return self.engine.device
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None, request_id: str, priority: int = 0
+        self, prompt: str | list[int], sampling_params: SamplingParams | None, request_id: str, priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request; the last has ``finished=True``. ``priority``: see
-        ``LLMEngine.build_request``.
+        """Stream cumulative outputs of one request; the last has ``finished=True``. ``priority``,
+        ``lora_request``: see ``LLMEngine.build_request``.
 
         Closing the iterator early (or cancelling the task) aborts the request.
         """
         if self._stopped:
             raise RuntimeError("AsyncEngine: shut down")
-        request = self.engine.build_request(prompt, sampling_params, request_id, priority)
+        request = self.engine.build_request(prompt, sampling_params, request_id, priority, lora_request)
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in use")

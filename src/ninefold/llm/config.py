@@ -317,16 +317,28 @@ class EngineConfig:
     # How embeddings pool the prompt's hidden states ("LAST", "MEAN" or "CLS"); None: what the model's
     # files say (``ninefold.llm.pooling``), else LAST.
     pooling_type: str | None = None
+    # LoRA adapters (``ninefold.llm.lora``, vLLM's options): requests may name an adapter (``lora_request``);
+    # ``max_loras`` adapters share a step, each of rank <= ``max_lora_rank``; ``max_cpu_loras`` (None: as many
+    # as ``max_loras``) adapters read from disk are kept for later requests.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "cuda_graph_max_batch",
-                    "tensor_parallel_size")
+                    "tensor_parallel_size", "max_loras", "max_lora_rank")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer")
-        for name in ("max_model_len", "num_kv_blocks"):
+        if self.enable_lora not in (True, False):
+            raise ValueError(f"enable_lora: got {self.enable_lora!r}; expected True or False")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora: LoRA adapters run on one device; got tensor_parallel_size="
+                             f"{self.tensor_parallel_size}")
+        for name in ("max_model_len", "num_kv_blocks", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer or None")

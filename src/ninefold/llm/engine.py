@@ -21,6 +21,7 @@ from ninefold.llm.embedding import Embedder
 from ninefold.llm.guided import Guide, TokenMasks
 from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.loader import load_checkpoint
+from ninefold.llm.lora import LoRARequest, LoRASlots
 from ninefold.llm.models import model_class
 from ninefold.llm.outputs import CompletionOutput, RequestOutput
 from ninefold.llm.pooling import pooler_config
@@ -78,6 +79,10 @@ class LLMEngine:
     def _build_serving_state(self, ckpt, max_len: int) -> None:
         """The KV cache, scheduler, runner and step state, around the loaded model."""
         cfg, mc = self.config, self.model_config
+        self.lora_slots = None
+        if cfg.enable_lora:  # before the KV pool, which takes what memory is left
+            self.lora_slots = LoRASlots(mc, dtype=self.dtype, device=self.device, max_loras=cfg.max_loras,
+                                        max_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras)
         self.pool = self._make_pool(max_len)
         # a model without an output layer only embeds, in steps that read no cache: its context is the rotary table's
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size) if mc.has_lm_head else max_len
@@ -89,13 +94,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             propose=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None,
-            policy=cfg.scheduling_policy)
+            policy=cfg.scheduling_policy, lora_slots=self.lora_slots)
         self.runner = ModelRunner(
             self.model, self.pool, Sampler(self.device, mc.vocab_size, self.eos_token_ids),
             max_model_len=self.max_model_len,
             # tensor parallelism: the workers follow rank 0's calls one by one, so no decode graphs yet
             enforce_eager=cfg.enforce_eager or self.parallel_group is not None or not mc.has_lm_head,
-            cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+            cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), lora_slots=self.lora_slots,
         )
         if self.device.type == "cuda" and mc.has_lm_head:
             self._warm_up_prefill()
@@ -238,10 +243,13 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def build_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                      priority: int = 0) -> Request:
+                      priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Check and tokenize one request (touches no engine state). Raises ValueError/TypeError.
 
-        ``priority``: under ``scheduling_policy="priority"``, lower values are admitted and kept first."""
+        ``priority``: under ``scheduling_policy="priority"``, lower values are admitted and kept first.
+        ``lora_request``: generate with that LoRA adapter (an engine built with ``enable_lora=True``); its files
+        are read and checked here."""
+        adapter = self.prepare_lora(lora_request) if lora_request is not None else None
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority: expected an int, got {type(priority).__name__}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -282,7 +290,8 @@ class LLMEngine:
                              f"blocks, the cache has {self.pool.num_blocks}")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words, priority=priority)
+            seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words, priority=priority,
+                           lora=lora_request, lora_adapter=adapter)
             if params.seed is not None:
                 seq.seed = (params.seed + 1_000_003 * i) % 2**63
                 seq.generator = torch.Generator(device=self.device)
@@ -297,7 +306,17 @@ class LLMEngine:
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
             seqs.append(seq)
-        return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic(), priority=priority)
+        return Request(request_id, text, list(ids), params, seqs, arrival=time.monotonic(), priority=priority,
+                       lora_request=lora_request)
+
+    def prepare_lora(self, lora_request: LoRARequest):
+        """Read and check a LoRA adapter (once per ``lora_int_id``), ValueError/TypeError naming what is wrong."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_slots is None:
+            raise ValueError(f"lora_request: adapter {lora_request.lora_name!r} asked for, but this engine was built "
+                             "without LoRA support; start it with enable_lora=True (--enable-lora)")
+        return self.lora_slots.prepare(lora_request)
 
     def prompt_token_ids(self, prompt, keep: int | None = None) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt: a str (tokenized), a list of token ids, or vLLM's prompt dict;
@@ -548,7 +567,8 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              finished=request.finished,
                              num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
-                             prompt_logprobs=_copy(request.seqs[0].prompt_logprobs))
+                             prompt_logprobs=_copy(request.seqs[0].prompt_logprobs),
+                             lora_request=request.lora_request)
 
     @property
     def vocab_size(self) -> int:

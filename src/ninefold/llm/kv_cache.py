@@ -56,21 +56,21 @@ class BlockManager:
         usable = seq.num_tokens - 1
         if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
             usable = min(usable, len(seq.prompt_logprobs) - 1)
-        return self._cached_chain(seq.token_ids, max(usable, 0) // self.block_size)
+        return self._cached_chain(seq.token_ids, max(usable, 0) // self.block_size, seq.cache_root)
 
-    def _chain(self, token_ids: list[int], num_blocks: int):
+    def _chain(self, token_ids: list[int], num_blocks: int, root=None):
         """``(tokens, hash)`` of the first ``num_blocks`` full blocks of ``token_ids``, each hash chained over
-        every token before it."""
-        parent, bs = None, self.block_size
+        every token before it, the first one to ``root`` (``Sequence.cache_root``)."""
+        parent, bs = root, self.block_size
         for b in range(num_blocks):
             tokens = tuple(token_ids[b * bs : (b + 1) * bs])
             parent = hash((parent, tokens))
             yield tokens, parent
 
-    def _cached_chain(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
+    def _cached_chain(self, token_ids: list[int], num_blocks: int, root=None) -> list[tuple[int, int]]:
         """``(block id, hash)`` of the cached blocks among the first ``num_blocks``, up to the first miss."""
         hits = []
-        for tokens, h in self._chain(token_ids, num_blocks):
+        for tokens, h in self._chain(token_ids, num_blocks, root):
             entry = self._by_hash.get(h)
             if entry is None or entry[1] != tokens:
                 break
@@ -117,7 +117,7 @@ class BlockManager:
         bs = self.block_size
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             b = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
             tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
             h = hash((parent, tokens))
             seq.block_hashes.append(h)

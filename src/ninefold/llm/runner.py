@@ -122,8 +122,9 @@ class ModelRunner:
     """Runs one engine step on the model: inputs, forward, logits, sampling."""
 
     def __init__(self, model, pool, sampler: Sampler, *, max_model_len: int, enforce_eager: bool,
-                 cuda_graph_max_batch: int = 256):
+                 cuda_graph_max_batch: int = 256, lora_slots=None):
         self.model = model
+        self.lora_slots = lora_slots
         self.pool = pool
         self.sampler = sampler
         self.device = model.device
@@ -250,7 +251,8 @@ class ModelRunner:
             if seq.pending_row >= 0:
                 rows.append(row)
                 sources.append(seq.pending_row)
-        graphs = self.graphs is not None and self.graphs.fits(len(step))
+        lora = self._lora_step([1] * len(step), step)
+        graphs = self.graphs is not None and self.graphs.fits(len(step)) and lora is None
         width = self.max_blocks if graphs else max(len(s.seq.block_table) for s in step)
         put = self.buffers.to_device if not graphs else self.buffers.pinned_host
         pos = np.array(positions, dtype=np.int64)
@@ -263,7 +265,21 @@ class ModelRunner:
         if graphs:
             return self.graphs.run(*args)
         meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3])
-        return self.model.compute_logits(self.model.forward(args[0], args[1], meta))
+        return self.model.compute_logits(self._forward(args[0], args[1], meta, lora))
+
+    def _forward(self, token_ids, positions, meta, lora):
+        # (models without adapters, such as a tensor-parallel group's, take no ``lora`` argument)
+        if lora is None:
+            return self.model.forward(token_ids, positions, meta)
+        return self.model.forward(token_ids, positions, meta, lora=lora)
+
+    def _lora_step(self, rows_per_seq: list[int], step: list[ScheduledSeq]):
+        """The adapters' deltas for a step whose sequences take ``rows_per_seq`` rows each, in ``step``'s order;
+        None when no row uses an adapter."""
+        if self.lora_slots is None or all(s.seq.lora_slot < 0 for s in step):
+            return None
+        slots = np.repeat(np.array([s.seq.lora_slot for s in step], dtype=np.int64), rows_per_seq)
+        return self.lora_slots.step(self.buffers.to_device("lora_slots", slots, torch.int64))
 
     def _prefill(self, step: list[ScheduledSeq], prev_tokens=None) -> torch.Tensor:
         bs = self.block_size
@@ -311,7 +327,8 @@ class ModelRunner:
             width = self.max_blocks if wide else max(len(s.seq.block_table) for s in ordered)
             meta.block_tables = self._block_tables(ordered, width, pinned=False)
         token_ids = self._device_ids(np.concatenate(ids), [r for r, _ in waiting], [j for _, j in waiting], prev_tokens)
-        hidden = self.model.forward(token_ids, put("pos", np.concatenate(positions), torch.int64), meta)
+        lora = self._lora_step([s.num_new_tokens for s in ordered], ordered)
+        hidden = self._forward(token_ids, put("pos", np.concatenate(positions), torch.int64), meta, lora)
         self._score_prompts(ordered, row_end, hidden)
         if not last:  # (the staging buffers stay safe: ``forward_logits`` alternates them behind events)
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

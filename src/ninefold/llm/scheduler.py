@@ -5,6 +5,8 @@ arrival order: one token each when decoding, the rest of their prompt (up to the
 their prefill was chunked. Waiting sequences are then admitted first-come-first-served while
 the budget, ``max_num_seqs`` and the KV cache allow; a prompt longer than what is left of the
 budget is prefilled in chunks over several steps, so decode and prefill tokens share a step.
+A sequence with a LoRA adapter is admitted only with a device slot for its adapter; while every slot
+holds another adapter in use, it waits and the sequences behind it may go first.
 When a running sequence needs a block and none is left, the latest-arrived running sequence
 is preempted: its blocks are freed and it is recomputed later from its tokens (not before the
 token a step in flight is sampling for it has been read). With a ``propose`` function
@@ -73,7 +75,8 @@ class Scheduler:
     and preemption by recompute."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 propose: Callable[[Sequence, int], list[int]] | None = None, policy: str = "fcfs"):
+                 propose: Callable[[Sequence, int], list[int]] | None = None, policy: str = "fcfs",
+                 lora_slots=None):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy: got {policy!r}; supported: {', '.join(POLICIES)}")
         self.by_priority = policy == "priority"
@@ -85,6 +88,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.lora_slots = lora_slots  # ``LoRASlots``: a sequence with an adapter runs only while it holds a slot
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -127,15 +131,22 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n + len(drafts), draft_ids=drafts))
                 budget -= n + len(drafts)
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        skipped = 0  # waiting sequences passed over because every adapter slot is taken by other adapters
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[skipped]
             if seq.pending_row >= 0:  # preempted while its last token is in flight: wait for that token
                 break
             hits = self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
             if not self.blocks.can_admit(seq, hits, n):
                 break
-            self.waiting.popleft()
+            if seq.lora is not None:
+                seq.lora_slot = self.lora_slots.acquire(seq.lora.lora_int_id, seq.lora_adapter)
+                if seq.lora_slot is None:
+                    seq.lora_slot = -1
+                    skipped += 1
+                    continue
+            del self.waiting[skipped]
             self.blocks.admit(seq, hits)
             if not self.blocks.ensure(seq, seq.num_computed_tokens + n):
                 raise RuntimeError("BlockManager.can_admit and ensure disagree")  # a bug, not bad input
@@ -155,7 +166,13 @@ class Scheduler:
             return False
         return self.blocks.ensure(seq, seq.num_computed_tokens + n + drafts)
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
+        self._release_slot(seq)
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -170,6 +187,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         if seq.status is not Status.FINISHED:
+            self._release_slot(seq)
             self.blocks.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -53,6 +53,9 @@ class Sequence:
     # PLACEHOLDER stands at the end of ``token_ids``/``output_ids`` until the engine reads it.
     pending_row: int = -1
     priority: int = 0  # the request's (scheduling_policy "priority": lower runs first)
+    lora: Any = None  # the request's ``LoRARequest`` (None: the base model)
+    lora_adapter: Any = None  # its adapter as read and checked when the request was built
+    lora_slot: int = -1  # the device slot holding it while the sequence runs (``LoRASlots``)
 
     def __post_init__(self) -> None:
         self.plain_greedy = self.params.plain_greedy
@@ -61,6 +64,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cache_root(self) -> tuple[str, int] | None:
+        """What the prefix cache chains this sequence's first block to: keys and values computed under an
+        adapter serve only that adapter."""
+        return None if self.lora is None else ("lora", self.lora.lora_int_id)
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,6 +114,7 @@ class Request:
     seqs: list[Sequence]
     arrival: float = 0.0
     priority: int = 0
+    lora_request: Any = None
 
     @property
     def finished(self) -> bool:

@@ -248,9 +248,13 @@ class LlamaForCausalLM:
         embedding tables as stored)."""
         return self.weights.nbytes + sum(p.nbytes for p in (*self.packed.values(), *self.tables.values()))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``."""
-        if llama_cpu.supports(self, meta):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora=None) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``.
+
+        ``lora``: a ``ninefold.llm.lora.LoRAStep`` adding the adapters' deltas to the projections of the rows
+        that use one (such steps take the unfused path)."""
+        if lora is None and llama_cpu.supports(self, meta):
             if self._cpu_decoder is None:
                 self._cpu_decoder = llama_cpu.CpuDecoder(self)
             return self._cpu_decoder.forward(input_ids, positions, meta)
@@ -259,9 +263,12 @@ class LlamaForCausalLM:
         # Up to 32 rows on a GPU (decode steps of few sequences): the norms run in the prologues of the
         # q/k/v and gate_up GEMVs and the SwiGLU gate in down's (ops.*_linear; one kernel each where a
         # GEMV applies, the unfused pair otherwise). Other shapes and the CPU take the unfused path.
-        fuse = hidden.shape[0] <= FUSED_MAX_ROWS and hidden.is_cuda and not self.packed
+        fuse = hidden.shape[0] <= FUSED_MAX_ROWS and hidden.is_cuda and not self.packed and lora is None
         residual = None
         for i, layer in enumerate(self.layers):
+            if lora is not None:
+                hidden, residual = self._lora_layer(i, layer, hidden, residual, positions, meta, lora)
+                continue
             if residual is None:
                 residual = hidden
                 qkv = _linear(ops.rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
@@ -271,7 +278,7 @@ class LlamaForCausalLM:
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
                 qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            x = self._attention(i, layer, qkv, positions, meta)
+            x = _linear(self._attention(i, layer, qkv, positions, meta), layer.o)
             if self.parallel is not None:
                 x = self.parallel.all_reduce(x)
             if fuse:
@@ -285,7 +292,21 @@ class LlamaForCausalLM:
         out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 
+    def _lora_layer(self, i: int, layer: LayerWeights, hidden, residual, positions, meta: AttentionMetadata, lora):
+        """One decoder layer with the adapters' deltas added to its projections: (its output, the residual)."""
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            residual, x = hidden, ops.rms_norm(hidden, layer.input_norm, eps)
+        else:
+            x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
+        qkv = lora.add(i, "qkv", x, _linear(x, layer.qkv, layer.qkv_bias))
+        o = self._attention(i, layer, qkv, positions, meta)
+        x, residual = ops.add_rms_norm(lora.add(i, "o", o, _linear(o, layer.o)), residual, layer.post_norm, eps)
+        act = ops.silu_and_mul(lora.add(i, "gate_up", x, _linear(x, layer.gate_up)))
+        return lora.add(i, "down", act, _linear(act, layer.down)), residual
+
     def _attention(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions, meta: AttentionMetadata):
+        """Attention of a layer's q/k/v rows (after rope and the cache write), ``[T, Hq Dh]``, before the o projection."""
         c = self.config
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -316,7 +337,7 @@ class LlamaForCausalLM:
                 o = torch.cat([o, self._prefill_attention(q[nd:], k[nd:], v[nd:], i, meta, meta.block_tables[nd:])])
         else:
             o = self._prefill_attention(q, k, v, i, meta, meta.block_tables)
-        return _linear(o.reshape(T, self.q_size), layer.o)
+        return o.reshape(T, self.q_size)
 
     def _prefill_attention(self, q, k, v, i: int, meta: AttentionMetadata, block_tables):
         if not meta.use_cache:

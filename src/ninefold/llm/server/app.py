@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ninefold import __version__
 from ninefold.llm.reasoning import get_reasoning_parser
-from ninefold.llm.server import handlers
+from ninefold.llm.server import handlers, lora_routes
 from ninefold.llm.server.admission import Admission
 from ninefold.llm.server.embeddings import create_embedding
 from ninefold.llm.server.errors import APIError, install_error_handlers
@@ -56,6 +56,8 @@ def build_app(
     retry_after_s: int = 1,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    lora_modules: dict[str, str] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The server's ASGI app around a started ``AsyncEngine``.
 
@@ -64,6 +66,9 @@ def build_app(
     ``tool_call_parser`` (a name of ``ninefold.llm.tools.PARSERS``) turns on ``tool_choice: "auto"``: outputs
     are read for tool calls in that model family's format. ``reasoning_parser`` (``deepseek_r1``, ``qwen3``)
     returns chat reasoning apart from the answer, in ``reasoning`` / ``reasoning_content``.
+    ``lora_modules``: LoRA adapters served as models of their own (``name -> PEFT directory``; the engine needs
+    ``enable_lora``); ``allow_runtime_lora_updating`` adds vLLM's ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` routes.
     """
     if tool_call_parser is not None:
         get_parser(tool_call_parser)  # an unknown name fails here, not at the first request
@@ -93,6 +98,7 @@ def build_app(
         tool_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
     )
+    lora_routes.add_start_adapters(state, lora_modules or {})
     app = FastAPI(title="ninefold OpenAI-compatible server", version="1", responses=_ERRORS)
     app.state.server = state
     app.state.api_key_set = bool(api_key)
@@ -114,20 +120,23 @@ def build_app(
         ``messages`` form embeds one conversation rendered through the chat template."""
         return await create_embedding(state, body, request.receive)
 
-    def card() -> ModelCard:
+    def card(model_id: str = served_model_name) -> ModelCard:
+        lora = state.check_model(model_id)
+        if lora is not None:
+            return ModelCard(id=lora.lora_name, created=state.created, root=lora.lora_path, parent=served_model_name,
+                             max_model_len=limits.max_model_len)
         return ModelCard(id=served_model_name, created=state.created, root=str(getattr(engine, "model_name", "")),
                          max_model_len=limits.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        """The one served model."""
-        return dump(ModelList(data=[card()]))
+        """The served model, then the LoRA adapters served beside it."""
+        return dump(ModelList(data=[card(), *(card(name) for name in list(state.loras))]))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def model(model_id: str) -> dict:
-        """One model: the served one, else 404."""
-        state.check_model(model_id)
-        return dump(card())
+        """One model (the served one or an adapter), else 404."""
+        return dump(card(model_id))
 
     @app.get("/version")
     async def version() -> dict:
@@ -166,6 +175,9 @@ def build_app(
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
                            param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    if allow_runtime_lora_updating:
+        lora_routes.install_runtime_updates(app, state)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

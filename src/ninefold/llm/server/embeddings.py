@@ -43,7 +43,9 @@ def encode(values: list[float], encoding_format: str) -> list[float] | str:
 async def create_embedding(state: ServerState, req: EmbeddingRequest | EmbeddingChatRequest,
                            receive: Receive) -> Response:
     """``POST /v1/embeddings``."""
-    state.check_model(req.model)
+    if state.check_model(req.model) is not None:
+        raise APIError(400, f"'{req.model}' is a LoRA adapter, which this server applies to generation only; "
+                            f"embeddings come from '{state.served_model_name}'", param="model")
     items = embedding_inputs(req, state.tokenizer)
     try:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,

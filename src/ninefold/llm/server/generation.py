@@ -37,6 +37,7 @@ class Sequence:
     done: bool = False
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token
     priority: int = 0  # the request's (scheduling_policy "priority")
+    lora_request: Any = None  # the LoRA adapter its ``model`` named (None: the base model)
 
     @property
     def finish_reason(self) -> str | None:
@@ -123,7 +124,8 @@ class Generation:
 
     async def _run(self, seq: Sequence) -> None:
         try:
-            async for out in self.engine.generate(seq.prompt.token_ids, seq.params, seq.request_id, seq.priority):
+            async for out in self.engine.generate(seq.prompt.token_ids, seq.params, seq.request_id, seq.priority,
+                                                 seq.lora_request):
                 if out.prompt_logprobs is not None:
                     seq.prompt_logprobs = out.prompt_logprobs
                 if not out.outputs:

@@ -38,18 +38,19 @@ Receive = Callable[[], Awaitable[dict]]
 
 async def create_completion(state: ServerState, req: CompletionRequest, receive: Receive) -> Response:
     """``POST /v1/completions``."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "'max_tokens': 0 is accepted only with 'echo': true (the prompt is scored, nothing "
                             "generated)", param="max_tokens")
     guided = preprocess.guided_decoding(req)  # a bad format is refused before the prompts are tokenized
     prompts = preprocess.completion_prompts(req, state.tokenizer)
-    return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive, guided)
+    return await _serve(state, req, prompts, "cmpl", req.max_tokens, "max_tokens", req.logprobs, receive, guided,
+                        lora=lora)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, receive: Receive) -> Response:
     """``POST /v1/chat/completions``."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     # with a reasoning parser, a format holds after the thinking
@@ -65,7 +66,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     else:
         requested, param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided, tools)
+    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided, tools, lora)
 
 
 async def _serve(
@@ -79,6 +80,7 @@ async def _serve(
     receive: Receive,
     guided: GuidedDecodingParams | None = None,
     tools: tool_choice.ToolPlan | None = None,
+    lora=None,
 ) -> Response:
     arrival = time.perf_counter()
     limits = state.limits
@@ -105,9 +107,10 @@ async def _serve(
                                                 child=i, defaults=state.defaults,
                                                 prompt_logprobs=max(scored) if scored else None, guided=guided)
             sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params,
-                                      priority=req.priority))
+                                      priority=req.priority, lora_request=lora))
     gen = Generation(state.engine, sequences)
-    view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0, tools=tools)
+    view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0, tools=tools,
+                 model=lora.lora_name if lora is not None else state.served_model_name)
     state.admission.acquire(len(sequences))
     state.active.add(gen)
     for prompt in prompts:
@@ -158,8 +161,9 @@ class _View:
 
     def __init__(self, state: ServerState, req: Any, kind: str, request_id: str,
                  prompts: list[preprocess.Prompt], logprobs: int | None, score_only: bool = False,
-                 tools: tool_choice.ToolPlan | None = None) -> None:
+                 tools: tool_choice.ToolPlan | None = None, model: str = "") -> None:
         self.state = state
+        self.model = model  # the name the response reports: the served model's or the adapter's
         self.chat = kind == "chatcmpl"
         self.request_id = request_id
         self.created = int(time.time())
@@ -186,7 +190,7 @@ class _View:
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.state.served_model_name,
+            "model": self.model,
             "choices": choices,
         }
 

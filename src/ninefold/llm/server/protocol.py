@@ -376,6 +376,23 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter in ``lora_path`` as model ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving adapter ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: StrictStr = Field(min_length=1)
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 
@@ -475,6 +492,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ninefold"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -47,6 +47,10 @@ def banner(engine: Any, state: ServerState, url: str) -> str:
         pooler = getattr(getattr(inner, "embedder", None), "pooler", None)
         if pooler is not None:
             rows.insert(-1, ("embeddings", f"{pooler.pooling_type} pooling ({pooler.source})"))
+    slots = getattr(inner, "lora_slots", None)
+    if slots is not None:
+        served = ", ".join(f"'{name}'" for name in state.loras) or "none yet"
+        rows.insert(1, ("LoRA", f"{served}; {slots.max_loras} per step, rank <= {slots.max_rank}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["ninefold OpenAI-compatible server"] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
 

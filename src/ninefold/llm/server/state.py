@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninefold.llm.lora import LoRARequest
 from ninefold.llm.server.admission import Admission
 from ninefold.llm.server.errors import APIError
 from ninefold.llm.server.logprobs import TokenTexts
@@ -28,21 +30,43 @@ class ServerState:
     active: set = field(default_factory=set)  # Generation objects in flight
     tool_parser: str | None = None  # --tool-call-parser when auto tool choice is on
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning split from the answer
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served under their own names
+    _lora_ids: Any = field(default_factory=lambda: itertools.count(1))
 
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer."""
         return self.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served name (or omitted)."""
-        if model is not None and model != self.served_model_name:
-            raise APIError(
-                404,
-                f"The model '{model}' does not exist; this server serves '{self.served_model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names, None for the served model (or none named); 404 for any other name."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = ", ".join(repr(n) for n in (self.served_model_name, *self.loras))
+            raise APIError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return lora
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter in ``path`` as model ``name`` (its files read and checked now); 400 if it cannot be."""
+        if name == self.served_model_name or name in self.loras:
+            raise APIError(400, f"The model name '{name}' is already served", param="lora_name")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        try:
+            self.engine.engine.prepare_lora(lora)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        self.loras[name] = lora
+        return lora
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (requests already running finish with it); 404 if it is not served."""
+        lora = self.loras.pop(name, None)
+        if lora is None:
+            raise APIError(404, f"The LoRA adapter '{name}' is not loaded", param="lora_name", code="model_not_found")
+        self.engine.engine.lora_slots.forget(lora.lora_int_id)
 
 
 def engine_limits(engine: Any, max_sequences: int | None) -> Limits:

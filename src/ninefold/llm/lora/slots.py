@@ -1,0 +1,169 @@
+"""Adapters resident on the device, and the per-step computation of their deltas.
+
+``max_loras`` slots hold one adapter each. Per layer and fused matrix (``qkv``, ``o``, ``gate_up``,
+``down``) the slots' ``A`` matrices sit side by side in one ``[in, S * R]`` tensor and their ``B``
+matrices one above the other in ``[S * R, out]`` (``R`` = ``max_lora_rank`` times the matrix's parts,
+ranks below the maximum padded with zeros), so the deltas of a whole step, whatever mix of adapters
+its rows use, are two dense matmuls: ``((x @ A) * mask) @ B``, where ``mask[t, c]`` is 1 when column
+``c`` belongs to row ``t``'s slot (rows without an adapter match no column).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ninefold.llm.config import ModelConfig
+from ninefold.llm.lora.adapter import Adapter, load_adapter, part_sizes
+from ninefold.llm.lora.request import LoRARequest
+
+
+class LoRASlots:
+    """The device slots, the adapters read from disk (kept for ``max_cpu_loras`` of them, least recently
+    used dropped first) and which slot each adapter in use occupies."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device, max_loras: int,
+                 max_rank: int, max_cpu_loras: int | None = None):
+        self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.parts = part_sizes(config)
+        L = config.num_layers
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for matrix, parts in self.parts.items():
+            width = max_loras * max_rank * len(parts)
+            self.a[matrix] = torch.zeros((L, parts[0][0], width), dtype=dtype, device=device)
+            self.b[matrix] = torch.zeros((L, width, sum(out for _, out in parts)), dtype=dtype, device=device)
+        self.slot_of: dict[int, int] = {}  # lora_int_id -> slot
+        self.holder: list[int | None] = [None] * max_loras  # slot -> lora_int_id
+        self.adapter_in: list[Adapter | None] = [None] * max_loras  # slot -> the adapter it holds
+        self.refs = [0] * max_loras  # slot -> sequences using it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # slots holding an adapter nobody uses, oldest first
+        self._cached: OrderedDict[int, Adapter] = OrderedDict()  # lora_int_id -> adapter read from disk
+        self._names: dict[int, str] = {}  # lora_int_id -> the name it was first loaded under
+        self._lock = threading.Lock()  # requests are checked on callers' threads, slots change on the engine's
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    # -- adapters on the host -----------------------------------------------------------------------
+
+    def prepare(self, request: LoRARequest) -> Adapter:
+        """Read ``request``'s adapter (once; ValueError if it does not fit this model), before it is queued."""
+        with self._lock:
+            known = self._names.get(request.lora_int_id)
+            if known is not None and known != request.lora_name:
+                raise ValueError(f"lora_request.lora_int_id: {request.lora_int_id} already names adapter {known!r}, "
+                                 f"not {request.lora_name!r}")
+            adapter = self._cached.get(request.lora_int_id)
+            if adapter is not None:
+                self._cached.move_to_end(request.lora_int_id)
+                return adapter
+        adapter = load_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
+        with self._lock:
+            self._names[request.lora_int_id] = request.lora_name
+            self._cached[request.lora_int_id] = adapter
+            while len(self._cached) > self.max_cpu_loras:  # (queued requests hold their adapter themselves)
+                self._cached.popitem(last=False)
+        return adapter
+
+    def forget(self, lora_int_id: int) -> None:
+        """Drop an adapter read earlier: the next request for this id reads its files again (requests queued or
+        running keep the adapter they were checked with)."""
+        with self._lock:
+            self._cached.pop(lora_int_id, None)
+            self._names.pop(lora_int_id, None)
+
+    # -- device slots -------------------------------------------------------------------------------
+
+    def acquire(self, lora_id: int, adapter: Adapter) -> int | None:
+        """The slot holding adapter ``lora_id`` (``adapter``, from ``prepare``), loading it into a free or unused
+        one; None when every slot is in use."""
+        slot = self.slot_of.get(lora_id)
+        if slot is not None and self.adapter_in[slot] is not adapter:  # the id was unloaded and loaded again
+            if self.refs[slot]:
+                return None  # requests still run on the adapter it named before
+            self._clear(slot)
+            slot = None
+        if slot is None:
+            free = [s for s, holder in enumerate(self.holder) if holder is None]
+            if free:
+                slot = free[0]
+            elif self._idle:
+                slot = next(iter(self._idle))
+                self._clear(slot)
+            else:
+                return None
+            self._write(slot, adapter)
+            self.slot_of[lora_id], self.holder[slot], self.adapter_in[slot] = slot, lora_id, adapter
+        self.refs[slot] += 1
+        self._idle.pop(slot, None)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """One sequence stopped using ``slot``; an unused slot keeps its adapter until it is needed."""
+        self.refs[slot] -= 1
+        if self.refs[slot] == 0:
+            self._idle[slot] = None
+
+    def _clear(self, slot: int) -> None:
+        del self.slot_of[self.holder[slot]]
+        self.holder[slot] = self.adapter_in[slot] = None
+        self._idle.pop(slot, None)
+        self._zero(slot)
+
+    def _zero(self, slot: int) -> None:
+        for matrix, parts in self.parts.items():
+            width = self.max_rank * len(parts)
+            self.a[matrix][:, :, slot * width : (slot + 1) * width] = 0
+            self.b[matrix][:, slot * width : (slot + 1) * width, :] = 0
+
+    def _write(self, slot: int, adapter: Adapter) -> None:
+        self._zero(slot)
+        for (layer, matrix, part), (a, b) in adapter.weights.items():
+            parts = self.parts[matrix]
+            first = slot * self.max_rank * len(parts) + part * self.max_rank
+            out_at = sum(out for _, out in parts[:part])
+            A, B = self.a[matrix], self.b[matrix]
+            A[layer, :, first : first + a.shape[0]] = a.t().to(A.dtype)
+            B[layer, first : first + a.shape[0], out_at : out_at + b.shape[0]] = b.t().to(B.dtype)
+
+    def matrices_in_use(self) -> set[str]:
+        """The fused matrices that some adapter in a slot changes."""
+        return {m for adapter in self.adapter_in if adapter is not None for m in adapter.matrices}
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self, row_slots: torch.Tensor) -> LoRAStep:
+        """The deltas for a step whose row ``t`` uses slot ``row_slots[t]`` (-1: no adapter), ``[T]`` int64."""
+        return LoRAStep(self, row_slots)
+
+
+class LoRAStep:
+    """Adds the adapters' deltas to one step's projections (``add``), building each rank width's mask once."""
+
+    def __init__(self, slots: LoRASlots, row_slots: torch.Tensor):
+        self.slots = slots
+        self.row_slots = row_slots
+        self.used = slots.matrices_in_use()
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the deltas of ``matrix`` in ``layer`` for inputs ``x`` (``[T, in]``; ``y`` is ``[T, out]``)."""
+        if matrix not in self.used:
+            return y
+        A, B = self.slots.a[matrix][layer], self.slots.b[matrix][layer]
+        down = x.to(A.dtype) @ A
+        down *= self._mask(A.shape[1], down.dtype)
+        return y + (down @ B).to(y.dtype)
+
+    def _mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        mask = self._masks.get(width)
+        if mask is None:
+            per_slot = width // self.slots.max_loras
+            column_slot = torch.arange(width, device=self.row_slots.device) // per_slot
+            mask = self._masks[width] = (self.row_slots[:, None] == column_slot[None, :]).to(dtype)
+        return mask
