@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline llm-offline engine-features-cuda rows-tests gemv-rows rows-ab tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline llm-offline engine-features-cuda lora-cuda rows-tests gemv-rows rows-ab tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -85,6 +85,7 @@ step_command() {
     llm-cuda) echo "$PDL_ENV python3 -m pytest tests/llm -q -n 4 -k cuda --timeout 120 -p no:cacheprovider" ;;
     engine-features-cuda) echo 'python3 -m pytest tests/llm/test_cuda.py tests/server/test_cuda.py tests/llm/test_speculative.py tests/llm/test_token_restrictions.py -q -n 2 -k "prompt_logprobs or json or tool or cuda_speculation or cuda_restrictions" --timeout 200 -p no:cacheprovider' ;;
     llm-offline) echo "$PDL_ENV python3 -m ninefold.bench.llm --parts offline" ;;
+    lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py -q -k cuda -rs -p no:cacheprovider' ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
