@@ -81,7 +81,9 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         self.lora_slots = None
         if cfg.enable_lora:  # before the KV pool, which takes what memory is left
-            self.lora_slots = LoRASlots(mc, dtype=self.dtype, device=self.device, max_loras=cfg.max_loras,
+            # float32 on CPUs: the native decode step reads them as they are (adapters are small)
+            slots_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+            self.lora_slots = LoRASlots(mc, dtype=slots_dtype, device=self.device, max_loras=cfg.max_loras,
                                         max_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras)
         self.pool = self._make_pool(max_len)
         # a model without an output layer only embeds, in steps that read no cache: its context is the rotary table's

@@ -253,11 +253,12 @@ class LlamaForCausalLM:
         """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``.
 
         ``lora``: a ``ninefold.llm.lora.LoRAStep`` adding the adapters' deltas to the projections of the rows
-        that use one (such steps take the unfused path)."""
-        if lora is None and llama_cpu.supports(self, meta):
+        that use one (such steps take the unfused path, or on CPUs the native decode step)."""
+        if llama_cpu.supports(self, meta):
             if self._cpu_decoder is None:
                 self._cpu_decoder = llama_cpu.CpuDecoder(self)
-            return self._cpu_decoder.forward(input_ids, positions, meta)
+            if lora is None or self._cpu_decoder.native is not None:
+                return self._cpu_decoder.forward(input_ids, positions, meta, lora)
         eps = self.config.rms_norm_eps
         hidden = embed_rows(self.embed, input_ids)
         # Up to 32 rows on a GPU (decode steps of few sequences): the norms run in the prologues of the

@@ -69,10 +69,13 @@ class CpuDecoder:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Hidden states ``[B, D]`` after the final norm, for one new token per sequence."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora=None) -> torch.Tensor:
+        """Hidden states ``[B, D]`` after the final norm, for one new token per sequence (``lora``: adapters'
+        deltas, on the native step only)."""
         if self.native is not None:
-            return self.native.forward(input_ids, positions, meta)
+            return self.native.forward(input_ids, positions, meta, lora)
+        if lora is not None:
+            raise ValueError("CpuDecoder: LoRA steps run on the native step or the generic path")
         m = self.model
         b, hq, hk, d = input_ids.shape[0], self.hq, self.hk, self.d
         half = self.cos_sin.shape[1] // 2
@@ -160,6 +163,7 @@ class NativeDecoder:
             self.layers[i] = cpu_native.Layer(f32(ly.input_norm), f32(ly.post_norm), f32(ly.q_norm), f32(ly.k_norm),
                                               mat(ly.qkv, ly.qkv_bias), mat(ly.o), mat(ly.gate_up), mat(ly.down),
                                               None, None)
+        self._lora_bound: tuple | None = None  # (slots object, projections in use) the layers point at
         bf16 = int(model.dtype == torch.bfloat16)
         self.md = cpu_native.Model(
             n_layers=c.num_layers, dim=c.hidden_size, hq=c.num_heads, hk=c.num_kv_heads, hd=c.head_dim,
@@ -203,9 +207,35 @@ class NativeDecoder:
         self.md.block_size = m.kv_caches[0][0].shape[1]
         self._kv = m.kv_caches
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Hidden states ``[B, D]`` after the final norm (the model's dtype)."""
+    def _bind_lora(self, lora) -> None:
+        """Point each layer's ``nf_lora`` at the adapters' float32 slots (``r`` 0 for projections no adapter uses)."""
+        from ninefold.ops import cpu_native
+
+        slots, used = lora.slots, frozenset(lora.used)
+        if self._lora_bound == (slots, used):
+            return
+        fields = {"qkv": "lqkv", "o": "lo", "gate_up": "lgate_up", "down": "ldown"}
+        widest = 0
+        for matrix, field in fields.items():
+            a, b = slots.a[matrix], slots.b[matrix]
+            if a.dtype != torch.float32 or not (a.is_contiguous() and b.is_contiguous()):
+                raise ValueError(f"NativeDecoder: LoRA slots must be contiguous float32, got {a.dtype}")
+            r = a.shape[2] // slots.max_loras if matrix in used else 0
+            widest = max(widest, r)
+            for i in range(len(self.layers)):
+                setattr(self.layers[i], field, cpu_native.Lora(a[i].data_ptr(), b[i].data_ptr(), r, a.shape[2]))
+        self.md.lora_r = widest
+        self._lora_bound = (slots, used)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora=None) -> torch.Tensor:
+        """Hidden states ``[B, D]`` after the final norm (the model's dtype); ``lora``: a ``LoRAStep`` whose
+        adapters the step adds."""
         m, md = self.model, self.md
+        row_slots = None
+        if lora is not None:
+            self._bind_lora(lora)
+            row_slots = lora.row_slots.to(torch.int64).contiguous()
+        md.lora_slots = row_slots.data_ptr() if row_slots is not None else None
         if m.kv_caches is not self._kv:
             self._bind_caches()
         ids = input_ids.to(torch.int64).contiguous()

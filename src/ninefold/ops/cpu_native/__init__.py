@@ -51,12 +51,19 @@ class Mat(ctypes.Structure):
                 ("lead_bits", ctypes.c_int64)]
 
 
+class Lora(ctypes.Structure):
+    """``nf_lora``: one projection's LoRA slots, float32 ``a [k, width]`` and ``b [width, n]`` (see nf_decode.c)."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64), ("width", ctypes.c_int64)]
+
+
 class Layer(ctypes.Structure):
-    """``nf_layer``: one decoder layer's weights and KV cache (see nf_decode.c)."""
+    """``nf_layer``: one decoder layer's weights, KV cache and LoRA slots (see nf_decode.c)."""
 
     _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("lqkv", Lora), ("lo", Lora),
+                ("lgate_up", Lora), ("ldown", Lora)]
 
 
 class Model(ctypes.Structure):
@@ -68,7 +75,8 @@ class Model(ctypes.Structure):
         ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("m", ctypes.c_int64),
         ("max_ctx", ctypes.c_int64), ("ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
         ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("threads", ctypes.c_int64)]
+        ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("threads", ctypes.c_int64),
+        ("lora_slots", ctypes.c_void_p), ("lora_r", ctypes.c_int64)]
 
 
 def _compiler() -> str | None:

@@ -2,15 +2,25 @@
  * every layer in one OpenMP region: rms_norm -> int8 activations -> qkv GEMM -> (q/k norm) -> rope ->
  * KV-cache write -> attention over the paged cache -> o GEMM (+ residual) -> rms_norm -> gate_up GEMM
  * -> silu * up -> down GEMM (+ residual). The residual stream stays float32 between layers.
- * Formulas as ninefold.llm.models.llama's generic forward (neox rope over the whole head, GQA). */
+ * Formulas as ninefold.llm.models.llama's generic forward (neox rope over the whole head, GQA).
+ * With LoRA adapters (md->lora_slots), each row's adapter adds (x @ A) @ B to a projection: every thread
+ * computes the small x @ A of all rows for itself, and the program computing a group of outputs adds their
+ * share of the up-projection right after it, so the adapters cost no barrier. */
 #include "nf_cpu.h"
 
 #include <omp.h>
+
+/* One projection's LoRA slots (float32): a [k, width] with slot s's columns at [s * r, (s + 1) * r), b [width, n]. */
+typedef struct {
+    const float *a, *b;
+    int64_t r, width; /* r 0: no adapter changes this projection */
+} nf_lora;
 
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* float32; q_norm / k_norm NULL when absent */
     nf_mat qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [blocks, block_size, hk, hd], float32 or bf16 */
+    nf_lora lqkv, lo, lgate_up, ldown;
 } nf_layer;
 
 typedef struct {
@@ -26,6 +36,8 @@ typedef struct {
     void *out;                                  /* [m, dim] in the io dtype */
     void *scratch;                              /* nf_decode_scratch_bytes(model) bytes */
     int64_t threads;                            /* this step's OpenMP threads (<= 0: the runtime's default) */
+    const int64_t *lora_slots;                  /* [m]: each row's adapter slot, -1 none; NULL: no adapters */
+    int64_t lora_r;                             /* the widest nf_lora.r of any projection */
 } nf_model;
 
 static int64_t kmax(const nf_model *md) {
@@ -38,7 +50,45 @@ static int64_t kmax(const nf_model *md) {
 #define NF_PRIVATE_SILU 2
 static int64_t private_bytes(const nf_model *md) {
     const int64_t k = md->dim > md->inter ? md->dim : md->inter;
-    return (md->m * k + 4 + 2 * md->m * (k / NF_BLOCK) * 4 + md->dim * 4 + 63) / 64 * 64;
+    const int64_t lora = md->lora_slots ? md->m * md->lora_r * 4 : 0;
+    return (md->m * k + 4 + 2 * md->m * (k / NF_BLOCK) * 4 + md->dim * 4 + lora + 63) / 64 * 64;
+}
+
+/* Where this thread keeps x @ A of every row: after its row buffer. */
+static float *lora_down_buffer(const nf_model *md, char *priv) {
+    const int64_t k = md->dim > md->inter ? md->dim : md->inter;
+    return (float *)(priv + (md->m * k + 4 + 2 * md->m * (k / NF_BLOCK) * 4 + md->dim * 4 + 3) / 4 * 4);
+}
+
+static int lora_on(const nf_model *md, const nf_lora *lr) { return md->lora_slots && lr->r; }
+
+/* down[0 .. r) = x @ A of slot `slot` (x has k values). */
+static void lora_down(const nf_lora *lr, const float *x, int64_t k, int64_t slot, float *down) {
+    const int64_t r = lr->r;
+    for (int64_t j = 0; j < r; j++) down[j] = 0.0f;
+    if (slot < 0) return;
+    const float *a = lr->a + slot * r;
+    for (int64_t c = 0; c < k; c++) {
+        const float xv = x[c];
+        const float *ac = a + c * lr->width;
+        for (int64_t j = 0; j < r; j++) down[j] += xv * ac[j];
+    }
+}
+
+/* y[i, r0 .. r0 + rows) += down_i @ B of row i's slot, for every row (n: B's columns, the projection's outputs). */
+static void lora_up(const nf_model *md, const nf_lora *lr, const float *down, int64_t n, int64_t g, float *y,
+                    int64_t ldy) {
+    const int64_t r0 = g * NF_ROWS, rows = n - r0 < NF_ROWS ? n - r0 : NF_ROWS;
+    for (int64_t i = 0; i < md->m; i++) {
+        const int64_t slot = md->lora_slots[i];
+        if (slot < 0) continue;
+        float *yi = y + i * ldy + r0;
+        for (int64_t j = 0; j < lr->r; j++) {
+            const float d = down[i * md->lora_r + j];
+            const float *b = lr->b + (slot * lr->r + j) * n + r0;
+            for (int64_t c = 0; c < rows; c++) yi[c] += d * b[c];
+        }
+    }
 }
 
 int64_t nf_decode_scratch_bytes(const nf_model *md) {
@@ -162,9 +212,9 @@ static void *cache_row(void *cache, int64_t slot, int64_t hk, int64_t g, int64_t
     return (char *)cache + ((slot * hk + g) * hd) * (bf16 ? 2 : 4);
 }
 
-/* This thread's int8 rows of rms_norm(h) * w (all m rows: every thread computes them). */
-static void norm_quantize_private(const nf_model *md, const float *h, const float *w, char *priv, int8_t **xq,
-                                  float **xd, float **xs) {
+/* This thread's int8 rows of rms_norm(h) * w (all m rows: every thread computes them), and with `lr` their x @ A. */
+static void norm_quantize_private(const nf_model *md, const float *h, const float *w, const nf_lora *lr, char *priv,
+                                  int8_t **xq, float **xd, float **xs) {
     const int64_t m = md->m, dim = md->dim, nb = dim / NF_BLOCK;
     *xq = (int8_t *)priv;
     *xd = (float *)(priv + (m * dim + 3) / 4 * 4);
@@ -173,6 +223,27 @@ static void norm_quantize_private(const nf_model *md, const float *h, const floa
     for (int64_t i = 0; i < m; i++) {
         rms_norm_row(h + i * dim, w, dim, md->eps, t);
         nf_quantize_row(t, dim, *xq + i * dim, *xd + i * nb, *xs + i * nb);
+        if (lora_on(md, lr)) lora_down(lr, t, dim, md->lora_slots[i], lora_down_buffer(md, priv) + i * md->lora_r);
+    }
+}
+
+/* This thread's x @ A of every row of silu(gate) * up (gu: the gate_up outputs), for the down projection. */
+static void silu_lora_down(const nf_model *md, const nf_lora *lr, const float *gu, char *priv) {
+    const int64_t inter = md->inter;
+    float act[NF_BLOCK];
+    float *down = lora_down_buffer(md, priv);
+    for (int64_t i = 0; i < md->m; i++) {
+        const int64_t slot = md->lora_slots[i];
+        float *d = down + i * md->lora_r;
+        for (int64_t j = 0; j < lr->r; j++) d[j] = 0.0f;
+        if (slot < 0) continue;
+        for (int64_t b = 0; b < inter / NF_BLOCK; b++) {
+            silu_mul_block(gu + i * 2 * inter + b * NF_BLOCK, gu + i * 2 * inter + inter + b * NF_BLOCK, act);
+            for (int64_t c = 0; c < NF_BLOCK; c++) {
+                const float *ac = lr->a + (b * NF_BLOCK + c) * lr->width + slot * lr->r;
+                for (int64_t j = 0; j < lr->r; j++) d[j] += act[c] * ac[j];
+            }
+        }
     }
 }
 
@@ -234,9 +305,13 @@ void nf_decode_step(const nf_model *md) {
             for (int64_t c = 0; c < dim; c++) h[i * dim + c] = nf_load(md->embed, md->ids[i] * dim + c, md->io_bf16);
         for (int64_t l = 0; l < md->n_layers; l++) {
             const nf_layer *ly = &md->layers[l];
-            norm_quantize_private(md, h, ly->in_norm, priv, &pq, &pd, &ps);
+            float *down = lora_down_buffer(md, priv);
+            norm_quantize_private(md, h, ly->in_norm, &ly->lqkv, priv, &pq, &pd, &ps);
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < nf_groups(&ly->qkv); g++) nf_gemm_group(&ly->qkv, g, pq, pd, ps, m, qkv, nqkv, 0);
+            for (int64_t g = 0; g < nf_groups(&ly->qkv); g++) {
+                nf_gemm_group(&ly->qkv, g, pq, pd, ps, m, qkv, nqkv, 0);
+                if (lora_on(md, &ly->lqkv)) lora_up(md, &ly->lqkv, down, nqkv, g, qkv, nqkv);
+            }
             /* the new keys (rotated) and values into the cache first: rows of one sequence (speculative
              * drafts) attend to each other's, so every row is cached before any attends */
 #pragma omp for schedule(static)
@@ -275,12 +350,21 @@ void nf_decode_step(const nf_model *md) {
                     xd[i * nb + b] = nf_quantize_block(att + i * kk + b * NF_BLOCK, xq + i * kk + b * NF_BLOCK,
                                                        xs + i * nb + b);
             }
+            if (lora_on(md, &ly->lo))
+                for (int64_t i = 0; i < m; i++)
+                    lora_down(&ly->lo, att + i * hq * hd, hq * hd, md->lora_slots[i], down + i * md->lora_r);
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < nf_groups(&ly->o); g++) nf_gemm_group(&ly->o, g, xq, xd, xs, m, h, dim, 1);
-            norm_quantize_private(md, h, ly->post_norm, priv, &pq, &pd, &ps);
+            for (int64_t g = 0; g < nf_groups(&ly->o); g++) {
+                nf_gemm_group(&ly->o, g, xq, xd, xs, m, h, dim, 1);
+                if (lora_on(md, &ly->lo)) lora_up(md, &ly->lo, down, dim, g, h, dim);
+            }
+            norm_quantize_private(md, h, ly->post_norm, &ly->lgate_up, priv, &pq, &pd, &ps);
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < nf_groups(&ly->gate_up); g++)
+            for (int64_t g = 0; g < nf_groups(&ly->gate_up); g++) {
                 nf_gemm_group(&ly->gate_up, g, pq, pd, ps, m, gu, 2 * inter, 0);
+                if (lora_on(md, &ly->lgate_up)) lora_up(md, &ly->lgate_up, down, 2 * inter, g, gu, 2 * inter);
+            }
+            if (lora_on(md, &ly->ldown)) silu_lora_down(md, &ly->ldown, gu, priv);
             if (m <= NF_PRIVATE_SILU) { /* every thread rounds all of silu * up for itself: one barrier less */
                 silu_quantize_private(md, gu, priv, &pq, &pd, &ps);
             } else {
@@ -294,7 +378,10 @@ void nf_decode_step(const nf_model *md) {
                 pq = xq, pd = xd, ps = xs;
             }
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < nf_groups(&ly->down); g++) nf_gemm_group(&ly->down, g, pq, pd, ps, m, h, dim, 1);
+            for (int64_t g = 0; g < nf_groups(&ly->down); g++) {
+                nf_gemm_group(&ly->down, g, pq, pd, ps, m, h, dim, 1);
+                if (lora_on(md, &ly->ldown)) lora_up(md, &ly->ldown, down, dim, g, h, dim);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) {
