@@ -104,6 +104,21 @@ def test_chunked_prefill_preemption_and_logprobs_under_an_adapter(setup):
     assert got == pytest.approx(want, abs=2e-4)
 
 
+def test_speculative_drafts_under_adapters_keep_the_plain_tokens(setup):
+    """ngram drafts verified in decode rows that carry their sequence's adapter: the tokens of plain decoding."""
+    base, adapters = setup
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=8,
+              num_kv_blocks=96, speculative_config=spec)
+    motif = prompts_for(320, lengths=(6,), seed=11)[0]
+    prompts = [motif * 4, motif * 3 + motif[:2]]
+    names = ["all", "qv"]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY,
+                        lora_request=[request(adapters, n, i + 1) for i, n in enumerate(names)])
+    assert ids_of(outs) == [peft_greedy(base, adapters[n], p) for n, p in zip(names, prompts)]
+    assert llm.engine.num_draft_tokens > 0
+
+
 def test_prefix_cache_is_kept_per_adapter(setup):
     base, adapters = setup
     llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4,

@@ -74,6 +74,26 @@ def test_each_model_name_runs_its_adapter(lora_server):
     assert "".join(c.choices[0].text for c in stream if c.choices) == texts["sql"]
 
 
+def test_metrics_name_the_adapters_running(lora_server):
+    proc, _, _ = lora_server
+    client = openai.OpenAI(base_url=proc.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def info() -> str:
+        lines = [line for line in httpx.get(proc.base + "/metrics", timeout=10).text.splitlines()
+                 if line.startswith("ninefold:lora_requests_info{")]
+        assert len(lines) == 1
+        return lines[0]
+
+    assert 'max_lora="2"' in info() and 'running_lora_adapters=""' in info()
+    seen = set()
+    stream = client.completions.create(model="chat", prompt=PROMPT, max_tokens=480, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i % 20 == 1:
+            seen.add(info().split("running_lora_adapters=")[1].split(",")[0])
+    assert '"chat"' in seen
+
+
 def test_adapters_load_and_unload_while_serving(lora_server):
     proc, base, adapters = lora_server
     client = openai.OpenAI(base_url=proc.base + "/v1", api_key="unused", max_retries=0, timeout=120)

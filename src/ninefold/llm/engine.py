@@ -578,8 +578,14 @@ class LLMEngine:
         return self.model_config.vocab_size
 
     def stats(self) -> dict:
-        """Scheduler and KV-cache figures for metrics."""
-        return {
+        """Scheduler and KV-cache figures for metrics (with LoRA: the adapters of running and waiting sequences)."""
+        lora = {}
+        if self.lora_slots is not None:  # (copies taken under the GIL: the engine thread changes the queues)
+            running, waiting = tuple(self.scheduler.running), tuple(self.scheduler.waiting)
+            lora = {"lora": {"max_lora": self.lora_slots.max_loras,
+                             "running": sorted({s.lora.lora_name for s in running if s.lora is not None}),
+                             "waiting": sorted({s.lora.lora_name for s in waiting if s.lora is not None})}}
+        return {**lora,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": 1.0 - self.blocks.num_available / self.pool.num_blocks,

@@ -60,6 +60,13 @@ class _EngineGauges(Collector):
                 counter = CounterMetricFamily(f"ninefold:{name}", doc, labels=["model_name"])
                 counter.add_metric([self.model_name], float(stats[key]))
                 yield counter
+        lora = stats.get("lora")
+        if lora is not None:  # vLLM's info gauge: the adapters in its labels, the scrape time as its value
+            family = GaugeMetricFamily("ninefold:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                       labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            family.add_metric([str(lora["max_lora"]), ",".join(lora["running"]), ",".join(lora["waiting"])],
+                              time.time())
+            yield family
 
 
 class ServerMetrics:
