@@ -213,6 +213,18 @@ def llama_cpp_context(llm, params):
     return init(llm.model, params)
 
 
+def llama_cpp_last_logits(llm):
+    """The logits of the last token a ``Llama`` evaluated, a numpy view (its ``scores`` hold them only with
+    ``logits_all``)."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (llm.n_vocab(),))
+
+
 def llama_cpp_clear(ctx) -> None:
     """Empty a llama.cpp context's KV memory, in whichever API this llama-cpp-python has."""
     import llama_cpp
@@ -236,7 +248,7 @@ def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
     n_vocab = llm.n_vocab()
 
     def greedy() -> int:
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return int(np.argmax(llama_cpp_last_logits(llm)))
 
     def decode_b1() -> float:
         llm.reset()

@@ -62,17 +62,20 @@ static float *lora_down_buffer(const nf_model *md, char *priv) {
 
 static int lora_on(const nf_model *md, const nf_lora *lr) { return md->lora_slots && lr->r; }
 
-/* down[0 .. r) = x @ A of slot `slot` (x has k values). */
-static void lora_down(const nf_lora *lr, const float *x, int64_t k, int64_t slot, float *down) {
-    const int64_t r = lr->r;
+/* down[0 .. r) = x @ A of slot `slot` (x has k values); four inputs per pass over down. */
+static void lora_down(const nf_lora *lr, const float *restrict x, int64_t k, int64_t slot, float *restrict down) {
+    const int64_t r = lr->r, w = lr->width;
     for (int64_t j = 0; j < r; j++) down[j] = 0.0f;
     if (slot < 0) return;
-    const float *a = lr->a + slot * r;
-    for (int64_t c = 0; c < k; c++) {
-        const float xv = x[c];
-        const float *ac = a + c * lr->width;
-        for (int64_t j = 0; j < r; j++) down[j] += xv * ac[j];
+    const float *restrict a = lr->a + slot * r;
+    int64_t c = 0;
+    for (; c + 4 <= k; c += 4) {
+        const float x0 = x[c], x1 = x[c + 1], x2 = x[c + 2], x3 = x[c + 3];
+        const float *restrict a0 = a + c * w, *restrict a1 = a0 + w, *restrict a2 = a1 + w, *restrict a3 = a2 + w;
+        for (int64_t j = 0; j < r; j++) down[j] += x0 * a0[j] + x1 * a1[j] + x2 * a2[j] + x3 * a3[j];
     }
+    for (; c < k; c++)
+        for (int64_t j = 0; j < r; j++) down[j] += x[c] * a[c * w + j];
 }
 
 /* y[i, r0 .. r0 + rows) += down_i @ B of row i's slot, for every row (n: B's columns, the projection's outputs). */
@@ -82,12 +85,18 @@ static void lora_up(const nf_model *md, const nf_lora *lr, const float *down, in
     for (int64_t i = 0; i < md->m; i++) {
         const int64_t slot = md->lora_slots[i];
         if (slot < 0) continue;
-        float *yi = y + i * ldy + r0;
-        for (int64_t j = 0; j < lr->r; j++) {
-            const float d = down[i * md->lora_r + j];
-            const float *b = lr->b + (slot * lr->r + j) * n + r0;
-            for (int64_t c = 0; c < rows; c++) yi[c] += d * b[c];
+        float acc[NF_ROWS] = {0};
+        const float *d = down + i * md->lora_r;
+        const float *b = lr->b + slot * lr->r * n + r0;
+        if (rows == NF_ROWS) {
+            for (int64_t j = 0; j < lr->r; j++)
+                for (int64_t c = 0; c < NF_ROWS; c++) acc[c] += d[j] * b[j * n + c];
+        } else {
+            for (int64_t j = 0; j < lr->r; j++)
+                for (int64_t c = 0; c < rows; c++) acc[c] += d[j] * b[j * n + c];
         }
+        float *yi = y + i * ldy + r0;
+        for (int64_t c = 0; c < rows; c++) yi[c] += acc[c];
     }
 }
 
