@@ -49,7 +49,6 @@ def test_a_disagreeing_peer_stops_the_run(tiny, tmp_path, monkeypatch):
 
 def test_gguf_lora_file_follows_llama_cpps_layout(tmp_path):
     import gguf
-
     from test_gguf import hf_weights, write_gguf
 
     from ninefold.llm.config import ModelConfig
