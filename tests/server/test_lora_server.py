@@ -28,6 +28,11 @@ def lora_server(tmp_path_factory):
                 "chat": write_lora_adapter(base, root / "chat", r=4, seed=2, target_modules=("q_proj", "v_proj")),
                 "late": write_lora_adapter(base, root / "late", r=8, seed=3, target_modules=("down_proj",)),
                 "big": write_lora_adapter(base, root / "big", r=32, seed=4)}
+    truncated = root / "truncated"
+    truncated.mkdir()
+    (truncated / "adapter_config.json").write_bytes((adapters["sql"] / "adapter_config.json").read_bytes())
+    (truncated / "adapter_model.safetensors").write_bytes((adapters["sql"] / "adapter_model.safetensors").read_bytes()[:999])
+    adapters["truncated"] = truncated
     proc = ServerProcess(SimpleNamespace(path=base), root, "--lora-modules", f"sql={adapters['sql']}",
                          f'{{"name": "chat", "path": "{adapters["chat"]}"}}', "--max-loras", "2",
                          "--allow-runtime-lora-updating", "--max-num-seqs", "8")
@@ -117,11 +122,13 @@ def test_adapters_load_and_unload_while_serving(lora_server):
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "lora_path", "not a directory"),
     ("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": "BIG"}, 400, "lora_path", "max_lora_rank=16"),
     ("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "lora_path", ""),
+    ("/v1/load_lora_adapter", {"lora_name": "t", "lora_path": "TRUNCATED"}, 400, "lora_path", "cannot read"),
     ("/v1/unload_lora_adapter", {"lora_name": "never"}, 404, "lora_name", "not loaded"),
 ])
 def test_bad_lora_requests_get_4xx_and_the_server_keeps_serving(lora_server, route, body, status, param, words):
     proc, _, adapters = lora_server
-    body = {k: (str(adapters["big"]) if v == "BIG" else v) for k, v in body.items()}
+    named = {"BIG": str(adapters["big"]), "TRUNCATED": str(adapters["truncated"])}
+    body = {k: named.get(v, v) for k, v in body.items()}
     reply = httpx.post(proc.base + route, json=body, timeout=60)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]

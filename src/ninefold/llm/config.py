@@ -335,6 +335,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer")
         if self.enable_lora not in (True, False):
             raise ValueError(f"enable_lora: got {self.enable_lora!r}; expected True or False")
+        if self.max_cpu_loras is not None and isinstance(self.max_cpu_loras, int) and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras ({self.max_loras})")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora: LoRA adapters run on one device; got tensor_parallel_size="
                              f"{self.tensor_parallel_size}")

@@ -250,8 +250,7 @@ class LLMEngine:
 
         ``priority``: under ``scheduling_policy="priority"``, lower values are admitted and kept first.
         ``lora_request``: generate with that LoRA adapter (an engine built with ``enable_lora=True``); its files
-        are read and checked here."""
-        adapter = self.prepare_lora(lora_request) if lora_request is not None else None
+        are read and checked here, after everything else."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority: expected an int, got {type(priority).__name__}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -290,6 +289,7 @@ class LLMEngine:
         if self.blocks.blocks_for(total) > self.pool.num_blocks:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens needs {self.blocks.blocks_for(total)} KV "
                              f"blocks, the cache has {self.pool.num_blocks}")
+        adapter = self.prepare_lora(lora_request) if lora_request is not None else None
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words, priority=priority,

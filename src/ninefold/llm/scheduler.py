@@ -6,7 +6,8 @@ their prefill was chunked. Waiting sequences are then admitted first-come-first-
 the budget, ``max_num_seqs`` and the KV cache allow; a prompt longer than what is left of the
 budget is prefilled in chunks over several steps, so decode and prefill tokens share a step.
 A sequence with a LoRA adapter is admitted only with a device slot for its adapter; while every slot
-holds another adapter in use, it waits and the sequences behind it may go first.
+holds another adapter in use, it waits, and only sequences without an adapter may go before it (later
+ones for the adapters in the slots would keep them busy for ever).
 When a running sequence needs a block and none is left, the latest-arrived running sequence
 is preempted: its blocks are freed and it is recomputed later from its tokens (not before the
 token a step in flight is sampling for it has been read). With a ``propose`` function
@@ -132,6 +133,7 @@ class Scheduler:
                 budget -= n + len(drafts)
                 i += 1
         skipped = 0  # waiting sequences passed over because every adapter slot is taken by other adapters
+        slot_wanted = False  # a sequence ahead waits for a slot: later ones with adapters wait too (no overtaking)
         while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[skipped]
             if seq.pending_row >= 0:  # preempted while its last token is in flight: wait for that token
@@ -141,11 +143,12 @@ class Scheduler:
             if not self.blocks.can_admit(seq, hits, n):
                 break
             if seq.lora is not None:
-                seq.lora_slot = self.lora_slots.acquire(seq.lora.lora_int_id, seq.lora_adapter)
-                if seq.lora_slot is None:
-                    seq.lora_slot = -1
+                slot = None if slot_wanted else self.lora_slots.acquire(seq.lora.lora_int_id, seq.lora_adapter)
+                if slot is None:  # (so the adapters in the slots see their sequences finish and free one)
+                    slot_wanted = True
                     skipped += 1
                     continue
+                seq.lora_slot = slot
             del self.waiting[skipped]
             self.blocks.admit(seq, hits)
             if not self.blocks.ensure(seq, seq.num_computed_tokens + n):

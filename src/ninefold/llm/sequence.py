@@ -66,10 +66,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def cache_root(self) -> tuple[str, int] | None:
+    def cache_root(self) -> tuple[str, int, int] | None:
         """What the prefix cache chains this sequence's first block to: keys and values computed under an
-        adapter serve only that adapter."""
-        return None if self.lora is None else ("lora", self.lora.lora_int_id)
+        adapter serve only that adapter (its id, and which loading of it)."""
+        if self.lora is None:
+            return None
+        return "lora", self.lora.lora_int_id, getattr(self.lora_adapter, "generation", 0)
 
     @property
     def num_output_tokens(self) -> int:

@@ -44,6 +44,7 @@ class Adapter:
     path: str
     rank: int
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    generation: int = 0  # which loading of its ``lora_int_id`` this is (``LoRASlots.forget`` starts a new one)
 
     @property
     def matrices(self) -> set[str]:
@@ -89,6 +90,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise ValueError(f"lora_path: adapter {name!r} has rank {r} at {where}; this engine takes at most "
                              f"max_lora_rank={max_rank}")
         alpha = _pattern_value(settings.get("alpha_pattern"), where, settings.get("lora_alpha", 8))
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise ValueError(f"lora_path: adapter {name!r} has lora_alpha {alpha!r} for {where}; expected a number")
         scale = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
         adapter.weights[(layer, matrix, part)] = (a.contiguous(), (b * scale).contiguous())
         adapter.rank = max(adapter.rank, r)
@@ -120,18 +123,32 @@ def _read_config(root: Path) -> dict:
 
 def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
     st, pt = root / "adapter_model.safetensors", root / "adapter_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
+    if not st.is_file() and not pt.is_file():
+        raise ValueError(f"lora_path: {str(root)!r} has neither adapter_model.safetensors nor adapter_model.bin")
+    file = st if st.is_file() else pt
+    try:
+        if file is st:
+            from safetensors.torch import load_file
 
-        return load_file(str(st))
-    if pt.is_file():
-        return torch.load(str(pt), map_location="cpu", weights_only=True)
-    raise ValueError(f"lora_path: {str(root)!r} has neither adapter_model.safetensors nor adapter_model.bin")
+            tensors = load_file(str(st))
+        else:
+            tensors = torch.load(str(pt), map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: whatever the reader raises, the caller gets a ValueError
+        raise ValueError(f"lora_path: cannot read {str(file)!r} ({type(e).__name__}: {e})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"lora_path: {str(file)!r} does not hold a dict of tensors")
+    return tensors
 
 
 def _pattern_value(patterns: dict | None, where: str, default):
     """PEFT's per-module override: the value of the first pattern matching the end of the module's name."""
+    if patterns is not None and not isinstance(patterns, dict):
+        raise ValueError(f"lora_path: alpha_pattern must be an object, got {type(patterns).__name__}")
     for pattern, value in (patterns or {}).items():
-        if re.search(rf"(^|\.){pattern}$", where):
+        try:
+            found = re.search(rf"(^|\.){pattern}$", where)
+        except re.error as e:
+            raise ValueError(f"lora_path: alpha_pattern key {pattern!r} is not a regular expression ({e})") from None
+        if found:
             return value
     return default

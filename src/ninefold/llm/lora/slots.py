@@ -43,7 +43,9 @@ class LoRASlots:
         self._idle: OrderedDict[int, None] = OrderedDict()  # slots holding an adapter nobody uses, oldest first
         self._cached: OrderedDict[int, Adapter] = OrderedDict()  # lora_int_id -> adapter read from disk
         self._names: dict[int, str] = {}  # lora_int_id -> the name it was first loaded under
+        self._generation: dict[int, int] = {}  # lora_int_id -> times it was forgotten (unloaded)
         self._lock = threading.Lock()  # requests are checked on callers' threads, slots change on the engine's
+        self._load_lock = threading.Lock()  # one adapter read at a time: an id is never read twice at once
 
     @property
     def nbytes(self) -> int:
@@ -52,30 +54,43 @@ class LoRASlots:
     # -- adapters on the host -----------------------------------------------------------------------
 
     def prepare(self, request: LoRARequest) -> Adapter:
-        """Read ``request``'s adapter (once; ValueError if it does not fit this model), before it is queued."""
-        with self._lock:
-            known = self._names.get(request.lora_int_id)
-            if known is not None and known != request.lora_name:
-                raise ValueError(f"lora_request.lora_int_id: {request.lora_int_id} already names adapter {known!r}, "
-                                 f"not {request.lora_name!r}")
-            adapter = self._cached.get(request.lora_int_id)
-            if adapter is not None:
-                self._cached.move_to_end(request.lora_int_id)
-                return adapter
-        adapter = load_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
-        with self._lock:
-            self._names[request.lora_int_id] = request.lora_name
-            self._cached[request.lora_int_id] = adapter
-            while len(self._cached) > self.max_cpu_loras:  # (queued requests hold their adapter themselves)
-                self._cached.popitem(last=False)
+        """``request``'s adapter, read from its files once per id and generation (ValueError if it does not fit
+        this model), before the request is queued. An id names fixed weights: files changed in place are read
+        again only after ``forget``."""
+        lora_id = request.lora_int_id
+        with self._load_lock:
+            with self._lock:
+                known = self._names.get(lora_id)
+                if known is not None and known != request.lora_name:
+                    raise ValueError(f"lora_request.lora_int_id: {lora_id} already names adapter {known!r}, "
+                                     f"not {request.lora_name!r}")
+                adapter = self._cached.get(lora_id)
+                if adapter is not None:
+                    self._cached.move_to_end(lora_id)
+                    return adapter
+                generation = self._generation.get(lora_id, 0)
+                slot = self.slot_of.get(lora_id)
+                resident = self.adapter_in[slot] if slot is not None else None
+            if resident is not None and resident.generation == generation:  # dropped from the cache, still in a slot
+                adapter = resident
+            else:
+                adapter = load_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
+                adapter.generation = generation
+            with self._lock:
+                self._names[lora_id] = request.lora_name
+                self._cached[lora_id] = adapter
+                while len(self._cached) > self.max_cpu_loras:  # (queued requests hold their adapter themselves)
+                    self._cached.popitem(last=False)
         return adapter
 
     def forget(self, lora_int_id: int) -> None:
-        """Drop an adapter read earlier: the next request for this id reads its files again (requests queued or
-        running keep the adapter they were checked with)."""
+        """Drop an adapter read earlier: the next request for this id reads its files again, as a new generation
+        (its own slot contents and prefix-cache entries; requests queued or running keep the adapter they were
+        checked with)."""
         with self._lock:
             self._cached.pop(lora_int_id, None)
             self._names.pop(lora_int_id, None)
+            self._generation[lora_int_id] = self._generation.get(lora_int_id, 0) + 1
 
     # -- device slots -------------------------------------------------------------------------------
 
@@ -83,7 +98,7 @@ class LoRASlots:
         """The slot holding adapter ``lora_id`` (``adapter``, from ``prepare``), loading it into a free or unused
         one; None when every slot is in use."""
         slot = self.slot_of.get(lora_id)
-        if slot is not None and self.adapter_in[slot] is not adapter:  # the id was unloaded and loaded again
+        if slot is not None and self.adapter_in[slot].generation != adapter.generation:  # unloaded, loaded again
             if self.refs[slot]:
                 return None  # requests still run on the adapter it named before
             self._clear(slot)

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from starlette.responses import JSONResponse, Response
 
 from ninefold.llm.guided import GuidedDecodingParams
@@ -88,6 +89,11 @@ async def _serve(
     if req.priority and state.engine.engine.config.scheduling_policy != "priority":
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules first come first served "
                             "(start it with --scheduling-policy priority)", param="priority")
+    if lora is not None:  # its files are read (once) off the event loop
+        try:
+            await anyio.to_thread.run_sync(state.engine.engine.prepare_lora, lora)
+        except ValueError as e:
+            raise APIError(400, str(e), param="model") from None
     keep = prompt_tokens_kept(req.truncate_prompt_tokens, state.limits.max_model_len)
     prompts = [preprocess.truncated(p, keep, state.tokenizer) for p in prompts]
     for prompt in prompts:

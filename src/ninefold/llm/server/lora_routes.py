@@ -3,6 +3,7 @@ and unload them while the server runs (only when asked for: they read any path t
 
 from __future__ import annotations
 
+import anyio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
@@ -29,7 +30,7 @@ def install_runtime_updates(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> JSONResponse:
         """Serve the PEFT adapter in ``lora_path`` as model ``lora_name`` (400 if it does not fit the model)."""
-        state.add_lora(body.lora_name, body.lora_path)
+        await anyio.to_thread.run_sync(state.add_lora, body.lora_name, body.lora_path)  # reads files
         return JSONResponse({"status": "ok", "message": f"LoRA adapter '{body.lora_name}' loaded"})
 
     @app.post("/v1/unload_lora_adapter")

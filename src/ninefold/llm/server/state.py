@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning split from the answer
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served under their own names
     _lora_ids: Any = field(default_factory=lambda: itertools.count(1))
+    _lora_lock: Any = field(default_factory=threading.Lock)  # loads run on worker threads
 
     @property
     def tokenizer(self) -> Any:
@@ -51,15 +53,16 @@ class ServerState:
 
     def add_lora(self, name: str, path: str) -> LoRARequest:
         """Serve the adapter in ``path`` as model ``name`` (its files read and checked now); 400 if it cannot be."""
-        if name == self.served_model_name or name in self.loras:
-            raise APIError(400, f"The model name '{name}' is already served", param="lora_name")
-        lora = LoRARequest(name, next(self._lora_ids), path)
-        try:
-            self.engine.engine.prepare_lora(lora)
-        except ValueError as e:
-            raise APIError(400, str(e), param="lora_path") from None
-        self.loras[name] = lora
-        return lora
+        with self._lora_lock:
+            if name == self.served_model_name or name in self.loras:
+                raise APIError(400, f"The model name '{name}' is already served", param="lora_name")
+            lora = LoRARequest(name, next(self._lora_ids), path)
+            try:
+                self.engine.engine.prepare_lora(lora)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path") from None
+            self.loras[name] = lora
+            return lora
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` (requests already running finish with it); 404 if it is not served."""
