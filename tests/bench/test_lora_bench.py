@@ -33,6 +33,7 @@ def test_lora_bench_checks_then_times(tiny, tmp_path, capsys):
     assert peer["cosine_vs_ninefold"] > 0.9999
     assert all(ninefold[k] > 0 for k in ("base_tok_s", "lora_tok_s", "mixed_tok_s"))
     assert "ninefold against the best peer" in capsys.readouterr().out
+    assert (tmp_path / "lora_bench.png").stat().st_size > 0
 
 
 def test_a_disagreeing_peer_stops_the_run(tiny, tmp_path, monkeypatch):

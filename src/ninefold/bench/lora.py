@@ -312,12 +312,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "lora_bench.json").write_text(json.dumps({
+        result = {
             "model": model, "rank": args.rank, "adapters": args.adapters, "decode_tokens": args.decode_tokens,
             "threads": args.threads, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": [asdict(r) for r in rows],
-            "ratios_vs_best_peer": ratios}, indent=1))
+            "ratios_vs_best_peer": ratios}
+        (out / "lora_bench.json").write_text(json.dumps(result, indent=1))
+        plot(result, out / "lora_bench.png")
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Grouped bars: decode tokens/s without an adapter, with one, and the mixed batch, per system."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    columns = (("base_tok_s", "no adapter"), ("lora_tok_s", "1 adapter"),
+               ("mixed_tok_s", f"{result['adapters']} sequences, {result['adapters']} adapters"))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(columns)
+    for k, (key, label) in enumerate(columns):
+        values = [row[key] or 0.0 for row in result["rows"]]  # (no such run: an empty bar marked n/a)
+        bars = ax.bar([i + k * width for i in range(len(values))], values, width, label=label)
+        ax.bar_label(bars, labels=[f"{v:.0f}" if v else "n/a" for v in values], fontsize=7)
+    ax.set_xticks([i + width for i in range(len(result["rows"]))], [row["system"] for row in result["rows"]])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"LoRA rank {result['rank']} on every projection, {result['threads']} threads", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

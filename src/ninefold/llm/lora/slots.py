@@ -6,6 +6,11 @@ matrices one above the other in ``[S * R, out]`` (``R`` = ``max_lora_rank`` time
 ranks below the maximum padded with zeros), so the deltas of a whole step, whatever mix of adapters
 its rows use, are two dense matmuls: ``((x @ A) * mask) @ B``, where ``mask[t, c]`` is 1 when column
 ``c`` belongs to row ``t``'s slot (rows without an adapter match no column).
+
+On CPUs the slots are also kept slot by slot, in bfloat16, for the native decode step (``a_rows``
+``[L, S, in, R]``, ``b_tiles`` ``[L, S, ceil(out / 16), R, 16]``): what one row's adapter reads there is
+contiguous, the 16 outputs of one kernel group are one run of memory, and half the bytes of float32 are read
+(that step rounds its activations to int8 anyway).
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ class LoRASlots:
             width = max_loras * max_rank * len(parts)
             self.a[matrix] = torch.zeros((L, parts[0][0], width), dtype=dtype, device=device)
             self.b[matrix] = torch.zeros((L, width, sum(out for _, out in parts)), dtype=dtype, device=device)
+        self.a_rows: dict[str, torch.Tensor] = {}
+        self.b_tiles: dict[str, torch.Tensor] = {}
+        if device.type == "cpu":
+            for matrix, parts in self.parts.items():
+                r, out = max_rank * len(parts), sum(n for _, n in parts)
+                self.a_rows[matrix] = torch.zeros((L, max_loras, parts[0][0], r), dtype=torch.bfloat16)
+                self.b_tiles[matrix] = torch.zeros((L, max_loras, -(-out // 16), r, 16), dtype=torch.bfloat16)
         self.slot_of: dict[int, int] = {}  # lora_int_id -> slot
         self.holder: list[int | None] = [None] * max_loras  # slot -> lora_int_id
         self.adapter_in: list[Adapter | None] = [None] * max_loras  # slot -> the adapter it holds
@@ -49,7 +61,8 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        tensors = (*self.a.values(), *self.b.values(), *self.a_rows.values(), *self.b_tiles.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- adapters on the host -----------------------------------------------------------------------
 
@@ -135,6 +148,9 @@ class LoRASlots:
             width = self.max_rank * len(parts)
             self.a[matrix][:, :, slot * width : (slot + 1) * width] = 0
             self.b[matrix][:, slot * width : (slot + 1) * width, :] = 0
+            if self.a_rows:
+                self.a_rows[matrix][:, slot] = 0
+                self.b_tiles[matrix][:, slot] = 0
 
     def _write(self, slot: int, adapter: Adapter) -> None:
         self._zero(slot)
@@ -145,6 +161,15 @@ class LoRASlots:
             A, B = self.a[matrix], self.b[matrix]
             A[layer, :, first : first + a.shape[0]] = a.t().to(A.dtype)
             B[layer, first : first + a.shape[0], out_at : out_at + b.shape[0]] = b.t().to(B.dtype)
+        for matrix, parts in self.parts.items() if self.a_rows else ():  # the native step's copies
+            width = self.max_rank * len(parts)
+            cols = slice(slot * width, (slot + 1) * width)
+            self.a_rows[matrix][:, slot] = self.a[matrix][:, :, cols].to(torch.bfloat16)
+            b = self.b[matrix][:, cols, :]  # [L, R, out]
+            tiles = self.b_tiles[matrix]
+            padded = b.new_zeros((b.shape[0], width, tiles.shape[2] * 16))
+            padded[:, :, : b.shape[2]] = b
+            tiles[:, slot] = padded.view(b.shape[0], width, tiles.shape[2], 16).transpose(1, 2).to(tiles.dtype)
 
     def matrices_in_use(self) -> set[str]:
         """The fused matrices that some adapter in a slot changes."""

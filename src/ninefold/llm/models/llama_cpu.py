@@ -217,13 +217,11 @@ class NativeDecoder:
         fields = {"qkv": "lqkv", "o": "lo", "gate_up": "lgate_up", "down": "ldown"}
         widest = 0
         for matrix, field in fields.items():
-            a, b = slots.a[matrix], slots.b[matrix]
-            if a.dtype != torch.float32 or not (a.is_contiguous() and b.is_contiguous()):
-                raise ValueError(f"NativeDecoder: LoRA slots must be contiguous float32, got {a.dtype}")
-            r = a.shape[2] // slots.max_loras if matrix in used else 0
+            a, b = slots.a_rows[matrix], slots.b_tiles[matrix]  # bfloat16 [L, S, in, R], [L, S, groups, R, 16]
+            r = a.shape[-1] if matrix in used else 0
             widest = max(widest, r)
             for i in range(len(self.layers)):
-                setattr(self.layers[i], field, cpu_native.Lora(a[i].data_ptr(), b[i].data_ptr(), r, a.shape[2]))
+                setattr(self.layers[i], field, cpu_native.Lora(a[i].data_ptr(), b[i].data_ptr(), r))
         self.md.lora_r = widest
         self._lora_bound = (slots, used)
 

@@ -52,9 +52,10 @@ class Mat(ctypes.Structure):
 
 
 class Lora(ctypes.Structure):
-    """``nf_lora``: one projection's LoRA slots, float32 ``a [k, width]`` and ``b [width, n]`` (see nf_decode.c)."""
+    """``nf_lora``: one projection's LoRA slots, bfloat16 ``a [slots, k, r]`` and ``b [slots, ceil(n / 16), r, 16]``
+    (see nf_decode.c)."""
 
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64), ("width", ctypes.c_int64)]
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

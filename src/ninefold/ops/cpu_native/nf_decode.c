@@ -10,10 +10,11 @@
 
 #include <omp.h>
 
-/* One projection's LoRA slots (float32): a [k, width] with slot s's columns at [s * r, (s + 1) * r), b [width, n]. */
+/* One projection's LoRA slots (bfloat16), slot by slot: a [slots, k, r], b [slots, ceil(n / 16), r, 16] (the
+ * 16 outputs of a kernel group contiguous for every rank). r 0: no adapter changes this projection. */
 typedef struct {
-    const float *a, *b;
-    int64_t r, width; /* r 0: no adapter changes this projection */
+    const uint16_t *a, *b;
+    int64_t r;
 } nf_lora;
 
 typedef struct {
@@ -64,18 +65,19 @@ static int lora_on(const nf_model *md, const nf_lora *lr) { return md->lora_slot
 
 /* down[0 .. r) = x @ A of slot `slot` (x has k values); four inputs per pass over down. */
 static void lora_down(const nf_lora *lr, const float *restrict x, int64_t k, int64_t slot, float *restrict down) {
-    const int64_t r = lr->r, w = lr->width;
+    const int64_t r = lr->r, w = r;
     for (int64_t j = 0; j < r; j++) down[j] = 0.0f;
     if (slot < 0) return;
-    const float *restrict a = lr->a + slot * r;
+    const uint16_t *restrict a = lr->a + slot * k * r;
     int64_t c = 0;
     for (; c + 4 <= k; c += 4) {
         const float x0 = x[c], x1 = x[c + 1], x2 = x[c + 2], x3 = x[c + 3];
-        const float *restrict a0 = a + c * w, *restrict a1 = a0 + w, *restrict a2 = a1 + w, *restrict a3 = a2 + w;
-        for (int64_t j = 0; j < r; j++) down[j] += x0 * a0[j] + x1 * a1[j] + x2 * a2[j] + x3 * a3[j];
+        const uint16_t *restrict a0 = a + c * w, *restrict a1 = a0 + w, *restrict a2 = a1 + w, *restrict a3 = a2 + w;
+        for (int64_t j = 0; j < r; j++)
+            down[j] += x0 * nf_bf16_to_float(a0[j]) + x1 * nf_bf16_to_float(a1[j]) + x2 * nf_bf16_to_float(a2[j]) + x3 * nf_bf16_to_float(a3[j]);
     }
     for (; c < k; c++)
-        for (int64_t j = 0; j < r; j++) down[j] += x[c] * a[c * w + j];
+        for (int64_t j = 0; j < r; j++) down[j] += x[c] * nf_bf16_to_float(a[c * w + j]);
 }
 
 /* y[i, r0 .. r0 + rows) += down_i @ B of row i's slot, for every row (n: B's columns, the projection's outputs). */
@@ -87,14 +89,9 @@ static void lora_up(const nf_model *md, const nf_lora *lr, const float *down, in
         if (slot < 0) continue;
         float acc[NF_ROWS] = {0};
         const float *d = down + i * md->lora_r;
-        const float *b = lr->b + slot * lr->r * n + r0;
-        if (rows == NF_ROWS) {
-            for (int64_t j = 0; j < lr->r; j++)
-                for (int64_t c = 0; c < NF_ROWS; c++) acc[c] += d[j] * b[j * n + c];
-        } else {
-            for (int64_t j = 0; j < lr->r; j++)
-                for (int64_t c = 0; c < rows; c++) acc[c] += d[j] * b[j * n + c];
-        }
+        const uint16_t *b = lr->b + (slot * ((n + NF_ROWS - 1) / NF_ROWS) + g) * lr->r * NF_ROWS;
+        for (int64_t j = 0; j < lr->r; j++) /* (a tile's padding past n is zero) */
+            for (int64_t c = 0; c < NF_ROWS; c++) acc[c] += d[j] * nf_bf16_to_float(b[j * NF_ROWS + c]);
         float *yi = y + i * ldy + r0;
         for (int64_t c = 0; c < rows; c++) yi[c] += acc[c];
     }
@@ -249,8 +246,8 @@ static void silu_lora_down(const nf_model *md, const nf_lora *lr, const float *g
         for (int64_t b = 0; b < inter / NF_BLOCK; b++) {
             silu_mul_block(gu + i * 2 * inter + b * NF_BLOCK, gu + i * 2 * inter + inter + b * NF_BLOCK, act);
             for (int64_t c = 0; c < NF_BLOCK; c++) {
-                const float *ac = lr->a + (b * NF_BLOCK + c) * lr->width + slot * lr->r;
-                for (int64_t j = 0; j < lr->r; j++) d[j] += act[c] * ac[j];
+                const uint16_t *ac = lr->a + (slot * inter + b * NF_BLOCK + c) * lr->r;
+                for (int64_t j = 0; j < lr->r; j++) d[j] += act[c] * nf_bf16_to_float(ac[j]);
             }
         }
     }
