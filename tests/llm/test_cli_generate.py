@@ -28,3 +28,42 @@ def test_generate_streams_the_greedy_completion_with_and_without_chat_template(l
 def test_generate_reports_a_missing_model(tmp_path):
     result = run_cli("--model", str(tmp_path / "nothing.gguf"), "hi")
     assert result.returncode != 0 and "nothing.gguf" in result.stderr
+
+
+def test_generate_with_a_lora_adapter(llama_dir, tmp_path):
+    """--lora DIR: the adapter's own greedy text (rank 32, above the default max_lora_rank: the CLI makes room)."""
+    from tiny_models import write_lora_adapter
+
+    from ninefold import LoRARequest
+
+    adapter = write_lora_adapter(llama_dir, tmp_path / "adapter", r=32, seed=3)
+    llm = LLM(str(llama_dir), device="cpu", num_kv_blocks=64, enable_lora=True, max_lora_rank=32)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = llm.generate(["Hello"], params, lora_request=LoRARequest("adapter", 1, str(adapter)))[0].outputs[0].text
+    plain = llm.generate(["Hello"], params)[0].outputs[0].text
+    result = run_cli("--model", str(llama_dir), "Hello", "--max-tokens", "12", "--raw", "--lora", str(adapter))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == want + "\n" and want != plain
+    missing = run_cli("--model", str(llama_dir), "Hello", "--lora", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "lora_path" in missing.stderr and "nowhere" in missing.stderr
+
+
+def test_chat_session_with_a_lora_adapter(llama_dir, tmp_path):
+    """`ninefold chat --lora DIR`'s session: each answer is what LLM.chat gives under the adapter."""
+    import io
+
+    from tiny_models import write_lora_adapter
+
+    from ninefold import LoRARequest
+    from ninefold.cli.chat import ChatSession
+    from ninefold.cli.lora_options import adapter_engine_args, adapter_request
+
+    adapter = write_lora_adapter(llama_dir, tmp_path / "adapter", r=8, seed=4)
+    llm = LLM(str(llama_dir), device="cpu", num_kv_blocks=64, **adapter_engine_args(str(adapter)))
+    params = SamplingParams(temperature=0, max_tokens=10)
+    messages = [{"role": "user", "content": "Hello"}]
+    want = llm.chat(messages, params, lora_request=LoRARequest("adapter", 1, str(adapter)))[0].outputs[0].text
+    session = ChatSession(llm.engine, params, lora=adapter_request(str(adapter)))
+    out = io.StringIO()
+    assert session.ask("Hello", out) == want and out.getvalue() == want + "\n"
+    assert want != llm.chat(messages, params)[0].outputs[0].text

@@ -22,6 +22,7 @@ from ninefold.cli._common import (
     sampling_error,
     tolerant_stdio,
 )
+from ninefold.cli.lora_options import adapter_engine_args, adapter_request, add_adapter_argument
 
 HELP = "Type a message; /reset starts a new conversation, /exit quits, Ctrl-C stops an answer."
 
@@ -49,6 +50,7 @@ def register(subparsers) -> None:
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(p)
     add_speculative_argument(p)
+    add_adapter_argument(p)
     p.set_defaults(func=run)
 
 
@@ -85,7 +87,8 @@ def _converse(args: argparse.Namespace, engine, name: str, seconds: float, param
     print(f"ninefold chat: {name} ({engine.dtype}, {engine.device}) loaded in {seconds:.1f} s. {HELP}",
           file=sys.stderr, flush=True)
     interactive = sys.stdin.isatty()
-    session = ChatSession(engine, params, clean_text(args.system) if args.system else None)
+    session = ChatSession(engine, params, clean_text(args.system) if args.system else None,
+                          lora=adapter_request(getattr(args, "lora", None)))
     while True:
         try:
             line = clean_text(input(">>> " if interactive else ""))
@@ -114,8 +117,9 @@ def _converse(args: argparse.Namespace, engine, name: str, seconds: float, param
 class ChatSession:
     """One conversation with an engine: messages in, answers streamed out."""
 
-    def __init__(self, engine, params, system: str | None = None):
+    def __init__(self, engine, params, system: str | None = None, lora=None):
         self.engine, self.params, self.system = engine, params, system
+        self.lora = lora  # the LoRARequest of --lora, or None
         self.messages: list[dict] = []
         self._turn = 0
         self.reset()
@@ -136,7 +140,7 @@ class ChatSession:
         self._turn += 1
         request_id = f"chat-{self._turn}"
         engine = self.engine
-        engine.add_request(engine.build_request(ids, self.params, request_id))
+        engine.add_request(engine.build_request(ids, self.params, request_id, lora_request=self.lora))
         stopped = False
 
         def on_interrupt(signum, frame):
@@ -191,7 +195,8 @@ def _load(args: argparse.Namespace):
     model = str(hub.resolve_model(args.model))
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"),
                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                       speculative_config=getattr(args, "speculative_config", None))
+                       speculative_config=getattr(args, "speculative_config", None),
+                       **adapter_engine_args(getattr(args, "lora", None)))
     return engine, name, time.perf_counter() - start
 
 

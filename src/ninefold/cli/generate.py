@@ -14,6 +14,7 @@ from ninefold.cli._common import (
     sampling_error,
     tolerant_stdio,
 )
+from ninefold.cli.lora_options import adapter_engine_args, adapter_request, add_adapter_argument
 
 
 def register(subparsers) -> None:
@@ -45,6 +46,7 @@ def register(subparsers) -> None:
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
     add_parallel_argument(p)
     add_speculative_argument(p)
+    add_adapter_argument(p)
     p.set_defaults(func=run)
 
 
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed)
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                            quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-                           speculative_config=args.speculative_config)
+                           speculative_config=args.speculative_config, **adapter_engine_args(args.lora))
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("model: has no tokenizer, so text prompts cannot be encoded")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                 print("ninefold generate: warning: --system ignored: the model has no chat template",
                       file=sys.stderr, flush=True)
             prompt = tokenizer.encode(text)
-        engine.add_request(engine.build_request(prompt, params, "cli"))
+        engine.add_request(engine.build_request(prompt, params, "cli", lora_request=adapter_request(args.lora)))
     except (ValueError, TypeError) as error:
         if engine is not None:
             engine.close()

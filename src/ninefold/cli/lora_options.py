@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ninefold.cli._common import checked_type
 
@@ -28,6 +29,33 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any path the "
                              "server can reach: for trusted clients only)")
+
+
+def add_adapter_argument(parser: argparse.ArgumentParser) -> None:
+    """``--lora DIR``: generate with one LoRA adapter (``ninefold generate`` and ``ninefold chat``)."""
+    parser.add_argument("--lora", default=None, metavar="DIR",
+                        help="a LoRA adapter (a PEFT directory, as peft's save_pretrained writes it) to generate with")
+
+
+def adapter_engine_args(path: str | None) -> dict:
+    """Engine keywords for ``--lora``: LoRA on, with room for the adapter's rank as its config states it."""
+    if path is None:
+        return {}
+    rank = 16
+    try:
+        settings = json.loads((Path(path) / "adapter_config.json").read_text())
+        ranks = [settings.get("r", 0), *(settings.get("rank_pattern") or {}).values()]
+        rank = max([rank, *(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))])
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # an unreadable config: the engine names what is wrong when the request is built
+    return {"enable_lora": True, "max_lora_rank": rank}
+
+
+def adapter_request(path: str | None):
+    """The ``LoRARequest`` of ``--lora`` (None without it)."""
+    from ninefold.llm.lora import LoRARequest
+
+    return None if path is None else LoRARequest(Path(path).name or "lora", 1, path)
 
 
 def lora_engine_args(args: argparse.Namespace) -> dict:
