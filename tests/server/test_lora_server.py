@@ -4,6 +4,7 @@ unloading, and the 4xx cases (each followed by a served request)."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -145,3 +146,34 @@ def test_lora_flags_are_checked_at_start(tmp_path, lora_server):
         with pytest.raises(RuntimeError, match="exited") as info:
             ServerProcess(SimpleNamespace(path=base), tmp_path, *args)
         assert words in str(info.value)
+
+
+def test_concurrent_requests_over_more_adapters_than_slots(lora_server):
+    """Twelve streams at once over three adapters and the base model with two slots: adapters take turns, every
+    answer is the one the adapter gives alone, and afterwards nothing holds a slot or a KV block."""
+    proc, base, adapters = lora_server
+    extra = httpx.post(proc.base + "/v1/load_lora_adapter", json={"lora_name": "late2", "lora_path":
+                                                                   str(adapters["late"])}, timeout=60)
+    assert extra.status_code == 200, extra.text
+    names = ["sql", "chat", "late2", "tiny"] * 3
+    prompts = [f"{PROMPT} {i}" for i in range(len(names))]
+    client = openai.AsyncOpenAI(base_url=proc.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(name, prompt):
+        stream = await client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of():
+        return await asyncio.gather(*(one(n, p) for n, p in zip(names, prompts)))
+
+    texts = asyncio.run(all_of())
+    paths = {"sql": adapters["sql"], "chat": adapters["chat"], "late2": adapters["late"], "tiny": None}
+    for name, prompt, text in zip(names, prompts, texts):
+        assert text == reference(base, paths[name], prompt, 10), name
+    idle = proc.wait_idle()
+    assert idle["ninefold:num_free_kv_blocks"] == idle["ninefold:num_kv_blocks"]
+    info = next(line for line in httpx.get(proc.base + "/metrics", timeout=10).text.splitlines()
+                if line.startswith("ninefold:lora_requests_info{"))
+    assert 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
+    assert httpx.post(proc.base + "/v1/unload_lora_adapter", json={"lora_name": "late2"}, timeout=60).status_code == 200
