@@ -212,3 +212,28 @@ def test_adapters_on_cuda_match_peft_beside_graph_steps(setup):
     assert ids_of(outs) == [peft_greedy(base, adapters[n] if n else None, p) for n, p in zip(names, prompts)]
     alone = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=GREEDY)  # graph replays only
     assert ids_of(alone) == [peft_greedy(base, None, prompts[1])]
+
+
+def test_embeddings_under_adapters_match_peft_hidden_states(setup):
+    """LLM.embed with an adapter per prompt (one slot: the step splits where a second adapter would need one):
+    each vector is peft's final hidden state at the last token under that adapter, normalized."""
+    from peft import PeftModel
+
+    base, adapters = setup
+    llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16, block_size=8,
+              num_kv_blocks=32)
+    prompts = prompts_for(320, lengths=(7, 12, 5, 9), seed=13)
+    names = ["all", None, "mlp", "all"]
+    loras = [request(adapters, n, {"all": 1, "mlp": 3}[n]) if n else None for n in names]
+    got = [o.outputs.embedding for o in llm.embed(prompt_token_ids=prompts, lora_request=loras)]
+    for name, prompt, vector in zip(names, prompts, got):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=0)
+        torch.testing.assert_close(torch.tensor(vector), want, atol=2e-5, rtol=0)
+    assert llm.engine.lora_slots.refs == [0]
+    with pytest.raises(ValueError, match="lora_request: 1 given for 4 prompts"):
+        llm.embed(prompt_token_ids=prompts, lora_request=loras[:1])

@@ -111,10 +111,12 @@ class LLM:
         prompt_token_ids: list[list[int]] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (the same prompt forms as ``generate``), in prompt order: the model's final
         hidden states pooled as its files say (``ninefold.llm.pooling``; last token and normalized by default).
-        ``truncate_prompt_tokens`` applies to every prompt whose ``PoolingParams`` leave it unset."""
+        ``truncate_prompt_tokens`` applies to every prompt whose ``PoolingParams`` leave it unset;
+        ``lora_request``: an adapter for every prompt, or one (or None) per prompt (``enable_lora=True``)."""
         items = _prompt_list(prompts, prompt_token_ids)
         params = pooling_params
         if truncate_prompt_tokens is not None:
@@ -122,7 +124,7 @@ class LLM:
                       else replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in (params if isinstance(params, list) else [params or PoolingParams()] * len(items))]
         embedder = self.engine.embedder
-        requests = embedder.build_requests(items, params)
+        requests = embedder.build_requests(items, params, lora_request=lora_request)
         outputs = []
         with tqdm(total=len(requests), disable=not use_tqdm, desc="embedding") as bar:
             for batch in embedder.batches(requests):
