@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_lora import peft_greedy, request
+from test_lora import _references, peft_greedy, request
 from test_parity import prompts_for
 from tiny_models import build_model_dir, write_lora_adapter
 
@@ -73,7 +73,7 @@ def test_an_id_loaded_again_after_forget_gets_new_weights_and_no_old_cache(setup
     write_lora_adapter(base, path, r=4, seed=6)  # retrained in place, then unloaded and loaded again
     engine.lora_slots.forget(1)
     new = run()
-    peft_greedy.__globals__["_references"].pop((str(path), tuple(prompt), 16))  # the reference reads the new files
+    _references.pop((str(path), tuple(prompt), 16))  # the reference reads the new files
     assert new.num_cached_tokens == 0
     assert new.outputs[0].token_ids == peft_greedy(base, path, prompt, 16) != expected_old
 

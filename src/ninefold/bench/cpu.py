@@ -85,9 +85,19 @@ def build_workload(path: Path, prefill_tokens: int, batch: int, decode_tokens: i
     return Workload(prompts[0], long, prompts, decode_tokens, repeats)
 
 
-def _best(values):
+def best_of(values):
+    """The largest of ``values`` that is not None (None if there is none): a rate's best run."""
     values = [v for v in values if v is not None]
     return max(values) if values else None
+
+
+def check_systems(parser, value: str, systems: tuple[str, ...]) -> list[str]:
+    """``--systems``'s names (comma-separated), which must include ``systems[0]`` and name only ``systems``."""
+    names = value.split(",")
+    unknown = sorted(set(names) - set(systems))
+    if unknown or systems[0] not in names:
+        parser.error(f"--systems: got {value!r}; expected {systems[0]} plus any of {', '.join(systems[1:])}")
+    return names
 
 
 # ----------------------------------------------------------------------------- ninefold
@@ -147,7 +157,7 @@ def bench_ninefold(path: Path, dtype: str, work: Workload, quantization: str = "
         label = " packed" if dtype == "float32" else ""
     else:
         packed, label = "torch int4 (Q8_0 lm_head as 2 int4 halves)", " torch-int4"
-    return Result(f"ninefold {dtype}{label}", load, _best(decode1), _best(prefill), _best(decode8),
+    return Result(f"ninefold {dtype}{label}", load, best_of(decode1), best_of(prefill), best_of(decode8),
                   note=f"quantization={quantization!r}: {packed}", extra={"native_compile_s": round(compile_s, 2)})
 
 
@@ -193,7 +203,7 @@ def bench_transformers(path: Path, dtype: torch.dtype, work: Workload, model=Non
         return tokens / extra if extra > 0 else None
 
     name = "transformers " + str(dtype).removeprefix("torch.")
-    return Result(name, load, rate(n - 1, full1, one1), _best(prefill), rate(len(batch) * (n - 1), full8, one8),
+    return Result(name, load, rate(n - 1, full1, one1), best_of(prefill), rate(len(batch) * (n - 1), full8, one8),
                   note), model
 
 
@@ -306,7 +316,7 @@ def bench_llama_cpp(path: Path, threads: int, work: Workload) -> Result:
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     version = getattr(llama_cpp, "__version__", "?")
-    return Result(f"llama.cpp {version}", load, *(_best(r[i] for r in results) for i in range(3)),
+    return Result(f"llama.cpp {version}", load, *(best_of(r[i] for r in results) for i in range(3)),
                   note=f"llama-cpp-python {version}, {threads} threads")
 
 

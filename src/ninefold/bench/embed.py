@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ninefold.bench.cpu import llama_cpp_clear, llama_cpp_context
+from ninefold.bench.cpu import check_systems, llama_cpp_clear, llama_cpp_context
 
 SYSTEMS = ("ninefold", "transformers", "llama.cpp")
 MIN_COSINE = 0.98  # below this a peer and ninefold compute different things: the run stops
@@ -174,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args(argv)
-    systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown or "ninefold" not in systems:
-        parser.error(f"--systems: got {args.systems!r}; expected ninefold plus any of {', '.join(SYSTEMS[1:])}")
+    systems = check_systems(parser, args.systems, SYSTEMS)
     if not 1 <= args.min_len <= args.max_len:
         parser.error(f"--min-len/--max-len: got {args.min_len}/{args.max_len}; expected 1 <= min <= max")
     from ninefold.llm import hub

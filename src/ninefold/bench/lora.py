@@ -29,6 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ninefold.bench.cpu import best_of, check_systems
+from ninefold.llm.lora.adapter import MODULES, part_sizes
+
 SYSTEMS = ("ninefold", "transformers", "llama.cpp")
 MIN_COSINE = 0.98
 PROJECTIONS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -47,12 +50,9 @@ class Row:
 
 
 def projection_sizes(config) -> dict[str, tuple[int, int]]:
-    """``(in, out)`` of each projection for a ninefold ``ModelConfig``."""
-    d, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"self_attn.q_proj": (d, q), "self_attn.k_proj": (d, kv), "self_attn.v_proj": (d, kv),
-            "self_attn.o_proj": (q, d), "mlp.gate_proj": (d, inter), "mlp.up_proj": (d, inter),
-            "mlp.down_proj": (inter, d)}
+    """``(in, out)`` of each projection (``PROJECTIONS``' names) for a ninefold ``ModelConfig``."""
+    parts = part_sizes(config)
+    return {name: parts[MODULES[name.split(".")[1]][0]][MODULES[name.split(".")[1]][1]] for name in PROJECTIONS}
 
 
 def write_peft_adapter(path: Path, config, rank: int, seed: int) -> dict[str, torch.Tensor]:
@@ -115,11 +115,6 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def _best(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
-
-
 # ----------------------------------------------------------------------------- ninefold
 
 def bench_ninefold(llm, loras, prompt, mixed_prompts, tokens: int, repeats: int):
@@ -151,7 +146,7 @@ def bench_ninefold(llm, loras, prompt, mixed_prompts, tokens: int, repeats: int)
     one = [decode_rate([prompt], [loras[0]]) for _ in range(repeats)]
     mixed = [decode_rate(mixed_prompts, loras) for _ in range(repeats)]
     note = f"{engine.model.dtype}, max_loras={len(loras)}".replace("torch.", "")
-    return Row("ninefold", _best(base), _best(one), _best(mixed), note=note), adapted, plain
+    return Row("ninefold", best_of(base), best_of(one), best_of(mixed), note=note), adapted, plain
 
 
 # ----------------------------------------------------------------------------- transformers + peft
@@ -231,7 +226,7 @@ def bench_llama_cpp(model_path: str, gguf_lora: Path, prompt, tokens: int, repea
     base = [decode_rate(base_llm) for _ in range(repeats)]
     one = [decode_rate(lora_llm) for _ in range(repeats)]
     version = getattr(llama_cpp, "__version__", "?")
-    return Row(f"llama.cpp {version}", _best(base), _best(one), None,
+    return Row(f"llama.cpp {version}", best_of(base), best_of(one), None,
                note=f"GGUF LoRA via lora_path, {threads} threads"), logits
 
 
@@ -250,10 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where the adapters are written (default: a temporary one)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args(argv)
-    systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown or "ninefold" not in systems:
-        parser.error(f"--systems: got {args.systems!r}; expected ninefold plus any of {', '.join(SYSTEMS[1:])}")
+    systems = check_systems(parser, args.systems, SYSTEMS)
     for name in ("rank", "adapters", "decode_tokens", "repeats"):
         if getattr(args, name) < 1 or (name == "decode_tokens" and args.decode_tokens < 2):
             parser.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}; expected a positive integer "
@@ -298,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(peer)
     print(f"\nbatch-1 decode after a 64-token prompt, {args.decode_tokens} tokens, rank-{args.rank} adapters on "
           f"every projection, {args.threads} threads, {platform.processor() or platform.machine()}")
-    best = {k: _best(getattr(r, k) for r in rows[1:]) for k in ("base_tok_s", "lora_tok_s", "mixed_tok_s")}
+    best = {k: best_of(getattr(r, k) for r in rows[1:]) for k in ("base_tok_s", "lora_tok_s", "mixed_tok_s")}
     print(f"{'system':<20} {'base tok/s':>11} {'1 adapter':>10} {'(of base)':>10} {f'{args.adapters} mixed':>10} "
           f"{'cos vs nf':>10}  note")
     for r in rows:

@@ -59,11 +59,6 @@ class LoRASlots:
         self._lock = threading.Lock()  # requests are checked on callers' threads, slots change on the engine's
         self._load_lock = threading.Lock()  # one adapter read at a time: an id is never read twice at once
 
-    @property
-    def nbytes(self) -> int:
-        tensors = (*self.a.values(), *self.b.values(), *self.a_rows.values(), *self.b_tiles.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     # -- adapters on the host -----------------------------------------------------------------------
 
     def prepare(self, request: LoRARequest) -> Adapter:
