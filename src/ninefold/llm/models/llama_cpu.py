@@ -208,7 +208,8 @@ class NativeDecoder:
         self._kv = m.kv_caches
 
     def _bind_lora(self, lora) -> None:
-        """Point each layer's ``nf_lora`` at the adapters' float32 slots (``r`` 0 for projections no adapter uses)."""
+        """Point each layer's ``nf_lora`` at the adapters' slot-major bfloat16 copies (``r`` 0 for projections no
+        adapter uses)."""
         from ninefold.ops import cpu_native
 
         slots, used = lora.slots, frozenset(lora.used)
