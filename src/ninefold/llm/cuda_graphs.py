@@ -5,7 +5,7 @@ inputs: token ids, positions, cache slots, context lengths and block tables (ful
 ``max_blocks`` columns). Rows past the batch are padded to write nowhere (slot -1) and read one
 cached token. Every batch size is run once eagerly before capture, so kernels are chosen and
 compiled outside the capture, and where ``linear`` runs a self-tuning implementation (``cublaslt``,
-``triton_gemm``: pinned or chosen by a table) its choice is measured for each size (once per card,
+``cutlass``, ``triton_gemm``: pinned or chosen by a table) its choice is measured for each size (once per card,
 then read from the cache).
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from ninefold.llm.models.llama import AttentionMetadata
 from ninefold.ops.cublaslt import tuning as cublaslt_tuning
+from ninefold.ops.cutlass import tuning as cutlass_tuning
 from ninefold.ops.triton import gemm_tuning
 from ninefold.runtime.cuda_graph import CudaGraphRunner
 
@@ -46,7 +47,8 @@ class DecodeGraphs:
             torch.zeros((M, max_blocks), dtype=torch.int32, device=dev),  # block tables
         )
         self.runner = CudaGraphRunner(self._forward, self.sizes, examples, pad_values=(0, 0, -1, 1, 0))
-        with torch.inference_mode(), cublaslt_tuning.autotune(), gemm_tuning.autotune():
+        with (torch.inference_mode(), cublaslt_tuning.autotune(), cutlass_tuning.autotune(),
+              gemm_tuning.autotune()):
             for size in reversed(self.sizes):
                 self._forward(*(x[:size] for x in examples))
             torch.cuda.synchronize()

@@ -41,6 +41,9 @@ fused_linear.register_triton()  # the one-row GEMV behind linear and the *_linea
 from ninefold.ops.cublaslt import register_cuda as _register_cublaslt  # noqa: E402
 
 _register_cublaslt()  # linear with a measured cuBLASLt algorithm per decode shape
+from ninefold.ops.cutlass import register_cuda as _register_cutlass  # noqa: E402
+
+_register_cutlass()  # linear with a measured CUTLASS configuration per decode shape (when its library is built)
 import ninefold.ops.cpu_native.attention  # noqa: E402,F401  (native CPU attention_prefill)
 import ninefold.ops.cpu_native.rows  # noqa: E402,F401  (native CPU add_rms_norm, silu_and_mul, rope)
 import ninefold.ops.dsl_impls  # noqa: E402,F401  (registers the DSL kernels; they import on first use)

@@ -82,3 +82,24 @@ class RotatingWeights:
             self._turn = (self._turn + 1) % len(self.weights)
             run(self.weights[self._turn])
         return call
+
+
+def fastest(runs: dict, device, rounds, baseline: str, min_gain: float) -> tuple[str, dict[str, float]]:
+    """The fastest of ``runs`` (``{name: no-argument function}``) and every time measured, in us.
+
+    Each round of ``rounds`` (``(repeats, keep)``) times the candidates left, keeping the best ``keep``
+    of the previous round (``None``: all) and always ``baseline``; a candidate must beat ``baseline``
+    by ``min_gain`` (a fraction) to be picked over it."""
+    times: dict[str, float] = {}
+    field = list(runs)
+    for repeats, keep in rounds:
+        if keep is not None:
+            field = sorted(field, key=times.get)[:keep]
+            if baseline not in field:
+                field.append(baseline)
+        for name in field:
+            times[name] = measure(runs[name], device, repeats=repeats)
+    best = min(field, key=times.get)
+    if best != baseline and times[best] > (1 - min_gain) * times[baseline]:
+        best = baseline
+    return best, times

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ninefold.ops.cublaslt import binding, tuning
+from ninefold.ops.gemm_operands import plain_product, unsupported
 from ninefold.ops.registry import register
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -32,22 +33,14 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 def supports(x, weight, bias=None) -> str | None:
     """``None`` when the cuBLASLt path can take these arguments, else why not."""
-    if x.device.type != "cuda":
-        return "CUDA tensors only"
-    if x.dtype not in DTYPES:
-        return f"dtype {x.dtype}: float16 or bfloat16 only"
-    if not weight.is_contiguous():
-        return "the weight must be contiguous"
-    return None
+    return unsupported(x, weight, DTYPES)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with the tuned cuBLASLt algorithm for this shape, or ``F.linear``."""
     k = x.shape[-1]
-    if (bias is not None or x.numel() == 0 or not x.is_contiguous() or not weight.is_contiguous()
-            or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype or weight.device != x.device
-            or x.dtype not in DTYPES or not _aligned(x, weight)):
-        return F.linear(x, weight, bias)  # including what it should refuse: its error names the problem
+    if not plain_product(x, weight, bias, DTYPES, ALIGNMENT):
+        return F.linear(x, weight, bias)
     m, n = x.numel() // k, weight.shape[0]
     algo = tuning.choice(m, n, k, x.dtype, x.device) if _usable() else None
     if algo is None:
@@ -58,12 +51,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 ALIGNMENT = 256  # the heuristic's default assumption about operand addresses (cuBLASLt's MIN_ALIGNMENT_*)
-
-
-def _aligned(*tensors) -> bool:
-    """Whether every operand starts at an address the offered algorithms may assume (a view into the
-    middle of a buffer may not; it then runs ``F.linear``)."""
-    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
 @functools.cache

@@ -106,18 +106,7 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, progr
             continue
         found[name] = cand
         runs[name] = rotating(lambda w, a=cand.algo: binding.matmul(x, w, out, a))
-    times: dict[str, float] = {}
-    field = list(runs)
-    for repeats, keep in ROUNDS:
-        if keep is not None:
-            field = sorted(field, key=times.get)[:keep]
-            if VENDOR not in field:
-                field.append(VENDOR)
-        for name in field:
-            times[name] = timing.measure(runs[name], device, repeats=repeats)
-    best = min(field, key=times.get)
-    if best != VENDOR and times[best] > (1 - MIN_GAIN) * times[VENDOR]:
-        best = VENDOR
+    best, times = timing.fastest(runs, device, ROUNDS, VENDOR, MIN_GAIN)
     picked = VENDOR if best == VENDOR else {"algo": binding.algo_words(found[best].algo), "name": best}
     name = key(device_model(device), dtype, m, n, k)
     CACHE.store(name, picked)

@@ -1,0 +1,58 @@
+"""``linear`` through CUTLASS's Hopper GEMMs with a measured configuration per shape (implementation ``cutlass``).
+
+Between 64 and 256 rows (the large decode batches) cuBLAS gives some Llama-3.1-8B layers fewer
+output tiles than the H200 has SMs (docs/perf/llm.md). ``ninefold.ops.cutlass`` compiles CUTLASS 3's
+warp-specialized TMA kernels with stream-K and split-K schedulers and with the operands swapped
+(``build.py``; ``python -m ninefold.ops.cutlass.build``, once, no GPU needed) and runs, for shapes
+``tuning`` has measured, the fastest of them, and ``F.linear`` everywhere else (untuned shapes, other
+dtypes, a bias, devices other than sm_90). Without a built library it runs ``F.linear``. It registers
+below cuBLAS: pin it (``NINEFOLD_OPS=linear=cutlass``) or let a tuning table choose it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ninefold.ops.gemm_operands import plain_product, unsupported
+from ninefold.ops.registry import register
+
+DTYPES = (torch.bfloat16,)
+ALIGNMENT = 16  # TMA needs 16-byte aligned operand addresses
+
+
+def supports(x, weight, bias=None) -> str | None:
+    """``None`` when the CUTLASS path can take these arguments, else why not."""
+    return unsupported(x, weight, DTYPES)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with the tuned CUTLASS configuration for this shape, or ``F.linear``."""
+    from ninefold.ops.cutlass import binding, tuning
+
+    k = x.shape[-1]
+    if not plain_product(x, weight, bias, DTYPES, ALIGNMENT) or k % 8 or weight.shape[0] % 8 or not _usable(x.device):
+        return F.linear(x, weight, bias)
+    m, n = x.numel() // k, weight.shape[0]
+    picked = tuning.choice(m, n, k, x.device)
+    if picked is None:
+        return F.linear(x, weight, bias)
+    out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    binding.matmul(x.view(m, k), weight, out.view(m, n), *picked)
+    return out
+
+
+@functools.cache
+def _usable(device: torch.device) -> bool:
+    from ninefold.ops.cutlass import binding
+
+    return torch.cuda.get_device_capability(device)[0] == 9 and binding.unavailable() is None
+
+
+def register_cuda() -> None:
+    """Register ``linear`` implementation ``cutlass`` below cuBLAS (pinned with ``NINEFOLD_OPS=linear=cutlass``)."""
+    if torch.cuda.is_available():
+        register("linear", "cutlass", devices=("cuda",), dtypes=DTYPES, supports=supports,
+                 priority={"cuda": -6})(linear)

@@ -1,0 +1,120 @@
+"""Measured CUTLASS configurations for ``linear``, per exact shape.
+
+For one (device, M, N, K) in bfloat16 the tuner checks every candidate (``candidates``: each
+configuration of ``build.CONFIGS`` with each decomposition it offers) against ``F.linear``, times
+them and ``F.linear`` over rotating copies of the weight (so the weight streams from memory, as in a
+decode step) and keeps the fastest, or ``"vendor"`` when none beats ``F.linear`` by ``MIN_GAIN``.
+Choices persist in ``$NINEFOLD_CACHE_DIR/ops/cutlass-<fingerprint>.json`` keyed also by the
+library's build key, so a second process pays nothing and a rebuilt library is measured again.
+
+Tuning runs only inside ``with autotune():`` (the engine's decode-graph capture) or with
+``NINEFOLD_CUTLASS_AUTOTUNE=1``, and only for ``TUNED_ROWS``; every other shape runs ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ninefold.ops import timing
+from ninefold.ops.choice_cache import ChoiceCache
+from ninefold.ops.cutlass import binding, build
+
+VENDOR = "vendor"
+MIN_GAIN = 0.02  # a configuration must be this much faster than F.linear to replace it
+ROUNDS = ((5, None), (20, 4))  # (repeats, keep the best n of the previous round)
+SPLITS = (2, 3, 4)
+TUNED_ROWS = range(48, 513)  # where cuBLAS leaves SMs idle (docs/perf/llm.md); fewer rows take the GEMVs
+
+measured: dict = {}  # this process's tuning runs: key -> {candidate: us}, fastest first
+CACHE = ChoiceCache("cutlass", "NINEFOLD_CUTLASS_AUTOTUNE")
+autotune = CACHE.autotune
+
+
+def candidates(configs=build.CONFIGS) -> list[tuple[int, str, int]]:
+    """Every ``(configuration index, mode, splits)`` the configurations offer."""
+    out = []
+    for index, config in enumerate(configs):
+        for mode in config.modes:
+            for splits in (SPLITS if mode == "split_k" else (1,)):
+                out.append((index, mode, splits))
+    return out
+
+
+def describe(candidate, configs=build.CONFIGS) -> str:
+    """``<configuration name>/<mode>[splits]``."""
+    index, mode, splits = candidate
+    return f"{configs[index].name}/{mode}{splits if mode == 'split_k' else ''}"
+
+
+def key(device_name: str, m: int, n: int, k: int) -> str:
+    """The cache key of one product shape (bfloat16) under the loaded library."""
+    return f"{device_name}|cutlass-{binding.library_key()}|bfloat16|{m}|{n}|{k}"
+
+
+def choice(m: int, n: int, k: int, device: torch.device) -> tuple[int, str, int] | None:
+    """The candidate to run (``None``: ``F.linear``), tuning first when allowed and not yet known."""
+    from ninefold.ops.dispatch import device_model
+
+    if m not in TUNED_ROWS:
+        return None
+    known = CACHE.choices().get(key(device_model(device), m, n, k))
+    if known is None:
+        if not CACHE.autotune_on() or torch.cuda.is_current_stream_capturing():
+            return None
+        known = tune(m, n, k, device)["choice"]
+    return None if known == VENDOR else tuple(known)
+
+
+def tune(m: int, n: int, k: int, device: torch.device, progress: bool = True) -> dict:
+    """Time ``F.linear`` and every candidate for this shape, remember the fastest and return
+    ``{"choice": [config, mode, splits] or "vendor", "times_us": {...}}``."""
+    from tqdm import tqdm
+
+    from ninefold.ops.dispatch import device_model
+
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    rotation = timing.RotatingWeights(n, k, dtype, device)
+    weights = rotation.weights
+    want = F.linear(x, weights[0]).float()
+    scale = max(want.abs().max().item(), 1e-6)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    runs = {VENDOR: rotation.step(lambda w: F.linear(x, w))}
+    found = {}
+    for cand in tqdm(candidates(), desc=f"CUTLASS linear M={m} N={n} K={k}", unit="config", disable=not progress,
+                     leave=False):
+        name = describe(cand)
+        try:
+            binding.matmul(x, weights[0], out, *cand)
+        except binding.CutlassError as e:
+            if "cannot run this shape" not in str(e):
+                warnings.warn(f"CUTLASS {name} failed at M={m} N={n} K={k}: {e}; not used", stacklevel=2)
+            continue
+        err = (out.float() - want).abs().max().item() / scale
+        if not err <= 2e-2:
+            warnings.warn(f"CUTLASS {name} disagrees with F.linear at M={m} N={n} K={k} (relative error {err:.3g}); "
+                          "not used", stacklevel=2)
+            continue
+        found[name] = cand
+        runs[name] = rotation.step(lambda w, c=cand: binding.matmul(x, w, out, *c))
+    best, times = timing.fastest(runs, device, ROUNDS, VENDOR, MIN_GAIN)
+    picked = VENDOR if best == VENDOR else list(found[best])
+    name = key(device_model(device), m, n, k)
+    CACHE.store(name, picked)
+    measured[name] = {c: round(t, 3) for c, t in sorted(times.items(), key=lambda item: item[1])}
+    return {"choice": picked, "times_us": measured[name]}
+
+
+def measured_times(m: int, n: int, k: int, device: torch.device) -> dict | None:
+    """What this process's tuning run of the shape measured (``{candidate: us}``, fastest first)."""
+    from ninefold.ops.dispatch import device_model
+
+    return measured.get(key(device_model(device), m, n, k))
+
+
+def forget() -> None:
+    """Drop the in-memory choices (the file is re-read on the next call)."""
+    CACHE.forget()

@@ -1,0 +1,192 @@
+"""``linear`` through CUTLASS's Hopper GEMMs (``ninefold.ops.cutlass``): the build's toolchain checks and
+generated table, the binding's refusals, and on an sm_90 GPU with a built library every configuration
+and decomposition against float64, CUDA-graph replay and the tuner's persisted choice."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ninefold.ops as ops
+from ninefold.ops import cutlass
+from ninefold.ops.cutlass import binding, build, tuning
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_library = pytest.mark.skipif(not HOPPER or binding.unavailable() is not None,
+                                   reason="needs an sm_90 GPU and a built CUTLASS library (NINEFOLD_CUTLASS_LIB)")
+
+
+def test_configurations_have_distinct_names_and_their_modes():
+    names = [c.name for c in build.CONFIGS]
+    assert len(set(names)) == len(names), names
+    for config in build.CONFIGS:
+        assert config.modes == (("data_parallel", "split_k", "stream_k") if config.scheduler == "stream_k"
+                                else ("data_parallel",))
+        assert f"-DNF_SWAP={int(config.swapped)}" in config.macros(0)
+    want = sum(1 + len(tuning.SPLITS) + 1 if c.scheduler == "stream_k" else 1 for c in build.CONFIGS)
+    assert len(tuning.candidates()) == want
+    assert tuning.describe((1, "split_k", 3)) == f"{build.CONFIGS[1].name}/split_k3"
+
+
+def test_dispatch_table_lists_every_configuration_in_order():
+    source = build.dispatch_source()
+    entries = [line.strip() for line in source.splitlines() if line.strip().startswith('{"')]
+    assert entries == [f'{{"{c.name}", nf_cutlass_workspace_{i}, nf_cutlass_run_{i}}},'
+                       for i, c in enumerate(build.CONFIGS)]
+    assert 'extern "C" int nf_cutlass_run(int config' in source
+
+
+def test_missing_toolchain_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTLASS_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "cutlass_library", None)
+    with pytest.raises(build.BuildError, match="CUTLASS_DIR"):
+        build.find_cutlass()
+    for var in ("NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NVCC", str(tmp_path / "no-nvcc"))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "nvidia", None)
+    with pytest.raises(build.BuildError, match="nvcc not found"):
+        build.find_nvcc()
+
+
+def test_cutlass_version_is_read_and_old_ones_refused(tmp_path):
+    (tmp_path / "cutlass").mkdir()
+    header = tmp_path / "cutlass" / "version.h"
+    header.write_text("#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 1\n")
+    assert build.cutlass_version(tmp_path) == "4.2.1"
+    header.write_text("#define CUTLASS_MAJOR 2\n#define CUTLASS_MINOR 11\n#define CUTLASS_PATCH 0\n")
+    with pytest.raises(build.BuildError, match="CUTLASS 3.0 or newer"):
+        build.cutlass_version(tmp_path)
+
+
+def test_build_key_follows_the_sources_and_toolchain():
+    key = build.build_key("13.5", "4.2.0")
+    assert key == build.build_key("13.5", "4.2.0")
+    assert key != build.build_key("12.8", "4.2.0") and key != build.build_key("13.5", "3.9.2")
+    assert build.sources_hash(build.CONFIGS[:2]) != build.sources_hash()
+
+
+def test_library_path_and_a_clear_error_without_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("NINEFOLD_CUTLASS_LIB", str(tmp_path))
+    assert binding.library_path() == tmp_path / build.LIBRARY
+    monkeypatch.delenv("NINEFOLD_CUTLASS_LIB")
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    assert binding.library_path() is None
+    stale = tmp_path / "cutlass" / "old"
+    stale.mkdir(parents=True)
+    (stale / build.LIBRARY).write_bytes(b"")
+    (stale / "manifest.json").write_text(json.dumps({"key": "x", "sources": "not these sources"}))
+    assert binding.library_path() is None  # built from other sources: never picked
+    monkeypatch.setattr(binding, "_state", {})
+    with pytest.raises(binding.CutlassError, match="python -m ninefold.ops.cutlass.build"):
+        binding.library()
+    assert "not built" in binding.unavailable()
+
+
+def test_matmul_names_bad_arguments():
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="x: expected a contiguous 2-D bfloat16 CUDA tensor"):
+        binding.matmul(x, w, torch.empty(4, 8), 0)
+    with pytest.raises(ValueError, match="mode: got 'fast'"):
+        binding._mode("fast")
+
+
+def test_linear_on_cpu_is_f_linear():
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert cutlass.supports(x, w) == "CUDA tensors only"
+    assert torch.equal(cutlass.linear(x, w), F.linear(x, w))
+    names = [i.name for i in ops.registry.all_implementations("linear")]
+    assert ("cutlass" in names) == torch.cuda.is_available(), names
+
+
+def _toolchain() -> str | None:
+    try:
+        build.find_nvcc(), build.find_cutlass()
+    except build.BuildError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.skipif(_toolchain() is not None, reason=f"no CUTLASS toolchain: {_toolchain()}")
+def test_one_configuration_builds_into_a_library(tmp_path):
+    path = build.build(tmp_path, configs=build.CONFIGS[:1], quiet=True)
+    assert path.is_file() and path.stat().st_size > 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["configs"] == [build.CONFIGS[0].name]
+    assert manifest["sources"] == build.sources_hash(build.CONFIGS[:1])
+    assert build.build(tmp_path, configs=build.CONFIGS[:1], quiet=True) == path  # up to date: reused
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    tuning.forget()
+    yield tmp_path
+    tuning.forget()
+
+
+@needs_library
+@pytest.mark.parametrize("m", [64, 77, 200])
+def test_every_candidate_matches_float64(m):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 1536, 1024
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    ran = []
+    for cand in tuning.candidates():
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        try:
+            binding.matmul(x, w, out, *cand)
+        except binding.CutlassError as error:
+            assert "cannot run this shape" in str(error), (tuning.describe(cand), error)
+            continue
+        err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-2, (tuning.describe(cand), err)
+        ran.append(tuning.describe(cand))
+    assert len(ran) >= len(tuning.candidates()) // 2, ran
+
+
+@needs_library
+def test_stream_k_replays_in_a_cuda_graph():
+    m, n, k = 160, 4096, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    cand = next(c for c in tuning.candidates() if c[1] == "stream_k")
+    binding.matmul(x, w, out, *cand)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        binding.matmul(x, w, out, *cand)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = x.float() @ w.float().T
+        assert (out.float() - want).abs().max().item() < 2e-2 * want.abs().max().item()
+
+
+@needs_library
+def test_tuning_persists_and_linear_uses_it(fresh_cache):
+    m, n, k = 192, 4096, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    assert tuning.choice(m, n, k, x.device) is None  # outside autotune: not tuned, F.linear
+    assert tuning.choice(8, n, k, x.device) is None  # below TUNED_ROWS: never tuned
+    result = tuning.tune(m, n, k, x.device, progress=False)
+    assert tuning.VENDOR in result["times_us"] and all(t > 0 for t in result["times_us"].values())
+    assert len(list((fresh_cache / "ops").glob("cutlass-*.json"))) == 1
+    tuning.forget()
+    picked = tuning.choice(m, n, k, x.device)  # read back from the file
+    assert picked == (None if result["choice"] == tuning.VENDOR else tuple(result["choice"]))
+    got, want = cutlass.linear(x, w), F.linear(x, w)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2 * want.float().abs().max().item()
+    with ops.use(linear="cutlass"):
+        assert ops.choose("linear", x, w) == "cutlass"
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(cutlass.linear(x, w, b), F.linear(x, w, b))  # a bias: F.linear
