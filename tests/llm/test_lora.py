@@ -200,18 +200,34 @@ def test_errors_name_the_argument(setup, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_adapters_on_cuda_match_peft_beside_graph_steps(setup):
-    """On a GPU, steps with adapter rows run eagerly and base-only steps replay CUDA graphs; both agree with peft."""
+    """On a GPU, decode steps with adapter rows replay the adapters' CUDA graphs and base-only steps the base
+    graphs; both agree with peft, also after an adapter is swapped into a slot the graphs were captured with."""
     base, adapters = setup
     llm = LLM(str(base), device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               block_size=8, num_kv_blocks=128)
-    assert llm.engine.runner.graphs is not None
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.lora_runner is not None
+    replays = {"adapters": 0, "base": 0}
+    run = graphs.run
+
+    def counting_run(*args):
+        replays["base" if args[5] is None else "adapters"] += 1
+        return run(*args)
+
+    graphs.run = counting_run
     prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19, 33))
     names = ["all", None, "mlp"]
     reqs = [request(adapters, n, i + 1) if n else None for i, n in enumerate(names)]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=reqs)
     assert ids_of(outs) == [peft_greedy(base, adapters[n] if n else None, p) for n, p in zip(names, prompts)]
-    alone = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=GREEDY)  # graph replays only
+    assert replays["adapters"] > 0, replays
+    before = dict(replays)
+    alone = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=GREEDY)  # base graphs only
     assert ids_of(alone) == [peft_greedy(base, None, prompts[1])]
+    assert replays["adapters"] == before["adapters"] and replays["base"] > before["base"], replays
+    # a third adapter takes a slot of the two above: the same graphs read the new weights
+    third = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY, lora_request=request(adapters, "qv", 7))
+    assert ids_of(third) == [peft_greedy(base, adapters["qv"], prompts[0])]
 
 
 def test_embeddings_under_adapters_match_peft_hidden_states(setup):

@@ -2,7 +2,9 @@
 
 The captured function is the model's decode forward plus the logits, taking five batch-first
 inputs: token ids, positions, cache slots, context lengths and block tables (full width,
-``max_blocks`` columns). Rows past the batch are padded to write nowhere (slot -1) and read one
+``max_blocks`` columns). An engine with adapters also captures a second set taking each row's
+adapter slot as a sixth input, which adds every projection's ``((x @ A) * mask) @ B`` whatever
+the slots hold (slot weights live in fixed buffers, so loading an adapter needs no new capture). Rows past the batch are padded to write nowhere (slot -1) and read one
 cached token. Every batch size is run once eagerly before capture, so kernels are chosen and
 compiled outside the capture, and where ``linear`` runs a self-tuning implementation (``cublaslt``,
 ``cutlass``, ``triton_gemm``: pinned or chosen by a table) its choice is measured for each size (once per card,
@@ -35,8 +37,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode graphs of ``model`` (forward + logits) for every size in ``capture_sizes``."""
 
-    def __init__(self, model, max_blocks: int, max_batch: int):
+    def __init__(self, model, max_blocks: int, max_batch: int, lora_slots=None):
         self.model = model
+        self.lora_slots = lora_slots
         self.sizes = capture_sizes(max_batch)
         M, dev = self.sizes[-1], model.device
         examples = (
@@ -46,13 +49,21 @@ class DecodeGraphs:
             torch.ones(M, dtype=torch.int32, device=dev),  # context lengths
             torch.zeros((M, max_blocks), dtype=torch.int32, device=dev),  # block tables
         )
-        self.runner = CudaGraphRunner(self._forward, self.sizes, examples, pad_values=(0, 0, -1, 1, 0))
+        pads = (0, 0, -1, 1, 0)
+        self.runner = CudaGraphRunner(self._forward, self.sizes, examples, pad_values=pads)
+        self.lora_runner = None
+        if lora_slots is not None:
+            no_adapter = torch.full((M,), -1, dtype=torch.int64, device=dev)  # each row's slot, -1: none
+            self.lora_runner = CudaGraphRunner(self._forward_lora, self.sizes, (*examples, no_adapter),
+                                               pad_values=(*pads, -1))
         with (torch.inference_mode(), cublaslt_tuning.autotune(), cutlass_tuning.autotune(),
               gemm_tuning.autotune()):
             for size in reversed(self.sizes):
                 self._forward(*(x[:size] for x in examples))
             torch.cuda.synchronize()
             self.runner.capture()
+            if self.lora_runner is not None:
+                self.lora_runner.capture()
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
@@ -61,6 +72,16 @@ class DecodeGraphs:
         meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, context_lens=context_lens)
         return self.model.compute_logits(self.model.forward(ids, positions, meta))
 
-    def run(self, ids, positions, slots, context_lens, block_tables) -> torch.Tensor:
-        """Logits ``[B, V]`` of one decode step (inputs batch-first; host tensors should be pinned)."""
-        return self.runner(ids, positions, slots, context_lens, block_tables)
+    def _forward_lora(self, ids, positions, slots, context_lens, block_tables, row_slots) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, context_lens=context_lens)
+        lora = self.lora_slots.step(row_slots, every_matrix=True)  # fixed work: whichever adapters fill the slots
+        return self.model.compute_logits(self.model.forward(ids, positions, meta, lora=lora))
+
+    def run(self, ids, positions, slots, context_lens, block_tables, row_slots=None) -> torch.Tensor:
+        """Logits ``[B, V]`` of one decode step (inputs batch-first; host tensors should be pinned);
+        ``row_slots``: each row's adapter slot (-1: none), for engines with adapters (``lora_slots``)."""
+        if row_slots is None:
+            return self.runner(ids, positions, slots, context_lens, block_tables)
+        if self.lora_runner is None:
+            raise ValueError("row_slots: these graphs were captured without adapters (lora_slots=None)")
+        return self.lora_runner(ids, positions, slots, context_lens, block_tables, row_slots)

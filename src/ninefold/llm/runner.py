@@ -139,7 +139,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             from ninefold.llm.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.max_blocks, cuda_graph_max_batch)
+            self.graphs = DecodeGraphs(model, self.max_blocks, cuda_graph_max_batch, lora_slots)
 
     @torch.inference_mode()
     def launch(self, step: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
@@ -251,8 +251,8 @@ class ModelRunner:
             if seq.pending_row >= 0:
                 rows.append(row)
                 sources.append(seq.pending_row)
-        lora = self._lora_step([1] * len(step), step)
-        graphs = self.graphs is not None and self.graphs.fits(len(step)) and lora is None
+        row_slots = self._lora_rows([1] * len(step), step)
+        graphs = self.graphs is not None and self.graphs.fits(len(step))
         width = self.max_blocks if graphs else max(len(s.seq.block_table) for s in step)
         put = self.buffers.to_device if not graphs else self.buffers.pinned_host
         pos = np.array(positions, dtype=np.int64)
@@ -263,8 +263,9 @@ class ModelRunner:
                 put("context", (pos + 1).astype(np.int32), torch.int32),
                 self._block_tables(step, width, pinned=graphs))
         if graphs:
-            return self.graphs.run(*args)
+            return self.graphs.run(*args, None if row_slots is None else put("lora_slots", row_slots, torch.int64))
         meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3])
+        lora = None if row_slots is None else self.lora_slots.step(put("lora_slots", row_slots, torch.int64))
         return self.model.compute_logits(self._forward(args[0], args[1], meta, lora))
 
     def _forward(self, token_ids, positions, meta, lora):
@@ -273,13 +274,17 @@ class ModelRunner:
             return self.model.forward(token_ids, positions, meta)
         return self.model.forward(token_ids, positions, meta, lora=lora)
 
-    def _lora_step(self, rows_per_seq: list[int], step: list[ScheduledSeq]):
-        """The adapters' deltas for a step whose sequences take ``rows_per_seq`` rows each, in ``step``'s order;
-        None when no row uses an adapter."""
+    def _lora_rows(self, rows_per_seq: list[int], step: list[ScheduledSeq]) -> np.ndarray | None:
+        """Each row's adapter slot (-1: none) for a step whose sequences take ``rows_per_seq`` rows each, in
+        ``step``'s order; None when no row uses an adapter."""
         if self.lora_slots is None or all(s.seq.lora_slot < 0 for s in step):
             return None
-        slots = np.repeat(np.array([s.seq.lora_slot for s in step], dtype=np.int64), rows_per_seq)
-        return self.lora_slots.step(self.buffers.to_device("lora_slots", slots, torch.int64))
+        return np.repeat(np.array([s.seq.lora_slot for s in step], dtype=np.int64), rows_per_seq)
+
+    def _lora_step(self, rows_per_seq: list[int], step: list[ScheduledSeq]):
+        """The adapters' deltas for such a step (``_lora_rows`` on the device), or None."""
+        rows = self._lora_rows(rows_per_seq, step)
+        return None if rows is None else self.lora_slots.step(self.buffers.to_device("lora_slots", rows, torch.int64))
 
     def _prefill(self, step: list[ScheduledSeq], prev_tokens=None) -> torch.Tensor:
         bs = self.block_size

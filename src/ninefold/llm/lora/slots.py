@@ -172,18 +172,20 @@ class LoRASlots:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def step(self, row_slots: torch.Tensor) -> LoRAStep:
-        """The deltas for a step whose row ``t`` uses slot ``row_slots[t]`` (-1: no adapter), ``[T]`` int64."""
-        return LoRAStep(self, row_slots)
+    def step(self, row_slots: torch.Tensor, every_matrix: bool = False) -> LoRAStep:
+        """The deltas for a step whose row ``t`` uses slot ``row_slots[t]`` (-1: no adapter), ``[T]`` int64;
+        ``every_matrix``: compute them for every projection, not only those the adapters in the slots now
+        change (a CUDA graph must not depend on which adapters are loaded)."""
+        return LoRAStep(self, row_slots, every_matrix)
 
 
 class LoRAStep:
     """Adds the adapters' deltas to one step's projections (``add``), building each rank width's mask once."""
 
-    def __init__(self, slots: LoRASlots, row_slots: torch.Tensor):
+    def __init__(self, slots: LoRASlots, row_slots: torch.Tensor, every_matrix: bool = False):
         self.slots = slots
         self.row_slots = row_slots
-        self.used = slots.matrices_in_use()
+        self.used = set(slots.parts) if every_matrix else slots.matrices_in_use()
         self._masks: dict[int, torch.Tensor] = {}
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
