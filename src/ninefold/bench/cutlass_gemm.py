@@ -70,12 +70,48 @@ def run(batches, layers) -> dict:
             "configs": [c.name for c in configs], "rows": rows}
 
 
+def plot(results: dict, path: str | Path) -> None:
+    """Per layer, cuBLAS and the best CUTLASS candidate as a fraction of the bound, against the row count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    layers = list(dict.fromkeys(row["layer"] for row in results["rows"]))
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.2), sharey=True, squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        rows = [r for r in results["rows"] if r["layer"] == layer]
+        for key, label in (("cublas_us", "cuBLAS"), ("best_us", "CUTLASS, best configuration")):
+            points = [(r["m"], r["bound_us"] / r[key]) for r in rows if isinstance(r.get(key), float)]
+            ax.plot(*zip(*points), marker="o", label=label)
+        n, k = rows[0]["n"], rows[0]["k"]
+        ax.set_title(f"{layer} ({n} x {k})", fontsize=9)
+        ax.set_xlabel("rows (sequences in the step)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of the bound")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"bf16 decode GEMMs on {results['device']} (bound: max(weight bytes / copy bandwidth, "
+                 "FLOPs / cuBLAS rate))", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.cutlass_gemm", description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
                         help=f"comma-separated row counts (default {','.join(map(str, BATCHES))})")
     parser.add_argument("--layers", default=",".join(SHAPES), help=f"comma-separated of {','.join(SHAPES)}")
+    parser.add_argument("--plot-from", metavar="JSON", default=None,
+                        help="draw the plot of an earlier run's cutlass_gemm.json next to it; measures nothing")
     args = parser.parse_args(argv)
+    if args.plot_from:
+        source = Path(args.plot_from)
+        plot(json.loads(source.read_text()), source.with_suffix(".png"))
+        print(source.with_suffix(".png"))
+        return 0
     layers = args.layers.split(",")
     unknown = [name for name in layers if name not in SHAPES]
     if unknown:
@@ -100,6 +136,7 @@ def main(argv=None) -> int:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "cutlass_gemm.json").write_text(json.dumps(results, indent=1))
+        plot(results, Path(out) / "cutlass_gemm.png")
     return 0
 
 

@@ -64,19 +64,25 @@ class GemmConfig:
                 f"-DNF_SCHEDULER={SCHEDULERS[self.scheduler]}", f"-DNF_SWAP={int(self.swapped)}"]
 
 
-# Chosen for the decode GEMMs of 64-256 rows, where cuBLAS leaves SMs idle: one tile row of 128 or 256
-# activation rows, or (swapped) 64-256 activation rows in the tile's N, with stream-K or split-K to give
-# every SM a share of K when there are fewer output tiles than SMs.
+# Chosen for the decode GEMMs of 64-256 rows, where cuBLAS leaves SMs idle. The first set measured on an H200
+# (docs/perf/ops.md): 64-row ping-pong tiles won the o and down projections at 112-256 rows, stream-K and
+# split-K lost everywhere (their fix-up costs more than the idle SMs at 10-50 us), 256-row tiles and
+# 128-row tiles with 64 columns never won and were dropped. Smaller and deeper ping-pong tiles, clusters
+# and the plain persistent scheduler are the second set.
 CONFIGS = (
     GemmConfig((128, 128, 64), 1, "cooperative", "stream_k", False),
-    GemmConfig((256, 128, 64), 1, "cooperative", "stream_k", False),
-    GemmConfig((128, 64, 64), 1, "cooperative", "stream_k", False),
     GemmConfig((64, 128, 64), 1, "pingpong", "persistent", False),
     GemmConfig((128, 64, 64), 1, "cooperative", "stream_k", True),
     GemmConfig((128, 128, 64), 1, "cooperative", "stream_k", True),
-    GemmConfig((128, 256, 64), 1, "cooperative", "stream_k", True),
     GemmConfig((64, 128, 64), 1, "pingpong", "persistent", True),
     GemmConfig((128, 128, 64), 2, "cooperative", "persistent", True),
+    GemmConfig((64, 64, 64), 1, "pingpong", "persistent", False),
+    GemmConfig((64, 256, 64), 1, "pingpong", "persistent", False),
+    GemmConfig((64, 128, 128), 1, "pingpong", "persistent", False),
+    GemmConfig((64, 128, 64), 2, "pingpong", "persistent", False),
+    GemmConfig((128, 128, 64), 1, "cooperative", "persistent", False),
+    GemmConfig((64, 64, 64), 1, "pingpong", "persistent", True),
+    GemmConfig((64, 256, 64), 1, "pingpong", "persistent", True),
 )
 
 
