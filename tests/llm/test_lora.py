@@ -226,8 +226,10 @@ def test_adapters_on_cuda_match_peft_beside_graph_steps(setup):
     assert ids_of(alone) == [peft_greedy(base, None, prompts[1])]
     assert replays["adapters"] == before["adapters"] and replays["base"] > before["base"], replays
     # a third adapter takes a slot of the two above: the same graphs read the new weights
+    before = dict(replays)
     third = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY, lora_request=request(adapters, "qv", 7))
     assert ids_of(third) == [peft_greedy(base, adapters["qv"], prompts[0])]
+    assert replays["adapters"] > before["adapters"], replays
 
 
 def test_embeddings_under_adapters_match_peft_hidden_states(setup):

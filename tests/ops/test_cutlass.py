@@ -92,7 +92,24 @@ def test_matmul_names_bad_arguments():
     with pytest.raises(ValueError, match="x: expected a contiguous 2-D bfloat16 CUDA tensor"):
         binding.matmul(x, w, torch.empty(4, 8), 0)
     with pytest.raises(ValueError, match="mode: got 'fast'"):
-        binding._mode("fast")
+        binding._checked(0, "fast", 1)
+    with pytest.raises(ValueError, match="config: got -1"):
+        binding._checked(-1, "heuristic", 1)
+    with pytest.raises(ValueError, match="splits: got 0"):
+        binding._checked(0, "split_k", 0)
+    persistent = next(i for i, c in enumerate(build.CONFIGS) if c.scheduler == "persistent")
+    with pytest.raises(ValueError, match="not 'split_k'"):
+        binding._checked(persistent, "split_k", 2)
+    assert binding._checked(0, "split_k", 3) == (binding.MODES["split_k"], 3)
+
+
+def test_a_library_from_other_sources_is_refused(tmp_path, monkeypatch):
+    (tmp_path / build.LIBRARY).write_bytes(b"not loaded")
+    (tmp_path / "manifest.json").write_text(json.dumps({"key": "k", "sources": "other sources"}))
+    monkeypatch.setenv("NINEFOLD_CUTLASS_LIB", str(tmp_path))
+    monkeypatch.setattr(binding, "_state", {})
+    with pytest.raises(binding.CutlassError, match="built from other sources"):
+        binding.library()
 
 
 def test_linear_on_cpu_is_f_linear():
@@ -130,25 +147,56 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 @needs_library
-@pytest.mark.parametrize("m", [64, 77, 200])
-def test_every_candidate_matches_float64(m):
+@pytest.mark.parametrize("m, n, k", [(64, 1536, 1024), (77, 1536, 1024), (200, 1544, 1032)])
+def test_every_candidate_matches_float64(m, n, k):
+    """Every configuration and decomposition runs, also where the sizes are no multiple of its tile (n, k: of 8 only)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    n, k = 1536, 1024
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
     ref = x.double() @ w.double().T
-    ran = []
     for cand in tuning.candidates():
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        try:
-            binding.matmul(x, w, out, *cand)
-        except binding.CutlassError as error:
-            assert "cannot run this shape" in str(error), (tuning.describe(cand), error)
-            continue
+        binding.matmul(x, w, out, *cand)
         err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, (tuning.describe(cand), err)
-        ran.append(tuning.describe(cand))
-    assert len(ran) >= len(tuning.candidates()) // 2, ran
+
+
+@needs_library
+def test_matmul_refuses_misaligned_and_mismatched_operands():
+    x = torch.randn(64, 264, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x: starts at an address 2 bytes past"):
+        binding.matmul(x.view(-1)[1:].as_strided((64, 256), (256, 1)), w, out, 0)
+    with pytest.raises(ValueError, match="shapes: x"):
+        binding.matmul(x, w, out, 0)
+    with pytest.raises(ValueError, match="config: got 99"):
+        binding.matmul(x[:, :256].contiguous(), w, out, 99)
+    with pytest.raises(ValueError, match="splits: got 2"):
+        binding.matmul(x[:, :256].contiguous(), w, out, 0, "stream_k", 2)
+    persistent = next(i for i, c in enumerate(build.CONFIGS) if c.scheduler == "persistent")
+    with pytest.raises(ValueError, match="mode: .* not 'stream_k'"):
+        binding.matmul(x[:, :256].contiguous(), w, out, persistent, "stream_k")
+
+
+@needs_library
+def test_linear_runs_the_persisted_configuration(fresh_cache, monkeypatch):
+    from ninefold.ops.dispatch import device_model
+
+    m, n, k = 96, 2048, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+    pick = next(c for c in tuning.candidates() if c[1] == "data_parallel")  # deterministic: two runs, same bits
+    tuning.CACHE.store(tuning.key(device_model(x.device), m, n, k), list(pick))
+    tuning.forget()  # read back from the file, as a new process would
+    want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    binding.matmul(x, w, want, *pick)
+    ran = []
+    real = binding.matmul
+    monkeypatch.setattr(binding, "matmul", lambda *a: ran.append(a[3:]) or real(*a))
+    got = cutlass.linear(x, w)
+    assert ran == [pick]  # the persisted candidate, not F.linear
+    assert torch.equal(got, want)
 
 
 @needs_library

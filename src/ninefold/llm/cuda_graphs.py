@@ -5,8 +5,8 @@ inputs: token ids, positions, cache slots, context lengths and block tables (ful
 ``max_blocks`` columns). An engine with adapters also captures a second set taking each row's
 adapter slot as a sixth input, which adds every projection's ``((x @ A) * mask) @ B`` whatever
 the slots hold (slot weights live in fixed buffers, so loading an adapter needs no new capture). Rows past the batch are padded to write nowhere (slot -1) and read one
-cached token. Every batch size is run once eagerly before capture, so kernels are chosen and
-compiled outside the capture, and where ``linear`` runs a self-tuning implementation (``cublaslt``,
+cached token. Every batch size is run once eagerly before capture (with and without adapters), so kernels
+are chosen and compiled outside the capture, and where ``linear`` runs a self-tuning implementation (``cublaslt``,
 ``cutlass``, ``triton_gemm``: pinned or chosen by a table) its choice is measured for each size (once per card,
 then read from the cache).
 """
@@ -60,10 +60,13 @@ class DecodeGraphs:
               gemm_tuning.autotune()):
             for size in reversed(self.sizes):
                 self._forward(*(x[:size] for x in examples))
+                if self.lora_runner is not None:  # (steps with adapters run unfused layers: other kernels, shapes)
+                    self._forward_lora(*(x[:size] for x in (*examples, no_adapter)))
             torch.cuda.synchronize()
-            self.runner.capture()
+            pool = torch.cuda.graph_pool_handle()  # one pool: only one graph replays at a time
+            self.runner.capture(pool)
             if self.lora_runner is not None:
-                self.lora_runner.capture()
+                self.lora_runner.capture(pool)
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]

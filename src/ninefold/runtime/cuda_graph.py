@@ -70,8 +70,9 @@ class CudaGraphRunner:
         """The largest batch a call may pass."""
         return self.batch_sizes[-1]
 
-    def capture(self) -> None:
-        """Warm up and capture every batch size (largest first, all in one memory pool)."""
+    def capture(self, pool=None) -> None:
+        """Warm up and capture every batch size (largest first, all in one memory pool: ``pool``, a
+        ``torch.cuda.graph_pool_handle()`` another runner's graphs may share, else a new one)."""
         if not self.enabled or self._graphs:
             return
         side = torch.cuda.Stream(self.device.torch)
@@ -80,7 +81,7 @@ class CudaGraphRunner:
             for _ in range(self.warmup):
                 self.fn(*self._static)
         torch.cuda.current_stream(self.device.torch).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         graphs = {}
         for size in reversed(self.batch_sizes):
             graph = torch.cuda.CUDAGraph()

@@ -24,12 +24,14 @@ MODES = {"heuristic": 0, "data_parallel": 1, "split_k": 2, "stream_k": 3}
 _ERRORS = {1: "no configuration of that index", 2: "this configuration has no such decomposition",
            3: "CUTLASS cannot run this shape (sizes or alignment)", 4: "the workspace is too small",
            5: "initialising the kernel's parameters failed", 6: "the launch failed",
-           7: "no CUDA device of that index"}
+           7: "its CUDA runtime found no usable device of that index (no such device, or a driver older than the "
+              "CUDA version the library was built with)"}
 WORKSPACE_BYTES = 32 << 20
+ALIGNMENT = 16
 
 _lock = threading.Lock()
 _state: dict = {}
-_workspaces: dict[int, list[torch.Tensor]] = {}
+_workspaces: dict[tuple[int, int], list[torch.Tensor]] = {}
 
 
 class CutlassError(RuntimeError):
@@ -72,6 +74,13 @@ def _load() -> ctypes.CDLL:
     if path is None or not path.is_file():
         where = f"{path} does not exist" if path is not None else f"no build under {build.default_dir()}"
         raise CutlassError(f"the CUTLASS GEMM library is not built ({where}); run python -m ninefold.ops.cutlass.build")
+    try:
+        built_from = json.loads((path.parent / "manifest.json").read_text()).get("sources")
+    except (OSError, ValueError, AttributeError):
+        built_from = None  # a library without its manifest: the configuration names below are all there is to check
+    if built_from is not None and built_from != build.sources_hash():
+        raise CutlassError(f"{path} was built from other sources than these; rebuild it with "
+                           "python -m ninefold.ops.cutlass.build")
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.nf_cutlass_count.restype, lib.nf_cutlass_count.argtypes = i, []
@@ -124,42 +133,66 @@ def _mode(mode: str) -> int:
     return MODES[mode]
 
 
+def _checked(config: int, mode: str, splits: int) -> tuple[int, int]:
+    """``config``, ``mode`` and ``splits`` checked (ValueErrors naming the argument); the mode's and splits' codes."""
+    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(build.CONFIGS):
+        raise ValueError(f"config: got {config!r}; expected an index 0..{len(build.CONFIGS) - 1} into build.CONFIGS")
+    code = _mode(mode)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or (splits > 1 and mode != "split_k"):
+        raise ValueError(f"splits: got {splits!r}; expected 1, or an integer > 1 with mode 'split_k'")
+    if mode not in ("heuristic",) + build.CONFIGS[config].modes:
+        raise ValueError(f"mode: {build.CONFIGS[config].name} runs {build.CONFIGS[config].modes}, not {mode!r}")
+    return code, splits
+
+
 def workspace_bytes(config: int, m: int, n: int, k: int, mode: str = "heuristic", splits: int = 1,
                     device: int | None = None) -> int:
     """Bytes of workspace configuration ``config`` needs for ``[m, k] @ [n, k].T``."""
+    code, splits = _checked(config, mode, splits)
     out = ctypes.c_size_t(0)
     device = torch.cuda.current_device() if device is None else device
-    _check(library().nf_cutlass_workspace(config, m, n, k, _mode(mode), splits, device, ctypes.byref(out)),
-           f"workspace of {build.CONFIGS[config].name} at {m}x{n}x{k}")
+    with torch.cuda.device(device):  # the library's own CUDA runtime follows the thread's current device
+        status = library().nf_cutlass_workspace(config, m, n, k, code, splits, device, ctypes.byref(out))
+    _check(status, f"workspace of {build.CONFIGS[config].name} at {m}x{n}x{k}")
     return out.value
 
 
-def _workspace(device: int, nbytes: int) -> torch.Tensor:
-    # Buffers are kept for the process: a CUDA graph captured with one keeps its address.
-    held = _workspaces.setdefault(device, [])
+def _workspace(device: int, stream: int, nbytes: int) -> torch.Tensor:
+    # One buffer per (device, stream): runs on two streams at once must not share partial sums. Buffers are kept
+    # for the process, since a CUDA graph captured with one keeps its address.
+    held = _workspaces.setdefault((device, stream), [])
     if not held or held[-1].numel() < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise CutlassError(f"a workspace of {nbytes} bytes is needed while capturing a CUDA graph; run the call "
+                               "once before capturing it")
         held.append(torch.empty(max(nbytes, WORKSPACE_BYTES), dtype=torch.uint8, device=f"cuda:{device}"))
     return held[-1]
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: int, mode: str = "heuristic",
            splits: int = 1) -> torch.Tensor:
-    """``out = x @ w.T`` with ``build.CONFIGS[config]`` on the current stream; bfloat16, contiguous 2-D tensors."""
+    """``out = x @ w.T`` with ``build.CONFIGS[config]`` on the current stream; bfloat16, contiguous 2-D tensors on
+    one CUDA device, each starting at a 16-byte aligned address (what TMA reads and writes)."""
     for name, t in (("x", x), ("w", w), ("out", out)):
         if t.dtype != torch.bfloat16 or t.device.type != "cuda" or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous 2-D bfloat16 CUDA tensor, got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+        if t.data_ptr() % ALIGNMENT:
+            raise ValueError(f"{name}: starts at an address {t.data_ptr() % ALIGNMENT} bytes past a {ALIGNMENT}-byte "
+                             "boundary; TMA needs aligned operands")
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x on {x.device}; expected one device")
     (m, k), n = x.shape, w.shape[0]
     if w.shape[1] != k or tuple(out.shape) != (m, n):
         raise ValueError(f"shapes: x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}; expected "
                          f"x [M, K], w [N, K], out [M, N]")
-    if not 0 <= config < len(build.CONFIGS):
-        raise ValueError(f"config: got {config}; expected 0..{len(build.CONFIGS) - 1}")
+    code, splits = _checked(config, mode, splits)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     need = workspace_bytes(config, m, n, k, mode, splits, device)
-    space = _workspace(device, need)
     stream = torch.cuda.current_stream(device).cuda_stream
-    _check(library().nf_cutlass_run(config, x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, _mode(mode), splits,
-                                    space.data_ptr(), space.numel(), device, stream),
-           f"{build.CONFIGS[config].name} at {m}x{n}x{k} ({mode}, splits {splits})")
+    space = _workspace(device, stream, need)
+    with torch.cuda.device(device):  # (the library sets its runtime's device; torch's is restored on leaving)
+        status = library().nf_cutlass_run(config, x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, code, splits,
+                                          space.data_ptr(), space.numel(), device, stream)
+    _check(status, f"{build.CONFIGS[config].name} at {m}x{n}x{k} ({mode}, splits {splits})")
     return out

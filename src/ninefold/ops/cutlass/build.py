@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("gemm_sm90.cu", "nf_cutlass.h")
 LIBRARY = "libnf_cutlass_sm90.so"
 FLAGS = ("-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-DNDEBUG", "-Xcompiler", "-fPIC")
+LINK_FLAGS = ("-shared", "-arch=sm_90a", "-cudart", "static")
 SCHEDULES = {"cooperative": "Cooperative", "pingpong": "Pingpong"}
 SCHEDULERS = {"stream_k": "StreamK", "persistent": "Persistent"}
 
@@ -153,17 +154,19 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def sources_hash(configs=CONFIGS) -> str:
-    """Hex hash of the sources and configurations: a library made from others is stale."""
+    """Hex hash of the sources, the generated dispatch table (the C interface) and the configurations and flags:
+    a library made from others is stale."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
-    h.update(repr([asdict(c) for c in configs]).encode())
+    h.update(dispatch_source(configs).encode())
+    h.update(repr(([asdict(c) for c in configs], FLAGS, LINK_FLAGS)).encode())
     return h.hexdigest()[:20]
 
 
 def build_key(nvcc_release: str, cutlass_release: str, configs=CONFIGS) -> str:
     """Hex key of what the library depends on: sources, configurations, flags, nvcc and CUTLASS versions."""
-    text = repr((sources_hash(configs), FLAGS, nvcc_release, cutlass_release))
+    text = repr((sources_hash(configs), nvcc_release, cutlass_release))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -239,7 +242,7 @@ def build(out_dir: str | Path | None = None, *, jobs: int | None = None, configs
         objects.append(tmp_dir / "dispatch.o")
         _compile(nvcc, include, dispatch, objects[-1], [])
         linked = tmp_dir / LIBRARY
-        cmd = [nvcc, "-shared", "-arch=sm_90a", "-cudart", "static", *map(str, objects), "-o", str(linked)]
+        cmd = [nvcc, *LINK_FLAGS, *map(str, objects), "-o", str(linked)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise BuildError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr.strip()[-4000:]}")

@@ -7,7 +7,8 @@ decode step) and keeps the fastest, or ``"vendor"`` when none beats ``F.linear``
 Choices persist in ``$NINEFOLD_CACHE_DIR/ops/cutlass-<fingerprint>.json`` keyed also by the
 library's build key, so a second process pays nothing and a rebuilt library is measured again.
 
-Tuning runs only inside ``with autotune():`` (the engine's decode-graph capture) or with
+Tuning runs only inside ``with autotune():`` (the engine's eager run of each decode size before it
+captures the decode graphs; never while capturing) or with
 ``NINEFOLD_CUTLASS_AUTOTUNE=1``, and only for ``TUNED_ROWS``; every other shape runs ``F.linear``.
 """
 
