@@ -1,5 +1,6 @@
-"""``python -m ninefold.bench.lora_cuda`` on a tiny checkpoint on the CPU: the graph and eager engines agree under an
-adapter, the adapter moves the logits, and every row is timed (the GPU figures come from the same code)."""
+"""``python -m ninefold.bench.lora_cuda`` on a tiny checkpoint on the CPU, where both engines run eagerly (the
+comparison of graphs with eager steps means something on a GPU only): the checks run, the adapter moves the
+logits, every row is timed, bad arguments are named"""
 
 from __future__ import annotations
 
