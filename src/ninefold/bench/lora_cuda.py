@@ -9,8 +9,8 @@ replaying CUDA graphs for decode steps (the default) and one with ``enforce_eage
 adapter rows ran before adapters had graphs of their own); per batch size, greedy decode tokens/s of prompts of
 64 random tokens with no adapter and with the batch spread over all adapters (row ``i`` under adapter
 ``i % adapters``). Decode time is a run of ``--decode-tokens`` new tokens minus a run of one (the prefill).
-Before timing, both engines' greedy tokens under adapter 1 are compared (they run the same kernels, so they must
-agree) and checked to differ from the base model's (the adapter must change something). Prints a table and writes
+Before timing, both engines' first two greedy tokens under adapter 1 must agree, with log-probabilities within
+``MAX_GAP``, and the adapter must move the first token's log-probability by ten times that gap or more. Prints a table and writes
 ``$OUT/lora_cuda.json``. ``--device cpu`` with a small ``--model`` checks the code only.
 """
 
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 PROMPT_TOKENS = 64
+MAX_GAP = 0.05  # nats: the graph and eager engines' log-probabilities of the same tokens
 BLOCK_SIZE = 16
 
 
@@ -82,17 +83,23 @@ def run(args) -> dict:
     check = {mode: greedy(llm, prompts[0], loras[0]) for mode, llm in engines.items()}
     base = greedy(engines["graphs"], prompts[0], None)
     (graph_ids, graph_lp), (eager_ids, eager_lp) = check["graphs"], check["eager"]
+    # The engines' decode steps differ in kernels' launch shapes (graphs pad the batch and the block table), so
+    # in bfloat16 near-tied tokens of random weights may part after a few steps: compare the first two tokens
+    # and their log-probabilities, where the adapter's effect must be far larger than the two engines' difference.
+    gap = max(abs(a - b) for a, b in zip(graph_lp[:2], eager_lp[:2]))
+    effect = abs(graph_lp[0] - base[1][0])
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
               "model": args.model, "dtype": args.dtype, "rank": args.rank, "adapters": args.adapters,
-              "decode_tokens": args.decode_tokens, "graphs_equal_eager": graph_ids == eager_ids,
-              "first_logprob_graphs_eager_base": [graph_lp[0], eager_lp[0], base[1][0]], "rows": []}
-    # the same kernels in both engines: the same tokens; and the adapter must move the first token's log-probability
-    result["adapter_changes_logits"] = abs(graph_lp[0] - base[1][0]) > 1e-6 or graph_ids[0] != base[0][0]
-    print(f"check: graphs and eager agree under an adapter: {result['graphs_equal_eager']}; the adapter changes the "
-          f"first token's log-probability: {result['adapter_changes_logits']} "
-          f"({graph_lp[0]:.5f} against {base[1][0]:.5f} without it)", flush=True)
-    if not (result["graphs_equal_eager"] and result["adapter_changes_logits"]):
-        raise SystemExit(f"check failed: graphs {graph_ids}, eager {eager_ids}, base {base[0]}")
+              "decode_tokens": args.decode_tokens, "graph_tokens": graph_ids, "eager_tokens": eager_ids,
+              "base_tokens": base[0], "graphs_eager_logprob_gap": gap, "adapter_logprob_effect": effect,
+              "rows": []}
+    result["checks_passed"] = graph_ids[:2] == eager_ids[:2] and gap <= MAX_GAP and effect >= 10 * max(gap, 1e-4)
+    print(f"check: first two tokens under an adapter, graphs against eager: {graph_ids[:2]} / {eager_ids[:2]}, "
+          f"log-probabilities {gap:.2g} apart; the adapter moves the first token's log-probability by {effect:.3g} "
+          f"({graph_lp[0]:.4f} against {base[1][0]:.4f} without it)", flush=True)
+    if not result["checks_passed"]:
+        raise SystemExit(f"check failed: graphs {graph_ids} {graph_lp[:2]}, eager {eager_ids} {eager_lp[:2]}, "
+                         f"base {base[0]} {base[1][:1]}")
     print(f"{'batch':>5} {'mode':>6} {'no adapter':>12} {'adapters':>12} {'adapters/base':>14}")
     for batch in args.batches:
         mixed = [loras[i % len(loras)] for i in range(batch)]

@@ -31,7 +31,7 @@ ALIGNMENT = 16
 
 _lock = threading.Lock()
 _state: dict = {}
-_workspaces: dict[tuple[int, int], list[torch.Tensor]] = {}
+_workspaces: dict[int, list[torch.Tensor]] = {}
 
 
 class CutlassError(RuntimeError):
@@ -157,14 +157,12 @@ def workspace_bytes(config: int, m: int, n: int, k: int, mode: str = "heuristic"
     return out.value
 
 
-def _workspace(device: int, stream: int, nbytes: int) -> torch.Tensor:
-    # One buffer per (device, stream): runs on two streams at once must not share partial sums. Buffers are kept
-    # for the process, since a CUDA graph captured with one keeps its address.
-    held = _workspaces.setdefault((device, stream), [])
+def _workspace(device: int, nbytes: int) -> torch.Tensor:
+    # One buffer per device, kept for the process (a CUDA graph captured with one keeps its address); calls on
+    # one device run in stream order (the engine's single stream, graph replays included), so they may share it.
+    # A buffer first needed while capturing comes from the graph's pool, and is kept all the same.
+    held = _workspaces.setdefault(device, [])
     if not held or held[-1].numel() < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            raise CutlassError(f"a workspace of {nbytes} bytes is needed while capturing a CUDA graph; run the call "
-                               "once before capturing it")
         held.append(torch.empty(max(nbytes, WORKSPACE_BYTES), dtype=torch.uint8, device=f"cuda:{device}"))
     return held[-1]
 
@@ -190,7 +188,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: int, mod
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     need = workspace_bytes(config, m, n, k, mode, splits, device)
     stream = torch.cuda.current_stream(device).cuda_stream
-    space = _workspace(device, stream, need)
+    space = _workspace(device, need)
     with torch.cuda.device(device):  # (the library sets its runtime's device; torch's is restored on leaving)
         status = library().nf_cutlass_run(config, x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, code, splits,
                                           space.data_ptr(), space.numel(), device, stream)
