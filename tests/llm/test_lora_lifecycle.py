@@ -138,3 +138,23 @@ def test_a_refused_request_reads_no_adapter(setup):
         engine.build_request([5] * 10, SamplingParams(logprobs=5000), lora_request=request(adapters, "a", 1))
     assert engine.lora_slots._cached == {}
     assert torch.count_nonzero(engine.lora_slots.a["qkv"]) == 0
+
+
+def test_kv_reserve_counts_the_adapter_graphs_logits():
+    """On CUDA with adapters and graphs, the KV pool leaves room for the second graph set's logits at every
+    captured size; nothing is reserved without adapters, eagerly or on the CPU."""
+    from types import SimpleNamespace
+
+    from ninefold.llm.cuda_graphs import capture_sizes
+
+    engine = LLMEngine.__new__(LLMEngine)  # only the fields _lora_graph_bytes reads
+    engine.config = SimpleNamespace(enforce_eager=False, cuda_graph_max_batch=256, max_num_seqs=64)
+    engine.model_config = SimpleNamespace(vocab_size=1000)
+    engine.dtype, engine.device, engine.lora_slots = torch.bfloat16, torch.device("cuda"), object()
+    assert engine._lora_graph_bytes() == sum(capture_sizes(64)) * 1000 * 2
+    engine.config.enforce_eager = True
+    assert engine._lora_graph_bytes() == 0
+    engine.config.enforce_eager, engine.lora_slots = False, None
+    assert engine._lora_graph_bytes() == 0
+    engine.lora_slots, engine.device = object(), torch.device("cpu")
+    assert engine._lora_graph_bytes() == 0

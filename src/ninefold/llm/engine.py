@@ -159,7 +159,19 @@ class LLMEngine:
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
             return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
         return KVCachePool.from_memory(*args, memory_fraction=cfg.kv_cache_memory_fraction,
-                                       profile_fn=self._profile_forward, reserved_bytes=1 << 30)
+                                       profile_fn=self._profile_forward,
+                                       reserved_bytes=(1 << 30) + self._lora_graph_bytes())
+
+    def _lora_graph_bytes(self) -> int:
+        """What the adapters' decode graphs keep beyond the base graphs: their logits at every captured size (their
+        other activations share the base graphs' pool)."""
+        from ninefold.llm.cuda_graphs import capture_sizes
+
+        cfg = self.config
+        if self.lora_slots is None or cfg.enforce_eager or self.device.type != "cuda":
+            return 0
+        rows = sum(capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)))
+        return rows * self.model_config.vocab_size * self.dtype.itemsize
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:

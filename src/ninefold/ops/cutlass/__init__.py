@@ -12,6 +12,7 @@ below cuBLAS: pin it (``NINEFOLD_OPS=linear=cutlass``) or let a tuning table cho
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +47,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @functools.cache
 def _usable(device: torch.device) -> bool:
+    """Whether the library is built and its CUDA runtime works on ``device`` (an sm_90 GPU); asked once per device,
+    with a warning saying why not where the library exists but cannot run (say, a driver older than its CUDA)."""
     from ninefold.ops.cutlass import binding
 
-    return torch.cuda.get_device_capability(device)[0] == 9 and binding.unavailable() is None
+    if torch.cuda.get_device_capability(device)[0] != 9 or binding.unavailable() is not None:
+        return False
+    try:
+        binding.workspace_bytes(0, 64, 64, 64, device=device.index if device.index is not None else None)
+    except binding.CutlassError as error:
+        warnings.warn(f"ninefold.ops.cutlass: the library cannot run on {device} ({error}); linear uses F.linear",
+                      stacklevel=3)
+        return False
+    return True
 
 
 def register_cuda() -> None:
