@@ -102,7 +102,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             # tensor parallelism: the workers follow rank 0's calls one by one, so no decode graphs yet
             enforce_eager=cfg.enforce_eager or self.parallel_group is not None or not mc.has_lm_head,
-            cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), lora_slots=self.lora_slots,
+            cuda_graph_max_batch=self._graph_max_batch(), lora_slots=self.lora_slots,
         )
         if self.device.type == "cuda" and mc.has_lm_head:
             self._warm_up_prefill()
@@ -162,6 +162,10 @@ class LLMEngine:
                                        profile_fn=self._profile_forward,
                                        reserved_bytes=(1 << 30) + self._lora_graph_bytes())
 
+    def _graph_max_batch(self) -> int:
+        """The largest batch the decode graphs are captured for."""
+        return min(self.config.cuda_graph_max_batch, self.config.max_num_seqs)
+
     def _lora_graph_bytes(self) -> int:
         """What the adapters' decode graphs keep beyond the base graphs: their logits at every captured size (their
         other activations share the base graphs' pool)."""
@@ -170,7 +174,7 @@ class LLMEngine:
         cfg = self.config
         if self.lora_slots is None or cfg.enforce_eager or self.device.type != "cuda":
             return 0
-        rows = sum(capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)))
+        rows = sum(capture_sizes(self._graph_max_batch()))
         return rows * self.model_config.vocab_size * self.dtype.itemsize
 
     @torch.inference_mode()

@@ -149,10 +149,15 @@ def workspace_bytes(config: int, m: int, n: int, k: int, mode: str = "heuristic"
                     device: int | None = None) -> int:
     """Bytes of workspace configuration ``config`` needs for ``[m, k] @ [n, k].T``."""
     code, splits = _checked(config, mode, splits)
-    out = ctypes.c_size_t(0)
     device = torch.cuda.current_device() if device is None else device
     with torch.cuda.device(device):  # the library's own CUDA runtime follows the thread's current device
-        status = library().nf_cutlass_workspace(config, m, n, k, code, splits, device, ctypes.byref(out))
+        return _workspace_need(config, m, n, k, code, splits, device)
+
+
+def _workspace_need(config: int, m: int, n: int, k: int, code: int, splits: int, device: int) -> int:
+    # (arguments checked, ``device`` current)
+    out = ctypes.c_size_t(0)
+    status = library().nf_cutlass_workspace(config, m, n, k, code, splits, device, ctypes.byref(out))
     _check(status, f"workspace of {build.CONFIGS[config].name} at {m}x{n}x{k}")
     return out.value
 
@@ -186,10 +191,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: int, mod
                          f"x [M, K], w [N, K], out [M, N]")
     code, splits = _checked(config, mode, splits)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    need = workspace_bytes(config, m, n, k, mode, splits, device)
     stream = torch.cuda.current_stream(device).cuda_stream
-    space = _workspace(device, need)
     with torch.cuda.device(device):  # (the library sets its runtime's device; torch's is restored on leaving)
+        space = _workspace(device, _workspace_need(config, m, n, k, code, splits, device))
         status = library().nf_cutlass_run(config, x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, code, splits,
                                           space.data_ptr(), space.numel(), device, stream)
     _check(status, f"{build.CONFIGS[config].name} at {m}x{n}x{k} ({mode}, splits {splits})")
