@@ -189,12 +189,15 @@ class LoRAStep:
         self._masks: dict[int, torch.Tensor] = {}
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus the deltas of ``matrix`` in ``layer`` for inputs ``x`` (``[T, in]``; ``y`` is ``[T, out]``)."""
+        """``y`` plus the deltas of ``matrix`` in ``layer`` for inputs ``x`` (``[T, in]``; ``y`` is ``[T, out]``, a
+        projection's fresh output: the deltas are added into it in place where its dtype is the slots')."""
         if matrix not in self.used:
             return y
         A, B = self.slots.a[matrix][layer], self.slots.b[matrix][layer]
         down = x.to(A.dtype) @ A
         down *= self._mask(A.shape[1], down.dtype)
+        if y.dtype == B.dtype:
+            return y.addmm_(down, B)  # the sum in the GEMM's epilogue: one kernel less per matrix, one rounding
         return y + (down @ B).to(y.dtype)
 
     def _mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:

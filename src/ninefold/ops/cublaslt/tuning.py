@@ -15,16 +15,14 @@ batch sizes before capturing CUDA graphs, or ``NINEFOLD_CUBLASLT_AUTOTUNE=1``); 
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
-import torch.nn.functional as F
 
-from ninefold.ops import timing
+from ninefold.ops import linear_candidates, timing
 from ninefold.ops.choice_cache import ChoiceCache
 from ninefold.ops.cublaslt import binding
 
-VENDOR = "vendor"
+VENDOR = linear_candidates.VENDOR
 MIN_GAIN = 0.02  # an algorithm must be this much faster than F.linear to replace it
 ROUNDS = ((5, None), (20, 4))  # (repeats, keep the best n of the previous round)
 
@@ -68,44 +66,15 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> 
 def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, progress: bool = True) -> dict:
     """Time ``F.linear`` and every algorithm the heuristic offers for this shape, remember the fastest
     and return ``{"choice": {"algo": [...], "name": ...} or "vendor", "times_us": {...}}``."""
-    from tqdm import tqdm
-
     from ninefold.ops.dispatch import device_model
 
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    rotation = timing.RotatingWeights(n, k, dtype, device)
-    weights = rotation.weights
-    want = F.linear(x, weights[0]).float()
-    scale = max(want.abs().max().item(), 1e-6)
-    rotating = rotation.step
-
-    out = torch.empty(m, n, device=device, dtype=dtype)
-    runs = {VENDOR: rotating(lambda w: F.linear(x, w))}
-    found, seen = {}, set()
     plan = binding.plan(m, n, k, dtype, device)
     offered = binding.candidates(plan)
     if search_mode() == "exhaustive":
         offered += binding.enumerated(plan)
-    for cand in tqdm(offered, desc=f"cuBLASLt linear M={m} N={n} K={k}", unit="algo", disable=not progress, leave=False):
-        words = tuple(binding.algo_words(cand.algo))
-        if words in seen:
-            continue
-        seen.add(words)
-        name = cand.name()
-        if name in found:  # two algorithms with one label: tell them apart
-            name = f"{name} #{len(seen)}"
-        try:
-            binding.matmul(x, weights[0], out, cand.algo)
-        except binding.CublasLtError as e:
-            warnings.warn(f"cuBLASLt algorithm {name} failed at M={m} N={n} K={k}: {e}; not used", stacklevel=2)
-            continue
-        err = (out.float() - want).abs().max().item() / scale
-        if not err <= 2e-2:
-            warnings.warn(f"cuBLASLt algorithm {name} disagrees with F.linear at M={m} N={n} K={k} "
-                          f"(relative error {err:.3g}); not used", stacklevel=2)
-            continue
-        found[name] = cand
-        runs[name] = rotating(lambda w, a=cand.algo: binding.matmul(x, w, out, a))
+    runs, found = linear_candidates.checked_runs(
+        "cuBLASLt algorithm", m, n, k, dtype, device, _named(offered),
+        lambda x, w, out, cand: binding.matmul(x, w, out, cand.algo), binding.CublasLtError, progress=progress)
     best, times = timing.fastest(runs, device, ROUNDS, VENDOR, MIN_GAIN)
     picked = VENDOR if best == VENDOR else {"algo": binding.algo_words(found[best].algo), "name": best}
     name = key(device_model(device), dtype, m, n, k)
@@ -113,6 +82,22 @@ def tune(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, progr
     _algos.pop(name, None)
     measured[name] = {c: round(t, 3) for c, t in sorted(times.items(), key=lambda item: item[1])}
     return {"choice": picked, "times_us": measured[name]}
+
+
+def _named(offered) -> list[tuple[str, object]]:
+    """Each distinct algorithm once, with its label (numbered where two share one)."""
+    seen, names, out = set(), set(), []
+    for cand in offered:
+        words = tuple(binding.algo_words(cand.algo))
+        if words in seen:
+            continue
+        seen.add(words)
+        name = cand.name()
+        if name in names:
+            name = f"{name} #{len(seen)}"
+        names.add(name)
+        out.append((name, cand))
+    return out
 
 
 def measured_times(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict | None:

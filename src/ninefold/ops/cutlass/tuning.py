@@ -14,16 +14,13 @@ captures the decode graphs; never while capturing) or with
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.nn.functional as F
 
-from ninefold.ops import timing
+from ninefold.ops import linear_candidates, timing
 from ninefold.ops.choice_cache import ChoiceCache
 from ninefold.ops.cutlass import binding, build
 
-VENDOR = "vendor"
+VENDOR = linear_candidates.VENDOR
 MIN_GAIN = 0.02  # a configuration must be this much faster than F.linear to replace it
 ROUNDS = ((5, None), (20, 4))  # (repeats, keep the best n of the previous round)
 SPLITS = (2, 3, 4)
@@ -72,35 +69,12 @@ def choice(m: int, n: int, k: int, device: torch.device) -> tuple[int, str, int]
 def tune(m: int, n: int, k: int, device: torch.device, progress: bool = True) -> dict:
     """Time ``F.linear`` and every candidate for this shape, remember the fastest and return
     ``{"choice": [config, mode, splits] or "vendor", "times_us": {...}}``."""
-    from tqdm import tqdm
-
     from ninefold.ops.dispatch import device_model
 
-    dtype = torch.bfloat16
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    rotation = timing.RotatingWeights(n, k, dtype, device)
-    weights = rotation.weights
-    want = F.linear(x, weights[0]).float()
-    scale = max(want.abs().max().item(), 1e-6)
-    out = torch.empty(m, n, device=device, dtype=dtype)
-    runs = {VENDOR: rotation.step(lambda w: F.linear(x, w))}
-    found = {}
-    for cand in tqdm(candidates(), desc=f"CUTLASS linear M={m} N={n} K={k}", unit="config", disable=not progress,
-                     leave=False):
-        name = describe(cand)
-        try:
-            binding.matmul(x, weights[0], out, *cand)
-        except binding.CutlassError as e:
-            if "cannot run this shape" not in str(e):
-                warnings.warn(f"CUTLASS {name} failed at M={m} N={n} K={k}: {e}; not used", stacklevel=2)
-            continue
-        err = (out.float() - want).abs().max().item() / scale
-        if not err <= 2e-2:
-            warnings.warn(f"CUTLASS {name} disagrees with F.linear at M={m} N={n} K={k} (relative error {err:.3g}); "
-                          "not used", stacklevel=2)
-            continue
-        found[name] = cand
-        runs[name] = rotation.step(lambda w, c=cand: binding.matmul(x, w, out, *c))
+    runs, found = linear_candidates.checked_runs(
+        "CUTLASS", m, n, k, torch.bfloat16, device, [(describe(c), c) for c in candidates()],
+        lambda x, w, out, c: binding.matmul(x, w, out, *c), binding.CutlassError,
+        quiet=lambda e: "cannot run this shape" in str(e), progress=progress)
     best, times = timing.fastest(runs, device, ROUNDS, VENDOR, MIN_GAIN)
     picked = VENDOR if best == VENDOR else list(found[best])
     name = key(device_model(device), m, n, k)
