@@ -91,7 +91,7 @@ step_command() {
     cutlass-bench) echo 'python3 -m ninefold.bench.cutlass_gemm --layers qkv,o,gate_up,down --batches 64,128,160,192,224,256' ;;
     llm-ab-cutlass) echo 'for i in 1 2; do for impl in vendor cutlass; do NINEFOLD_OPS=linear=$impl python3 -m ninefold.bench.llm --parts offline > $OUT/offline-$i-$impl.log 2>&1; cp $OUT/bench_llm.json $OUT/bench_llm_$i-$impl.json; echo "run $i linear=$impl: $(grep -a "offline 256" $OUT/offline-$i-$impl.log | tr "\n" " ")"; done; done; cp $NINEFOLD_CACHE_DIR/ops/cutlass-*.json $OUT/ 2>/dev/null; true' ;;
     lora-bench-cuda) echo "python3 -m ninefold.bench.lora_cuda ${LORA_CUDA_ARGS:-}" ;;
-    lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py -q -k cuda -rs -p no:cacheprovider' ;;
+    lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py tests/ops/test_lora_kernels.py -q -k cuda -rs -p no:cacheprovider' ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     *) echo "echo unknown step $1; false" ;;
   esac

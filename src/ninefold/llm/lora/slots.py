@@ -5,7 +5,8 @@
 matrices one above the other in ``[S * R, out]`` (``R`` = ``max_lora_rank`` times the matrix's parts,
 ranks below the maximum padded with zeros), so the deltas of a whole step, whatever mix of adapters
 its rows use, are two dense matmuls: ``((x @ A) * mask) @ B``, where ``mask[t, c]`` is 1 when column
-``c`` belongs to row ``t``'s slot (rows without an adapter match no column).
+``c`` belongs to row ``t``'s slot (rows without an adapter match no column). On GPUs two Triton kernels
+compute it (``ninefold.ops.triton.lora``: the mask applied inside the second, the sum added into the output).
 
 On CPUs the slots are also kept slot by slot, in bfloat16, for the native decode step (``a_rows``
 ``[L, S, in, R]``, ``b_tiles`` ``[L, S, ceil(out / 16), R, 16]``): what one row's adapter reads there is
@@ -23,6 +24,11 @@ import torch
 from ninefold.llm.config import ModelConfig
 from ninefold.llm.lora.adapter import Adapter, load_adapter, part_sizes
 from ninefold.llm.lora.request import LoRARequest
+
+try:  # two Triton launches per matrix on GPUs instead of torch's three (ninefold.ops.triton.lora)
+    from ninefold.ops.triton import lora as lora_kernels
+except ImportError:  # no Triton: torch's matmuls
+    lora_kernels = None
 
 
 class LoRASlots:
@@ -194,6 +200,8 @@ class LoRAStep:
         if matrix not in self.used:
             return y
         A, B = self.slots.a[matrix][layer], self.slots.b[matrix][layer]
+        if x.is_cuda and lora_kernels is not None and lora_kernels.supports(x, A, B, y) is None:
+            return lora_kernels.lora_add(x, A, B, self.row_slots, A.shape[1] // self.slots.max_loras, y)
         down = x.to(A.dtype) @ A
         down *= self._mask(A.shape[1], down.dtype)
         if y.dtype == B.dtype:
