@@ -16,6 +16,7 @@ contiguous, the 16 outputs of one kernel group are one run of memory, and half t
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 
@@ -28,6 +29,8 @@ from ninefold.llm.lora.request import LoRARequest
 try:  # two Triton launches per matrix on GPUs instead of torch's three (ninefold.ops.triton.lora)
     from ninefold.ops.triton import lora as lora_kernels
 except ImportError:  # no Triton: torch's matmuls
+    lora_kernels = None
+if os.environ.get("NINEFOLD_LORA_KERNELS", "1") == "0":  # torch's matmuls on GPUs too (to compare)
     lora_kernels = None
 
 
