@@ -37,6 +37,8 @@ for T, K, W, N, slots in {CASES!r}:
     err = ((got.double() - want).abs() / want.abs().clamp_min(1)).max().item()
     assert err < 2e-3, (T, K, W, N, err)
     assert torch.equal(got[0], y[0])
+    assert torch.equal(lk.lora_add(x, a, b, rows, per, y.clone()), got)  # the partials add up in one order
+    assert not lk._COUNTERS[x.device].any()  # left at zero for the next call
 print("ok")
 """
 
@@ -50,6 +52,7 @@ def test_matches_float64_in_the_interpreter():
     (lambda x, a, b, y: (x, a, b.half(), y), "one dtype"),
     (lambda x, a, b, y: (x[:, :-1], a, b, y), "shapes"),
     (lambda x, a, b, y: (x, a, b, y.t().contiguous().t()), "contiguous"),
+    (lambda x, a, b, y: (x.repeat(129, 1), a, b, y.repeat(129, 1)), "at most 512 rows"),
 ])
 def test_refuses_what_it_cannot_run(change, message):
     x, a, b, y = (torch.zeros(s, dtype=torch.bfloat16) for s in ((4, 32), (32, 16), (16, 24), (4, 24)))
@@ -71,13 +74,14 @@ def _compile_sm90(kernel, types: dict, consts: dict):
 def test_compiles_for_sm90(bt):
     ints = dict.fromkeys(("T", "K", "W", "N", "splits", "per_slot", "stride_x", "stride_a", "stride_b",
                           "stride_y", "k_per_split"), "i32")
-    shrink = _compile_sm90(lk.lora_shrink_kernel, {**ints, "x_ptr": "*bf16", "a_ptr": "*bf16", "part_ptr": "*fp32"},
+    shrink = _compile_sm90(lk.lora_shrink_kernel, {**ints, "x_ptr": "*bf16", "a_ptr": "*bf16", "slot_ptr": "*i64",
+                                                   "part_ptr": "*fp32", "down_ptr": "*bf16", "count_ptr": "*i32"},
                            dict(BT=bt, BK=lk.BK, BW=lk.BW))
-    expand = _compile_sm90(lk.lora_expand_kernel, {**ints, "part_ptr": "*fp32", "slot_ptr": "*i64",
-                                                   "b_ptr": "*bf16", "y_ptr": "*bf16"},
+    expand = _compile_sm90(lk.lora_expand_kernel, {**ints, "down_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16"},
                            dict(BT=bt, BN=lk.BN, BW=lk.BW))
     for compiled in (shrink, expand):
         assert "mma" in compiled.asm["ptx"]  # the products run on tensor cores
+    assert "atom" in shrink.asm["ptx"]  # the arrival counter
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -5,12 +5,13 @@
 ``[slot * R, (slot + 1) * R)`` of ``x @ A``. torch needs three kernels for that (``x @ A``, the slot mask, the
 expand GEMM); here:
 
-1. ``lora_shrink_kernel``: ``x @ A`` for every slot, ``K`` divided among ``splits`` programs per row tile
-   (a step has few rows, so without the division a handful of SMs would read all of ``A``), each writing its
-   float32 partial sum to ``part[split]``;
-2. ``lora_expand_kernel``: per tile of rows and output columns, the partials summed, every column outside the
-   row's slot zeroed, rounded to the weights' dtype (as torch's ``x @ A`` rounds), times ``B``, added to ``y`` in
-   place (one rounding of the sum).
+1. ``lora_shrink_kernel``: ``x @ A`` for every slot, ``K`` divided among ``splits`` programs per tile of rows and
+   adapter columns (a step has few rows, so without the division a handful of SMs would read all of ``A``), each
+   writing its float32 partial sum; the tile's last program to arrive (an arrival counter per tile, left at zero
+   again) adds the partials in split order (so results repeat bit for bit), zeroes every column outside the
+   row's slot and stores ``down`` rounded to the weights' dtype (as torch's ``x @ A`` rounds);
+2. ``lora_expand_kernel``: per tile of rows and output columns, ``down @ B`` added to ``y`` in place (one
+   rounding of the sum).
 
 Both are plain launches of fixed work for a shape, so CUDA graphs capture them.
 """
@@ -26,14 +27,17 @@ import triton.language as tl
 BK = 64  # K per loop step of the shrink
 BW = 64  # adapter columns per tile
 BN = 128  # output columns per expand program
+MAX_SPLITS = 16  # K divided among at most this many programs per tile
+MAX_ROWS = 512  # where they pay: the launches they save matter in decode steps; prefill chunks keep cuBLAS
 
 
 @triton.jit
-def lora_shrink_kernel(x_ptr, a_ptr, part_ptr, T, K, W, stride_x, stride_a, k_per_split,
-                       BT: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr):
+def lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, down_ptr, count_ptr, T, K, W, per_slot, stride_x,
+                       stride_a, k_per_split, splits, BT: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(2) * BW + tl.arange(0, BW)
     split = tl.program_id(1)
+    live = (rows[:, None] < T) & (cols[None, :] < W)
     acc = tl.zeros([BT, BW], tl.float32)
     for step in range(0, k_per_split, BK):
         ks = split * k_per_split + step + tl.arange(0, BK)
@@ -42,31 +46,52 @@ def lora_shrink_kernel(x_ptr, a_ptr, part_ptr, T, K, W, stride_x, stride_a, k_pe
         a = tl.load(a_ptr + ks[:, None].to(tl.int64) * stride_a + cols[None, :],
                     mask=(ks[:, None] < K) & (cols[None, :] < W), other=0.0)
         acc = tl.dot(x, a, acc)
-    tl.store(part_ptr + (split * T + rows[:, None]).to(tl.int64) * W + cols[None, :], acc,
-             mask=(rows[:, None] < T) & (cols[None, :] < W))
+    tl.store(part_ptr + (split * T + rows[:, None]).to(tl.int64) * W + cols[None, :], acc, mask=live)
+    tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")  # orders the store above before it
+    if arrived == splits - 1:
+        total = tl.zeros([BT, BW], tl.float32)
+        for s in range(splits):
+            total += tl.load(part_ptr + (s * T + rows[:, None]).to(tl.int64) * W + cols[None, :], mask=live,
+                             other=0.0, volatile=True)
+        slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
+        total = tl.where((cols[None, :] // per_slot) == slot[:, None], total, 0.0)
+        tl.store(down_ptr + rows[:, None].to(tl.int64) * W + cols[None, :], total.to(down_ptr.dtype.element_ty),
+                 mask=live)
+        tl.store(count_ptr + tile, 0)  # ready for the next call (and the next replay of a graph)
 
 
 @triton.jit
-def lora_expand_kernel(part_ptr, slot_ptr, b_ptr, y_ptr, T, N, W, splits, per_slot, stride_b, stride_y,
+def lora_expand_kernel(down_ptr, b_ptr, y_ptr, T, N, W, stride_b, stride_y,
                        BT: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     outs = tl.program_id(1) * BN + tl.arange(0, BN)
-    slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
     acc = tl.zeros([BT, BN], tl.float32)
     for w0 in range(0, W, BW):
         cols = w0 + tl.arange(0, BW)
-        d = tl.zeros([BT, BW], tl.float32)
-        for s in range(splits):
-            d += tl.load(part_ptr + (s * T + rows[:, None]).to(tl.int64) * W + cols[None, :],
-                         mask=(rows[:, None] < T) & (cols[None, :] < W), other=0.0)
-        d = tl.where((cols[None, :] // per_slot) == slot[:, None], d, 0.0)
+        d = tl.load(down_ptr + rows[:, None].to(tl.int64) * W + cols[None, :],
+                    mask=(rows[:, None] < T) & (cols[None, :] < W), other=0.0)
         b = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_b + outs[None, :],
                     mask=(cols[:, None] < W) & (outs[None, :] < N), other=0.0)
-        acc = tl.dot(d.to(b.dtype), b, acc)
+        acc = tl.dot(d, b, acc)
     where = rows[:, None].to(tl.int64) * stride_y + outs[None, :]
     live = (rows[:, None] < T) & (outs[None, :] < N)
     y = tl.load(y_ptr + where, mask=live, other=0.0)
     tl.store(y_ptr + where, (y.to(tl.float32) + acc).to(y.dtype), mask=live)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed arrival counters for ``tiles`` tiles on ``device``, kept (and grown in powers of two) so a CUDA graph
+    captured with them finds them again; the kernel leaves them at zero."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("ninefold.ops.triton.lora: run lora_add once at this size before capturing it")
+        have = _COUNTERS[device] = torch.zeros(1 << max(tiles - 1, 1).bit_length(), dtype=torch.int32, device=device)
+    return have
 
 
 @functools.cache
@@ -84,6 +109,8 @@ def supports(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor)
         return "shapes x [T, K], A [K, W], B [W, N], y [T, N]"
     if any(t.stride(1) != 1 for t in (x, a, b, y)):
         return "rows with contiguous columns only"
+    if x.shape[0] > MAX_ROWS:
+        return f"at most {MAX_ROWS} rows (more: cuBLAS's GEMMs)"
     return None
 
 
@@ -97,12 +124,16 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch
         return y
     BT = 16 if T <= 16 else 64
     row_tiles, w_tiles = triton.cdiv(T, BT), triton.cdiv(W, BW)
-    want = max(1, 2 * _num_sms(x.device) // (row_tiles * w_tiles))  # enough programs to keep the SMs reading A
+    # enough programs to keep the SMs reading A, few enough partials for the last program of a tile to add up
+    want = min(MAX_SPLITS, max(1, 2 * _num_sms(x.device) // (row_tiles * w_tiles)))
     k_per_split = BK * triton.cdiv(triton.cdiv(K, min(want, triton.cdiv(K, BK))), BK)
     splits = triton.cdiv(K, k_per_split)
     part = torch.empty((splits, T, W), dtype=torch.float32, device=x.device)
-    lora_shrink_kernel[(row_tiles, splits, w_tiles)](x, a, part, T, K, W, x.stride(0), a.stride(0), k_per_split,
+    down = torch.empty((T, W), dtype=x.dtype, device=x.device)
+    counts = _counters(x.device, row_tiles * w_tiles)
+    lora_shrink_kernel[(row_tiles, splits, w_tiles)](x, a, row_slots, part, down, counts, T, K, W, per_slot,
+                                                     x.stride(0), a.stride(0), k_per_split, splits,
                                                      BT=BT, BK=BK, BW=BW)
-    lora_expand_kernel[(row_tiles, triton.cdiv(N, BN))](part, row_slots, b, y, T, N, W, splits, per_slot,
-                                                        b.stride(0), y.stride(0), BT=BT, BN=BN, BW=BW)
+    lora_expand_kernel[(row_tiles, triton.cdiv(N, BN))](down, b, y, T, N, W, b.stride(0), y.stride(0),
+                                                        BT=BT, BN=BN, BW=BW)
     return y
