@@ -19,7 +19,7 @@ def reference(x, a, b, row_slots, per_slot, y):
     return y.double() + down @ b.double()
 
 
-CASES = [(1, 96, 48, 130, 4), (5, 200, 64, 70, 4), (20, 128, 192, 256, 4), (70, 64, 16, 40, 1), (3, 4096, 192, 64, 4),
+CASES = [(1, 96, 48, 130, 4), (5, 200, 64, 70, 4), (20, 128, 192, 256, 4), (32, 100, 64, 50, 2), (70, 64, 16, 40, 1), (3, 4096, 192, 64, 4),
          (130, 72, 128, 129, 4)]
 
 CHECK = f"""
@@ -71,7 +71,7 @@ def _compile_sm90(kernel, types: dict, consts: dict):
                           options={"num_warps": 4, "num_stages": 2})
 
 
-@pytest.mark.parametrize("bt", [16, 64])
+@pytest.mark.parametrize("bt", [16, 32, 64])
 def test_compiles_for_sm90(bt):
     ints = dict.fromkeys(("T", "K", "W", "N", "splits", "per_slot", "stride_x", "stride_a", "stride_b",
                           "stride_y", "k_per_split"), "i32")
@@ -86,7 +86,7 @@ def test_compiles_for_sm90(bt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("T", [1, 16, 77, 256])
+@pytest.mark.parametrize("T", [1, 16, 32, 77, 256])
 def test_cuda_bfloat16_against_torch(T):
     g = torch.Generator(device="cuda").manual_seed(T)
     K, W, N, slots = 4096, 192, 6144, 4

@@ -181,20 +181,23 @@ class LoRASlots:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def step(self, row_slots: torch.Tensor, every_matrix: bool = False) -> LoRAStep:
+    def step(self, row_slots: torch.Tensor, every_matrix: bool = False, kernels: bool = False) -> LoRAStep:
         """The deltas for a step whose row ``t`` uses slot ``row_slots[t]`` (-1: no adapter), ``[T]`` int64;
         ``every_matrix``: compute them for every projection, not only those the adapters in the slots now
-        change (a CUDA graph must not depend on which adapters are loaded)."""
-        return LoRAStep(self, row_slots, every_matrix)
+        change (a CUDA graph must not depend on which adapters are loaded). ``kernels``: on GPUs, two Triton
+        launches per matrix (``ninefold.ops.triton.lora``) instead of torch's three, for CUDA graphs (eagerly
+        their launches cost the host more than they save)."""
+        return LoRAStep(self, row_slots, every_matrix, kernels)
 
 
 class LoRAStep:
     """Adds the adapters' deltas to one step's projections (``add``), building each rank width's mask once."""
 
-    def __init__(self, slots: LoRASlots, row_slots: torch.Tensor, every_matrix: bool = False):
+    def __init__(self, slots: LoRASlots, row_slots: torch.Tensor, every_matrix: bool = False, kernels: bool = False):
         self.slots = slots
         self.row_slots = row_slots
         self.used = set(slots.parts) if every_matrix else slots.matrices_in_use()
+        self.kernels = kernels and lora_kernels is not None
         self._masks: dict[int, torch.Tensor] = {}
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -203,7 +206,7 @@ class LoRAStep:
         if matrix not in self.used:
             return y
         A, B = self.slots.a[matrix][layer], self.slots.b[matrix][layer]
-        if x.is_cuda and lora_kernels is not None and lora_kernels.supports(x, A, B, y) is None:
+        if self.kernels and x.is_cuda and lora_kernels.supports(x, A, B, y) is None:
             return lora_kernels.lora_add(x, A, B, self.row_slots, A.shape[1] // self.slots.max_loras, y)
         down = x.to(A.dtype) @ A
         down *= self._mask(A.shape[1], down.dtype)

@@ -122,7 +122,7 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch
     W, N = b.shape
     if T == 0 or W == 0 or N == 0:
         return y
-    BT = 16 if T <= 16 else 64
+    BT = 16 if T <= 16 else 32 if T <= 32 else 64
     row_tiles, w_tiles = triton.cdiv(T, BT), triton.cdiv(W, BW)
     # enough programs to keep the SMs reading A, few enough partials for the last program of a tile to add up
     want = min(MAX_SPLITS, max(1, 2 * _num_sms(x.device) // (row_tiles * w_tiles)))
