@@ -77,7 +77,7 @@ class DecodeGraphs:
 
     def _forward_lora(self, ids, positions, slots, context_lens, block_tables, row_slots) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, context_lens=context_lens)
-        # fixed work, whichever adapters fill the slots; Triton's launches, which only graphs make cheap
+        # fixed work, whichever adapters fill the slots; Triton's launches where enabled (only graphs make them cheap)
         lora = self.lora_slots.step(row_slots, every_matrix=True, kernels=True)
         return self.model.compute_logits(self.model.forward(ids, positions, meta, lora=lora))
 

@@ -6,7 +6,8 @@ matrices one above the other in ``[S * R, out]`` (``R`` = ``max_lora_rank`` time
 ranks below the maximum padded with zeros), so the deltas of a whole step, whatever mix of adapters
 its rows use, are two dense matmuls: ``((x @ A) * mask) @ B``, where ``mask[t, c]`` is 1 when column
 ``c`` belongs to row ``t``'s slot (rows without an adapter match no column). On GPUs two Triton kernels
-compute it (``ninefold.ops.triton.lora``: the mask applied inside the second, the sum added into the output).
+can compute it where ``NINEFOLD_LORA_KERNELS=1`` (``ninefold.ops.triton.lora``: the mask applied inside the
+second, the sum added into the output; in the decode graphs only).
 
 On CPUs the slots are also kept slot by slot, in bfloat16, for the native decode step (``a_rows``
 ``[L, S, in, R]``, ``b_tiles`` ``[L, S, ceil(out / 16), R, 16]``): what one row's adapter reads there is
@@ -30,7 +31,7 @@ try:  # two Triton launches per matrix on GPUs instead of torch's three (ninefol
     from ninefold.ops.triton import lora as lora_kernels
 except ImportError:  # no Triton: torch's matmuls
     lora_kernels = None
-if os.environ.get("NINEFOLD_LORA_KERNELS", "1") == "0":  # torch's matmuls on GPUs too (to compare)
+if os.environ.get("NINEFOLD_LORA_KERNELS", "0") != "1":  # opt-in: not proven faster (docs/perf/llm.md)
     lora_kernels = None
 
 
