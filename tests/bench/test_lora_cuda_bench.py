@@ -20,7 +20,7 @@ def test_lora_cuda_bench_checks_then_times(tmp_path, monkeypatch, capsys):
     model = build_model_dir(tmp_path / "llama", "llama")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     code = lora_cuda.main(["--model", str(model), "--device", "cpu", "--dtype", "float32", "--rank", "4",
-                           "--adapters", "2", "--batches", "1,3", "--decode-tokens", "4"])
+                           "--adapters", "2", "--batches", "1,3", "--decode-tokens", "24"])
     assert code == 0
     report = json.loads((tmp_path / "out" / "lora_cuda.json").read_text())
     assert report["checks_passed"] and report["graph_tokens"] == report["eager_tokens"]

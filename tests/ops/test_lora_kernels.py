@@ -38,8 +38,7 @@ for T, K, W, N, slots in {CASES!r}:
     err = ((got.double() - want).abs() / want.abs().clamp_min(1)).max().item()
     assert err < 2e-3, (T, K, W, N, err)
     assert torch.equal(got[0], y[0])
-    assert torch.equal(lk.lora_add(x, a, b, rows, per, y.clone()), got)  # the partials add up in one order
-    assert not lk._COUNTERS[x.device].any()  # left at zero for the next call
+    assert not lk._COUNTERS[x.device][-1].any()  # left at zero for the next call
 print("ok")
 """
 
@@ -50,10 +49,11 @@ def test_matches_float64_in_the_interpreter():
 
 @pytest.mark.parametrize("change, message", [
     (lambda x, a, b, y: (x.float(), a.float(), b.float(), y.float()), "float16 or bfloat16"),
-    (lambda x, a, b, y: (x, a, b.half(), y), "one dtype"),
+    (lambda x, a, b, y: (x, a, b.half(), y), "got bfloat16, bfloat16, float16, bfloat16"),
     (lambda x, a, b, y: (x[:, :-1], a, b, y), "shapes"),
     (lambda x, a, b, y: (x, a, b, y.t().contiguous().t()), "contiguous"),
-    (lambda x, a, b, y: (x.repeat(129, 1), a, b, y.repeat(129, 1)), "at most 512 rows"),
+    (lambda x, a, b, y: (x.repeat(129, 1), a, b, y.repeat(129, 1)), "at most 512 rows (more: cuBLAS's GEMMs); got 516"),
+    (lambda x, a, b, y: (x[:, :0], a[:0], b, y), "K >= 1; got x (4, 0), A (0, 16)"),
 ])
 def test_refuses_what_it_cannot_run(change, message):
     x, a, b, y = (torch.zeros(s, dtype=torch.bfloat16) for s in ((4, 32), (32, 16), (16, 24), (4, 24)))
@@ -102,8 +102,16 @@ def test_cuda_bfloat16_against_torch(T):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         lk.lora_add(x, a, b, rows, W // slots, graph_out)
-    graph.replay()
-    torch.cuda.synchronize()
-    for out in (got, graph_out):
-        err = ((out.double() - want).abs() / want.abs().clamp_min(1)).max().item()
-        assert err < 1e-2, err  # one bfloat16 rounding of the output
+    for _ in range(2):  # each replay finds the counters at zero again
+        graph_out.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, got)  # the partials add up in one order, whichever program arrives last
+    err = ((got.double() - want).abs() / want.abs().clamp_min(1)).max().item()
+    assert err < 1e-2, err  # one bfloat16 rounding of the output
+
+
+def test_row_slots_must_match_the_rows():
+    x, a, b, y = (torch.zeros(s, dtype=torch.bfloat16) for s in ((4, 32), (32, 16), (16, 24), (4, 24)))
+    with pytest.raises(ValueError, match=r"row_slots: expected \[4\] on cpu; got \[3\] on cpu"):
+        lk.lora_add(x, a, b, torch.zeros(3, dtype=torch.int64), 4, y)

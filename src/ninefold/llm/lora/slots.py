@@ -6,8 +6,8 @@ matrices one above the other in ``[S * R, out]`` (``R`` = ``max_lora_rank`` time
 ranks below the maximum padded with zeros), so the deltas of a whole step, whatever mix of adapters
 its rows use, are two dense matmuls: ``((x @ A) * mask) @ B``, where ``mask[t, c]`` is 1 when column
 ``c`` belongs to row ``t``'s slot (rows without an adapter match no column). On GPUs two Triton kernels
-can compute it where ``NINEFOLD_LORA_KERNELS=1`` (``ninefold.ops.triton.lora``: the mask applied inside the
-second, the sum added into the output; in the decode graphs only).
+can compute it where ``NINEFOLD_LORA_KERNELS=1`` (``ninefold.ops.triton.lora``: the first applies the mask
+to its reduced ``x @ A``, the second adds ``@ B`` into the output; in the decode graphs only).
 
 On CPUs the slots are also kept slot by slot, in bfloat16, for the native decode step (``a_rows``
 ``[L, S, in, R]``, ``b_tiles`` ``[L, S, ceil(out / 16), R, 16]``): what one row's adapter reads there is

@@ -80,18 +80,19 @@ def lora_expand_kernel(down_ptr, b_ptr, y_ptr, T, N, W, stride_b, stride_y,
     tl.store(y_ptr + where, (y.to(tl.float32) + acc).to(y.dtype), mask=live)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed arrival counters for ``tiles`` tiles on ``device``, kept (and grown in powers of two) so a CUDA graph
-    captured with them finds them again; the kernel leaves them at zero."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < tiles:
+    """Zeroed arrival counters for ``tiles`` tiles on ``device`` (the kernel leaves them at zero). A larger call
+    gets a new buffer, and the smaller ones stay allocated: CUDA graphs captured with them keep their address.
+    One set per device: calls on two streams at once would share them (the engine runs one stream)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < tiles:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("ninefold.ops.triton.lora: run lora_add once at this size before capturing it")
-        have = _COUNTERS[device] = torch.zeros(1 << max(tiles - 1, 1).bit_length(), dtype=torch.int32, device=device)
-    return have
+        kept.append(torch.zeros(1 << max(tiles - 1, 1).bit_length(), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 @functools.cache
@@ -101,16 +102,19 @@ def _num_sms(device: torch.device) -> int:
 
 def supports(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> str | None:
     """Why ``lora_add`` cannot take these operands (None: it can)."""
+    shapes = f"x {tuple(x.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)}, y {tuple(y.shape)}"
     if x.dim() != 2 or a.dim() != 2 or b.dim() != 2 or y.dim() != 2:
-        return "2-D x, A, B and y only"
-    if not (x.dtype == a.dtype == b.dtype == y.dtype) or x.dtype not in (torch.float16, torch.bfloat16):
-        return "one dtype for x, A, B and y: float16 or bfloat16 (float32 products would run in TF32)"
-    if x.shape[1] != a.shape[0] or a.shape[1] != b.shape[0] or y.shape != (x.shape[0], b.shape[1]):
-        return "shapes x [T, K], A [K, W], B [W, N], y [T, N]"
+        return f"2-D x, A, B and y only; got {shapes}"
+    dtypes = (x.dtype, a.dtype, b.dtype, y.dtype)
+    if len(set(dtypes)) != 1 or x.dtype not in (torch.float16, torch.bfloat16):
+        return (f"one dtype for x, A, B and y: float16 or bfloat16 (float32 products would run in TF32); got "
+                f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
+    if x.shape[1] != a.shape[0] or a.shape[1] != b.shape[0] or y.shape != (x.shape[0], b.shape[1]) or x.shape[1] == 0:
+        return f"shapes x [T, K], A [K, W], B [W, N], y [T, N] with K >= 1; got {shapes}"
     if any(t.stride(1) != 1 for t in (x, a, b, y)):
         return "rows with contiguous columns only"
     if x.shape[0] > MAX_ROWS:
-        return f"at most {MAX_ROWS} rows (more: cuBLAS's GEMMs)"
+        return f"at most {MAX_ROWS} rows (more: cuBLAS's GEMMs); got {x.shape[0]}"
     return None
 
 
@@ -120,6 +124,8 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch
     returns ``y``. Operands as ``supports`` says; ``row_slots`` ``[T]`` integers (-1: no adapter)."""
     T, K = x.shape
     W, N = b.shape
+    if row_slots.shape != (T,) or row_slots.device != x.device:
+        raise ValueError(f"row_slots: expected [{T}] on {x.device}; got {list(row_slots.shape)} on {row_slots.device}")
     if T == 0 or W == 0 or N == 0:
         return y
     BT = 16 if T <= 16 else 32 if T <= 32 else 64
