@@ -17,6 +17,7 @@ contiguous, the 16 outputs of one kernel group are one run of memory, and half t
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -27,12 +28,19 @@ from ninefold.llm.config import ModelConfig
 from ninefold.llm.lora.adapter import Adapter, load_adapter, part_sizes
 from ninefold.llm.lora.request import LoRARequest
 
-try:  # two Triton launches per matrix on GPUs instead of torch's three (ninefold.ops.triton.lora)
-    from ninefold.ops.triton import lora as lora_kernels
-except ImportError:  # no Triton: torch's matmuls
-    lora_kernels = None
-if os.environ.get("NINEFOLD_LORA_KERNELS", "0") != "1":  # opt-in: not proven faster (docs/perf/llm.md)
-    lora_kernels = None
+
+@functools.cache
+def lora_kernels():
+    """``ninefold.ops.triton.lora`` where ``NINEFOLD_LORA_KERNELS=1`` (opt-in: not proven faster, docs/perf/llm.md)
+    and Triton imports; else None (torch's matmuls). Imported on first use: engines without adapters, and CPU
+    programs, never load Triton for it."""
+    if os.environ.get("NINEFOLD_LORA_KERNELS", "0") != "1":
+        return None
+    try:
+        from ninefold.ops.triton import lora
+    except ImportError:
+        return None
+    return lora
 
 
 class LoRASlots:
@@ -198,7 +206,7 @@ class LoRAStep:
         self.slots = slots
         self.row_slots = row_slots
         self.used = set(slots.parts) if every_matrix else slots.matrices_in_use()
-        self.kernels = kernels and lora_kernels is not None
+        self.kernels = lora_kernels() if kernels else None
         self._masks: dict[int, torch.Tensor] = {}
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -207,8 +215,8 @@ class LoRAStep:
         if matrix not in self.used:
             return y
         A, B = self.slots.a[matrix][layer], self.slots.b[matrix][layer]
-        if self.kernels and x.is_cuda and lora_kernels.supports(x, A, B, y) is None:
-            return lora_kernels.lora_add(x, A, B, self.row_slots, A.shape[1] // self.slots.max_loras, y)
+        if self.kernels is not None and x.is_cuda and self.kernels.supports(x, A, B, y) is None:
+            return self.kernels.lora_add(x, A, B, self.row_slots, A.shape[1] // self.slots.max_loras, y)
         down = x.to(A.dtype) @ A
         down *= self._mask(A.shape[1], down.dtype)
         if y.dtype == B.dtype:
