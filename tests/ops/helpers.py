@@ -99,3 +99,12 @@ def run_interpreted_tests(files: list[str], select: str = "", at_least: int = 1,
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and int(summary.split(" passed")[0].split()[-1]) >= at_least, summary
     return run
+
+
+def fresh_choice_cache(forget, tmp_path, monkeypatch):
+    """For a fixture (``yield from``): ``$NINEFOLD_CACHE_DIR`` at ``tmp_path``, and a tuner's in-memory choices
+    dropped (``forget``) before the test and after it; yields ``tmp_path``."""
+    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
+    forget()
+    yield tmp_path
+    forget()

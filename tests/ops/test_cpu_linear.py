@@ -11,15 +11,14 @@ import torch.nn.functional as F
 from ninefold import ops
 from ninefold.ops import cpu_linear
 
+from .helpers import fresh_choice_cache
+
 BIG = (1 << 22) // 512  # rows of a 512-wide weight at the size threshold
 
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
-    cpu_linear.CACHE.forget()
-    yield tmp_path
-    cpu_linear.CACHE.forget()
+    yield from fresh_choice_cache(cpu_linear.CACHE.forget, tmp_path, monkeypatch)
 
 
 def test_applies_to_few_rows_of_a_large_weight_only():

@@ -9,6 +9,8 @@ import ninefold.ops as ops
 from ninefold.ops import cublaslt
 from ninefold.ops.cublaslt import binding, tuning
 
+from .helpers import fresh_choice_cache
+
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
@@ -29,10 +31,7 @@ def test_not_registered_without_cuda():
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
-    tuning.forget()
-    yield tmp_path
-    tuning.forget()
+    yield from fresh_choice_cache(tuning.forget, tmp_path, monkeypatch)
 
 
 @needs_cuda

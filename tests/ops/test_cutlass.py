@@ -14,6 +14,8 @@ import ninefold.ops as ops
 from ninefold.ops import cutlass
 from ninefold.ops.cutlass import binding, build, tuning
 
+from .helpers import fresh_choice_cache
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_library = pytest.mark.skipif(not HOPPER or binding.unavailable() is not None,
                                    reason="needs an sm_90 GPU and a built CUTLASS library (NINEFOLD_CUTLASS_LIB)")
@@ -140,10 +142,7 @@ def test_one_configuration_builds_into_a_library(tmp_path):
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NINEFOLD_CACHE_DIR", str(tmp_path))
-    tuning.forget()
-    yield tmp_path
-    tuning.forget()
+    yield from fresh_choice_cache(tuning.forget, tmp_path, monkeypatch)
 
 
 @needs_library
