@@ -102,15 +102,17 @@ def _num_sms(device: torch.device) -> int:
 
 def supports(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> str | None:
     """Why ``lora_add`` cannot take these operands (None: it can)."""
-    shapes = f"x {tuple(x.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)}, y {tuple(y.shape)}"
+    def shapes() -> str:
+        return f"x {tuple(x.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)}, y {tuple(y.shape)}"
+
     if x.dim() != 2 or a.dim() != 2 or b.dim() != 2 or y.dim() != 2:
-        return f"2-D x, A, B and y only; got {shapes}"
+        return f"2-D x, A, B and y only; got {shapes()}"
     dtypes = (x.dtype, a.dtype, b.dtype, y.dtype)
     if len(set(dtypes)) != 1 or x.dtype not in (torch.float16, torch.bfloat16):
         return (f"one dtype for x, A, B and y: float16 or bfloat16 (float32 products would run in TF32); got "
                 f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
     if x.shape[1] != a.shape[0] or a.shape[1] != b.shape[0] or y.shape != (x.shape[0], b.shape[1]) or x.shape[1] == 0:
-        return f"shapes x [T, K], A [K, W], B [W, N], y [T, N] with K >= 1; got {shapes}"
+        return f"shapes x [T, K], A [K, W], B [W, N], y [T, N] with K >= 1; got {shapes()}"
     if any(t.stride(1) != 1 for t in (x, a, b, y)):
         return "rows with contiguous columns only"
     if x.shape[0] > MAX_ROWS:
