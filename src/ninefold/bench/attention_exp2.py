@@ -12,14 +12,14 @@ every exponential (2); the splits of the score tile stay in registers (no shared
 against float64 attention on one head and against torch's SDPA before it is timed (``do_bench``
 median). A diagnostic, not a benchmark with targets; results in docs/perf/dsl.md.
 """
-import json
-import os
 import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
+
+from ninefold.bench.results import write_json
 
 # 2^f on [0, 1) as 1 + f * (C1 + f * (C2 + f * C3)): a degree-3 fit, relative error 1.4e-4
 C1 = tl.constexpr(0.6958606)
@@ -171,10 +171,7 @@ def main(argv=None) -> int:
             print(f"{bm}x{bn} w{warps} s{stages} r{maxnreg} fraction {fraction}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s "
                   f"({t_torch / t:.1%} of torch); max err vs fp64 head {err64:.4f}, vs torch {err:.4f}; "
                   f"first call {time.time() - t0:.1f} s")
-    if os.environ.get("OUT"):
-        os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "attention_exp2.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch_us": t_torch * 1e3, "rows": rows}, f, indent=1)
+    write_json("attention_exp2.json", {"device": torch.cuda.get_device_name(), "torch_us": t_torch * 1e3, "rows": rows})
     return 0
 
 

@@ -12,14 +12,12 @@ when ``OUT`` is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from ninefold import ops
+from ninefold.bench.results import write_json
 from ninefold.llm.gguf_dequant import IQ4_VALUES
 from ninefold.ops import cpu_native
 from ninefold.ops.quantized import quantize_activations
@@ -85,12 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"native CPU kernels unavailable: {cpu_native.reason()}")
     print(f"linear_blocks [{args.n}, {args.k}], {cpu_native.isa()} build, {torch.get_num_threads()} threads")
     results = run(args.n, args.k, [int(r) for r in args.rows.split(",")], args.repeats)
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"isa": cpu_native.isa(), "threads": torch.get_num_threads()}
-        (out / "cpu_blocks.json").write_text(json.dumps({**meta, "results": results}, indent=1))
-        print(f"wrote {out / 'cpu_blocks.json'}")
+    write_json("cpu_blocks.json", {"isa": cpu_native.isa(), "threads": torch.get_num_threads(), "results": results},
+               announce=True)
 
 
 if __name__ == "__main__":

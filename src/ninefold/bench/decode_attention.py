@@ -23,15 +23,14 @@ Prints a table and writes ``$OUT/decode_attention.json``. Exit 1 if a correctnes
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from ninefold.bench.results import write_json
 
 DECODE_CASES = ((1, 256), (1, 4096), (64, 600), (256, 600), (256, 1200))
 ROPE_BATCHES = (1, 256)
@@ -515,11 +514,7 @@ def main(argv=None) -> int:
     args.sweep = on_cuda if args.sweep is None else args.sweep
     args.width = args.width or (17408 if on_cuda else 128)
     results = run(args)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "decode_attention.json").write_text(json.dumps(results, indent=1, default=str))
-        print(f"wrote {Path(out) / 'decode_attention.json'}")
+    write_json("decode_attention.json", results, default=str, announce=True)
     return 1 if results["failed_checks"] else 0
 
 

@@ -16,13 +16,13 @@ engine's offline throughput, not a benchmark with targets.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from ninefold.bench.results import write_json
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -141,10 +141,7 @@ def main(argv=None) -> int:
                   args.impls.split(",") if args.impls else None)
     results["seconds"] = round(time.perf_counter() - start, 1)
     results["blas"] = str(torch.backends.cuda.preferred_blas_library())
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"decode_gemm_{args.blas}.json").write_text(json.dumps(results, indent=1))
+    write_json(f"decode_gemm_{args.blas}.json", results)
     return 0
 
 

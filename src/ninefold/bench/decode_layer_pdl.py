@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ import time
 import torch
 
 from ninefold.bench import decode_chain
+from ninefold.bench.results import write_json
 
 FULL = dict(decode_chain.FULL, context=256, table_tokens=17408)
 SMOKE = dict(decode_chain.SMOKE, context=40, table_tokens=128)
@@ -244,11 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             delta = f"{(ms - base) * 1e3 / shapes['layers']:+.2f}" if base else "-"
             print(f"{name:13s} {ms:9.4f} {1e3 / ms:8.1f} {delta:>21s}")
     result["seconds"] = time.perf_counter() - t0
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "decode_layer_pdl.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json("decode_layer_pdl.json", result)
     print(f"total {result['seconds']:.1f} s" + ("; a variant differed from no_pdl or failed" if failed else ""))
     return 1 if failed else 0
 

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 import ninefold.dsl.language as nl
+from ninefold.bench.results import write_json
 from ninefold.dsl import Symbol
 
 KERNEL_MODULES = ("add", "activation", "mm", "conv2d", "softmax", "rms_norm", "rope", "attention", "pool")
@@ -1785,10 +1786,7 @@ def run_sweep(which, out_dir, shrink=1):
         "sweeps": results,
     }
     if out_dir:
-        out = pathlib.Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "dsl_sweep.json").write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {out / 'dsl_sweep.json'}")
+        write_json("dsl_sweep.json", report, out_dir, default=str, announce=True)
     return report
 
 

@@ -22,10 +22,8 @@ checked against attention in float64 first (``FAIL`` rows are not timed), then t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import pathlib
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ from tqdm import tqdm
 
 import ninefold.dsl.language as nl
 from ninefold.bench import dsl as bench
+from ninefold.bench.results import write_json
 from ninefold.ops.kernels import attention
 
 DEVICE = "cuda"  # tests run the rows' code on cpu tensors under TRITON_INTERPRET=1
@@ -474,10 +473,7 @@ def main(argv=None):
         "rows": rows,
     }
     if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "dsl_pingpong.json").write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {out / 'dsl_pingpong.json'}")
+        write_json("dsl_pingpong.json", report, args.out, default=str, announce=True)
     return report
 
 

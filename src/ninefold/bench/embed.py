@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import platform
 import random
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from ninefold.bench.cpu import check_systems, llama_cpp_clear, llama_cpp_context
+from ninefold.bench.results import write_json
 
 SYSTEMS = ("ninefold", "transformers", "llama.cpp")
 MIN_COSINE = 0.98  # below this a peer and ninefold compute different things: the run stops
@@ -211,13 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         cosine = "" if r.system == "ninefold" else f"{r.min_cosine_vs_ninefold:.5f}"
         print(f"{r.system:<20} {r.load_s:>7.1f} {r.tokens_per_s:>10.1f} {ratio:>13} {cosine:>20}  {r.note}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "embed_bench.json").write_text(json.dumps({
+        write_json("embed_bench.json", {
             "model": str(model), "prompts": len(prompts), "tokens": tokens, "min_len": args.min_len,
             "max_len": args.max_len, "threads": args.threads, "torch": torch.__version__,
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": [asdict(r) for r in rows],
-        }, indent=1))
+        }, args.out)
     return 0
 
 

@@ -17,15 +17,13 @@ at about half their bound (docs/perf/llm.md). A diagnostic: prints a table, writ
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ninefold.bench.decode_gemm import SHAPES, bound_us, ceilings, decode_cases, relative_error
+from ninefold.bench.results import write_json
 
 LAYOUTS = ("tn", "nn", "swap")
 
@@ -79,10 +77,7 @@ def main(argv=None) -> int:
         print("ninefold.bench.gemm_layouts needs a CUDA device; nothing measured.", file=sys.stderr)
         return 2
     results = run([int(b) for b in args.batches.split(",")], args.layers.split(","))
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "gemm_layouts.json").write_text(json.dumps(results, indent=1))
+    write_json("gemm_layouts.json", results)
     return 0
 
 

@@ -18,15 +18,14 @@ benchmark with targets; results in docs/perf/llm.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from ninefold.bench.results import write_json
 
 COUNTERS = 1 << 14
 
@@ -197,10 +196,7 @@ def main(argv=None) -> int:
         print("ninefold.bench.gemm_ws needs a CUDA device with TMA (sm_90+); nothing measured.", file=sys.stderr)
         return 2
     results = run([int(b) for b in args.batches.split(",")], args.layers.split(","), args.limit, args.mode)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"gemm_ws_{args.mode}.json").write_text(json.dumps(results, indent=1))
+    write_json(f"gemm_ws_{args.mode}.json", results)
     return 0
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
 import sys
 import time
 
@@ -26,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ninefold.bench.decode_chain import _tuning_inputs
+from ninefold.bench.results import write_json
 
 # (name, N, K, prologue) of the Llama-3.1-8B layers a decode step runs.
 LAYERS = (("qkv", 6144, 4096, "add_rms_norm"), ("o", 4096, 4096, "none"), ("gate_up", 28672, 4096, "add_rms_norm"),
@@ -155,14 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
         del copies
         torch.cuda.empty_cache()
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "gemv_rows.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl,
-                       "results": results}, f, indent=1)
-        with open(os.path.join(out, "gemv_rows_table.json"), "w") as f:
-            json.dump(table, f, indent=1)
+    write_json("gemv_rows.json", {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl,
+                                  "results": results})
+    write_json("gemv_rows_table.json", table)
     return 0
 
 

@@ -14,10 +14,10 @@ one whose ``.*`` lets nearly every token through. Prints a table; writes JSON un
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from ninefold.bench.results import write_json
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": [
     "celsius", "fahrenheit"]}, "days": {"type": "integer"}}, "required": ["city"]}
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['brute_mean_ms']:>17.1f} {row['brute_max_ms']:>7.1f} "
               f"{row['brute_mean_ms'] / row['mean_ms']:>7.0f}x")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "guided.json").write_text(json.dumps({"model": str(path), "vocab": size, "index_s": index_s,
-                                                     "formats": rows}, indent=1))
+        write_json("guided.json", {"model": str(path), "vocab": size, "index_s": index_s, "formats": rows}, args.out)
     return 0
 
 

@@ -17,7 +17,6 @@ Prints a short table; writes everything to ``$OUT/bench_llm.json`` when ``OUT`` 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -26,6 +25,8 @@ import sys
 import time
 
 import torch
+
+from ninefold.bench.results import write_json
 
 GPT_FAST_TOKS = 193.0  # DESIGN.md: gpt-fast batch-1 decode, Llama-3.1-8B bf16, same H200 (not rerun here)
 
@@ -125,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             for rid in list(engine.requests):
                 engine.abort_request(rid)
     results["total_s"] = time.perf_counter() - t0
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "bench_llm.json"), "w") as f:
-            json.dump(results, f, indent=2)
+    write_json("bench_llm.json", results, indent=2)
     if not failed:
         print_table(results)
     return 1 if failed else 0

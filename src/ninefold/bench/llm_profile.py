@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import random
 import sys
 import time
 
 import torch
+
+from ninefold.bench.results import write_json
 
 
 def _kernel_table(prof, steps: int) -> list[dict]:
@@ -289,15 +289,6 @@ def profile_host(engine, batch: int, steps: int = 200, top: int = 25) -> dict:
     return row
 
 
-def _write(results: dict, name: str) -> None:
-    """``results`` as JSON to ``$OUT/name`` (nothing without ``OUT``)."""
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(results, f, indent=1)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_profile", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b")
@@ -319,17 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     engine.stream_outputs = False
     if args.gaps:
         cases = ((1, 512), (64, 600), (128, 1000), (208, 900), (256, 600))
-        _write({"gaps": [profile_gaps(engine, b, c) for b, c in cases]}, "llm_profile_gaps.json")
+        write_json("llm_profile_gaps.json", {"gaps": [profile_gaps(engine, b, c) for b, c in cases]})
         return 0
     if args.host:
-        _write({"host": [profile_host(engine, b) for b in (1, 64, 256)]}, "llm_profile_host.json")
+        write_json("llm_profile_host.json", {"host": [profile_host(engine, b) for b in (1, 64, 256)]})
         return 0
     if args.whole_offline:
-        _write({"offline_kernels": offline_kernel_totals(engine, 256)}, "llm_profile_offline.json")
+        write_json("llm_profile_offline.json", {"offline_kernels": offline_kernel_totals(engine, 256)})
         return 0
     results = {"decode": [profile_decode(engine, b, c) for b, c in ((1, 256), (1, 4096), (64, 600), (256, 600))]}
     results["offline"] = offline_step_log(engine, 256, args.offline_seconds)
-    _write(results, "llm_profile.json")
+    write_json("llm_profile.json", results)
     return 0
 
 

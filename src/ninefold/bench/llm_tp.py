@@ -11,12 +11,13 @@ split (all-reduces over Gloo, the step broadcast), not a speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 
 import torch
+
+from ninefold.bench.results import write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ttft {rows[-1]['ttft_ms']:.1f} ms; decode tok/s "
               + ", ".join(f"batch {b}: {r:.1f}" for b, r in rows[-1]["decode_tok_s"].items()), flush=True)
     report(rows, batches)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "llm_tp.json")
-    with open(path, "w") as f:
-        json.dump({"model": args.model, "device": args.device, "dtype": args.dtype, "host": platform.node(),
-                   "cpu_threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
-                   "new_tokens": args.new_tokens, "enforce_eager": args.enforce_eager, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    write_json("llm_tp.json", {"model": args.model, "device": args.device, "dtype": args.dtype, "host": platform.node(),
+                               "cpu_threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+                               "new_tokens": args.new_tokens, "enforce_eager": args.enforce_eager, "rows": rows},
+               args.out, announce=True)
     return 0
 
 

@@ -18,8 +18,6 @@ the same context without it) by ``EFFECT_OVER_GAP`` times that or more. Prints a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
@@ -27,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ninefold.bench.results import write_json
 
 PROMPT_TOKENS = 64
 # nats, per dtype: the graph and eager engines' log-probabilities of the same tokens may differ by a few rounding
@@ -162,10 +162,7 @@ def main(argv=None) -> int:
         print("ninefold.bench.lora_cuda needs a CUDA device (or --device cpu); nothing measured.", file=sys.stderr)
         return 2
     result = run(args)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "lora_cuda.json").write_text(json.dumps(result, indent=1))
+    write_json("lora_cuda.json", result)
     return 0
 
 

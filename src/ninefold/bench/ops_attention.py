@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ninefold.bench.results import write_json
 from ninefold.ops import dispatch, registry, workloads
 
 DECODE_CASES = ((1, 4096), (16, 4096), (64, 4096), (8, 32768))
@@ -437,11 +435,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     results = run(args)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "ops_attention.json").write_text(json.dumps(results, indent=1, default=str))
-        print(f"wrote {Path(out) / 'ops_attention.json'}")
+    write_json("ops_attention.json", results, default=str, announce=True)
     return 1 if results["failed_checks"] else 0
 
 

@@ -10,12 +10,12 @@ process. Results go to ``$OUT/ops_gemv.json``.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from ninefold.bench.results import write_json
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -70,11 +70,7 @@ def main() -> int:
             print(f"{name:8s} M={m:<3d} cuBLAS {vendor:7.1f} us ({gbytes / vendor * 1e6 / copy_gbps:4.0%})  "
                   f"triton best {best.get('us', 0):7.1f} us ({best.get('GBps', 0) / copy_gbps:4.0%}) {best['config']}  "
                   f"default {row['default_us'] or 0:7.1f} us")
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "ops_gemv.json"), "w") as f:
-            json.dump({"copy_GBps": copy_gbps, "rows": rows}, f, indent=1)
+    write_json("ops_gemv.json", {"copy_GBps": copy_gbps, "rows": rows})
     return 1 if failed else 0
 
 

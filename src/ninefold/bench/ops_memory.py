@@ -24,15 +24,14 @@ path on the ``call``/``host`` figures. ``$OUT/ops_memory.json`` receives everyth
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from ninefold.bench.results import write_json
 from ninefold.ops import references, registry, workloads
 
 OPS = ("rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "gelu_and_mul", "rope")
@@ -445,11 +444,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for the timing sweep")
     args = parser.parse_args(argv)
     result = bench(args)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "ops_memory.json").write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {Path(out) / 'ops_memory.json'}")
+    write_json("ops_memory.json", result, default=str, announce=True)
     return 1 if result["failed"] else 0
 
 

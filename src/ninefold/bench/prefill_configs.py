@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import sys
-from pathlib import Path
 
 import torch
 
 from ninefold.bench.decode_attention import paged_caches
+from ninefold.bench.results import write_json
 
 CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
@@ -134,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.configs < 1:
         parser.error(f"--configs: must be at least 1, got {args.configs}")
     rows = run(device, CONFIGS[: args.configs])
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "prefill_configs.json").write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))
+    write_json("prefill_configs.json", {"device": str(device), "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

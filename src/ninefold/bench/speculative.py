@@ -19,9 +19,10 @@ with k drafts pays off when the tokens it yields per step exceed its cost over t
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from ninefold.bench.results import write_json
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
         "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.")
@@ -117,8 +118,7 @@ def main(argv=None) -> int:
         args.dtype = "bfloat16" if args.dtype == "auto" and args.device != "cpu" else args.dtype
         result = step_cost(args)
         if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "speculative_step_cost.json").write_text(json.dumps(result, indent=1))
+            write_json("speculative_step_cost.json", result, args.out)
         return 0
 
     from ninefold import LLM
@@ -149,9 +149,7 @@ def main(argv=None) -> int:
               f"{ngram['drafted']:7d} {ngram['accepted']:8d} {per_step:11.2f}"
               + ("" if same else "  DIFFERENT TOKENS"), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "speculative.json").write_text(json.dumps(results, indent=1))
+        write_json("speculative.json", results, args.out)
     return 1 if failures else 0
 
 
