@@ -309,7 +309,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, list(ids), len(ids), params, bad_words=bad_words, priority=priority,
-                           lora=lora_request, lora_adapter=adapter)
+                           lora=lora_request, lora_adapter=adapter, max_num_tokens=total)
             if params.seed is not None:
                 seq.seed = (params.seed + 1_000_003 * i) % 2**63
                 seq.generator = torch.Generator(device=self.device)
@@ -465,7 +465,7 @@ class LLMEngine:
         """Schedule and enqueue a step; ``previous``: the step in flight, whose tokens are not read yet."""
         if previous is not None:
             for row, seq in enumerate(previous.samplers):
-                if seq.status is Status.RUNNING and not self._ends_by_length(seq, 1):
+                if seq.status is Status.RUNNING and len(seq.token_ids) + 1 < seq.max_num_tokens:
                     seq.add_placeholder(row)
         try:
             step = self.scheduler.schedule()
@@ -492,7 +492,7 @@ class LLMEngine:
         for s in launched.step:
             seq = s.seq
             if s.samples:
-                rows = s.num_sampled_rows
+                rows = len(s.draft_ids) + 1  # (s.num_sampled_rows, without a property call per row)
                 j += rows
                 if seq.status is Status.FINISHED:  # ended (stop, abort) while this step was in flight
                     continue
@@ -526,11 +526,6 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 return
 
-    def _ends_by_length(self, seq: Sequence, extra: int) -> bool:
-        """Whether ``seq`` reaches max_tokens or max_model_len with ``extra`` more tokens."""
-        p = seq.params
-        return ((p.max_tokens is not None and len(seq.output_ids) + extra >= p.max_tokens)
-                or len(seq.token_ids) + extra >= self.max_model_len)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, commit=None) -> None:
         seq.append(token)
@@ -557,7 +552,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", stop_string)
         elif guided_done:  # the JSON object is complete
             self.scheduler.finish(seq, "stop")
-        elif self._ends_by_length(seq, 0):
+        elif len(seq.token_ids) >= seq.max_num_tokens:
             self.scheduler.finish(seq, "length")
 
     @staticmethod

@@ -103,7 +103,8 @@ def sampled_rows(step: list[ScheduledSeq]) -> list:
     for s in step:
         if s.samples:
             rows.append(s.seq)
-            rows.extend(DraftRow(s.seq, s.draft_ids[: i + 1]) for i in range(len(s.draft_ids)))
+            if s.draft_ids:
+                rows.extend(DraftRow(s.seq, s.draft_ids[: i + 1]) for i in range(len(s.draft_ids)))
     return rows
 
 
@@ -175,13 +176,18 @@ class ModelRunner:
         """
         self._switch_buffers()
         # one new token per sequence, and its drafts: each draft is a decode row of its own (below)
-        decode_shaped = all(s.num_new_tokens - len(s.draft_ids) == 1 for s in step)
-        if decode_shaped and not all(s.samples for s in step):
+        decode_shaped, all_sample = True, True
+        for s in step:
+            if s.num_new_tokens - len(s.draft_ids) != 1:
+                decode_shaped = False
+                break
+            all_sample = all_sample and s.samples
+        if decode_shaped and not all_sample:
             # a one-token prompt chunk whose hidden state scores a prompt token runs as a prefill
             decode_shaped = not any(positions_to_score(s.seq, s.start, 1) for s in step)
         if decode_shaped:
             logits = self._decode(step, prev_tokens)
-            if not all(s.samples for s in step):  # a one-token prompt chunk: no token to sample yet
+            if not all_sample:  # a one-token prompt chunk: no token to sample yet
                 first = np.cumsum([0] + [len(s.draft_ids) + 1 for s in step])
                 rows = np.array([r for i, s in enumerate(step) if s.samples for r in range(first[i], first[i + 1])],
                                 dtype=np.int64)

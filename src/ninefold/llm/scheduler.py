@@ -23,13 +23,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ninefold.llm.kv_cache import BlockManager
 from ninefold.llm.sequence import Sequence, Status
 
 
-@dataclass(slots=True)
 class ScheduledSeq:
     """A sequence and the ``num_new_tokens`` of its tokens, from ``start``, computed in this step.
 
@@ -38,15 +36,18 @@ class ScheduledSeq:
     from the last token on samples one token.
     """
 
-    seq: Sequence
-    num_new_tokens: int
-    start: int = 0
-    samples: bool = False
-    draft_ids: list[int] = field(default_factory=list)
+    __slots__ = ("seq", "num_new_tokens", "start", "samples", "draft_ids")
 
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens - len(self.draft_ids) == len(self.seq.token_ids)
+    def __init__(self, seq: Sequence, num_new_tokens: int, draft_ids: list[int] | None = None):
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        self.start = start = seq.num_computed_tokens
+        self.draft_ids = drafts = [] if draft_ids is None else draft_ids
+        self.samples = start + num_new_tokens - len(drafts) == len(seq.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"ScheduledSeq(seq={self.seq.request_id}/{self.seq.index}, num_new_tokens={self.num_new_tokens}, "
+                f"start={self.start}, samples={self.samples}, draft_ids={self.draft_ids})")
 
     @classmethod
     def row_of(cls, s: ScheduledSeq, i: int) -> ScheduledSeq:
@@ -111,26 +112,32 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        running, propose = self.running, self.propose
+        while i < len(running) and budget > 0:  # (runs once per sequence and step: kept lean)
+            seq = running[i]
+            n = len(seq.token_ids) - seq.num_computed_tokens
             if n == 0:  # its next token is still being sampled by the step in flight
                 i += 1
                 continue
-            drafts = (self.propose(seq, budget - 1) if self.propose is not None and n == 1 and budget > 1
-                      and seq.pending_row < 0 else [])
-            if drafts and not self._room_for_drafts(seq, n, len(drafts), later=len(self.running) - i - 1):
-                drafts = []
-            end = seq.num_computed_tokens + n + len(drafts)
+            if n > budget:
+                n = budget
+            drafts = None
+            if propose is not None and n == 1 and budget > 1 and seq.pending_row < 0:
+                drafts = propose(seq, budget - 1)
+                if drafts and not self._room_for_drafts(seq, n, len(drafts), later=len(running) - i - 1):
+                    drafts = None
+            if drafts:
+                n += len(drafts)
+            end = seq.num_computed_tokens + n
             while end > len(seq.block_table) * bs and not self.blocks.ensure(seq, end):
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, n + len(drafts), draft_ids=drafts))
-                budget -= n + len(drafts)
+                scheduled.append(ScheduledSeq(seq, n, drafts or None))
+                budget -= n
                 i += 1
         skipped = 0  # waiting sequences passed over because every adapter slot is taken by other adapters
         slot_wanted = False  # a sequence ahead waits for a slot: later ones with adapters wait too (no overtaking)

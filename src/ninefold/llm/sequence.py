@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,8 @@ class Sequence:
     lora: Any = None  # the request's ``LoRARequest`` (None: the base model)
     lora_adapter: Any = None  # its adapter as read and checked when the request was built
     lora_slot: int = -1  # the device slot holding it while the sequence runs (``LoRASlots``)
+    # the length (prompt + output tokens) at which it ends: max_tokens or max_model_len, set by the engine
+    max_num_tokens: int = sys.maxsize
 
     def __post_init__(self) -> None:
         self.plain_greedy = self.params.plain_greedy
