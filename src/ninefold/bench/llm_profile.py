@@ -278,10 +278,11 @@ def profile_host(engine, batch: int, steps: int = 200, top: int = 25) -> dict:
     for rid in ids:
         engine.abort_request(rid)
     engine.sync()
-    text = io.StringIO()
+    text, cumulative = io.StringIO(), io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=cumulative).sort_stats("cumulative").print_stats(top)
     row = {"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited) / steps * 1e3,
-           "profile_tottime": text.getvalue()}
+           "profile_tottime": text.getvalue(), "profile_cumulative": cumulative.getvalue()}
     print(f"\nhost, decode batch {batch}: step {row['step_ms']:.2f} ms, host (not waiting) {row['host_ms']:.3f} ms; "
           f"cProfile of {steps} more steps (its own overhead included), by own time:")
     print("\n".join(line for line in text.getvalue().splitlines()

@@ -120,7 +120,9 @@ def run(args) -> dict:
                                and effect >= EFFECT_OVER_GAP * tolerance)
     print(f"check: under an adapter, graphs against eager: first tokens {graph_ids[:2]} / {eager_ids[:2]}; at the "
           f"prefill and the first decode step the {shared}+ tokens both list among their {TOP} likeliest have "
-          f"log-probabilities {gap:.2g} apart; the adapter moves the decode step's by up to {effect:.3g}", flush=True)
+          f"log-probabilities {gap:.2g} apart; the adapter "
+          + (f"moves the decode step's by up to {effect:.3g}" if effect != float("inf") else
+             f"changes every one of the decode step's {TOP} likeliest tokens"), flush=True)
     if not result["checks_passed"]:
         raise SystemExit(f"check failed: graphs {graph_ids} {graph_lp[:2]}, eager {eager_ids} {eager_lp[:2]}, "
                          f"without the adapter {unadapted}")

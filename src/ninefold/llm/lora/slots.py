@@ -31,7 +31,8 @@ from ninefold.llm.lora.request import LoRARequest
 
 @functools.cache
 def lora_kernels():
-    """``ninefold.ops.triton.lora`` where ``NINEFOLD_LORA_KERNELS=1`` (opt-in: not proven faster, docs/perf/llm.md)
+    """``ninefold.ops.triton.lora`` where ``NINEFOLD_LORA_KERNELS=1`` (opt-in: in an H100's decode graphs they tie with
+    torch's matmuls at 1 row and lose 1% at 32 rows and 10% at 128; docs/perf/llm.md, twenty-fifth session)
     and Triton imports; else None (torch's matmuls). Imported on first use: engines without adapters, and CPU
     programs, never load Triton for it."""
     if os.environ.get("NINEFOLD_LORA_KERNELS", "0") != "1":
