@@ -26,5 +26,7 @@ def test_cpu_run_checks_every_draw_and_writes_json(tmp_path, monkeypatch):
     assert result["failures"] == []
     assert len(result["rows"]) == 2 * len(sampling.SETTINGS) * 2
     assert all(row["tokens_inside_filter"] and row["sample_us"] > 0 for row in result["rows"])
+    engine = [row for row in result["rows"] if "engine_us" in row]  # the top-k settings, through the engine's sampler
+    assert len(engine) == 4 and all(row["engine_inside_filter"] and row["engine_us"] > 0 for row in engine)
     kept = {row["setting"]: row["kept_tokens_mean"] for row in result["rows"] if row["batch"] == 4}
     assert kept["temperature"] == 300 and kept["top_k+top_p"] <= 50

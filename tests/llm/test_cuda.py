@@ -109,9 +109,11 @@ def test_cuda_graph_decode_matches_eager_decode(model_dirs, dtype):
             s.seq.append(token)
 
 
-def test_seeded_sampling_reproducible_on_cuda(model_dirs):
+@pytest.mark.parametrize("filters", [dict(top_p=0.9, top_k=40), dict(top_p=0.9, min_p=0.01)], ids=["top_k", "no_top_k"])
+def test_seeded_sampling_reproducible_on_cuda(model_dirs, filters):
+    """(With top-k, ``ops.sample`` takes torch's sorting route; without, the Triton kernel.)"""
     llm = LLM(str(model_dirs["llama"]), device="cuda", block_size=16, num_kv_blocks=64, cuda_graph_max_batch=4)
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=11, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, **filters)
     a = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
     b = llm.generate(prompt_token_ids=PROMPTS[::-1], sampling_params=params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b][::-1]

@@ -23,7 +23,7 @@ def test_argmax_matches_reference(device, impl, dtype):
 def test_temperature_zero_is_greedy(device, impl, dtype):
     logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     temperature = torch.zeros(16, device=device)
-    out = call("sample", impl, logits, temperature, top_k=torch.full((16,), 5, device=device))
+    out = call("sample", impl, logits, temperature, top_p=torch.full((16,), 0.5, device=device))
     assert torch.equal(out.cpu(), logits.cpu().argmax(-1))
 
 
@@ -39,10 +39,11 @@ CASES = {
 
 
 def _row_args(case: dict, n: int, device):
+    """Per-row tensors of ``case``; a filter the case does not use is None (as the engine's sampler passes it)."""
     temperature = torch.full((n,), case["temperature"], device=device)
-    top_k = torch.full((n,), case.get("top_k", 0), dtype=torch.int32, device=device)
-    top_p = torch.full((n,), case.get("top_p", 1.0), device=device)
-    min_p = torch.full((n,), case.get("min_p", 0.0), device=device)
+    top_k = torch.full((n,), case["top_k"], dtype=torch.int32, device=device) if "top_k" in case else None
+    top_p = torch.full((n,), case["top_p"], device=device) if "top_p" in case else None
+    min_p = torch.full((n,), case["min_p"], device=device) if "min_p" in case else None
     return temperature, top_k, top_p, min_p
 
 
@@ -57,7 +58,8 @@ def test_sample_frequencies_match_the_filtered_distribution(device, impl, case):
         torch.cuda.manual_seed(1234)
     out = call("sample", impl, logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     freq = torch.bincount(out.cpu(), minlength=LOGITS.numel()).double() / n
-    want = ref.sample_distribution(LOGITS[None], temperature[:1].cpu(), top_k[:1], top_p[:1], min_p[:1])[0]
+    first = [None if t is None else t[:1].cpu() for t in (top_k, top_p, min_p)]
+    want = ref.sample_distribution(LOGITS[None], temperature[:1].cpu(), *first)[0]
     assert torch.all(freq[want == 0] == 0), f"drew filtered tokens: {freq} vs {want}"
     sigma = (want * (1 - want) / n).sqrt()
     assert torch.all((freq - want).abs() <= 5 * sigma + 1e-3), f"{freq} vs {want}"
@@ -109,3 +111,4 @@ def test_sample_does_not_synchronise_on_cuda(device, impl):
         call("sample", impl, logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+

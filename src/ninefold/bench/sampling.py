@@ -65,6 +65,25 @@ def time_us(fn, device: str) -> float:
     return statistics.median(times) * 1e6
 
 
+def engine_sampler(logits: torch.Tensor, top_k: int, top_p: float, seeded: bool, keep: torch.Tensor):
+    """(median us, every draw inside ``keep``) of ``ninefold.llm.sampler.Sampler.sample`` on ``logits``, each row a
+    sequence asking for ``top_k`` and ``top_p`` at ``TEMPERATURE`` (seeded: its own seed)."""
+    from ninefold.llm.sampler import Sampler
+    from ninefold.llm.sampling import SamplingParams
+    from ninefold.llm.sequence import Sequence
+
+    device = logits.device.type
+    sampler = Sampler(logits.device, logits.shape[1], ())
+    seqs = [Sequence(f"r{i}", 0, [1], 1, SamplingParams(temperature=TEMPERATURE, top_k=top_k, top_p=top_p,
+                                                         seed=i if seeded else None)) for i in range(logits.shape[0])]
+    for i, seq in enumerate(seqs):
+        if seeded:
+            seq.seed, seq.generator = i, torch.Generator(device=device)
+    tokens = sampler.sample(logits, seqs).tokens
+    inside = bool(keep.gather(1, tokens.view(-1, 1)).all())
+    return time_us(lambda: sampler.sample(logits, seqs).tokens, device), inside
+
+
 def run(vocab: int, batches: list[int], device: str) -> dict:
     from ninefold import ops
 
@@ -93,9 +112,15 @@ def run(vocab: int, batches: list[int], device: str) -> dict:
                 row = {"batch": b, "vocab": vocab, "setting": name, "seeded": seeded, "sample_us": us,
                        "argmax_us": greedy_us, "tokens_inside_filter": inside,
                        "kept_tokens_mean": float(keep.sum(dim=-1).double().mean())}
+                if top_k:  # also through the engine's sampler, which draws among the top-k candidates
+                    row["engine_us"], row["engine_inside_filter"] = engine_sampler(logits, top_k, top_p, seeded, keep)
+                    if not row["engine_inside_filter"]:
+                        failures.append(f"B={b} {name} seeded={seeded} (engine)")
                 rows.append(row)
-                print(f"B={b:>4} {name:>12} {'seeded' if seeded else '':>6}: sample {us:8.1f} us (argmax {greedy_us:6.1f} us); "
-                      f"{row['kept_tokens_mean']:9.0f} tokens kept per row on average; draws inside: {inside}", flush=True)
+                engine = f"; engine's sampler {row['engine_us']:8.1f} us" if "engine_us" in row else ""
+                print(f"B={b:>4} {name:>12} {'seeded' if seeded else '':>6}: sample {us:8.1f} us (argmax {greedy_us:6.1f} us"
+                      f"{engine}); {row['kept_tokens_mean']:9.0f} tokens kept per row on average; draws inside: {inside}",
+                      flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else device
     return {"device": name, "temperature": TEMPERATURE, "rows": rows, "failures": failures}
 

@@ -61,6 +61,10 @@ class PendingTokens:
         return self._result
 
 
+# Where every row of a step has top_k set and none above this, tokens are drawn among that many candidates.
+TOP_K_CANDIDATES = 1024
+
+
 class Sampler:
     """Applies each row's ``SamplingParams`` and draws one token per row."""
 
@@ -145,9 +149,23 @@ class Sampler:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         temperature = column([p.temperature for p in params], torch.float32)
-        top_k = column([p.top_k for p in params], torch.int32) if any(p.top_k > 0 for p in params) else None
         top_p = column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None
         min_p = column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
+        ks = [p.top_k for p in params]
+        largest_k = max(ks)
+        if min(ks) > 0 and largest_k <= TOP_K_CANDIDATES and largest_k < logits.shape[1]:
+            # Every row keeps at most ``largest_k`` tokens: draw among the ``largest_k`` largest logits (torch.topk)
+            # instead of handing ``ops.sample`` whole rows to sort; rows asking for fewer mask the rest.
+            values, ids = logits.topk(largest_k, dim=-1)
+            if min(ks) < largest_k:
+                ranks = torch.arange(largest_k, device=self.device)
+                values = values.masked_fill(ranks[None, :] >= column(ks, torch.int64)[:, None], float("-inf"))
+            picked = ops.sample(values, temperature, top_p=top_p, min_p=min_p, generators=generators(seqs))
+            tokens = ids.gather(1, picked[:, None]).squeeze(1)
+            if any(p.temperature <= 0 for p in params):  # greedy rows: the first largest logit, as argmax gives
+                tokens = torch.where(temperature <= 0, ops.argmax(logits, dim=-1), tokens)
+            return tokens
+        top_k = column(ks, torch.int32) if largest_k > 0 else None
         return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators(seqs))
 
     def _allowed_mask(self, seq: Sequence) -> torch.Tensor:

@@ -99,13 +99,13 @@ _SAMPLE = Operator("sample", sample, _sample_key)
 register("argmax", "vendor")(torch.argmax)
 
 
-def _filter_top_k_top_p(x: torch.Tensor, top_k, top_p) -> torch.Tensor:
-    v = x.shape[1]
-    sorted_x, order = x.sort(dim=-1, descending=True)
+def _filter_sorted(sorted_x: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """``sorted_x`` (each row largest first) with the tokens outside top-k, then top-p, set to -inf."""
+    v = sorted_x.shape[1]
     if top_k is not None:
         k = top_k.long()
         k = torch.where(k <= 0, v, k.clamp(max=v))
-        ranks = torch.arange(v, device=x.device)
+        ranks = torch.arange(v, device=sorted_x.device)
         sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
     if top_p is not None:
         p = top_p.float()
@@ -114,7 +114,7 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k, top_p) -> torch.Tensor:
         remove = (mass_before >= p[:, None]) & (p < 1)[:, None]
         remove[:, 0] = False
         sorted_x = sorted_x.masked_fill(remove, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+    return sorted_x
 
 
 def _exponential(shape, device, generators) -> torch.Tensor:
@@ -130,15 +130,24 @@ def _exponential(shape, device, generators) -> torch.Tensor:
 def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
     temp = temperature.float()
     greedy = temp <= 0
-    x = logits.float() / torch.where(greedy, 1.0, temp)[:, None]
-    if x.device.type == "cpu":  # skipping idle filters costs a host read, free only on the CPU
+    t = torch.where(greedy, 1.0, temp)[:, None]
+    if logits.device.type == "cpu":  # skipping idle filters costs a host read, free only on the CPU
         top_k = None if top_k is None or not bool((top_k > 0).any()) else top_k
         top_p = None if top_p is None or not bool((top_p < 1).any()) else top_p
         min_p = None if min_p is None or not bool((min_p > 0).any()) else min_p
-    if top_k is not None or top_p is not None:
-        x = _filter_top_k_top_p(x, top_k, top_p)
+    order = None
+    if top_k is None and top_p is None:
+        x = logits.float() / t
+    else:
+        # Top-k and top-p need each row largest first. Dividing by a row's (positive) temperature keeps its order,
+        # so the logits are sorted as they come (a bfloat16 model's: 16-bit keys, half the radix passes of float32)
+        # and the token is drawn in that order, then mapped back through ``order`` (no scatter of the whole row).
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        x = _filter_sorted(sorted_logits.float() / t, top_k, top_p)
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     drawn = (x - _exponential(x.shape, x.device, generators).log_()).argmax(dim=-1)
+    if order is not None:
+        drawn = order.gather(1, drawn[:, None]).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)

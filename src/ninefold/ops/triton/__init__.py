@@ -23,6 +23,7 @@ from ninefold.ops.triton import (
     prefill,
     rope,
     rope_cache,
+    sample,
     softmax,
 )
 
@@ -44,6 +45,7 @@ KERNELS = [
     ("attention_decode", decode.attention_decode, decode.supports),
     ("attention_prefill", prefill.attention_prefill, prefill.supports),
     ("argmax", argmax.argmax, argmax.supports),
+    ("sample", sample.sample, sample.supports),
 ]
 
 for _op, _fn, _supports in KERNELS:

@@ -19,13 +19,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninefold.ops.triton import activation, argmax, cache, decode, gemv, norm, prefill, rope, softmax
+from ninefold.ops.triton import activation, argmax, cache, decode, gemv, norm, prefill, rope, sample, softmax
 
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Pointer arguments whose element type does not follow the activations' dtype.
 _FIXED_POINTERS = {"pos_ptr": "*i64", "slot_ptr": "*i64", "bt_ptr": "*i32", "lens_ptr": "*i32", "cu_q_ptr": "*i32",
                    "cu_k_ptr": "*i32", "tile_starts_ptr": "*i32", "cache_ptr": "*fp32", "part_ptr": "*fp32",
-                   "lse_ptr": "*fp32", "index_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i32", "count_ptr": "*i32"}
+                   "lse_ptr": "*fp32", "index_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i32", "count_ptr": "*i32",
+                   "temp_ptr": "*fp32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "seed_ptr": "*i64",
+                   "token_ptr": "*i64"}
 _FLOATS = {"eps", "scale_log2e"}
 
 
@@ -128,7 +130,7 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132) -> tuple[list,
 # Operators whose kernel module lists the variants its launcher runs (``aot_variants``).
 _LISTED = {"rms_norm": norm, "add_rms_norm": norm, "silu_and_mul": activation, "gelu_and_mul": activation,
            "softmax": softmax, "rope": rope, "attention_decode": decode, "attention_prefill": prefill,
-           "linear": gemv, "argmax": argmax}
+           "linear": gemv, "argmax": argmax, "sample": sample}
 
 
 def variants(op: str, dtype: torch.dtype, shapes) -> list[Variant]:

@@ -1,0 +1,124 @@
+"""The Triton ``sample`` (exponential race, rejection for top-p, no sort) against the exact filtered distribution.
+
+Runs under Triton's interpreter (``test_triton_sample_in_the_interpreter`` starts this file with TRITON_INTERPRET=1
+when neither the interpreter nor CUDA is on) and on CUDA.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from ninefold.ops import references as ref
+
+from .helpers import run_interpreted_tests
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_RUNS = INTERPRETED or torch.cuda.is_available()
+triton_only = pytest.mark.skipif(not TRITON_RUNS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+DTYPES = [torch.float32] if INTERPRETED else [torch.float32, torch.bfloat16]
+DRAWS = 1000 if INTERPRETED else 4000  # rows of one frequency check (the interpreter runs one program at a time)
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, -float("inf")])
+
+
+def _kernel():
+    from ninefold.ops.triton import sample
+
+    return sample
+
+
+def _rows(n: int, value: float | None) -> torch.Tensor | None:
+    return None if value is None else torch.full((n,), value, device=DEVICE)
+
+
+def _check_frequencies(out: torch.Tensor, want: torch.Tensor, n: int) -> None:
+    freq = torch.bincount(out.cpu(), minlength=want.numel()).double() / n
+    assert torch.all(freq[want == 0] == 0), f"drew filtered tokens: {freq} vs {want}"
+    sigma = (want * (1 - want) / n).sqrt()
+    assert torch.all((freq - want).abs() <= 5 * sigma + 1e-3), f"{freq} vs {want}"
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("temperature,top_p,min_p", [(1.0, None, None), (2.0, None, None), (1.0, 0.7, None),
+                                                      (0.7, 0.8, None), (1.0, None, 0.2), (1.3, 0.9, 0.1)])
+def test_frequencies_match_the_filtered_distribution(temperature, top_p, min_p, dtype):
+    n = DRAWS
+    logits = LOGITS.to(DEVICE, dtype).expand(n, -1).contiguous()
+    torch.manual_seed(1234)
+    if DEVICE == "cuda":
+        torch.cuda.manual_seed(1234)
+    out = _kernel().sample(logits, _rows(n, temperature), None, _rows(n, top_p), _rows(n, min_p), None)
+    first = [None if v is None else torch.tensor([v]) for v in (top_p, min_p)]
+    want = ref.sample_distribution(LOGITS[None].to(dtype), torch.tensor([temperature]), None, *first)[0]
+    _check_frequencies(out, want, n)
+
+
+@triton_only
+def test_top_p_over_several_blocks_rejects_until_inside_the_nucleus():
+    # two of the kernel's blocks: two large tokens (mass ~0.46 and ~0.28) and a flat tail of ~0.26: with top_p 0.5
+    # the nucleus is the two, and a draw from the whole row that lands in the tail is rejected (another round)
+    sample = _kernel()
+    v, n = sample.BLOCK + 404, DRAWS // 4
+    row = torch.zeros(v)
+    big, second = v - 7, 17
+    row[big], row[second] = math.log(1.8 * (v - 2)), math.log(1.1 * (v - 2))
+    torch.manual_seed(7)
+    out = sample.sample(row.expand(n, -1).contiguous().to(DEVICE), _rows(n, 1.0), None, _rows(n, 0.5), None, None)
+    want = ref.sample_distribution(row[None], torch.ones(1), None, torch.tensor([0.5]), None)[0]
+    assert set(want.nonzero().flatten().tolist()) == {big, second}  # the nucleus: the two large tokens
+    _check_frequencies(out, want, n)
+
+
+@triton_only
+def test_greedy_rows_take_the_first_largest_logit_whatever_the_filters():
+    sample = _kernel()
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1))
+    logits[0, [10, 4200]] = 9.0  # a tie: the first column wins, as torch.argmax
+    temperature = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0], device=DEVICE)
+    out = sample.sample(logits.to(DEVICE), temperature, None, _rows(6, 0.3), _rows(6, 0.5), None).cpu()
+    greedy = logits.argmax(-1)
+    assert out[0].item() == 10
+    assert torch.equal(out[[0, 1, 2, 4, 5]], greedy[[0, 1, 2, 4, 5]])
+
+
+@triton_only
+def test_a_seeded_draw_depends_on_the_seed_and_its_row_only():
+    sample = _kernel()
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def gen(seed):
+        return torch.Generator(device=DEVICE).manual_seed(seed)
+
+    alone = sample.sample(logits[2:3], _rows(1, 1.2), None, _rows(1, 0.9), None, [gen(5)])
+    batched = sample.sample(logits, _rows(5, 1.2), None, _rows(5, 0.9), None, [None, gen(9), gen(5), None, gen(11)])
+    assert alone.item() == batched[2].item()
+    draws = {sample.sample(logits[2:3], _rows(1, 1.2), None, None, None, [gen(s)]).item() for s in range(12)}
+    assert len(draws) > 1  # different seeds, different draws
+
+
+def test_supports_names_what_it_refuses():
+    sample = _kernel()
+    t = torch.ones(2)
+    assert "top_k" in sample.supports(torch.zeros(2, 10), t, torch.ones(2, dtype=torch.int32))
+    assert "contiguous" in sample.supports(torch.zeros(10, 2).t(), t)
+    assert sample.supports(torch.zeros(2, 10), t, None, torch.ones(2), torch.zeros(2)) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="runs the file itself when Triton cannot")
+def test_triton_sample_in_the_interpreter():
+    run_interpreted_tests(["test_sample_triton.py"], at_least=9)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the kernels it would compile")
+def test_sample_kernels_compile_for_sm90():
+    from ninefold.ops import workloads
+    from ninefold.ops.triton import aot
+
+    target = aot.parse_target("cuda:90")
+    variants = aot.variants("sample", torch.bfloat16, workloads.shapes("llama-8b"))
+    assert len(variants) == 4 and {v.kernel.fn.__name__ for v in variants} == {"sample_kernel"}
+    for variant in variants:
+        assert aot.compile_variant(variant, torch.bfloat16, target).asm.get("cubin")
