@@ -119,6 +119,23 @@ def test_seeded_sampling_reproducible_on_cuda(model_dirs, filters):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b][::-1]
 
 
+@pytest.mark.parametrize("filters", [dict(min_p=0.01), dict(top_p=0.9), dict(top_k=20, top_p=0.8)],
+                         ids=["min_p", "top_p", "top_k"])
+def test_a_seeded_request_samples_alike_beside_requests_of_every_other_route_on_cuda(model_dirs, filters):
+    """(Rows drawn among the top-k candidates, by the Triton kernel over whole rows, and by torch's sorting route.)"""
+    llm = LLM(str(model_dirs["llama"]), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
+              cuda_graph_max_batch=8)
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=12, ignore_eos=True, **filters)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)]
+    others = [SamplingParams(temperature=0.8, top_p=0.5, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_k=5, seed=2, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=llm.engine.vocab_size - 1, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    batched = llm.generate(prompt_token_ids=[[3, 4, 5], [8, 9], PROMPTS[0], [6], [7, 7]],
+                           sampling_params=[others[0], others[1], params, others[2], others[3]])
+    assert alone == [batched[2].outputs[0].token_ids]
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_bf16_prompt_logprobs_agree_with_transformers_in_float32(model_dirs, enforce_eager):
     """Prompt logprobs on CUDA (chunked, beside CUDA-graph decodes) within bfloat16 rounding of float32 transformers."""

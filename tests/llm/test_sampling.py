@@ -54,6 +54,22 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     assert _ids(llm.generate(prompt_token_ids=[PROMPT], sampling_params=changed)) != alone
 
 
+@pytest.mark.parametrize("filters", [dict(min_p=0.01), dict(top_p=0.9), dict(top_k=20, top_p=0.8)],
+                         ids=["min_p", "top_p", "top_k"])
+def test_a_seeded_request_samples_alike_beside_requests_of_every_other_route(llm, filters):
+    """Each row's own top_k picks how it is drawn (among the largest logits, or the whole row, with or without a
+    sort), so batching a seeded request beside requests that take the other routes must not change its tokens."""
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=12, ignore_eos=True, **filters)
+    alone = _ids(llm.generate(prompt_token_ids=[PROMPT], sampling_params=params))
+    others = [SamplingParams(temperature=0.8, top_p=0.5, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_k=5, seed=2, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=llm.engine.vocab_size - 1, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    batched = llm.generate(prompt_token_ids=[[3, 4, 5], [8, 9], PROMPT, [6], [7, 7]],
+                           sampling_params=[others[0], others[1], params, others[2], others[3]])
+    assert alone == [[c.token_ids for c in batched[2].outputs]]
+
+
 def test_n_returns_n_distinct_seeded_completions(llm):
     params = SamplingParams(n=3, temperature=1.5, seed=7, max_tokens=12, ignore_eos=True)
     (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)

@@ -61,8 +61,8 @@ class PendingTokens:
         return self._result
 
 
-# Where every row of a step has top_k set and none above this, tokens are drawn among that many candidates.
-TOP_K_CANDIDATES = 1024
+# Rows with 0 < top_k <= this draw among this many largest logits (torch.topk) instead of sorting whole rows.
+TOP_K_CANDIDATES = 256
 
 
 class Sampler:
@@ -104,13 +104,13 @@ class Sampler:
         if all(s.plain_greedy for s in seqs):  # the common case, kept short: no per-row work
             # (on logits in the model's dtype: widening is exact, so the maximum and ties are the same)
             return PendingTokens(self, ops.argmax(logits, dim=-1))
-        logits = logits.float()
+        # Logits stay in the model's dtype unless a row changes them (ops.sample reads half the bytes then)
         want_logprobs = [p.logprobs is not None for p in params]
         raw = logits if any(want_logprobs) else None
         if any(p.has_penalties for p in params):
-            logits = self._penalize(logits.clone(), seqs)
+            logits = self._penalize(_writable(logits, logits), seqs)
         if any(p.logit_bias for p in params):
-            logits = logits.clone() if logits is raw else logits
+            logits = _writable(logits, raw)
             for row, p in enumerate(params):
                 if p.logit_bias:
                     ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device)
@@ -118,18 +118,18 @@ class Sampler:
                     logits[row].index_add_(0, ids, values)
         allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
         if allowed:
-            logits = logits.clone() if logits is raw else logits
+            logits = _writable(logits, raw)
             for row in allowed:
                 logits[row] += self._allowed_mask(seqs[row])
         banned = [self._banned(s) for s in seqs]
         if any(banned):
-            logits = logits.clone() if logits is raw else logits
+            logits = _writable(logits, raw)
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, ids] = float("-inf")
         guided = [row for row, s in enumerate(seqs) if s.guide is not None]
         if guided:  # last: nothing may bring back a token the guide rules out
-            logits = logits.clone() if logits is raw else logits
+            logits = _writable(logits, raw)
             allowed = torch.stack([seqs[row].guide.mask(self.device) for row in guided])[:, : logits.shape[1]]
             rows = torch.tensor(guided, dtype=torch.long).to(self.device, non_blocking=True)
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
@@ -143,6 +143,23 @@ class Sampler:
         return pending
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Draw each row by the route its own top_k picks (so a seeded row's tokens do not depend on its batch):
+        among the ``TOP_K_CANDIDATES`` largest logits where 0 < top_k <= that, else over the whole row
+        (``ops.sample`` with top_k where one is set)."""
+        vocab = logits.shape[1]
+        width = min(TOP_K_CANDIDATES, vocab)
+        route = ["candidates" if 0 < s.params.top_k <= width and s.params.top_k < vocab
+                 else "top_k" if 0 < s.params.top_k < vocab else "whole" for s in seqs]
+        if len(set(route)) == 1:
+            return self._draw(logits, seqs, route[0], width)
+        tokens = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
+        for kind in dict.fromkeys(route):
+            rows = [i for i, r in enumerate(route) if r == kind]
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            tokens.index_copy_(0, index, self._draw(logits.index_select(0, index), [seqs[i] for i in rows], kind, width))
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], route: str, width: int) -> torch.Tensor:
         params = [s.params for s in seqs]
 
         def column(values, dtype):
@@ -151,22 +168,21 @@ class Sampler:
         temperature = column([p.temperature for p in params], torch.float32)
         top_p = column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None
         min_p = column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
+        if route != "candidates":
+            top_k = column([p.top_k for p in params], torch.int32) if route == "top_k" else None
+            return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators(seqs))
+        # A fixed number of candidates, largest first (a row's draw sees the same columns whatever its batch);
+        # rows asking for fewer mask the rest.
+        values, ids = logits.topk(width, dim=-1)
         ks = [p.top_k for p in params]
-        largest_k = max(ks)
-        if min(ks) > 0 and largest_k <= TOP_K_CANDIDATES and largest_k < logits.shape[1]:
-            # Every row keeps at most ``largest_k`` tokens: draw among the ``largest_k`` largest logits (torch.topk)
-            # instead of handing ``ops.sample`` whole rows to sort; rows asking for fewer mask the rest.
-            values, ids = logits.topk(largest_k, dim=-1)
-            if min(ks) < largest_k:
-                ranks = torch.arange(largest_k, device=self.device)
-                values = values.masked_fill(ranks[None, :] >= column(ks, torch.int64)[:, None], float("-inf"))
-            picked = ops.sample(values, temperature, top_p=top_p, min_p=min_p, generators=generators(seqs))
-            tokens = ids.gather(1, picked[:, None]).squeeze(1)
-            if any(p.temperature <= 0 for p in params):  # greedy rows: the first largest logit, as argmax gives
-                tokens = torch.where(temperature <= 0, ops.argmax(logits, dim=-1), tokens)
-            return tokens
-        top_k = column(ks, torch.int32) if largest_k > 0 else None
-        return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators(seqs))
+        if min(ks) < width:
+            ranks = torch.arange(width, device=self.device)
+            values = values.masked_fill(ranks[None, :] >= column(ks, torch.int64)[:, None], float("-inf"))
+        picked = ops.sample(values, temperature, top_p=top_p, min_p=min_p, generators=generators(seqs))
+        tokens = ids.gather(1, picked[:, None]).squeeze(1)
+        if any(p.temperature <= 0 for p in params):  # greedy rows: the first largest logit, as argmax gives
+            tokens = torch.where(temperature <= 0, ops.argmax(logits, dim=-1), tokens)
+        return tokens
 
     def _allowed_mask(self, seq: Sequence) -> torch.Tensor:
         """0 at ``allowed_token_ids``, -inf elsewhere (built once per sequence)."""
@@ -218,6 +234,13 @@ class Sampler:
         for b, entry in zip(rows, entries):
             result[b] = entry
         return result
+
+
+def _writable(logits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` in float32, safe to change in place: a copy when it is in another dtype or is ``keep``."""
+    if logits.dtype != torch.float32:
+        return logits.float()
+    return logits.clone() if logits is keep else logits
 
 
 def generators(seqs) -> list | None:

@@ -147,7 +147,10 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    drawn = (x - _exponential(x.shape, x.device, generators).log_()).argmax(dim=-1)
+    noise = _exponential(x.shape, x.device, generators)
+    if order is not None:  # each token keeps its column's noise: a row draws the same token on either path
+        noise = noise.gather(1, order)
+    drawn = (x - noise.log_()).argmax(dim=-1)
     if order is not None:
         drawn = order.gather(1, drawn[:, None]).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)

@@ -213,6 +213,8 @@ def _sample(s, dev, dt, g):
         top_p = torch.full((t,), 0.9, device=dev)
         yield Case("sample", f"B={t} V={s.vocab} top-k/top-p", (x, temperature), dict(top_k=top_k, top_p=top_p),
                    bytes=t * s.vocab * dt.itemsize)
+        yield Case("sample", f"B={t} V={s.vocab} top-p", (x, temperature), dict(top_p=top_p),
+                   bytes=t * s.vocab * dt.itemsize)
 
 
 _BUILDERS = {
