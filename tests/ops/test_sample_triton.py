@@ -73,6 +73,16 @@ def test_top_p_over_several_blocks_rejects_until_inside_the_nucleus():
 
 
 @triton_only
+def test_tokens_tied_at_the_top_p_edge_are_all_kept():
+    # four equal tokens of 0.30 each: top-p 0.5 is reached after two of them, and the kernel keeps all four
+    n = DRAWS
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, -float("inf")]).expand(n, -1).contiguous().to(DEVICE)
+    torch.manual_seed(5)
+    out = _kernel().sample(logits, _rows(n, 1.0), None, _rows(n, 0.5), None, None)
+    _check_frequencies(out, torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0, 0.0], dtype=torch.float64), n)
+
+
+@triton_only
 def test_greedy_rows_take_the_first_largest_logit_whatever_the_filters():
     sample = _kernel()
     logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1))
@@ -109,7 +119,7 @@ def test_supports_names_what_it_refuses():
 
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETED, reason="runs the file itself when Triton cannot")
 def test_triton_sample_in_the_interpreter():
-    run_interpreted_tests(["test_sample_triton.py"], at_least=9)
+    run_interpreted_tests(["test_sample_triton.py"], at_least=10)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the kernels it would compile")

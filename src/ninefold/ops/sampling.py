@@ -89,6 +89,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
     k most likely; <= 0 = off), then ``top_p`` (keep the smallest most-likely set whose mass,
     renormalised after top-k, reaches p; 1 = off), then ``min_p`` (drop tokens whose probability
     is below ``min_p`` times the largest; 0 = off). ``generators[i]`` makes row ``i`` reproducible.
+    Tokens tied with the last one of the top-k or top-p set: torch's route keeps those first in its
+    sort order, the Triton route (no top_k) keeps every token tied at the top-p edge.
     """
     return _SAMPLE.call(logits, temperature, top_k, top_p, min_p, generators)
 
