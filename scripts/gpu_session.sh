@@ -103,13 +103,15 @@ step_command() {
 }
 for arg in "$@"; do
   name=${arg%%:*}; limit=${arg#*:}; [ "$limit" = "$arg" ] && limit=300
-  echo "=== $name (limit ${limit}s) ==="
+  run=$name; i=2
+  while [ -e "$RESULTS/$run.log" ]; do run=$name-$i; i=$((i + 1)); done  # a repeated step keeps both logs
+  echo "=== $run (limit ${limit}s) ==="
   start=$(date +%s)
-  mkdir -p "$RESULTS/$name"
+  mkdir -p "$RESULTS/$run"
   # a fresh ninefold cache per step: DSL choices tuned under one step (e.g. parallel tests) stay there
-  OUT="$RESULTS/$name" NINEFOLD_CACHE_DIR="/tmp/nf-cache/$name" timeout "$limit" bash -c "$(step_command "$name")" > "$RESULTS/$name.log" 2>&1
+  OUT="$RESULTS/$run" NINEFOLD_CACHE_DIR="/tmp/nf-cache/$run" timeout "$limit" bash -c "$(step_command "$name")" > "$RESULTS/$run.log" 2>&1
   rc=$?
-  tail -n 25 "$RESULTS/$name.log"
-  echo "=== $name rc=$rc in $(( $(date +%s) - start ))s ==="
+  tail -n 25 "$RESULTS/$run.log"
+  echo "=== $run rc=$rc in $(( $(date +%s) - start ))s ==="
   tar -czf "$FINAL_OUT/results.tgz" -C "$RESULTS" .  # after every step: a run cut short still returns what it did
 done
