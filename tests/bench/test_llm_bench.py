@@ -66,3 +66,18 @@ def test_parts_selects_what_runs_and_the_table_shows_only_those(tmp_path, monkey
     with pytest.raises(SystemExit):
         llm.main(["--smoke", "--parts", "ttft,warp"])
     assert "--parts: unknown part(s) warp; choose from decode_batch1, ttft, host_overhead, offline" in capsys.readouterr().err
+
+
+def test_host_sampling_sets_the_host_parts_requests_and_bad_items_are_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    (tmp_path / "triton-cache").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    assert llm.main(["--smoke", "--parts", "host_overhead", "--host-sampling", "temperature=0.8,top_p=0.95,seed=3"]) == 0
+    rows = json.loads((tmp_path / "bench_llm.json").read_text())["host_overhead"]
+    assert rows and all(r["sampling"] == {"temperature": 0.8, "top_p": 0.95, "seed": 3} for r in rows)
+    assert llm.parse_sampling("") == {} and llm.parse_sampling("top_k=40, min_p=0.1") == {"top_k": 40, "min_p": 0.1}
+    for bad, named in (("warmth=1", "warmth=1"), ("top_p=high", "top_p takes a number"), ("top_p=1.5", "top_p")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            llm.main(["--smoke", "--host-sampling", bad])
+        assert named in capsys.readouterr().err

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"(default: all)")
     parser.add_argument("--host-batches", default=None,
                         help="comma-separated batch sizes of the host-time part (default: 1,64,256; the smoke run 1,4,8)")
+    parser.add_argument("--host-sampling", default="", metavar="K=V,...",
+                        help="SamplingParams of the host-time part's decode steps, e.g. temperature=0.8,top_p=0.95 "
+                             "(default: greedy)")
     parser.add_argument("--smoke", action="store_true",
                         help="exercise every step on the CPU with a tiny model (checks the code, measures nothing useful)")
     args = parser.parse_args(argv)
@@ -64,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             host_batches = ()
         if not host_batches or min(host_batches) < 1:
             parser.error(f"--host-batches: expected comma-separated positive ints, e.g. 1,2,4,8; got {args.host_batches!r}")
+    try:
+        args.host_sampling = parse_sampling(args.host_sampling)
+    except ValueError as error:
+        parser.error(f"--host-sampling: {error}")
     if args.smoke:
         args.model, args.dtype, args.num_requests, args.decode_tokens = dict(SMOKE_CONFIG), "float32", 6, 8
         args.ttft_lengths, args.host_batches, args.max_len, device = (32, 64, 128), (1, 4, 8), 2048, "cpu"
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = {
         "decode_batch1": lambda: bench_decode(engine, rng("decode_batch1"), args.decode_tokens, weight_bytes, bandwidth, peer),
         "ttft": lambda: bench_ttft(engine, rng("ttft"), mc, mm_rate, args.ttft_lengths),
-        "host_overhead": lambda: bench_host(engine, rng("host_overhead"), args.host_batches),
+        "host_overhead": lambda: bench_host(engine, rng("host_overhead"), args.host_batches, args.host_sampling),
         "offline": lambda: bench_offline(engine, rng("offline"), args, mc, weight_bytes, bandwidth, mm_rate),
     }
     failed = False
@@ -353,15 +360,33 @@ def start_decoding(engine, prompts: list[list[int]], params, settle: int, prefix
     return ids
 
 
-def bench_host(engine, rng, batches) -> list[dict]:
+def parse_sampling(text: str) -> dict:
+    """``"temperature=0.8,top_p=0.95"`` -> SamplingParams keyword arguments (``ValueError`` naming a bad item)."""
+    from ninefold.llm.sampling import SamplingParams
+
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            raise ValueError(f"got {item!r}; expected KEY=VALUE with KEY one of temperature, top_p, top_k, min_p, seed")
+        try:
+            kwargs[key] = int(value) if key in ("top_k", "seed") else float(value)
+        except ValueError:
+            raise ValueError(f"got {item!r}; {key} takes a number") from None
+    SamplingParams(**kwargs)  # (its own checks of the values)
+    return kwargs
+
+
+def bench_host(engine, rng, batches, sampling: dict | None = None) -> list[dict]:
     """Host time per decode step at each batch size, and (on CUDA) how long the device sits idle
     between steps waiting for the host: with overlapped scheduling the host's work hides behind
-    the device's, so the idle share, not the host time, is the overhead a user pays."""
+    the device's, so the idle share, not the host time, is the overhead a user pays. ``sampling``:
+    SamplingParams arguments of every request (greedy when empty)."""
     from ninefold.llm.sampling import SamplingParams
 
     vocab = engine.model_config.vocab_size
     rows = []
-    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=4096, ignore_eos=True)
     sampler = engine.runner.sampler
     for batch in batches:
         ids = start_decoding(engine, [_random_ids(rng, 64, vocab) for _ in range(batch)], params, settle=3)
@@ -381,7 +406,7 @@ def bench_host(engine, rng, batches) -> list[dict]:
             engine.abort_request(rid)
         engine.sync()
         host = (wall - waited) / steps
-        row = {"batch": batch, "step_ms": wall / steps * 1e3, "host_ms": host * 1e3,
+        row = {"batch": batch, "sampling": dict(sampling or {}), "step_ms": wall / steps * 1e3, "host_ms": host * 1e3,
                "process_cpu_ms": cpu / steps * 1e3, "host_fraction": host / (wall / steps),
                "graph_launch_ms": launches.seconds / steps * 1e3,
                "host_ms_median": statistics.median(per_step) * 1e3,
