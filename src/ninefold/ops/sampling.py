@@ -128,6 +128,52 @@ def _exponential(shape, device, generators) -> torch.Tensor:
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def _uniforms(rows: int, generators) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row (the row's generator where given), on the CPU."""
+    u = torch.rand(rows, dtype=torch.float64)
+    if generators is not None:
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g)
+    return u
+
+
+def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor, top_p, generators) -> torch.Tensor:
+    """Rows of ``x`` (logits / temperature, float32, CPU) drawn with one uniform each and the cumulative sum of
+    their weights, among tokens with ``x >= lowest``; with top-p, a draw outside the nucleus (the mass above it
+    reaches p) becomes the row's pivot and the row draws again above it: rejection, exact for the nucleus.
+    Cheaper on the CPU than sorting rows or drawing noise for every token."""
+    b = x.shape[0]
+    weights = torch.exp(x - x.amax(dim=-1, keepdim=True)).double()
+    total = weights.sum(dim=-1)
+    pivot = torch.full((b,), float("-inf"))
+    tokens = torch.empty(b, dtype=torch.int64)
+    todo = torch.arange(b)
+    for _ in range(_MAX_ROUNDS):
+        xs, ws = x[todo], weights[todo]
+        allowed = ws * ((xs > pivot[todo, None]) & (xs >= lowest[todo, None]))
+        cdf = allowed.cumsum(dim=-1)
+        gens = None if generators is None else [generators[i] for i in todo.tolist()]
+        target = _uniforms(len(todo), gens) * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
+        x_drawn = xs.gather(1, drawn[:, None])
+        if top_p is None:
+            tokens[todo] = drawn
+            return tokens
+        above = (ws * (xs > x_drawn)).sum(dim=-1)
+        inside = above < top_p[todo].double() * total[todo]
+        tokens[todo[inside]] = drawn[inside]
+        pivot[todo[~inside]] = x_drawn.squeeze(1)[~inside]
+        todo = todo[~inside]
+        if len(todo) == 0:
+            return tokens
+    tokens[todo] = x[todo].argmax(dim=-1)  # (not seen: the largest token is always in the nucleus)
+    return tokens
+
+
+_MAX_ROUNDS = 64
+
+
 @register("sample", "vendor")
 def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
     temp = temperature.float()
@@ -137,6 +183,13 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
         top_k = None if top_k is None or not bool((top_k > 0).any()) else top_k
         top_p = None if top_p is None or not bool((top_p < 1).any()) else top_p
         min_p = None if min_p is None or not bool((min_p > 0).any()) else min_p
+        if top_k is None:  # no sort and no noise per token: a uniform per row and the rows' cumulative weights
+            x = logits.float() / t
+            lowest = torch.full((x.shape[0],), float("-inf"))
+            if min_p is not None:
+                lowest = torch.where(min_p > 0, x.amax(dim=-1) + torch.log(min_p.float().clamp_min(1e-30)), lowest)
+            drawn = _draw_by_inverse_cdf(x, lowest, top_p, generators)
+            return torch.where(greedy, logits.argmax(dim=-1), drawn)
     order = None
     if top_k is None and top_p is None:
         x = logits.float() / t
