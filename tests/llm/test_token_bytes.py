@@ -55,3 +55,18 @@ def test_logprob_token_texts_show_the_bytes_a_piece_stands_for():
     level = Tokenizer(build_tokenizer())
     newline = level.encode("\n", add_special_tokens=False)[0]
     assert TokenTexts(level).text(newline) == "\n" and TokenTexts(level).bytes(newline) == [10]
+
+
+def test_completion_top_logprobs_keep_the_likeliest_of_tokens_with_the_same_text():
+    """Two lone lead bytes both show as U+FFFD: the legacy top_logprobs dict (keyed by text) keeps the likelier
+    one's logprob, so the sampled token's own logprob never exceeds the dict's best."""
+    from ninefold.llm.server.logprobs import TokenTexts, completion_logprobs
+
+    tok = _sentencepiece()
+    texts = TokenTexts(tok)
+    e2, e3, a = (tok._tk.token_to_id(p) for p in ("<0xE2>", "<0xE3>", "a"))
+    step = {e2: -0.5, a: -1.0, e3: -2.0}
+    out = completion_logprobs([e2], [step], 3, texts, 0)
+    assert out["top_logprobs"] == [{"\ufffd": -0.5, "a": -1.0}] and out["token_logprobs"] == [-0.5]
+    sampled_last = completion_logprobs([e3], [step], 2, texts, 0)  # the sampled token ranks below the top 2
+    assert sampled_last["top_logprobs"] == [{"\ufffd": -0.5, "a": -1.0}] and sampled_last["token_logprobs"] == [-2.0]

@@ -79,8 +79,12 @@ def completion_logprobs(
         text = texts.text(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(_finite(step.get(token_id, -math.inf)))
-        # OpenAI's legacy format: the top ``logprobs`` tokens and always the sampled one (up to logprobs + 1)
-        out["top_logprobs"].append({texts.text(t): _finite(lp) for t, lp in _ranked_with(step, top, token_id)})
+        # OpenAI's legacy format: the top ``logprobs`` tokens and always the sampled one (up to logprobs + 1), keyed
+        # by text; tokens of the same text (byte pieces show as U+FFFD) keep the likeliest one's logprob
+        entry: dict[str, float] = {}
+        for t, lp in _ranked_with(step, top, token_id):  # (likeliest first)
+            entry.setdefault(texts.text(t), _finite(lp))
+        out["top_logprobs"].append(entry)
         out["text_offset"].append(offset)
         offset += len(text)
     return out
