@@ -19,6 +19,11 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -f .build/cutlass/libnf_cutlass_sm90.so ]; then export NINEFOLD_CUTLASS_LIB="$PWD/.build/cutlass"; fi
 # The engine launches its one-row GEMVs with PDL only where the decode-chain step measured it faster.
 PDL_ENV='f=$(find /tmp/nf-results -name gemv_pdl.env 2>/dev/null | head -1); if [ -n "$f" ]; then set -a; . "$f"; set +a; echo "PDL env: $(cat $f)"; fi;'
+# Two interleaved rounds of command $1 on the tree before (.ab_old/src, carried with the call) and on this one;
+# each run's log lines matching the extended regex $2 are shown.
+old_new_ab() {
+  echo "for i in 1 2; do for arm in old new; do P=\$PYTHONPATH; [ \$arm = old ] && P=\$PWD/.ab_old/src:\$PYTHONPATH; PYTHONPATH=\$P OUT=\$OUT/\$arm-\$i $1 > \$OUT/\$arm-\$i.log 2>&1; echo \"run \$i \$arm (\$(PYTHONPATH=\$P python3 -c 'import ninefold, os; print(os.path.dirname(ninefold.__file__))')):\"; grep -aE '$2' \$OUT/\$arm-\$i.log; done; done"
+}
 step_command() {
   case "$1" in
     env) echo 'nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.get_device_name())"' ;;
@@ -95,8 +100,8 @@ step_command() {
     sampling-bench) echo "python3 -m ninefold.bench.sampling ${SAMPLING_ARGS:-}" ;;
     host-sampling) echo 'for arm in greedy temperature=0.8,top_p=0.95 temperature=0.8,top_k=50,top_p=0.95; do S=; [ $arm = greedy ] || S="--host-sampling $arm"; OUT=$OUT/${arm//[=,]/_} python3 -m ninefold.bench.llm --parts host_overhead $S > $OUT/${arm//[=,]/_}.log 2>&1; echo "$arm:"; grep -a "^batch" $OUT/${arm//[=,]/_}.log; done' ;;
     sampling-tests) echo 'python3 -m pytest tests/ops/test_sample_triton.py tests/ops/test_sampling.py tests/llm/test_cuda.py -q -rs -p no:cacheprovider -k "not interpreter and not transformers and not json and not token_identical"' ;;
-    sampling-ab) echo 'for i in 1 2; do for arm in old new; do P=$PYTHONPATH; [ $arm = old ] && P=$PWD/.ab_old/src:$PYTHONPATH; PYTHONPATH=$P OUT=$OUT/$arm-$i python3 -m ninefold.bench.sampling --batches 1,64,256 > $OUT/$arm-$i.log 2>&1; echo "run $i $arm:"; grep -a "B=" $OUT/$arm-$i.log | grep -v seeded; done; done' ;;
-    host-ab) echo 'for i in 1 2; do for arm in old new; do P=$PYTHONPATH; [ $arm = old ] && P=$PWD/.ab_old/src:$PYTHONPATH; PYTHONPATH=$P OUT=$OUT/$arm-$i python3 -m ninefold.bench.llm --parts host_overhead > $OUT/$arm-$i.log 2>&1; echo "run $i $arm ($(PYTHONPATH=$P python3 -c "import ninefold,os;print(os.path.dirname(ninefold.__file__))")):"; grep -a "^batch\\|check\\|cosine" $OUT/$arm-$i.log; done; done' ;;
+    sampling-ab) old_new_ab 'python3 -m ninefold.bench.sampling --batches 1,64,256' '^B=.* : sample' ;;  # (unseeded rows)
+    host-ab) old_new_ab 'python3 -m ninefold.bench.llm --parts host_overhead' '^batch|check|cosine' ;;
     lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py tests/ops/test_lora_kernels.py -q -k cuda -rs -p no:cacheprovider' ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     *) echo "echo unknown step $1; false" ;;
