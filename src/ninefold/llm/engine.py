@@ -492,7 +492,7 @@ class LLMEngine:
         for s in launched.step:
             seq = s.seq
             if s.samples:
-                rows = len(s.draft_ids) + 1  # (s.num_sampled_rows, without a property call per row)
+                rows = s.num_sampled_rows
                 j += rows
                 if seq.status is Status.FINISHED:  # ended (stop, abort) while this step was in flight
                     continue
@@ -525,7 +525,6 @@ class LLMEngine:
             self._append(seq, tokens[m], logprobs[m], commit)
             if seq.status is Status.FINISHED:
                 return
-
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, commit=None) -> None:
         seq.append(token)

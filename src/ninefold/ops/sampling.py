@@ -128,6 +128,9 @@ def _exponential(shape, device, generators) -> torch.Tensor:
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+_MAX_ROUNDS = 64  # rejection rounds of the CPU's top-p draw before it takes the largest token
+
+
 def _uniforms(rows: int, generators) -> torch.Tensor:
     """One float64 uniform in [0, 1) per row (the row's generator where given), on the CPU."""
     u = torch.rand(rows, dtype=torch.float64)
@@ -170,8 +173,6 @@ def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor, top_p, generator
     tokens[todo] = x[todo].argmax(dim=-1)  # (not seen: the largest token is always in the nucleus)
     return tokens
 
-
-_MAX_ROUNDS = 64
 
 
 @register("sample", "vendor")
