@@ -99,7 +99,7 @@ step_command() {
     lora-kernels-ab) echo 'for i in 1 2; do for k in 1 0; do NINEFOLD_LORA_KERNELS=$k OUT=$OUT/k$k-$i python3 -m ninefold.bench.lora_cuda > $OUT/kernels$k-$i.log 2>&1; echo "run $i NINEFOLD_LORA_KERNELS=$k:"; grep -a "graphs" $OUT/kernels$k-$i.log; done; done' ;;
     sampling-bench) echo "python3 -m ninefold.bench.sampling ${SAMPLING_ARGS:-}" ;;
     host-sampling) echo 'for arm in greedy temperature=0.8,top_p=0.95 temperature=0.8,top_k=50,top_p=0.95; do S=; [ $arm = greedy ] || S="--host-sampling $arm"; OUT=$OUT/${arm//[=,]/_} python3 -m ninefold.bench.llm --parts host_overhead $S > $OUT/${arm//[=,]/_}.log 2>&1; echo "$arm:"; grep -a "^batch" $OUT/${arm//[=,]/_}.log; done' ;;
-    sampling-tests) echo 'python3 -m pytest tests/ops/test_sample_triton.py tests/ops/test_sampling.py tests/llm/test_cuda.py -q -rs -p no:cacheprovider -k "not interpreter and not transformers and not json and not token_identical"' ;;
+    sampling-tests) echo 'python3 -m pytest tests/ops/test_sample_triton.py tests/ops/test_sampling.py tests/llm/test_cuda.py tests/llm/test_sampling.py::test_top_k_among_tied_logits_keeps_the_lowest_ids_and_seeded_rows_ignore_their_neighbours -q -rs -p no:cacheprovider -k "not interpreter and not transformers and not json and not token_identical"' ;;
     sampling-ab) old_new_ab 'python3 -m ninefold.bench.sampling --batches 1,64,256' '^B=.* : sample' ;;  # (unseeded rows)
     host-ab) old_new_ab 'python3 -m ninefold.bench.llm --parts host_overhead' '^batch|check|cosine' ;;
     lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py tests/ops/test_lora_kernels.py -q -k cuda -rs -p no:cacheprovider' ;;

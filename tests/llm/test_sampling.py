@@ -7,6 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ninefold import LLM, SamplingParams
+from ninefold.llm.sampler import Sampler
+from ninefold.llm.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,33 @@ def test_a_seeded_request_samples_alike_beside_requests_of_every_other_route(llm
     batched = llm.generate(prompt_token_ids=[[3, 4, 5], [8, 9], PROMPT, [6], [7, 7]],
                            sampling_params=[others[0], others[1], params, others[2], others[3]])
     assert alone == [[c.token_ids for c in batched[2].outputs]]
+
+
+@pytest.mark.parametrize("top_k", [20, 280], ids=["candidates", "sorted_row"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_top_k_among_tied_logits_keeps_the_lowest_ids_and_seeded_rows_ignore_their_neighbours(device, top_k):
+    """bfloat16 logits tie often. ``topk`` (the engine's candidates) and an unstable sort leave the order of ties
+    unspecified, so which tied tokens a top-k cut keeps, and which noise each draws, must not depend on it."""
+    vocab, tied = 300, list(range(0, 300, 7))  # 43 tokens tie for the largest logit, the rest for a lower one
+    logits = torch.zeros(64, vocab, dtype=torch.bfloat16)
+    logits[:, tied] = 1.0
+    logits = logits.to(device)
+    sampler = Sampler(torch.device(device), vocab, ())
+
+    def seqs(seeds, **params):
+        out = [Sequence("r", i, [1], 1, SamplingParams(temperature=1.0, top_k=top_k, seed=seed, **params))
+               for i, seed in enumerate(seeds)]
+        for s in out:
+            s.seed, s.generator = s.params.seed, torch.Generator(device=device)
+        return out
+
+    drawn = sampler(logits, seqs(range(64))).token_ids
+    kept = set((tied + [t for t in range(vocab) if t not in tied])[:top_k])  # ties: lowest ids first
+    assert set(drawn) <= kept and len(set(drawn)) > 5
+    alone = [sampler(logits[:1], seqs([seed])).token_ids[0] for seed in (3, 4, 5)]
+    beside = sampler(logits[:4], seqs([0], top_p=0.9) + seqs([3, 4, 5])).token_ids[1:]
+    assert alone == beside
 
 
 def test_n_returns_n_distinct_seeded_completions(llm):

@@ -90,6 +90,25 @@ def test_seeded_rows_reproduce_and_unseeded_rows_vary(device, impl):
     assert len(set(many)) > 1
 
 
+def _tied_logits(rows: int, device, dtype) -> torch.Tensor:
+    """Every 7th of 300 tokens ties for the largest logit (43 tokens); the rest share a lower one."""
+    logits = torch.zeros(rows, 300, dtype=dtype)
+    logits[:, ::7] = 1.0
+    return logits.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_top_k_among_tied_logits_keeps_the_lowest_token_ids(device, impl, dtype):
+    """Which of several equal logits a top-k cut keeps must not be left to the sort's order of ties (unspecified,
+    and on CUDA not the same from one call to the next): the lowest token ids, as a stable sort keeps them."""
+    rows = 400
+    top_k = torch.full((rows,), 20, dtype=torch.int32, device=device)
+    torch.manual_seed(5)
+    out = call("sample", impl, _tied_logits(rows, device, dtype), torch.ones(rows, device=device), top_k=top_k)
+    assert set(out.tolist()) == set(range(0, 140, 7))
+
+
 @pytest.mark.parametrize("device,impl", impl_params("sample"))
 def test_different_seeds_give_different_streams(device, impl):
     logits = torch.zeros(1, 50000, device=device)

@@ -173,7 +173,7 @@ class Sampler:
             return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators(seqs))
         # A fixed number of candidates, largest first (a row's draw sees the same columns whatever its batch);
         # rows asking for fewer mask the rest.
-        values, ids = logits.topk(width, dim=-1)
+        values, ids = _candidates(logits, width)
         ks = [p.top_k for p in params]
         if min(ks) < width:
             ranks = torch.arange(width, device=self.device)
@@ -276,3 +276,13 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int])
         entry[token_list[r]] = chosen[r]
         entries.append(entry)
     return entries
+
+
+def _candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` largest logits of each row and their token ids, largest first and equal logits in token-id
+    order. ``topk`` leaves the order of equal values unspecified (on CUDA it can change from one call to the next),
+    and a candidate's column decides both whether a top-k cut keeps it and which noise it draws."""
+    values, ids = logits.topk(width, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, by_value)

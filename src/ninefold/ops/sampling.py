@@ -89,8 +89,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
     k most likely; <= 0 = off), then ``top_p`` (keep the smallest most-likely set whose mass,
     renormalised after top-k, reaches p; 1 = off), then ``min_p`` (drop tokens whose probability
     is below ``min_p`` times the largest; 0 = off). ``generators[i]`` makes row ``i`` reproducible.
-    Tokens tied with the last one of the top-k or top-p set: torch's route keeps those first in its
-    sort order, the Triton route (no top_k) keeps every token tied at the top-p edge.
+    Tokens tied with the last one of the top-k set: the lowest token ids are kept. At the top-p edge,
+    torch's route keeps those with the lowest ids, the Triton route (no top_k) every tied token.
     """
     return _SAMPLE.call(logits, temperature, top_k, top_p, min_p, generators)
 
@@ -198,7 +198,7 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
         # Top-k and top-p need each row largest first. Dividing by a row's (positive) temperature keeps its order,
         # so the logits are sorted as they come (a bfloat16 model's: 16-bit keys, half the radix passes of float32)
         # and the token is drawn in that order, then mapped back through ``order`` (no scatter of the whole row).
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # equal logits: lowest id first
         x = _filter_sorted(sorted_logits.float() / t, top_k, top_p)
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)
