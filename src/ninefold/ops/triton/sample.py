@@ -2,24 +2,30 @@
 
 torch's route (``ninefold.ops.sampling``) sorts every row for top-p and writes several float32 copies of the
 logits, noise included: at 256 rows of a 128k vocabulary that took 5.0 ms of an H100 for top-p (``python -m
-ninefold.bench.sampling``), half a decode step; this kernel took 0.37 ms. Here one program per row reads the row a few times
-and keeps nothing but scalars:
+ninefold.bench.sampling``), half a decode step. Here the kernels read the row a few times and keep nothing but
+scalars (``x`` = logits / temperature):
 
-1. with top-p or min-p, one pass for the row's maximum ``m`` and ``Z = sum(exp(x - m))`` (``x`` = logits /
-   temperature, online);
+1. with top-p or min-p, the row's maximum ``m`` and ``Z = sum(exp(x - m))``;
 2. a draw from the tokens still allowed (min-p: ``x >= m + log(min_p)``; above the pivot, below) by the
-   exponential race: the largest ``x - log(E)``, ``E ~ Exp(1)`` from Philox (``tl.rand``) keyed by the row's
-   seed, the round and the column, so a draw depends on nothing but them;
-3. with top-p, a pass for the mass of the tokens above the drawn one, ``sum(exp(x - m)) / Z`` over ``x > x_j``:
-   below ``p``, the token is in the smallest most-likely set reaching ``p`` (the nucleus) and is kept.
-   Otherwise every token up to ``x_j`` is outside it too, so ``x_j`` becomes the pivot and step 2 draws again
-   from the tokens above it: rejection sampling, whose accepted draw follows the nucleus's distribution exactly
-   (FlashInfer's sampling kernels work this way). A draw from the full distribution lands in the nucleus with
-   probability about ``p``, so most rows take one round; after ``MAX_ROUNDS`` the largest token is taken.
+   exponential race: the largest ``x - log(E)``, ``E ~ Exp(1)`` from Philox (``tl.rand4x``: one call gives the
+   uniforms of four columns) keyed by the row's seed, the round and the column, so a draw depends on nothing
+   but them;
+3. with top-p, the mass of the tokens above the drawn one, ``sum(exp(x - m)) / Z`` over ``x > x_j``: below
+   ``p``, the token is in the smallest most-likely set reaching ``p`` (the nucleus) and is kept. Otherwise every
+   token up to ``x_j`` is outside it too, so ``x_j`` becomes the pivot and step 2 draws again from the tokens
+   above it: rejection sampling, whose accepted draw follows the nucleus's distribution exactly (FlashInfer's
+   sampling kernels work this way). A draw from the full distribution lands in the nucleus with probability
+   about ``p``, so most rows take one round; after ``MAX_ROUNDS`` the largest token is taken.
+
+Steps 1, 2 (first round) and 3 (first round) run one program per (row, chunk of ``BLOCK`` columns), each writing
+its chunk's partial result; a last kernel combines a row's chunks, and runs any further rounds over the whole row
+in one program. One row so spreads over the card (a single program per row took 150 us of an H100 for one row of
+128k; H100 figures in ``docs/perf/ops.md``). The chunks are the same for every batch, so a row's token does not
+depend on the rows beside it.
 
 Rows with temperature 0 take the first largest logit (as ``torch.argmax``). Top-k is not handled here (its set
 needs the k-th largest logit); calls with ``top_k`` go to torch's route. Ties at the nucleus's edge are kept
-whole (torch's route keeps the first ones in its sort order).
+whole (torch's route keeps those with the lowest ids).
 """
 
 from __future__ import annotations
@@ -42,79 +48,200 @@ U_MAX = tl.constexpr(1.0 - 2.0**-24)
 
 
 @triton.jit
-def sample_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, token_ptr,
-                  HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride
-    cols = tl.arange(0, BLOCK)
+def _row_values(base, c, n, inv_t):
+    return tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32) * inv_t
+
+
+@triton.jit
+def _race_quarter(base, c, n, u, inv_t, noise, pivot, lowest, best, best_x, where):
+    x = _row_values(base, c, n, inv_t)
+    u = tl.minimum(tl.maximum(u, U_MIN), U_MAX)
+    score = tl.where((c < n) & (x > pivot) & (x >= lowest), x - noise * tl.log(-tl.log(u)), float("-inf"))
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, x, best_x), tl.where(better, c, where)
+
+
+@triton.jit
+def _race_block(base, start, n, seed, offset, inv_t, noise, pivot, lowest, best, best_x, where,
+                QUARTER: tl.constexpr):
+    """The exponential race over columns ``start .. start + 4 * QUARTER``, folded into the lanes' best scores.
+
+    One Philox call gives four uniforms, one for each quarter of the block (lane ``g`` of quarter ``j`` is
+    column ``start + j * QUARTER + g``), so a lane meets its columns in increasing order and a strict ``>``
+    keeps the first of equal scores."""
+    g = tl.arange(0, QUARTER)
+    u0, u1, u2, u3 = tl.rand4x(seed, offset + start // 4 + g)
+    c = start + g
+    best, best_x, where = _race_quarter(base, c, n, u0, inv_t, noise, pivot, lowest, best, best_x, where)
+    best, best_x, where = _race_quarter(base, c + QUARTER, n, u1, inv_t, noise, pivot, lowest, best, best_x, where)
+    best, best_x, where = _race_quarter(base, c + 2 * QUARTER, n, u2, inv_t, noise, pivot, lowest, best, best_x,
+                                        where)
+    best, best_x, where = _race_quarter(base, c + 3 * QUARTER, n, u3, inv_t, noise, pivot, lowest, best, best_x,
+                                        where)
+    return best, best_x, where
+
+
+@triton.jit
+def _row_setup(row, temp_ptr, seed_ptr):
     t = tl.load(temp_ptr + row)
     greedy = t <= 0
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
     noise = tl.where(greedy, 0.0, 1.0)  # greedy rows: the race without noise is the argmax
-    seed = tl.load(seed_ptr + row)
-    # 1. the row's maximum and normaliser, per lane online, then across lanes (only the filters need them)
-    m = float("-inf")
-    z = 0.0
-    if HAS_TOP_P or HAS_MIN_P:
-        lane_m = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_z = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, n, BLOCK):
-            c = start + cols
-            x = tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32) * inv_t
-            new_m = tl.maximum(lane_m, x)
-            safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-            lane_z = lane_z * tl.exp(lane_m - safe_m) + tl.exp(x - safe_m)
-            lane_m = new_m
-        m = tl.max(lane_m, 0)
-        z = tl.sum(lane_z * tl.exp(lane_m - m), 0)
+    return greedy, inv_t, noise, tl.load(seed_ptr + row)
+
+
+@triton.jit
+def _row_max(part_ptr, rows, row, parts, PART_BLOCK: tl.constexpr):
+    k = tl.arange(0, PART_BLOCK)
+    m = tl.full([PART_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, parts, PART_BLOCK):
+        m = tl.maximum(m, tl.load(part_ptr + (0 * rows + row) * parts + s0 + k, mask=s0 + k < parts,
+                                  other=float("-inf")))
+    return tl.max(m, 0)
+
+
+@triton.jit
+def _lowest(min_p_ptr, row, m, HAS_MIN_P: tl.constexpr):
     lowest = float("-inf")
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
         lowest = tl.where(min_p > 0, m + tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))
-    top_p = 1.0
+    return lowest
+
+
+@triton.jit
+def _race_winner(part_ptr, rows, row, parts, PART_BLOCK: tl.constexpr):
+    """The first column with the best score among the chunks' winners, and its scaled logit."""
+    k = tl.arange(0, PART_BLOCK)
+    top = tl.full([PART_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, parts, PART_BLOCK):
+        top = tl.maximum(top, tl.load(part_ptr + (2 * rows + row) * parts + s0 + k, mask=s0 + k < parts,
+                                      other=float("-inf")))
+    best = tl.max(top, 0)
+    first = tl.full([PART_BLOCK], parts, tl.int32)
+    for s0 in range(0, parts, PART_BLOCK):
+        score = tl.load(part_ptr + (2 * rows + row) * parts + s0 + k, mask=s0 + k < parts, other=float("-inf"))
+        first = tl.minimum(first, tl.where(score == best, s0 + k, parts))
+    chunk = tl.min(first, 0)
+    x = tl.load(part_ptr + (3 * rows + row) * parts + chunk)
+    chosen = tl.load(part_ptr + (4 * rows + row) * parts + chunk).to(tl.int32)  # < 2**24: exact in float32
+    return chosen, x
+
+
+@triton.jit
+def sample_stats_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.constexpr):
+    """Per (row, chunk of BLOCK columns): the chunk's largest scaled logit and sum(exp(x - that))."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    rows = tl.num_programs(0)
+    parts = tl.num_programs(1)
+    t = tl.load(temp_ptr + row)
+    inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
+    x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t)
+    m = tl.max(x, 0)
+    z = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0)
+    tl.store(part_ptr + (0 * rows + row) * parts + chunk, m)
+    tl.store(part_ptr + (1 * rows + row) * parts + chunk, z)
+
+
+@triton.jit
+def sample_race_kernel(logits_ptr, stride, n, temp_ptr, min_p_ptr, seed_ptr, part_ptr,
+                       HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+    """Per (row, chunk): the first round's race winner inside the chunk (score, scaled logit, column)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    rows = tl.num_programs(0)
+    parts = tl.num_programs(1)
+    greedy, inv_t, noise, seed = _row_setup(row, temp_ptr, seed_ptr)
+    m = float("-inf")
+    if HAS_MIN_P:
+        m = _row_max(part_ptr, rows, row, parts, PART_BLOCK)
+    lowest = _lowest(min_p_ptr, row, m, HAS_MIN_P)
+    QUARTER: tl.constexpr = BLOCK // 4
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_x = tl.full([QUARTER], float("-inf"), tl.float32)
+    where = tl.full([QUARTER], 0, tl.int32)
+    best, best_x, where = _race_block(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK, n, seed, 0, inv_t,
+                                      noise, float("-inf"), lowest, best, best_x, where, QUARTER)
+    top = tl.max(best, 0)
+    chosen = tl.min(tl.where(best == top, where, n), 0)
+    tl.store(part_ptr + (2 * rows + row) * parts + chunk, top)
+    tl.store(part_ptr + (3 * rows + row) * parts + chunk, tl.max(tl.where(where == chosen, best_x, float("-inf")), 0))
+    tl.store(part_ptr + (4 * rows + row) * parts + chunk, chosen.to(tl.float32))
+
+
+@triton.jit
+def sample_mass_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+    """Per (row, chunk): sum(exp(x - m)) over the chunk's tokens above the first round's winner."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    rows = tl.num_programs(0)
+    parts = tl.num_programs(1)
+    t = tl.load(temp_ptr + row)
+    inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
+    m = _row_max(part_ptr, rows, row, parts, PART_BLOCK)
+    chosen, x_chosen = _race_winner(part_ptr, rows, row, parts, PART_BLOCK)
+    x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t)
+    tl.store(part_ptr + (5 * rows + row) * parts + chunk, tl.sum(tl.where(x > x_chosen, tl.exp(x - m), 0.0), 0))
+
+
+@triton.jit
+def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, part_ptr, token_ptr,
+                         HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+                         PART_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+    """Per row: the first round's winner from the chunks; with top-p, its acceptance and, when refused, the
+    further rounds above the pivot over the whole row (one program: most rows take one round)."""
+    row = tl.program_id(0)
+    rows = tl.num_programs(0)
+    parts = tl.cdiv(n, BLOCK)
+    greedy, inv_t, noise, seed = _row_setup(row, temp_ptr, seed_ptr)
+    chosen, x_chosen = _race_winner(part_ptr, rows, row, parts, PART_BLOCK)
     if HAS_TOP_P:
         top_p = tl.load(top_p_ptr + row)
-    pivot = float("-inf")  # tokens with x <= pivot are known to lie outside the nucleus
-    chosen = 0
-    rounds = 0
-    accepted = 0
-    while accepted == 0 and rounds < MAX_ROUNDS:
-        # 2. the exponential race among the allowed tokens (Gumbel form: x + g, g = -log(-log(u)))
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_x = tl.full([BLOCK], float("-inf"), tl.float32)
-        where = tl.full([BLOCK], 0, tl.int32)
-        for start in range(0, n, BLOCK):
-            c = start + cols
-            x = tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32) * inv_t
-            u = tl.minimum(tl.maximum(tl.rand(seed, rounds * n + c), U_MIN), U_MAX)
-            score = tl.where((c < n) & (x > pivot) & (x >= lowest), x - noise * tl.log(-tl.log(u)), float("-inf"))
-            better = score > best  # strict: an earlier column keeps a tie (greedy rows: torch.argmax's choice)
-            best = tl.where(better, score, best)
-            best_x = tl.where(better, x, best_x)
-            where = tl.where(better, c, where)
-        top = tl.max(best, 0)
-        chosen = tl.min(tl.where(best == top, where, n), 0)
-        x_chosen = tl.max(tl.where(where == chosen, best_x, float("-inf")), 0)
-        rounds += 1
         accepted = (greedy | (top_p >= 1)).to(tl.int32)
-        if HAS_TOP_P:
-            if accepted == 0:
-                # 3. the mass of the tokens above the drawn one: inside the nucleus when below top_p
+        if accepted == 0:
+            k = tl.arange(0, PART_BLOCK)
+            m = _row_max(part_ptr, rows, row, parts, PART_BLOCK)
+            lowest = _lowest(min_p_ptr, row, m, HAS_MIN_P)
+            z_lanes = tl.zeros([PART_BLOCK], tl.float32)
+            above_lanes = tl.zeros([PART_BLOCK], tl.float32)
+            for s0 in range(0, parts, PART_BLOCK):
+                inside = s0 + k < parts
+                pm = tl.load(part_ptr + (0 * rows + row) * parts + s0 + k, mask=inside, other=float("-inf"))
+                pz = tl.load(part_ptr + (1 * rows + row) * parts + s0 + k, mask=inside, other=0.0)
+                z_lanes += tl.where(pm == float("-inf"), 0.0, pz * tl.exp(pm - m))
+                above_lanes += tl.load(part_ptr + (5 * rows + row) * parts + s0 + k, mask=inside, other=0.0)
+            z = tl.sum(z_lanes, 0)
+            accepted = (tl.sum(above_lanes, 0) < top_p * z).to(tl.int32)
+            base = logits_ptr + row.to(tl.int64) * stride
+            QUARTER: tl.constexpr = BLOCK // 4
+            groups = parts * QUARTER  # Philox groups of four columns per round
+            pivot = x_chosen  # tokens with x <= pivot are known to lie outside the nucleus
+            rounds = 1
+            cols = tl.arange(0, BLOCK)
+            while accepted == 0 and rounds < MAX_ROUNDS:
+                best = tl.full([QUARTER], float("-inf"), tl.float32)
+                best_x = tl.full([QUARTER], float("-inf"), tl.float32)
+                where = tl.full([QUARTER], 0, tl.int32)
+                for start in range(0, n, BLOCK):
+                    best, best_x, where = _race_block(base, start, n, seed, rounds * groups, inv_t, noise, pivot,
+                                                      lowest, best, best_x, where, QUARTER)
+                top = tl.max(best, 0)
+                chosen = tl.min(tl.where(best == top, where, n), 0)
+                x_chosen = tl.max(tl.where(where == chosen, best_x, float("-inf")), 0)
+                rounds += 1
                 above = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, n, BLOCK):
-                    c = start + cols
-                    x = tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32) * inv_t
+                    x = _row_values(base, start + cols, n, inv_t)
                     above += tl.where(x > x_chosen, tl.exp(x - m), 0.0)
                 accepted = (tl.sum(above, 0) < top_p * z).to(tl.int32)
-                pivot = tl.where(accepted == 0, x_chosen, pivot)
-    if HAS_TOP_P:
-        if accepted == 0:  # MAX_ROUNDS rejections (not seen in practice): the largest token, always in the nucleus
-            first = tl.full([BLOCK], n, tl.int32)
-            for start in range(0, n, BLOCK):
-                c = start + cols
-                x = tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32) * inv_t
-                first = tl.minimum(first, tl.where(x == m, c, n))
-            chosen = tl.min(first, 0)
+                pivot = x_chosen
+            if accepted == 0:  # MAX_ROUNDS rejections (not seen in practice): the largest token, always inside
+                first = tl.full([BLOCK], n, tl.int32)
+                for start in range(0, n, BLOCK):
+                    c = start + cols
+                    first = tl.minimum(first, tl.where(_row_values(base, c, n, inv_t) == m, c, n))
+                chosen = tl.min(first, 0)
     tl.store(token_ptr + row, chosen.to(tl.int64))
 
 
@@ -155,28 +282,53 @@ def _row_seeds(b: int, device: torch.device, generators) -> torch.Tensor:
     return seeds
 
 
-_LAUNCH = Launcher(sample_kernel, ("HAS_TOP_P", "HAS_MIN_P", "BLOCK", "MAX_ROUNDS"))  # once per decode step
+PART_BLOCK = 64  # chunk partials read per step by the kernels that combine them
+_STATS = Launcher(sample_stats_kernel, ("BLOCK",))
+_RACE = Launcher(sample_race_kernel, ("HAS_MIN_P", "BLOCK", "PART_BLOCK"))
+_MASS = Launcher(sample_mass_kernel, ("BLOCK", "PART_BLOCK"))
+_FINISH = Launcher(sample_finish_kernel, ("HAS_TOP_P", "HAS_MIN_P", "BLOCK", "PART_BLOCK", "MAX_ROUNDS"))
+NUM_WARPS = 8
 
 
 def sample(logits, temperature, top_k=None, top_p=None, min_p=None, generators=None) -> torch.Tensor:
-    """``ops.sample`` for calls without top_k (``supports``): int64 ``[B]``, one launch after the row seeds."""
+    """``ops.sample`` for calls without top_k (``supports``): int64 ``[B]``.
+
+    Two to four launches after the row seeds: the filters' row statistics, the first round's race and, with
+    top-p, the mass above its winner run one program per (row, chunk of ``BLOCK`` columns), so a single row
+    spreads over the card; the last launch combines the chunks per row and runs any further rounds. The chunks
+    do not depend on the batch, and so neither does any row's token."""
     b, n = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
     seeds = _row_seeds(b, logits.device, generators)
     temp = temperature.float().contiguous()
-    top_p = top_p.float().contiguous() if top_p is not None else None
-    min_p = min_p.float().contiguous() if min_p is not None else None
-    args = (logits, logits.stride(0), n, temp, temp if top_p is None else top_p, temp if min_p is None else min_p,
-            seeds, out)
-    _LAUNCH((b,), args, (int(top_p is not None), int(min_p is not None), BLOCK, MAX_ROUNDS), num_warps=8,
-            device_index=logits.get_device())
+    has_top_p, has_min_p = top_p is not None, min_p is not None
+    top_p = top_p.float().contiguous() if has_top_p else temp
+    min_p = min_p.float().contiguous() if has_min_p else temp
+    parts = triton.cdiv(n, BLOCK)
+    part = torch.empty(6, b, parts, dtype=torch.float32, device=logits.device)
+    device = logits.get_device()
+    grid = (b, parts)
+    if has_top_p or has_min_p:
+        _STATS(grid, (logits, logits.stride(0), n, temp, part), (BLOCK,), num_warps=NUM_WARPS, device_index=device)
+    _RACE(grid, (logits, logits.stride(0), n, temp, min_p, seeds, part), (int(has_min_p), BLOCK, PART_BLOCK),
+          num_warps=NUM_WARPS, device_index=device)
+    if has_top_p:
+        _MASS(grid, (logits, logits.stride(0), n, temp, part), (BLOCK, PART_BLOCK), num_warps=NUM_WARPS,
+              device_index=device)
+    _FINISH((b,), (logits, logits.stride(0), n, temp, top_p, min_p, seeds, part, out),
+            (int(has_top_p), int(has_min_p), BLOCK, PART_BLOCK, MAX_ROUNDS), num_warps=NUM_WARPS, device_index=device)
     return out
 
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs (with and without each filter) for ``ninefold.ops.triton.aot``."""
-    return [{"kernel": sample_kernel, "num_warps": 8,
-             "constexprs": {"HAS_TOP_P": p, "HAS_MIN_P": q, "BLOCK": BLOCK, "MAX_ROUNDS": MAX_ROUNDS}}
-            for p in (0, 1) for q in (0, 1)]
+    variants = [{"kernel": sample_stats_kernel, "num_warps": NUM_WARPS, "constexprs": {"BLOCK": BLOCK}},
+                {"kernel": sample_mass_kernel, "num_warps": NUM_WARPS,
+                 "constexprs": {"BLOCK": BLOCK, "PART_BLOCK": PART_BLOCK}}]
+    variants += [{"kernel": sample_race_kernel, "num_warps": NUM_WARPS,
+                  "constexprs": {"HAS_MIN_P": q, "BLOCK": BLOCK, "PART_BLOCK": PART_BLOCK}} for q in (0, 1)]
+    return variants + [{"kernel": sample_finish_kernel, "num_warps": NUM_WARPS,
+                        "constexprs": {"HAS_TOP_P": p, "HAS_MIN_P": q, "BLOCK": BLOCK, "PART_BLOCK": PART_BLOCK,
+                                       "MAX_ROUNDS": MAX_ROUNDS}} for p in (0, 1) for q in (0, 1)]
