@@ -126,7 +126,7 @@ def test_a_seeded_request_samples_alike_beside_requests_of_every_other_route_on_
     In float32: in bfloat16 the logits themselves change with the batch (one row takes the GEMV kernels, five the
     GEMMs of an 8-row graph; they differed by one bfloat16 step at the second token on an H100), and a draw near an
     edge follows them. Ties, which bfloat16 makes common, are
-    ``test_top_k_among_tied_logits_keeps_the_lowest_ids_and_seeded_rows_ignore_their_neighbours``'s."""
+    ``test_top_k_among_tied_logits_keeps_every_tied_token_and_seeded_rows_ignore_their_neighbours``'s."""
     llm = LLM(str(model_dirs["llama"]), device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
               cuda_graph_max_batch=8)
     params = SamplingParams(temperature=1.0, seed=77, max_tokens=12, ignore_eos=True, **filters)

@@ -42,18 +42,42 @@ def _check_frequencies(out: torch.Tensor, want: torch.Tensor, n: int) -> None:
 
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("temperature,top_p,min_p", [(1.0, None, None), (2.0, None, None), (1.0, 0.7, None),
-                                                      (0.7, 0.8, None), (1.0, None, 0.2), (1.3, 0.9, 0.1)])
-def test_frequencies_match_the_filtered_distribution(temperature, top_p, min_p, dtype):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, None, None, None), (2.0, None, None, None), (1.0, None, 0.7, None), (0.7, None, 0.8, None),
+    (1.0, None, None, 0.2), (1.3, None, 0.9, 0.1), (1.0, 3, None, None), (0.7, 5, 0.8, None), (1.3, 6, 0.9, 0.1)])
+def test_frequencies_match_the_filtered_distribution(temperature, top_k, top_p, min_p, dtype):
     n = DRAWS
     logits = LOGITS.to(DEVICE, dtype).expand(n, -1).contiguous()
     torch.manual_seed(1234)
     if DEVICE == "cuda":
         torch.cuda.manual_seed(1234)
-    out = _kernel().sample(logits, _rows(n, temperature), None, _rows(n, top_p), _rows(n, min_p), None)
-    first = [None if v is None else torch.tensor([v]) for v in (top_p, min_p)]
-    want = ref.sample_distribution(LOGITS[None].to(dtype), torch.tensor([temperature]), None, *first)[0]
+    k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=DEVICE)
+    out = _kernel().sample(logits, _rows(n, temperature), k, _rows(n, top_p), _rows(n, min_p), None)
+    first = [None if v is None else torch.tensor([v]) for v in (top_k, top_p, min_p)]
+    want = ref.sample_distribution(LOGITS[None].to(dtype), torch.tensor([temperature]), *first)[0]
     _check_frequencies(out, want, n)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES + ([torch.float16] if not INTERPRETED else []), ids=str)
+def test_top_k_finds_the_kth_largest_over_several_chunks_and_keeps_its_ties(dtype):
+    """The radix select over chunks: rows of distinct random logits spread over three chunks, each row with its
+    own k (1, a tie-free k, the whole row, off), and a row whose k-th largest ties with others."""
+    sample = _kernel()
+    v = 2 * sample.BLOCK + 77
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, v, generator=gen).to(dtype)
+    logits[5] = torch.where(torch.arange(v) % 5 == 0, 3.0, -2.0).to(dtype)  # v // 5 + 1 tokens tie at the top
+    ks = torch.tensor([1, 17, v, 0, v - 1, 2], dtype=torch.int32)
+    draws = 40
+    rows = logits.repeat(draws, 1).to(DEVICE)
+    out = sample.sample(rows, _rows(6 * draws, 1.0), ks.repeat(draws).to(DEVICE), None, None, None).view(draws, 6).cpu()
+    x = logits.float()
+    for row, k in enumerate(ks.tolist()):
+        kth = x[row].sort(descending=True).values[k - 1] if 0 < k < v else -float("inf")
+        assert bool((x[row, out[:, row]] >= kth).all()), f"row {row} (k={k}) drew below the k-th largest"
+    assert set(out[:, 0].tolist()) == {int(x[0].argmax())}
+    assert len(set(out[:, 5].tolist())) > 20  # the tied top tokens, all kept for k = 2
 
 
 @triton_only
@@ -110,10 +134,31 @@ def test_a_seeded_draw_depends_on_the_seed_and_its_row_only():
     assert len(draws) > 1  # different seeds, different draws
 
 
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA: about 1.6M draws of 128k tokens")
+def test_unlikely_tokens_are_drawn_as_often_as_their_probability():
+    """The race's noise must resolve small exponentials: with E = -log(u) in float32 (u steps by 2^-24 near 1),
+    tokens below about 1e-6 of the mass were drawn 10-20% too rarely (review of the twenty-fifth session)."""
+    sample = _kernel()
+    gen = torch.Generator().manual_seed(4)
+    v, rows, calls = 128256, 8192, 200
+    ranks = torch.randperm(v, generator=gen).double() + 1
+    row = (-1.2 * ranks.log() + 0.2 * torch.randn(v, generator=gen, dtype=torch.float64)).to(torch.bfloat16)
+    probs = torch.softmax(row.double(), 0)
+    logits = row.to(DEVICE).expand(rows, -1).contiguous()
+    counts = torch.zeros(v, dtype=torch.float64, device=DEVICE)
+    for _ in range(calls):
+        counts += torch.bincount(sample.sample(logits, _rows(rows, 1.0)), minlength=v).double()
+    counts = counts.cpu()
+    for low, high in ((1e-8, 1e-7), (1e-7, 1e-6), (1e-6, 1e-5)):
+        band = (probs >= low) & (probs < high)
+        expected, drawn = float(probs[band].sum()) * rows * calls, float(counts[band].sum())
+        assert abs(drawn - expected) < 5 * expected**0.5 + 1, f"p in [{low}, {high}): {drawn:.0f} against {expected:.0f}"
+
+
 def test_supports_names_what_it_refuses():
     sample = _kernel()
     t = torch.ones(2)
-    assert "top_k" in sample.supports(torch.zeros(2, 10), t, torch.ones(2, dtype=torch.int32))
+    assert "float64" in sample.supports(torch.zeros(2, 10, dtype=torch.float64), t)
     assert "contiguous" in sample.supports(torch.zeros(10, 2).t(), t)
     assert sample.supports(torch.zeros(2, 10), t, None, torch.ones(2), torch.zeros(2)) is None
 
@@ -132,7 +177,7 @@ def test_sample_kernels_compile_for_sm90():
     variants = aot.variants("sample", torch.bfloat16, workloads.shapes("llama-8b"))
     names = [v.kernel.fn.__name__ for v in variants]
     assert sorted(set(names)) == ["sample_finish_kernel", "sample_mass_kernel", "sample_race_kernel",
-                                  "sample_stats_kernel"]
-    assert names.count("sample_finish_kernel") == 4 and names.count("sample_race_kernel") == 2
+                                  "sample_stats_kernel", "sample_topk_hist_kernel", "sample_topk_select_kernel"]
+    assert names.count("sample_finish_kernel") == 8 and names.count("sample_topk_hist_kernel") == 2  # bf16: 2 digits
     for variant in variants:
         assert aot.compile_variant(variant, torch.bfloat16, target).asm.get("cubin")

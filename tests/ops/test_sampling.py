@@ -99,14 +99,19 @@ def _tied_logits(rows: int, device, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("device,impl", impl_params("sample"))
-def test_top_k_among_tied_logits_keeps_the_lowest_token_ids(device, impl, dtype):
-    """Which of several equal logits a top-k cut keeps must not be left to the sort's order of ties (unspecified,
-    and on CUDA not the same from one call to the next): the lowest token ids, as a stable sort keeps them."""
-    rows = 400
+@pytest.mark.parametrize("top_p", [None, 0.3], ids=["top_k", "top_k_top_p"])
+def test_a_top_k_or_top_p_edge_among_tied_logits_keeps_every_tied_token(device, impl, dtype, top_p):
+    """Which of several equal logits a filter keeps must not be left to an order of ties (unspecified, and on
+    CUDA not the same from one call to the next): all of them, as transformers and vLLM keep them."""
+    rows = 600
     top_k = torch.full((rows,), 20, dtype=torch.int32, device=device)
+    top_p = None if top_p is None else torch.full((rows,), top_p, device=device)
     torch.manual_seed(5)
-    out = call("sample", impl, _tied_logits(rows, device, dtype), torch.ones(rows, device=device), top_k=top_k)
-    assert set(out.tolist()) == set(range(0, 140, 7))
+    if device == "cuda":
+        torch.cuda.manual_seed(5)
+    out = call("sample", impl, _tied_logits(rows, device, dtype), torch.ones(rows, device=device), top_k=top_k,
+               top_p=top_p)
+    assert set(out.tolist()) == set(range(0, 300, 7))
 
 
 @pytest.mark.parametrize("device,impl", impl_params("sample"))

@@ -61,7 +61,7 @@ class PendingTokens:
         return self._result
 
 
-# Rows with 0 < top_k <= this draw among this many largest logits (torch.topk) instead of sorting whole rows.
+# Off CUDA, rows with 0 < top_k <= this draw among this many largest logits (torch.topk) instead of sorting whole rows.
 TOP_K_CANDIDATES = 256
 
 
@@ -144,10 +144,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Draw each row by the route its own top_k picks (so a seeded row's tokens do not depend on its batch):
-        among the ``TOP_K_CANDIDATES`` largest logits where 0 < top_k <= that, else over the whole row
+        off CUDA among the ``TOP_K_CANDIDATES`` largest logits where 0 < top_k <= that, else over the whole row
         (``ops.sample`` with top_k where one is set)."""
         vocab = logits.shape[1]
-        width = min(TOP_K_CANDIDATES, vocab)
+        # (on CUDA, ops.sample's kernels find each row's k-th largest logit themselves, faster than torch.topk)
+        width = min(TOP_K_CANDIDATES, vocab) if self.device.type != "cuda" else 0
         route = ["candidates" if 0 < s.params.top_k <= width and s.params.top_k < vocab
                  else "top_k" if 0 < s.params.top_k < vocab else "whole" for s in seqs]
         if len(set(route)) == 1:
@@ -175,9 +176,9 @@ class Sampler:
         # rows asking for fewer mask the rest.
         values, ids = _candidates(logits, width)
         ks = [p.top_k for p in params]
-        if min(ks) < width:
-            ranks = torch.arange(width, device=self.device)
-            values = values.masked_fill(ranks[None, :] >= column(ks, torch.int64)[:, None], float("-inf"))
+        if min(ks) < width:  # every candidate at or above the k-th (ties with it kept, as ops.sample keeps them)
+            kth = values.gather(1, column(ks, torch.int64)[:, None] - 1)
+            values = values.masked_fill(values < kth, float("-inf"))
         picked = ops.sample(values, temperature, top_p=top_p, min_p=min_p, generators=generators(seqs))
         tokens = ids.gather(1, picked[:, None]).squeeze(1)
         if any(p.temperature <= 0 for p in params):  # greedy rows: the first largest logit, as argmax gives
@@ -281,7 +282,7 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int])
 def _candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``width`` largest logits of each row and their token ids, largest first and equal logits in token-id
     order. ``topk`` leaves the order of equal values unspecified (on CUDA it can change from one call to the next),
-    and a candidate's column decides both whether a top-k cut keeps it and which noise it draws."""
+    and a candidate's column decides which noise it draws."""
     values, ids = logits.topk(width, dim=-1)
     ids, by_id = ids.sort(dim=-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)

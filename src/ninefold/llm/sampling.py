@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ninefold.llm.guided import GuidedDecodingParams
@@ -15,11 +16,15 @@ def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -
     return truncate_prompt_tokens
 
 
+# Temperatures above 0 and below this are raised to it: logits divided by less overflow float32.
+MIN_TEMPERATURE = 0.01
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request; invalid values raise ValueError naming the field.
 
-    ``temperature=0`` is greedy. ``top_k`` <= 0 and ``top_p=1`` and ``min_p=0`` switch those
+    ``temperature=0`` is greedy; a temperature above 0 and below ``MIN_TEMPERATURE`` (0.01) is raised to it. ``top_k`` <= 0 and ``top_p=1`` and ``min_p=0`` switch those
     filters off. ``stop`` strings end the output and are not included in it; ``stop_token_ids``
     and the model's end-of-sequence tokens end it too (the token is kept in ``token_ids`` but not
     rendered in the text; ``include_stop_str_in_output`` renders stop strings and tokens).
@@ -75,6 +80,10 @@ class SamplingParams:
             raise bad("n", "an integer >= 1")
         if not is_num(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise bad("temperature", "a finite number >= 0")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / temperature would overflow (as vLLM does)
+            logging.getLogger(__name__).warning("temperature %g is below %g: raised to %g", self.temperature,
+                                                MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or self.top_k < -1:

@@ -171,8 +171,8 @@ def sample_distribution(logits, temperature, top_k=None, top_p=None, min_p=None)
         order = sorted(range(v), key=lambda i: -float(p[i]))
         keep = set(order)
         k = int(top_k[b]) if top_k is not None else 0
-        if k > 0:
-            keep = set(order[:k])
+        if 0 < k < v:  # ties with the k-th largest are kept
+            keep = {i for i in order if float(row[i]) >= float(row[order[k - 1]])}
         if top_p is not None and float(top_p[b]) < 1:
             kept = [i for i in order if i in keep]
             total = sum(float(p[i]) for i in kept)
@@ -182,7 +182,7 @@ def sample_distribution(logits, temperature, top_k=None, top_p=None, min_p=None)
                     break
                 chosen.append(i)
                 mass += float(p[i]) / total
-            keep = set(chosen)
+            keep = {i for i in kept if float(row[i]) >= float(row[chosen[-1]])}  # and ties with the last one
         if min_p is not None and float(min_p[b]) > 0:
             largest = max(float(p[i]) for i in keep)
             keep = {i for i in keep if float(p[i]) >= float(min_p[b]) * largest}

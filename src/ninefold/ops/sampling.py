@@ -89,8 +89,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
     k most likely; <= 0 = off), then ``top_p`` (keep the smallest most-likely set whose mass,
     renormalised after top-k, reaches p; 1 = off), then ``min_p`` (drop tokens whose probability
     is below ``min_p`` times the largest; 0 = off). ``generators[i]`` makes row ``i`` reproducible.
-    Tokens tied with the last one of the top-k set: the lowest token ids are kept. At the top-p edge,
-    torch's route keeps those with the lowest ids, the Triton route (no top_k) every tied token.
+    Tokens tied with the k-th largest, or with the last token of the top-p set, are kept with it (as
+    transformers and vLLM keep them), so which tokens a filter keeps never depends on an order of ties.
     """
     return _SAMPLE.call(logits, temperature, top_k, top_p, min_p, generators)
 
@@ -104,18 +104,18 @@ register("argmax", "vendor")(torch.argmax)
 def _filter_sorted(sorted_x: torch.Tensor, top_k, top_p) -> torch.Tensor:
     """``sorted_x`` (each row largest first) with the tokens outside top-k, then top-p, set to -inf."""
     v = sorted_x.shape[1]
-    if top_k is not None:
+    if top_k is not None:  # every token at or above the k-th largest (ties with it kept, as transformers does)
         k = top_k.long()
         k = torch.where(k <= 0, v, k.clamp(max=v))
-        ranks = torch.arange(v, device=sorted_x.device)
-        sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+        sorted_x = sorted_x.masked_fill(sorted_x < sorted_x.gather(1, k[:, None] - 1), float("-inf"))
     if top_p is not None:
         p = top_p.float()
         probs = torch.softmax(sorted_x, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         remove = (mass_before >= p[:, None]) & (p < 1)[:, None]
         remove[:, 0] = False
-        sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+        edge = sorted_x.masked_fill(remove, float("inf")).amin(dim=-1, keepdim=True)  # the last token kept
+        sorted_x = sorted_x.masked_fill(sorted_x < edge, float("-inf"))  # and every token tied with it
     return sorted_x
 
 
@@ -147,7 +147,11 @@ def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor, top_p, generator
     reaches p) becomes the row's pivot and the row draws again above it: rejection, exact for the nucleus.
     Cheaper on the CPU than sorting rows or drawing noise for every token."""
     b = x.shape[0]
-    weights = torch.exp(x - x.amax(dim=-1, keepdim=True)).double()
+    top = x.amax(dim=-1, keepdim=True)
+    # a row with +inf logits (a float16 model's overflow) draws among those; an all -inf row weighs nothing
+    shifted = torch.where(top == float("inf"), torch.where(x == top, 0.0, float("-inf")),
+                          x - torch.where(torch.isfinite(top), top, 0.0))
+    weights = torch.exp(shifted).double()
     total = weights.sum(dim=-1)
     pivot = torch.full((b,), float("-inf"))
     tokens = torch.empty(b, dtype=torch.int64)
@@ -157,8 +161,11 @@ def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor, top_p, generator
         allowed = ws * ((xs > pivot[todo, None]) & (xs >= lowest[todo, None]))
         cdf = allowed.cumsum(dim=-1)
         gens = None if generators is None else [generators[i] for i in todo.tolist()]
-        target = _uniforms(len(todo), gens) * cdf[:, -1]
+        # (below the row's total, so the first column whose cumulative weight exceeds it has a weight of its own)
+        last = cdf[:, -1]
+        target = torch.minimum(_uniforms(len(todo), gens) * last, torch.nextafter(last, torch.zeros_like(last)))
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
+        drawn = torch.where(last > 0, drawn, xs.argmax(dim=-1))  # nothing allowed (all -inf): as argmax
         x_drawn = xs.gather(1, drawn[:, None])
         if top_p is None:
             tokens[todo] = drawn
@@ -198,7 +205,7 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
         # Top-k and top-p need each row largest first. Dividing by a row's (positive) temperature keeps its order,
         # so the logits are sorted as they come (a bfloat16 model's: 16-bit keys, half the radix passes of float32)
         # and the token is drawn in that order, then mapped back through ``order`` (no scatter of the whole row).
-        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # equal logits: lowest id first
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
         x = _filter_sorted(sorted_logits.float() / t, top_k, top_p)
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)

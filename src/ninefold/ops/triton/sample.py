@@ -7,8 +7,8 @@ scalars (``x`` = logits / temperature):
 
 1. with top-p or min-p, the row's maximum ``m`` and ``Z = sum(exp(x - m))``;
 2. a draw from the tokens still allowed (min-p: ``x >= m + log(min_p)``; above the pivot, below) by the
-   exponential race: the largest ``x - log(E)``, ``E ~ Exp(1)`` from Philox (``tl.rand4x``: one call gives the
-   uniforms of four columns) keyed by the row's seed, the round and the column, so a draw depends on nothing
+   exponential race: the largest ``x - log(E)``, ``E = -log(1 - u) ~ Exp(1)`` with ``u`` from Philox
+   (``tl.rand4x``: one call gives the uniforms of four columns) keyed by the row's seed, the round and the column, so a draw depends on nothing
    but them;
 3. with top-p, the mass of the tokens above the drawn one, ``sum(exp(x - m)) / Z`` over ``x > x_j``: below
    ``p``, the token is in the smallest most-likely set reaching ``p`` (the nucleus) and is kept. Otherwise every
@@ -23,9 +23,11 @@ in one program. One row so spreads over the card (a single program per row took 
 128k; H100 figures in ``docs/perf/ops.md``). The chunks are the same for every batch, so a row's token does not
 depend on the rows beside it.
 
-Rows with temperature 0 take the first largest logit (as ``torch.argmax``). Top-k is not handled here (its set
-needs the k-th largest logit); calls with ``top_k`` go to torch's route. Ties at the nucleus's edge are kept
-whole (torch's route keeps those with the lowest ids).
+Rows with temperature 0 take the first largest logit (as ``torch.argmax``). With top-k, the k-th largest logit
+of each row comes first, by radix select over order-preserving keys of the logits (two rounds of 8-bit digit
+counts for bfloat16, three for float16, four for float32, each counted by chunk and picked per row); the filter
+keeps every token at or above it. Ties with the k-th largest and at the nucleus's edge are kept whole, as on
+torch's route.
 """
 
 from __future__ import annotations
@@ -48,21 +50,36 @@ U_MAX = tl.constexpr(1.0 - 2.0**-24)
 
 
 @triton.jit
-def _row_values(base, c, n, inv_t):
-    return tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32) * inv_t
+def _row_values(base, c, n, inv_t, kth):
+    """The scaled logits of columns ``c``; -inf past the row's end and below the top-k threshold ``kth``."""
+    raw = tl.load(base + c, mask=c < n, other=float("-inf")).to(tl.float32)
+    return tl.where(raw >= kth, raw * inv_t, float("-inf"))
 
 
 @triton.jit
-def _race_quarter(base, c, n, u, inv_t, noise, pivot, lowest, best, best_x, where):
-    x = _row_values(base, c, n, inv_t)
+def _kth(kth_ptr, row, HAS_TOP_K: tl.constexpr):
+    kth = float("-inf")
+    if HAS_TOP_K:
+        kth = tl.load(kth_ptr + row)
+    return kth
+
+
+@triton.jit
+def _race_quarter(base, c, n, u, inv_t, kth, noise, pivot, lowest, best, best_x, where):
+    x = _row_values(base, c, n, inv_t, kth)
     u = tl.minimum(tl.maximum(u, U_MIN), U_MAX)
-    score = tl.where((c < n) & (x > pivot) & (x >= lowest), x - noise * tl.log(-tl.log(u)), float("-inf"))
+    # E = -log(1 - u), so that a small E, which lets an unlikely token win, keeps the resolution of u near 0
+    # (2^-32); -log(u) steps by 2^-24 there, and tokens below about 1e-6 of the mass were drawn up to 20% too
+    # rarely. log1p by Kahan's correction (exact where 1 - u rounds to 1), which the interpreter also runs.
+    w = 1.0 - u
+    e = tl.where(w == 1.0, u, -tl.log(w) * (u / (1.0 - w)))
+    score = tl.where((c < n) & (x > pivot) & (x >= lowest), x - noise * tl.log(e), float("-inf"))
     better = score > best
     return tl.where(better, score, best), tl.where(better, x, best_x), tl.where(better, c, where)
 
 
 @triton.jit
-def _race_block(base, start, n, seed, offset, inv_t, noise, pivot, lowest, best, best_x, where,
+def _race_block(base, start, n, seed, offset, inv_t, kth, noise, pivot, lowest, best, best_x, where,
                 QUARTER: tl.constexpr):
     """The exponential race over columns ``start .. start + 4 * QUARTER``, folded into the lanes' best scores.
 
@@ -72,12 +89,13 @@ def _race_block(base, start, n, seed, offset, inv_t, noise, pivot, lowest, best,
     g = tl.arange(0, QUARTER)
     u0, u1, u2, u3 = tl.rand4x(seed, offset + start // 4 + g)
     c = start + g
-    best, best_x, where = _race_quarter(base, c, n, u0, inv_t, noise, pivot, lowest, best, best_x, where)
-    best, best_x, where = _race_quarter(base, c + QUARTER, n, u1, inv_t, noise, pivot, lowest, best, best_x, where)
-    best, best_x, where = _race_quarter(base, c + 2 * QUARTER, n, u2, inv_t, noise, pivot, lowest, best, best_x,
+    best, best_x, where = _race_quarter(base, c, n, u0, inv_t, kth, noise, pivot, lowest, best, best_x, where)
+    best, best_x, where = _race_quarter(base, c + QUARTER, n, u1, inv_t, kth, noise, pivot, lowest, best, best_x,
                                         where)
-    best, best_x, where = _race_quarter(base, c + 3 * QUARTER, n, u3, inv_t, noise, pivot, lowest, best, best_x,
-                                        where)
+    best, best_x, where = _race_quarter(base, c + 2 * QUARTER, n, u2, inv_t, kth, noise, pivot, lowest, best,
+                                        best_x, where)
+    best, best_x, where = _race_quarter(base, c + 3 * QUARTER, n, u3, inv_t, kth, noise, pivot, lowest, best,
+                                        best_x, where)
     return best, best_x, where
 
 
@@ -129,7 +147,8 @@ def _race_winner(part_ptr, rows, row, parts, PART_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def sample_stats_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.constexpr):
+def sample_stats_kernel(logits_ptr, stride, n, temp_ptr, kth_ptr, part_ptr, HAS_TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Per (row, chunk of BLOCK columns): the chunk's largest scaled logit and sum(exp(x - that))."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -137,7 +156,8 @@ def sample_stats_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.con
     parts = tl.num_programs(1)
     t = tl.load(temp_ptr + row)
     inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
-    x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t)
+    x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t,
+                    _kth(kth_ptr, row, HAS_TOP_K))
     m = tl.max(x, 0)
     z = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0)
     tl.store(part_ptr + (0 * rows + row) * parts + chunk, m)
@@ -145,8 +165,9 @@ def sample_stats_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.con
 
 
 @triton.jit
-def sample_race_kernel(logits_ptr, stride, n, temp_ptr, min_p_ptr, seed_ptr, part_ptr,
-                       HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+def sample_race_kernel(logits_ptr, stride, n, temp_ptr, min_p_ptr, kth_ptr, seed_ptr, part_ptr,
+                       HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                       PART_BLOCK: tl.constexpr):
     """Per (row, chunk): the first round's race winner inside the chunk (score, scaled logit, column)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -162,7 +183,8 @@ def sample_race_kernel(logits_ptr, stride, n, temp_ptr, min_p_ptr, seed_ptr, par
     best_x = tl.full([QUARTER], float("-inf"), tl.float32)
     where = tl.full([QUARTER], 0, tl.int32)
     best, best_x, where = _race_block(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK, n, seed, 0, inv_t,
-                                      noise, float("-inf"), lowest, best, best_x, where, QUARTER)
+                                      _kth(kth_ptr, row, HAS_TOP_K), noise, float("-inf"), lowest, best, best_x,
+                                      where, QUARTER)
     top = tl.max(best, 0)
     chosen = tl.min(tl.where(best == top, where, n), 0)
     tl.store(part_ptr + (2 * rows + row) * parts + chunk, top)
@@ -171,7 +193,8 @@ def sample_race_kernel(logits_ptr, stride, n, temp_ptr, min_p_ptr, seed_ptr, par
 
 
 @triton.jit
-def sample_mass_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+def sample_mass_kernel(logits_ptr, stride, n, temp_ptr, kth_ptr, part_ptr, HAS_TOP_K: tl.constexpr,
+                       BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
     """Per (row, chunk): sum(exp(x - m)) over the chunk's tokens above the first round's winner."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -181,14 +204,15 @@ def sample_mass_kernel(logits_ptr, stride, n, temp_ptr, part_ptr, BLOCK: tl.cons
     inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
     m = _row_max(part_ptr, rows, row, parts, PART_BLOCK)
     chosen, x_chosen = _race_winner(part_ptr, rows, row, parts, PART_BLOCK)
-    x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t)
+    x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t,
+                    _kth(kth_ptr, row, HAS_TOP_K))
     tl.store(part_ptr + (5 * rows + row) * parts + chunk, tl.sum(tl.where(x > x_chosen, tl.exp(x - m), 0.0), 0))
 
 
 @triton.jit
-def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, part_ptr, token_ptr,
-                         HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
-                         PART_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, kth_ptr, seed_ptr, part_ptr,
+                         token_ptr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                         BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     """Per row: the first round's winner from the chunks; with top-p, its acceptance and, when refused, the
     further rounds above the pivot over the whole row (one program: most rows take one round)."""
     row = tl.program_id(0)
@@ -214,6 +238,7 @@ def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, 
             z = tl.sum(z_lanes, 0)
             accepted = (tl.sum(above_lanes, 0) < top_p * z).to(tl.int32)
             base = logits_ptr + row.to(tl.int64) * stride
+            kth = _kth(kth_ptr, row, HAS_TOP_K)
             QUARTER: tl.constexpr = BLOCK // 4
             groups = parts * QUARTER  # Philox groups of four columns per round
             pivot = x_chosen  # tokens with x <= pivot are known to lie outside the nucleus
@@ -224,15 +249,15 @@ def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, 
                 best_x = tl.full([QUARTER], float("-inf"), tl.float32)
                 where = tl.full([QUARTER], 0, tl.int32)
                 for start in range(0, n, BLOCK):
-                    best, best_x, where = _race_block(base, start, n, seed, rounds * groups, inv_t, noise, pivot,
-                                                      lowest, best, best_x, where, QUARTER)
+                    best, best_x, where = _race_block(base, start, n, seed, rounds * groups, inv_t, kth, noise,
+                                                      pivot, lowest, best, best_x, where, QUARTER)
                 top = tl.max(best, 0)
                 chosen = tl.min(tl.where(best == top, where, n), 0)
                 x_chosen = tl.max(tl.where(where == chosen, best_x, float("-inf")), 0)
                 rounds += 1
                 above = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, n, BLOCK):
-                    x = _row_values(base, start + cols, n, inv_t)
+                    x = _row_values(base, start + cols, n, inv_t, kth)
                     above += tl.where(x > x_chosen, tl.exp(x - m), 0.0)
                 accepted = (tl.sum(above, 0) < top_p * z).to(tl.int32)
                 pivot = x_chosen
@@ -240,15 +265,83 @@ def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, 
                 first = tl.full([BLOCK], n, tl.int32)
                 for start in range(0, n, BLOCK):
                     c = start + cols
-                    first = tl.minimum(first, tl.where(_row_values(base, c, n, inv_t) == m, c, n))
+                    first = tl.minimum(first, tl.where(_row_values(base, c, n, inv_t, kth) == m, c, n))
                 chosen = tl.min(first, 0)
     tl.store(token_ptr + row, chosen.to(tl.int64))
 
 
+@triton.jit
+def _order_key(raw):
+    """float32 -> uint32 whose unsigned order is the floats' order (sign bit set for positives, negatives flipped)."""
+    bits = raw.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, ~bits, bits ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def sample_topk_hist_kernel(logits_ptr, stride, n, top_k_ptr, state_ptr, hist_ptr, SHIFT: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Per (row, chunk), for rows with a top-k filter: how many of the chunk's logits whose order key starts with
+    the row's prefix so far have each value of the key's next 8 bits (bits ``SHIFT .. SHIFT + 8``)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    parts = tl.num_programs(1)
+    k = tl.load(top_k_ptr + row)
+    if (k > 0) & (k < n):
+        c = chunk * BLOCK + tl.arange(0, BLOCK)
+        key = _order_key(tl.load(logits_ptr + row.to(tl.int64) * stride + c, mask=c < n, other=0.0).to(tl.float32))
+        ok = c < n
+        if SHIFT < 24:
+            ok = ok & ((key >> (SHIFT + 8)) == tl.load(state_ptr + row).to(tl.uint32, bitcast=True))
+        bins = tl.arange(0, 256)
+        digit = ((key >> SHIFT) & 255).to(tl.int32)
+        # (counted in bin 0 and taken off again: the lanes outside the prefix or the row)
+        hist = tl.histogram(tl.where(ok, digit, 0), 256)
+        hist -= tl.where(bins == 0, tl.sum(tl.where(ok, 0, 1), 0), 0)
+        tl.store(hist_ptr + (row * parts + chunk).to(tl.int64) * 256 + bins, hist)
+
+
+@triton.jit
+def sample_topk_select_kernel(n, parts, top_k_ptr, state_ptr, hist_ptr, kth_ptr, SHIFT: tl.constexpr):
+    """Per row: the next 8 bits of the k-th largest logit's order key, from the chunks' counts (radix select,
+    most significant bits first); after the last digit, the k-th largest logit itself (``kth``; -inf for rows
+    without top-k). ``state``: the key's prefix so far and how many tokens of that prefix are still to pass."""
+    row = tl.program_id(0)
+    rows = tl.num_programs(0)
+    k = tl.load(top_k_ptr + row)
+    if (k > 0) & (k < n):
+        r = tl.arange(0, 256)
+        counts = tl.zeros([256], tl.int32)  # counts[i]: of key digit 255 - i
+        for s in range(parts):
+            counts += tl.load(hist_ptr + (row * parts + s).to(tl.int64) * 256 + 255 - r)
+        prefix = tl.full([], 0, tl.uint32)
+        remaining = k
+        if SHIFT < 24:
+            prefix = tl.load(state_ptr + row).to(tl.uint32, bitcast=True)
+            remaining = tl.load(state_ptr + rows + row)
+        at_least = tl.cumsum(counts, 0)  # tokens whose digit is at least 255 - i
+        i = tl.min(tl.where(at_least >= remaining, r, 256), 0)
+        remaining -= tl.sum(tl.where(r < i, counts, 0), 0)
+        prefix = (prefix << 8) | (255 - i).to(tl.uint32)
+        tl.store(state_ptr + row, prefix.to(tl.int32, bitcast=True))
+        tl.store(state_ptr + rows + row, remaining)
+        if SHIFT == 0:
+            key = prefix.to(tl.int32, bitcast=True)
+        else:
+            key = (prefix << SHIFT).to(tl.int32, bitcast=True)
+        bits = tl.where(key < 0, key ^ -2147483648, ~key)
+        tl.store(kth_ptr + row, bits.to(tl.float32, bitcast=True))
+    else:
+        tl.store(kth_ptr + row, float("-inf"))
+
+
+# the order key's digits that can differ between logits of each dtype (bfloat16: the float32 key's upper 16 bits)
+KEY_SHIFTS = {torch.bfloat16: (24, 16), torch.float16: (24, 16, 8), torch.float32: (24, 16, 8, 0)}
+
+
 def supports(logits, temperature, top_k=None, top_p=None, min_p=None, generators=None) -> str | None:
-    """Why this kernel cannot run the call (None when it can)."""
-    if top_k is not None:
-        return "top_k (its set needs the k-th largest logit; torch's route sorts)"
+    """Why these kernels cannot run the call (None when they can)."""
+    if logits.dtype not in KEY_SHIFTS:
+        return f"logits of dtype {logits.dtype} (float32, float16 and bfloat16 are)"
     if logits.stride(1) != 1:
         return "the vocabulary dimension is not contiguous"
     if logits.shape[1] >= MAX_COLUMNS:
@@ -283,52 +376,74 @@ def _row_seeds(b: int, device: torch.device, generators) -> torch.Tensor:
 
 
 PART_BLOCK = 64  # chunk partials read per step by the kernels that combine them
-_STATS = Launcher(sample_stats_kernel, ("BLOCK",))
-_RACE = Launcher(sample_race_kernel, ("HAS_MIN_P", "BLOCK", "PART_BLOCK"))
-_MASS = Launcher(sample_mass_kernel, ("BLOCK", "PART_BLOCK"))
-_FINISH = Launcher(sample_finish_kernel, ("HAS_TOP_P", "HAS_MIN_P", "BLOCK", "PART_BLOCK", "MAX_ROUNDS"))
+_HIST = Launcher(sample_topk_hist_kernel, ("SHIFT", "BLOCK"))
+_SELECT = Launcher(sample_topk_select_kernel, ("SHIFT",))
+_STATS = Launcher(sample_stats_kernel, ("HAS_TOP_K", "BLOCK"))
+_RACE = Launcher(sample_race_kernel, ("HAS_MIN_P", "HAS_TOP_K", "BLOCK", "PART_BLOCK"))
+_MASS = Launcher(sample_mass_kernel, ("HAS_TOP_K", "BLOCK", "PART_BLOCK"))
+_FINISH = Launcher(sample_finish_kernel, ("HAS_TOP_P", "HAS_MIN_P", "HAS_TOP_K", "BLOCK", "PART_BLOCK", "MAX_ROUNDS"))
 NUM_WARPS = 8
 
 
 def sample(logits, temperature, top_k=None, top_p=None, min_p=None, generators=None) -> torch.Tensor:
-    """``ops.sample`` for calls without top_k (``supports``): int64 ``[B]``.
+    """``ops.sample`` on CUDA: int64 ``[B]``.
 
-    Two to four launches after the row seeds: the filters' row statistics, the first round's race and, with
-    top-p, the mass above its winner run one program per (row, chunk of ``BLOCK`` columns), so a single row
-    spreads over the card; the last launch combines the chunks per row and runs any further rounds. The chunks
-    do not depend on the batch, and so neither does any row's token."""
+    With top-k, first the k-th largest logit of each row, by radix select over the logits' order keys: per 8 bits
+    of the key, the chunks count their logits' next digit and a kernel per row picks it (two rounds for bfloat16
+    logits, four for float32); the filter then keeps every token at or above it (ties with the k-th included, as
+    transformers and vLLM keep them). Then two to four launches: the filters' row statistics, the first round's
+    race and, with top-p, the mass above its winner run one program per (row, chunk of ``BLOCK`` columns), so a
+    single row spreads over the card; the last launch combines the chunks per row and runs any further rounds.
+    The chunks do not depend on the batch, and so neither does any row's token."""
     b, n = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
     seeds = _row_seeds(b, logits.device, generators)
     temp = temperature.float().contiguous()
-    has_top_p, has_min_p = top_p is not None, min_p is not None
+    has_top_p, has_min_p, has_top_k = top_p is not None, min_p is not None, top_k is not None
     top_p = top_p.float().contiguous() if has_top_p else temp
     min_p = min_p.float().contiguous() if has_min_p else temp
     parts = triton.cdiv(n, BLOCK)
-    part = torch.empty(6, b, parts, dtype=torch.float32, device=logits.device)
     device = logits.get_device()
     grid = (b, parts)
+    kth = temp
+    if has_top_k:
+        top_k = top_k.to(torch.int32).contiguous()
+        state = torch.empty(2, b, dtype=torch.int32, device=logits.device)
+        hist = torch.empty(b, parts, 256, dtype=torch.int32, device=logits.device)
+        kth = torch.empty(b, dtype=torch.float32, device=logits.device)
+        for shift in KEY_SHIFTS[logits.dtype]:
+            _HIST(grid, (logits, logits.stride(0), n, top_k, state, hist), (shift, BLOCK), num_warps=NUM_WARPS,
+                  device_index=device)
+            _SELECT((b,), (n, parts, top_k, state, hist, kth), (shift,), num_warps=4, device_index=device)
+    part = torch.empty(6, b, parts, dtype=torch.float32, device=logits.device)
+    k = int(has_top_k)
     if has_top_p or has_min_p:
-        _STATS(grid, (logits, logits.stride(0), n, temp, part), (BLOCK,), num_warps=NUM_WARPS, device_index=device)
-    _RACE(grid, (logits, logits.stride(0), n, temp, min_p, seeds, part), (int(has_min_p), BLOCK, PART_BLOCK),
+        _STATS(grid, (logits, logits.stride(0), n, temp, kth, part), (k, BLOCK), num_warps=NUM_WARPS,
+               device_index=device)
+    _RACE(grid, (logits, logits.stride(0), n, temp, min_p, kth, seeds, part), (int(has_min_p), k, BLOCK, PART_BLOCK),
           num_warps=NUM_WARPS, device_index=device)
     if has_top_p:
-        _MASS(grid, (logits, logits.stride(0), n, temp, part), (BLOCK, PART_BLOCK), num_warps=NUM_WARPS,
+        _MASS(grid, (logits, logits.stride(0), n, temp, kth, part), (k, BLOCK, PART_BLOCK), num_warps=NUM_WARPS,
               device_index=device)
-    _FINISH((b,), (logits, logits.stride(0), n, temp, top_p, min_p, seeds, part, out),
-            (int(has_top_p), int(has_min_p), BLOCK, PART_BLOCK, MAX_ROUNDS), num_warps=NUM_WARPS, device_index=device)
+    _FINISH((b,), (logits, logits.stride(0), n, temp, top_p, min_p, kth, seeds, part, out),
+            (int(has_top_p), int(has_min_p), k, BLOCK, PART_BLOCK, MAX_ROUNDS), num_warps=NUM_WARPS,
+            device_index=device)
     return out
 
 
 def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
     """The kernels the launcher runs (with and without each filter) for ``ninefold.ops.triton.aot``."""
-    variants = [{"kernel": sample_stats_kernel, "num_warps": NUM_WARPS, "constexprs": {"BLOCK": BLOCK}},
-                {"kernel": sample_mass_kernel, "num_warps": NUM_WARPS,
-                 "constexprs": {"BLOCK": BLOCK, "PART_BLOCK": PART_BLOCK}}]
-    variants += [{"kernel": sample_race_kernel, "num_warps": NUM_WARPS,
-                  "constexprs": {"HAS_MIN_P": q, "BLOCK": BLOCK, "PART_BLOCK": PART_BLOCK}} for q in (0, 1)]
-    return variants + [{"kernel": sample_finish_kernel, "num_warps": NUM_WARPS,
-                        "constexprs": {"HAS_TOP_P": p, "HAS_MIN_P": q, "BLOCK": BLOCK, "PART_BLOCK": PART_BLOCK,
-                                       "MAX_ROUNDS": MAX_ROUNDS}} for p in (0, 1) for q in (0, 1)]
+    def variant(kernel, num_warps=NUM_WARPS, **constexprs):
+        return {"kernel": kernel, "num_warps": num_warps, "constexprs": constexprs}
+
+    flags = (0, 1)
+    return ([variant(sample_topk_hist_kernel, SHIFT=shift, BLOCK=BLOCK) for shift in KEY_SHIFTS[dtype]]
+            + [variant(sample_topk_select_kernel, 4, SHIFT=shift) for shift in KEY_SHIFTS[dtype]]
+            + [variant(sample_stats_kernel, HAS_TOP_K=k, BLOCK=BLOCK) for k in flags]
+            + [variant(sample_mass_kernel, HAS_TOP_K=k, BLOCK=BLOCK, PART_BLOCK=PART_BLOCK) for k in flags]
+            + [variant(sample_race_kernel, HAS_MIN_P=q, HAS_TOP_K=k, BLOCK=BLOCK, PART_BLOCK=PART_BLOCK)
+               for q in flags for k in flags]
+            + [variant(sample_finish_kernel, HAS_TOP_P=p, HAS_MIN_P=q, HAS_TOP_K=k, BLOCK=BLOCK,
+                       PART_BLOCK=PART_BLOCK, MAX_ROUNDS=MAX_ROUNDS) for p in flags for q in flags for k in flags])
