@@ -36,6 +36,18 @@ def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value
         SamplingParams(**{field: value})
 
 
+def test_a_temperature_too_small_to_divide_by_is_raised_to_the_minimum(caplog):
+    from ninefold.llm.sampling import MIN_TEMPERATURE
+
+    assert SamplingParams(temperature=1e-40).temperature == MIN_TEMPERATURE
+    assert "raised" in caplog.text
+    assert SamplingParams(temperature=0).temperature == 0 and SamplingParams(temperature=0.5).temperature == 0.5
+    # (divided by 1e-40, every positive logit overflowed to +inf and the draw was uniform among them)
+    sampler = Sampler(torch.device("cpu"), 8, (7,))
+    seq = Sequence("r", 0, [1], 1, SamplingParams(temperature=1e-40, min_tokens=4, max_tokens=8))
+    assert sampler(torch.tensor([[0.5, 2.0, 1.0, 0.0, -1.0, 0.3, 0.2, 3.0]]), [seq]).token_ids == [1]
+
+
 def test_min_tokens_above_max_tokens_is_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)

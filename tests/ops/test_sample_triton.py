@@ -17,9 +17,12 @@ from .helpers import run_interpreted_tests
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_RUNS = INTERPRETED or torch.cuda.is_available()
 triton_only = pytest.mark.skipif(not TRITON_RUNS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+CUDA_ONLY = pytest.mark.skipif(INTERPRETED, reason="a case the interpreter's coarser run leaves to CUDA")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 DTYPES = [torch.float32] if INTERPRETED else [torch.float32, torch.bfloat16]
-DRAWS = 1000 if INTERPRETED else 4000  # rows of one frequency check (the interpreter runs one program at a time)
+# rows of one frequency check (the interpreter runs one program at a time, a few ms each: its checks are coarse,
+# CUDA's are the statistical ones)
+DRAWS = 300 if INTERPRETED else 4000
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, -float("inf")])
 
 
@@ -43,8 +46,9 @@ def _check_frequencies(out: torch.Tensor, want: torch.Tensor, n: int) -> None:
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, None, None, None), (2.0, None, None, None), (1.0, None, 0.7, None), (0.7, None, 0.8, None),
-    (1.0, None, None, 0.2), (1.3, None, 0.9, 0.1), (1.0, 3, None, None), (0.7, 5, 0.8, None), (1.3, 6, 0.9, 0.1)])
+    (1.0, None, None, None), pytest.param(2.0, None, None, None, marks=CUDA_ONLY), (1.0, None, 0.7, None),
+    pytest.param(0.7, None, 0.8, None, marks=CUDA_ONLY), (1.0, None, None, 0.2), (1.3, None, 0.9, 0.1),
+    pytest.param(1.0, 3, None, None, marks=CUDA_ONLY), (0.7, 5, 0.8, None), pytest.param(1.3, 6, 0.9, 0.1, marks=CUDA_ONLY)])
 def test_frequencies_match_the_filtered_distribution(temperature, top_k, top_p, min_p, dtype):
     n = DRAWS
     logits = LOGITS.to(DEVICE, dtype).expand(n, -1).contiguous()
@@ -69,7 +73,7 @@ def test_top_k_finds_the_kth_largest_over_several_chunks_and_keeps_its_ties(dtyp
     logits = torch.randn(6, v, generator=gen).to(dtype)
     logits[5] = torch.where(torch.arange(v) % 5 == 0, 3.0, -2.0).to(dtype)  # v // 5 + 1 tokens tie at the top
     ks = torch.tensor([1, 17, v, 0, v - 1, 2], dtype=torch.int32)
-    draws = 40
+    draws = 12 if INTERPRETED else 100
     rows = logits.repeat(draws, 1).to(DEVICE)
     out = sample.sample(rows, _rows(6 * draws, 1.0), ks.repeat(draws).to(DEVICE), None, None, None).view(draws, 6).cpu()
     x = logits.float()
@@ -77,7 +81,7 @@ def test_top_k_finds_the_kth_largest_over_several_chunks_and_keeps_its_ties(dtyp
         kth = x[row].sort(descending=True).values[k - 1] if 0 < k < v else -float("inf")
         assert bool((x[row, out[:, row]] >= kth).all()), f"row {row} (k={k}) drew below the k-th largest"
     assert set(out[:, 0].tolist()) == {int(x[0].argmax())}
-    assert len(set(out[:, 5].tolist())) > 20  # the tied top tokens, all kept for k = 2
+    assert len(set(out[:, 5].tolist())) > draws // 2  # the tied top tokens (v // 5 + 1 of them), all kept for k = 2
 
 
 @triton_only
@@ -178,6 +182,6 @@ def test_sample_kernels_compile_for_sm90():
     names = [v.kernel.fn.__name__ for v in variants]
     assert sorted(set(names)) == ["sample_finish_kernel", "sample_mass_kernel", "sample_race_kernel",
                                   "sample_stats_kernel", "sample_topk_hist_kernel", "sample_topk_select_kernel"]
-    assert names.count("sample_finish_kernel") == 8 and names.count("sample_topk_hist_kernel") == 2  # bf16: 2 digits
+    assert names.count("sample_finish_kernel") == 8 and names.count("sample_topk_hist_kernel") == 4  # bf16: 4 digits
     for variant in variants:
         assert aot.compile_variant(variant, torch.bfloat16, target).asm.get("cubin")

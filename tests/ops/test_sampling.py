@@ -90,6 +90,23 @@ def test_seeded_rows_reproduce_and_unseeded_rows_vary(device, impl):
     assert len(set(many)) > 1
 
 
+@pytest.mark.parametrize("min_p", [None, 0.1], ids=["plain", "min_p"])
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_a_row_with_an_overflowed_logit_draws_that_token_and_never_a_banned_one(device, impl, min_p):
+    # a float16 model's logit that overflowed to +inf, and a banned token (-inf) in the last column
+    rows = 64
+    logits = torch.tensor([0.5, float("inf"), 1.0, -float("inf")], dtype=torch.float16).expand(rows, -1)
+    min_p = None if min_p is None else torch.full((rows,), min_p, device=device)
+    out = call("sample", impl, logits.contiguous().to(device), torch.ones(rows, device=device), min_p=min_p)
+    assert set(out.tolist()) == {1}
+
+
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_a_row_with_nothing_allowed_takes_the_first_column_as_argmax_does(device, impl):
+    logits = torch.full((3, 50), -float("inf"), device=device)
+    assert call("sample", impl, logits, torch.ones(3, device=device)).tolist() == [0, 0, 0]
+
+
 def _tied_logits(rows: int, device, dtype) -> torch.Tensor:
     """Every 7th of 300 tokens ties for the largest logit (43 tokens); the rest share a lower one."""
     logits = torch.zeros(rows, 300, dtype=dtype)
