@@ -287,23 +287,17 @@ def sample_topk_hist_kernel(logits_ptr, stride, n, top_k_ptr, state_ptr, hist_pt
     parts = tl.num_programs(1)
     k = tl.load(top_k_ptr + row)
     if (k > 0) & (k < n):
-        bins = tl.arange(0, BINS)
-        counts = tl.zeros([BINS], tl.int32)
-        prefix = tl.full([], 0, tl.uint32)
+        c = chunk * BLOCK + tl.arange(0, BLOCK)
+        key = _order_key(tl.load(logits_ptr + row.to(tl.int64) * stride + c, mask=c < n, other=0.0).to(tl.float32))
+        ok = c < n
         if SHIFT + DIGIT_BITS < 32:
-            prefix = tl.load(state_ptr + row).to(tl.uint32, bitcast=True)
-        # Counted by comparing each digit with every bin, not with tl.histogram: its atomic adds serialise where
-        # the digits crowd into a few bins, as the order keys' upper digits and the lanes outside the prefix do.
-        for sub in tl.static_range(0, BLOCK, SUB_BLOCK):
-            c = chunk * BLOCK + sub + tl.arange(0, SUB_BLOCK)
-            raw = tl.load(logits_ptr + row.to(tl.int64) * stride + c, mask=c < n, other=0.0).to(tl.float32)
-            key = _order_key(raw)
-            ok = c < n
-            if SHIFT + DIGIT_BITS < 32:
-                ok = ok & ((key >> (SHIFT + DIGIT_BITS)) == prefix)
-            digit = tl.where(ok, ((key >> SHIFT) & (BINS - 1)).to(tl.int32), BINS)
-            counts += tl.sum((digit[:, None] == bins[None, :]).to(tl.int32), 0)
-        tl.store(hist_ptr + (row * parts + chunk).to(tl.int64) * BINS + bins, counts)
+            ok = ok & ((key >> (SHIFT + DIGIT_BITS)) == tl.load(state_ptr + row).to(tl.uint32, bitcast=True))
+        bins = tl.arange(0, BINS)
+        digit = ((key >> SHIFT) & (BINS - 1)).to(tl.int32)
+        # (counted in bin 0 and taken off again: the lanes outside the prefix or the row)
+        hist = tl.histogram(tl.where(ok, digit, 0), BINS)
+        hist -= tl.where(bins == 0, tl.sum(tl.where(ok, 0, 1), 0), 0)
+        tl.store(hist_ptr + (row * parts + chunk).to(tl.int64) * BINS + bins, hist)
 
 
 @triton.jit
@@ -340,11 +334,10 @@ def sample_topk_select_kernel(n, parts, top_k_ptr, state_ptr, hist_ptr, kth_ptr,
         tl.store(kth_ptr + row, float("-inf"))
 
 
-# Radix select by 4-bit digits, each pass counting 16 bins by comparison (with tl.histogram, 8-bit digits in two
-# passes and 4-bit ones in four both cost about 250 us over 256 rows of 128k on an H100, 40% of the draw).
+# Radix select by 4-bit digits: tl.histogram's cost grows with its bins (256 bins took ~120 us a pass over 256 rows
+# of 128k on an H100, a fifth of the whole draw), and the order keys' upper digits crowd into a few bins.
 DIGIT_BITS = tl.constexpr(4)
 BINS = tl.constexpr(16)
-SUB_BLOCK = tl.constexpr(1024 if os.environ.get("TRITON_INTERPRET") != "1" else 256)  # columns compared at a time
 # the order key's digits that can differ between logits of each dtype (bfloat16: the float32 key's upper 16 bits)
 KEY_SHIFTS = {torch.bfloat16: (28, 24, 20, 16), torch.float16: (28, 24, 20, 16, 12),
               torch.float32: (28, 24, 20, 16, 12, 8, 4, 0)}
