@@ -141,36 +141,43 @@ def _uniforms(rows: int, generators) -> torch.Tensor:
     return u
 
 
-def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor, top_p, generators) -> torch.Tensor:
+def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor | None, top_p, generators) -> torch.Tensor:
     """Rows of ``x`` (logits / temperature, float32, CPU) drawn with one uniform each and the cumulative sum of
-    their weights, among tokens with ``x >= lowest``; with top-p, a draw outside the nucleus (the mass above it
-    reaches p) becomes the row's pivot and the row draws again above it: rejection, exact for the nucleus.
+    their weights, among tokens with ``x >= lowest`` (None: all); with top-p, a draw outside the nucleus (the mass
+    above it reaches p) becomes the row's pivot and the row draws again above it: rejection, exact for the nucleus.
     Cheaper on the CPU than sorting rows or drawing noise for every token."""
     b = x.shape[0]
     top = x.amax(dim=-1, keepdim=True)
-    # a row with +inf logits (a float16 model's overflow) draws among those; an all -inf row weighs nothing
-    shifted = torch.where(top == float("inf"), torch.where(x == top, 0.0, float("-inf")),
-                          x - torch.where(torch.isfinite(top), top, 0.0))
-    weights = torch.exp(shifted).double()
-    total = weights.sum(dim=-1)
+    if bool(torch.isinf(top).any()):
+        # a row with +inf logits (a float16 model's overflow) draws among those; an all -inf row weighs nothing
+        weights = torch.where(top == float("inf"), torch.where(x == top, 0.0, float("-inf")),
+                              x - torch.where(torch.isfinite(top), top, 0.0)).exp_()
+    else:
+        weights = (x - top).exp_()
+    total = weights.sum(dim=-1, dtype=torch.float64) if top_p is not None else None
     pivot = torch.full((b,), float("-inf"))
     tokens = torch.empty(b, dtype=torch.int64)
     todo = torch.arange(b)
-    for _ in range(_MAX_ROUNDS):
-        xs, ws = x[todo], weights[todo]
-        allowed = ws * ((xs > pivot[todo, None]) & (xs >= lowest[todo, None]))
-        cdf = allowed.cumsum(dim=-1)
+    for round_ in range(_MAX_ROUNDS):
+        everyone = len(todo) == b
+        xs, ws = (x, weights) if everyone else (x[todo], weights[todo])
+        allowed = ws
+        if lowest is not None:
+            allowed = allowed * (xs >= (lowest if everyone else lowest[todo])[:, None])
+        if round_ > 0:
+            allowed = allowed * (xs > pivot[todo, None])
+        cdf = allowed.cumsum(dim=-1, dtype=torch.float64)
         gens = None if generators is None else [generators[i] for i in todo.tolist()]
         # (below the row's total, so the first column whose cumulative weight exceeds it has a weight of its own)
         last = cdf[:, -1]
         target = torch.minimum(_uniforms(len(todo), gens) * last, torch.nextafter(last, torch.zeros_like(last)))
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
-        drawn = torch.where(last > 0, drawn, xs.argmax(dim=-1))  # nothing allowed (all -inf): as argmax
-        x_drawn = xs.gather(1, drawn[:, None])
+        if not bool((last > 0).all()):
+            drawn = torch.where(last > 0, drawn, xs.argmax(dim=-1))  # nothing allowed (all -inf): as argmax
         if top_p is None:
-            tokens[todo] = drawn
-            return tokens
-        above = (ws * (xs > x_drawn)).sum(dim=-1)
+            return drawn
+        x_drawn = xs.gather(1, drawn[:, None])
+        above = (ws * (xs > x_drawn)).sum(dim=-1, dtype=torch.float64)
         inside = above < top_p[todo].double() * total[todo]
         tokens[todo[inside]] = drawn[inside]
         pivot[todo[~inside]] = x_drawn.squeeze(1)[~inside]
@@ -179,7 +186,6 @@ def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor, top_p, generator
             return tokens
     tokens[todo] = x[todo].argmax(dim=-1)  # (not seen: the largest token is always in the nucleus)
     return tokens
-
 
 
 @register("sample", "vendor")
@@ -192,12 +198,13 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
         top_p = None if top_p is None or not bool((top_p < 1).any()) else top_p
         min_p = None if min_p is None or not bool((min_p > 0).any()) else min_p
         if top_k is None:  # no sort and no noise per token: a uniform per row and the rows' cumulative weights
-            x = logits.float() / t
-            lowest = torch.full((x.shape[0],), float("-inf"))
+            x = logits / t if logits.dtype == torch.float32 else logits.float().div_(t)  # (the caller's row intact)
+            lowest = None
             if min_p is not None:
-                lowest = torch.where(min_p > 0, x.amax(dim=-1) + torch.log(min_p.float().clamp_min(1e-30)), lowest)
+                lowest = torch.where(min_p > 0, x.amax(dim=-1) + torch.log(min_p.float().clamp_min(1e-30)),
+                                     float("-inf"))
             drawn = _draw_by_inverse_cdf(x, lowest, top_p, generators)
-            return torch.where(greedy, logits.argmax(dim=-1), drawn)
+            return torch.where(greedy, logits.argmax(dim=-1), drawn) if bool(greedy.any()) else drawn
     order = None
     if top_k is None and top_p is None:
         x = logits.float() / t
