@@ -73,7 +73,7 @@ def time_us(fn, device: str, after=None, reps: int = 30) -> tuple[float, float]:
     after = after or (lambda result: None)
     if device != "cuda":
         times = []
-        for _ in range(5):
+        for _ in range(reps):
             start = time.perf_counter()
             after(fn())
             times.append(time.perf_counter() - start)
