@@ -112,6 +112,19 @@ def test_top_k_among_tied_logits_keeps_every_tied_token_and_seeded_rows_ignore_t
     assert alone == beside
 
 
+@pytest.mark.parametrize("top_k", [1, 20, 256])
+def test_ties_with_the_kth_logit_beyond_the_candidates_are_drawn_too(top_k):
+    """Off CUDA, top-k rows draw among the 256 largest logits; where the k-th ties with tokens past those (bfloat16
+    logits tie often), the row draws over its whole row instead (review finding: 144 of 400 tied tokens were never
+    drawn)."""
+    vocab, rows = 1000, 2000
+    logits = torch.zeros(rows, vocab, dtype=torch.bfloat16)
+    logits[:, 200:600] = 1.0  # 400 tokens tie for the largest logit; top-k keeps them all for k <= 400
+    seqs = [Sequence("r", i, [1], 1, SamplingParams(temperature=1.0, top_k=top_k)) for i in range(rows)]
+    drawn = set(Sampler(torch.device("cpu"), vocab, ())(logits, seqs).token_ids)
+    assert drawn <= set(range(200, 600)) and len(drawn) > 380  # (2000 draws over 400: ~394 distinct expected)
+
+
 def test_n_returns_n_distinct_seeded_completions(llm):
     params = SamplingParams(n=3, temperature=1.5, seed=7, max_tokens=12, ignore_eos=True)
     (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)

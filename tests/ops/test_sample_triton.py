@@ -85,6 +85,25 @@ def test_top_k_finds_the_kth_largest_over_several_chunks_and_keeps_its_ties(dtyp
 
 
 @triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_top_k_above_the_finite_logits_keeps_them_all(dtype):
+    """The k-th largest is -inf (fewer finite logits than k, as a mask leaves them): rebuilt from its order key it
+    must be -inf again, not a NaN that keeps nothing (review finding: bfloat16 and float16 rows drew column 0)."""
+    sample = _kernel()
+    v, rows = 2 * sample.BLOCK + 88, 6
+    row = torch.full((v,), -float("inf"))
+    finite = [3, sample.BLOCK + 34, 2 * sample.BLOCK + 80]
+    row[finite] = torch.tensor([0.5, -2.0, 1.0])
+    temperature = _rows(rows, 1.0)
+    temperature[-1] = 0.0  # a greedy row too
+    k = torch.tensor([5, 5, 5, 3, 2**40, 5], dtype=torch.int64, device=DEVICE)  # (2**40: off, not wrapped to 0)
+    out = sample.sample(row.to(DEVICE, dtype).expand(rows, -1).contiguous(), temperature, k, None, None, None).cpu()
+    assert set(out[:-1].tolist()) <= set(finite) and out[-1].item() == finite[2]
+    out = sample.sample(row.to(DEVICE, dtype).expand(rows, -1).contiguous(), temperature, k, None, None, None).cpu()
+    assert set(out[:-1].tolist()) <= set(finite)
+
+
+@triton_only
 def test_top_p_over_several_blocks_rejects_until_inside_the_nucleus():
     # two of the kernel's blocks: two large tokens (mass ~0.46 and ~0.28) and a flat tail of ~0.26: with top_p 0.5
     # the nucleus is the two, and a draw from the whole row that lands in the tail is rejected (another round)

@@ -90,6 +90,21 @@ def test_seeded_rows_reproduce_and_unseeded_rows_vary(device, impl):
     assert len(set(many)) > 1
 
 
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_top_k_compares_the_logits_not_the_logits_over_the_temperature(device, impl):
+    # float32 logits one step apart: divided by 0.7 the second and third round to one value, which must not make
+    # the third a tie of the k-th (review finding on torch's route)
+    second = torch.tensor(0.9)
+    third = torch.nextafter(second, torch.tensor(0.0))
+    while float(second / 0.7) != float(third / 0.7):  # (a pair a few steps away at most)
+        second, third = third, torch.nextafter(third, torch.tensor(0.0))
+    rows = 300
+    logits = torch.stack([torch.tensor(1.5), second, third, torch.tensor(-1.0)]).expand(rows, -1).contiguous()
+    top_k = torch.full((rows,), 2, dtype=torch.int32, device=device)
+    out = call("sample", impl, logits.to(device), torch.full((rows,), 0.7, device=device), top_k=top_k)
+    assert set(out.tolist()) == {0, 1}
+
+
 @pytest.mark.parametrize("min_p", [None, 0.1], ids=["plain", "min_p"])
 @pytest.mark.parametrize("device,impl", impl_params("sample"))
 def test_a_row_with_an_overflowed_logit_draws_that_token_and_never_a_banned_one(device, impl, min_p):

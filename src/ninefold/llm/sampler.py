@@ -175,10 +175,19 @@ class Sampler:
         # A fixed number of candidates, largest first (a row's draw sees the same columns whatever its batch);
         # rows asking for fewer mask the rest.
         values, ids = _candidates(logits, width)
-        ks = [p.top_k for p in params]
-        if min(ks) < width:  # every candidate at or above the k-th (ties with it kept, as ops.sample keeps them)
-            kth = values.gather(1, column(ks, torch.int64)[:, None] - 1)
-            values = values.masked_fill(values < kth, float("-inf"))
+        kth = values.gather(1, column([p.top_k for p in params], torch.int64)[:, None] - 1)
+        if width < logits.shape[1]:
+            # a row whose k-th logit ties with the last candidate may have tied tokens beyond the candidates: it
+            # draws over its whole row (decided by the row alone; off CUDA the read is free)
+            spill = values[:, -1] >= kth[:, 0]
+            if bool(spill.any()):
+                tokens = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
+                for rows, kind in ((spill, "top_k"), (~spill, "candidates")):
+                    index = rows.nonzero().squeeze(1)
+                    if len(index):
+                        tokens[index] = self._draw(logits[index], [seqs[i] for i in index.tolist()], kind, width)
+                return tokens
+        values = values.masked_fill(values < kth, float("-inf"))  # every candidate at or above the k-th
         picked = ops.sample(values, temperature, top_p=top_p, min_p=min_p, generators=generators(seqs))
         tokens = ids.gather(1, picked[:, None]).squeeze(1)
         if any(p.temperature <= 0 for p in params):  # greedy rows: the first largest logit, as argmax gives

@@ -213,7 +213,8 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
         # so the logits are sorted as they come (a bfloat16 model's: 16-bit keys, half the radix passes of float32)
         # and the token is drawn in that order, then mapped back through ``order`` (no scatter of the whole row).
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        x = _filter_sorted(sorted_logits.float() / t, top_k, top_p)
+        # top-k compares the logits themselves (divided by t, distinct logits can round to one value)
+        x = _filter_sorted(_filter_sorted(sorted_logits.float(), top_k, None) / t, None, top_p)
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))

@@ -326,9 +326,12 @@ def sample_topk_select_kernel(n, parts, top_k_ptr, state_ptr, hist_ptr, kth_ptr,
         tl.store(state_ptr + rows + row, remaining)
         if SHIFT == 0:
             key = prefix.to(tl.int32, bitcast=True)
+            bits = tl.where(key < 0, key ^ -2147483648, ~key)
         else:
             key = (prefix << SHIFT).to(tl.int32, bitcast=True)
-        bits = tl.where(key < 0, key ^ -2147483648, ~key)
+            # (a negative float's key was flipped whole: the bits below SHIFT, zero in the logit, must come back
+            # zero, or -inf's key turns into a NaN; review finding)
+            bits = tl.where(key < 0, key ^ -2147483648, ~key & -(1 << SHIFT))
         tl.store(kth_ptr + row, bits.to(tl.float32, bitcast=True))
     else:
         tl.store(kth_ptr + row, float("-inf"))
@@ -415,7 +418,7 @@ def sample(logits, temperature, top_k=None, top_p=None, min_p=None, generators=N
     grid = (b, parts)
     kth = temp
     if has_top_k:
-        top_k = top_k.to(torch.int32).contiguous()
+        top_k = top_k.clamp(-1, n).to(torch.int32).contiguous()  # (off stays off: no int64 k wraps in int32)
         state = torch.empty(2, b, dtype=torch.int32, device=logits.device)
         hist = torch.empty(b, parts, BINS.value, dtype=torch.int32, device=logits.device)
         kth = torch.empty(b, dtype=torch.float32, device=logits.device)
