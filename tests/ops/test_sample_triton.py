@@ -96,11 +96,18 @@ def test_top_k_above_the_finite_logits_keeps_them_all(dtype):
     row[finite] = torch.tensor([0.5, -2.0, 1.0])
     temperature = _rows(rows, 1.0)
     temperature[-1] = 0.0  # a greedy row too
-    k = torch.tensor([5, 5, 5, 3, 2**40, 5], dtype=torch.int64, device=DEVICE)  # (2**40: off, not wrapped to 0)
+    k = torch.tensor([5, 5, 5, 3, 4, 5], dtype=torch.int32, device=DEVICE)
     out = sample.sample(row.to(DEVICE, dtype).expand(rows, -1).contiguous(), temperature, k, None, None, None).cpu()
     assert set(out[:-1].tolist()) <= set(finite) and out[-1].item() == finite[2]
-    out = sample.sample(row.to(DEVICE, dtype).expand(rows, -1).contiguous(), temperature, k, None, None, None).cpu()
-    assert set(out[:-1].tolist()) <= set(finite)
+
+
+@triton_only
+def test_a_top_k_beyond_int32_is_off():
+    # int64 k of 2**32 + 1 means no filter; cast to int32 unclamped it wrapped to 1 (review finding)
+    n = 60
+    logits = (torch.arange(50.0) / 100).expand(n, -1).contiguous().to(DEVICE)  # distinct: k = 1 keeps one
+    k = torch.full((n,), 2**32 + 1, dtype=torch.int64, device=DEVICE)
+    assert len(set(_kernel().sample(logits, _rows(n, 1.0), k, None, None, None).tolist())) > 10
 
 
 @triton_only
