@@ -98,7 +98,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
 _ARGMAX = Operator("argmax", argmax, _argmax_key)
 _SAMPLE = Operator("sample", sample, _sample_key)
 
-register("argmax", "vendor")(torch.argmax)
+@register("argmax", "vendor")
+def _argmax_torch(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        # torch's CPU argmax of 16-bit floats is not vectorised: 178 us for a row of 49152 bfloat16 against 49 us
+        # widened first (exact, so the same index, ties and NaN included)
+        return x.float().argmax(dim)
+    return torch.argmax(x, dim)
 
 
 def _filter_sorted(sorted_x: torch.Tensor, top_k, top_p) -> torch.Tensor:
