@@ -24,8 +24,8 @@ MIN_TEMPERATURE = 0.01
 class SamplingParams:
     """Decoding settings of one request; invalid values raise ValueError naming the field.
 
-    ``temperature=0`` is greedy; a temperature above 0 and below ``MIN_TEMPERATURE`` (0.01) is raised to it. ``top_k`` <= 0 and ``top_p=1`` and ``min_p=0`` switch those
-    filters off. ``stop`` strings end the output and are not included in it; ``stop_token_ids``
+    ``temperature=0`` is greedy; a temperature above 0 and below ``MIN_TEMPERATURE`` (0.01) is raised
+    to it. ``top_k`` <= 0 and ``top_p=1`` and ``min_p=0`` switch those filters off. ``stop`` strings end the output and are not included in it; ``stop_token_ids``
     and the model's end-of-sequence tokens end it too (the token is kept in ``token_ids`` but not
     rendered in the text; ``include_stop_str_in_output`` renders stop strings and tokens).
     ``logprobs=N`` returns the N most likely tokens and the sampled one at every step;

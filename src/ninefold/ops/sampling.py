@@ -210,7 +210,7 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
                 lowest = torch.where(min_p > 0, x.amax(dim=-1) + torch.log(min_p.float().clamp_min(1e-30)),
                                      float("-inf"))
             drawn = _draw_by_inverse_cdf(x, lowest, top_p, generators)
-            return torch.where(greedy, logits.argmax(dim=-1), drawn) if bool(greedy.any()) else drawn
+            return torch.where(greedy, _argmax_torch(logits, -1), drawn) if bool(greedy.any()) else drawn
     order = None
     if top_k is None and top_p is None:
         x = logits.float() / t
@@ -230,4 +230,4 @@ def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
     drawn = (x - noise.log_()).argmax(dim=-1)
     if order is not None:
         drawn = order.gather(1, drawn[:, None]).squeeze(1)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    return torch.where(greedy, _argmax_torch(logits, -1), drawn)

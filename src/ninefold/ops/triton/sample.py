@@ -8,8 +8,8 @@ scalars (``x`` = logits / temperature):
 1. with top-p or min-p, the row's maximum ``m`` and ``Z = sum(exp(x - m))``;
 2. a draw from the tokens still allowed (min-p: ``x >= m + log(min_p)``; above the pivot, below) by the
    exponential race: the largest ``x - log(E)``, ``E = -log(1 - u) ~ Exp(1)`` with ``u`` from Philox
-   (``tl.rand4x``: one call gives the uniforms of four columns) keyed by the row's seed, the round and the column, so a draw depends on nothing
-   but them;
+   (``tl.rand4x``: one call gives the uniforms of four columns) keyed by the row's seed, the round and the
+   column, so a draw depends on nothing but them;
 3. with top-p, the mass of the tokens above the drawn one, ``sum(exp(x - m)) / Z`` over ``x > x_j``: below
    ``p``, the token is in the smallest most-likely set reaching ``p`` (the nucleus) and is kept. Otherwise every
    token up to ``x_j`` is outside it too, so ``x_j`` becomes the pivot and step 2 draws again from the tokens
@@ -100,22 +100,41 @@ def _race_block(base, start, n, seed, offset, inv_t, kth, noise, pivot, lowest, 
 
 
 @triton.jit
-def _row_setup(row, temp_ptr, seed_ptr):
+def _inverse_temperature(temp_ptr, row):
+    """1 / temperature; 1 for greedy rows (temperature 0), whose logits are compared as they are."""
     t = tl.load(temp_ptr + row)
-    greedy = t <= 0
-    inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    return 1.0 / tl.where(t <= 0, 1.0, t)
+
+
+@triton.jit
+def _race_result(best, best_x, where, n):
+    """From the lanes' best scores: the best score, the first column reaching it, and its scaled logit."""
+    top = tl.max(best, 0)
+    chosen = tl.min(tl.where(best == top, where, n), 0)
+    return top, chosen, tl.max(tl.where(where == chosen, best_x, float("-inf")), 0)
+
+
+@triton.jit
+def _row_setup(row, temp_ptr, seed_ptr):
+    greedy = tl.load(temp_ptr + row) <= 0
     noise = tl.where(greedy, 0.0, 1.0)  # greedy rows: the race without noise is the argmax
-    return greedy, inv_t, noise, tl.load(seed_ptr + row)
+    return greedy, _inverse_temperature(temp_ptr, row), noise, tl.load(seed_ptr + row)
+
+
+@triton.jit
+def _partials_max(part_ptr, which, rows, row, parts, PART_BLOCK: tl.constexpr):
+    """The largest of the row's chunk partials number ``which`` (0: chunk maxima, 2: race scores)."""
+    k = tl.arange(0, PART_BLOCK)
+    m = tl.full([PART_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, parts, PART_BLOCK):
+        m = tl.maximum(m, tl.load(part_ptr + (which * rows + row) * parts + s0 + k, mask=s0 + k < parts,
+                                  other=float("-inf")))
+    return tl.max(m, 0)
 
 
 @triton.jit
 def _row_max(part_ptr, rows, row, parts, PART_BLOCK: tl.constexpr):
-    k = tl.arange(0, PART_BLOCK)
-    m = tl.full([PART_BLOCK], float("-inf"), tl.float32)
-    for s0 in range(0, parts, PART_BLOCK):
-        m = tl.maximum(m, tl.load(part_ptr + (0 * rows + row) * parts + s0 + k, mask=s0 + k < parts,
-                                  other=float("-inf")))
-    return tl.max(m, 0)
+    return _partials_max(part_ptr, 0, rows, row, parts, PART_BLOCK)
 
 
 @triton.jit
@@ -131,11 +150,7 @@ def _lowest(min_p_ptr, row, m, HAS_MIN_P: tl.constexpr):
 def _race_winner(part_ptr, rows, row, parts, PART_BLOCK: tl.constexpr):
     """The first column with the best score among the chunks' winners, and its scaled logit."""
     k = tl.arange(0, PART_BLOCK)
-    top = tl.full([PART_BLOCK], float("-inf"), tl.float32)
-    for s0 in range(0, parts, PART_BLOCK):
-        top = tl.maximum(top, tl.load(part_ptr + (2 * rows + row) * parts + s0 + k, mask=s0 + k < parts,
-                                      other=float("-inf")))
-    best = tl.max(top, 0)
+    best = _partials_max(part_ptr, 2, rows, row, parts, PART_BLOCK)
     first = tl.full([PART_BLOCK], parts, tl.int32)
     for s0 in range(0, parts, PART_BLOCK):
         score = tl.load(part_ptr + (2 * rows + row) * parts + s0 + k, mask=s0 + k < parts, other=float("-inf"))
@@ -154,8 +169,7 @@ def sample_stats_kernel(logits_ptr, stride, n, temp_ptr, kth_ptr, part_ptr, HAS_
     chunk = tl.program_id(1)
     rows = tl.num_programs(0)
     parts = tl.num_programs(1)
-    t = tl.load(temp_ptr + row)
-    inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
+    inv_t = _inverse_temperature(temp_ptr, row)
     x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t,
                     _kth(kth_ptr, row, HAS_TOP_K))
     m = tl.max(x, 0)
@@ -185,10 +199,9 @@ def sample_race_kernel(logits_ptr, stride, n, temp_ptr, min_p_ptr, kth_ptr, seed
     best, best_x, where = _race_block(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK, n, seed, 0, inv_t,
                                       _kth(kth_ptr, row, HAS_TOP_K), noise, float("-inf"), lowest, best, best_x,
                                       where, QUARTER)
-    top = tl.max(best, 0)
-    chosen = tl.min(tl.where(best == top, where, n), 0)
+    top, chosen, x_chosen = _race_result(best, best_x, where, n)
     tl.store(part_ptr + (2 * rows + row) * parts + chunk, top)
-    tl.store(part_ptr + (3 * rows + row) * parts + chunk, tl.max(tl.where(where == chosen, best_x, float("-inf")), 0))
+    tl.store(part_ptr + (3 * rows + row) * parts + chunk, x_chosen)
     tl.store(part_ptr + (4 * rows + row) * parts + chunk, chosen.to(tl.float32))
 
 
@@ -200,8 +213,7 @@ def sample_mass_kernel(logits_ptr, stride, n, temp_ptr, kth_ptr, part_ptr, HAS_T
     chunk = tl.program_id(1)
     rows = tl.num_programs(0)
     parts = tl.num_programs(1)
-    t = tl.load(temp_ptr + row)
-    inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
+    inv_t = _inverse_temperature(temp_ptr, row)
     m = _row_max(part_ptr, rows, row, parts, PART_BLOCK)
     chosen, x_chosen = _race_winner(part_ptr, rows, row, parts, PART_BLOCK)
     x = _row_values(logits_ptr + row.to(tl.int64) * stride, chunk * BLOCK + tl.arange(0, BLOCK), n, inv_t,
@@ -251,9 +263,7 @@ def sample_finish_kernel(logits_ptr, stride, n, temp_ptr, top_p_ptr, min_p_ptr, 
                 for start in range(0, n, BLOCK):
                     best, best_x, where = _race_block(base, start, n, seed, rounds * groups, inv_t, kth, noise,
                                                       pivot, lowest, best, best_x, where, QUARTER)
-                top = tl.max(best, 0)
-                chosen = tl.min(tl.where(best == top, where, n), 0)
-                x_chosen = tl.max(tl.where(where == chosen, best_x, float("-inf")), 0)
+                top, chosen, x_chosen = _race_result(best, best_x, where, n)
                 rounds += 1
                 above = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, n, BLOCK):
