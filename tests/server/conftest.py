@@ -17,6 +17,7 @@ import pytest
 from .tiny_model import TinyModel, build_tiny_model
 
 STARTUP_TIMEOUT_S = 180
+PORT_ATTEMPTS = 3  # launches on fresh ports when another process took the one free_port() found
 
 
 def free_port() -> int:
@@ -29,19 +30,24 @@ class ServerProcess:
     """One ``python -m ninefold serve`` child process."""
 
     def __init__(self, model: TinyModel, log_dir: Path, *args: str, wait: bool = True) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
         if "--device" not in args:  # the same timing-insensitive behaviour on every machine; test_cuda.py covers GPUs
             args = ("--device", "cpu", *args)
-        cmd = [sys.executable, "-m", "ninefold", "serve", "--model", str(model.path), "--port", str(self.port),
-               "--served-model-name", "tiny", "--log-level", "warning", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._model, self._log_dir, self._args, self._launches = model, log_dir, args, 0
+        self._launch()
         self.healthy = False
         if wait:
             self.wait_healthy()
+
+    def _launch(self) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = self._log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "ninefold", "serve", "--model", str(self._model.path), "--port", str(self.port),
+               "--served-model-name", "tiny", "--log-level", "warning", *self._args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._launches += 1
 
     def wait_healthy(self) -> None:
         """Block until ``GET /health`` answers 200 (raises with the server's log if it dies or hangs)."""
@@ -50,6 +56,10 @@ class ServerProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "Address already in use" in self.log() and self._launches < PORT_ATTEMPTS:
+                    # free_port() hands its port back before the server binds it; another process took it first
+                    self._launch()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
