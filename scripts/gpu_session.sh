@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline llm-offline engine-features-cuda lora-cuda lora-bench-cuda lora-kernels-ab host-ab sampling-bench sampling-tests sampling-ab host-sampling cutlass-tests cutlass-bench llm-ab-cutlass rows-tests gemv-rows rows-ab tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 attention-gluon dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline llm-offline engine-features-cuda lora-cuda lora-bench-cuda lora-kernels-ab host-ab sampling-bench sampling-tests sampling-ab host-sampling cutlass-tests cutlass-bench llm-ab-cutlass rows-tests gemv-rows rows-ab tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -67,6 +67,7 @@ step_command() {
     dsl-sweep-sdpa-ws) echo 'python3 -m ninefold.bench.dsl --sweep sdpa-ws' ;;
     gemm-ws) echo "python3 -m ninefold.bench.gemm_ws ${GEMM_WS_ARGS:-}" ;;
     attention-exp2) echo "python3 -m ninefold.bench.attention_exp2 ${EXP2_ARGS:-}" ;;
+    attention-gluon) echo "python3 -m ninefold.bench.attention_gluon ${GLUON_ARGS:-}" ;;
     decode-gemm) echo 'python3 -m ninefold.bench.decode_gemm' ;;
     cublaslt) echo 'python3 -m pytest tests/ops/test_cublaslt.py -q -p no:cacheprovider; python3 -m ninefold.bench.decode_gemm --impls vendor,cublaslt --batches 16,64,128,160,176,192,208,224,240,256' ;;
     llm-bench-cublaslt-ab) echo "for i in 1 2; do $PDL_ENV NINEFOLD_OPS=linear=cublaslt python3 -m ninefold.bench.llm | grep -a \"offline 256\|batch-1 decode:\"; $PDL_ENV NINEFOLD_OPS=linear=vendor python3 -m ninefold.bench.llm | grep -a \"offline 256\|batch-1 decode:\"; done" ;;
