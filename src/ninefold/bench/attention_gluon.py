@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ninefold.bench.attention_exp2 import causal_head_float64
 from ninefold.bench.results import write_json
 
 WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
@@ -310,10 +311,7 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     h = (0, min(5, H - 1))  # one head in float64
-    qd, kd, vd = (t[h].double() for t in (q, k, v))
-    sc = qd @ kd.T / D ** 0.5
-    sc = sc.masked_fill(torch.ones(S, S, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
-    ref64 = sc.softmax(-1) @ vd
+    ref64 = causal_head_float64(q, k, v, h)
     flops = 4 * B * H * S * S * D / 2
     t_torch = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     print(f"torch SDPA: {t_torch * 1e3:.1f} us, {flops / t_torch / 1e9:.0f} TFLOP/s; "
