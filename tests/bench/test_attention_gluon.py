@@ -15,7 +15,7 @@ def _ptx(config) -> str:
 
 @pytest.mark.parametrize("pingpong", [True, False])
 def test_partitions_load_through_tma_and_multiply_on_warpgroups(pingpong):
-    ptx = _ptx((128, 2, pingpong, 24, 240, 168))
+    ptx = _ptx((128, 2, pingpong, 24, 240, 168, 1))
     assert ".reqntid 384" in ptx  # the default consumer warpgroup, the producer's and the second consumer's
     # registers handed from the producer to the consumers
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
@@ -31,7 +31,7 @@ def test_partitions_load_through_tma_and_multiply_on_warpgroups(pingpong):
 
 
 def test_pingpong_passes_the_turn_through_mbarriers():
-    arrives = {pp: len(re.findall(r"mbarrier\.arrive", _ptx((128, 2, pp, 24, 240, 168)))) for pp in (True, False)}
+    arrives = {pp: len(re.findall(r"mbarrier\.arrive", _ptx((128, 2, pp, 24, 240, 168, 1)))) for pp in (True, False)}
     assert arrives[True] > arrives[False]
 
 

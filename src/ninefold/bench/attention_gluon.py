@@ -132,19 +132,21 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, bars, start, n_blocks, base, scale
             p, m_new, alpha = _scores(s, m_i, scale_log2, row, j, True, BLOCK_N, s_layout)
         else:
             p, m_new, alpha = _scores(s, m_i, scale_log2, row, j, False, BLOCK_N, s_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        p_next = gl.convert_layout(p.to(gl.bfloat16), p_layout)  # while the product runs
+        # (the probabilities' registers, read by the product in flight, stay live until it completes)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = p_next
 
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(last), count=1)
-    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
     q.store(out.to(gl.bfloat16))  # the query tile's slot is free once its last product has completed
     fence_async_shared()
     _tma_store(o_desc, [base + start + WG * ROWS, 0], q)
@@ -180,11 +182,14 @@ def _consumer1_free(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, bars
 @gluon.jit
 def fa3_causal(q_desc, k_desc, v_desc, o_desc, seq_len, scale_log2,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-               PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+               PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GROUP: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    # Programs run GROUP heads at a time (their keys and values stay in L2), longest query tiles first among them.
     tiles = seq_len // (2 * ROWS)
-    start = (tiles - 1 - gl.program_id(0)) * (2 * ROWS)  # longest rows first
-    base = gl.program_id(1) * seq_len
+    pid = gl.program_id(0)
+    idx = pid % (GROUP * tiles)
+    base = (pid // (GROUP * tiles) * GROUP + idx % GROUP) * seq_len
+    start = (tiles - 1 - idx // GROUP) * (2 * ROWS)
     n_blocks = gl.cdiv(start + 2 * ROWS, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -225,23 +230,31 @@ def _descriptors(q, k, v, o, block_n):
     return desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(o, WG_ROWS)
 
 
-# BLOCK_N, STAGES, PINGPONG, producer registers, consumer registers, maxnreg
-CONFIGS = ((128, 2, True, 24, 240, 168), (128, 2, False, 24, 240, 168), (64, 3, True, 24, 240, 168),
-           (128, 3, True, 24, 240, 168), (64, 4, False, 24, 240, 168))
+# BLOCK_N, STAGES, PINGPONG, producer registers, consumer registers, maxnreg, GROUP (heads sharing the tile order)
+CONFIGS = ((128, 2, True, 24, 240, 168, 1), (128, 2, False, 24, 240, 168, 1), (64, 3, True, 24, 240, 168, 1),
+           (128, 3, True, 24, 240, 168, 1), (64, 4, False, 24, 240, 168, 1), (128, 2, True, 24, 240, 168, 4),
+           (128, 2, True, 24, 240, 168, 8))
 
 
-def run(q, k, v, block_n, stages, pingpong, producer_regs, consumer_regs, maxnreg):
-    """The kernel on ``[B, H, S, D]`` bfloat16 tensors (S a multiple of 128 and of ``block_n``, D 64 or 128)."""
+def launcher(q, k, v, block_n, stages, pingpong, producer_regs, consumer_regs, maxnreg, group):
+    """``(launch, o)``: ``launch()`` runs the kernel on ``[B, H, S, D]`` bfloat16 tensors into ``o`` (S a multiple
+    of 128 and of ``block_n``, D 64 or 128), with the descriptors made once."""
     B, H, S, D = q.shape
     o = torch.empty_like(q)
-    grid = (S // (2 * WG_ROWS), B * H)
-    fa3_causal[grid](*_descriptors(q, k, v, o, block_n), S, D ** -0.5 * math.log2(math.e), BLOCK_N=block_n,
-                     HEAD_DIM=D, STAGES=stages, PINGPONG=pingpong, PRODUCER_REGS=producer_regs,
-                     CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
-    return o
+    if (B * H) % group:
+        raise ValueError(f"group: must divide B * H = {B * H}, got {group}")
+    grid = (S // (2 * WG_ROWS) * B * H, )
+    descriptors = _descriptors(q, k, v, o, block_n)
+    scale_log2 = D ** -0.5 * math.log2(math.e)
+
+    def launch():
+        fa3_causal[grid](*descriptors, S, scale_log2, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, PINGPONG=pingpong,
+                         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, GROUP=group, num_warps=4,
+                         maxnreg=maxnreg)
+    return launch, o
 
 
-def compiled(block_n, stages, pingpong, producer_regs, consumer_regs, maxnreg, head_dim=128):
+def compiled(block_n, stages, pingpong, producer_regs, consumer_regs, maxnreg, group, head_dim=128):
     """The kernel of one configuration compiled for sm_90 with ``triton.compile`` (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -251,7 +264,7 @@ def compiled(block_n, stages, pingpong, producer_regs, consumer_regs, maxnreg, h
     signature = {name: mangle_type(d) for name, d in zip(params, _descriptors(t, t, t, t, block_n))}
     signature.update(seq_len="i32", scale_log2="fp32")
     constexprs = dict(BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, PINGPONG=pingpong,
-                      PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+                      PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, GROUP=group)
     signature.update({name: "constexpr" for name in constexprs})
     source = GluonASTSource(fa3_causal, signature, {(params.index(n),): v for n, v in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
@@ -262,7 +275,7 @@ def compile_only(configs) -> int:
     import traceback
     failures = 0
     for config in configs:
-        label = "BLOCK_N {} stages {} pingpong {} regs {}/{}/{}".format(*config)
+        label = "BLOCK_N {} stages {} pingpong {} regs {}/{}/{} group {}".format(*config)
         t0 = time.time()
         try:
             kernel = compiled(*config)
@@ -298,14 +311,16 @@ def main(argv=None) -> int:
         return 2
     if not args.in_process:
         import subprocess
+        failed = False
         for i in indices:
             command = [sys.executable, "-m", "ninefold.bench.attention_gluon", "--in-process", "--configs", str(i),
                        "--shape", args.shape]
             try:
-                subprocess.run(command, timeout=args.timeout, check=False)
+                failed |= subprocess.run(command, timeout=args.timeout, check=False).returncode != 0
             except subprocess.TimeoutExpired:
+                failed = True
                 print(f"configuration {i} {CONFIGS[i]}: no result within {args.timeout:.0f} s (killed)", flush=True)
-        return 0
+        return 1 if failed else 0
     torch.manual_seed(0)
     B, H, S, D = (int(x) for x in args.shape.split(","))
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -316,14 +331,16 @@ def main(argv=None) -> int:
     t_torch = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     print(f"torch SDPA: {t_torch * 1e3:.1f} us, {flops / t_torch / 1e9:.0f} TFLOP/s; "
           f"its error on head {h}: {(ref[h].double() - ref64).abs().max().item():.4f}", flush=True)
-    rows = []
+    rows, failed = [], False
     for config in configs:
-        label = "BLOCK_N {} stages {} pingpong {} regs {}/{}/{}".format(*config)
+        label = "BLOCK_N {} stages {} pingpong {} regs {}/{}/{} group {}".format(*config)
         t0 = time.time()
         try:
-            out = run(q, k, v, *config)
+            launch, out = launcher(q, k, v, *config)
+            launch()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001  (a configuration that does not compile is reported, not fatal)
+            failed = True
             print(f"{label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
             continue
         err64 = (out[h].double() - ref64).abs().max().item()
@@ -333,15 +350,16 @@ def main(argv=None) -> int:
             first = int((bad > 2 * TOLERANCE).nonzero()[0]) if bool((bad > 2 * TOLERANCE).any()) else -1
             print(f"{label}: WRONG (max error {err64:.4f} against float64, {err:.4f} against torch; first bad row "
                   f"{first}); not timed", flush=True)
+            failed = True
             continue
-        t = triton.testing.do_bench(lambda config=config: run(q, k, v, *config))
+        t = triton.testing.do_bench(launch)
         rows.append({"config": list(config), "us": t * 1e3, "tflops": flops / t / 1e9, "of_torch": t_torch / t,
                      "err_vs_fp64": err64})
         print(f"{label}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s ({t_torch / t:.1%} of torch); "
               f"max err vs fp64 head {err64:.4f}, vs torch {err:.4f}; first call {time.time() - t0:.1f} s", flush=True)
-    write_json(f"attention_gluon_{'_'.join(map(str, indices))}.json", {"device": torch.cuda.get_device_name(), "shape": [B, H, S, D],
-                                        "torch_us": t_torch * 1e3, "rows": rows})
-    return 0
+    write_json(f"attention_gluon_{'_'.join(map(str, indices))}.json",
+               {"device": torch.cuda.get_device_name(), "shape": [B, H, S, D], "torch_us": t_torch * 1e3, "rows": rows})
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
