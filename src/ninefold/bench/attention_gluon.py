@@ -233,7 +233,7 @@ def _descriptors(q, k, v, o, block_n):
 # BLOCK_N, STAGES, PINGPONG, producer registers, consumer registers, maxnreg, GROUP (heads sharing the tile order)
 CONFIGS = ((128, 2, True, 24, 240, 168, 1), (128, 2, False, 24, 240, 168, 1), (64, 3, True, 24, 240, 168, 1),
            (128, 3, True, 24, 240, 168, 1), (64, 4, False, 24, 240, 168, 1), (128, 2, True, 24, 240, 168, 4),
-           (128, 2, True, 24, 240, 168, 8))
+           (128, 2, True, 24, 240, 168, 8), (128, 2, True, 24, 240, 168, 16))
 
 
 def launcher(q, k, v, block_n, stages, pingpong, producer_regs, consumer_regs, maxnreg, group):
