@@ -122,6 +122,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, bars, start, n_blocks, base, scale
             mbarrier.wait(turn.index(WG), (j & 1) ^ WG ^ 1)
         s = warpgroup_mma(q, k_smem.index(s_idx).permute((1, 0)),
                           gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        # the output moves to the previous tile's maximum while the scores are computed (FA3's order)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
@@ -138,11 +140,11 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, bars, start, n_blocks, base, scale
         # (the probabilities' registers, read by the product in flight, stay live until it completes)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = p_next
 
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(last), count=1)
