@@ -29,7 +29,8 @@ PROMPT = [5, 40, 77, 12, 150, 33, 9]
     [("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
      ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("seed", 1.5),
      ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("stop", 5), ("stop", [""]),
-     ("stop_token_ids", [-1]), ("logit_bias", {"a": 1.0}), ("temperature", float("nan"))],
+     ("stop_token_ids", [-1]), ("logit_bias", {"a": 1.0}), ("temperature", float("nan")), ("stop", "\ud800"),
+     ("stop", ["ok", "x\udc00"]), ("bad_words", ["\ud800"])],
 )
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

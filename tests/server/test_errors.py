@@ -142,3 +142,41 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, tiny_model):
     assert events[-1] == "data: [DONE]"
     assert '"completion_tokens":300' in events[-2]
     assert '"finish_reason":"length"' in events[-3]
+
+
+# JSON's "\ud800" escape decodes to a lone UTF-16 surrogate: valid JSON, not valid Unicode (no tokenizer takes it)
+SURROGATE_BODIES = [
+    ("/v1/completions", b'{"model":"tiny","prompt":"\\ud800 lone","max_tokens":2}', "prompt"),
+    ("/v1/completions", b'{"model":"tiny","prompt":"hi","max_tokens":2,"stop":["\\udc00"]}', "stop"),
+    ("/v1/chat/completions", b'{"model":"tiny","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":2}',
+     "messages"),
+    ("/v1/chat/completions", b'{"model":"\\ud800","messages":[{"role":"user","content":"hi"}],"max_tokens":2}',
+     "model"),
+    ("/v1/chat/completions",
+     b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2,"bad_words":["\\ud800"]}',
+     "bad_words"),
+    ("/v1/chat/completions",
+     b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2,"stream":true,'
+     b'"bad_words":["\\ud800"]}', "bad_words"),
+    ("/v1/chat/completions",
+     b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"guided_regex":"\\ud800"}',
+     "guided_regex"),
+    ("/v1/embeddings", b'{"model":"tiny","input":"\\ud800"}', "input"),
+    ("/tokenize", b'{"prompt":"\\ud800"}', "prompt"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES)
+def test_an_unpaired_surrogate_anywhere_is_a_400_naming_its_field(server, path, body, param):
+    response = httpx.post(server.base + path, content=body, headers={"content-type": "application/json"})
+    check_error(response, 400, param=param, text="surrogate")
+
+
+def test_stream_options_without_streaming_is_a_400(client):
+    import openai
+
+    for create in (lambda **kw: client.completions.create(prompt="hi", **kw),
+                   lambda **kw: client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="tiny", max_tokens=2, stream_options={"include_usage": True})
+        assert info.value.body["param"] == "stream_options"

@@ -20,6 +20,15 @@ def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -
 MIN_TEMPERATURE = 0.01
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: a lone UTF-16 surrogate (JSON's ``"\\ud800"``) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request; invalid values raise ValueError naming the field.
@@ -117,6 +126,8 @@ class SamplingParams:
             raise bad("stop", "a string, a list of strings or None")
         if any(s == "" for s in stops):
             raise bad("stop", "non-empty strings")
+        if not all(_is_unicode(s) for s in stops):
+            raise bad("stop", "valid Unicode strings (an unpaired UTF-16 surrogate can never appear in the output)")
         self.stop_strings = stops
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
@@ -149,6 +160,8 @@ class SamplingParams:
             words = self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise bad("bad_words", "a list of strings that are not blank, or None")
+            if not all(_is_unicode(w) for w in words):
+                raise bad("bad_words", "valid Unicode strings (no unpaired UTF-16 surrogate)")
             self.bad_words = list(words)
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
                                                          or self.truncate_prompt_tokens < -1

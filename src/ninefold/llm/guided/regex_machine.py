@@ -242,6 +242,10 @@ class RegexMachine:
             raise ValueError(f"guided_decoding.regex: expected a non-empty pattern string, got {pattern!r}")
         if len(pattern) > MAX_PATTERN:
             raise ValueError(f"guided_decoding.regex: {len(pattern)} characters; at most {MAX_PATTERN}")
+        try:
+            pattern.encode("utf-8")
+        except UnicodeEncodeError as error:  # an unpaired surrogate: no output text can contain it
+            raise ValueError(f"guided_decoding.regex: not encodable as UTF-8 ({error})") from None
         tree = _Parser(pattern).parse()
         self.edges: list[list[tuple[CharSet, int]]] = []  # per position: (characters, next position)
         self.empty: list[list[int]] = []  # per position: positions reached without a character

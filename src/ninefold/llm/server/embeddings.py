@@ -77,7 +77,9 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest | Embedding
     })
 
 
+_ENGINE_FIELDS = {"prompt": "input", "dimensions": "dimensions", "truncate_prompt_tokens": "truncate_prompt_tokens"}
+
+
 def _param_of(message: str) -> str:
-    """The request field an engine error names: its prompts are 'input'."""
-    name = message.split(":")[0]
-    return "input" if name == "prompt" else name
+    """The request field an engine error names (its prompts are 'input'); 'input' when it names none."""
+    return _ENGINE_FIELDS.get(message.split(":")[0], "input")

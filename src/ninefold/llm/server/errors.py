@@ -6,6 +6,7 @@ its 4xx status and JSON body, and nothing (not even an unexpected server fault) 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
@@ -57,7 +58,15 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """This error as a JSON response with its status and headers."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message that quotes the client's text (an unpaired
+    surrogate included, which has no UTF-8 form) still renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -97,7 +106,8 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
 def _looks_like_type_name(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "dict", "list"} or "[" in part or part.startswith(
         "function-"
-    ) or part.endswith("-form")  # a tagged union's member (protocol.EmbeddingBody)
+    ) or part.endswith("-form") or (  # a tagged union's member (protocol.EmbeddingBody)
+        part[:1].isupper() and part.endswith("Request") and part.isidentifier())  # a union of request bodies
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:

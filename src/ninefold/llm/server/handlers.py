@@ -86,6 +86,8 @@ async def _serve(
     arrival = time.perf_counter()
     limits = state.limits
     prompt_param = "prompt" if kind == "cmpl" else "messages"
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     if req.priority and state.engine.engine.config.scheduling_policy != "priority":
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules first come first served "
                             "(start it with --scheduling-policy priority)", param="priority")

@@ -42,6 +42,40 @@ def _number_only(value: Any) -> Any:
 Number = Annotated[float, BeforeValidator(_number_only), Field(allow_inf_nan=False)]
 
 
+def _unpaired_surrogate(value: Any) -> str | None:
+    """The first string in ``value`` (nested lists and objects, keys too) that is not valid Unicode, else None.
+
+    JSON's ``"\\ud800"`` escapes decode to a lone UTF-16 surrogate, which no tokenizer or UTF-8 encoder takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _unpaired_surrogate(key) or _unpaired_surrogate(item)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found = _unpaired_surrogate(item)
+            if found is not None:
+                return found
+    return None
+
+
+class RequestModel(BaseModel):
+    """A request body: every string in it must be valid Unicode (a 400 names the field otherwise)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        bad = _unpaired_surrogate(value)
+        if bad is not None:
+            raise ValueError(f"holds an unpaired UTF-16 surrogate, which is not valid Unicode ({bad[:40]!a})")
+        return value
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with token counts; with it, vLLM's
     ``continuous_usage_stats`` puts the counts so far in every chunk too."""
@@ -62,7 +96,7 @@ class StructuredOutputs(BaseModel):
     grammar: StrictStr | None = Field(None, description="Not supported: a 400 says so.")
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -272,7 +306,7 @@ class ChatCompletionRequest(SamplingFields):
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestModel):
     """``POST /v1/embeddings`` (OpenAI's fields plus vLLM's ``truncate_prompt_tokens`` and ``normalize``)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -288,7 +322,7 @@ class EmbeddingRequest(BaseModel):
     normalize: StrictBool | None = Field(None, description="Unit length (default: the model's).")
 
 
-class EmbeddingChatRequest(BaseModel):
+class EmbeddingChatRequest(RequestModel):
     """``POST /v1/embeddings`` with chat messages instead of ``input`` (vLLM's form): one embedding of the
     conversation rendered through the chat template."""
 
@@ -338,7 +372,7 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(RequestModel):
     """``POST /tokenize`` with a prompt."""
 
     model_config = ConfigDict(extra="ignore")
@@ -348,7 +382,7 @@ class TokenizeCompletionRequest(BaseModel):
     add_special_tokens: StrictBool = True
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(RequestModel):
     """``POST /tokenize`` with chat messages (rendered through the chat template)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -367,7 +401,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     """``POST /detokenize``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -376,7 +410,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestModel):
     """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter in ``lora_path`` as model ``lora_name``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -385,7 +419,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_path: StrictStr = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving adapter ``lora_name``."""
 
     model_config = ConfigDict(extra="forbid")
