@@ -112,3 +112,33 @@ def test_preemption_frees_the_latest_and_abort_frees_at_once():
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
     sched.finish(a, "abort")
     assert bm.pool.num_free == 4 and a.block_table == []
+
+
+def test_block_keys_are_digests_of_the_whole_prefix():
+    from ninefold.llm.kv_cache import block_digest
+
+    first = block_digest(None, (1, 2, 3, 4))
+    assert isinstance(first, bytes) and len(first) == 16 and first == block_digest(None, (1, 2, 3, 4))
+    assert block_digest(first, (5, 6, 7, 8)) != block_digest(block_digest(None, (1, 2, 3, 5)), (5, 6, 7, 8))
+    assert block_digest(("lora", 1, 0), (1, 2, 3, 4)) not in (first, block_digest(("lora", 2, 0), (1, 2, 3, 4)))
+    bm = BlockManager(pool())
+    a = seq(range(10))
+    run_prefill(bm, a)
+    assert a.block_hashes == [first := block_digest(None, (0, 1, 2, 3)), block_digest(first, (4, 5, 6, 7))]
+
+
+def test_cache_hits_count_prompt_tokens_at_the_first_admission_only(llama_dir):
+    """b (5-token prompt, 12 new) is preempted when a needs its third block, then readmitted: its own output's
+    full blocks are prefix hits then, but neither its num_cached_tokens nor the hit rate counts them."""
+    from ninefold.llm.engine import LLMEngine
+
+    engine = LLMEngine(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=5, async_scheduling=False)
+    for rid, prompt, new in (("a", [5, 6, 7, 8], 8), ("b", [9, 10, 11, 12, 13], 12)):
+        engine.add_request(engine.build_request(prompt, SamplingParams(temperature=0, max_tokens=new,
+                                                                       ignore_eos=True), rid))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    assert engine.scheduler.num_preemptions == 1 and len(done["b"].outputs[0].token_ids) == 12
+    assert done["b"].num_cached_tokens == 0
+    assert (engine.blocks.queried_tokens, engine.blocks.hit_tokens) == (9, 0)

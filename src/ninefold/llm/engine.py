@@ -578,7 +578,7 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              finished=request.finished,
-                             num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+                             num_cached_tokens=max(s.num_cached_tokens or 0 for s in request.seqs),
                              prompt_logprobs=_copy(request.seqs[0].prompt_logprobs),
                              lora_request=request.lora_request)
 

@@ -1,7 +1,9 @@
 """``BlockManager``: which KV-cache blocks each sequence holds, with prefix caching.
 
 Blocks come from a ``KVCachePool``. A block whose tokens are all computed is registered under
-a hash chained over every token before it (so equal hashes mean equal prefixes); a later
+a digest chained over every token before it (BLAKE2b: equal digests mean equal prefixes, and no
+client can craft a prompt whose blocks collide with another's, as it could with Python's
+``hash`` of integers, which is not randomised); a later
 sequence with the same prefix reuses it instead of recomputing. The cache keeps one reference
 of its own on each registered block: when no sequence holds it any more (ref-count 1) it stays
 cached and becomes *evictable*, and is evicted least-recently-used first when free blocks run
@@ -10,9 +12,20 @@ out. With ``enable_prefix_caching=False`` nothing is registered.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from ninefold.llm.sequence import Sequence
+
+
+def block_digest(parent: bytes | tuple | None, tokens: tuple[int, ...]) -> bytes:
+    """The 16-byte key of a block of ``tokens`` after the block keyed ``parent`` (None: the first block;
+    a tuple: ``Sequence.cache_root``)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent if isinstance(parent, bytes) else repr(parent).encode())
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -22,8 +35,8 @@ class BlockManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._by_hash: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, its tokens)
-        self._hash_of: dict[int, int] = {}  # block id -> hash
+        self._by_hash: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # digest -> (block id, its tokens)
+        self._hash_of: dict[int, bytes] = {}  # block id -> digest
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -44,7 +57,7 @@ class BlockManager:
 
     # -- admission --------------------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+    def match_prefix(self, seq: Sequence) -> list[tuple[int, bytes]]:
         """``(block id, hash)`` of the cached blocks that start ``seq``.
 
         At least one token is always left to compute, so the last position has logits. A sequence
@@ -64,10 +77,10 @@ class BlockManager:
         parent, bs = root, self.block_size
         for b in range(num_blocks):
             tokens = tuple(token_ids[b * bs : (b + 1) * bs])
-            parent = hash((parent, tokens))
+            parent = block_digest(parent, tokens)
             yield tokens, parent
 
-    def _cached_chain(self, token_ids: list[int], num_blocks: int, root=None) -> list[tuple[int, int]]:
+    def _cached_chain(self, token_ids: list[int], num_blocks: int, root=None) -> list[tuple[int, bytes]]:
         """``(block id, hash)`` of the cached blocks among the first ``num_blocks``, up to the first miss."""
         hits = []
         for tokens, h in self._chain(token_ids, num_blocks, root):
@@ -77,14 +90,16 @@ class BlockManager:
             hits.append((entry[0], h))
         return hits
 
-    def can_admit(self, seq: Sequence, hits: list[tuple[int, int]], num_new_tokens: int) -> bool:
+    def can_admit(self, seq: Sequence, hits: list[tuple[int, bytes]], num_new_tokens: int) -> bool:
         """Whether ``seq`` can start with ``hits`` reused and ``num_new_tokens`` more tokens."""
         reclaimed = sum(1 for block, _ in hits if block in self._evictable)
         needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return needed <= self.num_available - reclaimed
 
-    def admit(self, seq: Sequence, hits: list[tuple[int, int]]) -> None:
-        """Give ``seq`` the cached blocks ``hits``; its computation starts after them."""
+    def admit(self, seq: Sequence, hits: list[tuple[int, bytes]]) -> None:
+        """Give ``seq`` the cached blocks ``hits``; its computation starts after them. The hit rate and
+        ``seq.num_cached_tokens`` count prompt tokens at the first admission only (a sequence readmitted after
+        a preemption finds its own output's blocks too)."""
         blocks = [block for block, _ in hits]
         for block in blocks:
             self._evictable.pop(block, None)
@@ -93,9 +108,10 @@ class BlockManager:
         seq.block_table = blocks
         seq.block_hashes = [h for _, h in hits]
         seq.num_computed_tokens = len(blocks) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens
-        self.queried_tokens += seq.num_tokens
-        self.hit_tokens += seq.num_computed_tokens
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.queried_tokens += seq.num_prompt_tokens
+            self.hit_tokens += seq.num_cached_tokens
 
     # -- growth -----------------------------------------------------------------------------------
 
@@ -119,7 +135,7 @@ class BlockManager:
             b = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
             tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
-            h = hash((parent, tokens))
+            h = block_digest(parent, tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[b]
             if h not in self._by_hash and block not in self._hash_of:

@@ -33,8 +33,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at the first admission
     generator: Any = None  # seeded requests: reseeded for every token (``Sampler.generators``)
     seed: int | None = None
     detokenizer: Any = None
