@@ -129,3 +129,26 @@ def test_without_stop_strings_nothing_is_decoded_until_the_text_is_read(tokenize
     assert counting.decoded == 0
     assert detok.text == TEXTS[0] * 4
     assert counting.decoded <= 3 * len(ids)
+
+
+@pytest.mark.parametrize("stop", [None, ["STOP"]])
+def test_skipped_special_tokens_are_not_held_against_a_character_that_follows(tokenizer, stop):
+    special = tokenizer._tk.token_to_id("<|im_start|>")  # no text with skip_special_tokens
+    ids = [special] * 7 + [tokenizer._tk.token_to_id(c) for c in "Ã©"] + tokenizer.encode("a", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "éa"  # (the two byte-level tokens of "é")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi", add_special_tokens=False), stop=stop)
+    streamed = []
+    for token_id in ids:
+        detok.add([token_id])
+        streamed.append(detok.visible_text(False))
+    assert all("\ufffd" not in text for text in streamed), streamed
+    assert detok.visible_text(True) == "éa"
+
+
+def test_released_invalid_bytes_leave_a_character_that_follows_whole(tokenizer):
+    ids = [tokenizer._tk.token_to_id("Ģ")] * 7 + [tokenizer._tk.token_to_id(c) for c in "Ã©"]  # lone continuations
+    detok = IncrementalDetokenizer(tokenizer, [])
+    for token_id in ids:
+        detok.add([token_id])
+        _ = detok.text  # read after every token, as a stream does
+    assert detok.text == tokenizer.decode(ids) == "\ufffd" * 7 + "é"

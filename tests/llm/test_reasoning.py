@@ -53,3 +53,19 @@ def test_prefix_property_on_random_outputs(name, pieces):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="reasoning_parser: got 'r2'; expected one of deepseek_r1, qwen3"):
         get_reasoning_parser("r2")
+
+
+@pytest.mark.parametrize("name, prompt_tail, expected", [
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "deepseek_r1"),  # the template opened the thinking
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "qwen3"),  # thinking turned off
+    ("qwen3", "<|im_start|>assistant\n", "qwen3"),
+    ("deepseek_r1", "<|Assistant|><think>\n", "deepseek_r1"),
+    (None, "<think>\n", None),
+])
+def test_a_prompt_that_opens_the_thinking_is_read_from_inside_the_reasoning(name, prompt_tail, expected):
+    from ninefold.llm.reasoning import effective_parser
+
+    assert effective_parser(name, prompt_tail) == expected
+    if expected == "deepseek_r1" and name == "qwen3":  # Qwen3 Thinking-2507: the output holds only </think>
+        thought, answer = get_reasoning_parser(expected).split("Let me think.\n</think>\n\nIt is 4.", final=True)
+        assert (thought, answer) == ("Let me think.\n", "It is 4.")

@@ -69,3 +69,49 @@ def test_continue_final_message_leaves_the_last_turn_open(llama_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     chat = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)[0]
     assert chat.prompt_token_ids == tok.encode(opened, add_special_tokens=False)
+
+
+def _template_pair(template: str):
+    from tiny_models import build_tokenizer
+
+    raw = build_tokenizer()
+    ours = Tokenizer(raw, {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
+    theirs = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    theirs.chat_template = template
+    return ours, theirs
+
+
+@pytest.mark.parametrize("content", ["```python\n", "im"])
+def test_continue_final_message_cuts_where_transformers_does(content):
+    """A trailing newline is kept, and a short message that also occurs in the turn's closing text (here "im" in
+    <|im_end|>) is cut at its own end."""
+    from tiny_models import CHAT_TEMPLATE
+
+    ours, theirs = _template_pair(CHAT_TEMPLATE)
+    messages = [{"role": "user", "content": "Say"}, {"role": "assistant", "content": content}]
+    expected = theirs.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                          tokenize=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
+
+
+def test_continue_final_message_continues_the_last_text_part():
+    ours, theirs = _template_pair("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+                                  "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}<|end|>{% endfor %}")
+    parts = [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two"}]
+    messages = [{"role": "user", "content": "Say"}, {"role": "assistant", "content": parts}]
+    opened = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert opened == "Say<|end|>Part one. Part two" == theirs.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages | tojson(separators=(',', ':'), sort_keys=True) }}|{{ '東' | tojson(ensure_ascii=True) }}"
+    "|{{ messages | tojson(indent=2) }}",
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}",
+])
+def test_template_filters_and_tags_render_as_in_transformers(template):
+    ours, theirs = _template_pair(template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == theirs.apply_chat_template(
+        messages, add_generation_prompt=False, tokenize=False)

@@ -118,11 +118,21 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix_text = decode(self._ids[self._prefix : self._read], self.skip_special_tokens)
         new_text = decode(self._ids[self._prefix :], self.skip_special_tokens)
-        complete = len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")
-        if complete or len(self._ids) - self._read >= MAX_HELD_TOKENS:
+        if new_text == prefix_text:  # no text (a skipped special token): nothing to hold it for
             self._prefix, self._read = self._read, len(self._ids)
-            return new_text[len(prefix_text) :]
-        return ""
+            return ""
+        end = len(self._ids)
+        if new_text.endswith("\ufffd"):
+            if end - self._read < MAX_HELD_TOKENS:
+                return ""
+            # Held too long (bytes that are no character): release them, but not the last three ids, which may
+            # still begin one.
+            for end in range(len(self._ids) - 1, len(self._ids) - 4, -1):
+                new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
+                if not new_text.endswith("\ufffd"):
+                    break
+        self._prefix, self._read = self._read, end
+        return new_text[len(prefix_text) :]
 
     def _find_stop(self, before: int) -> str | None:
         best = None

@@ -5,6 +5,8 @@
   the output starts inside the reasoning). An output without ``</think>`` is all reasoning (cut short).
 - ``qwen3`` (Qwen3): an output that starts with ``<think>`` is reasoning up to ``</think>``; any other
   output is all answer (thinking turned off with ``chat_template_kwargs: {"enable_thinking": false}``).
+  Where the chat template itself opens ``<think>`` at the end of the prompt (Qwen3 Thinking-2507), the
+  output starts inside the reasoning and reads as ``deepseek_r1``'s (``effective_parser``).
 
 ``split(text, final=False)`` reads a prefix of an output while it streams and returns only what later text
 cannot change: a partial tag at the end is held back, and each part only grows.
@@ -52,6 +54,14 @@ class Qwen3Parser(ReasoningParser):
 
 
 PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}
+
+
+def effective_parser(name: str | None, prompt_tail: str) -> str | None:
+    """The parser that reads an output of a prompt ending in ``prompt_tail``: a prompt whose template opened
+    ``<think>`` is answered from inside the reasoning, which ``qwen3`` reads as ``deepseek_r1`` does."""
+    if name == Qwen3Parser.name and prompt_tail.rstrip().endswith(START):
+        return DeepSeekR1Parser.name
+    return name
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -178,26 +178,66 @@ class Tokenizer:
             for key, value in self.config.items()
             if key.endswith("_token") and _token_text(value) is not None
         }
-        text = _compiled(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **{**special, **kwargs}
-        )
-        if continue_final_message:
-            text = _open_final_message(text, messages[-1])
+        def render(conversation: list[dict]) -> str:
+            return _compiled(self.chat_template).render(
+                messages=conversation, add_generation_prompt=add_generation_prompt, **{**special, **kwargs}
+            )
+
+        text = _open_final_message(render, messages) if continue_final_message else render(messages)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _open_final_message(text: str, message: dict) -> str:
-    """``text`` cut right after the last occurrence of ``message``'s content (its turn left open)."""
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI content parts: the text parts
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    content = (content or "").strip()
-    if not content:
+_CONTINUE_MARK = "\u2063ninefold-continue-here\u2063"  # (invisible separators around it: text never holds it)
+
+
+def _open_final_message(render, messages: list[dict]) -> str:
+    """The conversation rendered up to the end of the last message's text, its turn left open: the template
+    renders that text with a mark after it and the output is cut at the mark (content parts: the last text
+    part). Where the template trims the text's trailing spaces, the cut text is trimmed too."""
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, list):  # OpenAI content parts: the last text part is continued
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        texts = [i for i, p in enumerate(parts) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        text = parts[texts[-1]]["text"] if texts else ""
+        if texts:
+            parts[texts[-1]]["text"] = text + _CONTINUE_MARK
+        final["content"] = parts
+    else:
+        text = content if isinstance(content, str) else ""
+        final["content"] = text + _CONTINUE_MARK
+    if not text.strip():
         raise ValueError("continue_final_message: the final message has no text to continue")
-    at = text.rfind(content)
+    marked = render([*messages[:-1], final])
+    at = marked.rfind(_CONTINUE_MARK)
     if at < 0:
         raise ValueError("continue_final_message: the chat template does not show the final message's text as given")
-    return text[: at + len(content)]
+    head = marked[:at]
+    if text != text.rstrip() and text not in render(messages):  # the template trims the text's end
+        head = head.rstrip()
+    return head
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """The chat templates' ``tojson`` filter, with transformers' arguments and defaults."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_tag():
+    """The ``{% generation %}...{% endgeneration %}`` block of transformers' chat templates (it marks the
+    assistant's tokens for training masks): rendered as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
 
 
 _TEMPLATES: dict[str, Any] = {}
@@ -212,9 +252,9 @@ def _compiled(template: str):
             raise TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_tag()]
         )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         _TEMPLATES[template] = env.from_string(template)

@@ -12,7 +12,7 @@ import anyio
 from starlette.responses import JSONResponse, Response
 
 from ninefold.llm.guided import GuidedDecodingParams
-from ninefold.llm.reasoning import get_reasoning_parser
+from ninefold.llm.reasoning import effective_parser, get_reasoning_parser
 from ninefold.llm.sampling import prompt_tokens_kept
 from ninefold.llm.server import preprocess, tool_choice
 from ninefold.llm.server.chat_output import ChatDeltas, ChatOutput
@@ -54,20 +54,21 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     lora = state.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    prompts = [preprocess.chat_prompt(req, state.tokenizer)]
+    reasoning = effective_parser(state.reasoning_parser, state.tokenizer.decode(prompts[0].token_ids[-8:], False))
     # with a reasoning parser, a format holds after the thinking
-    guided = preprocess.guided_decoding(req, reasoning=state.reasoning_parser)
-    tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None,
-                             reasoning=state.reasoning_parser)
+    guided = preprocess.guided_decoding(req, reasoning=reasoning)
+    tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None, reasoning=reasoning)
     guided = tools.guided or guided
     if tools.mode == "auto" and req.skip_special_tokens:  # a model's call markers may be special tokens
         req = req.model_copy(update={"skip_special_tokens": False})
-    prompts = [preprocess.chat_prompt(req, state.tokenizer)]
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided, tools, lora)
+    return await _serve(state, req, prompts, "chatcmpl", requested, param, logprobs, receive, guided, tools, lora,
+                        reasoning)
 
 
 async def _serve(
@@ -82,6 +83,7 @@ async def _serve(
     guided: GuidedDecodingParams | None = None,
     tools: tool_choice.ToolPlan | None = None,
     lora=None,
+    reasoning: str | None = None,
 ) -> Response:
     arrival = time.perf_counter()
     limits = state.limits
@@ -118,7 +120,7 @@ async def _serve(
                                       priority=req.priority, lora_request=lora))
     gen = Generation(state.engine, sequences)
     view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0, tools=tools,
-                 model=lora.lora_name if lora is not None else state.served_model_name)
+                 model=lora.lora_name if lora is not None else state.served_model_name, reasoning=reasoning)
     state.admission.acquire(len(sequences))
     state.active.add(gen)
     for prompt in prompts:
@@ -169,7 +171,7 @@ class _View:
 
     def __init__(self, state: ServerState, req: Any, kind: str, request_id: str,
                  prompts: list[preprocess.Prompt], logprobs: int | None, score_only: bool = False,
-                 tools: tool_choice.ToolPlan | None = None, model: str = "") -> None:
+                 tools: tool_choice.ToolPlan | None = None, model: str = "", reasoning: str | None = None) -> None:
         self.state = state
         self.model = model  # the name the response reports: the served model's or the adapter's
         self.chat = kind == "chatcmpl"
@@ -189,7 +191,7 @@ class _View:
         self.sent_tokens: dict[int, int] = {}
         self.token_offsets: dict[int, int] = {}  # completions: text_offset of each choice's next token
         self.stops = req.stop or []
-        reasoning = get_reasoning_parser(state.reasoning_parser) if self.chat and state.reasoning_parser else None
+        reasoning = get_reasoning_parser(reasoning) if self.chat and reasoning else None
         self.output = ChatOutput(tools, reasoning, self.chat and req.include_reasoning) if self.chat else None
         self.readers: dict[int, ChatDeltas] = {}  # chat choices read for reasoning or tool calls
 
