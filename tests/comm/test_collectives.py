@@ -34,7 +34,7 @@ def _check(out: subprocess.CompletedProcess, world: int, expect_cpu_route: str, 
         assert done, f"rank {rank} did not finish:\n{text[-3000:]}"
         roots = 1 if world == 1 else 2  # broadcast and reduce from rank 0 and from the last rank
         per_float, per_int = 5 + 1 + 9 + 2 * roots, 4 + 1 + 9 + 2 * roots  # reductions, view, 3 dims x 3 ops, roots
-        cases = 4 * per_float + per_int + 5 + 6  # ring, objects, split, check_peers, argument_errors; 6 review cases
+        cases = 4 * per_float + per_int + 5 + 9  # ring, objects, split, check_peers, argument_errors; 9 review cases
         assert len(lines) == int(done.group(1)) == cases, (rank, len(lines))
         assert all(kind == "PASS" for kind, _ in lines), [c for k, c in lines if k != "PASS"]
         route = re.search(rf"\[{rank}\] ROUTES .*cpu: (\w+)", text)

@@ -169,3 +169,14 @@ def test_op_names(clean_env):
     assert parse_op("prod") is nc.ReduceOp.PRODUCT and parse_op("MEAN") is nc.ReduceOp.AVG
     with pytest.raises(ValueError, match="op: expected one of 'sum'"):
         parse_op("median")
+
+
+def test_a_file_meeting_that_rank_0_never_joins_ends_after_timeout_s(clean_env, tmp_path):
+    code = ("import time, ninefold.comm as nc\nstart = time.monotonic()\ntry:\n"
+            f"    nc.init(device='cpu', rank=1, world_size=2, init_method='file://{tmp_path}/store', timeout_s=2)\n"
+            "except Exception as e:\n    print('ERROR', type(e).__name__, round(time.monotonic() - start))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    words = out.stdout.split()
+    assert words[:2] == ["ERROR", "CommError"], out.stdout + out.stderr[-2000:]
+    assert int(words[2]) < 30  # (the file store's own default is 300 s)

@@ -92,3 +92,37 @@ def test_a_failed_set_up_leaves_no_file_in_dev_shm():
     assert error1 == "RuntimeError: rank 1 leaves during set-up" and exists1 == []
     assert error0 is not None, "rank 0's set-up should fail when its peer leaves"
     assert exists0 == [False], f"rank 0 left its segment's file behind ({error0})"
+
+
+def setup_stopped_by_sigterm(before):
+    """Rank body: rank 0 starts the set-up and waits there for rank 1, which sends it SIGTERM instead (what a
+    launcher does to the other ranks when one fails)."""
+    import os
+    import signal
+    import time
+
+    import ninefold.comm as nc
+    from ninefold.comm.shm import SharedMemoryAllReduce
+
+    comm = nc.init(device="cpu", timeout_s=60)
+    pids = comm.all_gather_object(os.getpid())
+    if comm.rank == 0:
+        SharedMemoryAllReduce(comm, max_bytes=1 << 12)
+        return "set up"
+    time.sleep(2.0)  # rank 0 has made its segment and waits for this rank to map it
+    os.kill(pids[0], signal.SIGTERM)
+    time.sleep(30)
+
+
+def test_a_rank_stopped_during_set_up_leaves_no_file_in_dev_shm():
+    import os
+
+    from ninefold.comm.spawn import SpawnError
+
+    before = sorted(n for n in os.listdir("/dev/shm") if n.startswith("ninefold-"))
+    with pytest.raises(SpawnError, match="SIGTERM"):
+        spawn(setup_stopped_by_sigterm, 2, args=(before,), timeout_s=90)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("ninefold-") and n not in before]
+    for name in left:  # (not to leave them to the next run)
+        os.unlink(os.path.join("/dev/shm", name))
+    assert left == []

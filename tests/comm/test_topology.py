@@ -75,3 +75,10 @@ def test_describe_rank_on_the_cpu_and_the_table():
 def test_describe_rank_on_a_gpu_names_the_physical_device():
     info = describe_rank(0, torch.device("cuda", 0))
     assert info.device_type == "cuda" and info.device_index == 0 and info.gpu_uuid and info.gpu_name
+
+
+def test_staged_cuda_tensors_take_the_cpu_transport_of_an_mpi_launch():
+    topo = Topology((gpu(0, index=0), gpu(1, index=0)))  # one GPU shared: staged through host memory
+    cpu_route = topo.choose("cpu", {"gloo", "mpi"}, mpi_launched=True)
+    cuda_route = topo.choose("cuda", {"gloo", "mpi"}, mpi_launched=True)
+    assert cuda_route.staged and cuda_route.backend == cpu_route.backend == "mpi"

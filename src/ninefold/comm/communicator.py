@@ -86,6 +86,7 @@ class Communicator:
         first = next(iter(backends.values()))
         self.rank, self.world_size = first.rank, first.world_size
         self.backends, self.topology, self.device, self.routes = backends, topology, device, routes
+        self._max_tag = min(b.max_tag for b in backends.values())  # one bound whichever transport a tensor takes
         self.check_peers = check_peers
         self._owns = owns
         self._closed = False
@@ -200,7 +201,7 @@ class Communicator:
         out = self._check_out(out, shape, tensor)
         self._agree("all_gather", tensor, dim)
         flat = self._stage_in(src.contiguous(), route)
-        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
+        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged and not _overlaps(out, flat)
         blocks = out.view(self.world_size, *src.shape) if direct else torch.empty(
             (self.world_size, *src.shape), dtype=src.dtype, device=flat.device)
         work = self.backends[route.backend].all_gather(blocks, flat, async_op and not route.staged)
@@ -228,7 +229,7 @@ class Communicator:
         out = self._check_out(out, tuple(shape), tensor)
         self._agree("reduce_scatter", tensor, dim, op.value)
         front = self._stage_in(tensor.movedim(dim, 0).contiguous(), route)
-        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
+        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged and not _overlaps(out, front)
         part = out if direct else torch.empty((front.shape[0] // self.world_size, *front.shape[1:]),
                                               dtype=front.dtype, device=front.device)
         work = self.backends[route.backend].reduce_scatter(part, front, op, async_op and not route.staged)
@@ -247,7 +248,7 @@ class Communicator:
         out = self._check_out(out, tuple(tensor.shape), tensor)
         self._agree("all_to_all", tensor, dim)
         front = self._stage_in(tensor.movedim(dim, 0).contiguous(), route)
-        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged
+        direct = out is not None and dim == 0 and out.is_contiguous() and not route.staged and not _overlaps(out, front)
         received = out if direct else torch.empty_like(front)
         work = self.backends[route.backend].all_to_all(received, front, async_op and not route.staged)
         return self._finish(work, lambda: self._deliver(received, out, dim, tensor.device, route, direct), async_op)
@@ -280,7 +281,7 @@ class Communicator:
     def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False):
         """Send ``tensor`` to rank ``dst`` (which calls :meth:`recv` with a tensor of the same shape and dtype)."""
         dst = self._peer(dst, "dst", other_than_self=True)
-        tag = _tag(tag)
+        tag = _tag(tag, self._max_tag)
         route = self._route(tensor, "tensor", None)
         data = self._stage_in(tensor.contiguous(), route)
         work = self.backends[route.backend].send(data, dst, tag, async_op and not route.staged)
@@ -289,7 +290,7 @@ class Communicator:
     def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, async_op: bool = False):
         """Receive into ``tensor`` from rank ``src``; returns ``tensor`` (or a Work with ``async_op``)."""
         src = self._peer(src, "src", other_than_self=True)
-        tag = _tag(tag)
+        tag = _tag(tag, self._max_tag)
         route = self._route(tensor, "tensor", None)
         return self._in_place(tensor, route, lambda b, t, a: b.recv(t, src, tag, a), async_op)
 
@@ -313,7 +314,7 @@ class Communicator:
 
     def send_object(self, obj: Any, dst: int, *, tag: int = 0) -> None:
         """Send ``obj`` (pickled) to rank ``dst``, which calls :meth:`recv_object`."""
-        dst, tag = self._peer(dst, "dst", other_than_self=True), _tag(tag)
+        dst, tag = self._peer(dst, "dst", other_than_self=True), _tag(tag, self._max_tag)
         backend = self._open_cpu_backend()
         data, why = _pickle(obj)
         backend.send(torch.tensor([-1 if why else data.numel()], dtype=torch.int64), dst, tag, False)
@@ -323,7 +324,7 @@ class Communicator:
 
     def recv_object(self, src: int, *, tag: int = 0) -> Any:
         """The object rank ``src`` sent with :meth:`send_object`."""
-        src, tag = self._peer(src, "src", other_than_self=True), _tag(tag)
+        src, tag = self._peer(src, "src", other_than_self=True), _tag(tag, self._max_tag)
         backend = self._open_cpu_backend()
         size = torch.empty(1, dtype=torch.int64)
         backend.recv(size, src, tag, False)
@@ -467,9 +468,17 @@ class _Result:
         return self._value is not None
 
 
-def _tag(tag: Any) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag: expected a non-negative int, got {tag!r}")
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory (a transport must not write where it still reads)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _tag(tag: Any, upper: int) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= upper:
+        raise ValueError(f"tag: expected an int in 0..{upper} (the transports' common bound), got {tag!r}")
     return tag
 
 

@@ -57,12 +57,7 @@ class SharedMemoryAllReduce:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.max_bytes, self.timeout_s, self.peers_gone = max_bytes, timeout_s, peers_gone
         size = self.world_size * _FLAG_BYTES + 2 * self.world_size * max_bytes
-        created = _create(size) if comm.rank == 0 else None
-        try:
-            self._map = self._attach(comm, created, size)
-        finally:  # the name goes once every rank has tried, or the setup failed: the memory stays until unmapped
-            if created and created[1] is not None:
-                os.unlink(created[1])
+        self._map = self._attach(comm, _create(size) if comm.rank == 0 else None, size)
         buf = memoryview(self._map)
         self._flags = np.ndarray((self.world_size, _FLAG_BYTES // 8), dtype=np.int64, buffer=buf)[:, 0]
         self._slots = np.ndarray((2, self.world_size, max_bytes), dtype=np.uint8, buffer=buf,
@@ -71,36 +66,37 @@ class SharedMemoryAllReduce:
 
     @staticmethod
     def _attach(comm, created, size: int) -> mmap.mmap:
-        """Every rank maps the segment rank 0 ``created``; a rank that cannot is a CommError on every rank."""
-        fd, mine, mapped = (created[0] if created else None), None, None
+        """Every rank maps the segment rank 0 ``created``; a rank that cannot is a CommError on every rank.
+        Rank 0 keeps its descriptor (the segment's only name) open until every rank has tried."""
+        fd = created[0] if created else None
         try:
             path, problem = comm.broadcast_object(created[1:] if created else None)
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-        if problem is not None:
-            raise CommError(f"shared-memory all-reduce: {problem}")
-        try:
-            if fd is None:
-                fd = os.open(path, os.O_RDWR)
-            mapped = mmap.mmap(fd, size)
-        except OSError as error:
-            mine = f"rank {comm.rank} cannot map {path}: {error.strerror or error}"
+            if problem is not None:
+                raise CommError(f"shared-memory all-reduce: {problem}")
+            mine = mapped = None
+            try:
+                own = fd if fd is not None else os.open(path, os.O_RDWR)
+                try:
+                    mapped = mmap.mmap(own, size)
+                finally:
+                    if own != fd:
+                        os.close(own)
+            except OSError as error:
+                mine = f"rank {comm.rank} cannot map {path}: {error.strerror or error}"
+            try:
+                problems = [p for p in comm.all_gather_object(mine) if p is not None]  # every rank has tried
+            except BaseException:
+                if mapped is not None:
+                    mapped.close()
+                raise
+            if problems:
+                if mapped is not None:
+                    mapped.close()
+                raise CommError(f"shared-memory all-reduce: {'; '.join(problems)}")
+            return mapped
         finally:
             if fd is not None:
                 os.close(fd)
-        try:
-            problems = [p for p in comm.all_gather_object(mine) if p is not None]  # every rank has tried
-        except BaseException:
-            if mapped is not None:
-                mapped.close()
-            raise
-        if problems:
-            if mapped is not None:
-                mapped.close()
-            raise CommError(f"shared-memory all-reduce: {'; '.join(problems)}")
-        return mapped
 
     def fits(self, tensor: torch.Tensor) -> bool:
         """Whether ``all_reduce`` takes ``tensor``: a CPU float32/float64/float16/bfloat16 tensor of at most
@@ -162,17 +158,21 @@ class SharedMemoryAllReduce:
 
 def _create(size: int) -> tuple[int | None, str | None, str | None]:
     """Rank 0: (descriptor, path, None) of a new segment of ``size`` bytes with its memory reserved now (a
-    tmpfs too small for it is this error, not a SIGBUS at the first large call), or (None, None, why)."""
+    tmpfs too small for it is this error, not a SIGBUS at the first large call), or (None, None, why).
+
+    The file's name goes at once: the other ranks open it through this process's descriptor
+    (``/proc/<pid>/fd/<fd>``), so a rank stopped at any moment (a launcher's SIGTERM) leaves nothing in
+    ``/dev/shm``; the memory is freed when the last rank unmaps it."""
     path = os.path.join(_SHM_DIR, f"ninefold-{uuid.uuid4().hex}")
     fd = None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
         os.posix_fallocate(fd, 0, size)
-        return fd, path, None
+        return fd, f"/proc/{os.getpid()}/fd/{fd}", None
     except OSError as error:
         if fd is not None:
             os.close(fd)
-            os.unlink(path)
         return None, None, f"cannot reserve {size} bytes in {_SHM_DIR}: {error.strerror or error}"
 
 

@@ -92,7 +92,7 @@ class Topology:
                mpi_cuda_aware: bool = False) -> Route | None:
         """The transport for tensors of ``device_type`` given the ``available`` backends, or None if none can carry them."""
         if device_type == "cuda":
-            return self._choose_cuda(available, mpi_cuda_aware)
+            return self._choose_cuda(available, mpi_cuda_aware, mpi_launched)
         if mpi_launched and "mpi" in available:
             return Route("mpi", False, "started by an MPI launcher")
         if "gloo" in available:
@@ -101,7 +101,7 @@ class Topology:
             return Route("mpi", False, "CPU tensors; Gloo unavailable")
         return None
 
-    def _choose_cuda(self, available: set[str], mpi_cuda_aware: bool) -> Route | None:
+    def _choose_cuda(self, available: set[str], mpi_cuda_aware: bool, mpi_launched: bool) -> Route | None:
         shared = self.shared_gpus()
         if "nccl" in available and self.all_cuda and not shared:
             where = "one host" if len(self.hosts) == 1 else f"{len(self.hosts)} hosts"
@@ -110,7 +110,7 @@ class Topology:
             "NCCL unavailable" if "nccl" not in available else "not every rank has a GPU")
         if "mpi" in available and mpi_cuda_aware:
             return Route("mpi", False, f"CUDA-aware MPI ({why})")
-        cpu = self.choose("cpu", available)
+        cpu = self.choose("cpu", available, mpi_launched=mpi_launched)
         if cpu is None:
             return None
         return Route(cpu.backend, True, f"through host memory ({why})")

@@ -215,6 +215,7 @@ def _meeting_store(init: str, rank: int, world: int, deadline: float) -> dist.St
     global _last_meeting
     left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
     store = next(iter(dist.rendezvous(init, rank, world, timeout=left)))[0]
+    store.set_timeout(left)  # (file:// ignores the rendezvous' timeout: its FileStore waits 300 s)
     if rank == 0:
         store.set(_MEETING_KEY, uuid.uuid4().hex)
     meeting = store.get(_MEETING_KEY).decode()

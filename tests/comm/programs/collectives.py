@@ -370,6 +370,42 @@ def main() -> int:
         assert comm.all_reduce(torch.ones(1, device=dev)).item() == float(w)
     run("shared_init", shared_init)
 
+    def into_their_own_input():
+        # an out that is (or holds) the input: the transport must not write where it still reads
+        for _ in range(10):
+            buf = torch.arange(2.0 * w, device=dev) + 10 * r
+            want = torch.tensor([10.0 * k + 2 * r + i for k in range(w) for i in range(2)], device=dev)
+            expect("into_their_own_input", comm.all_to_all(buf, out=buf), want, torch.float32)
+            gathered = torch.zeros(2 * w, device=dev)
+            gathered[2 * r : 2 * r + 2] = r + 1
+            comm.all_gather(gathered[2 * r : 2 * r + 2], out=gathered)
+            expect("into_their_own_input", gathered, torch.arange(1.0, w + 1, device=dev).repeat_interleave(2),
+                   torch.float32)
+            summed = torch.full((2 * w,), r + 1.0, device=dev)
+            comm.reduce_scatter(summed, out=summed[2 * r : 2 * r + 2])
+            expect("into_their_own_input", summed[2 * r : 2 * r + 2], torch.full((2,), w * (w + 1) / 2, device=dev),
+                   torch.float32)
+    run("into_their_own_input", into_their_own_input)
+
+    def average_of_a_parameter():
+        # AVG's division is on the data: a leaf that requires grad is averaged, not refused half-way
+        p = torch.nn.Parameter(torch.full((3,), float(r + 1), device=dev))
+        comm.all_reduce(p, "avg")
+        expect("average_of_a_parameter", p.detach(), torch.full((3,), (w + 1) / 2, device=dev), torch.float32)
+    run("average_of_a_parameter", average_of_a_parameter)
+
+    def tag_out_of_range():
+        # a tag no transport here takes is a ValueError naming tag, before anything is sent
+        for tag in (2**31, -1):
+            try:
+                comm.send(torch.ones(2, device=dev), (r + 1) % w, tag=tag) if w > 1 else comm.recv(
+                    torch.ones(2, device=dev), 0, tag=tag)
+            except ValueError as e:
+                assert str(e).startswith("tag:"), e
+                continue
+            raise AssertionError(f"tag {tag} was taken")
+    run("tag_out_of_range", tag_out_of_range)
+
     comm.barrier()
     print("\n".join(f"[{r}] {line}" for line in results), flush=True)
     print(f"[{r}] ROUTES {comm!r}", flush=True)

@@ -63,6 +63,7 @@ class Backend(abc.ABC):
     name: str
     rank: int
     world_size: int
+    max_tag: int = 2**31 - 1  # the largest message tag the transport takes
 
     @abc.abstractmethod
     def unsupported(self, device_type: str, dtype: torch.dtype, op: ReduceOp | None = None) -> str | None:

@@ -162,6 +162,7 @@ class MpiBackend(Backend):
         self.rank = self._comm.Get_rank()
         self.world_size = self._comm.Get_size()
         self.cuda_aware = _cuda_aware(MPI)
+        self.max_tag = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
 
     def __repr__(self) -> str:
         state = "closed" if self._comm is None else f"rank={self.rank}, world_size={self.world_size}"
@@ -330,9 +331,9 @@ class MpiBackend(Backend):
 
         def finish() -> None:
             if average:
-                result.div_(self.world_size)
+                result.detach().div_(self.world_size)
             if result is not target:
-                target.copy_(result)
+                target.detach().copy_(result)
 
         return finish
 

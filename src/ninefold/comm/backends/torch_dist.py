@@ -99,7 +99,7 @@ class TorchDistBackend(Backend):
     def _reduce_args(self, op: ReduceOp, tensor: torch.Tensor):
         """The torch op, and what to do afterwards (AVG outside NCCL is SUM, then a division)."""
         if op == ReduceOp.AVG and self.name != "nccl":
-            return dist.ReduceOp.SUM, lambda: tensor.div_(self.world_size)
+            return dist.ReduceOp.SUM, lambda: tensor.detach().div_(self.world_size)
         return (dist.ReduceOp.AVG if op == ReduceOp.AVG else _TORCH_OPS[op]), None
 
     def all_reduce(self, tensor, op, async_op):
@@ -123,7 +123,7 @@ class TorchDistBackend(Backend):
 
     def reduce(self, tensor, dst, op, async_op):
         top, after = self._reduce_args(op, tensor)
-        div = (lambda: tensor.div_(self.world_size)) if after is not None and self.rank == dst else None
+        div = (lambda: tensor.detach().div_(self.world_size)) if after is not None and self.rank == dst else None
         return self._run("reduce", lambda a: dist.reduce(tensor, group_dst=dst, op=top, group=self._group,
                                                          async_op=a), async_op, div, (tensor,))
 
