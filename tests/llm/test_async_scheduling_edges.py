@@ -14,6 +14,7 @@ import torch
 
 from ninefold import SamplingParams
 from ninefold.llm.engine import LLMEngine
+from ninefold.llm.kv_cache import block_digest
 from ninefold.llm.sequence import PLACEHOLDER, Status
 
 from .test_parity import prompts_for
@@ -301,7 +302,7 @@ def test_blocks_committed_over_a_placeholder_hold_the_right_tokens_and_kv(llama_
         assert len(tokens) % bs == 0  # the stop token ends a block
         parent = None
         for b in range(len(tokens) // bs):
-            parent = hash((parent, tuple(tokens[b * bs : (b + 1) * bs])))
+            parent = block_digest(parent, tuple(tokens[b * bs : (b + 1) * bs]))
             prefixes[parent] = tokens[: (b + 1) * bs]
     last_blocks = {hash_ for hash_, tokens in prefixes.items() if any(
         tokens == prompt + got[rid][0][0] for rid, (prompt, _) in requests.items())}
