@@ -55,7 +55,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     prompts = [preprocess.chat_prompt(req, state.tokenizer)]
-    reasoning = effective_parser(state.reasoning_parser, state.tokenizer.decode(prompts[0].token_ids[-8:], False))
+    reasoning = state.reasoning_parser
+    if reasoning is not None:  # (the prompt's end is decoded only for a server that splits reasoning)
+        reasoning = effective_parser(reasoning, state.tokenizer.decode(prompts[0].token_ids[-8:], False))
     # with a reasoning parser, a format holds after the thinking
     guided = preprocess.guided_decoding(req, reasoning=reasoning)
     tools = tool_choice.plan(req, state.tool_parser, other_format=guided is not None, reasoning=reasoning)
