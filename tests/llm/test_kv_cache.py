@@ -142,3 +142,29 @@ def test_cache_hits_count_prompt_tokens_at_the_first_admission_only(llama_dir):
     assert engine.scheduler.num_preemptions == 1 and len(done["b"].outputs[0].token_ids) == 12
     assert done["b"].num_cached_tokens == 0
     assert (engine.blocks.queried_tokens, engine.blocks.hit_tokens) == (9, 0)
+
+
+def test_a_waiting_sequence_digests_its_prompt_once_and_sees_changed_tokens(monkeypatch):
+    """A sequence waiting at the head of the queue is matched every step; its blocks' digests are remembered
+    (the second match digests nothing), but a changed token or adapter root still changes the match."""
+    import ninefold.llm.kv_cache as kv_cache
+
+    bm = BlockManager(pool(num_blocks=8))
+    run_prefill(bm, seq(range(12), "a"))
+    calls = []
+    real = kv_cache.block_digest
+    monkeypatch.setattr(kv_cache, "block_digest", lambda *args: calls.append(args) or real(*args))
+    b = seq([*range(12), 50], "b")
+    assert len(bm.match_prefix(b)) == 3 and len(calls) == 3
+    assert len(bm.match_prefix(b)) == 3 and len(calls) == 3  # remembered
+    b.token_ids[5] = 99  # the second block differs now: its digest and the third's are recomputed
+    assert len(bm.match_prefix(b)) == 1 and len(calls) == 4  # (the walk stops at the first miss)
+    b.token_ids[5] = 5
+    assert len(bm.match_prefix(b)) == 3 and len(calls) == 6
+    b.lora = type("LoRARequest", (), {"lora_int_id": 1})()  # another root: nothing of the base model's cache
+    assert bm.match_prefix(b) == [] and len(calls) == 7
+    b.lora = None
+    hits = bm.match_prefix(b)
+    assert hits == bm.match_prefix(seq([*range(12), 50], "c"))
+    bm.admit(b, hits)
+    assert b.prefix_memo is None and b.block_hashes == [h for _, h in hits]

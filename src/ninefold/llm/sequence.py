@@ -35,6 +35,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at the first admission
+    # while waiting: ``(cache_root, [(block's tokens, digest), ...])`` from the last prefix match, so a sequence
+    # that waits many steps digests its prompt once (``BlockManager.match_prefix``)
+    prefix_memo: tuple | None = None
     generator: Any = None  # seeded requests: reseeded for every token (``Sampler.generators``)
     seed: int | None = None
     detokenizer: Any = None
