@@ -67,7 +67,7 @@ def test_long_choices_cost_linear_memory_and_oversized_lists_are_refused():
     assert machine.advance(b"", b"x" * 59_999) is not None and machine.complete(b"x" * 60_000)
     with pytest.raises(ValueError, match="bytes of choices"):
         GuidedDecodingParams(choice=["y" * 70_000])
-    with pytest.raises(ValueError, match="UTF-8"):
+    with pytest.raises(ValueError, match="unpaired UTF-16 surrogate"):
         GuidedDecodingParams(choice=["\ud800"])
 
 

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ninefold.llm.guided import GuidedDecodingParams
+from ninefold.llm.unicode import is_valid_unicode
 
 
 def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
@@ -18,15 +19,6 @@ def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -
 
 # Temperatures above 0 and below this are raised to it: logits divided by less overflow float32.
 MIN_TEMPERATURE = 0.01
-
-
-def _is_unicode(text: str) -> bool:
-    """Whether ``text`` is valid Unicode: a lone UTF-16 surrogate (JSON's ``"\\ud800"``) has no UTF-8 form."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass
@@ -126,7 +118,7 @@ class SamplingParams:
             raise bad("stop", "a string, a list of strings or None")
         if any(s == "" for s in stops):
             raise bad("stop", "non-empty strings")
-        if not all(_is_unicode(s) for s in stops):
+        if not all(is_valid_unicode(s) for s in stops):
             raise bad("stop", "valid Unicode strings (an unpaired UTF-16 surrogate can never appear in the output)")
         self.stop_strings = stops
         if self.stop_token_ids is not None:
@@ -160,7 +152,7 @@ class SamplingParams:
             words = self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise bad("bad_words", "a list of strings that are not blank, or None")
-            if not all(_is_unicode(w) for w in words):
+            if not all(is_valid_unicode(w) for w in words):
                 raise bad("bad_words", "valid Unicode strings (no unpaired UTF-16 surrogate)")
             self.bad_words = list(words)
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)

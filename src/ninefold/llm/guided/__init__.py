@@ -35,6 +35,7 @@ from ninefold.llm.guided.regex_machine import RegexMachine
 from ninefold.llm.guided.schema_machine import SchemaMachine
 from ninefold.llm.reasoning import END, START
 from ninefold.llm.reasoning import PARSERS as REASONING_PARSERS
+from ninefold.llm.unicode import UNPAIRED_SURROGATE, first_invalid_string
 
 __all__ = ["ChoiceMachine", "Guide", "GuidedDecodingParams", "SchemaMachine", "StructuredOutputsParams", "TokenMasks"]
 
@@ -70,10 +71,10 @@ class GuidedDecodingParams:
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise ValueError(f"guided_decoding.choice: got {str(choices)[:200]}; expected 1 to {MAX_CHOICES} "
                                  "non-empty strings")
-            try:
-                size = sum(len(c.encode("utf-8")) for c in choices)
-            except UnicodeEncodeError as error:
-                raise ValueError(f"guided_decoding.choice: not encodable as UTF-8 ({error})") from None
+            bad = first_invalid_string(choices)
+            if bad is not None:
+                raise ValueError(f"guided_decoding.choice: {bad[:40]!a} {UNPAIRED_SURROGATE}")
+            size = sum(len(c.encode("utf-8")) for c in choices)
             if size > MAX_CHOICE_BYTES:
                 raise ValueError(f"guided_decoding.choice: {size} bytes of choices; at most {MAX_CHOICE_BYTES}")
             object.__setattr__(self, "choice", tuple(dict.fromkeys(choices)))

@@ -14,6 +14,7 @@ are ASCII classes (as with ``re.ASCII``). Anything else
 from __future__ import annotations
 
 from ninefold.llm.guided.json_machine import steps
+from ninefold.llm.unicode import UNPAIRED_SURROGATE, is_valid_unicode
 
 MAX_PATTERN = 4096  # characters
 MAX_STATES = 4000  # NFA positions (bounded repetition copies its body)
@@ -242,10 +243,8 @@ class RegexMachine:
             raise ValueError(f"guided_decoding.regex: expected a non-empty pattern string, got {pattern!r}")
         if len(pattern) > MAX_PATTERN:
             raise ValueError(f"guided_decoding.regex: {len(pattern)} characters; at most {MAX_PATTERN}")
-        try:
-            pattern.encode("utf-8")
-        except UnicodeEncodeError as error:  # an unpaired surrogate: no output text can contain it
-            raise ValueError(f"guided_decoding.regex: not encodable as UTF-8 ({error})") from None
+        if not is_valid_unicode(pattern):  # no output text can contain an unpaired surrogate
+            raise ValueError(f"guided_decoding.regex: {UNPAIRED_SURROGATE} ({pattern[:40]!a})")
         tree = _Parser(pattern).parse()
         self.edges: list[list[tuple[CharSet, int]]] = []  # per position: (characters, next position)
         self.empty: list[list[int]] = []  # per position: positions reached without a character

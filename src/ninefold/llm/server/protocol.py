@@ -22,6 +22,8 @@ from pydantic import (
     field_validator,
 )
 
+from ninefold.llm.unicode import UNPAIRED_SURROGATE, first_invalid_string
+
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -42,37 +44,15 @@ def _number_only(value: Any) -> Any:
 Number = Annotated[float, BeforeValidator(_number_only), Field(allow_inf_nan=False)]
 
 
-def _unpaired_surrogate(value: Any) -> str | None:
-    """The first string in ``value`` (nested lists and objects, keys too) that is not valid Unicode, else None.
-
-    JSON's ``"\\ud800"`` escapes decode to a lone UTF-16 surrogate, which no tokenizer or UTF-8 encoder takes."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = _unpaired_surrogate(key) or _unpaired_surrogate(item)
-            if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            found = _unpaired_surrogate(item)
-            if found is not None:
-                return found
-    return None
-
-
 class RequestModel(BaseModel):
     """A request body: every string in it must be valid Unicode (a 400 names the field otherwise)."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        bad = _unpaired_surrogate(value)
+        bad = first_invalid_string(value)
         if bad is not None:
-            raise ValueError(f"holds an unpaired UTF-16 surrogate, which is not valid Unicode ({bad[:40]!a})")
+            raise ValueError(f"{UNPAIRED_SURROGATE} ({bad[:40]!a})")
         return value
 
 
