@@ -114,10 +114,14 @@ def test_rank_without_master_address_is_refused(clean_env, monkeypatch):
         nc.init()
 
 
-def test_rank_outside_the_world_is_refused(clean_env, monkeypatch):
-    for k, v in {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+@pytest.mark.parametrize("rank, world, words", [
+    ("2", "2", "RANK: expected 0..WORLD_SIZE-1 = 0..1, got 2"),
+    ("0", "0", "WORLD_SIZE: expected at least 1, got 0"),
+])
+def test_rank_outside_the_world_is_refused(clean_env, monkeypatch, rank, world, words):
+    for k, v in {"RANK": rank, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(ValueError, match="RANK: expected 0..WORLD_SIZE-1 = 0..1, got 2"):
+    with pytest.raises(ValueError, match=words):
         nc.init()
 
 

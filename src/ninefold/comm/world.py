@@ -174,6 +174,8 @@ def _start_torch_distributed(mpi, timeout_s: float, explicit: tuple[int, int, st
                 raise ValueError(f"{name}: RANK and WORLD_SIZE are set but {name} is not; start the job with "
                                  "`ninefold launch` or torchrun, or set all four")
         rank, world = env_int("RANK"), env_int("WORLD_SIZE")
+        if world < 1:
+            raise ValueError(f"WORLD_SIZE: expected at least 1, got {world}")
         if not 0 <= rank < world:
             raise ValueError(f"RANK: expected 0..WORLD_SIZE-1 = 0..{world - 1}, got {rank}")
         init = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
