@@ -168,3 +168,19 @@ def test_a_waiting_sequence_digests_its_prompt_once_and_sees_changed_tokens(monk
     assert hits == bm.match_prefix(seq([*range(12), 50], "c"))
     bm.admit(b, hits)
     assert b.prefix_memo is None and b.block_hashes == [h for _, h in hits]
+
+
+def test_admission_keeps_the_watermark_free_while_others_run():
+    """8 blocks of 4 tokens, watermark 25% = 2 blocks. a (12 tokens, 3 blocks) runs; b needs 4 blocks, which
+    would leave 1 free: it waits. Alone, b is admitted into the watermark (nothing else needs the headroom)."""
+    p = KVCachePool(1, 1, 4, 4, torch.float32, "cpu", 8, watermark=0.25)
+    sched = Scheduler(BlockManager(p, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = seq(range(12), "a"), seq(range(100, 116), "b")
+    sched.add(a)
+    assert [s.seq.request_id for s in sched.schedule()] == ["a"]
+    a.num_computed_tokens = 12
+    a.token_ids.append(1)
+    sched.add(b)
+    assert [s.seq.request_id for s in sched.schedule()] == ["a"] and sched.waiting[0] is b
+    sched.finish(a, "stop")
+    assert [s.seq.request_id for s in sched.schedule()] == ["b"] and p.num_free == 4

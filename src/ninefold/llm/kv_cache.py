@@ -102,11 +102,13 @@ class BlockManager:
             hits.append((entry[0], h))
         return hits
 
-    def can_admit(self, seq: Sequence, hits: list[tuple[int, bytes]], num_new_tokens: int) -> bool:
-        """Whether ``seq`` can start with ``hits`` reused and ``num_new_tokens`` more tokens."""
+    def can_admit(self, seq: Sequence, hits: list[tuple[int, bytes]], num_new_tokens: int,
+                  keep_free: int = 0) -> bool:
+        """Whether ``seq`` can start with ``hits`` reused and ``num_new_tokens`` more tokens, leaving at least
+        ``keep_free`` blocks to be had (headroom for the running sequences' next tokens)."""
         reclaimed = sum(1 for block, _ in hits if block in self._evictable)
         needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        return needed <= self.num_available - reclaimed
+        return needed + keep_free <= self.num_available - reclaimed
 
     def admit(self, seq: Sequence, hits: list[tuple[int, bytes]]) -> None:
         """Give ``seq`` the cached blocks ``hits``; its computation starts after them. The hit rate and

@@ -3,7 +3,8 @@
 Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
 arrival order: one token each when decoding, the rest of their prompt (up to the budget) when
 their prefill was chunked. Waiting sequences are then admitted first-come-first-served while
-the budget, ``max_num_seqs`` and the KV cache allow; a prompt longer than what is left of the
+the budget, ``max_num_seqs`` and the KV cache allow (while others run, the pool's watermark of
+blocks stays free for their growth); a prompt longer than what is left of the
 budget is prefilled in chunks over several steps, so decode and prefill tokens share a step.
 A sequence with a LoRA adapter is admitted only with a device slot for its adapter; while every slot
 holds another adapter in use, it waits, and only sequences without an adapter may go before it (later
@@ -147,7 +148,9 @@ class Scheduler:
                 break
             hits = self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
-            if not self.blocks.can_admit(seq, hits, n):
+            # The pool's watermark stays free while others run, so they grow without preempting the newcomer.
+            keep_free = self.blocks.pool.watermark_blocks if self.running else 0
+            if not self.blocks.can_admit(seq, hits, n, keep_free):
                 break
             if seq.lora is not None:
                 slot = None if slot_wanted else self.lora_slots.acquire(seq.lora.lora_int_id, seq.lora_adapter)
