@@ -1,5 +1,6 @@
 """BlockManager (prefix caching, LRU eviction) and Scheduler (budget, chunking, FCFS, preemption)."""
 
+import pytest
 import torch
 
 from ninefold.llm.kv_cache import BlockManager
@@ -184,3 +185,63 @@ def test_admission_keeps_the_watermark_free_while_others_run():
     assert [s.seq.request_id for s in sched.schedule()] == ["a"] and sched.waiting[0] is b
     sched.finish(a, "stop")
     assert [s.seq.request_id for s in sched.schedule()] == ["b"] and p.num_free == 4
+
+
+def _greedy(engine, prompt, rid, n=1, new=6):
+    engine.add_request(engine.build_request(prompt, SamplingParams(temperature=0, max_tokens=new, n=n,
+                                                                   ignore_eos=True), rid))
+
+
+def _run(engine):
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    return {rid: [list(c.token_ids) for c in out.outputs] for rid, out in done.items()}
+
+
+def test_siblings_and_same_step_requests_reuse_the_prompt_blocks_being_computed(llama_dir):
+    """n=3 and a second request with the same 12-token prompt, all admitted in one step: only the first sequence
+    computes the two full prompt blocks; the other three read them in the same step (3 x 8 of the 48 prompt
+    tokens are hits) and produce the tokens a lone request gets."""
+    from ninefold.llm.engine import LLMEngine
+
+    prompt = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 10]
+    alone = LLMEngine(str(llama_dir), device="cpu", block_size=4, enable_prefix_caching=False)
+    _greedy(alone, prompt, "x")
+    expected = _run(alone)["x"][0]
+    engine = LLMEngine(str(llama_dir), device="cpu", block_size=4, async_scheduling=False)
+    _greedy(engine, prompt, "a", n=3)
+    _greedy(engine, prompt, "b")
+    engine.step()  # one step prefills all four
+    assert [len(s.output_ids) for r in engine.requests.values() for s in r.seqs] == [1, 1, 1, 1]
+    assert (engine.blocks.queried_tokens, engine.blocks.hit_tokens) == (48, 3 * 8)
+    assert _run(engine) == {"a": [expected] * 3, "b": [expected]}
+
+
+def test_a_step_that_fails_to_launch_takes_back_the_blocks_registered_for_it(llama_dir, monkeypatch):
+    """a computes the shared blocks that b reuses in the same step; the launch fails and a is aborted. b then
+    computes them itself (nothing of a's never-written blocks stays in the cache) and gets the right tokens."""
+    from ninefold.llm.engine import LLMEngine
+
+    prompt = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 10]
+    alone = LLMEngine(str(llama_dir), device="cpu", block_size=4, enable_prefix_caching=False)
+    _greedy(alone, prompt, "x")
+    expected = _run(alone)["x"][0]
+    engine = LLMEngine(str(llama_dir), device="cpu", block_size=4, async_scheduling=False)
+    _greedy(engine, prompt, "a")
+    _greedy(engine, [*prompt, 1], "b")
+    launch = engine.runner.launch
+
+    def fail_once(*args):
+        monkeypatch.setattr(engine.runner, "launch", launch)
+        raise RuntimeError("injected launch failure")
+
+    monkeypatch.setattr(engine.runner, "launch", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    b = engine.requests["b"].seqs[0]
+    assert b.num_computed_tokens == 0 and b.block_hashes == [] and engine.blocks._by_hash == {}
+    engine.abort_request("a")
+    _greedy(engine, prompt, "c")  # admitted after b: b's blocks are real now
+    out = _run(engine)
+    assert out["c"] == [expected] and len(out["b"][0]) == 6

@@ -471,6 +471,7 @@ class LLMEngine:
             step = self.scheduler.schedule()
             launched = self.runner.launch(step, previous) if step else None
         except BaseException:  # nothing was enqueued: leave the sequences as they were, for a retry
+            self.scheduler.unlaunch()
             if previous is not None:
                 for seq in previous.samplers:
                     # A sequence the failed schedule preempted keeps its placeholder: its token is still

@@ -8,6 +8,12 @@ sequence with the same prefix reuses it instead of recomputing. The cache keeps 
 of its own on each registered block: when no sequence holds it any more (ref-count 1) it stays
 cached and becomes *evictable*, and is evicted least-recently-used first when free blocks run
 out. With ``enable_prefix_caching=False`` nothing is registered.
+
+The scheduler registers a block as soon as a step that computes all its tokens is scheduled, before the step
+runs: a sequence admitted later in the same step (a sibling of an ``n > 1`` request, or another request with
+the same system prompt) reuses it, since every layer writes the whole step's keys and values to the cache
+before any row attends. When such a step then fails to launch, ``forget_unlaunched`` takes those blocks out
+of the cache again.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self._unlaunched: list[bytes] = []  # digests registered for the step being scheduled
 
     @property
     def num_available(self) -> int:
@@ -141,12 +148,15 @@ class BlockManager:
         seq.block_table.extend(self.pool.allocate(needed))
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that became full of computed tokens."""
+    def commit(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register the blocks of ``seq`` that are full of computed tokens, or (``upto``, at scheduling) of the
+        first ``upto`` tokens, which the step being scheduled computes."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+        scheduling = upto is not None
+        upto = seq.num_computed_tokens if upto is None else upto
+        while len(seq.block_hashes) < upto // bs:
             b = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
             tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
@@ -157,6 +167,28 @@ class BlockManager:
                 self._by_hash[h] = (block, tokens)
                 self._hash_of[block] = h
                 self.pool.incref([block])
+                if scheduling:
+                    self._unlaunched.append(h)
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the blocks registered for the last one were launched."""
+        self._unlaunched.clear()
+
+    def forget_unlaunched(self) -> set[bytes]:
+        """Unregister the blocks registered for a step that was scheduled but never launched (their keys and
+        values were never computed); returns their digests. The sequences holding them keep them as their own."""
+        forgotten = set()
+        for h in self._unlaunched:
+            entry = self._by_hash.pop(h, None)
+            if entry is None:
+                continue
+            block = entry[0]
+            del self._hash_of[block]
+            self._evictable.pop(block, None)
+            self.pool.free([block])  # the cache's reference
+            forgotten.add(h)
+        self._unlaunched.clear()
+        return forgotten
 
     # -- transfer between engines -------------------------------------------------------------------
 

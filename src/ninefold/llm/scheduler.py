@@ -103,7 +103,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSeq]:
-        """Pick this step's sequences and token counts, allocating their blocks."""
+        """Pick this step's sequences and token counts, allocating their blocks. The prompt blocks that the step
+        fills are registered in the prefix cache at once (see ``kv_cache``); if the step is not launched after
+        all, ``unlaunch`` takes them back."""
+        self.blocks.begin_step()
         budget = self.max_num_batched_tokens
         bs = self.blocks.block_size
         if self._unsorted:
@@ -138,6 +141,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledSeq(seq, n, drafts or None))
+                if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt chunk (decodes register later)
+                    self._register(seq, n)
                 budget -= n
                 i += 1
         skipped = 0  # waiting sequences passed over because every adapter slot is taken by other adapters
@@ -167,8 +172,29 @@ class Scheduler:
             self.running.append(seq)
             self._unsorted = self.by_priority
             scheduled.append(ScheduledSeq(seq, n))
+            self._register(seq, n)
             budget -= n
         return scheduled
+
+    def _register(self, seq: Sequence, n: int) -> None:
+        """Register the blocks that ``seq``'s ``n`` tokens of this step fill (not drafts, nor a token in flight),
+        so that sequences admitted after it in this step reuse them."""
+        known = seq.num_tokens - (seq.pending_row >= 0)
+        self.blocks.commit(seq, min(seq.num_computed_tokens + n, known))
+
+    def unlaunch(self) -> None:
+        """The step just scheduled was never launched: forget the blocks registered for it, and make a sequence
+        that reused one compute it itself (the sequence that was to compute it may not run again)."""
+        forgotten = self.blocks.forget_unlaunched()
+        if not forgotten:
+            return
+        bs = self.blocks.block_size
+        for seq in self.running:
+            for b, h in enumerate(seq.block_hashes):
+                if h in forgotten:
+                    del seq.block_hashes[b:]
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, b * bs)
+                    break
 
     def _room_for_drafts(self, seq: Sequence, n: int, drafts: int, later: int) -> bool:
         """Take the blocks ``drafts`` need beyond ``seq``'s ``n`` tokens, only if as many blocks stay free as the
