@@ -147,8 +147,7 @@ def test_required_tool_choice_calls_one_or_more_tools(client, no_blanks):
             args = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
                         temperature=1.0, seed=seed, parallel_tool_calls=parallel, logit_bias=no_blanks)
             out = client.chat.completions.create(**args).choices[0]
-            if out.finish_reason == "length":
-                assert not out.message.tool_calls and out.message.content  # the cut-off text, as content
+            if out.finish_reason == "length":  # cut off: test_a_required_call_cut_off_by_max_tokens... reads it
                 continue
             finished += 1
             assert out.finish_reason == "tool_calls" and out.message.content is None
@@ -160,6 +159,23 @@ def test_required_tool_choice_calls_one_or_more_tools(client, no_blanks):
             assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments)
                                                      for c in out.message.tool_calls]
     assert finished >= 4
+
+
+def test_a_required_call_cut_off_by_max_tokens_reads_the_same_whole_and_streamed(client, no_blanks):
+    """As OpenAI does, an output cut by max_tokens reports the calls whose names were written, with the arguments
+    as far as they got; the stream sends exactly that, and neither sends the cut JSON as content."""
+    announced = 0
+    for max_tokens in (3, 20, 40, 56):  # (the tiny tokenizer writes the call a few characters a token)
+        args = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=max_tokens,
+                    temperature=0, logit_bias=no_blanks)
+        out = client.chat.completions.create(**args).choices[0]
+        assert out.finish_reason == "length" and out.message.content in (None, "")
+        whole = [(c.function.name, c.function.arguments) for c in out.message.tool_calls or []]
+        assert all(name in SCHEMAS for name, _ in whole)
+        content, calls, reason = _streamed(client, **args)
+        assert (content, [(n, a) for _, n, a in calls], reason) == ("", whole, "length")
+        announced += any(arguments for _, arguments in whole)
+    assert announced >= 2  # calls with part of their arguments
 
 
 def test_tool_choice_none_and_no_tools_answer_with_content(client):

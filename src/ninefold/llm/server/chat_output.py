@@ -59,8 +59,9 @@ class ChatDeltas:
         malformed at the end makes none, even if a call was already streamed)."""
         return self.calls is not None and bool(self.calls.final_calls)
 
-    def update(self, new_text: str, final: bool) -> dict:
-        """The delta's fields for ``new_text`` appended to the choice's text (only non-empty ones)."""
+    def update(self, new_text: str, final: bool, truncated: bool = False) -> dict:
+        """The delta's fields for ``new_text`` appended to the choice's text (only non-empty ones); ``truncated``:
+        the output ended by ``max_tokens`` (tool calls are read as far as they got, as ``ToolPlan.message``)."""
         self.text += new_text
         parser = self.output.reasoning
         thought, answer = parser.split(self.text, final) if parser else ("", self.text)
@@ -70,7 +71,7 @@ class ChatDeltas:
                 delta.update(dict.fromkeys(REASONING_FIELDS, thought[self.thought_sent:]))
             self.thought_sent = len(thought)
         if self.calls is not None:
-            content, calls = self.calls.update(answer, final)
+            content, calls = self.calls.update(answer, final and not truncated)
             if calls:
                 delta["tool_calls"] = calls
         else:

@@ -310,10 +310,11 @@ class _View:
         offset = self.token_offsets.get(seq.index, 0)
         shown = out.text if out is not None and not self.score_only else ""
         text = prefix + deltas.delta(shown, finished)
+        reason = self._reason(seq) if finished else None
         fields = None  # chat read for reasoning or tool calls: the delta's fields
         if self.chat and not self.output.plain:
             reader = self.readers.setdefault(seq.index, self.output.deltas())
-            fields = reader.update(text, finished)
+            fields = reader.update(text, finished, truncated=reason == "length")
         start = self.sent_tokens.get(seq.index, 0)
         end = self._generated(seq) if out is not None else start
         news = text if fields is None else fields
@@ -326,7 +327,6 @@ class _View:
             self.token_offsets[seq.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         if echoed is not None:
             logprobs = joined(echoed, logprobs)
-        reason = self._reason(seq) if finished else None
         if self.chat:
             if fields is None:
                 delta = {"content": text} if text or not finished else {}

@@ -61,9 +61,11 @@ class ToolPlan:
 
         Calls read from the output make ``tool_calls`` (content ``None`` when there is no other text); the
         reason becomes ``tool_calls`` for ``auto``/``required`` outputs that ended normally (a named call keeps
-        ``stop``, as OpenAI reports forced calls).
+        ``stop``, as OpenAI reports forced calls). An output cut by ``max_tokens`` (``length``) is read as a
+        stream reads it so far, as OpenAI does: the calls whose names were written, with the arguments as far as
+        they got (not valid JSON), and the content before them.
         """
-        parsed = self.parser.parse(text, final=True)
+        parsed = self.parser.parse(text, final=finish_reason != "length")
         calls = [call_object(c) for c in parsed.calls if c.name is not None]
         message = {"role": "assistant", "content": parsed.content or (None if calls else ""), "tool_calls": calls}
         return message, self.reason(finish_reason, bool(calls))
