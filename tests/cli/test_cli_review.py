@@ -106,7 +106,8 @@ def test_ops_tune_refuses_a_bad_device():
 @pytest.mark.parametrize(
     "flag, value, accepted",
     [("--port", "70000", "[1, 65535]"), ("--port", "-1", "[1, 65535]"), ("--port", "0", "[1, 65535]"),
-     ("--drain-timeout", "-5", ">= 0"), ("--drain-timeout", "nan", ">= 0")],
+     ("--drain-timeout", "-5", ">= 0"), ("--drain-timeout", "nan", ">= 0"),
+     ("--max-model-len", "abc", "an integer >= 1"), ("--max-queue", "-1", "an integer >= 0")],
 )
 def test_serve_refuses_bad_ports_and_timeouts_before_loading(flag, value, accepted, missing):
     result = ninefold("serve", "--model", missing, flag, value)
@@ -195,6 +196,20 @@ def test_generate_into_a_closed_pipe_ends_quietly(tiny):
     assert len(head) == 10
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
     assert proc.returncode == 128 + signal.SIGPIPE
+
+
+@pytest.mark.parametrize("command, closed, code", [("generate", "stdout", 141), ("chat", "stdout", 141),
+                                                    ("chat", "stdin", 0)])
+def test_a_closed_stdin_or_stdout_ends_quietly(tiny, command, closed, code):
+    """Started with fd 0 or 1 closed (a daemon, `<&-`, `>&-`): a closed stdin reads as empty, a closed stdout
+    ends the command at its first answer as a closed pipe does."""
+    fd = 0 if closed == "stdin" else 1
+    args = ["--model", str(tiny), "--device", "cpu", "--max-tokens", "3"] + (["hi"] if command == "generate" else [])
+    streams = {"input": b"hello\n"} if fd else {"stdout": subprocess.PIPE}
+    proc = subprocess.run([sys.executable, "-m", "ninefold", command, *args], stderr=subprocess.PIPE,
+                          timeout=TIMEOUT, preexec_fn=lambda: os.close(fd), **streams)
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == code and "Traceback" not in err, err
 
 
 def test_ctrl_c_stops_generate_without_a_traceback(tiny):

@@ -67,3 +67,20 @@ def test_chat_session_with_a_lora_adapter(llama_dir, tmp_path):
     out = io.StringIO()
     assert session.ask("Hello", out) == want and out.getvalue() == want + "\n"
     assert want != llm.chat(messages, params)[0].outputs[0].text
+
+
+def test_chat_refuses_a_message_too_long_for_the_context_and_keeps_the_conversation(llama_dir, capsys):
+    """The refusal goes to stderr (stdout holds answers), and the turns before it stay for the next message."""
+    import io
+
+    from ninefold.cli.chat import ChatSession
+
+    llm = LLM(str(llama_dir), device="cpu", num_kv_blocks=64)
+    session = ChatSession(llm.engine, SamplingParams(temperature=0, max_tokens=4), system="be brief")
+    out = io.StringIO()
+    session.ask("first question", out)
+    before = list(session.messages)
+    assert [m["role"] for m in before] == ["system", "user", "assistant"]
+    assert session.ask("hello world " * 600, out) == ""
+    assert session.messages == before and "at most" in capsys.readouterr().err
+    assert out.getvalue().count("\n") == 1  # the first answer only

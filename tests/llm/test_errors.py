@@ -1,6 +1,7 @@
 """Each error case raises an error that names the problem; the engine stays usable."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -89,6 +90,27 @@ def test_engine_argument_errors(llama_dir):
         LLM(str(llama_dir), device="cpu", dtype="int8")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(llama_dir), device="cpu", max_model_len=100_000)
+
+
+@pytest.mark.parametrize("name, value, accepted", [
+    ("enable_prefix_caching", "false", "True or False"), ("enforce_eager", 0, "True or False"),
+    ("seed", "abc", "an integer"), ("seed", True, "an integer"), ("max_model_len", True, "a positive integer or None"),
+    ("num_kv_blocks", False, "a positive integer or None"), ("kv_cache_memory_fraction", "0.5", "a number in (0, 1]"),
+])
+def test_engine_arguments_of_the_wrong_type_are_refused_naming_them(name, value, accepted):
+    """(A string "false" would read as True; True would be a context of one token.)"""
+    from ninefold.llm.config import split_engine_args
+
+    with pytest.raises(ValueError, match=rf"{name}: got {value!r}; expected {re.escape(accepted)}"):
+        split_engine_args({name: value})
+
+
+def test_empty_batches_give_empty_results(llm):
+    """As vLLM: generate([]), generate(prompt_token_ids=[]) and chat([]) return []; an empty conversation or prompt
+    inside a batch is still an error."""
+    assert llm.generate([]) == [] and llm.generate(prompt_token_ids=[]) == [] and llm.chat([]) == []
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]])
 
 
 def test_bad_requests_fail_alone(llm):

@@ -119,5 +119,7 @@ def checked_type(convert, ok, accepted: str):
     return parse
 
 
+positive_int_type = checked_type(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int_type = checked_type(int, lambda v: v >= 0, "an integer >= 0")
 port_type = checked_type(int, lambda v: 1 <= v <= 65535, "a TCP port, an integer in [1, 65535]")
 seconds_type = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0")

@@ -129,13 +129,12 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def ask(self, text: str, out) -> str:
-        """Send one user message; write the answer to `out` as it streams; return it."""
-        self.messages.append({"role": "user", "content": text})
+        """Send one user message; write the answer to `out` as it streams; return it. A message that cannot fit
+        the context is refused on stderr, and the conversation stays as it was."""
         try:
-            ids = self._prompt_ids()
+            ids, self.messages = self._prompt_ids([*self.messages, {"role": "user", "content": text}])
         except ValueError as error:
-            self.messages.pop()
-            print(f"(error: {error})", file=out, flush=True)
+            print(f"(error: {error})", file=sys.stderr, flush=True)
             return ""
         self._turn += 1
         request_id = f"chat-{self._turn}"
@@ -167,18 +166,20 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": answer})
         return answer
 
-    def _prompt_ids(self) -> list[int]:
-        """The conversation rendered and tokenized; the oldest turns are dropped when it does not fit."""
+    def _prompt_ids(self, messages: list[dict]) -> tuple[list[int], list[dict]]:
+        """``messages`` rendered and tokenized, and the messages kept: the oldest turns are dropped (from a copy)
+        when they do not fit; ValueError when the last message alone does not."""
         tokenizer, limit = self.engine.tokenizer, self.engine.max_model_len
         budget = limit - min(self.params.max_tokens or 1, limit // 2)
+        messages = list(messages)
         while True:
-            ids = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if len(ids) <= budget:
-                return ids
-            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            if len(self.messages) - first <= 1:
+                return ids, messages
+            first = 1 if messages and messages[0]["role"] == "system" else 0
+            if len(messages) - first <= 1:
                 raise ValueError(f"message: {len(ids)} tokens with the template; at most {budget} fit the context")
-            del self.messages[first : first + 2]
+            del messages[first : first + 2]
 
 
 def _load(args: argparse.Namespace):

@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ninefold.cli._common import checked_type
+from ninefold.cli._common import positive_int_type
 
-_positive = checked_type(int, lambda v: v >= 1, "an integer >= 1")
+_positive = positive_int_type
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:

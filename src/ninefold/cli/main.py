@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import signal
 import sys
@@ -32,14 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code.
 
     Ctrl-C anywhere (loading a model, generating) ends the command with exit code 130 and one line
-    on stderr, not a traceback; a closed stdout (``ninefold generate ... | head``) ends it quietly
-    with 141, as a program killed by SIGPIPE.
+    on stderr, not a traceback; a closed stdout (``ninefold generate ... | head``, or started with
+    fd 1 closed) ends it quietly with 141, as a program killed by SIGPIPE, at its first write; a closed
+    stdin reads as empty.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    if sys.stdin is None:  # started with fd 0 closed
+        sys.stdin = open(os.devnull)
+    if sys.stdout is None:
+        sys.stdout = _ClosedOutput()
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, not at interpreter exit, where a closed pipe prints a traceback
@@ -50,6 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 128 + signal.SIGPIPE
+
+
+class _ClosedOutput(io.TextIOBase):
+    """stdout when the process started with fd 1 closed: writing to it is writing to a closed pipe."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError("stdout is closed")
 
 
 def _say(line: str) -> None:

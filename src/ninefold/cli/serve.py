@@ -12,7 +12,9 @@ from ninefold.cli._common import (
     add_speculative_argument,
     device_error,
     fail,
+    non_negative_int_type,
     port_type,
+    positive_int_type,
     seconds_type,
 )
 from ninefold.cli.lora_options import add_lora_arguments, lora_engine_args, lora_modules
@@ -30,20 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_from_args)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
-
-
+_positive = positive_int_type
+_non_negative = non_negative_int_type
 _port = port_type
 _seconds = seconds_type
 

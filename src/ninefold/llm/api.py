@@ -98,6 +98,8 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations:
+            return []
         ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                   continue_final_message=continue_final_message, **kwargs)
                for c in conversations]
@@ -134,18 +136,20 @@ class LLM:
 
 
 def _prompt_list(prompts, prompt_token_ids) -> list:
+    """The batch of prompts (an empty list gives an empty batch, as in vLLM)."""
     if prompts is not None and prompt_token_ids is not None:
         raise ValueError("prompts: give either prompts or prompt_token_ids, not both")
     if prompt_token_ids is not None:
-        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
-            raise TypeError("prompt_token_ids: expected a non-empty list of token-id lists")
-        if all(isinstance(t, int) for t in prompt_token_ids):
+        if not isinstance(prompt_token_ids, list):
+            raise TypeError(f"prompt_token_ids: expected a list of token-id lists, got "
+                            f"{type(prompt_token_ids).__name__}")
+        if prompt_token_ids and all(isinstance(t, int) for t in prompt_token_ids):
             return [prompt_token_ids]
         return list(prompt_token_ids)
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, SequenceABC) and prompts and not isinstance(prompts, (bytes, bytearray)):
-        if all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, SequenceABC) and not isinstance(prompts, (bytes, bytearray)):
+        if prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]
         return list(prompts)
     raise TypeError(f"prompts: expected a str, a dict, or a list of str, dicts or token-id lists, "

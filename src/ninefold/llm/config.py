@@ -333,8 +333,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer")
-        if self.enable_lora not in (True, False):
-            raise ValueError(f"enable_lora: got {self.enable_lora!r}; expected True or False")
+        for name in ("enable_lora", "enable_prefix_caching", "enforce_eager"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # (a string such as "false" would read as True)
+                raise ValueError(f"{name}: got {value!r}; expected True or False")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: got {self.seed!r}; expected an integer")
         if self.max_cpu_loras is not None and isinstance(self.max_cpu_loras, int) and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras ({self.max_loras})")
         if self.enable_lora and self.tensor_parallel_size > 1:
@@ -342,12 +346,13 @@ class EngineConfig:
                              f"{self.tensor_parallel_size}")
         for name in ("max_model_len", "num_kv_blocks", "max_cpu_loras"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer or None")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling: got {self.async_scheduling!r}; expected True, False or None (auto)")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction: got {self.kv_cache_memory_fraction!r}; expected (0, 1]")
+        fraction = self.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction: got {fraction!r}; expected a number in (0, 1]")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: got {self.load_format!r}; supported: 'auto', 'dummy'")
         if self.quantization not in QUANTIZATION_MODES:
