@@ -64,7 +64,7 @@ def test_a_cluster_needs_three_ranks_and_a_valid_split():
         with pytest.raises(ValueError, match="comm: disaggregation needs a router and at least one prefill and one "
                                              "decode worker, so 3 or more ranks; got 1"):
             start(comm, "unused")
-        router = Router(comm)
+        router = Router(comm, max_model_len=100)
         router.workers = [1, 2, 3]  # the split is arithmetic on the worker list
         with pytest.raises(ValueError, match=r"num_prefill: expected an int in 1..2 \(one worker at least must "
                                              r"decode\), got 3"):
@@ -73,6 +73,10 @@ def test_a_cluster_needs_three_ranks_and_a_valid_split():
         router.prefill_s_per_token, router.decode_s_per_token = 0.001, 0.01
         assert len(router.plan(10000, 100).prefill) == 2  # 10 s of prefill against 1 s of decode
         assert len(router.plan(100, 10000).prefill) == 1
+        # Each sample may generate max_tokens, or without it up to the context limit (it once counted as 1 token).
+        assert router.max_new_tokens([7] * 30, SamplingParams(max_tokens=None, n=2)) == 140
+        assert router.max_new_tokens([7] * 30, SamplingParams(max_tokens=500)) == 70
+        assert router.max_new_tokens([7] * 30, SamplingParams(max_tokens=8, n=3)) == 24
         with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]: expected a non-empty list of ints"):
             router.generate([[1, 2], []], SamplingParams(max_tokens=1))
         with pytest.raises(TypeError, match="sampling_params: expected a SamplingParams or a list of them, got dict"):
@@ -102,3 +106,19 @@ def test_workers_sharing_a_gpu_load_in_turn_with_their_share_of_memory():
         (3, 0, None), (3, 0, 1 / 3), (3, 1, 2 / 3), (3, 0, 1.0), (3, 2, 1.0)]
     cpus = Topology(tuple(RankInfo(r, "h", r, "cpu", None, None, None) for r in range(3)))
     assert [_loading_order(cpus, r) for r in range(3)] == [(1, 0, None)] * 3
+
+
+def test_a_worker_whose_router_went_away_without_stopping_it_says_so():
+    from ninefold.comm import CommError
+    from ninefold.llm.disagg.cluster import _serve
+
+    class RouterGone:
+        rank = 2
+
+        def recv_object(self, src):
+            raise CommError("recv over gloo failed: Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match=r"disaggregation worker 2: the router \(rank 0\) went away without stopping "
+                                           r"the workers; end its work with Router.shutdown\(\) or a `with router:` "
+                                           "block"):
+        _serve(RouterGone(), None)

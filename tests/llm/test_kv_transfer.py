@@ -145,3 +145,30 @@ def test_an_import_into_a_nearly_full_cache_keeps_the_head_it_builds_on():
     _consistent(blocks)
     blocks.reset_prefix_cache()  # evicts everything: a stale entry raised KeyError here
     assert pool.num_free == 4 and blocks._by_hash == {} and blocks._hash_of == {}
+
+
+def test_held_blocks_survive_imports_that_need_the_room_until_released():
+    """A decode worker holds an imported prefix until the request reusing it is admitted: imports that need the
+    room cannot evict it meanwhile, and once released it is evictable again, after the older cached blocks."""
+    from ninefold.llm.kv_cache import BlockManager
+    from ninefold.runtime.kv_pool import KVCachePool
+
+    pool = KVCachePool(1, 1, 2, 2, torch.float32, "cpu", 4)
+    blocks = BlockManager(pool)
+
+    def data(n, fill):
+        return torch.full((n, *pool.block_shape), float(fill))
+
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    blocks.insert_prefix(x, data(2, 1))
+    held = blocks.hold(x)
+    assert len(held) == 2 and blocks.num_available == 2
+    with pytest.raises(ValueError, match="3 new blocks do not fit; 2 can be had"):
+        blocks.insert_prefix([*y, 9, 10], data(3, 2))
+    assert blocks.insert_prefix(y, data(2, 2)) == 2
+    assert blocks.cached_blocks(x) == held and torch.equal(pool.read_blocks(held), data(2, 1))
+    blocks.release(held)
+    assert blocks.num_available == 4
+    assert blocks.insert_prefix([11, 12], data(1, 3)) == 1  # evicts y's tail, the oldest evictable block
+    assert blocks.cached_blocks(x) == held and len(blocks.cached_blocks(y)) == 1
+    _consistent(blocks)

@@ -240,16 +240,30 @@ class BlockManager:
                 self._evictable[block] = None
         return max(needed, 0)
 
-    # -- release ----------------------------------------------------------------------------------
+    def hold(self, token_ids: list[int]) -> list[int]:
+        """Keep the cached full blocks of ``token_ids`` (up to the first one not cached) from eviction until
+        :meth:`release`, as a sequence holding them would; returns them. An imported prefix is held so until the
+        request that reuses it is admitted."""
+        blocks = self.cached_blocks(token_ids)
+        for block in blocks:
+            self._evictable.pop(block, None)
+        if blocks:
+            self.pool.incref(blocks)
+        return blocks
 
-    def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s blocks (at once); cached ones stay, evictable, tail blocks first in line."""
-        blocks = seq.block_table
+    def release(self, blocks: list[int]) -> None:
+        """Undo :meth:`hold`: blocks that nothing else holds become evictable again, tail blocks first in line."""
         if blocks:
             self.pool.free(blocks)
         for block in reversed(blocks):
             if block in self._hash_of and self.pool.ref_count(block) == 1:
                 self._evictable[block] = None
+
+    # -- release ----------------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks (at once); cached ones stay, evictable, tail blocks first in line."""
+        self.release(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
 
