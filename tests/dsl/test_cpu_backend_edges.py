@@ -446,6 +446,144 @@ def test_interpret_backend_agrees_at_tiny_sizes():
     _close(y, F.max_pool1d(x.double()[:, None], 3, 2, 1, 2, ceil_mode=True)[:, 0])
 
 
+def _store_through_alias(x, y, z):
+    t = x
+    y = t * 2  # noqa: F841
+    z = t + 1  # noqa: F841
+
+
+store_through_alias = nd.make(
+    lambda x, y, z, B=B: (x.tile((B,)), y.tile((B,)), z.tile((B,))), _store_through_alias,
+    (Tensor(1), Tensor(1), Tensor(1)), name="store_through_alias",
+)
+
+
+@pytest.mark.parametrize("overlap", ["same", "shifted"])
+def test_a_loaded_value_survives_a_store_through_an_aliasing_parameter(overlap):
+    buffer = torch.arange(9, dtype=torch.float32)
+    x, y = (buffer[:8], buffer[:8]) if overlap == "same" else (buffer[1:], buffer[:8])
+    x0 = x.clone()
+    z = torch.empty(8)
+    store_through_alias(x, y, z, B=8)  # one program, and its tiles are plain views of the buffer
+    _close(z, x0 + 1)
+    _close(y, x0 * 2)
+
+
+def _float_mod(x, s, y):
+    y = x % 3.0  # noqa: F841
+
+
+def _scalar_floordiv(x, s, y):
+    y = x * 0 + s // 2  # noqa: F841
+
+
+def _scalar_mod(x, s, y):
+    y = x * 0 + s % 2  # noqa: F841
+
+
+def _cdiv_by_4(x, s, y):
+    y = nl.cdiv(x, 4)  # noqa: F841
+
+
+def _with_scalar(x, s, y, B=B):
+    return x.tile((B,)), s, y.tile((B,))
+
+
+# Triton's results (C's fmod and truncating division), as its interpreter gives them.
+C_DIVISION = {
+    "float tile % 3.0": (_float_mod, torch.tensor([-7.5, -1.0, 4.0, 7.25]), [-1.5, -1.0, 1.0, 1.25]),
+    "int scalar // 2": (_scalar_floordiv, torch.zeros(4, dtype=torch.int32), [-1] * 4),
+    "int scalar % 2": (_scalar_mod, torch.zeros(4, dtype=torch.int32), [-1] * 4),
+    "nl.cdiv(int tile, 4)": (_cdiv_by_4, torch.tensor([-5, -9, 5, 9], dtype=torch.int32), [0, -1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(C_DIVISION))
+def test_division_and_remainder_follow_triton(case):
+    application, x, want = C_DIVISION[case]
+    kernel = nd.make(_with_scalar, application, (Tensor(1), Tensor(0), Tensor(1)), name="c_division")
+    y = torch.zeros_like(x)
+    kernel(x, -3, y, B=4)
+    assert y.tolist() == want
+
+
+def _count_up_to_sum(n, y):
+    i = 0
+    v = n
+    while i < nl.sum(v):
+        i += 1
+    y = v * 0 + i  # noqa: F841
+
+
+def _pick_by_sum(n, y):
+    v = n
+    y = v + 1 if nl.sum(v) > 2 else v - 1  # noqa: F841
+
+
+def _pick_by_tile(n, y):
+    v = n
+    y = v + 1 if v > 2 else v - 1  # noqa: F841
+
+
+def _per_element(n, y):
+    return n.tile((1,)), y.tile((1,))
+
+
+PER_PROGRAM_CONTROL = {
+    "while": (_count_up_to_sum, [0, 3, 5, 1]),
+    "if expression": (_pick_by_sum, [-1, 4, 6, 0]),
+}
+
+
+@pytest.mark.parametrize("which", list(PER_PROGRAM_CONTROL))
+def test_while_and_conditional_expression_on_per_program_values(which):
+    application, want = PER_PROGRAM_CONTROL[which]  # the interpret backend gives these
+    kernel = nd.make(_per_element, application, (Tensor(1), Tensor(1)), name="per_program_control")
+    y = torch.full((4,), -9, dtype=torch.int32)
+    kernel(torch.tensor([0, 3, 5, 1], dtype=torch.int32), y)
+    assert y.tolist() == want
+
+
+def test_conditional_expression_on_a_tile_is_refused():
+    kernel = nd.make(_pair_arrangement, _pick_by_tile, (Tensor(1), Tensor(1)), name="pick_by_tile")
+    with pytest.raises(ValueError, match=r"the test of `a if test else b` is a tile of shape \(2,\).*nl\.where"):
+        kernel(torch.arange(4), torch.empty(4, dtype=torch.int64), B=2)
+
+
+def _pad_both_ends(x, y, B=B):
+    return x.pad(((1, 1),)).tile((B,)), y.tile((B,))
+
+
+def _plus_one(x, y):
+    y = x + 1  # noqa: F841
+
+
+@pytest.mark.parametrize("other", [None, 5.0])
+def test_padded_tile_of_an_empty_source_reads_other(other):
+    kernel = nd.make(_pad_both_ends, _plus_one, (Tensor(1, other=other), Tensor(1)), name="pad_empty")
+    y = torch.full((2,), 7.0)
+    kernel(torch.zeros(0), y, B=4)
+    assert y.tolist() == [(other or 0.0) + 1] * 2
+
+
+def _dot_tiles(a, b, c):
+    return a.tile((-1, -1)), b.tile((-1, -1)), c.tile((-1, -1))
+
+
+def _dot_application(a, b, c):
+    c = nl.dot(a, b)  # noqa: F841
+
+
+def test_dot_of_bfloat16_tiles_returns_the_float32_accumulator():
+    dot = nd.make(_dot_tiles, _dot_application, (Tensor(2, dtype=torch.bfloat16), Tensor(2, dtype=torch.bfloat16),
+                                                 Tensor(2, dtype=torch.float32)), name="dot_bf16")
+    a = torch.randn(8, 32, generator=_gen(19)).bfloat16()
+    b = torch.randn(32, 8, generator=_gen(20)).bfloat16()
+    c = torch.empty(8, 8)
+    dot(a, b, c)
+    _close(c, a.double() @ b.double(), 1e-5)  # a bfloat16 result would be off by about 1e-2
+
+
 # ---------------------------------------------------------------- (e) call-time errors
 
 

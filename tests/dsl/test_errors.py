@@ -101,3 +101,91 @@ def test_make_checks_its_arguments():
         nd.make(pair_arrangement, copy_application, (Tensor(1), Tensor(1), Tensor(1)))
     with pytest.raises(TypeError, match=r"must be ninefold.dsl.Tensor, got int for 'x'"):
         nd.make(pair_arrangement, copy_application, (1, Tensor(1)))
+
+
+N = Symbol("N", constexpr=True)
+
+
+def sized_arrangement(x, y, BLOCK=BLOCK):
+    return x.tile((BLOCK,)), y.tile((BLOCK,))
+
+
+sized = nd.make(sized_arrangement, copy_application, (Tensor(shape=(N,)), Tensor(shape=(N,))))
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_symbolic_source_size_must_match_the_tensor(n):
+    base = torch.zeros(16)
+    x, y = torch.arange(6.0), base[:6]
+    with pytest.raises(ValueError, match=rf"argument x has size 6 in dim 0, but its shape declares N there, which is {n} \(N={n}\)"):
+        sized(x, y, N=n, BLOCK=4)
+    assert not base.any(), "the kernel wrote before the check"
+    sized(x, y, N=6, BLOCK=4)
+    assert torch.equal(y, x)
+
+
+TILE = Symbol("TILE", constexpr=True)
+BOUNDED = Symbol("BOUNDED", constexpr=True, lower_bound=2, upper_bound=8)
+
+
+def constexpr_tiles(x, y):
+    return x.tile((TILE,)), y.tile((TILE,))
+
+
+def bounded_tiles(x, y):
+    return x.tile((BOUNDED,)), y.tile((BOUNDED,))
+
+
+constexpr_tiled = nd.make(constexpr_tiles, copy_application, (Tensor(1), Tensor(1)))
+bounded_tiled = nd.make(bounded_tiles, copy_application, (Tensor(1), Tensor(1)))
+
+
+@pytest.mark.parametrize("value", [0, -1, -4])
+def test_constexpr_tile_size_must_be_positive(value):
+    y = torch.full((10,), -7.0)
+    with pytest.raises(ValueError, match=rf"keyword TILE is a size in the arrangement and must be >= 1, got {value}"):
+        constexpr_tiled(torch.arange(10.0), y, TILE=value)
+    assert (y == -7.0).all()
+
+
+@pytest.mark.parametrize("value", [1, 64])
+def test_constexpr_symbol_bounds_are_checked(value):
+    with pytest.raises(ValueError, match=rf"keyword BOUNDED={value} is out of its symbol's bounds; accepted: 2\.\.8"):
+        bounded_tiled(torch.zeros(4), torch.zeros(4), BOUNDED=value)
+    y = torch.zeros(4)
+    bounded_tiled(torch.ones(4), y, BOUNDED=8)
+    assert torch.equal(y, torch.ones(4))
+
+
+@pytest.mark.parametrize("kernel, keyword", [(copy, "BLOCK"), (bounded_tiled, "BOUNDED")])
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_keyword_is_refused(kernel, keyword, value):
+    with pytest.raises(TypeError, match=rf"keyword {keyword} must be an int, got bool {value}"):
+        kernel(torch.zeros(4), torch.zeros(4), **{keyword: value})
+
+
+def any_size_arrangement(x, y, BLOCK=Symbol("BLOCK", meta=True, power_of_two=False)):
+    return x.tile((BLOCK,)), y.tile((BLOCK,))
+
+
+any_size = nd.make(any_size_arrangement, copy_application, (Tensor(1), Tensor(1)))
+
+
+@pytest.mark.parametrize("value", [3, 6])
+def test_meta_block_size_must_be_a_power_of_two(value):
+    with pytest.raises(ValueError, match=rf"keyword BLOCK is a block size and must be a power of two .*got {value}"):
+        copy(torch.zeros(10), torch.zeros(10), BLOCK=value)
+    x, y = torch.arange(10.0), torch.zeros(10)  # a symbol declared power_of_two=False takes any size
+    any_size(x, y, BLOCK=value)
+    assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("name", ["backend", "self"])
+def test_symbol_named_like_a_call_parameter_is_refused_when_the_kernel_is_made(name):
+    symbol = Symbol(name, constexpr=True)
+
+    def arrangement(x, y):
+        return x.tile((symbol,)), y.tile((symbol,))
+
+    with pytest.raises(ValueError, match=rf"a symbol is named '{name}', which the kernel call takes for itself"):
+        nd.make(arrangement, copy_application, (Tensor(1), Tensor(1)))

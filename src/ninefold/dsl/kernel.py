@@ -14,6 +14,8 @@ from ninefold.dsl.symbol import Symbol
 from ninefold.dsl.tensor import Tensor, level_index_vars, resolve
 
 BACKENDS = ("cpu", "triton", "interpret")
+# Names a symbol cannot have: the call's own parameters (``kernel(*args, backend=None, **symbols)``).
+RESERVED_SYMBOL_NAMES = ("self", "backend")
 
 
 @dataclass
@@ -99,9 +101,15 @@ class Kernel:
                 symbol_name = leaf.name or symbol_names.get(leaf)
                 while symbol_name is None or (leaf.name is None and symbol_name in taken):
                     symbol_name, counter = f"BLOCK_SIZE_{counter}", counter + 1
+                if symbol_name in RESERVED_SYMBOL_NAMES:
+                    raise ValueError(
+                        f"kernel {name}: a symbol is named {symbol_name!r}, which the kernel call takes for itself; "
+                        f"rename the symbol (reserved: {', '.join(RESERVED_SYMBOL_NAMES)})"
+                    )
                 taken.add(symbol_name)
                 self.symbol_names[leaf] = symbol_name
                 self.symbols.append(leaf)
+        self._size_symbols = _size_symbols(self.params, exprs)
         self.app = normalize(application, [p.name for p in self.params if not p.is_scalar])
         self._cache: dict = {}
         self._launchers: dict = {}  # call_key(...) -> prebuilt launch (see backends.triton.launcher)
@@ -233,28 +241,62 @@ class Kernel:
             if key not in names:
                 accepted = ", ".join(names) or "none"
                 raise TypeError(f"kernel {self.name}: unexpected keyword argument {key!r} (accepted: {accepted}, backend)")
-            symbol = names[key]
-            if isinstance(value, bool) or not isinstance(value, int):
-                if hasattr(value, "__index__"):
-                    value = int(value)
-                else:
-                    raise TypeError(f"kernel {self.name}: keyword {key} must be an int, got {type(value).__name__}")
-            if symbol.meta and value < 1:
-                raise ValueError(f"kernel {self.name}: keyword {key} is a block size and must be a positive int, got {value}")
-            env[symbol] = value
+            env[names[key]] = self._keyword_value(key, names[key], value)
         missing = [self.symbol_names[s] for s in self.keyword_symbols if s not in env]
         if missing:
             raise TypeError(f"kernel {self.name}: missing keyword argument(s) {', '.join(missing)}")
+        self._check_symbolic_sizes(values, env)
         backend = backend or os.environ.get("NINEFOLD_DSL_BACKEND") or ("cpu" if device.type == "cpu" else "triton")
         if backend not in BACKENDS:
             raise ValueError(f"kernel {self.name}: backend={backend!r} is not one of {BACKENDS}")
         return Bound(self, values, env, device, backend)
+
+    def _keyword_value(self, key, symbol, value) -> int:
+        """The int value of keyword ``key`` for ``symbol``, checked against what the symbol declares."""
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"kernel {self.name}: keyword {key} must be an int, got {type(value).__name__} {value!r}")
+        value = int(value)
+        if symbol.meta:
+            if value < 1:
+                raise ValueError(f"kernel {self.name}: keyword {key} is a block size and must be a positive int, got {value}")
+            if symbol.power_of_two and value & (value - 1):
+                raise ValueError(
+                    f"kernel {self.name}: keyword {key} is a block size and must be a power of two "
+                    f"(1, 2, 4, ...), got {value}; a Symbol made with power_of_two=False takes any positive size"
+                )
+            return value  # a meta symbol's bounds are the tuner's search range, not a limit on the caller
+        lower, upper = symbol.lower_bound, symbol.upper_bound
+        if (lower is not None and value < lower) or (upper is not None and value > upper):
+            accepted = f"{'-inf' if lower is None else lower}..{'inf' if upper is None else upper}"
+            raise ValueError(f"kernel {self.name}: keyword {key}={value} is out of its symbol's bounds; accepted: {accepted}")
+        if symbol in self._size_symbols and value < 1:
+            raise ValueError(f"kernel {self.name}: keyword {key} is a size in the arrangement and must be >= 1, got {value}")
+        return value
+
+    def _check_symbolic_sizes(self, values, env, known_only=True):
+        """Every source size given as a symbolic expression (``Tensor(shape=(N,))``) must equal the
+        argument's size; with ``known_only``, expressions of meta symbols not yet chosen are skipped."""
+        for p in self.params:
+            if p.is_scalar:
+                continue
+            for dim, size in enumerate(p.source._shape):
+                if isinstance(size, (Const, SizeOf)) or (known_only and not size.leaves() <= env.keys()):
+                    continue
+                expected = evaluate(size, env)
+                actual = values[p.name].shape[dim]
+                if expected != actual:
+                    named = ", ".join(f"{self.leaf_name(leaf)}={env[leaf]}" for leaf in sorted(size.leaves(), key=self.leaf_name))
+                    raise ValueError(
+                        f"kernel {self.name}: argument {p.name} has size {actual} in dim {dim}, but its shape "
+                        f"declares {size} there, which is {expected} ({named})"
+                    )
 
     def finish(self, bound: Bound, meta: dict) -> Bound:
         """Fix the meta symbols, check the squeezes and that all outermost shapes agree; sets the grid."""
         env = dict(bound.env)
         for symbol, value in meta.items():
             env.setdefault(symbol, value)
+        self._check_symbolic_sizes(bound.values, env, known_only=False)
         grid, first = None, None
         for p in bound.tensor_params():
             for size, message in self._requires[p.name]:
@@ -292,6 +334,24 @@ def call_key(args, kwargs, backend):
     if kwargs:
         key.append(tuple(kwargs.items()))
     return tuple(key)
+
+
+def _size_symbols(params, exprs) -> frozenset:
+    """The symbols an arrangement uses as a size: a dimension of a level below the outermost (a tile
+    size) or a divisor (a stride); a source size (``Tensor(shape=(N,))``) may be 0."""
+    found = set()
+    for p in params:
+        for level in p.arranged.levels()[1:]:
+            found.update(s for s in level._shape if isinstance(s, Symbol))
+    stack = list(exprs)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, BinOp):
+            if node.op in ("//", "%") and isinstance(node.b, Symbol):
+                found.add(node.b)
+            stack += [node.a, node.b]
+    sources = {s for p in params for size in p.source._shape for s in size.leaves() if isinstance(s, Symbol)}
+    return frozenset(found - sources)
 
 
 def level_shapes(arranged: Tensor, env) -> list[tuple[int, ...]]:

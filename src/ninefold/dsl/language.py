@@ -109,8 +109,6 @@ def dot(input, other, acc=None, out_dtype=float32, **_):
     input, other = _batch_first(input), _batch_first(other)
     if input.dtype == torch.float64 or other.dtype == torch.float64:
         out = torch.matmul(input.to(torch.float64), other.to(torch.float64))
-    elif input.dtype == torch.bfloat16 and other.dtype == torch.bfloat16:
-        out = torch.matmul(input, other).to(out_dtype)
     elif input.is_floating_point():
         out = torch.matmul(input.to(out_dtype), other.to(out_dtype))
     else:
@@ -223,7 +221,9 @@ def trans(x, *dims):
 
 
 def cdiv(x, y):
-    """Ceiling division."""
+    """Ceiling division; on tensors ``(x + y - 1) // y`` with Triton's ``//``, which truncates toward zero."""
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return torch.div(x + y - 1, y, rounding_mode="trunc")
     return (x + y - 1) // y
 
 

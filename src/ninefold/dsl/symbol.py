@@ -15,7 +15,13 @@ class Symbol(Leaf):
     chosen by the tuner unless the caller passes them; other symbols are run-time arguments.
     Every non-meta symbol that appears in an arrangement is a keyword argument of the kernel call.
     A symbol made without a name (``block_size()``) is named when its kernel is made, after the
-    arrangement parameter that defaults to it or else by its order of appearance.
+    arrangement parameter that defaults to it or else by its order of appearance; ``self`` and
+    ``backend`` are taken by the kernel call.
+
+    A value passed at the call must be an int (not a bool); a non-meta symbol's value must lie within
+    ``lower_bound``..``upper_bound`` and be at least 1 where the arrangement uses it as a tile size or
+    a stride. A meta symbol's bounds are only the tuner's range; a value passed for it must be positive
+    and, with ``power_of_two`` (the default for meta symbols), a power of two.
     """
 
     __slots__ = ("name", "constexpr", "meta", "lower_bound", "upper_bound", "power_of_two")

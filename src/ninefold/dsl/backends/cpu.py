@@ -47,7 +47,7 @@ def run(kernel, bound):
     bound = kernel.finish(bound, meta)
     function = _compiled(kernel)
     program = Program(kernel, bound)
-    scalars = [bound.values[p.name] if p.is_scalar else None for p in kernel.params]
+    scalars = [_scalar_argument(p, bound.values[p.name]) if p.is_scalar else None for p in kernel.params]
     previous = language.BATCH.ndim, language.BATCH.shape
     try:
         with torch.no_grad():
@@ -57,6 +57,20 @@ def run(kernel, bound):
                 function(program, *scalars)
     finally:
         language.BATCH.ndim, language.BATCH.shape = previous
+
+
+def _scalar_argument(param, value):
+    """A run-time (not constexpr) number as the 0-dim tensor Triton makes of it (int32, int64 where it
+    does not fit, float32), so that arithmetic on it follows tensor rules (``//`` and ``%`` truncate)."""
+    if param.source.constexpr or isinstance(value, bool):
+        return value
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float32)
+    for dtype in (torch.int32, torch.int64):
+        info = torch.iinfo(dtype)
+        if info.min <= value <= info.max:
+            return torch.tensor(value, dtype=dtype)
+    return value
 
 
 def _chunks(kernel, bound):
@@ -203,6 +217,23 @@ class _BatchSubscripts(ast.NodeTransformer):
         node.test = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "condition", ast.Load()), [node.test], [])
         return node
 
+    def visit_While(self, node):
+        """``while test:`` becomes ``for _nf_while_iteration in _nf.repeat_while(lambda: test):``, which runs
+        until the test fails in every program; the programs whose test has failed keep their variables
+        and stores."""
+        self.generic_visit(node)
+        test = ast.Lambda(_no_arguments(), node.test)
+        repeat = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "repeat_while", ast.Load()), [test], [])
+        body = [_Blend().visit(stmt) for stmt in node.body]
+        return ast.copy_location(ast.For(ast.Name("_nf_while_iteration", ast.Store()), repeat, body, node.orelse), node)
+
+    def visit_IfExp(self, node):
+        """``a if test else b`` becomes ``_nf.if_exp(test, lambda: a, lambda: b)`` (a choice per program)."""
+        self.generic_visit(node)
+        branches = [ast.Lambda(_no_arguments(), branch) for branch in (node.body, node.orelse)]
+        call = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "if_exp", ast.Load()), [node.test, *branches], [])
+        return ast.copy_location(call, node)
+
     def visit_BinOp(self, node):
         self.generic_visit(node)
         method = {ast.FloorDiv: "floordiv", ast.Mod: "mod"}.get(type(node.op))
@@ -237,6 +268,10 @@ class _BatchSubscripts(ast.NodeTransformer):
             call = ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), "subscript", ast.Load()), [node.value, node.slice], [])
             return ast.copy_location(call, node)
         return node
+
+
+def _no_arguments():
+    return ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
 
 
 class _Blend(ast.NodeTransformer):
@@ -351,6 +386,43 @@ class ValueOps:
             return bool(first)
         return bool(value)
 
+    def repeat_while(self, test):
+        """The iterations of ``while test():``: while some program's test holds, with the programs
+        whose test has failed (or that an enclosing loop has left) masked out as in ``loop``."""
+        while True:
+            value = test()
+            if not isinstance(value, torch.Tensor) or value.numel() == 1:
+                running = bool(value)
+                mask = None
+            else:
+                _check_per_program(value, "a `while` test")
+                running_programs = value.to(torch.bool)
+                enclosing = self.active()
+                if enclosing is not None:
+                    running_programs = running_programs & enclosing
+                running = bool(running_programs.any())
+                mask = None if bool(running_programs.all()) else running_programs
+            if not running:
+                return
+            _ACTIVE.append(mask)
+            try:
+                yield
+            finally:
+                _ACTIVE.pop()
+
+    def if_exp(self, test, body, orelse):
+        """``body() if test else orelse()``; a test that differs between programs picks per program
+        (both branches are computed then, as ``nl.where`` does)."""
+        if isinstance(test, torch.Tensor) and test.numel() > 1:
+            _check_per_program(test, "the test of `a if test else b`")
+            if not bool((test == test.reshape(-1)[0]).all()):
+                chosen, other = body(), orelse()
+                if not isinstance(chosen, torch.Tensor) and not isinstance(other, torch.Tensor):
+                    chosen = torch.as_tensor(chosen)
+                return torch.where(test.to(torch.bool), chosen, other)
+            test = test.reshape(-1)[0]
+        return body() if test else orelse()
+
     @staticmethod
     def floordiv(a, b):
         """``a // b``: on integer tensors truncated toward zero, as in Triton (C); Python's otherwise."""
@@ -360,8 +432,9 @@ class ValueOps:
 
     @staticmethod
     def mod(a, b):
-        """``a % b``: on integer tensors with the dividend's sign, as in Triton (C); Python's otherwise."""
-        if _integer_tensor(a) or _integer_tensor(b):
+        """``a % b``: on tensors (integer or float) with the dividend's sign, as in Triton (C's ``fmod``);
+        Python's on plain numbers (Triton's constexprs)."""
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             return torch.fmod(torch.as_tensor(a), b)
         return a % b
 
@@ -396,6 +469,15 @@ class ValueOps:
         return value[index]
 
 
+def _check_per_program(value, what):
+    """``value`` must hold one number per program (no tile dimensions) to steer control flow."""
+    if value.ndim > language.BATCH.ndim:
+        raise ValueError(
+            f"{what} is a tile of shape {tuple(value.shape[: value.ndim - language.BATCH.ndim])}; control flow "
+            "takes one value per program (reduce the tile, or select elementwise with nl.where)"
+        )
+
+
 VALUE_OPS = ValueOps()
 
 
@@ -413,7 +495,12 @@ class Program(ValueOps):
         self.g = len(bound.grid)
         self._plans: dict = {}
         self._windows: dict = {}
-        self._written = written_params(kernel)
+        tensors = {p.name: bound.values[p.name] for p in bound.tensor_params()}
+        # For each parameter, the written parameters (itself included) whose memory may be its memory.
+        self._written_over = {
+            name: {w for w in written_params(kernel) if w == name or _may_overlap(tensor, tensors[w])}
+            for name, tensor in tensors.items()
+        }
         self.set_chunk(0, bound.grid[0] if bound.grid else 1)
 
     def set_chunk(self, start, stop):
@@ -482,9 +569,10 @@ class Program(ValueOps):
                 self._windows[key] = plan.window(source, self.chunk)
             window, lo = self._windows[key]
             tile = plan.view(window, env, self.chunk, lo)
-        # A view of a parameter the application also stores to would change under a value read before
-        # the store (and overlap the store's own target): loads are values, as in Triton.
-        return tile.clone() if name in self._written else tile
+        # A view of memory the application also stores to (through this parameter or another one passed
+        # the same or an overlapping tensor) would change under a value read before the store: loads are
+        # values, as in Triton.
+        return tile.clone() if self._written_over[name] else tile
 
     def store(self, name, index, value):
         plan = self._plan(name, len(index))
@@ -498,7 +586,7 @@ class Program(ValueOps):
             raise ValueError(f"store to {name}: value has {value.ndim - self.g} tile dims, the tile {plan.tile_shape} has {len(plan.tile_shape)}")
         value = value.reshape((1,) * (len(full) - value.ndim) + tuple(value.shape)) if value.ndim < len(full) else value
         value = value.expand(full)
-        self._windows = {key: w for key, w in self._windows.items() if key[0] != name}
+        self._windows = {key: w for key, w in self._windows.items() if name not in self._written_over[key[0]]}
         env = self._env(plan, index, plan.kind == "gather")
         if plan.kind == "view":
             plan.write_view(target, env, self.chunk, value)
@@ -508,6 +596,19 @@ class Program(ValueOps):
             plan.write_back(target, window, lo)
         else:
             plan.scatter(target, env, self.chunk, value)
+
+
+def _may_overlap(a, b) -> bool:
+    """Whether the memory spans of tensors ``a`` and ``b`` intersect."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a_start, a_stop), (b_start, b_stop) = span(a), span(b)
+    return a_start < b_stop and b_start < a_stop
 
 
 def _unflip(offset, sizes, strides):
@@ -685,6 +786,8 @@ class _Plan:
         offsets, mask = self._offsets(tensor, env)
         flat = _flat(tensor)
         other = 0 if self.other is None else self.other
+        if flat.numel() == 0:  # an empty source: every element is masked
+            return torch.full(sizes, other, dtype=tensor.dtype)
         if isinstance(mask, torch.Tensor):
             safe = torch.where(mask, offsets, 0)
             values = flat[safe]
