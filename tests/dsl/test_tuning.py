@@ -102,3 +102,19 @@ def test_tma_candidates_follow_the_pointer_ones_in_both_launch_orders(monkeypatc
     assert [c.get("grouped", True) for c in extra] == [True] * len(tiles) + [False] * len(tiles)
     strip = lambda c: {k: v for k, v in c.items() if k not in ("tma", "grouped", "hoist")}  # noqa: E731
     assert [strip(c) for c in extra] == tiles + tiles
+
+
+def test_kernels_made_with_other_launch_options_or_switches_tune_apart():
+    """Same source, different make(num_warps=...) or code-generation switch: a configuration tuned for one must
+    not be read back for the other."""
+    from ninefold.dsl import examples
+
+    x = torch.empty(1000)
+    plain, pinned = examples.add_kernel(), examples.add_kernel()
+    pinned.num_warps = 4
+    assert tuning.source_hash(plain) == tuning.source_hash(pinned)
+    keys = {tuning.tuning_key(k, k.bind((x, x, x), {}, backend="triton")) for k in (plain, pinned)}
+    hinted = examples.add_kernel()
+    hinted.cache_hints = {"load": "evict_first"}
+    keys.add(tuning.tuning_key(hinted, hinted.bind((x, x, x), {}, backend="triton")))
+    assert len(keys) == 3

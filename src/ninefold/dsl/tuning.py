@@ -47,6 +47,12 @@ def tuning_key(kernel, bound) -> str:
             parts.append(f"{kernel.symbol_names[s]}={bound.env[s]}")
         elif s.meta:  # kernels that differ only in these bounds share the source hash
             parts.append(f"{kernel.symbol_names[s]}:{s.lower_bound}-{s.upper_bound}")
+    # what the caller fixed at make() and the code-generation switches: kernels that differ only in these share
+    # the generic source's hash, and a configuration tuned for one must not serve the other
+    parts.append(f"options=w{kernel.num_warps},s{kernel.num_stages},n{kernel.max_num_configs}")
+    switches = ("persistent", "grouped", "hoist", "tma", "warp_specialize")
+    parts.append("switches=" + "".join(str(int(bool(getattr(kernel, name)))) for name in switches)
+                 + (f",{sorted(kernel.cache_hints.items())}" if kernel.cache_hints else ""))
     device = torch.cuda.get_device_name(bound.device) if bound.device.type == "cuda" else str(bound.device)
     parts.append(f"device={device}")
     parts.append(f"triton={triton.__version__}")
