@@ -154,3 +154,56 @@ def test_a_manifest_may_name_cublaslt_on_a_machine_without_cuda(tmp_path):
     assert manifest["ops"] == {"linear": {"dtypes": ["bfloat16"], "impls": ["cublaslt", "vendor"]}}
     (tmp_path / "typo.toml").write_text('target = "cuda:90"\n[ops.linear]\nimpls = ["cublaslT"]\n')
     assert main(["ops", "build", "--manifest", str(tmp_path / "typo.toml"), "--out", str(tmp_path / "b2")]) != 0
+
+
+COMPOSITES = """
+target = "cpu"
+[ops.rope_and_cache]
+dtypes = ["float32"]
+impls = ["vendor"]
+[ops.add_rms_norm_linear]
+dtypes = ["float32"]
+impls = ["vendor"]
+[ops.silu_and_mul_linear]
+dtypes = ["bfloat16"]
+impls = ["vendor"]
+"""
+
+COMPOSITE_PROBE = """
+import torch, ninefold.ops as ops
+q, k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+ops.rope_and_cache(q, k, v, torch.arange(3), torch.randn(16, 8), kc, vc, torch.arange(3))
+ops.add_rms_norm_linear(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), torch.randn(5, 8))
+ops.silu_and_mul_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(5, 4, dtype=torch.bfloat16))
+print("ran")
+"""
+
+
+def test_a_kept_composite_brings_the_operators_its_implementation_calls(tmp_path):
+    """The vendor rope_and_cache, add_rms_norm_linear and silu_and_mul_linear call other operators through
+    dispatch: a build keeping them keeps those, for their dtypes, with the vendor implementation only."""
+    (tmp_path / "ops.toml").write_text(COMPOSITES)
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    kept = json.loads((tmp_path / "b" / "manifest.json").read_text())["ops"]
+    assert kept == {"rope_and_cache": {"dtypes": ["float32"], "impls": ["vendor"]},
+                    "add_rms_norm_linear": {"dtypes": ["float32"], "impls": ["vendor"]},
+                    "silu_and_mul_linear": {"dtypes": ["bfloat16"], "impls": ["vendor"]},
+                    "rope": {"dtypes": ["float32"], "impls": ["vendor"]},
+                    "reshape_and_cache": {"dtypes": ["float32"], "impls": ["vendor"]},
+                    "add_rms_norm": {"dtypes": ["float32"], "impls": ["vendor"]},
+                    "linear": {"dtypes": ["float32", "bfloat16"], "impls": ["vendor"]},
+                    "silu_and_mul": {"dtypes": ["bfloat16"], "impls": ["vendor"]}}
+    assert _probe(tmp_path / "b", COMPOSITE_PROBE) == ["ran"]
+
+
+def test_a_listed_operator_a_composite_calls_must_cover_its_dtypes(tmp_path):
+    path = tmp_path / "ops.toml"
+    path.write_text('[ops.rope_and_cache]\ndtypes = ["float32", "bfloat16"]\nimpls = ["vendor"]\n'
+                    '[ops.rope]\ndtypes = ["bfloat16"]\nimpls = ["vendor"]\n')
+    with pytest.raises(ValueError, match=r"rope_and_cache's 'vendor' implementation calls rope, and \[ops.rope\] "
+                                         r"leaves out rope_and_cache's dtypes float32; add them to \[ops.rope\] dtypes"):
+        build.read_manifest(path)
+    path.write_text('[ops.rope_and_cache]\ndtypes = ["float32"]\nimpls = ["vendor"]\n'
+                    '[ops.rope]\ndtypes = ["float32", "bfloat16"]\nimpls = ["vendor"]\n')
+    assert build.read_manifest(path)["ops"]["rope"] == {"dtypes": ["float32", "bfloat16"], "impls": ["vendor"]}

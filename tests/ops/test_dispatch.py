@@ -189,6 +189,61 @@ def test_cached_signatures_still_reject_bad_scalars_and_see_new_layouts(probe):
     torch.testing.assert_close(ops.rms_norm(strided, w), ops.run("rms_norm", "vendor", strided, w))
 
 
+def _value_checked_calls() -> dict:
+    """Per case: a call, then one with the same signature (shapes, dtypes, devices, layouts) but values the
+    operator checks on CPUs, and the error that names them."""
+    logits, ones, half = torch.randn(2, 10), torch.ones(2), torch.full((2,), 0.5)
+    kc, vc, q = torch.randn(8, 4, 1, 16), torch.randn(8, 4, 1, 16), torch.randn(1, 2, 16)
+
+    def decode(block_ids, length):
+        return lambda: ops.attention_decode(q, kc, vc, torch.tensor([block_ids], dtype=torch.int32),
+                                            torch.tensor([length], dtype=torch.int32))
+
+    qp, kp, vp = torch.randn(4, 2, 16), torch.randn(4, 1, 16), torch.randn(4, 1, 16)
+
+    def prefill(cu_q):
+        cu_k = torch.tensor([0, 4], dtype=torch.int32)
+        return lambda: ops.attention_prefill(qp, kp, vp, torch.tensor(cu_q, dtype=torch.int32), cu_k)
+
+    qr, kr, cache = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.randn(4, 8)
+    kv_cache, slots = torch.zeros(2, 4, 1, 8), torch.arange(2)
+
+    def rope_and_cache(positions):
+        return lambda: ops.rope_and_cache(qr, kr, kr.clone(), torch.tensor(positions), cache, kv_cache,
+                                          kv_cache.clone(), slots)
+
+    return {
+        "sample temperature": (lambda: ops.sample(logits, ones, top_p=half),
+                               lambda: ops.sample(logits, torch.tensor([-1.0, 1.0]), top_p=half),
+                               r"sample: temperature\[0\] is -1.0"),
+        "sample top_p": (lambda: ops.sample(logits, ones, top_p=half),
+                         lambda: ops.sample(logits, ones, top_p=torch.tensor([0.5, 7.0])),
+                         r"sample: top_p\[1\] is 7.0"),
+        "sample min_p": (lambda: ops.sample(logits, ones, min_p=half),
+                         lambda: ops.sample(logits, ones, min_p=torch.tensor([-0.5, 0.5])), r"sample: min_p\[0\]"),
+        "decode context_lens": (decode([0, 1], 5), decode([0, 1], 0), "context_lens must lie in 1..8"),
+        "decode past the tables": (decode([0, 1], 5), decode([0, 1], 100), "context_lens must lie in 1..8"),
+        "decode block ids": (decode([0, 1], 5), decode([0, 99], 6), r"block ids in \[0, 8\)"),
+        "prefill cu_seqlens_q": (prefill([0, 4]), prefill([0, 2]), "cu_seqlens_q must run from 0 to q's 4 tokens"),
+        "rope positions": (lambda: ops.rope(qr, kr, torch.tensor([0, 1]), cache),
+                           lambda: ops.rope(qr, kr, torch.tensor([-1, 1]), cache),
+                           r"rope: positions must lie in \[0, 4\)"),
+        "rope_and_cache positions": (rope_and_cache([0, 1]), rope_and_cache([0, 4]),
+                                     r"rope_and_cache: positions must lie in \[0, 4\)"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_value_checked_calls()))
+def test_cpu_value_checks_run_on_every_call_not_once_per_signature(case):
+    """The signature cache skips the checks of shapes and types, never those of the values in CPU tensors
+    (lengths, offsets, block ids, positions, sampling parameters): they change from call to call."""
+    accepted, refused, message = _value_checked_calls()[case]
+    accepted()
+    accepted()  # (the signature is cached now)
+    with pytest.raises(ops.OpError, match=message):
+        refused()
+
+
 def test_implementation_returns_the_chosen_function_for_direct_calls(probe):
     fn = ops.implementation("rms_norm", x, w)
     torch.testing.assert_close(fn(x, w, 1e-6), ops.rms_norm(x, w))

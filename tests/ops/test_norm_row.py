@@ -31,3 +31,17 @@ def test_offered_for_one_row_on_cpu_only():
     assert ops.choose("rms_norm", torch.randn(1, 64), w, 1e-6) == "vendor"  # below vendor by default
     (impl,) = [i for i in ops.registry.all_implementations("rms_norm") if i.name == "cpu_row"]
     assert impl.reason((torch.randn(3, 64), w, 1e-6)) == "more than one row (3)"
+
+
+@pytest.mark.parametrize("shape,reason", [((5, 0), "more than one row (5)"), ((0, 8), "no row"),
+                                          ((1, 0), "an empty row (last dimension 0)"),
+                                          ((0,), "an empty row (last dimension 0)")])
+def test_declines_what_is_not_one_row_with_values(shape, reason):
+    # a [5, 0] x was taken for one row (numel == last dimension) and divided by its length, 0
+    x, w = torch.randn(shape), torch.ones(shape[-1])
+    (impl,) = [i for i in ops.registry.all_implementations("rms_norm") if i.name == "cpu_row"]
+    assert impl.reason((x, w, 1e-6)) == reason
+    with pytest.warns(UserWarning, match=r"pinned implementation 'cpu_row' cannot run these inputs"):
+        with ops.use(rms_norm="cpu_row", add_rms_norm="cpu_row"):
+            assert ops.rms_norm(x, w, 1e-6).shape == shape
+            assert [t.shape for t in ops.add_rms_norm(x, x, w, 1e-6)] == [shape, shape]

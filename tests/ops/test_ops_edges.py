@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -70,6 +72,32 @@ def test_noncontiguous_odd_sizes_match_reference_and_leave_inputs_alone(op, impl
             assert torch.equal(a, b)
             for o in (out if isinstance(out, tuple) else (out,)):
                 assert o.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+
+
+def _rows_of_no_values(shape) -> dict:
+    x = torch.randn(shape)
+    return {"rms_norm": (x, torch.ones(0), 1e-6), "add_rms_norm": (x, torch.randn(shape), torch.ones(0), 1e-6),
+            "silu_and_mul": (x,), "softmax": (x, -1), "linear": (x, torch.randn(3, 0), torch.randn(3))}
+
+
+EMPTY_ROW_PARAMS = [pytest.param(op, impl, shape, id=f"{op}-{impl}-{'x'.join(map(str, shape))}")
+                    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "softmax", "linear")
+                    for impl in _cpu_impls(op) for shape in ((4, 0), (2, 3, 0), (0,))]
+
+
+@pytest.mark.parametrize("op,impl,shape", EMPTY_ROW_PARAMS)
+def test_an_x_whose_last_dimension_is_0_is_declined_or_computed(op, impl, shape):
+    """Pinned or chosen, an implementation says no to rows of no values (dispatch runs another) or computes the
+    empty result: the DSL kernels reshaped to [-1, 0], cpu_row divided by the row's length, cpu_native's checks
+    reshaped to [-1, 0]."""
+    args = _rows_of_no_values(shape)[op]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the pin's fallback to another implementation)
+        with ops.use(**{op: impl}):
+            out = getattr(ops, op)(*args)
+    # (the softmax reference takes each row's maximum, which a row of no values lacks)
+    want = torch.softmax(args[0].double(), -1) if op == "softmax" else getattr(R, op)(*args)
+    _close(out, want, torch.float32)
 
 
 def test_bad_inputs_that_are_handled_well():

@@ -170,3 +170,51 @@ def test_sample_does_not_synchronise_on_cuda(device, impl, case):
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
+
+
+VENDOR = [p for p in impl_params("sample") if p.values[1] == "vendor"]
+
+
+@pytest.mark.parametrize("case", ["plain", "top_k", "top_p", "min_p"])
+@pytest.mark.parametrize("device,impl", VENDOR)
+def test_a_tiny_temperature_acts_greedy_instead_of_overflowing(device, impl, case):
+    # 1e-40 is accepted (finite, > 0), and logits / 1e-40 overflow float32: every positive logit became +inf
+    rows = 500
+    logits = torch.tensor([2.0, 1.0, 1.5, 0.5, -1.0]).expand(rows, -1).contiguous().to(device)
+    filters = {"plain": {}, "top_k": {"top_k": torch.full((rows,), 3, dtype=torch.int32, device=device)},
+               "top_p": {"top_p": torch.full((rows,), 0.9, device=device)},
+               "min_p": {"min_p": torch.full((rows,), 0.05, device=device)}}[case]
+    out = call("sample", impl, logits, torch.full((rows,), 1e-40, device=device), **filters)
+    assert set(out.tolist()) == {0}
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, None), (100, None), (3, 0.9)], ids=["k3", "k100", "k3_p0.9"])
+@pytest.mark.parametrize("device,impl", VENDOR)
+def test_a_row_with_several_overflowed_logits_draws_among_them_under_top_k(device, impl, top_k, top_p):
+    # a float16 model's logits overflowed to +inf in two columns: the draw is among those two, as without top-k
+    rows = 400
+    logits = torch.tensor([0.0, float("inf"), 1.0, float("inf")], dtype=torch.float16).expand(rows, -1)
+    top_p = None if top_p is None else torch.full((rows,), top_p, device=device)
+    out = call("sample", impl, logits.contiguous().to(device), torch.ones(rows, device=device),
+               top_k=torch.full((rows,), top_k, dtype=torch.int32, device=device), top_p=top_p)
+    assert set(out.tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("device,impl", impl_params("sample"))
+def test_a_seeded_rows_token_does_not_depend_on_the_rows_beside_it(device, impl):
+    logits = (torch.randn(2, 1000, generator=torch.Generator().manual_seed(3)) * 3).to(device)
+    temperature = torch.ones(2, device=device)
+
+    def draw(rows, seed, top_k=None, top_p=None):
+        gens = [torch.Generator(device=device).manual_seed(seed)] + [None] * (rows - 1)
+        top_k = None if top_k is None else torch.tensor(top_k[:rows], dtype=torch.int32, device=device)
+        top_p = None if top_p is None else torch.tensor(top_p[:rows], device=device)
+        return call("sample", impl, logits[:rows], temperature[:rows], top_k=top_k, top_p=top_p,
+                    generators=gens)[0].item()
+
+    for seed in range(20):
+        alone = draw(1, seed)
+        assert draw(2, seed, top_k=[0, 50]) == alone  # the other row turns top-k on
+        assert draw(2, seed, top_p=[1.0, 0.5]) == alone
+        with_top_k = draw(1, seed, top_k=[50])
+        assert draw(2, seed, top_k=[50, 0]) == with_top_k  # the other row has no top-k

@@ -1,5 +1,6 @@
 """torch.ops.ninefold.*: eager results match ninefold.ops, and torch.compile(fullgraph=True) traces."""
 
+import pytest
 import torch
 
 import ninefold.ops as ops
@@ -64,3 +65,31 @@ def test_compile_fullgraph_attention_and_cache_write():
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, key, k_cache, v_cache, slots, tables, lens)
     assert torch.equal(got, want)
     assert torch.equal(k_cache, eager_caches[0])
+
+
+def _odd_layouts() -> dict:
+    """Per operator: arguments whose tensors are transposed or strided views."""
+    g = torch.Generator().manual_seed(1)
+    transposed, strided = torch.randn(16, 4, generator=g).t(), torch.randn(4, 32, generator=g)[:, ::2]
+    heads = torch.randn(3, 16, 2, generator=g).transpose(1, 2)
+    return {
+        "add": (nf.add.default, (transposed, transposed)),
+        "add broadcast": (nf.add.default, (transposed, torch.randn(16, generator=g))),
+        "mul": (nf.mul.default, (transposed, strided)),
+        "rms_norm": (nf.rms_norm.default, (strided, torch.ones(16), 1e-6)),
+        "add_rms_norm": (nf.add_rms_norm.default, (transposed, strided, torch.ones(16), 1e-6)),
+        "silu_and_mul": (nf.silu_and_mul.default, (transposed,)),
+        "gelu_and_mul": (nf.gelu_and_mul.default, (transposed, "tanh")),
+        "softmax": (nf.softmax.default, (transposed, 0)),
+        "linear": (nf.linear.default, (transposed, torch.randn(3, 16, generator=g))),
+        "rope": (nf.rope.default, (heads, heads[:, :1], torch.arange(3), workloads.cos_sin_cache(4, 16), True)),
+        "argmax": (nf.argmax.default, (transposed, 0)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_odd_layouts()))
+def test_fake_and_real_results_agree_for_inputs_of_any_layout(case):
+    """torch.compile plans with the fakes' shapes and strides: the real results must have them (the fakes said
+    contiguous while torch.add kept a transposed input's strides, and compiled graphs failed)."""
+    op, args = _odd_layouts()[case]
+    torch.library.opcheck(op, args)

@@ -105,3 +105,17 @@ def test_runner_on_cuda_replays_with_static_buffers():
         torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
         assert out.shape[0] == batch
     assert runner._static[0].data_ptr() == static_ptr and sorted(runner._graphs) == [1, 2, 4, 8]
+
+
+def test_dict_subclasses_holding_tasks_arrive_as_their_own_type():
+    import collections
+
+    g = TaskGraph("cpu")
+    a = g.add(lambda: 1, name="a")
+    counts = collections.defaultdict(lambda: 10, x=a)
+    g.add(lambda d: d["x"] + d["missing"], counts, name="defaultdict")  # the default_factory survives
+    g.add(lambda m: (type(m), list(m.items())), collections.OrderedDict(z=2, x=a), name="ordered")
+    out = g.run()
+    assert out["defaultdict"] == 11
+    assert out["ordered"] == (collections.OrderedDict, [("z", 2), ("x", 1)])
+    assert counts["x"] is a  # the caller's dict is left as it was

@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 
+import numpy as np
 import torch
 
 from ninefold.ops import spec
@@ -70,14 +71,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def _check_paged(op, block_tables, lengths, num_blocks, bs, lengths_name, min_length=1):
     """Host-side checks of paged-cache metadata (CPU tensors): every length fits its block table,
     and the blocks it reads are inside the cache (entries past a sequence's length are not read)."""
-    capacity = block_tables.shape[1] * bs
+    lengths, tables = lengths.numpy(), block_tables.numpy()  # (numpy: a third of torch's per-call overhead)
+    capacity = tables.shape[1] * bs
     low, high = int(lengths.min()), int(lengths.max())
     if low < min_length or high > capacity:
         raise spec.OpError(f"{op}: {lengths_name} must lie in {min_length}..{capacity} (block_tables' "
-                           f"{block_tables.shape[1]} blocks of {bs} tokens), got values from {low} to {high}")
-    used = torch.arange(block_tables.shape[1])[None, :] < ((lengths.long() + bs - 1) // bs)[:, None]
-    ids = block_tables[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+                           f"{tables.shape[1]} blocks of {bs} tokens), got values from {low} to {high}")
+    used = np.arange(tables.shape[1])[None, :] < ((lengths.astype(np.int64) + bs - 1) // bs)[:, None]
+    ids = tables[used]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise spec.OpError(f"{op}: block_tables must hold block ids in [0, {num_blocks}) (the cache's blocks) "
                            f"where sequences read, got values from {int(ids.min())} to {int(ids.max())}")
 
@@ -116,11 +118,15 @@ def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     spec.shape(op, "context_lens", context_lens, (b,), " (one length per sequence)")
     spec.same_device(op, "q", q, block_tables=block_tables, context_lens=context_lens)
     _scale(op, scale)
-    if q.device.type == "cpu" and b:  # (on GPUs reading them would synchronise)
-        _check_paged(op, block_tables, context_lens, k_cache.shape[0], bs, "context_lens")
     contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     capacity = spec.pow2(block_tables.shape[1] * bs)
     return q.device, q.dtype, (spec.pow2(b), hq, hk, d, bs, capacity), contiguous
+
+
+def _decode_values(q, k_cache, v_cache, block_tables, context_lens, scale=None) -> None:
+    if q.device.type == "cpu" and q.shape[0]:  # (on GPUs reading them would synchronise)
+        _check_paged("attention_decode", block_tables, context_lens, k_cache.shape[0], k_cache.shape[1],
+                     "context_lens")
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -179,9 +185,14 @@ def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, 
         spec.same_device(op, "q", q, block_tables=block_tables)
         contiguous = q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     _gqa(op, hq, hk)
-    if q.device.type == "cpu":  # (on GPUs reading them would synchronise)
-        _check_cu_seqlens(op, tq, cu_seqlens_q, cu_seqlens_k, k, block_tables, k_cache, bs)
     return q.device, q.dtype, (spec.pow2(tq), spec.pow2(batch), hq, hk, d, bs), contiguous
+
+
+def _prefill_values(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None,
+                    max_seqlen_q=None, max_seqlen_k=None) -> None:
+    if q.device.type == "cpu":  # (on GPUs reading them would synchronise)
+        bs = 0 if block_tables is None else k_cache.shape[1]
+        _check_cu_seqlens("attention_prefill", q.shape[0], cu_seqlens_q, cu_seqlens_k, k, block_tables, k_cache, bs)
 
 
 def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
@@ -206,8 +217,8 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
 
 
 _RESHAPE_AND_CACHE = Operator("reshape_and_cache", reshape_and_cache, _reshape_and_cache_key)
-_DECODE = Operator("attention_decode", attention_decode, _decode_key)
-_PREFILL = Operator("attention_prefill", attention_prefill, _prefill_key)
+_DECODE = Operator("attention_decode", attention_decode, _decode_key, _decode_values)
+_PREFILL = Operator("attention_prefill", attention_prefill, _prefill_key, _prefill_values)
 
 
 @register("reshape_and_cache", "vendor")

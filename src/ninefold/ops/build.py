@@ -24,6 +24,11 @@ installed there). DSL kernels of kept "dsl" implementations are compiled to
 ``DIR/kernels/dsl/<op>/<dtype>`` by ``ninefold.dsl.aot`` (aligned pointers, unit strides, strides
 divisible by 16 assumed, as the JIT specialises) and registered with it under
 ``NINEFOLD_OPS_BUILD``, so their matching CUDA calls compile nothing either.
+
+A kept implementation that calls other operators through dispatch (``register(..., calls=...)``: the
+vendor ``rope_and_cache`` runs ``rope`` and ``reshape_and_cache``) brings them into the build, for its
+dtypes, with their vendor implementation; where the manifest lists such an operator itself, its
+dtypes must cover the caller's. (With ``fallback = "vendor"`` every vendor implementation is there.)
 """
 
 from __future__ import annotations
@@ -197,7 +202,37 @@ def read_manifest(path) -> dict:
         if bad:
             raise ValueError(f"{where}: {op} lists dtype {bad[0]!r}; accepted: {', '.join(DTYPES)}")
         resolved[op] = {"dtypes": list(dict.fromkeys(dtypes)), "impls": list(dict.fromkeys(impls))}
+    if fallback != "vendor":
+        _keep_called_operators(resolved, where)
     return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes, "ops": resolved}
+
+
+def _keep_called_operators(ops: dict, where: str) -> None:
+    """Add to ``ops`` (operator -> entry) the operators its kept implementations call through dispatch, for the
+    callers' dtypes, with their vendor implementation; an operator listed in the manifest must cover them."""
+    from ninefold.ops import registry
+
+    added: set[str] = set()
+    todo = list(ops)
+    while todo:
+        op = todo.pop(0)
+        entry = ops[op]
+        for impl in registry.all_implementations(op):
+            if impl.name not in entry["impls"]:
+                continue
+            for called in impl.calls:
+                if called not in ops:
+                    ops[called] = {"dtypes": [], "impls": ["vendor"]}
+                    added.add(called)
+                missing = [d for d in entry["dtypes"] if d not in ops[called]["dtypes"]]
+                if missing and called not in added:
+                    raise ValueError(f"{where}: {op}'s {impl.name!r} implementation calls {called}, and "
+                                     f"[ops.{called}] leaves out {op}'s dtypes {', '.join(missing)}; add them to "
+                                     f"[ops.{called}] dtypes (or drop [ops.{called}]: {called} is then kept with its "
+                                     f"vendor implementation for {op}'s dtypes)")
+                if missing:
+                    ops[called]["dtypes"] += missing
+                    todo.append(called)
 
 
 MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "ops")

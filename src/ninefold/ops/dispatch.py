@@ -10,10 +10,13 @@ implementation's ``supports`` looks at. The first call with a key resolves it:
    bucket), else the highest default priority.
 
 Validation and choice are cached per argument *signature* (shapes, dtypes, devices, layouts
-and scalar values), so the warm path computes the signature and does one dict lookup. A pinned implementation
-that cannot run the inputs (another device's, one that registers only where CUDA is, one whose ``supports``
-says no) falls back to the unpinned choice with a warning, once per reason; a pin naming no implementation of
-the operator is an error.
+and scalar values), so the warm path computes the signature and does one dict lookup. What a signature
+does not hold, the values inside tensors (lengths, offsets, positions, sampling parameters), an operator
+checks with its ``values`` function on every call, on CPUs only (on GPUs reading them would synchronise).
+
+A pinned implementation that cannot run the inputs (another device's, one that registers only where CUDA
+is, one whose ``supports`` says no) falls back to the unpinned choice with a warning, once per reason; a pin
+naming no implementation of the operator is an error.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ MAX_SIGNATURES = 4096
 
 
 def signature(args: tuple) -> tuple:
-    """What validation and the choice depend on: each tensor's shape, dtype, device and layout, and
-    each other argument's type and value. Equal signatures validate alike and choose alike."""
+    """What the key function's checks and the choice depend on: each tensor's shape, dtype, device and
+    layout, and each other argument's type and value. Equal signatures pass those checks alike and choose
+    alike (the values inside the tensors are an operator's ``values`` check, made on every call)."""
     sig = []
     for a in args:
         if isinstance(a, _Tensor):
@@ -60,32 +64,47 @@ def signature(args: tuple) -> tuple:
 
 
 class Operator:
-    """A public operator: calls are validated and routed, both cached by argument signature."""
+    """A public operator: calls are validated and routed.
 
-    __slots__ = ("name", "public", "keyfn", "cache")
+    ``keyfn(*args)`` checks what the argument signature holds (shapes, dtypes, devices, layouts, scalars)
+    and returns the dispatch key; it runs and the choice is made once per signature. ``values(*args)``,
+    where given, checks the contents of the tensors (on CPUs) and runs on every call, after ``keyfn`` has
+    accepted the signature.
+    """
 
-    def __init__(self, name: str, public, keyfn):
+    __slots__ = ("name", "public", "keyfn", "values", "cache")
+
+    def __init__(self, name: str, public, keyfn, values=None):
         self.name = name
         self.public = public
         self.keyfn = keyfn
+        self.values = values
         self.cache: dict = {}
         _OPERATORS[name] = self
 
     def call(self, *args):
-        """Validate ``args`` (once per signature) and run the implementation chosen for them."""
+        """Validate ``args`` (the signature once, the values every call) and run the implementation chosen."""
         sig = signature(args)
         try:
             fn = self.cache.get(sig)
         except TypeError:  # an unhashable argument (a list of generators): validate every call
             sig, fn = None, None
         if fn is None:
-            key = self.keyfn(*args)
-            fn = resolve(self.name, key, args).fn
+            fn = resolve(self.name, self.validate(*args), args).fn
             if sig is not None:
                 if len(self.cache) >= MAX_SIGNATURES:
                     self.cache.clear()
                 self.cache[sig] = fn
+        elif self.values is not None:
+            self.values(*args)
         return fn(*args)
+
+    def validate(self, *args) -> tuple:
+        """Every check of a call (signature and values); returns its dispatch key."""
+        key = self.keyfn(*args)
+        if self.values is not None:
+            self.values(*args)
+        return key
 
     def bind(self, *args, **kwargs) -> tuple:
         """Normalise a public call to the positional argument tuple the implementations take."""
@@ -311,8 +330,7 @@ def choose(op: str, *args, **kwargs) -> str:
     """The name of the implementation dispatch would run for ``ops.<op>(*args, **kwargs)``."""
     operator_ = operator(op)
     bound = operator_.bind(*args, **kwargs)
-    key = operator_.keyfn(*bound)
-    return resolve(op, key, bound).name
+    return resolve(op, operator_.validate(*bound), bound).name
 
 
 def implementation(op: str, *args, **kwargs):
@@ -324,14 +342,14 @@ def implementation(op: str, *args, **kwargs):
     """
     operator_ = operator(op)
     bound = operator_.bind(*args, **kwargs)
-    return resolve(op, operator_.keyfn(*bound), bound).fn
+    return resolve(op, operator_.validate(*bound), bound).fn
 
 
 def candidates(op: str, *args, **kwargs) -> list[Impl]:
     """Every implementation able to run ``ops.<op>(*args, **kwargs)``, in default order."""
     operator_ = operator(op)
     bound = operator_.bind(*args, **kwargs)
-    key = operator_.keyfn(*bound)
+    key = operator_.validate(*bound)
     return supporting(op, key[0], key[1], bound)
 
 
@@ -339,7 +357,7 @@ def run(op: str, impl: str, *args, **kwargs):
     """Call implementation ``impl`` of ``op`` directly (validated, no dispatch)."""
     operator_ = operator(op)
     bound = operator_.bind(*args, **kwargs)
-    key = operator_.keyfn(*bound)
+    key = operator_.validate(*bound)
     for candidate in supporting(op, key[0], key[1], bound):
         if candidate.name == impl:
             return candidate.fn(*bound)

@@ -40,7 +40,16 @@ def _linear(x, weight, bias):
 def _linear_supports(x, weight, bias) -> str | None:
     if x.dtype == torch.float32 and x.device.type == "cuda":
         return "float32 dot products run as TF32 on CUDA (not float32 accuracy)"
-    return None
+    return _rows_not_empty(x)
+
+
+def _rows_not_empty(x, *rest) -> str | None:
+    """The row kernels take ``x`` as rows of its last dimension, which they cannot do when it is 0."""
+    return "x's last dimension is 0" if x.ndim and x.shape[-1] == 0 else None
+
+
+def _softmax_supports(x, dim=-1) -> str | None:
+    return f"x's dimension {dim} is 0" if x.shape[dim] == 0 else None
 
 
 KERNELS = {
@@ -53,7 +62,8 @@ KERNELS = {
     "linear": _linear,
 }
 
-SUPPORTS = {"linear": _linear_supports}
+SUPPORTS = {"linear": _linear_supports, "rms_norm": _rows_not_empty, "add_rms_norm": _rows_not_empty,
+            "silu_and_mul": _rows_not_empty, "softmax": _softmax_supports}
 
 for _op, _fn in KERNELS.items():
     register(_op, "dsl", devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, supports=SUPPORTS.get(_op), priority=PRIORITY)(_fn)

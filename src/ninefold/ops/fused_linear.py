@@ -70,13 +70,13 @@ _ADD_RMS_NORM_LINEAR = Operator("add_rms_norm_linear", add_rms_norm_linear, _add
 _SILU_AND_MUL_LINEAR = Operator("silu_and_mul_linear", silu_and_mul_linear, _silu_and_mul_linear_key)
 
 
-@register("add_rms_norm_linear", "vendor")
+@register("add_rms_norm_linear", "vendor", calls=("add_rms_norm", "linear"))
 def _add_rms_norm_linear_unfused(x, residual, norm_weight, weight, eps, bias):
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), total
 
 
-@register("silu_and_mul_linear", "vendor")
+@register("silu_and_mul_linear", "vendor", calls=("silu_and_mul", "linear"))
 def _silu_and_mul_linear_unfused(x, weight, bias):
     return linear(silu_and_mul(x), weight, bias)
 

@@ -22,8 +22,13 @@ _ZEROS: dict[int, torch.Tensor] = {}
 
 
 def _one_row(x, *rest) -> str | None:
-    if x.numel() != x.shape[-1]:
-        return f"more than one row ({x.numel() // max(x.shape[-1], 1)})"
+    rows = math.prod(x.shape[:-1])
+    if rows > 1:
+        return f"more than one row ({rows})"
+    if rows == 0:
+        return "no row"
+    if x.shape[-1] == 0:
+        return "an empty row (last dimension 0)"
     return None
 
 

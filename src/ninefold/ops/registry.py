@@ -32,6 +32,7 @@ class Impl:
     dtypes: frozenset
     supports: Callable | None = None
     priority: dict = field(default_factory=dict)
+    calls: tuple[str, ...] = ()  # public operators it calls through dispatch
 
     def rank(self, device_type: str) -> int:
         """Default-order rank on a device type (higher runs first)."""
@@ -56,12 +57,14 @@ CUDA_ONLY["linear"] = ("triton", "triton_gemm", "triton_row", "cublaslt", "cutla
 
 
 def register(op: str, name: str, *, devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, supports=None,
-             priority: dict | None = None):
+             priority: dict | None = None, calls: tuple[str, ...] = ()):
     """Decorator registering ``fn`` as implementation ``name`` of operator ``op``.
 
     ``devices``: torch device types it runs on; ``dtypes``: dtypes of the operator's primary
     tensor it accepts; ``supports(*args) -> str | None``: any further restriction (a reason
-    string when it says no); ``priority``: ``{device_type: int}``, higher first by default.
+    string when it says no); ``priority``: ``{device_type: int}``, higher first by default;
+    ``calls``: the public operators ``fn`` calls through dispatch (a trimmed build keeping it
+    keeps them too).
     """
 
     where = f"register({op!r}, {name!r})"
@@ -85,11 +88,12 @@ def register(op: str, name: str, *, devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES
         if not isinstance(key, str) or isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"{where}: priority must map device types to ints, got {key!r}: {rank!r}")
     _check_names(op, name)
+    calls = _check_calls(where, calls)
 
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
             raise TypeError(f"{where}: the implementation must be callable, got {fn!r}")
-        add(Impl(op, name, fn, devices, dtypes, supports, dict(priority or {})))
+        add(Impl(op, name, fn, devices, dtypes, supports, dict(priority or {}), calls))
         return fn
 
     return decorate
@@ -108,6 +112,19 @@ def _check_names(op, name) -> None:
     known = dispatch.operators()
     if op not in known:
         raise ValueError(f"register({op!r}, {name!r}): unknown operator {op!r}; known: {', '.join(known)}")
+
+
+def _check_calls(where: str, calls) -> tuple[str, ...]:
+    """``calls`` as a tuple of known operator names."""
+    from ninefold.ops import dispatch
+
+    if isinstance(calls, str) or not all(isinstance(c, str) for c in calls):
+        raise TypeError(f"{where}: calls must be a tuple of operator names, got {calls!r}")
+    known = dispatch.operators()
+    unknown = [c for c in calls if c not in known]
+    if unknown:
+        raise ValueError(f"{where}: calls names unknown operator {unknown[0]!r}; known: {', '.join(known)}")
+    return tuple(calls)
 
 
 def add(impl: Impl) -> None:

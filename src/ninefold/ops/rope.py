@@ -28,14 +28,17 @@ def _rope_key(q, k, positions, cos_sin_cache, is_neox=True):
     if not isinstance(is_neox, bool):
         raise TypeError(f"rope: is_neox must be a bool, got {type(is_neox).__name__}")
     spec.same_device(op, "q", q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    spec.same_dtype(op, "q", q, k=k)
+    contiguous = q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    return q.device, q.dtype, (spec.pow2(t), hq, k.shape[1], d, r), is_neox, contiguous
+
+
+def _rope_values(q, k, positions, cos_sin_cache, is_neox=True, op: str = "rope") -> None:
     if positions.device.type == "cpu" and positions.numel():  # (on GPUs reading them would synchronise)
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= cos_sin_cache.shape[0]:
             raise spec.OpError(f"{op}: positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows), "
                                f"got values from {low} to {high}")
-    spec.same_dtype(op, "q", q, k=k)
-    contiguous = q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    return q.device, q.dtype, (spec.pow2(t), hq, k.shape[1], d, r), is_neox, contiguous
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -50,7 +53,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cach
     return _ROPE.call(q, k, positions, cos_sin_cache, is_neox)
 
 
-_ROPE = Operator("rope", rope, _rope_key)
+_ROPE = Operator("rope", rope, _rope_key, _rope_values)
 
 
 def _rotate(x, cos, sin, is_neox):

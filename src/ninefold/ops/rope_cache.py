@@ -13,7 +13,7 @@ from ninefold.ops import spec
 from ninefold.ops.attention import _reshape_and_cache_key, reshape_and_cache
 from ninefold.ops.dispatch import Operator
 from ninefold.ops.registry import register
-from ninefold.ops.rope import _rope_key, rope
+from ninefold.ops.rope import _rope_key, _rope_values, rope
 
 
 def _rope_and_cache_key(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True):
@@ -29,6 +29,10 @@ def _rope_and_cache_key(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slo
     return device, dtype, (bucket, hq, hk, d, r, bs), neox, rope_ok and cache_ok
 
 
+def _rope_and_cache_values(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True) -> None:
+    _rope_values(q, k, positions, cos_sin_cache, is_neox, op="rope_and_cache")
+
+
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,10 +45,10 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     return _ROPE_AND_CACHE.call(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)
 
 
-_ROPE_AND_CACHE = Operator("rope_and_cache", rope_and_cache, _rope_and_cache_key)
+_ROPE_AND_CACHE = Operator("rope_and_cache", rope_and_cache, _rope_and_cache_key, _rope_and_cache_values)
 
 
-@register("rope_and_cache", "vendor")
+@register("rope_and_cache", "vendor", calls=("rope", "reshape_and_cache"))
 def _rope_and_cache_unfused(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox):
     q, k = rope(q, k, positions, cos_sin_cache, is_neox)
     reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -63,10 +63,6 @@ def _sample_key(logits, temperature, top_k=None, top_p=None, min_p=None, generat
     _row_param("top_k", top_k, b, logits.device, False)
     _row_param("top_p", top_p, b, logits.device, True)
     _row_param("min_p", min_p, b, logits.device, True)
-    if logits.device.type == "cpu":  # (on GPUs reading the values would synchronise)
-        _row_values("temperature", temperature, lambda t: (t >= 0) & t.isfinite(), "finite and >= 0 (0 = greedy)")
-        _row_values("top_p", top_p, lambda p: (p > 0) & (p <= 1), "in (0, 1] (1 = off)")
-        _row_values("min_p", min_p, lambda p: (p >= 0) & (p <= 1), "in [0, 1] (0 = off)")
     if generators is not None:
         if not isinstance(generators, (list, tuple)) or len(generators) != b:
             raise spec.OpError(f"sample: generators must be None or a list of {b} torch.Generator | None, "
@@ -78,6 +74,13 @@ def _sample_key(logits, temperature, top_k=None, top_p=None, min_p=None, generat
                 raise spec.OpError(f"sample: generators[{i}] is a {g.device} generator but logits is on {logits.device}")
     filters = (top_k is not None, top_p is not None, min_p is not None, generators is not None)
     return logits.device, logits.dtype, (spec.pow2(b), v), filters
+
+
+def _sample_values(logits, temperature, top_k=None, top_p=None, min_p=None, generators=None) -> None:
+    if logits.device.type == "cpu":  # (on GPUs reading the values would synchronise)
+        _row_values("temperature", temperature, lambda t: (t >= 0) & t.isfinite(), "finite and >= 0 (0 = greedy)")
+        _row_values("top_p", top_p, lambda p: (p > 0) & (p <= 1), "in (0, 1] (1 = off)")
+        _row_values("min_p", min_p, lambda p: (p >= 0) & (p <= 1), "in [0, 1] (0 = off)")
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tensor | None = None,
@@ -96,7 +99,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
 
 
 _ARGMAX = Operator("argmax", argmax, _argmax_key)
-_SAMPLE = Operator("sample", sample, _sample_key)
+_SAMPLE = Operator("sample", sample, _sample_key, _sample_values)
 
 @register("argmax", "vendor")
 def _argmax_torch(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -148,18 +151,12 @@ def _uniforms(rows: int, generators) -> torch.Tensor:
 
 
 def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor | None, top_p, generators) -> torch.Tensor:
-    """Rows of ``x`` (logits / temperature, float32, CPU) drawn with one uniform each and the cumulative sum of
-    their weights, among tokens with ``x >= lowest`` (None: all); with top-p, a draw outside the nucleus (the mass
-    above it reaches p) becomes the row's pivot and the row draws again above it: rejection, exact for the nucleus.
-    Cheaper on the CPU than sorting rows or drawing noise for every token."""
+    """Rows of ``x`` (``_scaled`` logits: each row's largest 0, or all -inf; CPU) drawn with one uniform each and
+    the cumulative sum of their weights, among tokens with ``x >= lowest`` (None: all); with top-p, a draw outside
+    the nucleus (the mass above it reaches p) becomes the row's pivot and the row draws again above it: rejection,
+    exact for the nucleus. Cheaper on the CPU than sorting rows or drawing noise for every token."""
     b = x.shape[0]
-    top = x.amax(dim=-1, keepdim=True)
-    if bool(torch.isinf(top).any()):
-        # a row with +inf logits (a float16 model's overflow) draws among those; an all -inf row weighs nothing
-        weights = torch.where(top == float("inf"), torch.where(x == top, 0.0, float("-inf")),
-                              x - torch.where(torch.isfinite(top), top, 0.0)).exp_()
-    else:
-        weights = (x - top).exp_()
+    weights = x.exp()  # (an all -inf row, nothing allowed, weighs nothing)
     total = weights.sum(dim=-1, dtype=torch.float64) if top_p is not None else None
     pivot = torch.full((b,), float("-inf"))
     tokens = torch.empty(b, dtype=torch.int64)
@@ -194,33 +191,91 @@ def _draw_by_inverse_cdf(x: torch.Tensor, lowest: torch.Tensor | None, top_p, ge
     return tokens
 
 
-@register("sample", "vendor")
-def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
+def _scaled(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``logits / t`` (``t`` ``[B, 1]``) in float32, each row's largest logit taken off first; a new tensor.
+
+    Taken off first, a tiny temperature sends the smaller logits to -inf (the greedy limit) instead of
+    overflowing several of them to +inf. A row holding +inf logits (a float16 model's overflow) becomes 0
+    at those and -inf elsewhere, so a draw picks among them alike; a row with nothing allowed stays -inf.
+    """
+    x = logits.float()
+    top = x.amax(dim=-1, keepdim=True)
+    shift = torch.where(top.isfinite(), top, 0.0)
+    x = (x - shift if x is logits else x.sub_(shift)).div_(t)  # (the caller's logits intact)
+    overflowed = top == float("inf")
+    if x.device.type != "cpu" or bool(overflowed.any()):  # (reading the flag is free only on the CPU)
+        x = torch.where(overflowed, torch.where(logits == float("inf"), 0.0, float("-inf")), x)
+    return x
+
+
+def _greedy_and_divisor(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with temperature 0 (greedy), and each row's divisor ``[B, 1]`` (1 for the greedy rows)."""
     temp = temperature.float()
     greedy = temp <= 0
-    t = torch.where(greedy, 1.0, temp)[:, None]
-    if logits.device.type == "cpu":  # skipping idle filters costs a host read, free only on the CPU
-        top_k = None if top_k is None or not bool((top_k > 0).any()) else top_k
-        top_p = None if top_p is None or not bool((top_p < 1).any()) else top_p
-        min_p = None if min_p is None or not bool((min_p > 0).any()) else min_p
-        if top_k is None:  # no sort and no noise per token: a uniform per row and the rows' cumulative weights
-            x = logits / t if logits.dtype == torch.float32 else logits.float().div_(t)  # (the caller's row intact)
-            lowest = None
-            if min_p is not None:
-                lowest = torch.where(min_p > 0, x.amax(dim=-1) + torch.log(min_p.float().clamp_min(1e-30)),
-                                     float("-inf"))
-            drawn = _draw_by_inverse_cdf(x, lowest, top_p, generators)
-            return torch.where(greedy, _argmax_torch(logits, -1), drawn) if bool(greedy.any()) else drawn
+    return greedy, torch.where(greedy, 1.0, temp)[:, None]
+
+
+@register("sample", "vendor")
+def _sample_torch(logits, temperature, top_k, top_p, min_p, generators):
+    if logits.device.type == "cpu":
+        return _sample_cpu(logits, temperature, top_k, top_p, min_p, generators)
+    return _sample_by_race(logits, temperature, top_k, top_p, min_p, generators)
+
+
+def _sample_cpu(logits, temperature, top_k, top_p, min_p, generators):
+    """Each row by the route its own top_k picks, so that a seeded row's token does not depend on the rows
+    beside it: rows with top-k by the exponential race over their sorted logits, the others by the inverse
+    CDF (no sort and no noise per token: a uniform per row and the rows' cumulative weights)."""
+    # skipping filters idle in every row (a host read, free on the CPU) changes no row's draw
+    top_k = None if top_k is None or not bool((top_k > 0).any()) else top_k
+    top_p = None if top_p is None or not bool((top_p < 1).any()) else top_p
+    min_p = None if min_p is None or not bool((min_p > 0).any()) else min_p
+    if top_k is None:
+        return _sample_by_inverse_cdf(logits, temperature, top_p, min_p, generators)
+    with_top_k = top_k > 0
+    if bool(with_top_k.all()):
+        return _sample_by_race(logits, temperature, top_k, top_p, min_p, generators)
+    by_race, by_cdf = with_top_k.nonzero().squeeze(1), (~with_top_k).nonzero().squeeze(1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    tokens[by_race] = _sample_by_race(*_rows(by_race, logits, temperature, top_k, top_p, min_p, generators))
+    tokens[by_cdf] = _sample_by_inverse_cdf(*_rows(by_cdf, logits, temperature, top_p, min_p, generators))
+    return tokens
+
+
+def _rows(index: torch.Tensor, *args) -> list:
+    """Per-row arguments (tensors, lists of generators, None) restricted to the rows at ``index``."""
+    picked = []
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            arg = [arg[i] for i in index.tolist()]
+        elif arg is not None:
+            arg = arg[index]
+        picked.append(arg)
+    return picked
+
+
+def _sample_by_inverse_cdf(logits, temperature, top_p, min_p, generators):
+    greedy, t = _greedy_and_divisor(temperature)
+    x = _scaled(logits, t)
+    lowest = None
+    if min_p is not None:
+        lowest = torch.where(min_p > 0, x.amax(dim=-1) + torch.log(min_p.float().clamp_min(1e-30)), float("-inf"))
+    drawn = _draw_by_inverse_cdf(x, lowest, top_p, generators)
+    return torch.where(greedy, _argmax_torch(logits, -1), drawn) if bool(greedy.any()) else drawn
+
+
+def _sample_by_race(logits, temperature, top_k, top_p, min_p, generators):
+    greedy, t = _greedy_and_divisor(temperature)
     order = None
     if top_k is None and top_p is None:
-        x = logits.float() / t
+        x = _scaled(logits, t)
     else:
         # Top-k and top-p need each row largest first. Dividing by a row's (positive) temperature keeps its order,
         # so the logits are sorted as they come (a bfloat16 model's: 16-bit keys, half the radix passes of float32)
         # and the token is drawn in that order, then mapped back through ``order`` (no scatter of the whole row).
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         # top-k compares the logits themselves (divided by t, distinct logits can round to one value)
-        x = _filter_sorted(_filter_sorted(sorted_logits.float(), top_k, None) / t, None, top_p)
+        x = _filter_sorted(_scaled(_filter_sorted(sorted_logits.float(), top_k, None), t), None, top_p)
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))

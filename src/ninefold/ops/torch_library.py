@@ -1,11 +1,17 @@
 """``torch.ops.ninefold.*``: the operators as PyTorch custom ops with fake (meta) implementations,
 so ``torch.compile(fullgraph=True)`` traces through them.
 
+Every tensor they return is contiguous: the fakes say so, and a result an implementation returns in
+another layout (``torch.add`` keeps its inputs' transposed strides) is copied, so that what runs
+matches what was traced whichever implementation dispatch picks.
+
 ``sample`` is exposed without per-row generators (a list of generators is not a schema type);
 seeded sampling stays an eager call to ``ninefold.ops.sample``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -27,7 +33,11 @@ def _define() -> None:  # noqa: C901  (one short definition per operator)
 
     def op(name, fake, mutates=()):
         def wrap(fn):
-            custom = torch.library.custom_op(f"ninefold::{name}", fn, mutates_args=mutates)
+            @functools.wraps(fn)  # (the schema is read from fn's signature)
+            def contiguous_results(*args, **kwargs):
+                return _contiguous(fn(*args, **kwargs))
+
+            custom = torch.library.custom_op(f"ninefold::{name}", contiguous_results, mutates_args=mutates)
             custom.register_fake(fake)
             return custom
 
@@ -109,3 +119,10 @@ def _define() -> None:  # noqa: C901  (one short definition per operator)
     def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None = None, top_p: Tensor | None = None,
                min_p: Tensor | None = None) -> Tensor:
         return ops.sample(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def _contiguous(result):
+    """``result`` (a tensor, a tuple of tensors or None) with every tensor contiguous."""
+    if isinstance(result, tuple):
+        return tuple(t.contiguous() for t in result)
+    return result if result is None else result.contiguous()

@@ -14,6 +14,7 @@ the rest run, and ``run`` then raises ``TaskFailed`` naming every failed task, f
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
@@ -168,5 +169,8 @@ def _resolve(value, results: dict[Task, Any]):
         items = [_resolve(v, results) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict) and _tasks_in(value):
-        return {k: _resolve(v, results) for k, v in value.items()}
+        resolved = copy.copy(value)  # the same type (defaultdict, OrderedDict), its default_factory kept
+        for k, v in value.items():
+            resolved[k] = _resolve(v, results)
+        return resolved
     return value

@@ -9,6 +9,8 @@ other dtypes, non-contiguous rows and CPUs where the kernels build without vecto
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ninefold.ops import spec
@@ -22,6 +24,8 @@ def _common(x: torch.Tensor) -> str | None:
 
     if x.dtype not in _DTYPES:
         return f"takes float32 or bfloat16, not {spec.dtype_name(x.dtype)}"
+    if x.shape[-1] == 0:
+        return "x's last dimension is 0"
     if x.numel() <= x.shape[-1]:
         return "one row (cpu_row / the native decode step cover it)"
     if not cpu_native.fast():
@@ -31,7 +35,7 @@ def _common(x: torch.Tensor) -> str | None:
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as ``[rows, last]`` with unit last stride and a single row stride, or None."""
-    flat = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    flat = t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() != 2 else t  # (-1 is ambiguous for 0 values)
     return flat if flat.stride(-1) == 1 else None
 
 
