@@ -149,6 +149,18 @@ def test_greedy_rows_take_the_first_largest_logit_whatever_the_filters():
 
 
 @triton_only
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_a_tiny_temperature_draws_the_largest_logit(top_p):
+    """1 / 1e-40 is +inf in float32: the kernel must not turn the logits into inf or NaN and draw among them."""
+    sample = _kernel()
+    logits = torch.tensor([[3.0, 0.0, -1.0, 2.5, 0.0, 1.0] * 50]).repeat(8, 1)
+    logits[:, 201] = 4.0  # the one largest, after smaller positive ones (which +inf would tie with)
+    temperature = torch.full((8,), 1e-40, device=DEVICE)
+    out = sample.sample(logits.to(DEVICE), temperature, None, _rows(8, top_p), None, None).cpu()
+    assert out.tolist() == [201] * 8
+
+
+@triton_only
 def test_a_seeded_draw_depends_on_the_seed_and_its_row_only():
     sample = _kernel()
     logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3)).to(DEVICE)

@@ -101,9 +101,10 @@ def _race_block(base, start, n, seed, offset, inv_t, kth, noise, pivot, lowest, 
 
 @triton.jit
 def _inverse_temperature(temp_ptr, row):
-    """1 / temperature; 1 for greedy rows (temperature 0), whose logits are compared as they are."""
+    """1 / temperature; 1 for greedy rows (temperature 0), whose logits are compared as they are. A temperature
+    below 1e-30 counts as 1e-30: its inverse stays finite (logits times it too), and the draw is greedy anyway."""
     t = tl.load(temp_ptr + row)
-    return 1.0 / tl.where(t <= 0, 1.0, t)
+    return 1.0 / tl.where(t <= 0, 1.0, tl.maximum(t, 1e-30))
 
 
 @triton.jit
