@@ -245,3 +245,48 @@ def test_a_step_that_fails_to_launch_takes_back_the_blocks_registered_for_it(lla
     _greedy(engine, prompt, "c")  # admitted after b: b's blocks are real now
     out = _run(engine)
     assert out["c"] == [expected] and len(out["b"][0]) == 6
+
+
+def test_a_failed_launch_leaves_a_sequence_holding_its_own_copy_of_a_taken_back_block_as_it_was(llama_dir,
+                                                                                                monkeypatch):
+    """D (prompt logprobs: no prefix hits) computes its own copies of P's blocks while R1's copies are registered.
+    R1's are evicted; A registers P's blocks again in a step that fails to launch. D, decoding with a token in
+    flight (async scheduling), must not be rewound: it would recompute a chunk ending in that token's placeholder."""
+    from ninefold.llm.engine import LLMEngine
+
+    prompt, filler = [11, 12, 13, 14, 15, 16, 17, 18, 19], list(range(100, 140))
+
+    def run(fail: bool) -> dict:
+        engine = LLMEngine(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=16, async_scheduling=True)
+        done = {}
+
+        def step():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+
+        def add(rid, ids, new, **extra):
+            engine.add_request(engine.build_request(ids, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
+                                                                        **extra), rid))
+        add("R1", prompt, 1)
+        add("D", prompt, 12, prompt_logprobs=1)
+        while "R1" not in done:
+            step()
+        add("F", filler, 2)  # its blocks push R1's out of the cache
+        while "F" not in done:
+            step()
+        add("A", prompt, 3)
+        if fail:
+            launch = engine.runner.launch
+
+            def fail_once(*args):
+                monkeypatch.setattr(engine.runner, "launch", launch)
+                raise RuntimeError("injected launch failure")
+
+            monkeypatch.setattr(engine.runner, "launch", fail_once)
+            with pytest.raises(RuntimeError, match="injected"):
+                step()
+        while engine.has_unfinished_requests():
+            step()
+        done.update({o.request_id: o for o in engine.sync() if o.finished})
+        return {rid: list(out.outputs[0].token_ids) for rid, out in done.items()}
+
+    assert run(fail=True) == run(fail=False)

@@ -174,10 +174,11 @@ class BlockManager:
         """A new step is being scheduled: the blocks registered for the last one were launched."""
         self._unlaunched.clear()
 
-    def forget_unlaunched(self) -> set[bytes]:
+    def forget_unlaunched(self) -> dict[bytes, int]:
         """Unregister the blocks registered for a step that was scheduled but never launched (their keys and
-        values were never computed); returns their digests. The sequences holding them keep them as their own."""
-        forgotten = set()
+        values were never computed); returns ``{digest: block}``. The sequences holding them keep them as their
+        own."""
+        forgotten = {}
         for h in self._unlaunched:
             entry = self._by_hash.pop(h, None)
             if entry is None:
@@ -186,7 +187,7 @@ class BlockManager:
             del self._hash_of[block]
             self._evictable.pop(block, None)
             self.pool.free([block])  # the cache's reference
-            forgotten.add(h)
+            forgotten[h] = block
         self._unlaunched.clear()
         return forgotten
 

@@ -184,7 +184,9 @@ class Scheduler:
 
     def unlaunch(self) -> None:
         """The step just scheduled was never launched: forget the blocks registered for it, and make a sequence
-        that reused one compute it itself (the sequence that was to compute it may not run again)."""
+        that reused one compute it itself (the sequence that was to compute it may not run again). A sequence that
+        holds its own copy of such a block (computed earlier, while another copy was registered under its digest)
+        keeps its computed tokens; only its digests from there on are derived again, when it next commits."""
         forgotten = self.blocks.forget_unlaunched()
         if not forgotten:
             return
@@ -193,7 +195,8 @@ class Scheduler:
             for b, h in enumerate(seq.block_hashes):
                 if h in forgotten:
                     del seq.block_hashes[b:]
-                    seq.num_computed_tokens = min(seq.num_computed_tokens, b * bs)
+                    if seq.block_table[b] == forgotten[h]:
+                        seq.num_computed_tokens = min(seq.num_computed_tokens, b * bs)
                     break
 
     def _room_for_drafts(self, seq: Sequence, n: int, drafts: int, later: int) -> bool:
