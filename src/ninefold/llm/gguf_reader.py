@@ -8,6 +8,7 @@ memory-maps the tensor data. Constants (tensor types and their block sizes) come
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ _NUMPY_DTYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<
 _STRING, _ARRAY = 8, 9
 _KNOWN_TYPES = {int(t) for t in GGML_QUANT_SIZES}
 _U64 = struct.Struct("<Q")
+# Arrays of arrays nest at most this deep; llama.cpp reads no nested arrays at all.
+MAX_ARRAY_DEPTH = 4
 
 
 class GGUFError(ValueError):
@@ -112,12 +115,17 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, value_type: int, what: str):
+    def value(self, value_type: int, what: str, depth: int = 0):
         if value_type in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[value_type], what)
         if value_type == _STRING:
             return self.string(what)
         if value_type == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise GGUFError(
+                    f"GGUF file {self.path} is corrupt: {what} nests arrays more than {MAX_ARRAY_DEPTH} deep; "
+                    f"at most {MAX_ARRAY_DEPTH} levels are accepted"
+                )
             item_type = self.scalar("I", what)
             count = self.scalar("Q", what)
             if item_type in _NUMPY_DTYPES:
@@ -130,7 +138,7 @@ class _Cursor:
                 raise GGUFError(f"GGUF file {self.path} is corrupt: {what} claims {count} elements")
             if item_type == _STRING:
                 return self.strings(count, what)
-            return [self.value(item_type, what) for _ in range(count)]
+            return [self.value(item_type, what, depth + 1) for _ in range(count)]
         raise GGUFError(f"GGUF file {self.path} is corrupt: {what} has unknown value type {value_type}")
 
 
@@ -138,7 +146,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF file's header, metadata and tensor table; map its tensor data.
 
     Raises `GGUFError` (a ValueError) for a file that is not GGUF, a version other than 2 or 3,
-    a truncated or corrupt header, or tensor data that runs past the end of the file.
+    a truncated or corrupt header (arrays nested too deep, a bad `general.alignment`, duplicate
+    tensor names, misaligned tensor offsets), or tensor data that runs past the end of the file.
     """
     path = Path(path)
     if not path.is_file():
@@ -177,19 +186,24 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         offset = cur.scalar("Q", f"the offset of tensor {name!r}")
         infos.append((name, tuple(reversed(dims)), ggml_type, offset))
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFError(f"GGUF file {path} is corrupt: general.alignment is {alignment}, not a power of two")
+    alignment = _alignment(metadata, path)
     data_start = -(-cur.pos // alignment) * alignment
     data = mapped[data_start:]
 
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, shape, ggml_type, offset in infos:
         info = GGUFTensorInfo(name, shape, ggml_type, offset, 0)
+        if name in tensors:
+            raise GGUFError(f"GGUF file {path} is corrupt: it holds two tensors named {name!r}; names must be unique")
+        if offset % alignment:
+            raise GGUFError(
+                f"GGUF file {path} is corrupt: tensor {name!r} starts at data offset {offset}, "
+                f"not a multiple of the alignment {alignment}"
+            )
         if ggml_type not in _KNOWN_TYPES:
             raise GGUFError(f"GGUF file {path}: tensor {name!r} has unknown ggml type number {ggml_type}")
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        n = int(np.prod(shape)) if shape else 1
+        n = math.prod(shape)  # a Python int: numpy's int64 product would wrap for absurd shapes
         if shape and shape[-1] % block:
             raise GGUFError(
                 f"GGUF file {path} is corrupt: tensor {name!r} of type {info.type_name} has rows of "
@@ -198,8 +212,19 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         info.nbytes = n // block * block_bytes
         if offset + info.nbytes > len(data):
             raise GGUFError(
-                f"GGUF file {path} is truncated: tensor {name!r} ends at byte {data_start + offset + info.nbytes}, "
-                f"but the file has {size} bytes"
+                f"GGUF file {path} is truncated or corrupt: tensor {name!r} of shape {shape} ends at byte "
+                f"{data_start + offset + info.nbytes}, but the file has {size} bytes"
             )
         tensors[name] = info
     return GGUFFile(path, version, metadata, tensors, data)
+
+
+def _alignment(metadata: dict[str, object], path: Path) -> int:
+    """The file's `general.alignment`: a positive power of two (the spec stores it as a u32), else GGUFError."""
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(
+            f"GGUF file {path} is corrupt: general.alignment is {alignment!r}; "
+            f"it must be an integer power of two (a u32 such as {DEFAULT_ALIGNMENT})"
+        )
+    return alignment

@@ -17,9 +17,14 @@ Control tokens become special added tokens (matched whole, skipped when decoding
 
 from __future__ import annotations
 
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from ninefold.llm.gguf_reader import GGUFError
+
 CONTROL, USER_DEFINED = 3, 4
+# Special token ids that loaders compare and index with: each must be an integer when present.
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id")
 
 # Pre-tokenizer splits for byte-level vocabularies, by `tokenizer.ggml.pre`. Names not listed use
 # GPT-2's own split (the ByteLevel pre-tokenizer's regex).
@@ -54,36 +59,94 @@ def _byte_alphabet() -> dict[int, str]:
 def build_tokenizer(metadata: dict, source: str = "GGUF file") -> Tokenizer:
     """The `tokenizers.Tokenizer` described by GGUF `metadata` (keys `tokenizer.ggml.*`).
 
-    Raises ValueError naming the tokenizer model when it is not one of `SUPPORTED_MODELS`, or
-    when the vocabulary is missing.
+    Raises `GGUFError` (a ValueError) naming the key at fault when the tokenizer model is not one
+    of `SUPPORTED_MODELS`, the vocabulary is missing, or the metadata is malformed: tokens that are
+    not strings, token types or scores not one per token, merges not of the form ``"a b"`` or naming
+    tokens outside the vocabulary, special token ids that are not integers.
     """
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None or kind is None:
-        raise ValueError(f"{source} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-    types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = metadata.get("tokenizer.ggml.merges")
-    if kind == "gpt2":
-        tokenizer, spelled = _byte_level(tokens, merges, metadata.get("tokenizer.ggml.pre"))
-    elif kind == "llama":
-        tokenizer, spelled = _sentencepiece(tokens, merges, metadata.get("tokenizer.ggml.scores"), metadata)
-    else:
-        raise ValueError(
+        raise GGUFError(f"{source} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    if kind not in SUPPORTED_MODELS:
+        raise GGUFError(
             f"{source} describes a tokenizer of model {kind!r}; supported: {', '.join(SUPPORTED_MODELS)}"
         )
-    control = [
-        AddedToken(tok, normalized=False, special=True)
-        for tok, typ in zip(tokens, types)
-        if typ == CONTROL and spelled(tok)
-    ]
-    user = [AddedToken(tok, normalized=False, special=False) for tok, typ in zip(tokens, types) if typ == USER_DEFINED]
-    tokenizer.add_special_tokens(control)
-    tokenizer.add_tokens(user)
-    _set_post_processor(tokenizer, metadata, tokens)
+    _check_strings(tokens, "tokenizer.ggml.tokens", source)
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = [1] * len(tokens) if types is None else _per_token_numbers(types, "tokenizer.ggml.token_type", tokens, source)
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is not None:
+        _check_strings(merges, "tokenizer.ggml.merges", source)
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is not None:
+        scores = _per_token_numbers(scores, "tokenizer.ggml.scores", tokens, source)
+    for key in _TOKEN_ID_KEYS:
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer))):
+            raise GGUFError(f"{source}: tokenizer.ggml.{key} is {token_id!r}; a token id must be an integer")
+    if kind == "gpt2":
+        tokenizer, spelled = _byte_level(tokens, merges, metadata.get("tokenizer.ggml.pre"), source)
+    else:
+        tokenizer, spelled = _sentencepiece(tokens, merges, scores, metadata, source)
+    try:
+        control = [
+            AddedToken(tok, normalized=False, special=True)
+            for tok, typ in zip(tokens, types)
+            if typ == CONTROL and spelled(tok)
+        ]
+        user = [AddedToken(tok, normalized=False, special=False) for tok, typ in zip(tokens, types) if typ == USER_DEFINED]
+        tokenizer.add_special_tokens(control)
+        tokenizer.add_tokens(user)
+        _set_post_processor(tokenizer, metadata, tokens)
+    except Exception as error:  # the tokenizers library raises plain Exception and TypeError
+        raise _construction_error(error, source) from error
     return tokenizer
 
 
-def _byte_level(tokens: list[str], merges: list[str] | None, pre: str | None):
+def _check_strings(value, key: str, source: str) -> None:
+    """Refuse a metadata value that is not an array of strings."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+        found = type(value).__name__ if not isinstance(value, (list, tuple)) else "an array holding non-strings"
+        raise GGUFError(f"{source}: {key} is {found}; it must be an array of strings")
+
+
+def _per_token_numbers(value, key: str, tokens: list[str], source: str) -> list:
+    """`value` as a list of numbers, one per token, else GGUFError naming `key`."""
+    array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    if array is None or array.ndim != 1 or array.dtype.kind not in "iuf":
+        raise GGUFError(f"{source}: {key} is not an array of numbers; it must hold one number per token")
+    if len(array) != len(tokens):
+        raise GGUFError(
+            f"{source}: {key} has {len(array)} entries but tokenizer.ggml.tokens has {len(tokens)}; they must match"
+        )
+    return array.tolist()
+
+
+def _merge_pairs(merges: list[str], vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
+    """BPE merges ``"a b"`` as pairs, refusing a line without a space or naming a token not in `vocab`."""
+    pairs = []
+    for i, merge in enumerate(merges):
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise GGUFError(
+                f"{source}: tokenizer.ggml.merges[{i}] is {merge!r}; a merge must be two tokens separated by a space ('a b')"
+            )
+        for part in (left, right, left + right):
+            if part not in vocab:
+                raise GGUFError(
+                    f"{source}: tokenizer.ggml.merges[{i}] is {merge!r}, but {part!r} is not in tokenizer.ggml.tokens"
+                )
+        pairs.append((left, right))
+    return pairs
+
+
+def _construction_error(error: Exception, source: str) -> GGUFError:
+    first_line = (str(error).splitlines() or [""])[0]
+    return GGUFError(f"{source}: its tokenizer metadata is malformed ({type(error).__name__}: {first_line})")
+
+
+def _byte_level(tokens: list[str], merges: list[str] | None, pre: str | None, source: str):
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
 
@@ -91,9 +154,12 @@ def _byte_level(tokens: list[str], merges: list[str] | None, pre: str | None):
         return tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8", "surrogateescape"))
 
     vocab = {spell(tok): i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else _merges_from_order(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    split = PRE_TOKENIZER_SPLITS.get(pre or "")
+    pairs = _merge_pairs(merges, vocab, source) if merges is not None else _merges_from_order(vocab)
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as error:
+        raise _construction_error(error, source) from error
+    split = PRE_TOKENIZER_SPLITS.get(pre if isinstance(pre, str) else "")
     if split is None:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
@@ -105,16 +171,19 @@ def _byte_level(tokens: list[str], merges: list[str] | None, pre: str | None):
     return tokenizer, lambda tok: set(tok) <= letters
 
 
-def _sentencepiece(tokens: list[str], merges: list[str] | None, scores, metadata: dict):
+def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list | None, metadata: dict, source: str):
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if merges is not None:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = _merge_pairs(merges, vocab, source)
     else:
         rank = {tok: float(s) for tok, s in zip(tokens, scores)} if scores is not None else {t: -i for t, i in vocab.items()}
         pairs = _merges_from_scores(vocab, rank)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    except Exception as error:
+        raise _construction_error(error, source) from error
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     # Spaces become "▁", and every stretch of text between special tokens gets one "▁" in front, also when it
     # starts with a space: what llama.cpp (and sentencepiece's dummy prefix) do with these files. (transformers
