@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninefold import LLM, GuidedDecodingParams, SamplingParams
-from ninefold.llm.guided import TokenMasks
+from ninefold.llm.guided import TokenMasks, regex_machine
 from ninefold.llm.guided.regex_machine import RegexMachine
 
 CHARS = "ab-é. \n"
@@ -102,10 +102,11 @@ def test_complete_means_nothing_may_follow():
 
 @pytest.mark.parametrize("pattern, word", [
     (r"(a)\1", "backreferences"), (r"a(?=b)", "lookaround"), (r"\bword", "word boundaries"), (r"(?i)a", "flags"),
-    ("a{3,1}", "wrong way round"), ("a{5000}", "repetition counts"), ("*a", "nothing to repeat"), ("(a", "closed"),
-    ("a)", "unexpected"), ("[b-a]", "backwards"), (r"\q", "escape"), ("a^b", "inside the pattern"), ("", "non-empty"),
-    ("[abc", "ends early"), (r"\x4", "hex digits"), ("a++", "possessive"), ("a{2}+", "possessive"),
-    ("a{1}{2}", "multiple repeat"), ("a**", "multiple repeat"), (r"\12", "backreferences"),
+    ("a{3,1}", "min repeat greater than max"), ("a{5000}", "repetition counts"), ("*a", "nothing to repeat"),
+    ("(a", "unterminated subpattern"), ("a)", "unbalanced parenthesis"), ("[b-a]", "bad character range"),
+    (r"\q", "escape"), ("a^b", "inside the pattern"), ("", "non-empty"), ("[abc", "unterminated character set"),
+    (r"\x4", "incomplete escape"), ("a++", "possessive"), ("a{2}+", "possessive"),
+    ("a{1}{2}", "multiple repeat"), ("a**", "multiple repeat"), (r"\12", "invalid group reference"),
     ("(.?.?){900}", "more than"), ("(a?){300}", "ways to match open"), ("a\ud800", "unpaired UTF-16 surrogate"),
 ])
 def test_unsupported_or_broken_patterns_are_refused_by_name(pattern, word):
@@ -116,11 +117,50 @@ def test_unsupported_or_broken_patterns_are_refused_by_name(pattern, word):
 @pytest.mark.parametrize("pattern, texts", [
     (r"\d{,3}", ["", "4", "42", "421", "4213", "4{,3}"]), (r"\012|\0|\101", ["\n", "\0", "A", "\x0012"]),
     (r"[\s\S]+", ["a\n", " ", "é", ""]), (r"[^\W\d]+", ["ab_", "a1", "é"]), (r"x{,0}y", ["y", "xy"]),
+    (r"x{,}", ["", "x", "xx", "x{,}"]), (r"(?:ab){,}c", ["c", "ababc", "ab{,}c"]), (r"x{}", ["x{}", "x"]),
 ])
 def test_python_forms_read_as_re_reads_them(pattern, texts):
     machine = RegexMachine(pattern)
     for text in texts:
         assert _matches(machine, text) == bool(re.fullmatch(pattern, text, re.ASCII)), (pattern, text)
+
+
+@pytest.mark.parametrize("depth", [101, 400, 2000])
+def test_deeply_nested_groups_are_a_value_error_not_a_recursion_error(depth):
+    pattern = "(" * depth + "a" + ")" * depth
+    with pytest.raises(ValueError, match="regex.*nest"):
+        GuidedDecodingParams(regex=pattern)
+
+
+def test_groups_nested_up_to_the_limit_are_accepted():
+    depth = regex_machine.MAX_NESTING
+    machine = RegexMachine("(?:" * depth + "a" + ")" * depth)
+    assert _matches(machine, "a") and not _matches(machine, "aa")
+
+
+@pytest.mark.parametrize("pattern, word", [
+    (r"\777", "outside of range"), (r"\U00110000", "bad escape"), (r"[\d-z]", "bad character range"),
+    (r"[a-\w]", "bad character range"), (r"(?P<1>a)", "group name"), (r"(?P<>a)", "group name"),
+    (r"[^\x00-\U0010FFFF]", "no text matches"), (r"a(?:[^\x00-\U0010FFFF]|b[^\s\S])c", "no text matches"),
+    (r"[\ud800-\udfff]+", "no text matches"),
+])
+def test_invalid_or_unmatchable_patterns_are_refused(pattern, word):
+    with pytest.raises(ValueError, match=f"guided_decoding.regex.*{word}"):
+        GuidedDecodingParams(regex=pattern)
+
+
+@pytest.mark.parametrize("pattern, word", [
+    (r"\777", "above"), (r"\U00110000", "above"), (r"[\d-z]", "cannot start a range"),
+    (r"[a-\w]", "cannot end a range"), (r"[a-\D]", "cannot end a range"), (r"(?P<1>a)", "not an identifier"),
+])
+def test_the_parser_itself_refuses_escapes_re_refuses(pattern, word):
+    with pytest.raises(ValueError, match=f"regex.*{word}"):
+        regex_machine._Parser(pattern).parse()
+
+
+def test_patterns_with_an_unmatchable_branch_still_compile():
+    machine = RegexMachine(r"a|[^\x00-\U0010FFFF]|(?P<n_1>b)\377")
+    assert _matches(machine, "a") and _matches(machine, "b\xff") and not _matches(machine, "")
 
 
 def test_size_limits():

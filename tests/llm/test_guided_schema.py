@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninefold import LLM, GuidedDecodingParams, SamplingParams
-from ninefold.llm.guided import SchemaMachine, TokenMasks
+from ninefold.llm.guided import SchemaMachine, TokenMasks, schema_machine
 
 jsonschema = pytest.importorskip("jsonschema")  # a dev dependency; where it is missing, skip rather than error
 
@@ -332,3 +332,88 @@ def test_type_beside_enum_or_const_keeps_the_members_of_that_type():
         for text in refused:
             state = m.advance(m.start, text.encode())
             assert state is None or not m.may_end(state), (schema, text)
+
+
+def _words(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct lowercase words, many sharing prefixes (and some whole words prefixes of others)."""
+    rng = random.Random(seed)
+    words: set[str] = set()
+    while len(words) < count:
+        words.add("".join(rng.choice("abc") for _ in range(rng.randint(1, 8))))
+    return sorted(words)
+
+
+def test_enums_over_the_member_or_byte_caps_are_refused_by_name():
+    cap = schema_machine.MAX_ENUM_MEMBERS
+    SchemaMachine({"enum": list(range(cap))})
+    with pytest.raises(ValueError, match=f"enum has {cap + 1} members; at most {cap}"):
+        SchemaMachine({"enum": list(range(cap + 1))})
+    with pytest.raises(ValueError, match=f"enum has {cap + 1} members; at most {cap}"):
+        SchemaMachine({"type": "integer", "enum": list(range(cap + 1))})
+    long = ["x" * 1000 + str(i) for i in range(70)]  # about 70,000 bytes in one enum
+    with pytest.raises(ValueError, match=f"enum: .* bytes .*; at most {schema_machine.MAX_ENUM_BYTES}"):
+        SchemaMachine({"enum": long})
+    spread = {"type": "object", "properties": {f"p{i}": {"enum": long[i * 10:i * 10 + 10]} for i in range(7)}}
+    with pytest.raises(ValueError, match="bytes of enum members in the schema"):
+        SchemaMachine(spread)
+
+
+class _NoScan(tuple):
+    """Enum members that fail the test when anything walks through all of them."""
+
+    def __iter__(self):
+        raise AssertionError("scanned every enum member")
+
+    def __contains__(self, item):
+        raise AssertionError("scanned every enum member")
+
+
+def _reference_enum_step(members, prefix: bytes, byte: int, nested: bool):
+    """What an enum frame holding ``prefix`` does with ``byte``, by scanning every member: ``"whole"`` (a member nothing
+    longer continues), ``"more"`` (still a prefix of a member), ``"ends"`` (ends a member; the byte goes on to the
+    value that holds it) or None."""
+    nxt = prefix + bytes((byte,))
+    if any(m.startswith(nxt) for m in members):
+        return "whole" if nxt in members and not any(m != nxt and m.startswith(nxt) for m in members) else "more"
+    return "ends" if nested and prefix in members else None
+
+
+def test_enum_steps_use_a_binary_search_and_agree_with_scanning_every_member():
+    words = _words(1000)
+    machine = SchemaMachine({"type": "array", "items": {"enum": words}})
+    enum_index = next(i for i, node in enumerate(machine.nodes) if node[0] == "enum" and len(node[1]) == len(words))
+    members = machine.nodes[enum_index][1]
+    machine.nodes[enum_index] = ("enum", _NoScan(members))
+    outer = machine.advance(machine.start, b"[")
+    prefixes = {m[:k] for m in members for k in range(1, len(m) + 1)}
+    for prefix in sorted(prefixes)[:400] + [b'"', b'"a"', b'"abc"', b'"cc']:
+        state = outer[:-1] + (("array", outer[-1][1], "after", 1, 0), ("enum", enum_index, prefix))
+        for byte in b'"abcd,] ':
+            got = machine.step(state, byte)
+            expected = _reference_enum_step(members, prefix, byte, nested=True)
+            if expected == "whole":
+                assert got == state[:-1], (prefix, byte)
+            elif expected == "more":
+                assert got == state[:-1] + (("enum", enum_index, prefix + bytes((byte,))),), (prefix, byte)
+            elif expected == "ends":
+                assert got == machine.step(state[:-1], byte), (prefix, byte)
+            else:
+                assert got is None, (prefix, byte)
+
+
+def test_masks_over_a_large_enum_match_a_brute_force_check():
+    words = _words(1000, seed=1)
+    vocab = [None, b'"', b'",', b'"]', b"[", b"]", b",", b" ", b"a", b"b", b"c", b"ab", b"abc", b"ca", b'"a', b'c"']
+    checked, completed = _walk_against_brute_force(SchemaMachine({"type": "array", "items": {"enum": words}}),
+                                                    vocab, random.Random(2))
+    assert checked == 400 and completed > 0
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "default": {1, 2}}, {"type": "string", "examples": [b"x"]},
+    {"type": "object", "properties": {"a": {"type": "integer", "description": object()}}},
+    {"type": "string", "title": {(1, 2): "tuple key"}},
+])
+def test_schemas_holding_values_that_are_not_json_are_value_errors(schema):
+    with pytest.raises(ValueError, match="guided_decoding.json: the schema is not JSON"):
+        GuidedDecodingParams(json=schema)

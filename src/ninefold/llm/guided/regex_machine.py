@@ -6,12 +6,15 @@ UTF-8 text is matched by character as ``re`` matches it. Supported: literals and
 their negations, ``\\n \\t \\r \\f \\v``, ``\\xHH``, ``\\uXXXX``, escaped metacharacters), classes ``[...]`` and
 ``[^...]`` with ranges, ``.`` (any character but a newline), groups ``(...)``, ``(?:...)`` and
 ``(?P<name>...)``, alternation, and the quantifiers ``* + ? {m} {m,} {m,n}`` (lazy or not: the same
-language); a leading ``^`` and a trailing ``$`` are accepted (the whole output matches anyway). ``\\d \\w \\s``
+language; ``{,}`` is ``{0,}``); a leading ``^`` and a trailing ``$`` are accepted (the whole output matches anyway). ``\\d \\w \\s``
 are ASCII classes (as with ``re.ASCII``). Anything else
-(backreferences, lookaround, ``\\b``, inline flags) is a ValueError naming it.
+(backreferences, lookaround, ``\\b``, inline flags) is a ValueError naming it, and so is a pattern that ``re`` refuses,
+one nested more than ``MAX_NESTING`` groups deep, or one that no text can match.
 """
 
 from __future__ import annotations
+
+import re
 
 from ninefold.llm.guided.json_machine import steps
 from ninefold.llm.unicode import UNPAIRED_SURROGATE, is_valid_unicode
@@ -21,6 +24,8 @@ MAX_STATES = 4000  # NFA positions (bounded repetition copies its body)
 MAX_ACTIVE = 256  # positions one character may leave the match at (checked per position at compile time)
 MAX_MOVES = 1 << 20  # positions held by the cache of moves, all entries together
 MAX_REPEAT = 1000
+MAX_NESTING = 100  # groups inside groups (the parser and the compiler recurse per level)
+MAX_CODE = 0x10FFFF
 
 _DIGITS = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
@@ -61,6 +66,7 @@ class _Parser:
     def __init__(self, pattern: str):
         self.text = pattern
         self.i = 0
+        self.depth = 0  # groups open at self.i
 
     def fail(self, what: str):
         raise ValueError(f"guided_decoding.regex: {what} at position {self.i} of {self.text[:80]!r}")
@@ -126,7 +132,7 @@ class _Parser:
         parts = inner.split(",")
         if end < 0 or len(parts) > 2 or not all(p.isdigit() or p == "" for p in parts):
             return False
-        return bool(parts[0]) or (len(parts) == 2 and bool(parts[1]))  # {m} {m,} {m,n} {,n}
+        return bool(parts[0]) or len(parts) == 2  # {m} {m,} {m,n} {,n} {,}
 
     def _counts(self) -> tuple[int, int | None]:
         end = self.text.index("}", self.i)
@@ -143,6 +149,8 @@ class _Parser:
     def atom(self):
         c = self.take()
         if c == "(":
+            if self.depth >= MAX_NESTING:
+                self.fail(f"groups nested more than {MAX_NESTING} deep are not supported")
             if self.peek() == "?":
                 self.i += 1
                 kind = self.take()
@@ -150,10 +158,15 @@ class _Parser:
                     end = self.text.find(">", self.i)
                     if end < 0:
                         self.fail("a group name is not closed")
+                    name = self.text[self.i + 1:end]
+                    if not name.isidentifier():
+                        self.fail(f"the group name {name!r} is not an identifier")
                     self.i = end + 1
                 elif kind != ":":
                     self.fail(f"(?{kind} (lookaround, flags or other extensions) is not supported")
+            self.depth += 1
             node = self.alternation()
+            self.depth -= 1
             if self.peek() != ")":
                 self.fail("a group is not closed")
             self.i += 1
@@ -185,6 +198,8 @@ class _Parser:
                 digits += self.take()
             if c != "0" and len(digits) < 3:
                 self.fail("backreferences are not supported")
+            if int(digits, 8) > 0o377:
+                self.fail(f"the octal escape \\{digits} is above \\377")
             return CharSet(((int(digits, 8),) * 2,))
         if c.isdigit():
             self.fail("backreferences are not supported")
@@ -195,6 +210,8 @@ class _Parser:
                 self.fail(f"\\{c} needs {digits} hex digits")
             self.i += digits
             value = int(code, 16)
+            if value > MAX_CODE:
+                self.fail(f"\\{c}{code} is above U+10FFFF")
             return CharSet(((value, value),))
         if c.isalnum() and c not in _CHAR_ESCAPES:
             self.fail(f"the escape \\{c} is not supported")
@@ -219,6 +236,8 @@ class _Parser:
                 if len(part.ranges) == 1 and part.ranges[0][0] == part.ranges[0][1]:
                     low = part.ranges[0][0]
                 else:
+                    if self.peek() == "-" and self.i + 1 < len(self.text) and self.text[self.i + 1] != "]":
+                        self.fail("a class escape (\\d, \\w, \\s, ...) cannot start a range")
                     ranges.extend(part.ranges)
                     continue
             else:
@@ -226,13 +245,20 @@ class _Parser:
             if self.peek() == "-" and self.i + 1 < len(self.text) and self.text[self.i + 1] != "]":
                 self.i += 1
                 c = self.take()
-                high = self._escape().ranges[0][0] if c == "\\" else ord(c)
+                high = self._range_end() if c == "\\" else ord(c)
                 if high < low:
                     self.fail("a class range is backwards")
                 ranges.append((low, high))
             else:
                 ranges.append((low, low))
         return CharSet(ranges, negated)
+
+    def _range_end(self) -> int:
+        """The character of an escape that ends a class range; a class escape (``\\d``, ...) is refused."""
+        part = self._escape()
+        if part.negated or len(part.ranges) != 1 or part.ranges[0][0] != part.ranges[0][1]:
+            self.fail("a class escape (\\d, \\w, \\s, ...) cannot end a range")
+        return part.ranges[0][0]
 
 
 class RegexMachine:
@@ -245,12 +271,14 @@ class RegexMachine:
             raise ValueError(f"guided_decoding.regex: {len(pattern)} characters; at most {MAX_PATTERN}")
         if not is_valid_unicode(pattern):  # no output text can contain an unpaired surrogate
             raise ValueError(f"guided_decoding.regex: {UNPAIRED_SURROGATE} ({pattern[:40]!a})")
+        _check_python_accepts(pattern)
         tree = _Parser(pattern).parse()
         self.edges: list[list[tuple[CharSet, int]]] = []  # per position: (characters, next position)
         self.empty: list[list[int]] = []  # per position: positions reached without a character
         start, self.accept = self._build(tree)
         self.key = ("regex", pattern)
         self.start = (self._closure({start}), b"")
+        self._check_reachable(start, pattern)
         self._check_activity(start)
         self._moves: dict[tuple[frozenset, int], frozenset] = {}
         self._moved = 0  # positions held by _moves
@@ -324,6 +352,22 @@ class RegexMachine:
                                              "to match open at once (optional parts repeated many times); "
                                              "not supported")
 
+    def _check_reachable(self, start: int, pattern: str) -> None:
+        """Refuse a pattern that no text matches (``[^\\x00-\\U0010FFFF]``): the accept position cannot be reached
+        from the start through empty moves and characters some UTF-8 text can hold."""
+        seen, todo = {start}, [start]
+        while todo:
+            position = todo.pop()
+            nexts = list(self.empty[position])
+            nexts += [nxt for chars, nxt in self.edges[position] if _has_scalar(chars)]
+            for nxt in nexts:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        if self.accept not in seen:
+            raise ValueError(f"guided_decoding.regex: no text matches {pattern[:80]!r}; expected a pattern that "
+                             "some text matches")
+
     def _closure(self, positions) -> frozenset:
         seen, todo = set(positions), list(positions)
         while todo:
@@ -388,6 +432,22 @@ class RegexMachine:
     @staticmethod
     def in_string(state) -> bool:
         return False
+
+
+def _check_python_accepts(pattern: str) -> None:
+    """Refuse what Python's ``re`` refuses, with its message."""
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"guided_decoding.regex: {pattern[:80]!r} is not a valid regular expression ({error})") from None
+    except RecursionError:
+        raise ValueError(f"guided_decoding.regex: {pattern[:80]!r} nests too deeply; at most {MAX_NESTING} groups "
+                         "inside each other") from None
+
+
+def _has_scalar(chars: CharSet) -> bool:
+    """Whether ``chars`` holds a character that UTF-8 text can carry (not a surrogate, not past U+10FFFF)."""
+    return chars.meets(0, 0xD7FF) or chars.meets(0xE000, MAX_CODE)
 
 
 def _completions(pending: bytes, need: int) -> tuple[int, int] | None:

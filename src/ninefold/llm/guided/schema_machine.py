@@ -9,7 +9,8 @@ false: ``{}``), ``items``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``an
 
 Restrictions, each refused rather than half-honoured: ``enum``, ``const``, ``anyOf``, ``oneOf`` and
 ``$ref`` stand alone (no other keywords beside them but annotations; ``type`` beside ``enum``/``const`` keeps the
-members of that type); anyOf/oneOf alternatives must
+members of that type; an enum holds at most ``MAX_ENUM_MEMBERS`` members, and all enums at most ``MAX_ENUM_BYTES``
+bytes); anyOf/oneOf alternatives must
 start with different bytes, except objects told apart by a discriminator (their first property, required
 in each, named alike, whose const/enum strings differ: how tool calls and tagged unions look); keywords of another type (``items`` on an object, ...) and ``required``
 without ``properties`` are refused; ``$id`` only at the root. What is generated is narrower than what
@@ -22,6 +23,7 @@ bytes. A state is a tuple of frames, innermost last; the empty tuple means the v
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 
 from ninefold.llm.guided.json_machine import (
     DIGITS,
@@ -41,6 +43,8 @@ _VALUE_FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123
 MAX_NODES = 2048
 MAX_WORK = 8192  # subschemas compiled, at most
 MAX_DEPTH = 64
+MAX_ENUM_MEMBERS = 1024  # one enum's members (as guided choice's MAX_CHOICES)
+MAX_ENUM_BYTES = 1 << 16  # all enum members of a schema together, compact JSON (as MAX_CHOICE_BYTES)
 SUPPORTED = frozenset(("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
                        "enum", "const", "anyOf", "oneOf", "$ref"))
 _FOR_OBJECTS = frozenset(("properties", "required", "additionalProperties"))
@@ -53,6 +57,12 @@ def _compact(value, where: str) -> bytes:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     except (TypeError, ValueError, UnicodeEncodeError) as error:
         raise ValueError(f"json_schema: {where}: {value!r} is not a JSON value this can match ({error})") from None
+
+
+def _is_member(members: tuple, value: bytes) -> bool:
+    """Whether ``value`` is one of the sorted ``members`` (a binary search)."""
+    i = bisect_left(members, value)
+    return i < len(members) and members[i] == value
 
 
 def _has_type(value, kind: str) -> bool:
@@ -72,6 +82,7 @@ class SchemaMachine:
     def __init__(self, schema: dict):
         self.nodes: list[tuple] = []
         self._work = 0
+        self._enum_bytes = 0  # enum members compiled so far, compact JSON bytes
         # the nodes of values the schema leaves open: any value, any object, any array, the three literals
         self.any = self._add(("any",))
         self.any_object = self._add(("object", None, frozenset()))
@@ -89,7 +100,11 @@ class SchemaMachine:
         root_node = self._compile(schema, "schema", (), 0)
         self.start = (("value", root_node, 0),)
         # property order matters to the recognizer, so the key keeps the schema's own order
-        self.key = ("json_schema", json.dumps(schema))
+        try:
+            self.key = ("json_schema", json.dumps(schema))
+        except (TypeError, ValueError, RecursionError) as error:  # an annotation holding a non-JSON value
+            raise ValueError(f"guided_decoding.json: the schema is not JSON ({str(error)[:200]}); expected JSON "
+                             "values only (dicts, lists, strings, numbers, booleans, None)") from None
 
     # -- compiling -------------------------------------------------------------------------------
 
@@ -199,7 +214,7 @@ class SchemaMachine:
         values = schema["enum"]
         if not isinstance(values, list) or not values:
             raise ValueError(f"json_schema: {where}: enum must be a non-empty list")
-        return self._add(("enum", tuple(sorted({_compact(v, f"{where}: enum") for v in values}))))
+        return self._add_enum(values, "enum", where)
 
     def _compile_typed_enum(self, schema: dict, keyword: str, where: str) -> int:
         """``enum``/``const`` beside ``type``: the members that also have one of the types."""
@@ -212,7 +227,18 @@ class SchemaMachine:
         kept = [v for v in values if any(_has_type(v, k) for k in kinds)]
         if not kept:
             raise ValueError(f"json_schema: {where}: no {keyword} value is of type {schema['type']!r}")
-        return self._add(("enum", tuple(sorted({_compact(v, f"{where}: {keyword}") for v in kept}))))
+        return self._add_enum(kept, keyword, where)
+
+    def _add_enum(self, values: list, keyword: str, where: str) -> int:
+        """An enum node of ``values`` as sorted compact JSON, within MAX_ENUM_MEMBERS and MAX_ENUM_BYTES."""
+        if len(values) > MAX_ENUM_MEMBERS:
+            raise ValueError(f"json_schema: {where}: {keyword} has {len(values)} members; at most {MAX_ENUM_MEMBERS}")
+        members = tuple(sorted({_compact(v, f"{where}: {keyword}") for v in values}))
+        self._enum_bytes += sum(map(len, members))
+        if self._enum_bytes > MAX_ENUM_BYTES:
+            raise ValueError(f"json_schema: {where}: {keyword}: {self._enum_bytes} bytes of enum members in the "
+                             f"schema (compact JSON); at most {MAX_ENUM_BYTES}")
+        return self._add(("enum", members))
 
     def _compile_const(self, schema: dict, where: str, refs: tuple, depth: int) -> int:
         return self._add(("enum", (_compact(schema["const"], f"{where}: const"),)))
@@ -332,7 +358,7 @@ class SchemaMachine:
         frame = state[0]
         if frame[0] == "number":
             return frame[2] in NUMBER_ENDS
-        return frame[0] == "enum" and frame[2] in self.nodes[frame[1]][1]
+        return frame[0] == "enum" and _is_member(self.nodes[frame[1]][1], frame[2])
 
     def cache_key(self, state: tuple) -> tuple:
         """``state`` with each unbounded array's element count capped at its minimum (past it, more elements
@@ -374,13 +400,14 @@ class SchemaMachine:
         return None
 
     def _enum(self, rest: tuple, frame: tuple, byte: int) -> tuple | None:
-        members = self.nodes[frame[1]][1]
+        members = self.nodes[frame[1]][1]  # sorted: the members starting with a prefix are a run from bisect_left
         prefix = frame[2] + bytes((byte,))
-        if any(m.startswith(prefix) for m in members):
-            if prefix in members and not any(len(m) > len(prefix) and m.startswith(prefix) for m in members):
+        i = bisect_left(members, prefix)
+        if i < len(members) and members[i].startswith(prefix):
+            if members[i] == prefix and not (i + 1 < len(members) and members[i + 1].startswith(prefix)):
                 return rest  # a whole member nothing longer continues
             return rest + (("enum", frame[1], prefix),)
-        if frame[2] in members and rest:  # a member that a longer one could have continued: it ends here
+        if rest and _is_member(members, frame[2]):  # a member that a longer one could have continued: it ends here
             return self.step(rest, byte)
         return None
 
