@@ -52,8 +52,8 @@ def test_four_ranks_give_one_engines_tokens_under_every_split(llama_dir, device)
     assert more["per_prompt"] == want and len(want[0]) == 2
     # A decode worker that fails mid-call: the call raises naming it, and the next call is not handed the
     # other decode worker's stale reply (it was left unread before, and then taken for the next call's).
-    assert more["failed"] == ("decode worker 2 failed: ValueError: prompt: token id(s) [1000000, 1000000, 1000000, "
-                              "1000000, 1000000] out of the vocabulary range [0, 320)")
+    assert more["failed"] == ("decode worker 2 failed: ValueError: prompt_token_ids[0]: prompt: token id(s) [1000000, "
+                              "1000000, 1000000, 1000000, 1000000] out of the vocabulary range [0, 320)")
     assert more["after_failure"] == reference
     assert more["after_shutdown"] == "generate: this router was shut down"
 

@@ -360,6 +360,7 @@ def _decode(comm, llm, jobs: list) -> dict:
     nothing_ran = False  # after the last step, no sequence was running
     engine.stream_outputs = False
     try:
+        requests = {i: _build_request(engine, i, ids, params) for i, ids, params, _ in jobs}  # bad input fails first
         while added < len(jobs) or engine.has_unfinished_requests():
             _take(arrived, received, wait=not received and not engine.has_unfinished_requests())
             started = time.perf_counter()
@@ -368,7 +369,7 @@ def _decode(comm, llm, jobs: list) -> dict:
             if received and _fits(engine, *by_index[received[0][0]], received[0][1], held):
                 i, prefix = received.popleft()
                 ids, params = by_index[i]
-                request = engine.build_request(ids, params, request_id=_request_id(i))
+                request = requests[i]
                 arrived_tokens[i] = prefix.num_tokens
                 try:
                     import_prefix(engine, prefix)
@@ -410,6 +411,16 @@ def _decode(comm, llm, jobs: list) -> dict:
     return {"results": results, "errors": errors, "lost": lost,
             "cost": {"seconds": busy, "tokens": sum(len(c.token_ids) for r in results for c in r.outputs),
                      "steps": steps, "steps_while_receiving": overlapped}}
+
+
+def _build_request(engine, i: int, ids: list[int], params: SamplingParams):
+    """Request ``i`` built by ``engine``; its errors name the prompt's index in the call."""
+    try:
+        return engine.build_request(ids, params, request_id=_request_id(i))
+    except ValueError as e:
+        raise ValueError(f"prompt_token_ids[{i}]: {e}") from e
+    except TypeError as e:
+        raise TypeError(f"prompt_token_ids[{i}]: {e}") from e
 
 
 def _take(arrived: queue.Queue, received: collections.deque, *, wait: bool) -> None:
