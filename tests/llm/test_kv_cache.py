@@ -192,6 +192,17 @@ def _greedy(engine, prompt, rid, n=1, new=6):
                                                                    ignore_eos=True), rid))
 
 
+def _fail_next_launch(engine, monkeypatch):
+    """The engine's next launch raises (as a CUDA out-of-memory error would); the one after runs."""
+    launch = engine.runner.launch
+
+    def fail_once(*args):
+        monkeypatch.setattr(engine.runner, "launch", launch)
+        raise RuntimeError("injected launch failure")
+
+    monkeypatch.setattr(engine.runner, "launch", fail_once)
+
+
 def _run(engine):
     done = {}
     while engine.has_unfinished_requests():
@@ -230,13 +241,7 @@ def test_a_step_that_fails_to_launch_takes_back_the_blocks_registered_for_it(lla
     engine = LLMEngine(str(llama_dir), device="cpu", block_size=4, async_scheduling=False)
     _greedy(engine, prompt, "a")
     _greedy(engine, [*prompt, 1], "b")
-    launch = engine.runner.launch
-
-    def fail_once(*args):
-        monkeypatch.setattr(engine.runner, "launch", launch)
-        raise RuntimeError("injected launch failure")
-
-    monkeypatch.setattr(engine.runner, "launch", fail_once)
+    _fail_next_launch(engine, monkeypatch)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     b = engine.requests["b"].seqs[0]
@@ -275,13 +280,7 @@ def test_a_failed_launch_leaves_a_sequence_holding_its_own_copy_of_a_taken_back_
             step()
         add("A", prompt, 3)
         if fail:
-            launch = engine.runner.launch
-
-            def fail_once(*args):
-                monkeypatch.setattr(engine.runner, "launch", launch)
-                raise RuntimeError("injected launch failure")
-
-            monkeypatch.setattr(engine.runner, "launch", fail_once)
+            _fail_next_launch(engine, monkeypatch)
             with pytest.raises(RuntimeError, match="injected"):
                 step()
         while engine.has_unfinished_requests():

@@ -122,10 +122,7 @@ class BlockManager:
         ``seq.num_cached_tokens`` count prompt tokens at the first admission only (a sequence readmitted after
         a preemption finds its own output's blocks too)."""
         blocks = [block for block, _ in hits]
-        for block in blocks:
-            self._evictable.pop(block, None)
-        if blocks:
-            self.pool.incref(blocks)
+        self._take(blocks)
         seq.block_table = blocks
         seq.block_hashes = [h for _, h in hits]
         seq.prefix_memo = None
@@ -236,9 +233,7 @@ class BlockManager:
                 continue
             self._by_hash[hashes[b]] = (block, chain[b][0])
             self._hash_of[block] = hashes[b]
-        for block in reversed(kept + new):  # the allocation's reference is the cache's own; heads evicted last
-            if block in self._hash_of and self.pool.ref_count(block) == 1:
-                self._evictable[block] = None
+        self._mark_evictable(kept + new)  # the allocation's reference is the cache's own; heads evicted last
         return max(needed, 0)
 
     def hold(self, token_ids: list[int]) -> list[int]:
@@ -246,16 +241,24 @@ class BlockManager:
         :meth:`release`, as a sequence holding them would; returns them. An imported prefix is held so until the
         request that reuses it is admitted."""
         blocks = self.cached_blocks(token_ids)
-        for block in blocks:
-            self._evictable.pop(block, None)
-        if blocks:
-            self.pool.incref(blocks)
+        self._take(blocks)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
         """Undo :meth:`hold`: blocks that nothing else holds become evictable again, tail blocks first in line."""
         if blocks:
             self.pool.free(blocks)
+        self._mark_evictable(blocks)
+
+    def _take(self, blocks: list[int]) -> None:
+        """One more reference on each of ``blocks`` (cached ones among them are no longer evictable)."""
+        for block in blocks:
+            self._evictable.pop(block, None)
+        if blocks:
+            self.pool.incref(blocks)
+
+    def _mark_evictable(self, blocks: list[int]) -> None:
+        """The cached ones of ``blocks`` that only the cache holds become evictable, the last one first in line."""
         for block in reversed(blocks):
             if block in self._hash_of and self.pool.ref_count(block) == 1:
                 self._evictable[block] = None
