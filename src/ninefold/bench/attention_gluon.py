@@ -303,6 +303,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=90.0,
                         help="seconds per configuration, each run in its own process (a deadlocked pipeline is killed)")
     parser.add_argument("--in-process", action="store_true", help="run the configurations in this process")
+    parser.add_argument("--dsl", action="store_true",
+                        help="also time the DSL's attention under each fa3 configuration (ninefold.dsl.backends.gluon) "
+                             "and as the tuner picks it")
     args = parser.parse_args(argv)
     indices = range(len(CONFIGS)) if args.configs is None else [int(i) for i in args.configs.split(",")]
     configs = [CONFIGS[i] for i in indices]
@@ -316,7 +319,7 @@ def main(argv=None) -> int:
         failed = False
         for i in indices:
             command = [sys.executable, "-m", "ninefold.bench.attention_gluon", "--in-process", "--configs", str(i),
-                       "--shape", args.shape]
+                       "--shape", args.shape] + (["--dsl"] if args.dsl and i == indices[0] else [])
             try:
                 failed |= subprocess.run(command, timeout=args.timeout, check=False).returncode != 0
             except subprocess.TimeoutExpired:
@@ -359,9 +362,47 @@ def main(argv=None) -> int:
                      "err_vs_fp64": err64})
         print(f"{label}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s ({t_torch / t:.1%} of torch); "
               f"max err vs fp64 head {err64:.4f}, vs torch {err:.4f}; first call {time.time() - t0:.1f} s", flush=True)
-    write_json(f"attention_gluon_{'_'.join(map(str, indices))}.json",
+    if args.dsl:
+        failed |= _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows)
+    write_json(f"attention_gluon_{'_'.join(map(str, indices))}_{B}x{H}x{S}x{D}.json",
                {"device": torch.cuda.get_device_name(), "shape": [B, H, S, D], "torch_us": t_torch * 1e3, "rows": rows})
     return 1 if failed else 0
+
+
+def _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows) -> bool:
+    """The DSL's attention (``ninefold.ops.kernels.attention``) under each fa3 configuration, then tuned."""
+    from ninefold.dsl.backends import gluon
+    from ninefold.ops.kernels import attention
+
+    o = torch.empty_like(q)
+    bound = attention.kernel.bind((q, k, v, q.shape[-1] ** -0.5, True, o), {}, backend="triton")
+    why = gluon.reason(attention.kernel, bound)
+    if why is not None:
+        print(f"DSL fa3: not applicable ({why})", flush=True)
+        return True
+    failed = False
+    runs = [(f"DSL fa3 {c}", lambda c=c: gluon.launch(attention.kernel, bound, c)) for c in gluon.configs(attention.kernel, bound)]
+    runs.append(("DSL tuned", lambda: attention.kernel(q, k, v, q.shape[-1] ** -0.5, True, o)))
+    for label, run in runs:
+        t0 = time.time()
+        o.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        err64 = (o[h].double() - ref64).abs().max().item()
+        err = (o.float() - ref.float()).abs().max().item()
+        if not (err64 <= TOLERANCE and err <= 2 * TOLERANCE):
+            print(f"{label}: WRONG (max error {err64:.4f} against float64, {err:.4f} against torch)", flush=True)
+            failed = True
+            continue
+        t = triton.testing.do_bench(run)
+        rows.append({"config": label, "us": t * 1e3, "tflops": flops / t / 1e9, "of_torch": t_torch / t, "err_vs_fp64": err64})
+        print(f"{label}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s ({t_torch / t:.1%} of torch); max err vs fp64 "
+              f"{err64:.4f}; first call {first:.1f} s", flush=True)
+    from ninefold.dsl.tuning import _MEMO
+    picked = [v for v in _MEMO.values()]
+    print(f"DSL tuner picked: {picked[-1] if picked else None}", flush=True)
+    return failed
 
 
 if __name__ == "__main__":

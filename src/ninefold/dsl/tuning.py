@@ -55,6 +55,7 @@ def tuning_key(kernel, bound) -> str:
                  + (f",{sorted(kernel.cache_hints.items())}" if kernel.cache_hints else ""))
     device = torch.cuda.get_device_name(bound.device) if bound.device.type == "cuda" else str(bound.device)
     parts.append(f"device={device}")
+    parts.append(f"gluon={os.environ.get('NINEFOLD_DSL_GLUON', '1') != '0'}")
     parts.append(f"triton={triton.__version__}")
     return "|".join(parts)
 
@@ -105,6 +106,10 @@ def candidates(kernel, bound, sm_count=132) -> list[dict]:
             # consumer warpgroups), 2 stages (3-4 computed NaN on the H200; the tuner does not check
             # results, so a candidate must be right by construction)
             out += [dict(c, tma="rows", ws=True, num_warps=4, num_stages=2) for c in chosen]
+    if bound.device.type == "cuda":
+        from ninefold.dsl.backends import gluon
+
+        out += gluon.configs(kernel, bound)  # flash-attention-form applications on sm_90 (Gluon, FA3's schedule)
     return out
 
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from ninefold.dsl import aot
-from ninefold.dsl.backends import triton_startup
+from ninefold.dsl.backends import gluon, triton_startup
 from ninefold.dsl.backends.launch import argument_values, grid_size, prepare
 from ninefold.dsl.backends.triton_codegen import _implied_strides, descriptor
 
@@ -84,7 +84,10 @@ def launcher(kernel, bound, args):
     costs a list copy and the launch: on CUDA, of the compiled kernel itself (see
     ``_compiled_runner``), elsewhere (the interpreter) through ``function[grid]``.
     """
-    function, grid, template, num_warps, num_stages = _entry(kernel, bound, _config(kernel, bound))
+    config = _config(kernel, bound)
+    if config.get("schedule") == "fa3":
+        return gluon.launcher(kernel, bound, config, args)
+    function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
     if grid == 0:
         return _nothing
     positions = {p.name: i for i, p in enumerate(p for p in kernel.params if p.passed)}
@@ -189,6 +192,8 @@ def launch(kernel, bound, config):
 
     Everything but the tensors and scalars is computed once per sizes, strides and config.
     """
+    if config.get("schedule") == "fa3":
+        return gluon.launch(kernel, bound, config)
     function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
     if grid == 0:
         return
@@ -218,6 +223,8 @@ def _arguments(template, bound):
 
 def warm(kernel, bound, config):
     """Compile ``config`` without launching it (the tuner compiles its candidates in parallel)."""
+    if config.get("schedule") == "fa3":
+        return gluon.warm(kernel, bound, config)
     function, grid, template, num_warps, num_stages = _entry(kernel, bound, config)
     args = _arguments(template, bound)
     with torch.cuda.device(bound.device) if bound.device.type == "cuda" else _null():

@@ -1,0 +1,197 @@
+"""The fa3 schedule: flash-attention-form applications lowered to Gluon (compiled here for sm_90, run on a GPU)."""
+
+import ast
+
+import pytest
+import torch
+
+import ninefold.dsl as nd
+import ninefold.dsl.language as nl
+from ninefold.bench.dsl import _attention_one_loop
+from ninefold.dsl import Tensor
+from ninefold.dsl.backends import gluon
+from ninefold.dsl.backends.gluon_values import Unsupported
+from ninefold.dsl.compiler.online_softmax import NotInForm, match
+from ninefold.dsl.examples import mm_kernel, softmax_rows_kernel
+from ninefold.ops.kernels import attention
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+
+def _tensor_names(kernel):
+    return [p.name for p in kernel.params if not p.is_scalar]
+
+
+def test_the_ops_attention_is_in_the_form():
+    form = match(attention.kernel.app, _tensor_names(attention.kernel))
+    assert (form.query, form.key, form.value, form.out) == ("q", "k", "v", "o")
+    assert (form.operand, form.accumulator) == ("q_scaled", "acc")
+    assert [ast.unparse(loop.stop) for loop in form.loops] == ["n_full", "n_tiles"]
+    assert ast.unparse(form.loops[0].update.scale) == "alpha[:, None]"
+    assert ast.unparse(form.result) == "acc / row_sum[:, None]"
+
+
+def test_one_loop_attention_with_named_tiles_is_in_the_form():
+    kernel = nd.make(attention.arrangement, _attention_one_loop, attention.tensors())
+    form = match(kernel.app, _tensor_names(kernel))
+    assert len(form.loops) == 1 and form.loops[0].scores == "scores"
+
+
+@pytest.mark.parametrize("make", [mm_kernel, softmax_rows_kernel])
+def test_other_kernels_are_not_in_the_form(make):
+    kernel = make()
+    with pytest.raises(NotInForm):
+        match(kernel.app, _tensor_names(kernel))
+
+
+def _reads_accumulator(q, k, v, scale, is_causal, o):
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    qs = q
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(qs, nl.trans(k[j]))
+        row_max = nl.maximum(row_max, nl.max(scores, 1) + nl.max(acc, 1))  # reads the accumulator
+        acc = acc + nl.dot(nl.exp2(scores - row_max[:, None]).to(qs.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def _cross_row(q, k, v, scale, is_causal, o):
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    qs = q
+    total = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(qs, nl.trans(k[j]))
+        total = total + nl.sum(scores, 1)
+        acc = acc + nl.dot(nl.exp2(scores - nl.max(total)).to(qs.dtype), v[j])  # max over every query row
+    o = acc  # noqa: F841
+
+
+def test_a_loop_reading_the_accumulator_is_not_in_the_form():
+    kernel = nd.make(attention.arrangement, _reads_accumulator, attention.tensors())
+    with pytest.raises(NotInForm, match="accumulator"):
+        match(kernel.app, _tensor_names(kernel))
+
+
+def _inputs(shape, dtype=torch.bfloat16, device="cpu"):
+    return tuple(torch.randn(shape, dtype=dtype, device=device) for _ in range(4))
+
+
+def test_a_reduction_across_query_rows_is_not_lowered():
+    kernel = nd.make(attention.arrangement, _cross_row, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    with pytest.raises(Unsupported, match="across query rows"):
+        gluon.compile_for_target(kernel, (q, k, v, 0.1, False, o))
+
+
+@pytest.mark.parametrize("shape,causal", [((2, 4, 512, 128), True), ((1, 2, 256, 64), False)])
+def test_attention_compiles_for_sm90(shape, causal):
+    q, k, v, o = _inputs(shape)
+    compiled, generated = gluon.compile_for_target(attention.kernel, (q, k, v, 0.125, causal, o))
+    ptx = compiled.asm["ptx"]
+    # per consumer: two products per iteration in the loop and once each outside it, on 64-row wgmma tiles
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "setmaxnreg" in ptx  # producer and consumers get their own register budgets
+    assert "gl.warp_specialize" in generated.source
+    assert ("<= " in generated.source) is causal  # the causal mask is the application's own comparison
+    assert generated.block_n == 128 and generated.head_dim == shape[-1]
+
+
+def test_one_loop_attention_compiles_for_sm90():
+    kernel = nd.make(attention.arrangement, _attention_one_loop, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 384, 128))
+    compiled, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, True, o))
+    assert "nf_end_1" not in generated.source  # one loop: no second range
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
+
+
+def test_tiles_that_overhang_the_sequence_stay_on_triton():
+    q, k, v, o = _inputs((1, 2, 200, 64))
+    with pytest.raises(Unsupported, match="overhang"):
+        gluon.compile_for_target(attention.kernel, (q, k, v, 0.125, True, o))
+
+
+def test_float32_stays_on_triton():
+    q, k, v, o = _inputs((1, 2, 256, 64), dtype=torch.float32)
+    with pytest.raises(Unsupported, match="bfloat16, float16"):
+        gluon.compile_for_target(attention.kernel, (q, k, v, 0.125, True, o))
+
+
+def test_no_fa3_candidates_off_sm90():
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    bound = attention.kernel.bind((q, k, v, 0.125, True, o), {}, backend="cpu")
+    assert gluon.configs(attention.kernel, bound) == []
+    assert "sm_90" in gluon.reason(attention.kernel, bound)
+
+
+def test_the_switch_turns_the_schedule_off(monkeypatch):
+    monkeypatch.setenv("NINEFOLD_DSL_GLUON", "0")
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    bound = attention.kernel.bind((q, k, v, 0.125, True, o), {}, backend="cpu")
+    assert gluon.reason(attention.kernel, bound) == "NINEFOLD_DSL_GLUON=0"
+
+
+def _unused_tensor_param():
+    def arrangement(x, y):
+        return x.tile((16,)), y.tile((16,))
+
+    def application(x, y):
+        y = x  # noqa: F841
+
+    return nd.make(arrangement, application, (Tensor(1), Tensor(1)))
+
+
+def test_kernels_without_loops_are_not_in_the_form():
+    kernel = _unused_tensor_param()
+    with pytest.raises(NotInForm, match="no loop"):
+        match(kernel.app, _tensor_names(kernel))
+
+
+sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
+)
+
+
+def _reference(q, k, v, causal):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+
+
+@sm90
+@pytest.mark.parametrize(
+    "shape_q,shape_k,causal,dtype",
+    [
+        ((2, 4, 1024, 128), (2, 4, 1024, 128), True, torch.bfloat16),
+        ((2, 4, 1024, 128), (2, 4, 1024, 128), False, torch.bfloat16),
+        ((1, 3, 256, 64), (1, 3, 768, 64), True, torch.float16),  # Sq < Sk: bottom-right causal
+        ((3, 2, 384, 64), (3, 2, 384, 64), False, torch.float16),
+        ((1, 1, 128, 128), (1, 1, 128, 128), True, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("pingpong,grouped", [(True, True), (False, True), (True, False)])
+def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, grouped):
+    torch.manual_seed(0)
+    q = torch.randn(shape_q, dtype=dtype, device="cuda")
+    k, v = (torch.randn(shape_k, dtype=dtype, device="cuda") for _ in range(2))
+    o = torch.full_like(q, float("nan"))
+    bound = attention.kernel.bind((q, k, v, shape_q[-1] ** -0.5, causal, o), {}, backend="triton")
+    assert gluon.reason(attention.kernel, bound) is None
+    config = {"schedule": "fa3", "meta": {"BLOCK_M": 128, "BLOCK_N": 128}, "num_stages": 2, "pingpong": pingpong,
+              "grouped": grouped}
+    gluon.launch(attention.kernel, bound, config)
+    torch.cuda.synchronize()
+    want = _reference(q, k, v, causal)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    err, sdpa_err = (o.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
+    assert err <= max(2 * sdpa_err, 1e-2), (err, sdpa_err)
+
+
+@sm90
+def test_cuda_the_tuner_offers_and_runs_fa3():
+    q, k, v = (torch.randn(2, 8, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    o = torch.empty_like(q)
+    bound = attention.kernel.bind((q, k, v, 128**-0.5, True, o), {}, backend="triton")
+    assert len(gluon.configs(attention.kernel, bound)) == 3
+    got = attention.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got_again = attention.scaled_dot_product_attention(q, k, v, is_causal=True)  # the warm launcher
+    want = _reference(q, k, v, True)
+    assert (got.double() - want).abs().max().item() < 2e-2
+    assert torch.equal(got, got_again)
