@@ -152,7 +152,10 @@ sm90 = pytest.mark.skipif(
 
 
 def _reference(q, k, v, causal):
-    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    """float64 attention, causal aligned to the bottom right as the kernel (torch's is_causal is top-left)."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq) if causal else None
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
 
 
 @sm90
@@ -166,8 +169,8 @@ def _reference(q, k, v, causal):
         ((1, 1, 128, 128), (1, 1, 128, 128), True, torch.bfloat16),
     ],
 )
-@pytest.mark.parametrize("pingpong,grouped", [(True, True), (False, True), (True, False)])
-def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, grouped):
+@pytest.mark.parametrize("pingpong,group", [(True, 8), (False, 8), (True, 4), (True, 0)])
+def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, group):
     torch.manual_seed(0)
     q = torch.randn(shape_q, dtype=dtype, device="cuda")
     k, v = (torch.randn(shape_k, dtype=dtype, device="cuda") for _ in range(2))
@@ -175,11 +178,13 @@ def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, gro
     bound = attention.kernel.bind((q, k, v, shape_q[-1] ** -0.5, causal, o), {}, backend="triton")
     assert gluon.reason(attention.kernel, bound) is None
     config = {"schedule": "fa3", "meta": {"BLOCK_M": 128, "BLOCK_N": 128}, "num_stages": 2, "pingpong": pingpong,
-              "grouped": grouped}
+              "group": group}
     gluon.launch(attention.kernel, bound, config)
     torch.cuda.synchronize()
     want = _reference(q, k, v, causal)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    sq, sk = shape_q[-2], shape_k[-2]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq) if causal else None
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     err, sdpa_err = (o.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
     assert err <= max(2 * sdpa_err, 1e-2), (err, sdpa_err)
 
@@ -189,7 +194,7 @@ def test_cuda_the_tuner_offers_and_runs_fa3():
     q, k, v = (torch.randn(2, 8, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     o = torch.empty_like(q)
     bound = attention.kernel.bind((q, k, v, 128**-0.5, True, o), {}, backend="triton")
-    assert len(gluon.configs(attention.kernel, bound)) == 3
+    assert len(gluon.configs(attention.kernel, bound)) == 4
     got = attention.scaled_dot_product_attention(q, k, v, is_causal=True)
     got_again = attention.scaled_dot_product_attention(q, k, v, is_causal=True)  # the warm launcher
     want = _reference(q, k, v, True)

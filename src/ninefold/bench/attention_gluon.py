@@ -363,14 +363,16 @@ def main(argv=None) -> int:
         print(f"{label}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s ({t_torch / t:.1%} of torch); "
               f"max err vs fp64 head {err64:.4f}, vs torch {err:.4f}; first call {time.time() - t0:.1f} s", flush=True)
     if args.dsl:
-        failed |= _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows)
+        failed |= _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows, launch if rows else None)
     write_json(f"attention_gluon_{'_'.join(map(str, indices))}_{B}x{H}x{S}x{D}.json",
                {"device": torch.cuda.get_device_name(), "shape": [B, H, S, D], "torch_us": t_torch * 1e3, "rows": rows})
     return 1 if failed else 0
 
 
-def _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows) -> bool:
-    """The DSL's attention (``ninefold.ops.kernels.attention``) under each fa3 configuration, then tuned."""
+def _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows, hand) -> bool:
+    """The DSL's attention (``ninefold.ops.kernels.attention``) under each fa3 configuration, then tuned; then
+    two interleaved rounds of the tuned call, its configuration launched directly, the hand-written kernel and
+    SDPA (drift of the card's clocks shows as drift of SDPA), each with the host time of one call."""
     from ninefold.dsl.backends import gluon
     from ninefold.ops.kernels import attention
 
@@ -400,8 +402,26 @@ def _dsl_rows(q, k, v, ref, ref64, h, flops, t_torch, rows) -> bool:
         print(f"{label}: {t * 1e3:7.1f} us {flops / t / 1e9:4.0f} TFLOP/s ({t_torch / t:.1%} of torch); max err vs fp64 "
               f"{err64:.4f}; first call {first:.1f} s", flush=True)
     from ninefold.dsl.tuning import _MEMO
-    picked = [v for v in _MEMO.values()]
-    print(f"DSL tuner picked: {picked[-1] if picked else None}", flush=True)
+    picked = list(_MEMO.values())[-1] if _MEMO else None
+    print(f"DSL tuner picked: {picked}", flush=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    again = [("DSL tuned (kernel call)", runs[-1][1]), ("SDPA", lambda: sdpa(q, k, v, is_causal=True))]
+    if picked and picked.get("schedule") == "fa3":
+        again.append(("DSL picked config, direct", lambda: gluon.launch(attention.kernel, bound, picked)))
+    if hand is not None:
+        again.append(("hand-written (last configuration)", hand))
+    for round_ in (1, 2):
+        for label, run in again:
+            t = triton.testing.do_bench(run)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                run()
+            host = (time.perf_counter() - t0) / 20
+            torch.cuda.synchronize()
+            rows.append({"config": f"round {round_}: {label}", "us": t * 1e3, "of_torch": t_torch / t, "host_us": host * 1e6})
+            print(f"round {round_} {label}: {t * 1e3:7.1f} us ({t_torch / t:.1%} of the first SDPA timing); "
+                  f"host {host * 1e6:.0f} us per call", flush=True)
     return failed
 
 

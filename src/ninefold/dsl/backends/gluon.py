@@ -2,12 +2,13 @@
 
 The tuner offers ``{"schedule": "fa3", ...}`` configurations (see :func:`configs`) beside the Triton
 ones where :func:`reason` finds none missing; it times them all and keeps the fastest. A configuration
-fixes the pipeline depth (``stages``), whether the two consumer warpgroups take turns (``pingpong``) and
-the launch order (``grouped``). ``NINEFOLD_DSL_GLUON=0`` keeps every kernel on Triton.
+fixes the pipeline depth (``num_stages``), whether the two consumer warpgroups take turns (``pingpong``) and
+the launch order (``group``: heads visited together, 0 for one head's query blocks after another). ``NINEFOLD_DSL_GLUON=0`` keeps every kernel on Triton.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -106,9 +107,9 @@ def configs(kernel, bound) -> list[dict]:
     if reason(kernel, bound) is not None:
         return []
     out = []
-    for pingpong, grouped in ((True, True), (False, True), (True, False)):
+    for pingpong, group in ((True, 8), (False, 8), (True, 4), (True, 0)):
         out.append({"schedule": "fa3", "meta": _meta(kernel, bound, BLOCK_N[0]), "num_warps": NUM_WARPS,
-                    "num_stages": 2, "pingpong": pingpong, "grouped": grouped})
+                    "num_stages": 2, "pingpong": pingpong, "group": group})
     return out
 
 
@@ -122,7 +123,7 @@ def _generated(kernel, bound, config):
     collapse = tuple((n, collapsible(v)) for n, v in sorted(finished.values.items())
                      if isinstance(v, torch.Tensor) and v.dim() > 1)
     generated = generate(kernel, finished, spec, collapse, stages=config.get("num_stages", 2),
-                         pingpong=config.get("pingpong", True), grouped=config.get("grouped", True))
+                         pingpong=config.get("pingpong", True), group=config.get("group", 8))
     return generated, finished
 
 
@@ -141,15 +142,20 @@ def entry(kernel, bound, config):
     return cached
 
 
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block, dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype])
+
+
 def descriptor(tensor, rows, block):
     """A Gluon TMA descriptor of ``tensor`` read as ``[size_0 * ... * size_rows, size_last]`` rows."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[tensor.dtype]
     shape = [tensor.numel() // tensor.shape[-1], tensor.shape[-1]]
     strides = [_implied_strides(tensor)[rows], 1]
-    return TensorDescriptor(tensor, shape, strides, list(block), gl.NVMMASharedLayout.get_default_for(list(block), dtype))
+    return TensorDescriptor(tensor, shape, strides, list(block), _shared_layout(tuple(block), tensor.dtype))
 
 
 def _values(generated, finished, values):
@@ -195,8 +201,13 @@ def launcher(kernel, bound, config, args):
     run = function[(grid,)]
     index = bound.device.index if bound.device.index is not None else torch.cuda.current_device()
 
+    current = torch.cuda.current_device
+
     def launch_fa3(args):
         values = {name: args[i] for name, i in positions.items()}
+        if current() == index:
+            run(*_values(generated, finished, values), num_warps=NUM_WARPS, maxnreg=MAXNREG)
+            return
         with torch.cuda.device(index):
             run(*_values(generated, finished, values), num_warps=NUM_WARPS, maxnreg=MAXNREG)
 

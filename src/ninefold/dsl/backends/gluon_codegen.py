@@ -67,12 +67,12 @@ def _roles(form):
 class _Generator:
     DTYPES = set(language.DTYPES)
 
-    def __init__(self, kernel, bound, spec, collapse, stages, pingpong, grouped):
+    def __init__(self, kernel, bound, spec, collapse, stages, pingpong, group):
         try:
             self.form = match(kernel.app, [p.name for p in kernel.params if not p.is_scalar])
         except NotInForm as error:
             raise Unsupported(f"not in the flash-attention form: {error}") from None
-        self.kernel, self.bound, self.stages, self.pingpong, self.grouped = kernel, bound, stages, pingpong, grouped
+        self.kernel, self.bound, self.stages, self.pingpong, self.group = kernel, bound, stages, pingpong, group
         self.namespace = kernel.app.namespace
         self.roles = _roles(self.form)
         tensors = [p.name for p in kernel.params if not p.is_scalar]
@@ -231,7 +231,8 @@ class _Generator:
     def generate(self) -> GluonGenerated:
         form = self.form
         first = next(p for p in self.kernel.params if not p.is_scalar)
-        programs = _program_indices(self.kernel, first.arranged._shape, self.namer, False, self.grouped)
+        programs = _program_indices(self.kernel, first.arranged._shape, self.namer, False, self.group > 0,
+                                    max(self.group, 1))
         self.programs = [self.fix(s) for s in programs]
         self.program_names = [t.id for s in self.programs for t in s.targets if t.id.startswith("program_")]
         top = Translator(self, "top", {})
@@ -511,7 +512,8 @@ def {self.kernel.name}_fa3({params}):
         return [rows, self.head_dim]
 
 
-def generate(kernel, bound, spec, collapse, stages=2, pingpong=True, grouped=True) -> GluonGenerated:
+def generate(kernel, bound, spec, collapse, stages=2, pingpong=True, group=8) -> GluonGenerated:
     """The Gluon module for ``kernel`` at the call ``bound`` (finished: meta symbols fixed); ``Unsupported``
-    where the application or the call falls outside what the schedule lowers."""
-    return _Generator(kernel, bound, spec, collapse, stages, pingpong, grouped).generate()
+    where the application or the call falls outside what the schedule lowers. ``group``: programs visit the
+    last two grid dimensions in groups of that many rows (0: row-major, see ``_program_indices``)."""
+    return _Generator(kernel, bound, spec, collapse, stages, pingpong, group).generate()

@@ -765,11 +765,11 @@ def _dot_in_loop(kernel) -> bool:
     return False
 
 
-def _program_indices(kernel, grid_shape, namer, wide, grouped=True):
+def _program_indices(kernel, grid_shape, namer, wide, grouped=True, group=GROUP):
     """Statements that split ``tl.program_id(0)`` into ``program_<d>`` (row-major, or grouped).
 
     Kernels that accumulate dots in a loop visit the last two grid dimensions in groups of
-    ``GROUP`` rows, so that consecutive programs share tiles in L2.
+    ``group`` rows, so that consecutive programs share tiles in L2.
     """
     program = _call(_attr(TL, "program_id"), ast.Constant(0))
     if wide:
@@ -788,9 +788,9 @@ def _program_indices(kernel, grid_shape, namer, wide, grouped=True):
         out += [
             _assign("tile", _binop("program", ast.Mod(), tiles)),
             _assign("program", _binop("program", ast.FloorDiv(), copy.deepcopy(tiles))),
-            _assign("group_width", _binop(ast.Constant(GROUP), ast.Mult(), size(n))),
-            _assign("first_m", _binop(_binop("tile", ast.FloorDiv(), "group_width"), ast.Mult(), GROUP)),
-            _assign("group_m", _call(_attr(TL, "minimum"), _binop(size(m), ast.Sub(), "first_m"), ast.Constant(GROUP))),
+            _assign("group_width", _binop(ast.Constant(group), ast.Mult(), size(n))),
+            _assign("first_m", _binop(_binop("tile", ast.FloorDiv(), "group_width"), ast.Mult(), group)),
+            _assign("group_m", _call(_attr(TL, "minimum"), _binop(size(m), ast.Sub(), "first_m"), ast.Constant(group))),
             _assign(f"program_{m}", _binop("first_m", ast.Add(), _binop(_binop("tile", ast.Mod(), "group_width"), ast.Mod(), "group_m"))),
             _assign(f"program_{n}", _binop(_binop("tile", ast.Mod(), "group_width"), ast.FloorDiv(), "group_m")),
         ]
