@@ -104,6 +104,38 @@ def test_one_loop_attention_compiles_for_sm90():
     assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
 
 
+def _fixed_shift_attention(q, k, v, scale, is_causal, o):
+    """Softmax with a fixed shift instead of the running maximum: the accumulator is never rescaled."""
+    qs = (q * (scale * 1.4426950408889634)).to(q.dtype)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        s = nl.dot(qs, nl.trans(k[j]))
+        p = nl.exp2(s - 8.0)
+        acc += nl.dot(p.to(qs.dtype), v[j])
+        row_sum = row_sum + nl.sum(p, 1)
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
+def _halving(q, k, v, scale, is_causal, o):
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    qs = q
+    for j in range(k.shape[0]):
+        s = nl.dot(qs, nl.trans(k[j]))
+        acc = 0.5 * acc + nl.dot(s.to(qs.dtype), v[j])  # a scalar factor
+    o = acc  # noqa: F841
+
+
+@pytest.mark.parametrize("application,factor", [(_fixed_shift_attention, "none"), (_halving, "scalar")])
+def test_accumulator_updates_without_a_row_factor_compile(application, factor):
+    kernel = nd.make(attention.arrangement, application, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    compiled, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    assert ("expand_dims(nf_f" in generated.source) is False
+    assert ("nf_f = " in generated.source) is (factor == "scalar")
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
+
+
 def test_tiles_that_overhang_the_sequence_stay_on_triton():
     q, k, v, o = _inputs((1, 2, 200, 64))
     with pytest.raises(Unsupported, match="overhang"):
@@ -187,6 +219,23 @@ def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, gro
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     err, sdpa_err = (o.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
     assert err <= max(2 * sdpa_err, 1e-2), (err, sdpa_err)
+
+
+@sm90
+@pytest.mark.parametrize("variant", ["one_loop", "fixed_shift"])
+def test_cuda_fa3_other_applications_match_float64(variant):
+    application = {"one_loop": _attention_one_loop, "fixed_shift": _fixed_shift_attention}[variant]
+    causal = variant == "one_loop"
+    kernel = nd.make(attention.arrangement, application, attention.tensors())
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 512, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    o = torch.full_like(q, float("nan"))
+    bound = kernel.bind((q, k, v, 128**-0.5, causal, o), {}, backend="triton")
+    assert gluon.reason(kernel, bound) is None
+    gluon.launch(kernel, bound, gluon.configs(kernel, bound)[0])
+    want = _reference(q, k, v, causal)
+    sdpa_err = (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).double() - want).abs().max()
+    assert (o.double() - want).abs().max().item() <= max(2 * sdpa_err.item(), 1e-2)
 
 
 @sm90
