@@ -117,6 +117,33 @@ def _fixed_shift_attention(q, k, v, scale, is_causal, o):
     o = acc / row_sum[:, None]  # noqa: F841
 
 
+def _scale_on_scores(q, k, v, scale, is_causal, o):
+    """Attention as first written: the queries read in the loop, the product scaled there."""
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(q, nl.trans(k[j])) * (scale * 1.4426950408889634)
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        alpha = nl.exp2(row_max - new_max)
+        acc = acc * alpha[:, None] + nl.dot(p.to(v.dtype), v[j])
+        row_sum = row_sum * alpha + nl.sum(p, 1)
+        row_max = new_max
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
+def test_queries_read_in_the_loop_and_scaled_scores_compile():
+    kernel = nd.make(attention.arrangement, _scale_on_scores, attention.tensors())
+    form = match(kernel.app, _tensor_names(kernel))
+    assert form.operand_is_query and form.query == "q"
+    assert ast.unparse(form.loops[0].score_value) == "nf_s * (scale * 1.4426950408889634)"
+    q, k, v, o = _inputs((1, 2, 256, 128))
+    compiled, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    assert "q_smem.index(WG).store" not in generated.source.split("nf_a = ")[0]  # the query tile is used as loaded
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
+
+
 def _halving(q, k, v, scale, is_causal, o):
     acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
     qs = q
@@ -222,9 +249,10 @@ def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, gro
 
 
 @sm90
-@pytest.mark.parametrize("variant", ["one_loop", "fixed_shift"])
+@pytest.mark.parametrize("variant", ["one_loop", "fixed_shift", "scale_on_scores"])
 def test_cuda_fa3_other_applications_match_float64(variant):
-    application = {"one_loop": _attention_one_loop, "fixed_shift": _fixed_shift_attention}[variant]
+    application = {"one_loop": _attention_one_loop, "fixed_shift": _fixed_shift_attention,
+                   "scale_on_scores": _scale_on_scores}[variant]
     causal = variant == "one_loop"
     kernel = nd.make(attention.arrangement, application, attention.tensors())
     torch.manual_seed(0)

@@ -300,11 +300,16 @@ class _Generator:
         for i, loop in enumerate(self.form.loops):
             translator = Translator(self, "consumer", dict(env))
             offset = f"({counter} - nf_end_{i - 1})" if i else counter
-            stmts = ast.parse(f"{loop.var} = nf_start_{i} + {offset}\n{loop.scores} = nf_s").body
+            stmts = ast.parse(f"{loop.var} = nf_start_{i} + {offset}").body
             translator.env[loop.var] = Val(name(loop.var))
-            translator.env[loop.scores] = Val(name(loop.scores), ("m", "n"), "s")
+            translator.env["nf_s"] = Val(name("nf_s"), ("m", "n"), "s")
             update = loop.update
-            stmts += translator.block([s for k, s in enumerate(loop.body[: update.position]) if k != loop.score_position])
+            for k, stmt in enumerate(loop.body[: update.position]):
+                if k == loop.score_position:
+                    stmt = ast.Assign([ast.Name(loop.scores, ast.Store())], loop.score_value, lineno=0)
+                stmts += translator.stmt(stmt)
+            if loop.score_position > update.position:
+                raise Unsupported("the accumulator's update comes before the scores")
             if update.scale is not None:
                 factor = translator.expr(update.scale)
                 if factor.axes == ("m", None) and factor.vector is not None:
@@ -323,7 +328,7 @@ class _Generator:
                 raise Unsupported("probabilities that are not a score-shaped tile")
             stmts.append(ast.Assign([ast.Name(p_name, ast.Store())],
                                     call("convert_layout", translator.convert(probabilities, "s"), name("NF_P")), lineno=0))
-            stmts += translator.block([s for k, s in enumerate(loop.body) if k > update.position and k != loop.score_position])
+            stmts += translator.block(loop.body[update.position + 1 :])
             branches.append(stmts)
             for key, value in translator.env.items():  # carried state the next iterations read
                 if key in env and (env[key].axes, env[key].parent) != (value.axes, value.parent):
@@ -352,8 +357,10 @@ class _Generator:
         if acc not in env or env[acc].axes != ("m", "d"):
             raise Unsupported(f"the accumulator {acc!r} is not an output-shaped tile")
         operand = env.get(form.operand)
-        if operand is None or operand.axes != ("m", "d"):
+        if not form.operand_is_query and (operand is None or operand.axes != ("m", "d")):
             raise Unsupported(f"the operand {form.operand!r} is not a query-shaped tile")
+        # an operand the prologue computes goes to the query's slot (it is read by every product from there)
+        store = "" if form.operand_is_query else f"q_smem.index(WG).store({form.operand})\n    fence_async_shared()"
         peel = self.segment_dispatch("0", "nf_f", "nf_p", dict(env))
         body = self.segment_dispatch("nf_t", "nf_f_next", "nf_p_next", dict(env))
         tail = Translator(self, "consumer", dict(env))
@@ -380,8 +387,7 @@ def nf_consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, 
     {UNPACK}
     mbarrier.wait(q_ready.index(WG), 0)
 {text(prologue_code, 4)}
-    q_smem.index(WG).store({form.operand})
-    fence_async_shared()
+    {store}
     nf_a = q_smem.index(WG)
     if nf_total > 0:
         mbarrier.wait(k_ready.index(0), 0)

@@ -22,6 +22,7 @@ expression it translates).
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import dataclass
 
 from ninefold.dsl import language
@@ -47,9 +48,10 @@ class Loop:
     start: ast.expr
     stop: ast.expr
     body: list  # the loop's statements without the loads of K and V
-    scores: str  # the name the first product is assigned to
+    scores: str  # the name the scores statement assigns
     score_position: int
     update: Update
+    score_value: ast.expr = None  # the scores statement's value, its product replaced by the name ``nf_s``
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Form:
     value: str
     out: str
     operand: str  # A, the first product's left operand (loop-invariant)
+    operand_is_query: bool  # A is the query tile as read (in a loop): no prologue computes it
     accumulator: str
     prologue: list
     loops: list
@@ -112,13 +115,15 @@ def match(app, tensor_params) -> Form:
     for stmt in epilogue:
         if any(is_nf_call(n, "load") or is_nf_call(n, "store") for n in ast.walk(stmt)):
             raise NotInForm("the epilogue reads or writes a parameter before the final store")
-    query = _prologue_query(prologue)
     namespace = app.namespace
     loops = [_loop(stmt, namespace) for stmt in loops_ast]
+    invariant = {loop_.invariant for loop_ in loops} - {None}
+    query = _prologue_query(prologue, invariant)
     keys = {(loop_.key, loop_.value, loop_.operand, loop_.accumulator) for loop_ in loops}
     if len(keys) != 1:
         raise NotInForm("the loops read different key/value parameters, operands or accumulators")
     key, value, operand, accumulator = keys.pop()
+    operand_is_query = bool(invariant)
     for a, b in zip(loops, loops[1:]):
         if ast.dump(a.loop.stop) != ast.dump(b.loop.start):
             raise NotInForm("the loops do not cover consecutive ranges (each starts where the one before stops)")
@@ -129,20 +134,22 @@ def match(app, tensor_params) -> Form:
     if operand in assigned_in_loops:
         raise NotInForm(f"the first product's left operand {operand!r} changes inside the loops")
     prologue_assigned = set().union(set(), *(_assigned(s) for s in prologue))
-    if operand not in prologue_assigned:
+    if operand not in prologue_assigned and not operand_is_query:
         raise NotInForm(f"the first product's left operand {operand!r} is not computed before the loops")
     if accumulator not in prologue_assigned:
         raise NotInForm(f"the accumulator {accumulator!r} is not initialised before the loops")
     if {key, value} & {query} or store.args[0].value in (key, value):
         raise NotInForm("the query, key/value and output parameters must be distinct")
     return Form(
-        query=query, key=key, value=value, out=store.args[0].value, operand=operand, accumulator=accumulator,
+        query=query, key=key, value=value, out=store.args[0].value, operand=operand,
+        operand_is_query=operand_is_query, accumulator=accumulator,
         prologue=prologue, loops=[loop_.loop for loop_ in loops], epilogue=epilogue, result=store.args[2],
     )
 
 
-def _prologue_query(prologue) -> str:
-    loaded = set()
+def _prologue_query(prologue, invariant) -> str:
+    """The query parameter: the one the prologue reads, or the loops read whole as the product's operand."""
+    loaded = set(invariant)
     for stmt in prologue:
         for node in ast.walk(stmt):
             if is_nf_call(node, "store"):
@@ -152,7 +159,8 @@ def _prologue_query(prologue) -> str:
                     raise NotInForm("the prologue reads a middle level of a parameter")
                 loaded.add(node.args[0].value)
     if len(loaded) != 1:
-        raise NotInForm(f"the prologue must read exactly one parameter (the queries), it reads {sorted(loaded)}")
+        raise NotInForm(f"the prologue and the products must read exactly one parameter whole (the queries), "
+                        f"they read {sorted(loaded)}")
     return loaded.pop()
 
 
@@ -163,6 +171,7 @@ class _LoopMatch:
     value: str
     operand: str
     accumulator: str
+    invariant: str | None  # the parameter read whole in the loop as the product's operand
 
 
 def _loop(node, namespace) -> _LoopMatch:
@@ -174,11 +183,14 @@ def _loop(node, namespace) -> _LoopMatch:
         raise NotInForm("the loops must run over range(stop) or range(start, stop)")
     var = node.target.id
     start, stop = (ast.Constant(0), it.args[0]) if len(it.args) == 1 else it.args
-    loads, aliases, body = {}, {}, []
+    loads, aliases, whole, body = {}, {}, {}, []
     for stmt in node.body:
         if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                 and is_nf_call(stmt.value, "load")):
             index = stmt.value.args[1].elts
+            if not index:  # a parameter read whole: the same tile in every iteration
+                whole[stmt.targets[0].id] = stmt.value.args[0].value
+                continue
             if not (len(index) == 1 and isinstance(index[0], ast.Name) and index[0].id == var):
                 raise NotInForm(f"a loop reads {stmt.value.args[0].value}[...] other than at the loop index")
             loads[stmt.targets[0].id] = stmt.value.args[0].value
@@ -198,9 +210,13 @@ def _loop(node, namespace) -> _LoopMatch:
         raise NotInForm(f"the loop assigns its index {var!r}")
     if len(loads) != 2:
         raise NotInForm(f"a loop must read two tiles at its index (keys and values), it reads {len(loads)}")
-    scores = _find_scores(body, loads, namespace)
-    score_position, scores_name, operand, key_temp = scores
+    score_position, scores_name, operand, key_temp, score_value = _find_scores(body, loads, namespace)
+    if set(whole) - {operand} or any(t in _names([s], ast.Load) for t in whole for s in body[:score_position]
+                                      + body[score_position + 1:]):
+        raise NotInForm("a loop reads a parameter whole other than as the scores' left operand")
     value_temp = next(t for t in loads if t != key_temp)
+    if sum(language_call(n, namespace) == "dot" for n in ast.walk(body[score_position])) != 1:
+        raise NotInForm("the scores statement computes more than one product")
     update_position, accumulator, update = _find_update(body, value_temp, namespace)
     for i, stmt in enumerate(body):
         dots = [n for n in ast.walk(stmt) if language_call(n, namespace) == "dot"]
@@ -212,25 +228,43 @@ def _loop(node, namespace) -> _LoopMatch:
             raise NotInForm("the key tile is used other than in the scores' product")
         if i != update_position and value_temp in _names([stmt], ast.Load):
             raise NotInForm("the value tile is used other than in the accumulator's update")
-    loop = Loop(var, start, stop, body, scores_name, score_position, update)
-    return _LoopMatch(loop, loads[key_temp], loads[value_temp], operand, accumulator)
+    loop = Loop(var, start, stop, body, scores_name, score_position, update, score_value)
+    invariant = whole.get(operand)
+    if invariant is not None:
+        operand = "nf_query"  # one name for the query tile across loops
+    return _LoopMatch(loop, loads[key_temp], loads[value_temp], operand, accumulator, invariant)
 
 
 def _find_scores(body, loads, namespace):
+    """``(position, name, operand, key temp, value)`` of the one statement ``s = ...nl.dot(a, nl.trans(kt))...``
+    (``value`` with that product replaced by the name ``nf_s``; the rest of it elementwise, checked later)."""
     found = []
     for i, stmt in enumerate(body):
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
             continue
-        value = stmt.value
-        if language_call(value, namespace) != "dot" or len(value.args) != 2 or value.keywords:
-            continue
-        a, b = value.args
-        if (isinstance(a, ast.Name) and language_call(b, namespace) == "trans" and len(b.args) == 1
-                and isinstance(b.args[0], ast.Name) and b.args[0].id in loads):
-            found.append((i, stmt.targets[0].id, a.id, b.args[0].id))
+        for node in ast.walk(stmt.value):
+            if language_call(node, namespace) != "dot" or len(node.args) != 2 or node.keywords:
+                continue
+            a, b = node.args
+            if (isinstance(a, ast.Name) and language_call(b, namespace) == "trans" and len(b.args) == 1
+                    and isinstance(b.args[0], ast.Name) and b.args[0].id in loads):
+                value = _Replace(node, ast.Name("nf_s", ast.Load())).visit(copy.deepcopy(stmt.value))
+                found.append((i, stmt.targets[0].id, a.id, b.args[0].id, value))
     if len(found) != 1:
-        raise NotInForm("a loop must compute its scores once as `s = nl.dot(a, nl.trans(key_tile))`")
+        raise NotInForm("a loop must compute its scores once from `nl.dot(a, nl.trans(key_tile))`")
     return found[0]
+
+
+class _Replace(ast.NodeTransformer):
+    """Replaces the node equal (by its dump) to ``target``."""
+
+    def __init__(self, target, by):
+        self.target, self.by = ast.dump(target), by
+
+    def visit(self, node):
+        if ast.dump(node) == self.target:
+            return self.by
+        return super().visit(node)
 
 
 def _find_update(body, value_temp, namespace):
