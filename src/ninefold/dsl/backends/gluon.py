@@ -198,18 +198,32 @@ def launcher(kernel, bound, config, args):
     for _, kind, payload in generated.arguments:
         if kind == "scalar" and not isinstance(args[positions[payload]], (bool, int, float)):
             return None
+    from ninefold.dsl.backends.triton import _compiled_runner
+
     run = function[(grid,)]
     index = bound.device.index if bound.device.index is not None else torch.cuda.current_device()
-
     current = torch.cuda.current_device
+    options = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
+    # the compiled kernel launched directly, without Triton's per-call binding (as the Triton path does)
+    direct = [_compiled_runner(function, _values(generated, finished, bound.values), grid, options, index)]
+
+    def launch_here(values):
+        if direct[0] is not None:
+            runner, stream = direct[0]
+            try:
+                runner(*values, stream=stream(index))
+                return
+            except Exception:  # the launcher refused the arguments: Triton's own path from now on
+                direct[0] = None
+        run(*values, **options)
 
     def launch_fa3(args):
-        values = {name: args[i] for name, i in positions.items()}
+        values = _values(generated, finished, {name: args[i] for name, i in positions.items()})
         if current() == index:
-            run(*_values(generated, finished, values), num_warps=NUM_WARPS, maxnreg=MAXNREG)
+            launch_here(values)
             return
         with torch.cuda.device(index):
-            run(*_values(generated, finished, values), num_warps=NUM_WARPS, maxnreg=MAXNREG)
+            launch_here(values)
 
     return launch_fa3
 
