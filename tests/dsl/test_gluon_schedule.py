@@ -277,3 +277,133 @@ def test_cuda_the_tuner_offers_and_runs_fa3():
     want = _reference(q, k, v, True)
     assert (got.double() - want).abs().max().item() < 2e-2
     assert torch.equal(got, got_again)
+
+
+def _named_factor(q, k, v, scale, is_causal, o):
+    """The rescale factor named (as an expansion) before the running maximum moves on."""
+    q_scaled = (q * (scale * 1.4426950408889634)).to(q.dtype)
+    row_max = nl.full((q.shape[-2],), float("-inf"), dtype=nl.float32)
+    row_sum = nl.zeros((q.shape[-2],), dtype=nl.float32)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(q_scaled, nl.trans(k[j]))
+        new_max = nl.maximum(row_max, nl.max(scores, 1))
+        p = nl.exp2(scores - new_max[:, None])
+        correction = nl.exp2(row_max - new_max)[:, None]
+        row_sum = row_sum * nl.exp2(row_max - new_max) + nl.sum(p, 1)
+        row_max = new_max
+        acc = acc * correction + nl.dot(p.to(q_scaled.dtype), v[j])
+    o = acc / row_sum[:, None]  # noqa: F841
+
+
+def test_a_named_expansion_is_read_not_recomputed():
+    kernel = nd.make(attention.arrangement, _named_factor, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    assert "nf_f_next = gl.convert_layout(nf_vector_correction" in generated.source
+    assert "convert_layout(gl.exp2(row_max - new_max)" not in generated.source
+
+
+def _name_reuse(q, k, v, scale, is_causal, o):
+    t = scale * 1.4426950408889634
+    q_scaled = (q * t).to(q.dtype)
+    t = k.shape[0]  # the same name, now the tile count
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(t):
+        scores = nl.dot(q_scaled, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(q_scaled.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_a_prologue_name_reassigned_after_a_tile_statement_reads_it_is_not_reordered():
+    kernel = nd.make(attention.arrangement, _name_reuse, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    with pytest.raises(Unsupported, match="'t'"):  # the loop bound would be the consumer's t: Triton keeps it
+        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+
+
+def _local_named_wg(q, k, v, scale, is_causal, o):
+    WG = q  # noqa: N806
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(WG, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_names_the_generated_module_binds_are_refused():
+    kernel = nd.make(attention.arrangement, _local_named_wg, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    with pytest.raises(Unsupported, match="'WG'"):
+        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+
+
+def _swapped(q, v, k, scale, is_causal, o):
+    """Keys in the parameter named v, values in the one named k."""
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(v.shape[0]):
+        scores = nl.dot(q, nl.trans(v[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(k.dtype), k[j])
+    o = acc  # noqa: F841
+
+
+def _renamed(query, key, value, scale, is_causal, out):
+    acc = nl.zeros((query.shape[-2], query.shape[-1]), dtype=nl.float32)
+    for j in range(key.shape[0]):
+        scores = nl.dot(query, nl.trans(key[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(value.dtype), value[j])
+    out = acc  # noqa: F841
+
+
+@pytest.mark.parametrize("application,key", [(_swapped, "v"), (_renamed, "key")])
+def test_descriptors_follow_the_roles_not_the_names(application, key):
+    def arrangement(a, b, c, scale, is_causal, d, BLOCK_M=attention.BLOCK_M, BLOCK_N=attention.BLOCK_N):
+        return attention.arrangement(a, b, c, scale, is_causal, d, BLOCK_M, BLOCK_N)
+
+    kernel = nd.make(arrangement, application, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    compiled, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    descriptors = {name: payload[0] for name, kind, payload in generated.arguments if kind == "descriptor"}
+    assert descriptors["nf_k_desc"] == key
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
+
+
+def _reads_acc_in_product(q, k, v, scale, is_causal, o):
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        s = nl.dot(q, nl.trans(k[j]))
+        acc += nl.dot((nl.exp2(s * 0.01) * (1.0 + nl.sum(acc, 1))[:, None]).to(q.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_an_update_whose_product_reads_the_accumulator_is_not_in_the_form():
+    kernel = nd.make(attention.arrangement, _reads_acc_in_product, attention.tensors())
+    with pytest.raises(NotInForm, match="accumulator"):
+        match(kernel.app, _tensor_names(kernel))
+
+
+def test_a_caller_fixed_block_n_of_64_is_lowered():
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    _, generated = gluon.compile_for_target(attention.kernel, (q, k, v, 0.125, True, o), {"BLOCK_N": 64})
+    assert generated.block_n == 64
+
+
+def _if_in_consumer_prologue(q, k, v, scale, is_causal, o):
+    q_scaled = (q * scale).to(q.dtype)
+    if is_causal:  # a run-time condition here: both partitions of the prologue keep it
+        q_scaled = (q * (scale * 2.0)).to(q.dtype)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(q_scaled, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_a_run_time_if_in_the_prologue_is_lowered():
+    head = {"constexpr": True, "upper_bound": 256}
+    tensors = (*(Tensor(4, shape_options=(None, None, None, head)) for _ in range(3)), Tensor(0), Tensor(0),
+               Tensor(4, shape_options=(None, None, None, head)))
+    kernel = nd.make(attention.arrangement, _if_in_consumer_prologue, tensors)
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, True, o))
+    assert "if is_causal:" in generated.source

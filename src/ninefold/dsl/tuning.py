@@ -55,7 +55,9 @@ def tuning_key(kernel, bound) -> str:
                  + (f",{sorted(kernel.cache_hints.items())}" if kernel.cache_hints else ""))
     device = torch.cuda.get_device_name(bound.device) if bound.device.type == "cuda" else str(bound.device)
     parts.append(f"device={device}")
-    parts.append(f"gluon={os.environ.get('NINEFOLD_DSL_GLUON', '1') != '0'}")
+    from ninefold.dsl.backends import gluon
+
+    parts.append(f"fa3={gluon.applies(kernel, bound)}")  # False also where NINEFOLD_DSL_GLUON=0
     parts.append(f"triton={triton.__version__}")
     return "|".join(parts)
 

@@ -74,6 +74,22 @@ def _symbols(kernel, meta):
     return {names[n]: v for n, v in meta.items()}
 
 
+def in_form(kernel) -> bool:
+    """Whether ``kernel``'s application is in the flash-attention form (cached on the kernel)."""
+    return not isinstance(_form(kernel), str)
+
+
+def applies(kernel, bound) -> bool:
+    """Whether the ``fa3`` schedule can run this call (cheap where the kernel is not in the form or the device
+    is not sm_90)."""
+    return bound.device.type == "cuda" and in_form(kernel) and reason(kernel, bound) is None
+
+
+def _block_n(kernel, bound):
+    """The key tile's rows for this call: 128, or 64 where the caller fixed that (None: neither)."""
+    return next((n for n in BLOCK_N if _meta(kernel, bound, n) is not None), None)
+
+
 def reason(kernel, bound) -> str | None:
     """Why the ``fa3`` schedule cannot run this call (None: it can)."""
     if not enabled():
@@ -93,10 +109,11 @@ def reason(kernel, bound) -> str | None:
                 return "a stride that is not a multiple of 16 bytes"
             if value.numel() >= 2**31:
                 return "a tensor of 2**31 elements or more"
-    if _meta(kernel, bound, BLOCK_N[0]) is None:
-        return f"the caller fixed tile sizes other than BLOCK_M={BLOCK_M}"
+    block_n = _block_n(kernel, bound)
+    if block_n is None:
+        return f"the caller fixed tile sizes other than BLOCK_M={BLOCK_M}, BLOCK_N in {BLOCK_N}"
     try:
-        _generated(kernel, bound, {"schedule": "fa3", "meta": _meta(kernel, bound, BLOCK_N[0])})
+        _generated(kernel, bound, {"schedule": "fa3", "meta": _meta(kernel, bound, block_n)})
     except Unsupported as error:
         return str(error)
     return None
@@ -108,7 +125,7 @@ def configs(kernel, bound) -> list[dict]:
         return []
     out = []
     for pingpong, group in ((True, 8), (False, 8), (True, 4), (True, 0)):
-        out.append({"schedule": "fa3", "meta": _meta(kernel, bound, BLOCK_N[0]), "num_warps": NUM_WARPS,
+        out.append({"schedule": "fa3", "meta": _meta(kernel, bound, _block_n(kernel, bound)), "num_warps": NUM_WARPS,
                     "num_stages": 2, "pingpong": pingpong, "group": group})
     return out
 
@@ -240,9 +257,10 @@ def compile_for_target(kernel, args, kwargs=None, target="cuda:90", config=None)
     form = _form(kernel)
     if isinstance(form, str):
         raise Unsupported(form)
-    meta = _meta(kernel, bound, BLOCK_N[0])
-    if meta is None:
-        raise Unsupported(f"the caller fixed tile sizes other than BLOCK_M={BLOCK_M}")
+    block_n = _block_n(kernel, bound)
+    if block_n is None:
+        raise Unsupported(f"the caller fixed tile sizes other than BLOCK_M={BLOCK_M}, BLOCK_N in {BLOCK_N}")
+    meta = _meta(kernel, bound, block_n)
     config = {"schedule": "fa3", "meta": meta, "num_stages": 2, **(config or {})}
     generated, finished = _generated(kernel, bound, config)
     module = load_module(generated.source, generated.key)

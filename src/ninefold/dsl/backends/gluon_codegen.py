@@ -23,10 +23,21 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import re
 from dataclasses import dataclass
 
 from ninefold.dsl import language
-from ninefold.dsl.backends.gluon_values import WG_ROWS, Translator, Unsupported, Val, call, gl, layout, name
+from ninefold.dsl.backends.gluon_values import (
+    WG_ROWS,
+    Translator,
+    Unsupported,
+    Val,
+    call,
+    gl,
+    layout,
+    name,
+    shape_of,
+)
 from ninefold.dsl.backends.triton_codegen import _Lowering, _Namer, _next_power_of_two, _program_indices
 from ninefold.dsl.compiler.access import analyze
 from ninefold.dsl.compiler.online_softmax import NotInForm, match
@@ -60,6 +71,22 @@ class GluonGenerated:
     head_dim: int
 
 
+def _assigned_names(stmts) -> set:
+    return {n.id for s in stmts for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _read_names(nodes) -> set:
+    return {n.id for s in nodes for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+# names the generated module binds itself (besides nf_*/NF_* and the leaves' names)
+TEMPLATE_NAMES = {
+    "WG", "bars", "ctx", "args", "turn", "q_ready", "k_ready", "v_ready", "k_empty", "v_empty", "q_smem", "k_smem",
+    "v_smem", "o_smem", "program", "tile", "group_width", "first_m", "group_m", "gl", "gluon", "triton", "mbarrier",
+    "tma", "warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "_tma_load", "_tma_store",
+}
+
+
 def _roles(form):
     return {form.query: ("m", "d"), form.out: ("m", "d"), form.key: ("n", "d"), form.value: ("n", "d")}
 
@@ -81,9 +108,9 @@ class _Generator:
         self.namer = _Namer(kernel)
         self.lowering = _Lowering(kernel, spec, self.namer, tma="rows", collapse=collapse)
         self.namer.taken |= self.lowering.locals
-        for local in self.lowering.locals:
-            if local.lower().startswith("nf_"):
-                raise Unsupported(f"the application's name {local!r} (names starting nf_ are the lowering's)")
+        for local in self.lowering.locals | {p.name for p in kernel.params}:
+            if (local.lower().startswith("nf_") or local in TEMPLATE_NAMES or re.fullmatch(r"(program|extent)_\d+", local)):
+                raise Unsupported(f"the application's name {local!r} is one the generated module uses")
         dtypes = {str(bound.values[n].dtype) for n in self.roles}
         if len(dtypes) != 1 or dtypes.issubset(GL_DTYPES) is False:
             raise Unsupported(f"dtypes {sorted(dtypes)} (one of bfloat16, float16 for all four tensors)")
@@ -259,17 +286,22 @@ class _Generator:
         key = hashlib.sha256(source.encode()).hexdigest()[:24]
         return GluonGenerated(source, f"{self.kernel.name}_fa3", self.arguments, key, self.block_n, self.head_dim)
 
-    def split(self, stmts, top):
+    def split(self, stmts, top, seen=None):
         """(top-level statements translated, consumer statements untranslated): a statement goes to the top
-        level where it translates there and gives a scalar."""
+        level where it translates there and gives a scalar, and moving it ahead of the consumer statements
+        before it changes nothing (it assigns no name they read or assign; names they assign leave the top)."""
+        seen = set() if seen is None else seen  # names the consumer statements so far read or assign
         top_out, rest = [], []
         for stmt in stmts:
             if isinstance(stmt, ast.If):
                 test = top.expr(stmt.test)
                 if test.axes:
                     raise Unsupported("an `if` on a tensor in the prologue")
-                body_top, body_rest = self.split(stmt.body, top)
-                else_top, else_rest = self.split(stmt.orelse, top)
+                body_top, body_rest = self.split(stmt.body, top, seen)
+                else_top, else_rest = self.split(stmt.orelse, top, seen)
+                if (body_rest or else_rest) and not isinstance(test.code, ast.Constant):
+                    if _assigned_names(body_top + else_top) & _read_names([stmt.test]):
+                        raise Unsupported("an `if` whose test the prologue's scalar statements change")
                 if body_top or else_top:
                     top_out.append(ast.If(test.code, body_top or [ast.Pass()], else_top))
                 if body_rest or else_rest:
@@ -277,12 +309,18 @@ class _Generator:
                 continue
             before = dict(top.env)
             try:
+                if _assigned_names([stmt]) & seen:
+                    raise Unsupported("reorders")
                 out = top.stmt(stmt)
                 if any(v.axes or v.kind != "value" for k, v in top.env.items() if before.get(k) is not v):
                     raise Unsupported("not a scalar")
                 top_out += out
             except Unsupported:
-                top.env = before
+                top.env.clear()
+                top.env.update(before)
+                for assigned in _assigned_names([stmt]):
+                    top.env.pop(assigned, None)  # later top statements must not read the stale value
+                seen |= _assigned_names([stmt]) | _read_names([stmt])
                 rest.append(stmt)
         return top_out, rest
 
@@ -331,7 +369,7 @@ class _Generator:
             stmts += translator.block(loop.body[update.position + 1 :])
             branches.append(stmts)
             for key, value in translator.env.items():  # carried state the next iterations read
-                if key in env and (env[key].axes, env[key].parent) != (value.axes, value.parent):
+                if key in env and shape_of(env[key]) != shape_of(value):
                     raise Unsupported(f"{key!r} changes shape inside the loop")
         if len(kinds) != 1:
             raise Unsupported("loops whose accumulator factors differ in kind")
@@ -379,7 +417,7 @@ class _Generator:
         zeros = f"gl.zeros([{WG_ROWS}, {self.block_n}], gl.float32, layout=NF_S)"
         lines = f'''
 @gluon.jit
-def nf_consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx, WG: gl.constexpr):
+def nf_consumer(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx, WG: gl.constexpr):
     NF_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, {self.block_n}, 16])
     NF_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, {self.head_dim}, 16])
     NF_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=NF_O, k_width=2)
@@ -423,18 +461,18 @@ def nf_consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, 
 {text(epilogue, 4)}
     o_smem.index(WG).store(({ast.unparse(out_code)}).to(gl.{self.dtype}))
     fence_async_shared()
-    _tma_store(o_desc, [{ast.unparse(out_coords[0])} + WG * {WG_ROWS}, {ast.unparse(out_coords[1])}], o_smem.index(WG))
+    _tma_store(nf_o_desc, [{ast.unparse(out_coords[0])} + WG * {WG_ROWS}, {ast.unparse(out_coords[1])}], o_smem.index(WG))
     tma.store_wait(0)
 
 
 @gluon.jit
-def nf_consumer0(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx):
-    nf_consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx, 0)
+def nf_consumer0(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx):
+    nf_consumer(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx, 0)
 
 
 @gluon.jit
-def nf_consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx):
-    nf_consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx, 1)
+def nf_consumer1(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx):
+    nf_consumer(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx, 1)
 '''
         return "\n".join(line for line in lines.splitlines() if line.strip())
 
@@ -451,30 +489,31 @@ def nf_consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem,
         stages = self.stages
         return f'''
 @gluon.jit
-def nf_producer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx):
+def nf_producer(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx):
     q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
     {UNPACK}
     for nf_w in gl.static_range(2):
-        mbarrier.expect(q_ready.index(nf_w), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [{u(q_coords[0])} + nf_w * {WG_ROWS}, {u(q_coords[1])}], q_ready.index(nf_w), q_smem.index(nf_w))
+        mbarrier.expect(q_ready.index(nf_w), nf_q_desc.block_type.nbytes)
+        _tma_load(nf_q_desc, [{u(q_coords[0])} + nf_w * {WG_ROWS}, {u(q_coords[1])}], q_ready.index(nf_w), q_smem.index(nf_w))
     for nf_t in range(0, nf_total):
         {var} = nf_start_0 + nf_t
 {segment}
         nf_slot = nf_t % {stages}
         nf_phase = (nf_t // {stages}) & 1
         mbarrier.wait(k_empty.index(nf_slot), nf_phase ^ 1)
-        mbarrier.expect(k_ready.index(nf_slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [{u(k_coords[0])}, {u(k_coords[1])}], k_ready.index(nf_slot), k_smem.index(nf_slot))
+        mbarrier.expect(k_ready.index(nf_slot), nf_k_desc.block_type.nbytes)
+        _tma_load(nf_k_desc, [{u(k_coords[0])}, {u(k_coords[1])}], k_ready.index(nf_slot), k_smem.index(nf_slot))
         mbarrier.wait(v_empty.index(nf_slot), nf_phase ^ 1)
-        mbarrier.expect(v_ready.index(nf_slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [{u(v_coords[0])}, {u(v_coords[1])}], v_ready.index(nf_slot), v_smem.index(nf_slot))
+        mbarrier.expect(v_ready.index(nf_slot), nf_v_desc.block_type.nbytes)
+        _tma_load(nf_v_desc, [{u(v_coords[0])}, {u(v_coords[1])}], v_ready.index(nf_slot), v_smem.index(nf_slot))
 '''.replace("\n\n", "\n")
 
     def kernel_text(self, top_stmts, top_ranges) -> str:
         hoisted = [ast.Assign([ast.Name(n, ast.Store())], self.fix(v), lineno=0) for n, v in self.namer.hoisted.values()]
         form = self.form
         descriptors = [form.query, form.key, form.value, form.out]
-        self.arguments = [(f"{p}_desc", "descriptor", (p, self.lowering.descriptors[p][0], self._box(p))) for p in descriptors]
+        self.arguments = [(f"nf_{role}_desc", "descriptor", (p, self.lowering.descriptors[p][0], self._box(p)))
+                          for role, p in zip("qkvo", descriptors)]
         self.arguments += [(n, "leaf", leaf) for n, leaf in sorted(self.runtime_leaves.items())]
         self.arguments += [(n, "scalar", n) for n in self.runtime_scalars]
         params = ", ".join(a[0] for a in self.arguments)
@@ -489,9 +528,9 @@ def {self.kernel.name}_fa3({params}):
     NF_B: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 {body}
 {ranges}
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [{s}] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [{s}] + v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(nf_q_desc.dtype, [2] + nf_q_desc.block_type.shape, nf_q_desc.layout)
+    k_smem = gl.allocate_shared_memory(nf_k_desc.dtype, [{s}] + nf_k_desc.block_type.shape, nf_k_desc.layout)
+    v_smem = gl.allocate_shared_memory(nf_v_desc.dtype, [{s}] + nf_v_desc.block_type.shape, nf_v_desc.layout)
     o_smem = q_smem  # each warpgroup's query slot holds its output once its last product is done
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -499,17 +538,17 @@ def {self.kernel.name}_fa3({params}):
     v_ready = gl.allocate_shared_memory(gl.int64, [{s}, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [{s}, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [{s}, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range({s}):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+    for nf_i in gl.static_range(2):
+        mbarrier.init(q_ready.index(nf_i), count=1)
+        mbarrier.init(turn.index(nf_i), count=1)
+    for nf_i in gl.static_range({s}):
+        mbarrier.init(k_ready.index(nf_i), count=1)
+        mbarrier.init(v_ready.index(nf_i), count=1)
+        mbarrier.init(k_empty.index(nf_i), count=2)
+        mbarrier.init(v_empty.index(nf_i), count=2)
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turn)
     ctx = ({ctx},)
-    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx)
+    args = (nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_smem, o_smem, bars, ctx)
     gl.warp_specialize([(nf_consumer0, args), (nf_producer, args), (nf_consumer1, args)], [1, 4], [{PRODUCER_REGS}, {CONSUMER_REGS}])
 '''
 

@@ -67,6 +67,11 @@ def layout(axes, parent) -> ast.expr:
     return base
 
 
+def shape_of(value: Val) -> tuple:
+    """What must agree where two values meet under one name (the branches of an `if`, loop iterations)."""
+    return value.axes, value.parent, value.kind, value.vector is not None
+
+
 def required_parent(axes, default):
     if "n" in axes:
         return "s"
@@ -96,10 +101,10 @@ class Translator:
         if isinstance(node, ast.Assign):
             if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
                 raise Unsupported("assignments other than `name = value`")
-            return [self.assign(node.targets[0].id, self.expr(node.value))]
+            return self.assign(node.targets[0].id, self.expr(node.value))
         if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
             value = self.binary(node.op, self.expr(ast.Name(node.target.id, ast.Load())), self.expr(node.value))
-            return [self.assign(node.target.id, value)]
+            return self.assign(node.target.id, value)
         if isinstance(node, ast.If):
             test = self.expr(node.test)
             if test.axes or test.kind != "value":
@@ -108,21 +113,32 @@ class Translator:
                 return self.block(node.body if test.code.value else node.orelse)
             before = dict(self.env)
             body = self.block(node.body)
-            after_body, self.env = self.env, dict(before)
+            after_body = dict(self.env)
+            self.env.clear()  # the same table throughout: callers hold it
+            self.env.update(before)
             orelse = self.block(node.orelse)
             for key in set(after_body) | set(self.env):
                 a, b = after_body.get(key), self.env.get(key)
-                if a is not None and b is not None and (a.axes, a.parent, a.kind) != (b.axes, b.parent, b.kind):
+                if a is not None and b is not None and shape_of(a) != shape_of(b):
                     raise Unsupported(f"{key!r} is assigned tensors of different shapes in the branches of an `if`")
                 self.env[key] = a or b
             return [ast.If(test.code, body or [ast.Pass()], orelse)]
         raise Unsupported(f"the statement {ast.unparse(node)!r}")
 
-    def assign(self, target, value: Val) -> ast.stmt:
+    def assign(self, target, value: Val) -> list:
         if value.kind == "tuple":
             raise Unsupported(f"{target!r}: assigning a shape tuple")
-        self.env[target] = Val(name(target), value.axes, value.parent, value.vector, value.kind, axis=value.axis)
-        return ast.Assign([ast.Name(target, ast.Store())], value.code, lineno=0)
+        out = []
+        vector = None
+        if value.vector is not None:
+            # the vector an expansion came from gets a name of its own, read wherever the expansion is used
+            vector_name = f"nf_vector_{target}"
+            out.append(ast.Assign([ast.Name(vector_name, ast.Store())], value.vector.code, lineno=0))
+            vector = Val(name(vector_name), value.vector.axes, value.vector.parent)
+            dim = 1 if value.axes[0] is not None else 0
+            value = Val(call("expand_dims", name(vector_name), ast.Constant(dim)), value.axes, value.parent)
+        self.env[target] = Val(name(target), value.axes, value.parent, vector, value.kind, axis=value.axis)
+        return out + [ast.Assign([ast.Name(target, ast.Store())], value.code, lineno=0)]
 
     # ----------------------------------------------------------------- expressions
     def expr(self, node) -> Val:

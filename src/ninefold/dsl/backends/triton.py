@@ -61,7 +61,8 @@ def run(kernel, bound):
 
 def _config(kernel, bound):
     check(kernel, bound)
-    key = ("config",) + _env_key(kernel, bound)
+    # the fa3 schedule's applicability (alignment, sizes that tiles overhang) is part of what a choice rests on
+    key = ("config",) + _env_key(kernel, bound) + (gluon.applies(kernel, bound),)
     config = kernel._cache.get(key)
     if config is None:
         free = [s for s in kernel.meta_symbols if s not in bound.env]

@@ -218,6 +218,8 @@ def _loop(node, namespace) -> _LoopMatch:
     if sum(language_call(n, namespace) == "dot" for n in ast.walk(body[score_position])) != 1:
         raise NotInForm("the scores statement computes more than one product")
     update_position, accumulator, update = _find_update(body, value_temp, namespace)
+    if accumulator in _names([update.probabilities], ast.Load):
+        raise NotInForm("the accumulator's update reads the accumulator in its product")
     for i, stmt in enumerate(body):
         dots = [n for n in ast.walk(stmt) if language_call(n, namespace) == "dot"]
         if dots and i not in (score_position, update_position):
