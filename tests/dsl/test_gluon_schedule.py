@@ -249,10 +249,10 @@ def test_cuda_fa3_matches_float64(shape_q, shape_k, causal, dtype, pingpong, gro
 
 
 @sm90
-@pytest.mark.parametrize("variant", ["one_loop", "fixed_shift", "scale_on_scores"])
+@pytest.mark.parametrize("variant", ["one_loop", "fixed_shift", "scale_on_scores", "named_factor"])
 def test_cuda_fa3_other_applications_match_float64(variant):
     application = {"one_loop": _attention_one_loop, "fixed_shift": _fixed_shift_attention,
-                   "scale_on_scores": _scale_on_scores}[variant]
+                   "scale_on_scores": _scale_on_scores, "named_factor": _named_factor}[variant]
     causal = variant == "one_loop"
     kernel = nd.make(attention.arrangement, application, attention.tensors())
     torch.manual_seed(0)
@@ -407,3 +407,11 @@ def test_a_run_time_if_in_the_prologue_is_lowered():
     q, k, v, o = _inputs((1, 2, 256, 64))
     _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, True, o))
     assert "if is_causal:" in generated.source
+
+
+@sm90
+def test_cuda_a_size_fa3_cannot_run_after_one_it_ran_falls_back_to_triton():
+    for s in (1024, 1000):  # one tuning bucket; 1000 overhangs the 128-row tiles
+        q, k, v = (torch.randn(1, 4, s, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        got = attention.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert (got.double() - _reference(q, k, v, True)).abs().max().item() < 2e-2
