@@ -415,3 +415,23 @@ def test_cuda_a_size_fa3_cannot_run_after_one_it_ran_falls_back_to_triton():
         q, k, v = (torch.randn(1, 4, s, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         got = attention.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert (got.double() - _reference(q, k, v, True)).abs().max().item() < 2e-2
+
+
+def _test_name_reassigned(q, k, v, scale, is_causal, o):
+    c = scale
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    if c > 0.5:  # run time: the consumers evaluate it with the value c has here
+        acc = acc + 1.0
+    c = 0.0
+    for j in range(k.shape[0]):
+        scores = nl.dot(q, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0 + c).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_a_name_an_if_test_reads_is_not_reassigned_ahead_of_the_consumers():
+    kernel = nd.make(attention.arrangement, _test_name_reassigned, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.75, False, o))
+    top = generated.source.split("@gluon.jit")[-1]  # the kernel: the program-wide statements
+    assert "c = 0.0" not in top  # the reassignment stays in the consumers, after their `if c > 0.5`

@@ -129,6 +129,7 @@ class _Generator:
         self.runtime_leaves: dict = {}
         self.runtime_scalars: list = []
         self.top_names: list = []
+        self.top_assigned: dict = {}  # names the program-wide statements assign, in order
 
     # ----------------------------------------------------------------- facts for the translator
     def _tile_size(self, param, dim, middle=False) -> int:
@@ -276,7 +277,7 @@ class _Generator:
             top_ranges += [f"nf_start_{i} = gl.to_tensor({ast.unparse(start.code)})",
                            f"nf_end_{i} = {before}gl.maximum(gl.to_tensor({ast.unparse(stop.code)}) - nf_start_{i}, 0)"]
         top_ranges.append(f"nf_total = nf_end_{len(form.loops) - 1}")
-        self.top_names = [n for n, v in top.env.items() if not v.axes and v.kind == "value"]
+        self.top_names = list(self.top_assigned)  # every one a scalar; handed to the partitions
         consumer = self.consumer_text(consumer_prologue)
         producer = self.producer_text()
         kernel = self.kernel_text(top_stmts, top_ranges)  # last: the arguments are known once all is translated
@@ -306,6 +307,7 @@ class _Generator:
                     top_out.append(ast.If(test.code, body_top or [ast.Pass()], else_top))
                 if body_rest or else_rest:
                     rest.append(ast.If(stmt.test, body_rest or [ast.Pass()], else_rest))
+                    seen |= _read_names([stmt.test])  # the consumers evaluate the test again: keep its names
                 continue
             before = dict(top.env)
             try:
@@ -315,6 +317,7 @@ class _Generator:
                 if any(v.axes or v.kind != "value" for k, v in top.env.items() if before.get(k) is not v):
                     raise Unsupported("not a scalar")
                 top_out += out
+                self.top_assigned.update(dict.fromkeys(sorted(_assigned_names([stmt]))))
             except Unsupported:
                 top.env.clear()
                 top.env.update(before)
