@@ -578,6 +578,8 @@ def _config_label(config):
     flags = [" persistent" if config.get("persistent") else "", f" tma={config['tma']}" if config.get("tma") else "",
              " hoist" if config.get("hoist") else "", " row-major" if config.get("grouped") is False else "",
              " ws" if config.get("ws") else ""]
+    if config.get("schedule"):  # e.g. the Gluon fa3 schedule: ping-pong, heads per group (0: row-major)
+        flags.append(f" {config['schedule']}{' pingpong' if config.get('pingpong') else ''} group={config.get('group')}")
     return f"{meta} w{config.get('num_warps')} s{config.get('num_stages')}{''.join(flags)}"
 
 
