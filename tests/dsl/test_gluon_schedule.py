@@ -435,3 +435,38 @@ def test_a_name_an_if_test_reads_is_not_reassigned_ahead_of_the_consumers():
     _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.75, False, o))
     top = generated.source.split("@gluon.jit")[-1]  # the kernel: the program-wide statements
     assert "c = 0.0" not in top  # the reassignment stays in the consumers, after their `if c > 0.5`
+
+
+def _parameter_reassigned(q, k, v, scale, is_causal, o):
+    q_scaled = (q * scale).to(q.dtype)
+    scale = scale * 4.0  # a per-warpgroup statement reassigns the parameter
+    t = scale + 0.0  # so this may not read the argument where the loop bounds are computed
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(q_scaled, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores * t - 8.0).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_a_parameter_reassigned_per_warpgroup_is_not_read_as_the_argument():
+    kernel = nd.make(attention.arrangement, _parameter_reassigned, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    top = generated.source.split("@gluon.jit")[-1]
+    assert "t = scale + 0.0" not in top  # computed in the consumers, after their `scale = scale * 4.0`
+
+
+def _local_named_like_a_size(q, k, v, scale, is_causal, o):
+    k_size_2 = 1  # noqa: F841  (the generated name of k's sequence length)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(q, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_a_local_named_like_a_generated_size_is_refused():
+    kernel = nd.make(attention.arrangement, _local_named_like_a_size, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    with pytest.raises(Unsupported, match="k_size_2"):
+        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))

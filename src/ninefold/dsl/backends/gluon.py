@@ -92,7 +92,18 @@ def _block_n(kernel, bound):
 
 
 def reason(kernel, bound) -> str | None:
-    """Why the ``fa3`` schedule cannot run this call (None: it can)."""
+    """Why the ``fa3`` schedule cannot run this call (None: it can); cached per what it depends on."""
+    tensors = tuple((n, tuple(v.shape), v.stride(), v.dtype, v.data_ptr() % 16 == 0)
+                    for n, v in bound.values.items() if isinstance(v, torch.Tensor))
+    scalars = tuple((p.name, bound.values.get(p.name)) for p in kernel.params if p.is_scalar and p.source.constexpr)
+    key = ("fa3_reason", enabled(), bound.device, tensors, scalars,
+           tuple(bound.env.get(leaf) for leaf in kernel.call_leaves()))
+    if key not in kernel._cache:
+        kernel._cache[key] = _reason(kernel, bound)
+    return kernel._cache[key]
+
+
+def _reason(kernel, bound) -> str | None:
     if not enabled():
         return "NINEFOLD_DSL_GLUON=0"
     if bound.device.type != "cuda" or torch.cuda.get_device_capability(bound.device)[0] != 9:

@@ -108,9 +108,14 @@ class _Generator:
         self.namer = _Namer(kernel)
         self.lowering = _Lowering(kernel, spec, self.namer, tma="rows", collapse=collapse)
         self.namer.taken |= self.lowering.locals
-        for local in self.lowering.locals | {p.name for p in kernel.params}:
-            if (local.lower().startswith("nf_") or local in TEMPLATE_NAMES or re.fullmatch(r"(program|extent)_\d+", local)):
+        generated_names = set(kernel.symbol_names.values()) | {kernel.leaf_name(leaf) for leaf in kernel.call_leaves()}
+        for local in self.lowering.locals:
+            if (local.lower().startswith("nf_") or local in TEMPLATE_NAMES or local in generated_names
+                    or re.fullmatch(r"(program|extent)_\d+|BLOCK_P2_\d+|\w+_(size|stride)_\d+", local)):
                 raise Unsupported(f"the application's name {local!r} is one the generated module uses")
+        for param in kernel.params:
+            if param.name.lower().startswith("nf_") or param.name in TEMPLATE_NAMES:
+                raise Unsupported(f"the parameter name {param.name!r} is one the generated module uses")
         dtypes = {str(bound.values[n].dtype) for n in self.roles}
         if len(dtypes) != 1 or dtypes.issubset(GL_DTYPES) is False:
             raise Unsupported(f"dtypes {sorted(dtypes)} (one of bfloat16, float16 for all four tensors)")
@@ -130,6 +135,7 @@ class _Generator:
         self.runtime_scalars: list = []
         self.top_names: list = []
         self.top_assigned: dict = {}  # names the program-wide statements assign, in order
+        self.shadowed: set = set()  # names the per-warpgroup prologue statements assign
 
     # ----------------------------------------------------------------- facts for the translator
     def _tile_size(self, param, dim, middle=False) -> int:
@@ -322,7 +328,8 @@ class _Generator:
                 top.env.clear()
                 top.env.update(before)
                 for assigned in _assigned_names([stmt]):
-                    top.env.pop(assigned, None)  # later top statements must not read the stale value
+                    top.env.pop(assigned, None)  # later top statements must not read the stale value,
+                    self.shadowed.add(assigned)  # nor the parameter or global of that name
                 seen |= _assigned_names([stmt]) | _read_names([stmt])
                 rest.append(stmt)
         return top_out, rest

@@ -153,6 +153,8 @@ class Translator:
     def expr_Name(self, node):
         if node.id in self.env:
             return self.env[node.id]
+        if self.mode == "top" and node.id in self.gen.shadowed:
+            raise Unsupported(f"the name {node.id!r}, which a per-warpgroup statement reassigns, where loop bounds are computed")
         value = self.gen.global_value(node.id)
         if value is None:
             raise Unsupported(f"the name {node.id!r}")
