@@ -470,3 +470,40 @@ def test_a_local_named_like_a_generated_size_is_refused():
     q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match="k_size_2"):
         gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+
+
+def _float32_probabilities(q, k, v, scale, is_causal, o):
+    qs = (q * scale).to(q.dtype)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(qs, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0), v[j])  # a float32 product in the DSL
+    o = acc  # noqa: F841
+
+
+def _float32_operand(q, k, v, scale, is_causal, o):
+    qs = q * scale  # the run-time float32 scale promotes the tile
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(qs, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def _bfloat16_accumulator(q, k, v, scale, is_causal, o):
+    qs = (q * scale).to(q.dtype)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.bfloat16)
+    for j in range(k.shape[0]):
+        scores = nl.dot(qs, nl.trans(k[j]))
+        acc = acc + nl.dot(nl.exp2(scores - 8.0).to(v.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+@pytest.mark.parametrize("application,message", [(_float32_probabilities, "probabilities of dtype float32"),
+                                                 (_float32_operand, "operand 'qs' of dtype float32"),
+                                                 (_bfloat16_accumulator, "accumulator 'acc' of dtype bfloat16")])
+def test_dtype_mixes_the_products_cannot_take_stay_on_triton(application, message):
+    kernel = nd.make(attention.arrangement, application, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    with pytest.raises(Unsupported, match=message):
+        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))

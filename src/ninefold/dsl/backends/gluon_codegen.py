@@ -203,9 +203,9 @@ class _Generator:
         if method == "load":
             if translator.mode != "consumer" or param != self.form.query or index:
                 raise Unsupported(f"a load of {param} outside the prologue's query tile")
-            return Val(ast.parse("q_smem.index(WG).load(NF_O)", mode="eval").body, ("m", "d"), "o")
+            return Val(ast.parse("q_smem.index(WG).load(NF_O)", mode="eval").body, ("m", "d"), "o", dtype=self.dtype)
         if method == "dtype":
-            return Val(gl(self.dtype), kind="dtype")
+            return Val(gl(self.dtype), kind="dtype", dtype=self.dtype)
         if method == "source_shape":
             source = self.kernel.param(param).source
             items = [Val(self.size_code(s)) for s in source._shape]
@@ -350,7 +350,7 @@ class _Generator:
             offset = f"({counter} - nf_end_{i - 1})" if i else counter
             stmts = ast.parse(f"{loop.var} = nf_start_{i} + {offset}").body
             translator.env[loop.var] = Val(name(loop.var))
-            translator.env["nf_s"] = Val(name("nf_s"), ("m", "n"), "s")
+            translator.env["nf_s"] = Val(name("nf_s"), ("m", "n"), "s", dtype="float32")
             update = loop.update
             for k, stmt in enumerate(loop.body[: update.position]):
                 if k == loop.score_position:
@@ -374,6 +374,9 @@ class _Generator:
             probabilities = translator.expr(update.probabilities)
             if probabilities.axes != ("m", "n"):
                 raise Unsupported("probabilities that are not a score-shaped tile")
+            if probabilities.dtype != self.dtype:  # unknown: not converted, so float32 (a float32 product)
+                raise Unsupported(f"probabilities of dtype {probabilities.dtype or 'float32'} (the product runs on "
+                                  f"{self.dtype} operands: convert them with .to)")
             stmts.append(ast.Assign([ast.Name(p_name, ast.Store())],
                                     call("convert_layout", translator.convert(probabilities, "s"), name("NF_P")), lineno=0))
             stmts += translator.block(loop.body[update.position + 1 :])
@@ -407,6 +410,11 @@ class _Generator:
         operand = env.get(form.operand)
         if not form.operand_is_query and (operand is None or operand.axes != ("m", "d")):
             raise Unsupported(f"the operand {form.operand!r} is not a query-shaped tile")
+        if not form.operand_is_query and operand.dtype != self.dtype:
+            raise Unsupported(f"the operand {form.operand!r} of dtype {operand.dtype or 'float32'}, not {self.dtype} "
+                              "(convert it with .to)")
+        if env[acc].dtype != "float32":
+            raise Unsupported(f"the accumulator {acc!r} of dtype {env[acc].dtype} (float32 accepted)")
         # an operand the prologue computes goes to the query's slot (it is read by every product from there)
         store = "" if form.operand_is_query else f"q_smem.index(WG).store({form.operand})\n    fence_async_shared()"
         peel = self.segment_dispatch("0", "nf_f", "nf_p", dict(env))

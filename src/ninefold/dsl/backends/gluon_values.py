@@ -44,6 +44,7 @@ class Val:
     kind: str = "value"  # "value", "tuple" (of ``items``), "dtype"
     items: list = field(default_factory=list)
     axis: str | None = None  # for a tile size in a shape tuple: the axis it measures
+    dtype: str | None = None  # where known: a load's, a conversion's or a creation's (a dtype value: the one it names)
 
 
 def name(id_) -> ast.Name:
@@ -65,6 +66,18 @@ def layout(axes, parent) -> ast.expr:
     if len(axes) == 1 and parent != "b":
         return call("SliceLayout", ast.Constant(1 if axes[0] == "m" else 0), base)
     return base
+
+
+def result_dtype(values) -> str | None:
+    """The dtype of an elementwise result where it is known: the tensors' common one, float32 if any is float32
+    (Python constants do not promote; a run-time scalar may)."""
+    tensors = [v for v in values if v.axes]
+    dtypes = {v.dtype for v in tensors}
+    if "float32" in dtypes:
+        return "float32"
+    if len(dtypes) != 1 or any(not v.axes and not isinstance(v.code, ast.Constant) for v in values):
+        return None
+    return dtypes.pop()
 
 
 def shape_of(value: Val) -> tuple:
@@ -137,7 +150,8 @@ class Translator:
             vector = Val(name(vector_name), value.vector.axes, value.vector.parent)
             dim = 1 if value.axes[0] is not None else 0
             value = Val(call("expand_dims", name(vector_name), ast.Constant(dim)), value.axes, value.parent)
-        self.env[target] = Val(name(target), value.axes, value.parent, vector, value.kind, axis=value.axis)
+        self.env[target] = Val(name(target), value.axes, value.parent, vector, value.kind, axis=value.axis,
+                               dtype=value.dtype)
         return out + [ast.Assign([ast.Name(target, ast.Store())], value.code, lineno=0)]
 
     # ----------------------------------------------------------------- expressions
@@ -167,11 +181,11 @@ class Translator:
     def expr_Attribute(self, node):
         if isinstance(node.value, ast.Name) and self.gen.is_language(node.value.id):
             if node.attr in self.gen.DTYPES:
-                return Val(gl(node.attr), kind="dtype")
+                return Val(gl(node.attr), kind="dtype", dtype=node.attr)
             raise Unsupported(f"language.{node.attr} outside a call")
         if node.attr == "dtype":
             base = self.expr(node.value)
-            return Val(ast.Attribute(base.code, "dtype", ast.Load()), kind="dtype")
+            return Val(ast.Attribute(base.code, "dtype", ast.Load()), kind="dtype", dtype=base.dtype)
         raise Unsupported(f"the attribute {ast.unparse(node)!r}")
 
     def expr_Subscript(self, node):
@@ -239,13 +253,13 @@ class Translator:
             if dtype.kind != "dtype":
                 raise Unsupported(f"x.to({ast.unparse(node.args[0])})")
             code = ast.Call(ast.Attribute(value.code, "to", ast.Load()), [dtype.code], [])
-            return Val(code, value.axes, value.parent)
+            return Val(code, value.axes, value.parent, dtype=dtype.dtype)
         func = language_call(node, self.gen.namespace, self.env)
         if func is None:
             return self.builtin(node)
         if func in UNARY:
             (x,) = self.arguments(node, 1)
-            return Val(call(func, x.code), x.axes, x.parent)
+            return Val(call(func, x.code), x.axes, x.parent, dtype=x.dtype)
         if func in ("maximum", "minimum"):
             return self.broadcast(self.arguments(node, 2), lambda x, y: call(func, x, y))
         if func == "where":
@@ -307,7 +321,7 @@ class Translator:
             axes = tuple(axes)
         parent = required_parent(axes, tensors[0].parent)
         codes = [self.convert(v, parent) for v in values]
-        return Val(build(*codes), axes, parent)
+        return Val(build(*codes), axes, parent, dtype=result_dtype(values))
 
     def reduce(self, func, node):
         if not node.args or len(node.args) > 2:
@@ -318,7 +332,7 @@ class Translator:
         if any(k.arg != "axis" for k in node.keywords):
             raise Unsupported(f"{func} with keywords other than axis")
         if len(x.axes) == 2 and axis in (1, -1) and x.axes[0] is not None:
-            return Val(call(func, x.code, ast.Constant(1)), (x.axes[0],), x.parent)
+            return Val(call(func, x.code, ast.Constant(1)), (x.axes[0],), x.parent, dtype=x.dtype)
         if len(x.axes) == 1 and axis in (None, 0, -1):
             if self.mode == "consumer" and x.axes[0] == "m":
                 raise Unsupported(f"{func} across query rows (a warpgroup holds only part of the program's rows)")
@@ -338,9 +352,10 @@ class Translator:
             raise Unsupported(f"{func} of a tile where the loop bounds are computed")
         value = Val(ast.Constant(0.0)) if func == "zeros" else self.expr(args.pop(0) if args else keywords.pop("fill_value"))
         dtype_node = args.pop(0) if args else keywords.pop("dtype", None)
-        dtype = Val(gl("float32"), kind="dtype") if dtype_node is None else self.expr(dtype_node)
+        dtype = Val(gl("float32"), kind="dtype", dtype="float32") if dtype_node is None else self.expr(dtype_node)
         if args or keywords or value.axes or dtype.kind != "dtype":
             raise Unsupported(f"the arguments of {func}")
         parent = "b" if self.mode == "top" else required_parent(axes, "s")
         sizes = ast.List([ast.Constant(self.gen.extent(a, self.mode)) for a in axes], ast.Load())
-        return Val(call("full", sizes, value.code, dtype.code, layout=layout(axes, parent)), axes, parent)
+        return Val(call("full", sizes, value.code, dtype.code, layout=layout(axes, parent)), axes, parent,
+                   dtype=dtype.dtype)
