@@ -500,10 +500,42 @@ def _bfloat16_accumulator(q, k, v, scale, is_causal, o):
 
 
 @pytest.mark.parametrize("application,message", [(_float32_probabilities, "probabilities of dtype float32"),
-                                                 (_float32_operand, "operand 'qs' of dtype float32"),
                                                  (_bfloat16_accumulator, "accumulator 'acc' of dtype bfloat16")])
 def test_dtype_mixes_the_products_cannot_take_stay_on_triton(application, message):
     kernel = nd.make(attention.arrangement, application, attention.tensors())
     q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match=message):
         gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+
+
+def test_a_dtype_the_translator_cannot_tell_is_checked_by_the_compiler():
+    from triton.compiler.errors import CompilationError
+
+    kernel = nd.make(attention.arrangement, _float32_operand, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    with pytest.raises(CompilationError) as raised:  # q * (run-time scale) promotes: the static check fails
+        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    chain, error = [], raised.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(type(e).__name__ == "CompileTimeAssertionFailure" and "the operand qs must be bfloat16" in str(e)
+               for e in chain), [str(e)[-200:] for e in chain]
+
+
+def _masked_probabilities(q, k, v, scale, is_causal, o):
+    """The converted probabilities masked with where (valid: where's condition does not promote)."""
+    qs = (q * scale).to(q.dtype)
+    acc = nl.zeros((q.shape[-2], q.shape[-1]), dtype=nl.float32)
+    for j in range(k.shape[0]):
+        scores = nl.dot(qs, nl.trans(k[j]))
+        keep = k[j].offsets(-2)[None, :] < k.source.shape[-2]
+        acc = acc + nl.dot(nl.where(keep, nl.exp2(scores * -1.0 - 8.0).to(qs.dtype), 0.0), v[j])
+    o = acc  # noqa: F841
+
+
+def test_where_masked_probabilities_and_negative_constants_are_lowered():
+    kernel = nd.make(attention.arrangement, _masked_probabilities, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    compiled, _ = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0

@@ -374,11 +374,13 @@ class _Generator:
             probabilities = translator.expr(update.probabilities)
             if probabilities.axes != ("m", "n"):
                 raise Unsupported("probabilities that are not a score-shaped tile")
-            if probabilities.dtype != self.dtype:  # unknown: not converted, so float32 (a float32 product)
-                raise Unsupported(f"probabilities of dtype {probabilities.dtype or 'float32'} (the product runs on "
+            if probabilities.dtype is not None and probabilities.dtype != self.dtype:
+                raise Unsupported(f"probabilities of dtype {probabilities.dtype} (the product runs on "
                                   f"{self.dtype} operands: convert them with .to)")
             stmts.append(ast.Assign([ast.Name(p_name, ast.Store())],
                                     call("convert_layout", translator.convert(probabilities, "s"), name("NF_P")), lineno=0))
+            stmts.append(ast.parse(f'gl.static_assert({p_name}.dtype == gl.{self.dtype}, '
+                                   f'"fa3: the probabilities must be {self.dtype}")').body[0])
             stmts += translator.block(loop.body[update.position + 1 :])
             branches.append(stmts)
             for key, value in translator.env.items():  # carried state the next iterations read
@@ -410,11 +412,17 @@ class _Generator:
         operand = env.get(form.operand)
         if not form.operand_is_query and (operand is None or operand.axes != ("m", "d")):
             raise Unsupported(f"the operand {form.operand!r} is not a query-shaped tile")
-        if not form.operand_is_query and operand.dtype != self.dtype:
-            raise Unsupported(f"the operand {form.operand!r} of dtype {operand.dtype or 'float32'}, not {self.dtype} "
+        if not form.operand_is_query and operand.dtype not in (None, self.dtype):
+            raise Unsupported(f"the operand {form.operand!r} of dtype {operand.dtype}, not {self.dtype} "
                               "(convert it with .to)")
-        if env[acc].dtype != "float32":
+        if env[acc].dtype not in (None, "float32"):
             raise Unsupported(f"the accumulator {acc!r} of dtype {env[acc].dtype} (float32 accepted)")
+        # what the inference could not tell, the compiler checks (a failed compile keeps the Triton code)
+        checks = [f'gl.static_assert({acc}.dtype == gl.float32, "fa3: the accumulator {acc} must be float32")']
+        if not form.operand_is_query:
+            checks.append(f'gl.static_assert({form.operand}.dtype == gl.{self.dtype}, '
+                          f'"fa3: the operand {form.operand} must be {self.dtype}")')
+        checks = "\n    ".join(checks)
         # an operand the prologue computes goes to the query's slot (it is read by every product from there)
         store = "" if form.operand_is_query else f"q_smem.index(WG).store({form.operand})\n    fence_async_shared()"
         peel = self.segment_dispatch("0", "nf_f", "nf_p", dict(env))
@@ -443,6 +451,7 @@ def nf_consumer(nf_q_desc, nf_k_desc, nf_v_desc, nf_o_desc, q_smem, k_smem, v_sm
     {UNPACK}
     mbarrier.wait(q_ready.index(WG), 0)
 {text(prologue_code, 4)}
+    {checks}
     {store}
     nf_a = q_smem.index(WG)
     if nf_total > 0:

@@ -68,6 +68,9 @@ def layout(axes, parent) -> ast.expr:
     return base
 
 
+HALF = {"bfloat16", "float16"}
+
+
 def result_dtype(values) -> str | None:
     """The dtype of an elementwise result where it is known: the tensors' common one, float32 if any is float32
     (Python constants do not promote; a run-time scalar may)."""
@@ -220,21 +223,35 @@ class Translator:
 
     def expr_UnaryOp(self, node):
         operand = self.expr(node.operand)
-        return Val(ast.UnaryOp(node.op, operand.code), operand.axes, operand.parent, kind=operand.kind)
+        code = ast.UnaryOp(node.op, operand.code)
+        if isinstance(operand.code, ast.Constant) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return Val(ast.Constant(-operand.code.value if isinstance(node.op, ast.USub) else operand.code.value))
+        dtype = "int1" if isinstance(node.op, ast.Not) else operand.dtype
+        return Val(code, operand.axes, operand.parent, kind=operand.kind, dtype=dtype)
 
     def expr_BinOp(self, node):
         return self.binary(node.op, self.expr(node.left), self.expr(node.right))
 
     def binary(self, op, a: Val, b: Val) -> Val:
-        return self.broadcast([a, b], lambda x, y: ast.BinOp(x, op, y))
+        if isinstance(a.code, ast.Constant) and isinstance(b.code, ast.Constant):  # folded, as Python would
+            try:
+                return Val(ast.Constant(eval(compile(ast.Expression(ast.BinOp(a.code, op, b.code)), "<fold>", "eval"))))
+            except Exception:  # noqa: BLE001  (left to the compiler, e.g. a division by zero)
+                pass
+        value = self.broadcast([a, b], lambda x, y: ast.BinOp(x, op, y))
+        if isinstance(op, ast.Div) or (isinstance(op, (ast.Mod, ast.FloorDiv)) and value.dtype in HALF):
+            value.dtype = "float32" if value.axes else value.dtype  # Triton divides half floats in float32
+        return value
 
     def expr_Compare(self, node):
         if len(node.ops) != 1:
             raise Unsupported("chained comparisons")
         op = node.ops[0]
-        return self.broadcast(
+        value = self.broadcast(
             [self.expr(node.left), self.expr(node.comparators[0])], lambda x, y: ast.Compare(x, [op], [y])
         )
+        value.dtype = "int1"
+        return value
 
     def expr_BoolOp(self, node):
         values = [self.expr(v) for v in node.values]
@@ -263,7 +280,10 @@ class Translator:
         if func in ("maximum", "minimum"):
             return self.broadcast(self.arguments(node, 2), lambda x, y: call(func, x, y))
         if func == "where":
-            return self.broadcast(self.arguments(node, 3), lambda c, x, y: call("where", c, x, y))
+            condition, x, y = self.arguments(node, 3)
+            value = self.broadcast([condition, x, y], lambda c, a, b: call("where", c, a, b))
+            value.dtype = result_dtype([x, y])  # the condition does not take part in the promotion
+            return value
         if func in REDUCTIONS:
             return self.reduce(func, node)
         if func in ("full", "zeros"):
