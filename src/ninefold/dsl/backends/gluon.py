@@ -19,7 +19,7 @@ from ninefold.dsl.backends.gluon_values import Unsupported
 from ninefold.dsl.backends.launch import grid_size
 from ninefold.dsl.backends.triton_codegen import _implied_strides, collapsible, specialize
 from ninefold.dsl.cache import load_module
-from ninefold.dsl.compiler.online_softmax import NotInForm, match
+from ninefold.dsl.compiler.online_softmax import form_of
 from ninefold.dsl.expr import evaluate
 from ninefold.dsl.symbol import Symbol
 
@@ -39,19 +39,10 @@ def _gluon_available() -> bool:
     return True
 
 
-def _form(kernel):
-    if "fa3_form" not in kernel._cache:
-        try:
-            kernel._cache["fa3_form"] = match(kernel.app, [p.name for p in kernel.params if not p.is_scalar])
-        except NotInForm as error:
-            kernel._cache["fa3_form"] = str(error)
-    return kernel._cache["fa3_form"]
-
-
 def _meta(kernel, bound, block_n):
     """The meta values that make the query tile ``BLOCK_M`` rows and the key tile ``block_n`` rows (None when
     the caller fixed other sizes or the tile sizes are not meta symbols)."""
-    form = _form(kernel)
+    form = form_of(kernel)
     meta = {}
     for param, middle, size in ((form.query, 0, BLOCK_M), (form.key, 1, block_n)):
         levels = kernel.param(param).arranged.levels()
@@ -62,7 +53,7 @@ def _meta(kernel, bound, block_n):
             meta[kernel.symbol_names[rows]] = size
             continue
         try:
-            value = int(evaluate(rows, {**bound.env, **{s: v for s, v in _symbols(kernel, meta).items()}}))
+            value = int(evaluate(rows, {**bound.env, **_symbols(kernel, meta)}))
         except Exception:  # noqa: BLE001  (a size the call does not fix)
             return None
         if value != size:
@@ -77,7 +68,7 @@ def _symbols(kernel, meta):
 
 def in_form(kernel) -> bool:
     """Whether ``kernel``'s application is in the flash-attention form (cached on the kernel)."""
-    return not isinstance(_form(kernel), str)
+    return not isinstance(form_of(kernel), str)
 
 
 def applies(kernel, bound) -> bool:
@@ -110,17 +101,15 @@ def _reason(kernel, bound) -> str | None:
         return "not an sm_90 CUDA device (the schedule uses Hopper's wgmma)"
     if not _gluon_available():
         return "this Triton has no Gluon Hopper module"
-    form = _form(kernel)
+    from ninefold.dsl.backends.triton import tma_ready  # (that module imports this one)
+
+    form = form_of(kernel)
     if isinstance(form, str):
         return f"not in the flash-attention form: {form}"
-    for value in bound.values.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            if value.data_ptr() % 16 or value.stride(-1) != 1:
-                return "a tensor that TMA cannot read (16-byte aligned, unit last stride)"
-            if any(n != 1 and (s * value.element_size()) % 16 for n, s in zip(value.shape[:-1], value.stride()[:-1])):
-                return "a stride that is not a multiple of 16 bytes"
-            if value.numel() >= 2**31:
-                return "a tensor of 2**31 elements or more"
+    if not tma_ready(bound):
+        return "a tensor that TMA cannot read (16-byte aligned, unit last stride, other strides multiples of 16 bytes)"
+    if any(isinstance(v, torch.Tensor) and v.numel() >= 2**31 for v in bound.values.values()):
+        return "a tensor of 2**31 elements or more"
     block_n = _block_n(kernel, bound)
     if block_n is None:
         return f"the caller fixed tile sizes other than BLOCK_M={BLOCK_M}, BLOCK_N in {BLOCK_N}"
@@ -135,13 +124,11 @@ def configs(kernel, bound) -> list[dict]:
     """The ``fa3`` configurations the tuner times for this call (none where :func:`reason` objects)."""
     if reason(kernel, bound) is not None:
         return []
-    out = []
+    meta = _meta(kernel, bound, _block_n(kernel, bound))
     # ping-pong won every H100 run (session 29), in groups of 8 or 4 heads or row-major (once, at 8k tokens);
     # without it never did (still generated when asked for): each candidate costs a compile in the first call
-    for pingpong, group in ((True, 8), (True, 4), (True, 0)):
-        out.append({"schedule": "fa3", "meta": _meta(kernel, bound, _block_n(kernel, bound)), "num_warps": NUM_WARPS,
-                    "num_stages": 2, "pingpong": pingpong, "group": group})
-    return out
+    return [{"schedule": "fa3", "meta": meta, "num_warps": NUM_WARPS, "num_stages": 2, "pingpong": True, "group": group}
+            for group in (8, 4, 0)]
 
 
 def _finished(kernel, bound, config):
@@ -268,7 +255,7 @@ def compile_for_target(kernel, args, kwargs=None, target="cuda:90", config=None)
     from triton.runtime.jit import mangle_type
 
     bound = kernel.bind(tuple(args), dict(kwargs or {}), backend="triton")
-    form = _form(kernel)
+    form = form_of(kernel)
     if isinstance(form, str):
         raise Unsupported(form)
     block_n = _block_n(kernel, bound)

@@ -40,7 +40,8 @@ from ninefold.dsl.backends.gluon_values import (
 )
 from ninefold.dsl.backends.triton_codegen import _Lowering, _Namer, _next_power_of_two, _program_indices
 from ninefold.dsl.compiler.access import analyze
-from ninefold.dsl.compiler.online_softmax import NotInForm, match
+from ninefold.dsl.compiler.frontend import names_in
+from ninefold.dsl.compiler.online_softmax import form_of
 from ninefold.dsl.expr import SizeOf, evaluate
 from ninefold.dsl.symbol import Symbol
 
@@ -71,14 +72,6 @@ class GluonGenerated:
     head_dim: int
 
 
-def _assigned_names(stmts) -> set:
-    return {n.id for s in stmts for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-
-
-def _read_names(nodes) -> set:
-    return {n.id for s in nodes for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-
-
 # names the generated module binds itself (besides nf_*/NF_* and the leaves' names)
 TEMPLATE_NAMES = {
     "WG", "bars", "ctx", "args", "turn", "q_ready", "k_ready", "v_ready", "k_empty", "v_empty", "q_smem", "k_smem",
@@ -95,10 +88,9 @@ class _Generator:
     DTYPES = set(language.DTYPES)
 
     def __init__(self, kernel, bound, spec, collapse, stages, pingpong, group):
-        try:
-            self.form = match(kernel.app, [p.name for p in kernel.params if not p.is_scalar])
-        except NotInForm as error:
-            raise Unsupported(f"not in the flash-attention form: {error}") from None
+        self.form = form_of(kernel)
+        if isinstance(self.form, str):
+            raise Unsupported(f"not in the flash-attention form: {self.form}")
         self.kernel, self.bound, self.stages, self.pingpong, self.group = kernel, bound, stages, pingpong, group
         self.namespace = kernel.app.namespace
         self.roles = _roles(self.form)
@@ -117,7 +109,7 @@ class _Generator:
             if param.name.lower().startswith("nf_") or param.name in TEMPLATE_NAMES:
                 raise Unsupported(f"the parameter name {param.name!r} is one the generated module uses")
         dtypes = {str(bound.values[n].dtype) for n in self.roles}
-        if len(dtypes) != 1 or dtypes.issubset(GL_DTYPES) is False:
+        if len(dtypes) != 1 or not dtypes <= GL_DTYPES.keys():
             raise Unsupported(f"dtypes {sorted(dtypes)} (one of bfloat16, float16 for all four tensors)")
         self.dtype = GL_DTYPES[dtypes.pop()]
         self.block_m = self._tile_size(self.form.query, 0)
@@ -307,30 +299,30 @@ class _Generator:
                 body_top, body_rest = self.split(stmt.body, top, seen)
                 else_top, else_rest = self.split(stmt.orelse, top, seen)
                 if (body_rest or else_rest) and not isinstance(test.code, ast.Constant):
-                    if _assigned_names(body_top + else_top) & _read_names([stmt.test]):
+                    if names_in(body_top + else_top, ast.Store) & names_in([stmt.test], ast.Load):
                         raise Unsupported("an `if` whose test the prologue's scalar statements change")
                 if body_top or else_top:
                     top_out.append(ast.If(test.code, body_top or [ast.Pass()], else_top))
                 if body_rest or else_rest:
                     rest.append(ast.If(stmt.test, body_rest or [ast.Pass()], else_rest))
-                    seen |= _read_names([stmt.test])  # the consumers evaluate the test again: keep its names
+                    seen |= names_in([stmt.test], ast.Load)  # the consumers evaluate the test again: keep its names
                 continue
             before = dict(top.env)
             try:
-                if _assigned_names([stmt]) & seen:
+                if names_in([stmt], ast.Store) & seen:
                     raise Unsupported("reorders")
                 out = top.stmt(stmt)
                 if any(v.axes or v.kind != "value" for k, v in top.env.items() if before.get(k) is not v):
                     raise Unsupported("not a scalar")
                 top_out += out
-                self.top_assigned.update(dict.fromkeys(sorted(_assigned_names([stmt]))))
+                self.top_assigned.update(dict.fromkeys(sorted(names_in([stmt], ast.Store))))
             except Unsupported:
                 top.env.clear()
                 top.env.update(before)
-                for assigned in _assigned_names([stmt]):
+                for assigned in names_in([stmt], ast.Store):
                     top.env.pop(assigned, None)  # later top statements must not read the stale value,
                     self.shadowed.add(assigned)  # nor the parameter or global of that name
-                seen |= _assigned_names([stmt]) | _read_names([stmt])
+                seen |= names_in([stmt], ast.Store) | names_in([stmt], ast.Load)
                 rest.append(stmt)
         return top_out, rest
 

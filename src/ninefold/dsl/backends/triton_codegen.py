@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ninefold.dsl import language
 from ninefold.dsl.compiler.access import Middle, analyze
-from ninefold.dsl.compiler.frontend import NF, is_nf_call
+from ninefold.dsl.compiler.frontend import NF, is_nf_call, names_in
 from ninefold.dsl.expr import (
     BinOp,
     Const,
@@ -578,10 +578,6 @@ def _device_descriptor(lowering, name, rows, block) -> ast.stmt:
     )
 
 
-def _names(nodes, ctx) -> set:
-    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
-
-
 def _is_descriptor_load(value) -> bool:
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "reshape" and value.args:
         value = value.args[0]  # tl.reshape(x_desc.load([...]), shape)
@@ -603,8 +599,8 @@ def _hoist_descriptor_loads(body: list) -> list:
             and _is_descriptor_load(stmt.value)
         ):
             target = stmt.targets[0].id
-            assigned, read = _names(rest, ast.Store), _names(rest, ast.Load)
-            if not (_names([stmt.value], ast.Load) & assigned) and target not in assigned | read:
+            assigned, read = names_in(rest, ast.Store), names_in(rest, ast.Load)
+            if not (names_in([stmt.value], ast.Load) & assigned) and target not in assigned | read:
                 hoisted.append(stmt)
                 continue
         rest.append(stmt)

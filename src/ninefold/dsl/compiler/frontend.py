@@ -71,6 +71,11 @@ def nf_call(method, *args) -> ast.Call:
     return ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), method, ast.Load()), list(args), [])
 
 
+def names_in(nodes, ctx) -> set:
+    """The names that ``nodes`` (AST nodes) read (``ctx`` ``ast.Load``) or assign (``ast.Store``)."""
+    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
 def is_nf_call(node, method=None) -> bool:
     return (
         isinstance(node, ast.Call)

@@ -26,7 +26,7 @@ import copy
 from dataclasses import dataclass
 
 from ninefold.dsl import language
-from ninefold.dsl.compiler.frontend import is_nf_call
+from ninefold.dsl.compiler.frontend import is_nf_call, names_in
 
 
 class NotInForm(Exception):
@@ -85,12 +85,8 @@ def language_call(node, namespace, locals_=()) -> str | None:
     return None
 
 
-def _names(nodes, ctx) -> set:
-    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
-
-
 def _assigned(stmt) -> set:
-    return _names([stmt], ast.Store)
+    return names_in([stmt], ast.Store)
 
 
 def match(app, tensor_params) -> Form:
@@ -128,7 +124,7 @@ def match(app, tensor_params) -> Form:
         if ast.dump(a.loop.stop) != ast.dump(b.loop.start):
             raise NotInForm("the loops do not cover consecutive ranges (each starts where the one before stops)")
     assigned_in_loops = set().union(set(), *(_assigned(s) for loop_ in loops for s in loop_.loop.body))
-    range_names = _names([n for loop_ in loops for n in (loop_.loop.start, loop_.loop.stop)], ast.Load)
+    range_names = names_in([n for loop_ in loops for n in (loop_.loop.start, loop_.loop.stop)], ast.Load)
     if range_names & assigned_in_loops:
         raise NotInForm("a loop assigns a name that a loop range reads")
     if operand in assigned_in_loops:
@@ -145,6 +141,16 @@ def match(app, tensor_params) -> Form:
         operand_is_query=operand_is_query, accumulator=accumulator,
         prologue=prologue, loops=[loop_.loop for loop_ in loops], epilogue=epilogue, result=store.args[2],
     )
+
+
+def form_of(kernel) -> Form | str:
+    """``kernel``'s flash-attention form, or why it has none (matched once, kept on the kernel)."""
+    if "fa3_form" not in kernel._cache:
+        try:
+            kernel._cache["fa3_form"] = match(kernel.app, [p.name for p in kernel.params if not p.is_scalar])
+        except NotInForm as error:
+            kernel._cache["fa3_form"] = str(error)
+    return kernel._cache["fa3_form"]
 
 
 def _prologue_query(prologue, invariant) -> str:
@@ -211,24 +217,24 @@ def _loop(node, namespace) -> _LoopMatch:
     if len(loads) != 2:
         raise NotInForm(f"a loop must read two tiles at its index (keys and values), it reads {len(loads)}")
     score_position, scores_name, operand, key_temp, score_value = _find_scores(body, loads, namespace)
-    if set(whole) - {operand} or any(t in _names([s], ast.Load) for t in whole for s in body[:score_position]
+    if set(whole) - {operand} or any(t in names_in([s], ast.Load) for t in whole for s in body[:score_position]
                                       + body[score_position + 1:]):
         raise NotInForm("a loop reads a parameter whole other than as the scores' left operand")
     value_temp = next(t for t in loads if t != key_temp)
     if sum(language_call(n, namespace) == "dot" for n in ast.walk(body[score_position])) != 1:
         raise NotInForm("the scores statement computes more than one product")
     update_position, accumulator, update = _find_update(body, value_temp, namespace)
-    if accumulator in _names([update.probabilities], ast.Load):
+    if accumulator in names_in([update.probabilities], ast.Load):
         raise NotInForm("the accumulator's update reads the accumulator in its product")
     for i, stmt in enumerate(body):
         dots = [n for n in ast.walk(stmt) if language_call(n, namespace) == "dot"]
         if dots and i not in (score_position, update_position):
             raise NotInForm("a loop computes a product other than the scores and the accumulator's update")
-        if i != update_position and accumulator in _names([stmt], ast.Load) | _names([stmt], ast.Store):
+        if i != update_position and accumulator in names_in([stmt], ast.Load) | names_in([stmt], ast.Store):
             raise NotInForm(f"the loop reads or writes the accumulator {accumulator!r} outside its update")
-        if i != score_position and key_temp in _names([stmt], ast.Load):
+        if i != score_position and key_temp in names_in([stmt], ast.Load):
             raise NotInForm("the key tile is used other than in the scores' product")
-        if i != update_position and value_temp in _names([stmt], ast.Load):
+        if i != update_position and value_temp in names_in([stmt], ast.Load):
             raise NotInForm("the value tile is used other than in the accumulator's update")
     loop = Loop(var, start, stop, body, scores_name, score_position, update, score_value)
     invariant = whole.get(operand)
@@ -288,7 +294,7 @@ def _find_update(body, value_temp, namespace):
                 return i, acc, Update(None, dot, i)
             if isinstance(carried, ast.BinOp) and isinstance(carried.op, ast.Mult):
                 for a, b in ((carried.left, carried.right), (carried.right, carried.left)):
-                    if isinstance(a, ast.Name) and a.id == acc and acc not in _names([b], ast.Load):
+                    if isinstance(a, ast.Name) and a.id == acc and acc not in names_in([b], ast.Load):
                         return i, acc, Update(b, dot, i)
     raise NotInForm("a loop must update its accumulator as `acc = acc * f + nl.dot(p, value_tile)`")
 
@@ -297,7 +303,7 @@ def _value_product(node, value_temp, namespace):
     """``p`` where ``node`` is ``nl.dot(p, value_tile)``."""
     if language_call(node, namespace) == "dot" and len(node.args) == 2 and not node.keywords:
         p, v = node.args
-        if isinstance(v, ast.Name) and v.id == value_temp and value_temp not in _names([p], ast.Load):
+        if isinstance(v, ast.Name) and v.id == value_temp and value_temp not in names_in([p], ast.Load):
             return p
     return None
 
