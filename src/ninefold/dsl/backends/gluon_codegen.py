@@ -139,10 +139,6 @@ class _Generator:
     def extent(self, axis, mode) -> int:
         return {"m": WG_ROWS if mode == "consumer" else BLOCK_M, "n": self.block_n, "d": self.head_dim}[axis]
 
-    def is_language(self, id_) -> bool:
-        module = self.namespace.get(id_)
-        return module is language or getattr(module, "__name__", "") == "ninetoothed.language"
-
     def global_value(self, id_):
         param = next((p for p in self.kernel.params if p.name == id_), None)
         if param is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from ninefold.dsl.compiler.frontend import is_nf_call
+from ninefold.dsl.compiler.frontend import is_language_module, is_nf_call
 from ninefold.dsl.compiler.online_softmax import language_call
 
 WG_ROWS = 64
@@ -182,7 +182,7 @@ class Translator:
         return Val(ast.Tuple([v.code for v in items], ast.Load()), kind="tuple", items=items)
 
     def expr_Attribute(self, node):
-        if isinstance(node.value, ast.Name) and self.gen.is_language(node.value.id):
+        if isinstance(node.value, ast.Name) and is_language_module(self.gen.namespace.get(node.value.id)):
             if node.attr in self.gen.DTYPES:
                 return Val(gl(node.attr), kind="dtype", dtype=node.attr)
             raise Unsupported(f"language.{node.attr} outside a call")

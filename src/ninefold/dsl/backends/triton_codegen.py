@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ninefold.dsl import language
 from ninefold.dsl.compiler.access import Middle, analyze
-from ninefold.dsl.compiler.frontend import NF, is_nf_call, names_in
+from ninefold.dsl.compiler.frontend import NF, is_language_module, is_nf_call, names_in
 from ninefold.dsl.expr import (
     BinOp,
     Const,
@@ -493,9 +493,7 @@ class _Lowering(ast.NodeTransformer):
     def visit_Attribute(self, node):
         base = node.value
         if isinstance(base, ast.Name) and base.id not in self.locals and base.id in self.namespace:
-            if self.namespace[base.id] is language or getattr(self.namespace[base.id], "__name__", "") in (
-                "ninetoothed.language",
-            ):
+            if is_language_module(self.namespace[base.id]):
                 return self.language_name(node.attr)
         self.generic_visit(node)
         return node

@@ -71,6 +71,14 @@ def nf_call(method, *args) -> ast.Call:
     return ast.Call(ast.Attribute(ast.Name(NF, ast.Load()), method, ast.Load()), list(args), [])
 
 
+def is_language_module(module) -> bool:
+    """Whether ``module`` is the in-kernel language (``ninefold.dsl.language``, or NineToothed's, which sources
+    written for NineToothed import)."""
+    from ninefold.dsl import language
+
+    return module is language or getattr(module, "__name__", "") == "ninetoothed.language"
+
+
 def names_in(nodes, ctx) -> set:
     """The names that ``nodes`` (AST nodes) read (``ctx`` ``ast.Load``) or assign (``ast.Store``)."""
     return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}

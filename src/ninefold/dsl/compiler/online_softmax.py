@@ -26,7 +26,7 @@ import copy
 from dataclasses import dataclass
 
 from ninefold.dsl import language
-from ninefold.dsl.compiler.frontend import is_nf_call, names_in
+from ninefold.dsl.compiler.frontend import is_language_module, is_nf_call, names_in
 
 
 class NotInForm(Exception):
@@ -75,8 +75,7 @@ def language_call(node, namespace, locals_=()) -> str | None:
         return None
     func = node.func
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id not in locals_:
-        module = namespace.get(func.value.id)
-        if module is language or getattr(module, "__name__", "") == "ninetoothed.language":
+        if is_language_module(namespace.get(func.value.id)):
             return func.attr
     if isinstance(func, ast.Name) and func.id not in locals_:
         value = namespace.get(func.id)
