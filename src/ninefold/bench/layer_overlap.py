@@ -103,8 +103,9 @@ class Layer:
         self.qkv_half = [torch.cat([q[i * qd:(i + 1) * qd], k[i * kd:(i + 1) * kd], v[i * kd:(i + 1) * kd]])
                          for i in range(2)]
         self.o_half = [self.o[:, i * qd:(i + 1) * qd].contiguous() for i in range(2)]
-        self.kc_half = [self.kc[:, :, i * hk // 2:(i + 1) * hk // 2].contiguous() for i in range(2)]
-        self.vc_half = [self.vc[:, :, i * hk // 2:(i + 1) * hk // 2].contiguous() for i in range(2)]
+        # Views of the one cache (the kernel reads the cache through its strides), as an engine would pass them.
+        self.kc_half = [self.kc[:, :, i * hk // 2:(i + 1) * hk // 2] for i in range(2)]
+        self.vc_half = [self.vc[:, :, i * hk // 2:(i + 1) * hk // 2] for i in range(2)]
         self.out = None
 
     def mlp(self, x):
