@@ -342,7 +342,6 @@ def supports(q, k_cache, v_cache, block_tables, context_lens, scale, kv_heads=No
     return None
 
 
-
 def _split(capacity: int, programs: int, sms: int, block_n: int, per_sm: int, min_tiles: int) -> tuple[int, int]:
     """(most tokens per split, number of splits): about ``per_sm`` programs per SM (many short
     programs leave a short tail in the last wave), at least ``min_tiles`` key tiles each when the
