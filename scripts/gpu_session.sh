@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ninefold's GPU checks and benchmarks on a lent GPU machine, one step per argument.
 # Usage: scripts/gpu_session.sh STEP[:SECONDS] ...   (steps: env dsl-selfcheck cuda-tests dsl-test
-# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 attention-gluon dsl-fa3 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline llm-offline engine-features-cuda lora-cuda lora-bench-cuda lora-kernels-ab host-ab sampling-bench sampling-tests sampling-ab host-sampling cutlass-tests cutlass-bench llm-ab-cutlass rows-tests gemv-rows rows-ab layer-overlap overlap-tests llm-ab-overlap tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
+# dsl-bench ops-test ops-bench runtime llm-test llm-bench llm-bench-vendor-linear llm-bench-gpt-fast llm-profile llm-profile-host llm-profile-gaps ops-memory ops-attention ops-gemv dsl-sweep dsl-sweep-mm dsl-sweep-sdpa dsl-sweep-memory decode-chain decode-attention decode-attention-ragged prefill-configs decode-gemm decode-gemm-blas gemm-cuda decode-gemm-split cublaslt cublaslt-search cublaslt-tests llm-bench-cublaslt-ab llm-bench-x3 pdl-tests llm-ab-pdl decode-pdl-tests decode-layer-pdl dsl-cuda dsl-sweep-sdpa-ws gemm-ws attention-exp2 attention-gluon dsl-fa3 dsl-bench-attention dsl-edges-cuda llm-edges-cuda llm-cuda ops-cuda ops-build cuda-quick ops-tune-rest ship-table serve-bench comm-tests comm-bench comm-nccl nccl-tests llm-host-offline llm-offline engine-features-cuda lora-cuda lora-bench-cuda lora-kernels-ab host-ab sampling-bench sampling-tests sampling-ab host-sampling cutlass-tests cutlass-bench llm-ab-cutlass rows-tests gemv-rows rows-ab layer-overlap tp-cuda tp-bench (on a multi-GPU kind)); logs and each step's files are packed into $OUT/results.tgz.
 set -u
 FINAL_OUT=${OUT:-/tmp/ninefold-out}
 RESULTS=/tmp/nf-results
@@ -107,8 +107,6 @@ step_command() {
     lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py tests/ops/test_lora_kernels.py -q -k cuda -rs -p no:cacheprovider' ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     layer-overlap) echo "python3 -m ninefold.bench.layer_overlap ${LAYER_OVERLAP_ARGS:-}" ;;
-    overlap-tests) echo 'python3 -m pytest tests/llm/test_overlapped_attention.py tests/ops/test_attention.py -q -rs -p no:cacheprovider -k "cuda or range or kv_head"' ;;
-    llm-ab-overlap) echo 'for rows in ${OVERLAP_ARMS:-0 64}; do NINEFOLD_OVERLAP_ATTENTION=$rows python3 -m ninefold.bench.llm --parts offline > $OUT/offline-$rows.log 2>&1; cp $OUT/bench_llm.json $OUT/bench_llm_$rows.json; echo "NINEFOLD_OVERLAP_ATTENTION=$rows: $(grep -a "offline 256" $OUT/offline-$rows.log | tr "\n" " ")"; done' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
 }

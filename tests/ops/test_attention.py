@@ -52,35 +52,6 @@ def test_attention_decode_with_strided_query_and_scale(device, impl):
     assert_close(out, ref.attention_decode(q, k_cache, v_cache, tables, lens, scale=0.3), torch.float32)
 
 
-@pytest.mark.parametrize("device,impl", impl_params("attention_decode"))
-def test_attention_decode_over_ranges_of_kv_heads_adds_up_to_the_whole_call(device, impl):
-    # 3 KV heads, 2 query heads each: the ranges [0, 1) and [1, 3) read views of the one cache
-    k_cache, v_cache, tables = paged_cache([9, 40, 1], 3, 16, 8, torch.float32, device, seed=5)
-    q = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(6)).to(device)
-    lens = torch.tensor([9, 40, 1], dtype=torch.int32, device=device)
-    whole = call("attention_decode", impl, q, k_cache, v_cache, tables, lens)
-    first = call("attention_decode", impl, q[:, :2], k_cache, v_cache, tables, lens, kv_heads=(0, 1))
-    rest = call("attention_decode", impl, q[:, 2:], k_cache, v_cache, tables, lens, kv_heads=(1, 3))
-    assert_close(first, ref.attention_decode(q[:, :2], k_cache[:, :, :1], v_cache[:, :, :1], tables, lens),
-                 torch.float32, scale=ATTENTION_SCALE)
-    torch.testing.assert_close(torch.cat([first, rest], 1), whole)
-
-
-@pytest.mark.parametrize("kv_heads,match", [((2, 1), "0 <= start < stop <= 3"), ((0, 4), "got \\(0, 4\\)"),
-                                            ((1,), "got \\(1,\\)"), ((0.0, 1), "got"), ((False, 1), "got"),
-                                            ((0, 2), "query heads \\(3\\) must be a multiple of KV heads \\(2\\)")])
-def test_attention_decode_refuses_a_bad_range_of_kv_heads(kv_heads, match):
-    import ninefold.ops as ops
-
-    k_cache, v_cache, tables = paged_cache([4], 3, 16, 8, torch.float32, "cpu", seed=7)
-    with pytest.raises(ValueError, match="kv_heads must be" if "multiple" not in match else "attention_decode"):
-        ops.attention_decode(torch.randn(1, 3, 16), k_cache, v_cache, tables, torch.tensor([4], dtype=torch.int32),
-                             kv_heads=kv_heads)
-    with pytest.raises(ValueError, match=match):
-        ops.attention_decode(torch.randn(1, 3, 16), k_cache, v_cache, tables, torch.tensor([4], dtype=torch.int32),
-                             kv_heads=kv_heads)
-
-
 def packed(lengths, h, d, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(sum(lengths), h, d, generator=g).to(device, dtype)
@@ -212,38 +183,6 @@ def test_triton_decode_launch_configs(config):
     config = {"block_n": 32, "num_warps": 4, "num_stages": 1, **config}
     out = decode.launch(q, k_cache, v_cache, tables, lens, None, config)
     assert_close(out, ref.attention_decode(q, k_cache, v_cache, tables, lens), torch.float32, scale=ATTENTION_SCALE)
-
-
-@triton_only
-def test_triton_decode_splits_of_two_kv_head_ranges_merge_with_their_own_counters():
-    """Many splits merged by the last to arrive: each head range counts its arrivals in its own slice of the
-    counters, so ranges launched at once (on CUDA: two streams, many rounds) never miscount."""
-    from ninefold.ops.triton import decode
-
-    device, hq, hk, d = _triton_device(), 8, 4, 16
-    lengths = [300, 7, 129]
-    k_cache, v_cache, tables = paged_cache(lengths, hk, d, 16, torch.float32, device, seed=23)
-    q = torch.randn(len(lengths), hq, d, generator=torch.Generator().manual_seed(24)).to(device)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    config = {"block_n": 32, "num_warps": 4, "num_stages": 1, "per_sm": 64, "min_tiles": 1, "one_kernel": 1}
-    want = ref.attention_decode(q, k_cache, v_cache, tables, lens)
-    halves = [((0, 2), q[:, :4]), ((2, 4), q[:, 4:])]
-    rounds = 20 if device == "cuda" else 1
-    streams = [torch.cuda.Stream() for _ in halves] if device == "cuda" else [None, None]
-    outs = []
-    for _ in range(rounds):
-        for (heads, qh), stream in zip(halves, streams):
-            if stream is None:
-                outs.append(decode.launch(qh, k_cache, v_cache, tables, lens, None, config, kv_heads=heads))
-                continue
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                outs.append(decode.launch(qh, k_cache, v_cache, tables, lens, None, config, kv_heads=heads))
-        for stream in streams:
-            if stream is not None:
-                torch.cuda.current_stream().wait_stream(stream)
-    for i in range(0, len(outs), 2):
-        assert_close(torch.cat(outs[i:i + 2], 1), want, torch.float32, scale=ATTENTION_SCALE)
 
 
 def test_prefill_rejects_bad_max_seqlen():

@@ -101,19 +101,7 @@ def _check_cu_seqlens(op, tq, cu_seqlens_q, cu_seqlens_k, k, block_tables, k_cac
                      min_length=0)
 
 
-def _kv_head_range(op: str, kv_heads, hk: int) -> tuple[int, int]:
-    """``kv_heads`` (None: all ``hk``) as ``(start, stop)``, refused unless ``0 <= start < stop <= hk``."""
-    if kv_heads is None:
-        return 0, hk
-    ok = isinstance(kv_heads, (tuple, list)) and len(kv_heads) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in kv_heads)
-    if not ok or not 0 <= kv_heads[0] < kv_heads[1] <= hk:
-        raise spec.OpError(f"{op}: kv_heads must be None or (start, stop) with 0 <= start < stop <= {hk} (the "
-                           f"caches' KV heads), got {kv_heads!r}")
-    return int(kv_heads[0]), int(kv_heads[1])
-
-
-def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None, kv_heads=None):
+def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     op = "attention_decode"
     spec.tensor(op, "q", q, ndim=3)
     _cache_checks(op, "q", q, k_cache, v_cache)
@@ -121,8 +109,6 @@ def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None, kv_
     _, bs, hk, dk = k_cache.shape
     if dk != d:
         raise spec.OpError(f"{op}: k_cache head size {dk} differs from q's {d}")
-    start, stop = _kv_head_range(op, kv_heads, hk)
-    hk = stop - start
     _gqa(op, hq, hk)
     spec.tensor(op, "block_tables", block_tables, ndim=2)
     spec.integer(op, "block_tables", block_tables)
@@ -137,26 +123,22 @@ def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None, kv_
     return q.device, q.dtype, (spec.pow2(b), hq, hk, d, bs, capacity), contiguous
 
 
-def _decode_values(q, k_cache, v_cache, block_tables, context_lens, scale=None, kv_heads=None) -> None:
+def _decode_values(q, k_cache, v_cache, block_tables, context_lens, scale=None) -> None:
     if q.device.type == "cpu" and q.shape[0]:  # (on GPUs reading them would synchronise)
         _check_paged("attention_decode", block_tables, context_lens, k_cache.shape[0], k_cache.shape[1],
                      "context_lens")
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, *, scale: float | None = None,
-                     kv_heads: tuple[int, int] | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """One query token per sequence over the paged KV cache.
 
     q ``[B, Hq, D]``; block_tables int32 ``[B, max_blocks]``; context_lens int32 ``[B]``: keys
     per sequence, the current token included (already written by ``reshape_and_cache``), >= 1.
-    ``scale`` defaults to ``1/sqrt(D)``. ``kv_heads=(start, stop)``: attend over those KV heads of
-    the caches only, q holding their query heads (a multiple of ``stop - start``); calls over
-    disjoint ranges may run at once on different streams. Returns ``[B, Hq, D]`` in q's dtype. On
-    CPUs the lengths and the block ids they read are checked (``OpError``); on GPUs they are not
-    (that would synchronise).
+    ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, D]`` in q's dtype. On CPUs the lengths
+    and the block ids they read are checked (``OpError``); on GPUs they are not (that would synchronise).
     """
-    return _DECODE.call(q, k_cache, v_cache, block_tables, context_lens, scale, kv_heads)
+    return _DECODE.call(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None,
@@ -271,9 +253,7 @@ def _gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 @register("attention_decode", "vendor")
-def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, kv_heads=None):
-    if kv_heads is not None:
-        k_cache, v_cache = k_cache[:, :, kv_heads[0]:kv_heads[1]], v_cache[:, :, kv_heads[0]:kv_heads[1]]
+def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale):
     b, hq, d = q.shape
     num_blocks, bs, hk, _ = k_cache.shape
     n = block_tables.shape[1]

@@ -111,9 +111,7 @@ def _paged_tokens(cache, table, length):
     return torch.stack([cache[table[p // bs], p % bs] for p in range(length)])
 
 
-def attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, scale=None, kv_heads=None):
-    if kv_heads is not None:
-        k_cache, v_cache = k_cache[:, :, kv_heads[0]:kv_heads[1]], v_cache[:, :, kv_heads[0]:kv_heads[1]]
+def attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, scale=None):
     q, kc, vc = _f64(q), _f64(k_cache), _f64(v_cache)
     scale = scale or 1 / math.sqrt(q.shape[-1])
     tables, lens = block_tables.cpu().tolist(), context_lens.cpu().tolist()

@@ -102,9 +102,8 @@ def _define() -> None:  # noqa: C901  (one short definition per operator)
 
     @op("attention_decode", lambda q, *args, **kwargs: q.new_empty(q.shape))
     def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                         scale: float | None = None, kv_heads: list[int] | None = None) -> Tensor:
-        return ops.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
-                                    kv_heads=None if kv_heads is None else tuple(kv_heads))
+                         scale: float | None = None) -> Tensor:
+        return ops.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
 
     def argmax_fake(x, dim=-1):
         shape = list(x.shape)

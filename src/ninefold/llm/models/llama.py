@@ -11,7 +11,6 @@ heads of dim Dh.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +37,6 @@ FUSED_MAX_ROWS = 32
 DENSE_COPY_BUDGET = 2 << 30
 # Quantized embedding tables stay quantized where ``LlamaModel._table_stays_quantized`` says so (tests turn it off).
 KEEP_TABLES_QUANTIZED = True
-
-
-def overlap_min_rows() -> int:
-    """``NINEFOLD_OVERLAP_ATTENTION=ROWS``: decode steps of at least ROWS sequences split each layer's heads in
-    two halves whose attention and o projection run on two streams (``LlamaModel._overlapped_attention``);
-    0 or unset: off."""
-    value = os.environ.get("NINEFOLD_OVERLAP_ATTENTION", "0")
-    if not value.isdigit():
-        raise ValueError(f"NINEFOLD_OVERLAP_ATTENTION must be a number of rows (0: off), got {value!r}")
-    return int(value)
 
 
 @dataclass
@@ -170,8 +159,6 @@ class LlamaForCausalLM:
         self._cpu_decoder = None
         # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces)
         self.cpu_fast_decode = parallel is None
-        self.overlap_min_rows = overlap_min_rows()
-        self._side_stream = None
 
     def _setup_packing(self, config: ModelConfig) -> None:
         mode = config.raw.get("ninefold_quantization", "none")
@@ -292,10 +279,7 @@ class LlamaForCausalLM:
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
                 qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            if self._overlaps(meta, layer, qkv):
-                x = self._overlapped_attention(i, layer, qkv, positions, meta)
-            else:
-                x = _linear(self._attention(i, layer, qkv, positions, meta), layer.o)
+            x = _linear(self._attention(i, layer, qkv, positions, meta), layer.o)
             if self.parallel is not None:
                 x = self.parallel.all_reduce(x)
             if fuse:
@@ -322,46 +306,8 @@ class LlamaForCausalLM:
         act = ops.silu_and_mul(lora.add(i, "gate_up", x, _linear(x, layer.gate_up)))
         return lora.add(i, "down", act, _linear(act, layer.down)), residual
 
-    def _overlaps(self, meta: AttentionMetadata, layer: LayerWeights, qkv: torch.Tensor) -> bool:
-        rows = self.overlap_min_rows
-        return (bool(rows) and meta.is_decode and qkv.shape[0] >= rows and self.config.num_kv_heads % 2 == 0
-                and self.parallel is None and type(layer.o) is torch.Tensor and layer.o.dim() == 2)
-
-    def _overlapped_attention(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions,
-                              meta: AttentionMetadata) -> torch.Tensor:
-        """A decode step's attention through the o projection, ``[T, D]``, with the heads in two halves: half
-        A's attention and its share of the o projection (o's first columns) on a second stream, beside half
-        B's attention; B's share then adds onto A's. No weight is read twice; on CUDA the bandwidth-bound
-        attention of one half runs beside the other's work (CPUs run the halves one after the other)."""
-        c = self.config
-        q = self._heads_cached(i, layer, qkv, positions, meta)[0]
-        t, hq, hk, cut = q.shape[0], c.num_heads // 2, c.num_kv_heads // 2, self.q_size // 2
-        k_cache, v_cache = self.kv_caches[i]
-
-        def half(lo: int, heads: tuple[int, int]) -> torch.Tensor:
-            return ops.attention_decode(q[:, lo:lo + hq], k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                        scale=self.scale, kv_heads=heads).reshape(t, cut)
-
-        if not q.is_cuda:
-            first = torch.mm(half(0, (0, hk)), layer.o[:, :cut].t())
-            return torch.addmm(first, half(hq, (hk, c.num_kv_heads)), layer.o[:, cut:].t())
-        main = torch.cuda.current_stream(q.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(q.device)
-        side = self._side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            first = torch.mm(half(0, (0, hk)), layer.o[:, :cut].t())
-        second = half(hq, (hk, c.num_kv_heads))
-        # No record_stream (its polling does not hold under graph capture): q is freed on the main stream after
-        # this join, and every later allocation on the side stream follows a wait for the main stream's work so
-        # far, which includes the addmm reading ``first``.
-        main.wait_stream(side)
-        return torch.addmm(first, second, layer.o[:, cut:].t())
-
-    def _heads_cached(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions, meta: AttentionMetadata):
-        """A layer's q, k, v ``[T, H, Dh]`` from its q/k/v rows, after the q/k norms and rope, the new keys and values
-        written to the cache."""
+    def _attention(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions, meta: AttentionMetadata):
+        """Attention of a layer's q/k/v rows (after rope and the cache write), ``[T, Hq Dh]``, before the o projection."""
         c = self.config
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -382,13 +328,6 @@ class LlamaForCausalLM:
         if not fused:
             q, k = ops.rope(q, k, positions, self.cos_sin, is_neox=True)
             ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return q, k, v
-
-    def _attention(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions, meta: AttentionMetadata):
-        """Attention of a layer's q/k/v rows (after rope and the cache write), ``[T, Hq Dh]``, before the o projection."""
-        T = qkv.shape[0]
-        q, k, v = self._heads_cached(i, layer, qkv, positions, meta)
-        k_cache, v_cache = self.kv_caches[i]
         if meta.is_decode:
             o = ops.attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale=self.scale)
         elif meta.num_decodes:

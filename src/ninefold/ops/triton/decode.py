@@ -333,7 +333,7 @@ def _merge_tile(group: int, config: dict) -> dict:
     return {"G2": g2, "BLOCK_S": max(1, config.get("merge_rows", 64) // g2)}
 
 
-def supports(q, k_cache, v_cache, block_tables, context_lens, scale, kv_heads=None) -> str | None:
+def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
     d = q.shape[-1]
     if d < 16 or d & (d - 1):
         return f"head size {d} is not a power of two >= 16"
@@ -414,8 +414,8 @@ _SPLIT_CONSTEXPRS = ("GROUP", "BLOCK_G", "D", "BLOCK_N", "PAGE", "PRECISION", "S
 _SPLIT_PDL = Launcher(decode_split_kernel, _SPLIT_CONSTEXPRS)
 
 
-def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, kv_heads=None):
-    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG, kv_heads=kv_heads)
+def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG)
 
 
 def early_kv_wanted() -> bool:
@@ -428,18 +428,12 @@ def early_kv_wanted() -> bool:
     return os.environ.get("NINEFOLD_DECODE_EARLY_KV", "0") == "1"
 
 
-def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None, early_kv=None,
-           kv_heads=None):
+def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None, early_kv=None):
     """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``); ``pdl``:
     launch the split kernel with programmatic dependent launch (``None``: where :func:`pdl_wanted`);
     ``early_kv``: load the first key/value tile before waiting (``None``: with PDL where
-    :func:`early_kv_wanted`; the same result either way); ``kv_heads=(start, stop)``: those KV heads of
-    the caches only (read through views; the launch's arrival counters are the range's own)."""
+    :func:`early_kv_wanted`; the same result either way)."""
     b, hq, d = q.shape
-    all_heads = k_cache.shape[2]
-    start, stop = (0, all_heads) if kv_heads is None else kv_heads
-    if kv_heads is not None:
-        k_cache, v_cache = k_cache[:, :, start:stop], v_cache[:, :, start:stop]
     _, page, hk, _ = k_cache.shape
     group = hq // hk
     scale = scale or 1.0 / math.sqrt(d)
@@ -453,9 +447,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict,
     if splits > 1:
         scratch = torch.empty(b * hq * splits * (d + 1), dtype=torch.float32, device=q.device)  # one allocation
         part, lse = scratch[: b * hq * splits * d], scratch[b * hq * splits * d:]
-        # counters of (sequence, KV head) pairs: a head range takes its own slice, so that launches over
-        # disjoint ranges may run at once
-        arrivals = counters(q.device, b * all_heads)[b * start:] if merge else _unused(q.device)
+        arrivals = counters(q.device, b * hk) if merge else _unused(q.device)
     else:  # the split kernel writes ``out`` itself
         part = lse = arrivals = _unused(q.device)
     pdl = pdl_wanted(q.device) if pdl is None else check_pdl(pdl, q.device, "attention_decode")
