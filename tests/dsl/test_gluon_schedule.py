@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ninefold.dsl as nd
+import ninefold.dsl.language as lang
 import ninefold.dsl.language as nl
 from ninefold.bench.dsl import _attention_one_loop
 from ninefold.dsl import Tensor
@@ -470,6 +471,22 @@ def test_a_local_named_like_a_generated_size_is_refused():
     q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match="k_size_2"):
         gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+
+
+def _local_named_nl(q, k, v, scale, is_causal, o):
+    nl = q  # a local named like the language module, which the calls reach as ``lang``
+    acc = lang.zeros((q.shape[-2], q.shape[-1]), dtype=lang.float32)
+    for j in range(k.shape[0]):
+        scores = lang.dot(nl, lang.trans(k[j]))
+        acc = acc + lang.dot(lang.exp2(scores - 8.0).to(nl.dtype), v[j])
+    o = acc  # noqa: F841
+
+
+def test_an_attribute_of_a_local_named_like_the_language_module_reads_the_local():
+    kernel = nd.make(attention.arrangement, _local_named_nl, attention.tensors())
+    q, k, v, o = _inputs((1, 2, 256, 64))
+    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))  # (was refused as language.dtype)
+    assert "gl.exp2(scores - 8.0).to(nl.dtype)" in generated.source
 
 
 def _float32_probabilities(q, k, v, scale, is_causal, o):

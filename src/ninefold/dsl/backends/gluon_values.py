@@ -182,7 +182,8 @@ class Translator:
         return Val(ast.Tuple([v.code for v in items], ast.Load()), kind="tuple", items=items)
 
     def expr_Attribute(self, node):
-        if isinstance(node.value, ast.Name) and is_language_module(self.gen.namespace.get(node.value.id)):
+        if (isinstance(node.value, ast.Name) and node.value.id not in self.env
+                and is_language_module(self.gen.namespace.get(node.value.id))):  # (a local may shadow the module)
             if node.attr in self.gen.DTYPES:
                 return Val(gl(node.attr), kind="dtype", dtype=node.attr)
             raise Unsupported(f"language.{node.attr} outside a call")
