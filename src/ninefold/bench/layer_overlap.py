@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import pathlib
 import sys
@@ -44,6 +45,7 @@ from tqdm import tqdm
 
 from ninefold import ops
 from ninefold.bench.decode_attention import paged_caches
+from ninefold.bench.decode_layer_pdl import capture, replay_ms
 from ninefold.bench.results import write_json
 
 CASES = ((64, 1500), (128, 1200), (192, 900), (256, 700))  # (sequences, mean context): the offline run's range
@@ -172,31 +174,6 @@ def _run(layers, variant: str, lanes, side):
         fn(layer, lanes, stream)
 
 
-def _graph(layers, variant, lanes, side):
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        _run(layers, variant, lanes, side)
-    torch.cuda.current_stream().wait_stream(warm)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _run(layers, variant, lanes, side)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _time(graph, replays: int, layers: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * layers)
-
-
 def check(layers, lanes, side) -> dict:
     """Each variant's o output against the serial one: max abs error over max abs value."""
     errors = {}
@@ -266,11 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             failed |= bool(bad)
             row = {"batch": batch, "context": context, "relative_error": errors}
             if device.type == "cuda" and not bad:
-                graphs = {v: _graph(layers, v, lanes, side) for v in VARIANTS}
+                graphs = {v: capture(functools.partial(_run, layers, v, lanes, side))[0] for v in VARIANTS}
                 times = {v: [] for v in VARIANTS}
                 for _ in tqdm(range(args.rounds), desc=f"{batch}x{context}", leave=False):
                     for v in VARIANTS:
-                        times[v].append(_time(graphs[v], args.replays, len(layers)))
+                        times[v].append(replay_ms(graphs[v], args.replays) * 1e3 / len(layers))
                 row["us_per_layer"] = {v: min(t) for v, t in times.items()}
                 row["us_per_layer_all"] = times
                 del graphs
