@@ -77,11 +77,16 @@ def _inputs(shape, dtype=torch.bfloat16, device="cpu"):
     return tuple(torch.randn(shape, dtype=dtype, device=device) for _ in range(4))
 
 
-def test_a_reduction_across_query_rows_is_not_lowered():
-    kernel = nd.make(attention.arrangement, _cross_row, attention.tensors())
+def _generated_source(application, scale=0.125, causal=False, tensors=None):
+    """The fa3 module's source for ``application`` on attention's arrangement, compiled for sm_90 at B1 H2 S256 D64."""
+    kernel = nd.make(attention.arrangement, application, tensors or attention.tensors())
     q, k, v, o = _inputs((1, 2, 256, 64))
+    return gluon.compile_for_target(kernel, (q, k, v, scale, causal, o))[1].source
+
+
+def test_a_reduction_across_query_rows_is_not_lowered():
     with pytest.raises(Unsupported, match="across query rows"):
-        gluon.compile_for_target(kernel, (q, k, v, 0.1, False, o))
+        _generated_source(_cross_row, scale=0.1)
 
 
 @pytest.mark.parametrize("shape,causal", [((2, 4, 512, 128), True), ((1, 2, 256, 64), False)])
@@ -298,11 +303,9 @@ def _named_factor(q, k, v, scale, is_causal, o):
 
 
 def test_a_named_expansion_is_read_not_recomputed():
-    kernel = nd.make(attention.arrangement, _named_factor, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
-    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
-    assert "nf_f_next = gl.convert_layout(nf_vector_correction" in generated.source
-    assert "convert_layout(gl.exp2(row_max - new_max)" not in generated.source
+    source = _generated_source(_named_factor)
+    assert "nf_f_next = gl.convert_layout(nf_vector_correction" in source
+    assert "convert_layout(gl.exp2(row_max - new_max)" not in source
 
 
 def _name_reuse(q, k, v, scale, is_causal, o):
@@ -317,10 +320,8 @@ def _name_reuse(q, k, v, scale, is_causal, o):
 
 
 def test_a_prologue_name_reassigned_after_a_tile_statement_reads_it_is_not_reordered():
-    kernel = nd.make(attention.arrangement, _name_reuse, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match="'t'"):  # the loop bound would be the consumer's t: Triton keeps it
-        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+        _generated_source(_name_reuse)
 
 
 def _local_named_wg(q, k, v, scale, is_causal, o):
@@ -333,10 +334,8 @@ def _local_named_wg(q, k, v, scale, is_causal, o):
 
 
 def test_names_the_generated_module_binds_are_refused():
-    kernel = nd.make(attention.arrangement, _local_named_wg, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match="'WG'"):
-        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+        _generated_source(_local_named_wg)
 
 
 def _swapped(q, v, k, scale, is_causal, o):
@@ -404,10 +403,8 @@ def test_a_run_time_if_in_the_prologue_is_lowered():
     head = {"constexpr": True, "upper_bound": 256}
     tensors = (*(Tensor(4, shape_options=(None, None, None, head)) for _ in range(3)), Tensor(0), Tensor(0),
                Tensor(4, shape_options=(None, None, None, head)))
-    kernel = nd.make(attention.arrangement, _if_in_consumer_prologue, tensors)
-    q, k, v, o = _inputs((1, 2, 256, 64))
-    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, True, o))
-    assert "if is_causal:" in generated.source
+    source = _generated_source(_if_in_consumer_prologue, causal=True, tensors=tensors)
+    assert "if is_causal:" in source
 
 
 @sm90
@@ -431,10 +428,8 @@ def _test_name_reassigned(q, k, v, scale, is_causal, o):
 
 
 def test_a_name_an_if_test_reads_is_not_reassigned_ahead_of_the_consumers():
-    kernel = nd.make(attention.arrangement, _test_name_reassigned, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
-    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.75, False, o))
-    top = generated.source.split("@gluon.jit")[-1]  # the kernel: the program-wide statements
+    source = _generated_source(_test_name_reassigned, scale=0.75)
+    top = source.split("@gluon.jit")[-1]  # the kernel: the program-wide statements
     assert "c = 0.0" not in top  # the reassignment stays in the consumers, after their `if c > 0.5`
 
 
@@ -450,10 +445,8 @@ def _parameter_reassigned(q, k, v, scale, is_causal, o):
 
 
 def test_a_parameter_reassigned_per_warpgroup_is_not_read_as_the_argument():
-    kernel = nd.make(attention.arrangement, _parameter_reassigned, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
-    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
-    top = generated.source.split("@gluon.jit")[-1]
+    source = _generated_source(_parameter_reassigned)
+    top = source.split("@gluon.jit")[-1]
     assert "t = scale + 0.0" not in top  # computed in the consumers, after their `scale = scale * 4.0`
 
 
@@ -467,10 +460,8 @@ def _local_named_like_a_size(q, k, v, scale, is_causal, o):
 
 
 def test_a_local_named_like_a_generated_size_is_refused():
-    kernel = nd.make(attention.arrangement, _local_named_like_a_size, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match="k_size_2"):
-        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+        _generated_source(_local_named_like_a_size)
 
 
 def _local_named_nl(q, k, v, scale, is_causal, o):
@@ -483,10 +474,8 @@ def _local_named_nl(q, k, v, scale, is_causal, o):
 
 
 def test_an_attribute_of_a_local_named_like_the_language_module_reads_the_local():
-    kernel = nd.make(attention.arrangement, _local_named_nl, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
-    _, generated = gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))  # (was refused as language.dtype)
-    assert "gl.exp2(scores - 8.0).to(nl.dtype)" in generated.source
+    source = _generated_source(_local_named_nl)  # (was refused as language.dtype)
+    assert "gl.exp2(scores - 8.0).to(nl.dtype)" in source
 
 
 def _float32_probabilities(q, k, v, scale, is_causal, o):
@@ -519,10 +508,8 @@ def _bfloat16_accumulator(q, k, v, scale, is_causal, o):
 @pytest.mark.parametrize("application,message", [(_float32_probabilities, "probabilities of dtype float32"),
                                                  (_bfloat16_accumulator, "accumulator 'acc' of dtype bfloat16")])
 def test_dtype_mixes_the_products_cannot_take_stay_on_triton(application, message):
-    kernel = nd.make(attention.arrangement, application, attention.tensors())
-    q, k, v, o = _inputs((1, 2, 256, 64))
     with pytest.raises(Unsupported, match=message):
-        gluon.compile_for_target(kernel, (q, k, v, 0.125, False, o))
+        _generated_source(application)
 
 
 def test_a_dtype_the_translator_cannot_tell_is_checked_by_the_compiler():
