@@ -108,3 +108,14 @@ def fresh_choice_cache(forget, tmp_path, monkeypatch):
     forget()
     yield tmp_path
     forget()
+
+
+def decode_mlp_operands(rows: int, d: int, f: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """bfloat16 CUDA operands of a decode step's MLP half: ``x``, ``residual`` ``[rows, d]``, the norm's gain
+    ``[d]``, the gate/up weight ``[2f, d]`` and the down weight ``[d, f]`` (scaled to keep activations near 1)."""
+    def draw(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator)
+
+    x, residual = draw(rows, d).to(torch.bfloat16), draw(rows, d).to(torch.bfloat16)
+    gain = (1 + 0.1 * draw(d)).to(torch.bfloat16)
+    return x, residual, gain, (draw(2 * f, d) * d**-0.5).to(torch.bfloat16), (draw(d, f) * f**-0.5).to(torch.bfloat16)

@@ -14,7 +14,7 @@ import ninefold.ops as ops
 from ninefold.ops import cutlass
 from ninefold.ops.cutlass import binding, build, tuning
 
-from .helpers import fresh_choice_cache
+from .helpers import decode_mlp_operands, fresh_choice_cache
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_library = pytest.mark.skipif(not HOPPER or binding.unavailable() is not None,
@@ -192,7 +192,7 @@ def test_linear_runs_the_persisted_configuration(fresh_cache, monkeypatch):
     binding.matmul(x, w, want, *pick)
     ran = []
     real = binding.matmul
-    monkeypatch.setattr(binding, "matmul", lambda *a: ran.append(a[3:]) or real(*a))
+    monkeypatch.setattr(binding, "matmul", lambda *a, **kw: ran.append(a[3:]) or real(*a, **kw))
     got = cutlass.linear(x, w)
     assert ran == [pick]  # the persisted candidate, not F.linear
     assert torch.equal(got, want)
@@ -237,3 +237,86 @@ def test_tuning_persists_and_linear_uses_it(fresh_cache):
         assert ops.choose("linear", x, w) == "cutlass"
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(cutlass.linear(x, w, b), F.linear(x, w, b))  # a bias: F.linear
+
+
+def _decode_chain(x, residual, gain, w_up, w_down, configs, pdl):
+    """add+RMSNorm, gate_up GEMM, SwiGLU, down GEMM, add+RMSNorm: a batched decode step's MLP half."""
+    from ninefold.ops.triton import activation, norm
+
+    h, residual = norm.add_rms_norm(x, residual, gain, 1e-5)
+    up = torch.empty(h.shape[0], w_up.shape[0], device="cuda", dtype=torch.bfloat16)
+    binding.matmul(h, w_up, up, configs[0], "data_parallel", 1, pdl=pdl)
+    a = activation.silu_and_mul(up)
+    down = torch.empty(a.shape[0], w_down.shape[0], device="cuda", dtype=torch.bfloat16)
+    binding.matmul(a, w_down, down, configs[1], "data_parallel", 1, pdl=pdl)
+    return norm.add_rms_norm(down, residual, gain, 1e-5)
+
+
+@needs_library
+@pytest.mark.parametrize("rows", [64, 200])
+def test_pdl_launches_give_the_plain_launches_bits_eagerly_and_in_a_cuda_graph(rows, monkeypatch):
+    """GEMMs launched with PDL between PDL row kernels wait for their inputs: the same bits as plain launches."""
+    pytest.importorskip("triton")
+    from ninefold.ops.triton import pdl
+
+    if not pdl.wanted(torch.device("cuda"), "NINEFOLD_ROWS_PDL"):
+        pytest.skip("PDL is not available on this card or Triton")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d, f = 4096, 3584
+    x, residual, gain, w_up, w_down = decode_mlp_operands(rows, d, f, g)
+    pingpong = [i for i, c in enumerate(build.CONFIGS) if c.schedule == "pingpong" and c.pdl]
+    cooperative = [i for i, c in enumerate(build.CONFIGS) if c.schedule == "cooperative" and c.pdl]
+    for configs in ((pingpong[0], pingpong[-1]), (cooperative[0], cooperative[-1])):
+        def plain(configs=configs):
+            monkeypatch.setenv("NINEFOLD_ROWS_PDL", "0")
+            out = _decode_chain(x, residual, gain, w_up, w_down, configs, pdl=False)
+            monkeypatch.setenv("NINEFOLD_ROWS_PDL", "1")
+            return out
+
+        want = plain()
+        got = _decode_chain(x, residual, gain, w_up, w_down, configs, pdl=True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), [build.CONFIGS[c].name for c in configs]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _decode_chain(x, residual, gain, w_up, w_down, configs, pdl=True)
+        for _ in range(3):
+            x.copy_(torch.randn(rows, d, device="cuda", generator=g).to(torch.bfloat16))
+            graph.replay()
+            want = plain()
+            torch.cuda.synchronize()
+            for a, b in zip(captured, want):
+                assert torch.equal(a, b), [build.CONFIGS[c].name for c in configs]
+
+
+@needs_library
+def test_linear_launches_with_pdl_where_the_decode_kernels_do(fresh_cache, monkeypatch):
+    pytest.importorskip("triton")
+    from ninefold.ops.dispatch import device_model
+    from ninefold.ops.triton import pdl
+
+    m, n, k = 96, 2048, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+    pick = next(c for c in tuning.candidates() if c[1] == "data_parallel")
+    tuning.CACHE.store(tuning.key(device_model(x.device), m, n, k), list(pick))
+    tuning.forget()
+    expected = pdl.wanted(x.device, "NINEFOLD_CUTLASS_PDL")
+    flags = []
+    real = binding.matmul
+    monkeypatch.setattr(binding, "matmul", lambda *a, **kw: flags.append(kw.get("pdl")) or real(*a, **kw))
+    cutlass.linear(x, w)
+    monkeypatch.setenv("NINEFOLD_CUTLASS_PDL", "0")
+    cutlass.linear(x, w)
+    assert flags == [expected, False]
+
+
+def test_min_gain_is_read_from_the_environment_and_bad_values_are_named(monkeypatch):
+    monkeypatch.delenv("NINEFOLD_CUTLASS_MIN_GAIN", raising=False)
+    assert tuning.min_gain() == tuning.MIN_GAIN
+    monkeypatch.setenv("NINEFOLD_CUTLASS_MIN_GAIN", "-0.1")
+    assert tuning.min_gain() == -0.1
+    for bad in ("1.5", "fast", "-1"):
+        monkeypatch.setenv("NINEFOLD_CUTLASS_MIN_GAIN", bad)
+        with pytest.raises(ValueError, match=f"NINEFOLD_CUTLASS_MIN_GAIN: got '{bad}'"):
+            tuning.min_gain()

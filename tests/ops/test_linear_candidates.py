@@ -4,6 +4,7 @@ expected is left out silently, and the ones that agree become timed steps beside
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -56,6 +57,13 @@ def test_timed_steps_run_and_the_fastest_is_picked_against_the_baseline():
     best, times = timing.fastest(runs, torch.device("cpu"), ((3, None),), linear_candidates.VENDOR, 0.5)
     assert set(times) == {linear_candidates.VENDOR, "good"} and all(t > 0 for t in times.values())
     assert best == linear_candidates.VENDOR  # same work: nobody is 50% faster than the baseline
+
+
+@pytest.mark.parametrize("min_gain, picked", [(0.0, "baseline"), (-0.9, "slower")])
+def test_a_negative_min_gain_keeps_a_slower_candidate_within_it(min_gain, picked):
+    runs = {"baseline": lambda: time.sleep(0.002), "slower": lambda: time.sleep(0.003)}
+    best, times = timing.fastest(runs, torch.device("cpu"), ((3, None),), "baseline", min_gain)
+    assert best == picked, times
 
 
 def test_an_error_that_is_not_the_kernels_propagates():

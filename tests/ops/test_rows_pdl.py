@@ -10,6 +10,8 @@ pytest.importorskip("triton")
 
 from ninefold.ops.triton import activation, aot, norm, pdl  # noqa: E402
 
+from .helpers import decode_mlp_operands  # noqa: E402
+
 POINTERS = {"x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"}
 
 
@@ -64,11 +66,7 @@ def test_pdl_and_plain_launches_agree_eagerly_and_in_a_cuda_graph(rows, monkeypa
         pytest.skip("PDL is not available on this card or Triton")
     g = torch.Generator(device="cuda").manual_seed(0)
     d, f = 4096, 14336
-    x = torch.randn(rows, d, device="cuda", generator=g).to(torch.bfloat16)
-    residual = torch.randn(rows, d, device="cuda", generator=g).to(torch.bfloat16)
-    gain = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(torch.bfloat16)
-    w_up = (torch.randn(2 * f, d, device="cuda", generator=g) * d**-0.5).to(torch.bfloat16)
-    w_down = (torch.randn(d, f, device="cuda", generator=g) * f**-0.5).to(torch.bfloat16)
+    x, residual, gain, w_up, w_down = decode_mlp_operands(rows, d, f, g)
     monkeypatch.setenv("NINEFOLD_ROWS_PDL", "0")
     want = _step(x, residual, gain, w_up, w_down)
     monkeypatch.setenv("NINEFOLD_ROWS_PDL", "1")

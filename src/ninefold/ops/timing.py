@@ -89,7 +89,8 @@ def fastest(runs: dict, device, rounds, baseline: str, min_gain: float) -> tuple
 
     Each round of ``rounds`` (``(repeats, keep)``) times the candidates left, keeping the best ``keep``
     of the previous round (``None``: all) and always ``baseline``; a candidate must beat ``baseline``
-    by ``min_gain`` (a fraction) to be picked over it."""
+    by ``min_gain`` (a fraction) to be picked over it. A negative ``min_gain`` picks the fastest other
+    candidate even when ``baseline`` is faster, as long as it is at most that fraction slower."""
     times: dict[str, float] = {}
     field = list(runs)
     for repeats, keep in rounds:
@@ -100,6 +101,9 @@ def fastest(runs: dict, device, rounds, baseline: str, min_gain: float) -> tuple
         for name in field:
             times[name] = measure(runs[name], device, repeats=repeats)
     best = min(field, key=times.get)
+    others = [name for name in field if name != baseline]
+    if best == baseline and min_gain < 0 and others:
+        best = min(others, key=times.get)
     if best != baseline and times[best] > (1 - min_gain) * times[baseline]:
         best = baseline
     return best, times

@@ -7,6 +7,10 @@ warp-specialized TMA kernels with stream-K and split-K schedulers and with the o
 ``tuning`` has measured, the fastest of them, and ``F.linear`` everywhere else (untuned shapes, other
 dtypes, a bias, devices other than sm_90). Without a built library it runs ``F.linear``. It registers
 below cuBLAS: pin it (``NINEFOLD_OPS=linear=cutlass``) or let a tuning table choose it.
+
+Where the batched-decode kernels launch with PDL (:func:`ninefold.ops.triton.pdl.wanted`; switch
+``NINEFOLD_CUTLASS_PDL``), so do these GEMMs: their set-up overlaps the kernel before them and the
+kernel after them may launch during their epilogue.
 """
 
 from __future__ import annotations
@@ -41,8 +45,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if picked is None:
         return F.linear(x, weight, bias)
     out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    binding.matmul(x.view(m, k), weight, out.view(m, n), *picked)
+    binding.matmul(x.view(m, k), weight, out.view(m, n), *picked, pdl=_pdl(x.device))
     return out
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether to launch with PDL on ``device`` (read at every call, so at CUDA-graph capture)."""
+    try:
+        from ninefold.ops.triton import pdl
+    except ImportError:  # no Triton: none of the kernels around this one launch with PDL either
+        return False
+    return pdl.wanted(device, "NINEFOLD_CUTLASS_PDL")
 
 
 @functools.cache

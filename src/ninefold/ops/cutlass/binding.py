@@ -2,7 +2,8 @@
 
 ``matmul(x, w, out, config, mode, splits)`` runs ``out = x @ w.T`` (bfloat16, row-major ``x [M, K]``,
 ``w [N, K]``, ``out [M, N]``) with configuration ``config`` (an index into ``build.CONFIGS``) on the
-current CUDA stream; it can be captured in a CUDA graph. The library is ``$NINEFOLD_CUTLASS_LIB`` (a
+current CUDA stream; it can be captured in a CUDA graph, and with ``pdl=True`` it launches as a programmatic
+dependent launch (its set-up may overlap the kernel before it; it waits for that kernel before reading). The library is ``$NINEFOLD_CUTLASS_LIB`` (a
 file, or a directory holding one) or the newest build under ``build.default_dir()`` made from these
 sources; a library built from other sources is refused, so the configuration table never disagrees
 with the compiled one.
@@ -88,7 +89,7 @@ def _load() -> ctypes.CDLL:
     lib.nf_cutlass_workspace.restype = i
     lib.nf_cutlass_workspace.argtypes = [i, i, i, i, i, i, i, ctypes.POINTER(ctypes.c_size_t)]
     lib.nf_cutlass_run.restype = i
-    lib.nf_cutlass_run.argtypes = [i, p, p, p, i, i, i, i, i, p, ctypes.c_size_t, i, p]
+    lib.nf_cutlass_run.argtypes = [i, p, p, p, i, i, i, i, i, p, ctypes.c_size_t, i, p, i]
     names = [lib.nf_cutlass_name(c).decode() for c in range(lib.nf_cutlass_count())]
     want = [c.name for c in build.CONFIGS]
     if names != want:
@@ -173,9 +174,10 @@ def _workspace(device: int, nbytes: int) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: int, mode: str = "heuristic",
-           splits: int = 1) -> torch.Tensor:
+           splits: int = 1, pdl: bool = False) -> torch.Tensor:
     """``out = x @ w.T`` with ``build.CONFIGS[config]`` on the current stream; bfloat16, contiguous 2-D tensors on
-    one CUDA device, each starting at a 16-byte aligned address (what TMA reads and writes)."""
+    one CUDA device, each starting at a 16-byte aligned address (what TMA reads and writes). ``pdl``: launch with
+    programmatic stream serialization (sm_90), so the kernel may start before the one before it ends."""
     for name, t in (("x", x), ("w", w), ("out", out)):
         if t.dtype != torch.bfloat16 or t.device.type != "cuda" or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous 2-D bfloat16 CUDA tensor, got {tuple(t.shape)} "
@@ -195,6 +197,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: int, mod
     with torch.cuda.device(device):  # (the library sets its runtime's device; torch's is restored on leaving)
         space = _workspace(device, _workspace_need(config, m, n, k, code, splits, device))
         status = library().nf_cutlass_run(config, x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, code, splits,
-                                          space.data_ptr(), space.numel(), device, stream)
+                                          space.data_ptr(), space.numel(), device, stream, int(bool(pdl)))
     _check(status, f"{build.CONFIGS[config].name} at {m}x{n}x{k} ({mode}, splits {splits})")
     return out

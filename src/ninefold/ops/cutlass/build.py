@@ -54,6 +54,12 @@ class GemmConfig:
                 f"_{self.scheduler}")
 
     @property
+    def pdl(self) -> bool:
+        """Whether it is built to wait for the kernel before it (PDL). CUTLASS 4.2's stream-K scheduler does not
+        compile with CUTLASS_ENABLE_GDC_FOR_SM90, so those configurations always launch plainly."""
+        return self.scheduler != "stream_k"
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """The decompositions it can run (``binding.MODES``): stream-K's scheduler offers all four."""
         return ("data_parallel", "split_k", "stream_k") if self.scheduler == "stream_k" else ("data_parallel",)
@@ -62,7 +68,8 @@ class GemmConfig:
         m, n, k = self.tile
         return [f"-DNF_CONFIG={index}", f"-DNF_TILE_M={m}", f"-DNF_TILE_N={n}", f"-DNF_TILE_K={k}",
                 f"-DNF_CLUSTER_M={self.cluster_m}", f"-DNF_SCHEDULE={SCHEDULES[self.schedule]}",
-                f"-DNF_SCHEDULER={SCHEDULERS[self.scheduler]}", f"-DNF_SWAP={int(self.swapped)}"]
+                f"-DNF_SCHEDULER={SCHEDULERS[self.scheduler]}", f"-DNF_SWAP={int(self.swapped)}"] + (
+                    ["-DCUTLASS_ENABLE_GDC_FOR_SM90=1"] if self.pdl else [])
 
 
 # Chosen for the decode GEMMs of 64-256 rows, where cuBLAS leaves SMs idle. The first set measured on an H200
@@ -180,7 +187,7 @@ def dispatch_source(configs=CONFIGS) -> str:
     """C++ of the table that maps a configuration index to its objects' entry points."""
     args_ws = "int m, int n, int k, int mode, int splits, int device, size_t* bytes"
     args_run = ("const void* x, const void* w, void* y, int m, int n, int k, int mode, int splits, "
-                "void* workspace, size_t workspace_bytes, int device, void* stream")
+                "void* workspace, size_t workspace_bytes, int device, void* stream, int pdl")
     lines = ['#include "nf_cutlass.h"', ""]
     for i in range(len(configs)):
         lines += [f'extern "C" int nf_cutlass_workspace_{i}({args_ws});',
@@ -198,7 +205,7 @@ def dispatch_source(configs=CONFIGS) -> str:
               "  return kConfigs[config].workspace(m, n, k, mode, splits, device, bytes);", "}",
               f'extern "C" int nf_cutlass_run(int config, {args_run}) {{',
               "  if (config < 0 || config >= kCount) return NF_ERR_CONFIG;",
-              "  return kConfigs[config].run(x, w, y, m, n, k, mode, splits, workspace, workspace_bytes, device, stream);",
+              "  return kConfigs[config].run(x, w, y, m, n, k, mode, splits, workspace, workspace_bytes, device, stream, pdl);",
               "}", ""]
     return "\n".join(lines)
 

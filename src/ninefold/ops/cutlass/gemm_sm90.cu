@@ -5,6 +5,10 @@
 // x is [m, k] row-major, w is [n, k] row-major (a torch Linear weight), y is [m, n] row-major.
 // "Swapped" configurations compute y^T = w @ x^T instead, so the weight rows fill the 64-row wgmma
 // dimension and the few activation rows of a decode step sit in the flexible N dimension of the tile.
+// Built with CUTLASS_ENABLE_GDC_FOR_SM90 (build.py: every configuration but stream-K's), the kernels wait for
+// the kernel before them (griddepcontrol.wait) before their first global load and let the next one launch
+// after their last mainloop tile, so `pdl` launches may overlap a kernel's set-up with its predecessor's
+// tail (programmatic dependent launch). Kernels built without it ignore `pdl`: they must not start early.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -62,6 +66,11 @@ struct Config {
 #if !defined(NF_CONFIG) || !defined(NF_TILE_M) || !defined(NF_TILE_N) || !defined(NF_TILE_K) || \
     !defined(NF_CLUSTER_M) || !defined(NF_SCHEDULE) || !defined(NF_SCHEDULER) || !defined(NF_SWAP)
 #error "build.py defines NF_CONFIG, NF_TILE_M/N/K, NF_CLUSTER_M, NF_SCHEDULE, NF_SCHEDULER and NF_SWAP"
+#endif
+#ifdef CUTLASS_ENABLE_GDC_FOR_SM90
+constexpr bool kWaitsForPredecessor = true;
+#else
+constexpr bool kWaitsForPredecessor = false;
 #endif
 using Chosen = Config<NF_TILE_M, NF_TILE_N, NF_TILE_K, NF_CLUSTER_M, NF_SCHEDULE, NF_SCHEDULER, (NF_SWAP != 0)>;
 
@@ -137,7 +146,7 @@ extern "C" int NF_CAT(nf_cutlass_workspace_, NF_CONFIG)(int m, int n, int k, int
 
 extern "C" int NF_CAT(nf_cutlass_run_, NF_CONFIG)(const void* x, const void* w, void* y, int m, int n, int k,
                                                   int mode, int splits, void* workspace, size_t workspace_bytes,
-                                                  int device, void* stream) {
+                                                  int device, void* stream, int pdl) {
   if (!Chosen::stream_k && mode != NF_MODE_DATA_PARALLEL && mode != NF_MODE_HEURISTIC) return NF_ERR_MODE;
   if (use_device(device) <= 0) return NF_ERR_DEVICE;
   auto args = arguments<Chosen>(x, w, y, m, n, k, mode, splits, device);
@@ -146,6 +155,6 @@ extern "C" int NF_CAT(nf_cutlass_run_, NF_CONFIG)(const void* x, const void* w, 
   if (Chosen::Gemm::get_workspace_size(args) > workspace_bytes) return NF_ERR_WORKSPACE;
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   if (gemm.initialize(args, workspace, cuda_stream) != cutlass::Status::kSuccess) return NF_ERR_INIT;
-  if (gemm.run(cuda_stream) != cutlass::Status::kSuccess) return NF_ERR_LAUNCH;
+  if (gemm.run(cuda_stream, nullptr, kWaitsForPredecessor && pdl != 0) != cutlass::Status::kSuccess) return NF_ERR_LAUNCH;
   return NF_OK;
 }

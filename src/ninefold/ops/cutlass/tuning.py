@@ -7,12 +7,18 @@ decode step) and keeps the fastest, or ``"vendor"`` when none beats ``F.linear``
 Choices persist in ``$NINEFOLD_CACHE_DIR/ops/cutlass-<fingerprint>.json`` keyed also by the
 library's build key, so a second process pays nothing and a rebuilt library is measured again.
 
+``NINEFOLD_CUTLASS_MIN_GAIN`` (a fraction, default ``MIN_GAIN``) sets how much faster than ``F.linear`` a
+configuration must be; a negative value keeps a configuration up to that much slower (say, to keep a decode
+step's chain of PDL launches unbroken by cuBLAS). A value other than the default is part of the cache key.
+
 Tuning runs only inside ``with autotune():`` (the engine's eager run of each decode size before it
 captures the decode graphs; never while capturing) or with
 ``NINEFOLD_CUTLASS_AUTOTUNE=1``, and only for ``TUNED_ROWS``; every other shape runs ``F.linear``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -47,9 +53,26 @@ def describe(candidate, configs=build.CONFIGS) -> str:
     return f"{configs[index].name}/{mode}{splits if mode == 'split_k' else ''}"
 
 
+def min_gain() -> float:
+    """``NINEFOLD_CUTLASS_MIN_GAIN`` as a fraction in (-1, 1), else ``MIN_GAIN``."""
+    text = os.environ.get("NINEFOLD_CUTLASS_MIN_GAIN")
+    if text is None or text == "":
+        return MIN_GAIN
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not -1 < value < 1:
+        raise ValueError(f"NINEFOLD_CUTLASS_MIN_GAIN: got {text!r}; expected a fraction between -1 and 1 "
+                         f"(default {MIN_GAIN})")
+    return value
+
+
 def key(device_name: str, m: int, n: int, k: int) -> str:
-    """The cache key of one product shape (bfloat16) under the loaded library."""
-    return f"{device_name}|cutlass-{binding.library_key()}|bfloat16|{m}|{n}|{k}"
+    """The cache key of one product shape (bfloat16) under the loaded library (and a non-default ``min_gain``)."""
+    gain = min_gain()
+    suffix = "" if gain == MIN_GAIN else f"|gain{gain:g}"
+    return f"{device_name}|cutlass-{binding.library_key()}|bfloat16|{m}|{n}|{k}{suffix}"
 
 
 def choice(m: int, n: int, k: int, device: torch.device) -> tuple[int, str, int] | None:
@@ -75,7 +98,7 @@ def tune(m: int, n: int, k: int, device: torch.device, progress: bool = True) ->
         "CUTLASS", m, n, k, torch.bfloat16, device, [(describe(c), c) for c in candidates()],
         lambda x, w, out, c: binding.matmul(x, w, out, *c), binding.CutlassError,
         quiet=lambda e: "cannot run this shape" in str(e), progress=progress)
-    best, times = timing.fastest(runs, device, ROUNDS, VENDOR, MIN_GAIN)
+    best, times = timing.fastest(runs, device, ROUNDS, VENDOR, min_gain())
     picked = VENDOR if best == VENDOR else list(found[best])
     name = key(device_model(device), m, n, k)
     CACHE.store(name, picked)
