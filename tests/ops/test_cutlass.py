@@ -290,7 +290,7 @@ def test_pdl_launches_give_the_plain_launches_bits_eagerly_and_in_a_cuda_graph(r
 
 
 @needs_library
-def test_linear_launches_with_pdl_where_the_decode_kernels_do(fresh_cache, monkeypatch):
+def test_linear_launches_with_pdl_only_when_asked_and_available(fresh_cache, monkeypatch):
     pytest.importorskip("triton")
     from ninefold.ops.dispatch import device_model
     from ninefold.ops.triton import pdl
@@ -301,14 +301,15 @@ def test_linear_launches_with_pdl_where_the_decode_kernels_do(fresh_cache, monke
     pick = next(c for c in tuning.candidates() if c[1] == "data_parallel")
     tuning.CACHE.store(tuning.key(device_model(x.device), m, n, k), list(pick))
     tuning.forget()
-    expected = pdl.wanted(x.device, "NINEFOLD_CUTLASS_PDL")
     flags = []
     real = binding.matmul
     monkeypatch.setattr(binding, "matmul", lambda *a, **kw: flags.append(kw.get("pdl")) or real(*a, **kw))
+    monkeypatch.delenv("NINEFOLD_CUTLASS_PDL", raising=False)
+    cutlass.linear(x, w)  # off by default
+    monkeypatch.setenv("NINEFOLD_CUTLASS_PDL", "1")
+    want = pdl.wanted(x.device, "NINEFOLD_CUTLASS_PDL")
     cutlass.linear(x, w)
-    monkeypatch.setenv("NINEFOLD_CUTLASS_PDL", "0")
-    cutlass.linear(x, w)
-    assert flags == [expected, False]
+    assert flags == [False, want]
 
 
 def test_min_gain_is_read_from_the_environment_and_bad_values_are_named(monkeypatch):

@@ -8,14 +8,17 @@ warp-specialized TMA kernels with stream-K and split-K schedulers and with the o
 dtypes, a bias, devices other than sm_90). Without a built library it runs ``F.linear``. It registers
 below cuBLAS: pin it (``NINEFOLD_OPS=linear=cutlass``) or let a tuning table choose it.
 
-Where the batched-decode kernels launch with PDL (:func:`ninefold.ops.triton.pdl.wanted`; switch
-``NINEFOLD_CUTLASS_PDL``), so do these GEMMs: their set-up overlaps the kernel before them and the
-kernel after them may launch during their epilogue.
+With ``NINEFOLD_CUTLASS_PDL=1``, and where the batched-decode kernels launch with PDL
+(:func:`ninefold.ops.triton.pdl.wanted`), these GEMMs launch with PDL too: their set-up may overlap the kernel
+before them and the kernel after them may launch during their epilogue. Off by default: in the engine it made
+offline throughput 1.5-2.1% slower on an H100 while the row and attention kernels around it also launch with
+PDL, and no faster with either of those off (docs/perf/ops.md, "CUTLASS GEMMs with PDL").
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -50,7 +53,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _pdl(device: torch.device) -> bool:
-    """Whether to launch with PDL on ``device`` (read at every call, so at CUDA-graph capture)."""
+    """Whether to launch with PDL on ``device``: ``NINEFOLD_CUTLASS_PDL=1`` and PDL available there (read at every
+    call, so at CUDA-graph capture)."""
+    if os.environ.get("NINEFOLD_CUTLASS_PDL", "0") != "1":
+        return False
     try:
         from ninefold.ops.triton import pdl
     except ImportError:  # no Triton: none of the kernels around this one launch with PDL either
