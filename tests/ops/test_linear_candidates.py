@@ -59,9 +59,9 @@ def test_timed_steps_run_and_the_fastest_is_picked_against_the_baseline():
     assert best == linear_candidates.VENDOR  # same work: nobody is 50% faster than the baseline
 
 
-@pytest.mark.parametrize("min_gain, picked", [(0.0, "baseline"), (-0.9, "slower")])
+@pytest.mark.parametrize("min_gain, picked", [(0.0, "baseline"), (-0.5, "slower")])
 def test_a_negative_min_gain_keeps_a_slower_candidate_within_it(min_gain, picked):
-    runs = {"baseline": lambda: time.sleep(0.002), "slower": lambda: time.sleep(0.003)}
+    runs = {"baseline": lambda: time.sleep(0.010), "slower": lambda: time.sleep(0.012)}  # (sleep never undershoots)
     best, times = timing.fastest(runs, torch.device("cpu"), ((3, None),), "baseline", min_gain)
     assert best == picked, times
 
