@@ -2,11 +2,11 @@
 
 ``matmul(x, w, out, config, mode, splits)`` runs ``out = x @ w.T`` (bfloat16, row-major ``x [M, K]``,
 ``w [N, K]``, ``out [M, N]``) with configuration ``config`` (an index into ``build.CONFIGS``) on the
-current CUDA stream; it can be captured in a CUDA graph, and with ``pdl=True`` it launches as a programmatic
-dependent launch (its set-up may overlap the kernel before it; it waits for that kernel before reading). The library is ``$NINEFOLD_CUTLASS_LIB`` (a
-file, or a directory holding one) or the newest build under ``build.default_dir()`` made from these
-sources; a library built from other sources is refused, so the configuration table never disagrees
-with the compiled one.
+current CUDA stream; it can be captured in a CUDA graph, and with ``pdl=True`` it launches as a
+programmatic dependent launch (its set-up may overlap the kernel before it; it waits for that kernel
+before reading). The library is ``$NINEFOLD_CUTLASS_LIB`` (a file, or a directory holding one) or the
+newest build under ``build.default_dir()`` made from these sources; a library built from other sources
+is refused, so the configuration table never disagrees with the compiled one.
 """
 
 from __future__ import annotations
