@@ -25,7 +25,7 @@ Checks first: every variant's o output against the serial one (bfloat16 toleranc
 writes ``$OUT/layer_overlap.json`` and ``layer_overlap.png`` (``--replot JSON PNG`` redraws a stored run).
 Exit 1 if a check failed.
 
-Measured on an H100 (docs/perf/llm.md, twenty-ninth session): no variant gains more than 2.6% of a layer, and
+Measured on an H100 (docs/perf/llm.md, thirtieth session): no variant gains more than 2.6% of a layer, and
 the engine's offline run was slower with the o-split path; the split was not kept in the engine.
 """
 
