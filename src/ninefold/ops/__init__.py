@@ -18,6 +18,7 @@ from ninefold.ops.quantized import BlockWeight, Int4Weight, linear_blocks, linea
 from ninefold.ops.registry import Impl, register
 from ninefold.ops.rope import rope
 from ninefold.ops.rope_cache import rope_and_cache
+from ninefold.ops.rope_cache_attention import rope_cache_attention_decode
 from ninefold.ops.sampling import argmax, sample
 from ninefold.ops.spec import OpError, UnsupportedError
 from ninefold.ops.torch_library import register_torch_library
@@ -51,7 +52,7 @@ import ninefold.ops.norm_row  # noqa: E402,F401  (one-row CPU rms_norm / add_rms
 
 __all__ = [
     "add", "add_rms_norm", "add_rms_norm_linear", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
-    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "sample", "silu_and_mul", "silu_and_mul_linear", "softmax",
+    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "rope_cache_attention_decode", "sample", "silu_and_mul", "silu_and_mul_linear", "softmax",
     "BlockWeight", "Impl", "Int4Weight", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
     "register_torch_library", "reload_environment", "run", "use",
 ]

@@ -50,8 +50,8 @@ _listeners: list[Callable[[], None]] = []
 # TRITON_INTERPRET=1, cuBLASLt and CUTLASS). Elsewhere a pin naming one falls back with a warning, while a pin naming
 # no implementation at all is refused. tests/ops/test_dispatch.py checks this against what registers with CUDA.
 _TRITON_OPS = ("add_rms_norm", "add_rms_norm_linear", "argmax", "attention_decode", "attention_prefill",
-               "gelu_and_mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "sample", "silu_and_mul",
-               "silu_and_mul_linear", "softmax")
+               "gelu_and_mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "rope_cache_attention_decode",
+               "sample", "silu_and_mul", "silu_and_mul_linear", "softmax")
 CUDA_ONLY: dict[str, tuple[str, ...]] = {op: ("triton",) for op in _TRITON_OPS}
 CUDA_ONLY["linear"] = ("triton", "triton_gemm", "triton_row", "cublaslt", "cutlass")
 

@@ -11,6 +11,7 @@ heads of dim Dh.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,9 @@ class LlamaForCausalLM:
             for i in range(config.num_layers)
         ]
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
+        # NINEFOLD_ROPE_IN_ATTENTION=1: decode steps rope and cache the step's keys inside the attention
+        # kernel (ops.rope_cache_attention_decode); off by default until measured faster in the engine.
+        self.rope_in_attention = os.environ.get("NINEFOLD_ROPE_IN_ATTENTION", "0") == "1"
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cpu_decoder = None
         # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces)
@@ -318,6 +322,14 @@ class LlamaForCausalLM:
             q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
         k_cache, v_cache = self.kv_caches[i]
+        if meta.is_decode and self.rope_in_attention:
+            try:  # the step's rope and cache write inside the attention kernel (one launch fewer per layer)
+                o = ops.rope_cache_attention_decode(q, k, v, positions, self.cos_sin, k_cache, v_cache,
+                                                    meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                                    scale=self.scale, is_neox=True)
+                return o.reshape(T, self.q_size)
+            except ops.UnsupportedError:  # a trimmed build without it: the separate kernels from now on
+                self.rope_in_attention = False
         fused = getattr(self, "_rope_and_cache", True)
         if fused:
             try:  # one kernel on GPUs; elsewhere exactly rope then reshape_and_cache

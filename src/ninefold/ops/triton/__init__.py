@@ -43,6 +43,7 @@ KERNELS = [
     ("reshape_and_cache", cache.reshape_and_cache, cache.supports),
     ("rope_and_cache", rope_cache.rope_and_cache, rope_cache.supports),
     ("attention_decode", decode.attention_decode, decode.supports),
+    ("rope_cache_attention_decode", decode.rope_cache_attention_decode, decode.rope_cache_supports),
     ("attention_prefill", prefill.attention_prefill, prefill.supports),
     ("argmax", argmax.argmax, argmax.supports),
     ("sample", sample.sample, sample.supports),

@@ -24,7 +24,7 @@ from ninefold.ops.triton import activation, argmax, cache, decode, gemv, norm, p
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Pointer arguments whose element type does not follow the activations' dtype.
 _FIXED_POINTERS = {"pos_ptr": "*i64", "slot_ptr": "*i64", "bt_ptr": "*i32", "lens_ptr": "*i32", "cu_q_ptr": "*i32",
-                   "cu_k_ptr": "*i32", "tile_starts_ptr": "*i32", "cache_ptr": "*fp32", "part_ptr": "*fp32",
+                   "cu_k_ptr": "*i32", "tile_starts_ptr": "*i32", "cache_ptr": "*fp32", "cs_ptr": "*fp32", "part_ptr": "*fp32",
                    "lse_ptr": "*fp32", "index_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i32", "count_ptr": "*i32",
                    "temp_ptr": "*fp32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "seed_ptr": "*i64",
                    "token_ptr": "*i64", "top_k_ptr": "*i32", "state_ptr": "*i32", "hist_ptr": "*i32", "kth_ptr": "*fp32"}

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -141,15 +142,46 @@ def _merge_splits(part_ptr, lse_ptr, out_ptr, row0, out_base, stride_oh, num_spl
     tl.store(out_ptr + out_base + g * stride_oh + e, out.to(out_ptr.dtype.element_ty), mask=gm)
 
 
+@triton.jit
+def _rope_factors(row_ptr, e, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Per feature ``e`` of a head: (cos, sin) of the position's row of the cos/sin cache (float32;
+    1 and 0 past the rotary dimension), the feature it pairs with, and whether it is the first of
+    its pair; NeoX pairs ``i`` with ``i + HALF``, the interleaved form ``2i`` with ``2i + 1``."""
+    rotated = e < 2 * HALF
+    if IS_NEOX:
+        r = e % HALF
+        partner = tl.where(e < HALF, e + HALF, e - HALF)
+        first = e < HALF
+    else:
+        r = e // 2
+        partner = e ^ 1
+        first = (e % 2) == 0
+    cos = tl.load(row_ptr + r, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(row_ptr + HALF + r, mask=rotated, other=0.0).to(tl.float32)
+    return cos, sin, tl.where(rotated, partner, e), first & rotated, rotated
+
+
+@triton.jit
+def _rotated(x, partner, cos, sin, first, rotated):
+    """``x`` rotated as ``rope`` does (float32 math, rounded to x's dtype); ``partner``: the paired features."""
+    xf = x.to(tl.float32)
+    pf = partner.to(tl.float32)
+    y = tl.where(first, xf * cos - pf * sin, xf * cos + pf * sin)
+    return tl.where(rotated, y.to(x.dtype), x)
+
+
 @triton.jit(do_not_specialize=["num_splits", "batch", "kv_heads", "heads_fastest", "min_split", "stride_btb", "bt_ptr",
                               "lens_ptr"])
 def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, counters_ptr,
+                        k_ptr, v_ptr, pos_ptr, slot_ptr, cs_ptr,
                         scale_log2e, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_co, stride_ch,
-                        stride_btb, num_splits, batch, kv_heads, heads_fastest, min_split, GROUP: tl.constexpr,
+                        stride_btb, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs, num_splits, batch,
+                        kv_heads, heads_fastest, min_split, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                         PRECISION: tl.constexpr, STATIC_ITERS: tl.constexpr, MERGE: tl.constexpr,
                         G2: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, USE_GDC: tl.constexpr = False,
-                        EARLY_KV: tl.constexpr = False):
+                        EARLY_KV: tl.constexpr = False, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
+                        IS_NEOX: tl.constexpr = True):
     # A program takes HEADS adjacent KV heads (their GROUP * HEADS query heads are its rows).
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -172,7 +204,12 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     g = tl.arange(0, BLOCK_G)
     gm = g < GROUP * HEADS
     e = tl.arange(0, D)
-    q_ptrs = q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + e[None, :]
+    q_row = q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh
+    q_ptrs = q_row + e[None, :]
+    if ROPE:  # the step's token: position and slot (copied from the host before the step), its cos/sin row
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        cos, sin, partner, first_of_pair, rotated = _rope_factors(
+            cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs, e, HALF, IS_NEOX)
     if not USE_GDC:
         q = tl.load(q_ptrs, mask=gm[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -190,6 +227,18 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
     if USE_GDC:  # q and this step's keys come from the kernels before; nothing is written before this point
         tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptrs, mask=gm[:, None], other=0.0)
+    if ROPE:
+        q = _rotated(q, tl.load(q_row + partner[None, :], mask=gm[:, None], other=0.0), cos[None, :], sin[None, :],
+                     first_of_pair[None, :], rotated[None, :])
+        if (start < end) & (end == length) & (slot >= 0):  # this split holds the step's token: cache it first
+            h = tl.arange(0, HEADS)[:, None]
+            k_row = k_ptr + b * stride_kb + (kvh + h) * stride_kh
+            k_new = _rotated(tl.load(k_row + e[None, :]), tl.load(k_row + partner[None, :]), cos[None, :],
+                             sin[None, :], first_of_pair[None, :], rotated[None, :])
+            dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_co + (kvh + h) * stride_ch + e[None, :]
+            tl.store(kc_ptr + dst, k_new.to(kc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + dst, tl.load(v_ptr + b * stride_vb + (kvh + h) * stride_vh + e[None, :]))
+            tl.debug_barrier()  # the program's own reads of that row below see it
     tiles_from = start
     if EARLY_KV:
         tiles_from = start + BLOCK_N
@@ -289,7 +338,7 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
         for merge in sorted(set(merges)):
             variant = {"kernel": decode_split_kernel, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
                        "constexprs": {**split, "BLOCK_N": block_n, "MERGE": merge, "HEADS": heads, "USE_GDC": False,
-                                      "EARLY_KV": False,
+                                      "EARLY_KV": False, "ROPE": False, "HALF": 1, "IS_NEOX": True,
                                       "BLOCK_G": max(16, triton.next_power_of_2(group * heads)),
                                       **_merge_tile(group * heads, cfg)}}
             if variant not in found:
@@ -298,9 +347,10 @@ def aot_variants(op: str, dtype: torch.dtype, shapes) -> list[dict]:
 
 
 @functools.cache
-def _unused(device: torch.device) -> torch.Tensor:
-    """A float32 placeholder for the partial-result pointers of an unsplit launch (never written)."""
-    return torch.empty(1, dtype=torch.float32, device=device)
+def _unused(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A placeholder for pointers a launch never follows (the partial results of an unsplit launch,
+    the new tokens' arguments of one that does not rope them)."""
+    return torch.empty(1, dtype=dtype, device=device)
 
 
 # Arrival counters of the one-kernel merge, per device: int32, zero between launches. Every buffer
@@ -410,12 +460,26 @@ def check_pdl(pdl, device: torch.device, op: str) -> bool:
 
 
 _SPLIT_CONSTEXPRS = ("GROUP", "BLOCK_G", "D", "BLOCK_N", "PAGE", "PRECISION", "STATIC_ITERS", "MERGE", "G2", "BLOCK_S",
-                     "HEADS", "USE_GDC", "EARLY_KV")
+                     "HEADS", "USE_GDC", "EARLY_KV", "ROPE", "HALF", "IS_NEOX")
 _SPLIT_PDL = Launcher(decode_split_kernel, _SPLIT_CONSTEXPRS)
 
 
 def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG)
+
+
+def rope_cache_attention_decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                                context_lens, scale, is_neox):
+    """``ops.rope_cache_attention_decode`` in one launch of the split kernel (see :func:`launch`'s ``rope``)."""
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, CONFIG,
+                  rope=NewTokens(k, v, positions, cos_sin_cache, slot_mapping, is_neox))
+
+
+def rope_cache_supports(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                        scale, is_neox) -> str | None:
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        return "the head dimension of k, v or cos_sin_cache is not contiguous"
+    return supports(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def early_kv_wanted() -> bool:
@@ -428,11 +492,28 @@ def early_kv_wanted() -> bool:
     return os.environ.get("NINEFOLD_DECODE_EARLY_KV", "0") == "1"
 
 
-def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None, early_kv=None):
+class NewTokens(NamedTuple):
+    """The step's token of every row, for a launch that ropes and caches it itself (``rope`` of :func:`launch`):
+    its unrotated keys and values ``[B, Hk, D]``, position ``[B]``, the cos/sin cache, its cache slot ``[B]``
+    (negative: not cached), the pairing of ``rope``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    is_neox: bool
+
+
+def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict, pdl=None, early_kv=None,
+           rope: NewTokens | None = None):
     """``attention_decode`` under an explicit launch configuration (keys as in ``CONFIG``); ``pdl``:
     launch the split kernel with programmatic dependent launch (``None``: where :func:`pdl_wanted`);
     ``early_kv``: load the first key/value tile before waiting (``None``: with PDL where
-    :func:`early_kv_wanted`; the same result either way)."""
+    :func:`early_kv_wanted`; the same result either way). With ``rope``, ``q`` is unrotated: the
+    kernel rotates it and the new tokens' keys, and the program holding a row's last position writes
+    that token's key and value to its slot before reading the cache (the row's slot must address
+    position ``context_lens[b] - 1`` of its own table)."""
     b, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     group = hq // hk
@@ -451,14 +532,25 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict,
     else:  # the split kernel writes ``out`` itself
         part = lse = arrivals = _unused(q.device)
     pdl = pdl_wanted(q.device) if pdl is None else check_pdl(pdl, q.device, "attention_decode")
-    args = (q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, scale * LOG2E, q.stride(0),
-            q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), splits, b, hk, int(config.get("heads_fastest", 0)), min_split)
+    if rope is None:  # (unused pointers and strides, of the types the kernel declares for them)
+        new_k = new_v = q
+        positions = slots = _unused(q.device, torch.int64)
+        cos_sin = _unused(q.device)
+        rope_strides = (0, 0, 0, 0, 0)
+    else:
+        new_k, new_v, positions, cos_sin, slots = rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping
+        rope_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0))
+    args = (q, k_cache, v_cache, block_tables, context_lens, part, lse, out, arrivals, new_k, new_v, positions, slots,
+            cos_sin, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *rope_strides, splits, b, hk,
+            int(config.get("heads_fastest", 0)), min_split)
     consts = dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group * heads)), D=d, BLOCK_N=block_n,
                   PAGE=page, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   STATIC_ITERS=triton.cdiv(max(per_split, min_split), block_n) if INTERPRETED else 0, MERGE=merge,
                   **_merge_tile(group * heads, config), HEADS=heads, USE_GDC=pdl,
-                  EARLY_KV=bool(pdl and early_kv_wanted()) if early_kv is None else bool(early_kv))
+                  EARLY_KV=bool(pdl and early_kv_wanted()) if early_kv is None else bool(early_kv),
+                  ROPE=rope is not None, HALF=1 if rope is None else rope.cos_sin_cache.shape[1] // 2,
+                  IS_NEOX=True if rope is None else bool(rope.is_neox))
     if pdl:  # a direct launch (builds hold no PDL binaries)
         _SPLIT_PDL((b * hk // heads, splits), args, tuple(consts[n] for n in _SPLIT_CONSTEXPRS),
                    num_warps=config["num_warps"], num_stages=config["num_stages"], device_index=q.get_device(),

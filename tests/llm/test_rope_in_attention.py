@@ -1,0 +1,92 @@
+"""``NINEFOLD_ROPE_IN_ATTENTION=1``: decode steps call ``ops.rope_cache_attention_decode`` (rope and the
+cache write inside the attention kernel) instead of ``rope_and_cache`` then ``attention_decode``.
+
+CPU: the ops-by-ops decode forward (``cpu_fast_decode`` off) gives the same logits either way for
+every variant (the vendor implementation is the pair). CUDA: greedy generation token-identical to the
+default path, eagerly and from CUDA graphs, and the fused operator is what runs.
+"""
+
+import pytest
+import torch
+from tiny_models import VARIANTS
+
+import ninefold.ops as ops
+from ninefold import LLM, SamplingParams
+from ninefold.llm.engine import LLMEngine
+
+from .test_parity import GREEDY, prompts_for
+
+PROMPTS = [[5, 9, 33], list(range(40, 57)), [7, 200, 13, 99] * 11]
+
+
+def _decode_logits(engine, prompts, fold: bool) -> torch.Tensor:
+    ids = [f"{fold}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(engine.build_request(prompt, GREEDY, rid))
+    for _ in range(3):  # prefill, then two decode steps
+        engine.step()
+    step = engine.scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in step)
+    engine.model.rope_in_attention = fold
+    logits = engine.runner.forward_logits(step)
+    for rid in ids:
+        engine.abort_request(rid)
+    return logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_logits_are_the_same_with_the_fold_on_the_cpu(model_dirs, variant, monkeypatch):
+    engine = LLMEngine(str(model_dirs[variant]), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                       enable_prefix_caching=False)
+    engine.model.cpu_fast_decode = False  # the ops-by-ops forward, where the fold applies
+    prompts = prompts_for(engine.model_config.vocab_size, lengths=(5, 23, 9))
+    calls = []
+    real = ops.rope_cache_attention_decode
+    monkeypatch.setattr(ops, "rope_cache_attention_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    unfolded = _decode_logits(engine, prompts, fold=False)
+    assert not calls
+    folded = _decode_logits(engine, prompts, fold=True)
+    assert len(calls) == engine.model_config.num_layers
+    assert torch.equal(folded, unfolded)
+
+
+def test_the_switch_is_read_from_the_environment(model_dirs, monkeypatch):
+    monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", "1")
+    assert LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
+    monkeypatch.delenv("NINEFOLD_ROPE_IN_ATTENTION")
+    assert not LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("enforce_eager", [True, False])
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_greedy_tokens_are_identical_with_the_fold_on_cuda(model_dirs, variant, enforce_eager, dtype, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    tokens = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", fold)
+        llm = LLM(str(model_dirs[variant]), dtype=dtype, device="cuda", block_size=16, num_kv_blocks=64,
+                  enforce_eager=enforce_eager, cuda_graph_max_batch=8)
+        assert llm.engine.model.rope_in_attention == (fold == "1")
+        assert ops.choose("rope_cache_attention_decode", *_decode_args(llm)) == "triton"
+        tokens[fold] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens["1"] == tokens["0"]
+
+
+def _decode_args(llm):
+    """Arguments of the shape a decode step of ``llm``'s model passes to the fused operator."""
+    model = llm.engine.model
+    c = model.config
+    dt = model.cos_sin.device
+    k_cache, v_cache = model.kv_caches[0]
+    b = 2
+    q = torch.zeros(b, c.num_heads, c.head_dim, dtype=k_cache.dtype, device=dt)
+    kv = torch.zeros(b, c.num_kv_heads, c.head_dim, dtype=k_cache.dtype, device=dt)
+    index = torch.zeros(b, dtype=torch.int64, device=dt)
+    tables = torch.zeros(b, 4, dtype=torch.int32, device=dt)
+    return (q, kv, kv, index, model.cos_sin, k_cache, v_cache, index - 1, tables, torch.ones(b, dtype=torch.int32,
+                                                                                           device=dt))
