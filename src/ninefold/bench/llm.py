@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"command": "python -m ninefold.bench.llm " + " ".join(argv or sys.argv[1:]),
                      "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
                      "torch": torch.__version__, "model": str(args.model.get("name", "config") if isinstance(args.model, dict) else args.model),
-                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NINEFOLD_")}}
     profile = profile_device(device)
     bandwidth = profile.bandwidth["copy"]
     mm_rate = profile.compute["bfloat16" if args.dtype in ("bfloat16", "bf16") else args.dtype]
