@@ -26,6 +26,12 @@ while the kernel before it (``rope_and_cache``, which writes this step's keys) f
 waits for it (``gdc_wait``, in every program) before it reads q or the cache or writes anything.
 The merge kernel of the two-kernel path is launched plainly after it (it waits for the whole split
 kernel). The arrival counters are touched only after the wait, so PDL does not change the merge.
+
+Rope and the cache write folded in (``ROPE``; ``ops.rope_cache_attention_decode``): q arrives unrotated
+and is rotated as it is loaded (``rope``'s float32 math and rounding); the program whose split holds a
+row's last position rotates that token's keys for its KV heads, writes them and the values to the
+row's slot, and passes a CTA barrier before its loop reads the cache, so no other kernel of the step
+writes the cache and the results equal ``rope_and_cache`` followed by this kernel bit for bit.
 """
 
 from __future__ import annotations
