@@ -118,8 +118,10 @@ def _split_launch_configs():
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("launch", range(4), ids=[c[0] for c in _split_launch_configs()])
 def test_triton_kernel_equals_the_unfused_kernels(dtype, is_neox, launch):
-    # The split kernel with ROPE against rope_and_cache's kernel then the split kernel, bit for bit:
-    # the same float32 rotation rounded alike, the same tiles over the same cache contents.
+    # The split kernel with ROPE against rope_and_cache's kernel then the split kernel: bit for bit under the
+    # interpreter (the same float32 rotation rounded alike, the same tiles over the same cache contents); on
+    # CUDA to rounding (the compiled kernels contract and order the float32 arithmetic each their own way:
+    # last-bit differences in float32 on an H100), and every launch of the fused kernel bit-equal to its first.
     from ninefold.ops.triton import decode, rope_cache
 
     if INTERPRETED and dtype == torch.bfloat16:
@@ -131,10 +133,16 @@ def test_triton_kernel_equals_the_unfused_kernels(dtype, is_neox, launch):
     q_rot, _ = rope_cache.rope_and_cache(q, k, v, positions, cos_sin, kc, vc, slots, is_neox)
     want = decode.launch(q_rot, kc, vc, tables, lens, None, config)
     new = decode.NewTokens(k, v, positions, cos_sin, slots, is_neox)
-    for _ in range(2):  # a second launch finds the merge counters reset (and rewrites the same slots)
-        out = decode.launch(q, k_cache, v_cache, tables, lens, None, config, rope=new)
-        assert torch.equal(out, want)
-        assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    first = decode.launch(q, k_cache, v_cache, tables, lens, None, config, rope=new)
+    first_k = k_cache.clone()
+    if INTERPRETED:
+        assert torch.equal(first, want) and torch.equal(k_cache, kc)
+    else:
+        assert_close(first, want.cpu().double(), dtype, scale=ATTENTION_SCALE)
+        assert_close(k_cache, kc.cpu().double(), dtype)
+    assert torch.equal(v_cache, vc)  # v is copied
+    again = decode.launch(q, k_cache, v_cache, tables, lens, None, config, rope=new)  # merge counters were reset
+    assert torch.equal(again, first) and torch.equal(k_cache, first_k) and torch.equal(v_cache, vc)
 
 
 @pytest.mark.skipif(TRITON_RUNS, reason="already under the interpreter or on CUDA")
@@ -170,9 +178,10 @@ pdl_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reas
 
 @pdl_cuda
 @pytest.mark.parametrize("regime", ["batch1-long", "batch3-ragged-split", "batch200-ragged-unsplit"])
-def test_engine_shaped_step_is_bit_identical_with_pdl_and_in_a_graph_cuda(regime):
+def test_engine_shaped_step_with_pdl_and_in_a_graph_cuda(regime):
     # Llama-3-8B heads, bf16, one q/k/v projection: rope_and_cache then attention (plain launches) against
-    # rope_cache_attention_decode's launch with PDL where available, eagerly and over three CUDA-graph replays.
+    # rope_cache_attention_decode's launch with PDL where available: equal to rounding eagerly (on an H100 a
+    # few bf16 elements differ, see the test above), and every CUDA-graph replay bit-equal to the eager launch.
     from ninefold.ops.triton import decode, gemv_pdl, rope_cache
 
     from .test_decode_pdl import REGIMES, _Layer
@@ -192,8 +201,10 @@ def test_engine_shaped_step_is_bit_identical_with_pdl_and_in_a_graph_cuda(regime
                              pdl=gemv_pdl.pdl_available(), rope=new)
 
     eager_caches = layer.caches()
-    assert torch.equal(fused(*eager_caches), want)
-    assert torch.equal(eager_caches[0], plain_caches[0]) and torch.equal(eager_caches[1], plain_caches[1])
+    eager = fused(*eager_caches)
+    assert_close(eager, want.cpu().double(), torch.bfloat16, scale=ATTENTION_SCALE)
+    assert_close(eager_caches[0], plain_caches[0].cpu().double(), torch.bfloat16)
+    assert torch.equal(eager_caches[1], plain_caches[1])
     graph_caches = layer.caches()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -202,6 +213,6 @@ def test_engine_shaped_step_is_bit_identical_with_pdl_and_in_a_graph_cuda(regime
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, want)
-        assert torch.equal(graph_caches[0], plain_caches[0]) and torch.equal(graph_caches[1], plain_caches[1])
+        assert torch.equal(captured, eager)
+        assert torch.equal(graph_caches[0], eager_caches[0]) and torch.equal(graph_caches[1], eager_caches[1])
     assert int(decode.counters(torch.device("cuda"), 1).abs().sum()) == 0
