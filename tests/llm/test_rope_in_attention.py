@@ -90,3 +90,29 @@ def _decode_args(llm):
     tables = torch.zeros(b, 4, dtype=torch.int32, device=dt)
     return (q, kv, kv, index, model.cos_sin, k_cache, v_cache, index - 1, tables, torch.ones(b, dtype=torch.int32,
                                                                                            device=dt))
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPEATS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22, 23, 20, 21], [3] * 10]
+
+
+def test_speculative_drafts_never_take_the_fold(model_dirs, monkeypatch):
+    # A draft row reads the keys the rows before it (same sequence) write in the same layer, which the fused
+    # kernel does not order: engines with drafts turn the fold off, and draft steps skip it in any case.
+    monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", "1")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(model_dirs["llama"]), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+              enable_prefix_caching=False, speculative_config=NGRAM)
+    model = llm.engine.model
+    assert not model.rope_in_attention
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=REPEATS, sampling_params=params)]
+    model.rope_in_attention, model.cpu_fast_decode = True, False  # as if forced on: decode steps without drafts fold
+    first_blocks = []
+    real = ops.rope_cache_attention_decode
+    monkeypatch.setattr(ops, "rope_cache_attention_decode",
+                        lambda *a, **k: first_blocks.append(a[8][:, 0].tolist()) or real(*a, **k))
+    drafted = llm.engine.num_draft_tokens
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=REPEATS, sampling_params=params)]
+    assert llm.engine.num_draft_tokens > drafted  # draft steps ran
+    assert got == want
+    assert first_blocks and all(len(set(rows)) == len(rows) for rows in first_blocks)  # one row per sequence

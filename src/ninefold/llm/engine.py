@@ -92,6 +92,9 @@ class LLMEngine:
         self.generation_config = dict(ckpt.generation_config)
         self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching)
         self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
+        if self.speculative is not None and getattr(self.model, "rope_in_attention", False):
+            # the decode graphs also replay draft steps, whose rows read keys other rows write in the same layer
+            self.model.rope_in_attention = False
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -247,7 +247,8 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots = [], [], []
         rows, sources = [], []
-        if any(s.draft_ids for s in step):
+        drafts = any(s.draft_ids for s in step)
+        if drafts:
             step = [ScheduledSeq.row_of(s, i) for s in step for i in range(len(s.draft_ids) + 1)]
         for row, s in enumerate(step):
             seq, start = s.seq, s.start
@@ -270,7 +271,7 @@ class ModelRunner:
                 self._block_tables(step, width, pinned=graphs))
         if graphs:
             return self.graphs.run(*args, None if row_slots is None else put("lora_slots", row_slots, torch.int64))
-        meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3])
+        meta = AttentionMetadata(slot_mapping=args[2], block_tables=args[4], context_lens=args[3], drafts=drafts)
         lora = None if row_slots is None else self.lora_slots.step(put("lora_slots", row_slots, torch.int64))
         return self.model.compute_logits(self._forward(args[0], args[1], meta, lora))
 

@@ -78,9 +78,10 @@ def rope_cache_attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Row ``b``'s new token must be its last position: ``slot_mapping[b]`` addresses position
     ``context_lens[b] - 1`` of ``block_tables[b]``, or is negative (the token is not cached, as for
     CUDA-graph padding rows). On CPUs that and the other values are checked (``OpError``); on GPUs
-    they are not (that would synchronise). A row whose table reads a slot another row of the call writes
-    (padding rows pointing at block 0) may see that slot before or after the write under the fused
-    kernel. Other arguments and errors as in the two operators.
+    they are not (that would synchronise). Under the fused kernel a row whose table reads a slot another
+    row of the call writes may see that slot before or after the write: harmless for padding rows (their
+    output is discarded), wrong for speculative draft rows of one sequence, which the engine therefore
+    never passes here. Other arguments and errors as in the two operators.
     """
     return _OPERATOR.call(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
                           context_lens, scale, is_neox)

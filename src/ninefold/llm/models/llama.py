@@ -55,6 +55,9 @@ class AttentionMetadata:
     their block tables the first rows of ``block_tables``; ``cu_seqlens_q`` / ``cu_seqlens_k``,
     ``use_cache`` and ``max_seqlen_q`` / ``max_seqlen_k`` (host ints, the longest query and key
     lengths) then describe only the sequences after them.
+
+    ``drafts``: a decode step whose rows include speculative draft rows, which read the keys and
+    values the rows before them (of the same sequence) write in the same layer.
     """
 
     slot_mapping: torch.Tensor
@@ -67,6 +70,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    drafts: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -157,8 +161,9 @@ class LlamaForCausalLM:
         ]
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         # NINEFOLD_ROPE_IN_ATTENTION=1: decode steps rope and cache the step's keys inside the attention
-        # kernel (ops.rope_cache_attention_decode); off by default until measured faster in the engine.
-        self.rope_in_attention = os.environ.get("NINEFOLD_ROPE_IN_ATTENTION", "0") == "1"
+        # kernel (ops.rope_cache_attention_decode); off by default until measured faster in the engine. Not
+        # under tensor parallelism: the workers' steps do not carry AttentionMetadata.drafts.
+        self.rope_in_attention = os.environ.get("NINEFOLD_ROPE_IN_ATTENTION", "0") == "1" and parallel is None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cpu_decoder = None
         # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces)
@@ -322,7 +327,7 @@ class LlamaForCausalLM:
             q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
         k_cache, v_cache = self.kv_caches[i]
-        if meta.is_decode and self.rope_in_attention:
+        if meta.is_decode and self.rope_in_attention and not meta.drafts:  # (a draft row reads its neighbour's keys)
             try:  # the step's rope and cache write inside the attention kernel (one launch fewer per layer)
                 o = ops.rope_cache_attention_decode(q, k, v, positions, self.cos_sin, k_cache, v_cache,
                                                     meta.slot_mapping, meta.block_tables, meta.context_lens,
