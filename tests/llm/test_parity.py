@@ -1,5 +1,7 @@
 """Greedy generation and logits against transformers on tiny random models of every variant."""
 
+import contextlib
+
 import pytest
 import torch
 from tiny_models import VARIANTS
@@ -143,24 +145,34 @@ def test_cpu_decode_path_matches_the_generic_path(model_dirs, variant, dtype):
         torch.testing.assert_close(fast, generic, rtol=1e-6, atol=1e-5)
 
 
+@contextlib.contextmanager
+def next_decode_step(engine, prompts, params, tag: str):
+    """``prompts`` added as requests ``{tag}-{i}``, their prefill and two decode steps run; yields the next
+    step as scheduled (one new token per sequence), then aborts the requests."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(engine.build_request(prompt, params, rid))
+    for _ in range(3):  # prefill, then two decode steps
+        engine.step()
+    step = engine.scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in step) and len(step) == len(prompts)
+    try:
+        yield step
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+
+
 def decode_step_both_ways(engine, prompts, params):
     """For ``prompts`` batched and for the first alone: after their prefill and two decode steps, the
     logits of the next decode step through the ops-by-ops forward and then through the CPU decode
     step (which rewrites the same cache slots with the same values); yields ``(generic, fast)``."""
     for batch in (prompts, prompts[:1]):
-        ids = [f"{len(batch)}-{i}" for i in range(len(batch))]
-        for rid, prompt in zip(ids, batch):
-            engine.add_request(engine.build_request(prompt, params, rid))
-        for _ in range(3):  # prefill, then two decode steps
-            engine.step()
-        step = engine.scheduler.schedule()
-        assert all(s.num_new_tokens == 1 for s in step) and len(step) == len(batch)
-        engine.model.cpu_fast_decode = False
-        generic = engine.runner.forward_logits(step)
-        engine.model.cpu_fast_decode = True
-        yield generic, engine.runner.forward_logits(step)
-        for rid in ids:
-            engine.abort_request(rid)
+        with next_decode_step(engine, batch, params, str(len(batch))) as step:
+            engine.model.cpu_fast_decode = False
+            generic = engine.runner.forward_logits(step)
+            engine.model.cpu_fast_decode = True
+            yield generic, engine.runner.forward_logits(step)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])

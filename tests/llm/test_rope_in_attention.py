@@ -14,24 +14,15 @@ import ninefold.ops as ops
 from ninefold import LLM, SamplingParams
 from ninefold.llm.engine import LLMEngine
 
-from .test_parity import GREEDY, prompts_for
+from .test_parity import GREEDY, next_decode_step, prompts_for
 
 PROMPTS = [[5, 9, 33], list(range(40, 57)), [7, 200, 13, 99] * 11]
 
 
 def _decode_logits(engine, prompts, fold: bool) -> torch.Tensor:
-    ids = [f"{fold}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(engine.build_request(prompt, GREEDY, rid))
-    for _ in range(3):  # prefill, then two decode steps
-        engine.step()
-    step = engine.scheduler.schedule()
-    assert all(s.num_new_tokens == 1 for s in step)
-    engine.model.rope_in_attention = fold
-    logits = engine.runner.forward_logits(step)
-    for rid in ids:
-        engine.abort_request(rid)
-    return logits
+    with next_decode_step(engine, prompts, GREEDY, f"fold{fold}") as step:
+        engine.model.rope_in_attention = fold
+        return engine.runner.forward_logits(step)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
