@@ -483,9 +483,11 @@ def rope_cache_attention_decode(q, k, v, positions, cos_sin_cache, k_cache, v_ca
 
 def rope_cache_supports(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                         scale, is_neox) -> str | None:
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        return "the head dimension of k, v or cos_sin_cache is not contiguous"
-    return supports(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """What ``rope_and_cache``'s kernel and this one each refuse."""
+    from ninefold.ops.triton import rope_cache  # (it imports this module)
+
+    return (rope_cache.supports(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)
+            or supports(q, k_cache, v_cache, block_tables, context_lens, scale))
 
 
 def early_kv_wanted() -> bool:
