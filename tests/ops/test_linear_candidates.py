@@ -54,9 +54,10 @@ def test_timed_steps_run_and_the_fastest_is_picked_against_the_baseline():
         runs, _ = run([("good", "good")])
     for step in runs.values():
         step()  # each cycles to the next weight copy and runs
-    best, times = timing.fastest(runs, torch.device("cpu"), ((3, None),), linear_candidates.VENDOR, 0.5)
+    # medians of 25 calls each: a load spike on the other test worker's core cannot halve one of them
+    best, times = timing.fastest(runs, torch.device("cpu"), ((25, None),), linear_candidates.VENDOR, 0.5)
     assert set(times) == {linear_candidates.VENDOR, "good"} and all(t > 0 for t in times.values())
-    assert best == linear_candidates.VENDOR  # same work: nobody is 50% faster than the baseline
+    assert best == linear_candidates.VENDOR, times  # same work: nobody is 50% faster than the baseline
 
 
 @pytest.mark.parametrize("min_gain, picked", [(0.0, "baseline"), (-0.5, "slower")])
