@@ -1,6 +1,7 @@
 """``ninefold.bench.llm``: the smoke run on the CPU, and the gpt-fast peer's argument check."""
 
 import json
+import types
 
 import pytest
 
@@ -81,3 +82,25 @@ def test_host_sampling_sets_the_host_parts_requests_and_bad_items_are_named(tmp_
         with pytest.raises(SystemExit):
             llm.main(["--smoke", "--host-sampling", bad])
         assert named in capsys.readouterr().err
+
+
+def test_the_offline_bound_counts_what_any_schedule_must_do():
+    mc = types.SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32,
+                               intermediate_size=64, vocab_size=100)
+    # one long request beside short ones: with two slots the short ones take turns in the second, so the
+    # long one's 9 decode steps suffice (not 9 per "wave" of two requests)
+    terms = llm.offline_bound_terms(mc, [5, 5, 5, 5], [10, 2, 2, 2], weight_bytes=1000, max_num_seqs=2, itemsize=2)
+    assert terms["decode_steps"] == 9 and terms["weight_bytes"] == 9_000
+    # many equal requests through few slots: their decode tokens over the slots
+    assert llm.offline_bound_terms(mc, [5] * 6, [5] * 6, 1000, 2, 2)["decode_steps"] == 12
+    # every request at once (the benchmark's 256 requests in 256 sequences): the longest request's decode steps
+    assert llm.offline_bound_terms(mc, [5] * 6, [4, 9, 2, 2, 2, 2], 1000, 6, 2)["decode_steps"] == 8
+    # a prompt of 3 and 3 outputs: the prefill gives the first; decode tokens 1 and 2 attend 4 and 5 positions
+    one = llm.offline_bound_terms(mc, [3], [3], 1000, 1, 2)
+    per_token = 2 * 2 * 2 * 8 * 2  # (k and v) x layers x KV heads x head size x bytes
+    assert one["kv_bytes"] == per_token * (4 + 5)
+    params = 2 * (32 * (4 + 2 * 2) * 8 + 4 * 8 * 32 + 3 * 32 * 64)  # two layers of q/k/v, o, gate/up/down
+    logits = 2 * 32 * 100
+    attention = 2 * 4 * 4 * 8 * (3 * 4 / 2 + 4 + 5)  # 4 FLOPs a (query, key) pair per layer and head
+    assert one["flops"] == 2 * params * 3 + logits + 2 * (2 * params + logits) + attention
+    assert one["flops"] == llm.prefill_flops(mc, 3) + 2 * (2 * params + logits) + 2 * 4 * 4 * 8 * 9

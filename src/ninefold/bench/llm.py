@@ -503,6 +503,24 @@ def _step_shape(step) -> dict:
     return {"seqs": len(step), "new_tokens": new, "context_tokens": context, "attended": attended}
 
 
+def offline_bound_terms(mc, prompts, outputs, weight_bytes: int, max_num_seqs: int, itemsize: int) -> dict:
+    """What the offline workload must at least compute and move, whatever the schedule. A request of ``p``
+    prompt and ``o`` output tokens takes its first output from the prefill's last position and the others
+    from ``o - 1`` decode tokens, the ``g``-th of which attends (and reads the keys and values of) ``p + g``
+    positions. ``flops``: every prefill, every decode token's forward with its logits, every causal
+    attention product; ``kv_bytes``: every decode token's cache reads; ``weight_bytes``: the weights once
+    per decode step, of which no schedule has fewer than the longest request's, nor fewer than the decode
+    tokens over the ``max_num_seqs`` a step can hold (``decode_steps``)."""
+    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+    decode_pairs = [p * (o - 1) + o * (o - 1) // 2 for p, o in zip(prompts, outputs)]
+    flops = sum(prefill_flops(mc, p) for p in prompts)
+    flops += sum(o - 1 for o in outputs) * (2 * _linear_params(mc) + 2 * mc.hidden_size * mc.vocab_size)
+    flops += 4 * mc.num_layers * mc.num_heads * mc.head_dim * sum(decode_pairs)
+    steps = max(max(outputs) - 1, math.ceil(sum(o - 1 for o in outputs) / max_num_seqs))
+    return {"flops": flops, "kv_bytes": kv_bytes_per_token * sum(decode_pairs), "weight_bytes": weight_bytes * steps,
+            "decode_steps": steps}
+
+
 def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm_rate: float) -> dict:
     from ninefold.bench.llm_plots import step_bounds
     from ninefold.llm.sampling import SamplingParams
@@ -527,14 +545,8 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
                         for r in requests for s in r.seqs)
     for r in requests:
         engine.abort_request(r.request_id)
-    # roofline bound of the whole workload
-    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.dtype.itemsize
-    flops = sum(prefill_flops(mc, p) - 2 * mc.hidden_size * mc.vocab_size for p in prompts)
-    flops += sum(o * (2 * _linear_params(mc) + 2 * mc.hidden_size * mc.vocab_size) for o in outputs)
-    flops += sum(mc.num_layers * 4 * mc.num_heads * mc.head_dim * (p * o + o * (o + 1) / 2)
-                 for p, o in zip(prompts, outputs))
-    kv_reads = sum(kv_bytes_per_token * (p * o + o * (o + 1) / 2) for p, o in zip(prompts, outputs))
-    weight_reads = weight_bytes * max(outputs) * math.ceil(n / engine.config.max_num_seqs)
+    terms = offline_bound_terms(mc, prompts, outputs, weight_bytes, engine.config.max_num_seqs, engine.dtype.itemsize)
+    flops, kv_reads, weight_reads = terms["flops"], terms["kv_bytes"], terms["weight_bytes"]
     bound_s = max(flops / mm_rate, (kv_reads + weight_reads) / bandwidth)
     total = sum(prompts) + sum(outputs)
     result = {"num_requests": n, "complete": complete, "elapsed_s": elapsed, "output_tokens": out_tokens,
