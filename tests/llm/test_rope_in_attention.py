@@ -1,5 +1,6 @@
-"""``NINEFOLD_ROPE_IN_ATTENTION=1``: decode steps call ``ops.rope_cache_attention_decode`` (rope and the
-cache write inside the attention kernel) instead of ``rope_and_cache`` then ``attention_decode``.
+"""Decode steps call ``ops.rope_cache_attention_decode`` (rope and the cache write inside the attention
+kernel) instead of ``rope_and_cache`` then ``attention_decode``: by default on CUDA, and wherever
+``NINEFOLD_ROPE_IN_ATTENTION=1``.
 
 CPU: the ops-by-ops decode forward (``cpu_fast_decode`` off) gives the same logits either way for
 every variant (the vendor implementation is the pair). CUDA: greedy generation token-identical to the
@@ -13,6 +14,7 @@ from tiny_models import VARIANTS
 import ninefold.ops as ops
 from ninefold import LLM, SamplingParams
 from ninefold.llm.engine import LLMEngine
+from ninefold.llm.models.llama import rope_in_attention_wanted
 
 from .test_parity import GREEDY, next_decode_step, prompts_for
 
@@ -44,8 +46,19 @@ def test_decode_logits_are_the_same_with_the_fold_on_the_cpu(model_dirs, variant
 def test_the_switch_is_read_from_the_environment(model_dirs, monkeypatch):
     monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", "1")
     assert LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
+    monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", "0")
+    assert not LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
     monkeypatch.delenv("NINEFOLD_ROPE_IN_ATTENTION")
     assert not LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
+    # unset: on for CUDA devices only (decided from the device alone, so checkable without one)
+    assert rope_in_attention_wanted("cuda:0") and rope_in_attention_wanted(torch.device("cuda"))
+    assert not rope_in_attention_wanted("cpu")
+    for setting, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", setting)
+        assert rope_in_attention_wanted("cuda") is expected and rope_in_attention_wanted("cpu") is expected
+    monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="NINEFOLD_ROPE_IN_ATTENTION: got 'yes'; expected 0 .off. or 1 .on."):
+        LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16)
 
 
 @pytest.mark.gpu

@@ -160,10 +160,8 @@ class LlamaForCausalLM:
             for i in range(config.num_layers)
         ]
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
-        # NINEFOLD_ROPE_IN_ATTENTION=1: decode steps rope and cache the step's keys inside the attention
-        # kernel (ops.rope_cache_attention_decode); off by default until measured faster in the engine. Not
-        # under tensor parallelism: the workers' steps do not carry AttentionMetadata.drafts.
-        self.rope_in_attention = os.environ.get("NINEFOLD_ROPE_IN_ATTENTION", "0") == "1" and parallel is None
+        # Not under tensor parallelism: the workers' steps do not carry AttentionMetadata.drafts.
+        self.rope_in_attention = rope_in_attention_wanted(device) and parallel is None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cpu_decoder = None
         # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces)
@@ -372,6 +370,20 @@ class LlamaForCausalLM:
         if self.lm_head is None:
             raise RuntimeError("this model has no output layer (its checkpoint holds the decoder alone): no logits")
         return _linear(hidden, self.lm_head)
+
+
+def rope_in_attention_wanted(device) -> bool:
+    """Whether decode steps rope and cache the step's keys inside the attention kernel
+    (``ops.rope_cache_attention_decode``, one launch per layer fewer): by default on CUDA devices, where
+    it measured faster in the engine; on CPUs the operator is the same two operators plus a check.
+    ``NINEFOLD_ROPE_IN_ATTENTION=0`` or ``1`` overrides that (``ValueError`` for another value)."""
+    setting = os.environ.get("NINEFOLD_ROPE_IN_ATTENTION")
+    if setting is None or setting == "":
+        return torch.device(device).type == "cuda"
+    if setting not in ("0", "1"):
+        raise ValueError(f"NINEFOLD_ROPE_IN_ATTENTION: got {setting!r}; expected 0 (off) or 1 (on), or unset "
+                         "(on for CUDA devices)")
+    return setting == "1"
 
 
 def _cpu_has_bf16() -> bool:
