@@ -7,6 +7,11 @@ every variant (the vendor implementation is the pair). CUDA: greedy generation t
 default path, eagerly and from CUDA graphs, and the fused operator is what runs.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny_models import VARIANTS
@@ -79,6 +84,46 @@ def test_greedy_tokens_are_identical_with_the_fold_on_cuda(model_dirs, variant, 
         del llm
         torch.cuda.empty_cache()
     assert tokens["1"] == tokens["0"]
+
+
+MIXED_STEP_PROBE = """
+import json, sys
+import torch
+from ninefold.bench.llm import triton_cache_entries
+from ninefold.llm.engine import LLMEngine
+from ninefold.llm.sampling import SamplingParams
+
+engine = LLMEngine(sys.argv[1], dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=256,
+                   cuda_graph_max_batch=8, enable_prefix_caching=False)
+before = triton_cache_entries()
+params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+mixed = 0
+for i, length in enumerate((5, 40, 9, 17)):  # each new prompt's prefill shares a step with the others' decodes
+    engine.add_request(engine.build_request([3 + i] * length, params, f"r{i}"))
+    engine.step()
+    mixed += sum(1 for s in engine.requests.values() for q in s.seqs if q.num_output_tokens > 1) > 0
+while engine.has_unfinished_requests():
+    engine.step()
+torch.cuda.synchronize()
+after = triton_cache_entries()
+print(json.dumps({"folded": engine.model.rope_in_attention, "mixed_steps": mixed,
+                  "compiled": sorted(n for e in set(after) - set(before) for n in after[e])}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steps_mixing_decodes_with_prefills_compile_nothing_after_start_up(model_dirs, tmp_path):
+    # With the fold, decode graphs no longer run the separate decode attention that mixed steps use; the
+    # capture warms it up too. A fresh process with an empty Triton cache: nothing compiled before start-up.
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("NINEFOLD_ROPE_IN_ATTENTION", None)
+    run = subprocess.run([sys.executable, "-c", MIXED_STEP_PROBE, str(model_dirs["llama"])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["folded"] and result["mixed_steps"] >= 2, result
+    assert "decode_split_kernel" not in result["compiled"], result
 
 
 def _decode_args(llm):

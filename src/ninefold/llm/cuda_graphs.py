@@ -60,6 +60,8 @@ class DecodeGraphs:
               gemm_tuning.autotune()):
             for size in reversed(self.sizes):
                 self._forward(*(x[:size] for x in examples))
+                if getattr(model, "rope_in_attention", False):
+                    self._forward_unfolded(*(x[:size] for x in examples))
                 if self.lora_runner is not None:  # (steps with adapters run unfused layers: other kernels, shapes)
                     self._forward_lora(*(x[:size] for x in (*examples, no_adapter)))
             torch.cuda.synchronize()
@@ -74,6 +76,15 @@ class DecodeGraphs:
     def _forward(self, ids, positions, slots, context_lens, block_tables) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, context_lens=context_lens)
         return self.model.compute_logits(self.model.forward(ids, positions, meta))
+
+    def _forward_unfolded(self, *inputs) -> torch.Tensor:
+        """``_forward`` with rope and the cache write apart from the attention, as steps that mix decode rows
+        with prefill chunks run them (eagerly): its decode-attention launches compile here, not mid-run."""
+        self.model.rope_in_attention = False
+        try:
+            return self._forward(*inputs)
+        finally:
+            self.model.rope_in_attention = True
 
     def _forward_lora(self, ids, positions, slots, context_lens, block_tables, row_slots) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, context_lens=context_lens)
