@@ -118,7 +118,7 @@ def test_steps_mixing_decodes_with_prefills_compile_nothing_after_start_up(model
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["folded"] and result["mixed_steps"] >= 2, result
+    assert result["folded"] and result["mixed_steps"] >= 1, result
     assert "decode_split_kernel" not in result["compiled"], result
 
 
