@@ -104,3 +104,13 @@ def test_the_offline_bound_counts_what_any_schedule_must_do():
     attention = 2 * 4 * 4 * 8 * (3 * 4 / 2 + 4 + 5)  # 4 FLOPs a (query, key) pair per layer and head
     assert one["flops"] == 2 * params * 3 + logits + 2 * (2 * params + logits) + attention
     assert one["flops"] == llm.prefill_flops(mc, 3) + 2 * (2 * params + logits) + 2 * 4 * 4 * 8 * 9
+
+
+def test_the_table_says_when_kernels_compiled_during_the_timed_offline_run(capsys):
+    offline = {"num_requests": 256, "complete": True, "total_tok_per_s": 15472.0, "roofline_total_tok_per_s": 26066.0,
+               "fraction_of_roofline": 0.594, "output_tok_per_s": 7693.0, "roofline_output_tok_per_s": 12900.0}
+    for compiled, shown in ((3, "| offline total tok/s (256 req, 3 kernels compiled while timed) | 15472 |"),
+                            (0, "| offline total tok/s (256 req) | 15472 |")):
+        llm.print_table({"model": "m", "dtype": "bfloat16", "device": "d", "total_s": 1.0,
+                         "offline": {**offline, "triton_kernels_compiled": compiled}})
+        assert shown in capsys.readouterr().out
