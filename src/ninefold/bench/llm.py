@@ -512,14 +512,19 @@ def offline_bound_terms(mc, prompts, outputs, weight_bytes: int, max_num_seqs: i
     attention product; ``kv_bytes``: every decode token's cache reads; ``weight_bytes``: the weights once
     per decode step, of which no schedule has fewer than the longest request's, nor fewer than the decode
     tokens over the ``max_num_seqs`` a step can hold (``decode_steps``)."""
-    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
-    decode_pairs = [p * (o - 1) + o * (o - 1) // 2 for p, o in zip(prompts, outputs)]
+    decode_tokens = sum(o - 1 for o in outputs)
+    decode_pairs = sum(p * (o - 1) + o * (o - 1) // 2 for p, o in zip(prompts, outputs))
     flops = sum(prefill_flops(mc, p) for p in prompts)
-    flops += sum(o - 1 for o in outputs) * (2 * _linear_params(mc) + 2 * mc.hidden_size * mc.vocab_size)
-    flops += 4 * mc.num_layers * mc.num_heads * mc.head_dim * sum(decode_pairs)
-    steps = max(max(outputs) - 1, math.ceil(sum(o - 1 for o in outputs) / max_num_seqs))
-    return {"flops": flops, "kv_bytes": kv_bytes_per_token * sum(decode_pairs), "weight_bytes": weight_bytes * steps,
-            "decode_steps": steps}
+    flops += decode_tokens * (2 * _linear_params(mc) + 2 * mc.hidden_size * mc.vocab_size)
+    flops += 4 * mc.num_layers * mc.num_heads * mc.head_dim * decode_pairs
+    steps = max(max(outputs) - 1, math.ceil(decode_tokens / max_num_seqs))
+    return {"flops": flops, "kv_bytes": kv_bytes_per_token(mc, itemsize) * decode_pairs,
+            "weight_bytes": weight_bytes * steps, "decode_steps": steps}
+
+
+def kv_bytes_per_token(mc, itemsize: int) -> int:
+    """Bytes of keys and values one token holds in the cache across the layers of ``mc``."""
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
 
 
 def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm_rate: float) -> dict:

@@ -32,7 +32,7 @@ def step_bounds(steps: list[dict], model, copy_bps: float, flops_per_s: float, *
     (a row of n new tokens after ``start`` cached ones attends ``n * start + n * (n + 1) / 2`` pairs),
     else one pair per context token (exact for decode rows, low for prefill chunks: logs written before
     ``attended`` existed). Bytes: the weights once, each sequence's keys and values once."""
-    from ninefold.bench.llm import _linear_params
+    from ninefold.bench.llm import _linear_params, kv_bytes_per_token
     from ninefold.llm.config import NAMED_SHAPES, ModelConfig
 
     mc = ModelConfig.from_dict(NAMED_SHAPES[model]) if isinstance(model, str) else model
@@ -41,7 +41,7 @@ def step_bounds(steps: list[dict], model, copy_bps: float, flops_per_s: float, *
     norms = (2 * mc.num_layers + 1) * mc.hidden_size  # (q/k/v biases and q/k norms, under 0.01%, left out)
     if weight_bytes is None:
         weight_bytes = itemsize * (linear + embeddings + norms)
-    kv_per_token = 2 * itemsize * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    kv_per_token = kv_bytes_per_token(mc, itemsize)
     out = []
     for s in steps:
         flops = (2 * linear * s["new_tokens"] + 2 * mc.hidden_size * mc.vocab_size * s["seqs"]
