@@ -17,6 +17,9 @@ _LAZY = {
     "RequestOutput": "ninefold.llm.outputs",
     "CompletionOutput": "ninefold.llm.outputs",
     "EmbeddingRequestOutput": "ninefold.llm.outputs",
+    "BeamSearchParams": "ninefold.llm.beam_search",
+    "BeamSearchOutput": "ninefold.llm.beam_search",
+    "BeamSearchSequence": "ninefold.llm.beam_search",
 }
 
 

@@ -7,6 +7,13 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
+from ninefold.llm.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    round_sampling_params,
+    top_candidates,
+)
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.lora import LoRARequest
 from ninefold.llm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -54,12 +61,7 @@ class LLM:
         ``priority``: one per prompt, for an engine with ``scheduling_policy="priority"`` (lower first).
         ``lora_request``: a LoRA adapter for every prompt, or one (or None) per prompt (``enable_lora=True``)."""
         items = _prompt_list(prompts, prompt_token_ids)
-        if isinstance(lora_request, list):
-            if len(lora_request) != len(items):
-                raise ValueError(f"lora_request: {len(lora_request)} given for {len(items)} prompts")
-            adapters = lora_request
-        else:
-            adapters = [lora_request] * len(items)
+        adapters = _per_prompt(lora_request, len(items))
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(items)):
             raise ValueError(f"priority: expected a list of {len(items)} ints (one per prompt), got {priority!r}")
         if isinstance(sampling_params, list):
@@ -89,6 +91,52 @@ class LLM:
             for request in requests:
                 engine.abort_request(request.request_id)
         return results
+
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of every prompt by beam search (``ninefold.llm.beam_search``;
+        vLLM's algorithm and score), in prompt order. ``prompts``: the forms ``generate`` takes; ``lora_request``:
+        one adapter for all or one per prompt; ``concurrency_limit``: search at most that many prompts at once
+        (all by default). Each round batches one token of every live beam; the prefix cache keeps a round's
+        cost to the beams' newest tokens."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
+                                              or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit: got {concurrency_limit!r}; expected an integer >= 1 or None")
+        items = _prompt_list(prompts, None)
+        adapters = _per_prompt(lora_request, len(items))
+        engine = self.engine
+        whole = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                               logprobs=min(params.candidates_per_beam, engine.model_config.vocab_size))
+        checked = [engine.build_request(p, whole, lora_request=a) for p, a in zip(items, adapters)]
+        eos = () if params.ignore_eos else engine.eos_token_ids
+        searches = [BeamSearch(r.prompt_token_ids, params, eos, engine.max_model_len) for r in checked]
+        round_params = round_sampling_params(params, engine.model_config.vocab_size)
+        width = concurrency_limit or max(len(searches), 1)
+        with tqdm(total=len(searches), disable=not use_tqdm, desc="beam search") as bar:
+            for start in range(0, len(searches), width):
+                group = list(zip(searches[start:start + width], adapters[start:start + width]))
+                while any(not s.done for s, _ in group):
+                    live = [(s, a, beam) for s, a in group for beam in s.beams]
+                    outs = self.generate(prompt_token_ids=[beam.tokens for _, _, beam in live],
+                                         sampling_params=round_params, lora_request=[a for _, a, _ in live])
+                    candidates: dict[int, list] = {}
+                    for (search, _, _), out in zip(live, outs):
+                        options = top_candidates(out.outputs[0].logprobs[0], params.candidates_per_beam)
+                        candidates.setdefault(id(search), []).append(options)
+                    for search, _ in group:
+                        if not search.done:
+                            search.extend(candidates[id(search)])
+                bar.update(len(group))
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [search.result(decode) for search in searches]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -133,6 +181,15 @@ class LLM:
                 outputs += embedder.run_batch(batch)
                 bar.update(len(batch))
         return outputs
+
+
+def _per_prompt(lora_request, count: int) -> list:
+    """One adapter (or None) per prompt from one for all or a list of them."""
+    if isinstance(lora_request, list):
+        if len(lora_request) != count:
+            raise ValueError(f"lora_request: {len(lora_request)} given for {count} prompts")
+        return lora_request
+    return [lora_request] * count
 
 
 def _prompt_list(prompts, prompt_token_ids) -> list:

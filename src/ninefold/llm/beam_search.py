@@ -1,0 +1,163 @@
+"""Beam search over the engine, as vLLM's ``LLM.beam_search`` does it.
+
+Each round asks the engine for one token of every live beam (a one-token request whose prompt is the beam so
+far, so the prefix cache serves what earlier rounds computed) with its ``2 * beam_width`` most likely next
+tokens and their log-probabilities. Every beam's candidates extend it; a candidate ending in an EOS token
+finishes (unless ``ignore_eos``), the others compete for the ``beam_width`` places of the next round. After
+``max_tokens`` rounds (or when no beam is left) the finished and the live beams are ranked together by
+``cum_logprob / length ** length_penalty``, where the length counts the prompt's tokens and the generated ones
+except a final EOS (vLLM's score), and the best ``beam_width`` are returned.
+
+This module holds the search itself; ``LLM.beam_search`` and the server run its rounds on their engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ninefold.llm.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """What a beam search keeps and when it stops (the fields of vLLM's ``BeamSearchParams``).
+
+    ``beam_width`` beams are kept per round and returned; ``max_tokens`` rounds at most; ``ignore_eos``: EOS
+    tokens extend a beam like any other token; ``length_penalty``: the exponent of the length that divides a
+    beam's summed log-probability when beams are ranked (0: rank by the sum alone; larger values favour longer
+    beams); ``include_stop_str_in_output``: a finished beam's text keeps its EOS token's text. ``temperature``
+    is accepted for vLLM's signature but must be 0: the beams are ranked by the model's own log-probabilities.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: got {value!r}; expected an integer >= 1")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: got {getattr(self, name)!r}; expected True or False")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or self.temperature != 0:
+            raise ValueError(f"temperature: got {self.temperature!r}; beam search ranks beams by the model's "
+                             "log-probabilities, so only 0 is accepted")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty: got {lp!r}; expected a finite number")
+
+    @property
+    def candidates_per_beam(self) -> int:
+        """How many of a beam's most likely next tokens each round considers (twice the width, as vLLM)."""
+        return 2 * self.beam_width
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` are the prompt's followed by the generated ones (as in vLLM).
+
+    ``logprobs``: per generated token, the log-probabilities of the candidates its round considered (the
+    token's own among them); ``cum_logprob``: the sum of the generated tokens' log-probabilities;
+    ``finish_reason``: "stop" (an EOS token, named by ``stop_reason``) or "length"; ``text``: the decoded
+    ``tokens`` (prompt included, as vLLM's ``LLM.beam_search`` returns it), set once the search is done.
+    """
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best ``beam_width`` beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(sequence: BeamSearchSequence, eos_token_ids: Iterable[int], length_penalty: float) -> float:
+    """vLLM's ranking score: ``cum_logprob / length ** length_penalty``, the length counting the prompt and
+    every generated token but a final EOS."""
+    length = len(sequence.tokens)
+    if sequence.stop_reason is not None and sequence.tokens and sequence.tokens[-1] in set(eos_token_ids):
+        length -= 1
+    return sequence.cum_logprob / (max(length, 1) ** length_penalty)
+
+
+class BeamSearch:
+    """The search of one prompt: the live beams, the finished ones, and how a round's candidates extend them."""
+
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Iterable[int],
+                 max_model_len: int):
+        self.params = params
+        self.prompt_len = len(prompt_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_len = min(self.prompt_len + params.max_tokens, max_model_len)
+        self.beams = [BeamSearchSequence(list(prompt_token_ids))] if self.prompt_len < self.max_len else []
+        self.finished: list[BeamSearchSequence] = []
+
+    @property
+    def done(self) -> bool:
+        return not self.beams
+
+    def extend(self, candidates: list[dict[int, float]]) -> None:
+        """One round: ``candidates[i]`` maps the live beam ``i``'s next tokens to their log-probabilities."""
+        if len(candidates) != len(self.beams):
+            raise ValueError(f"candidates: {len(candidates)} given for {len(self.beams)} live beams")
+        params = self.params
+        extended = []
+        for beam, options in zip(self.beams, candidates):
+            for token, logprob in options.items():
+                child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [options],
+                                           beam.cum_logprob + logprob)
+                if token in self.eos_token_ids and not params.ignore_eos:
+                    child.finish_reason, child.stop_reason = "stop", token
+                    self.finished.append(child)
+                else:
+                    extended.append(child)
+        extended.sort(key=self._score, reverse=True)  # stable: ties keep beam order, then candidate order
+        self.beams = extended[:params.beam_width]
+        if self.beams and len(self.beams[0].tokens) >= self.max_len:
+            for beam in self.beams:
+                beam.finish_reason = "length"
+            self.finished += self.beams
+            self.beams = []
+
+    def result(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
+        """The best ``beam_width`` of the finished and live beams, best first, with their text when ``decode``
+        (token ids -> str) is given."""
+        for beam in self.beams:  # stopped early (an aborted search): what is live counts as cut at its length
+            beam.finish_reason = "length"
+        best = sorted(self.finished + self.beams, key=self._score, reverse=True)[:self.params.beam_width]
+        if decode is not None:
+            for beam in best:
+                keep = beam.tokens
+                if beam.stop_reason is not None and not self.params.include_stop_str_in_output:
+                    keep = keep[:-1]
+                beam.text = decode(keep)
+        return BeamSearchOutput(best)
+
+    def _score(self, sequence: BeamSearchSequence) -> float:
+        return beam_score(sequence, self.eos_token_ids, self.params.length_penalty)
+
+
+def round_sampling_params(params: BeamSearchParams, vocab_size: int) -> SamplingParams:
+    """What one round asks of the engine for each live beam: one token and its candidates' log-probabilities."""
+    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                          logprobs=min(params.candidates_per_beam, vocab_size))
+
+
+def top_candidates(logprobs: dict[int, float], count: int) -> dict[int, float]:
+    """The ``count`` most likely entries of one token's logprobs dict (it may also hold the sampled token)."""
+    ranked = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)
+    return dict(ranked[:count])
