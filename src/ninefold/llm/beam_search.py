@@ -110,15 +110,16 @@ class BeamSearch:
     def done(self) -> bool:
         return not self.beams
 
-    def extend(self, candidates: list[dict[int, float]]) -> None:
-        """One round: ``candidates[i]`` maps the live beam ``i``'s next tokens to their log-probabilities."""
+    def extend(self, candidates: list[dict[int, float]], reported: list[dict[int, float]] | None = None) -> None:
+        """One round: ``candidates[i]`` maps the live beam ``i``'s next tokens to their log-probabilities;
+        ``reported[i]`` (default ``candidates[i]``) is what the new beams record as that token's logprobs."""
         if len(candidates) != len(self.beams):
             raise ValueError(f"candidates: {len(candidates)} given for {len(self.beams)} live beams")
         params = self.params
         extended = []
-        for beam, options in zip(self.beams, candidates):
+        for beam, options, shown in zip(self.beams, candidates, reported or candidates):
             for token, logprob in options.items():
-                child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [options],
+                child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [shown],
                                            beam.cum_logprob + logprob)
                 if token in self.eos_token_ids and not params.ignore_eos:
                     child.finish_reason, child.stop_reason = "stop", token
@@ -151,10 +152,11 @@ class BeamSearch:
         return beam_score(sequence, self.eos_token_ids, self.params.length_penalty)
 
 
-def round_sampling_params(params: BeamSearchParams, vocab_size: int) -> SamplingParams:
-    """What one round asks of the engine for each live beam: one token and its candidates' log-probabilities."""
+def round_sampling_params(params: BeamSearchParams, vocab_size: int, reported: int = 0) -> SamplingParams:
+    """What one round asks of the engine for each live beam: one token and its candidates' log-probabilities
+    (``reported``: at least that many, where a caller shows more than the search considers)."""
     return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
-                          logprobs=min(params.candidates_per_beam, vocab_size))
+                          logprobs=min(max(params.candidates_per_beam, reported), vocab_size))
 
 
 def top_candidates(logprobs: dict[int, float], count: int) -> dict[int, float]:

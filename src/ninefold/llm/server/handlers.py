@@ -15,6 +15,7 @@ from ninefold.llm.guided import GuidedDecodingParams
 from ninefold.llm.reasoning import effective_parser, get_reasoning_parser
 from ninefold.llm.sampling import prompt_tokens_kept
 from ninefold.llm.server import preprocess, tool_choice
+from ninefold.llm.server.beam_generation import beam_generation
 from ninefold.llm.server.chat_output import ChatDeltas, ChatOutput
 from ninefold.llm.server.deltas import DeltaStream
 from ninefold.llm.server.errors import APIError
@@ -109,18 +110,23 @@ async def _serve(
     echo = kind == "cmpl" and req.echo
     # echo with logprobs reports the prompt's logprobs too: every choice has its own (each is an engine request)
     scored = [v for v in (req.prompt_logprobs, logprobs if echo else None) if v is not None]
-    sequences = []
-    for p, prompt in enumerate(prompts):
-        max_tokens = preprocess.resolve_max_tokens(requested_max_tokens, len(prompt.token_ids), limits,
-                                                   max_tokens_param)
-        for i in range(req.n):
-            # max_tokens 0 (echo only): one token is generated and left out of the response
-            params = preprocess.sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=logprobs, limits=limits,
-                                                child=i, defaults=state.defaults,
-                                                prompt_logprobs=max(scored) if scored else None, guided=guided)
-            sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params,
-                                      priority=req.priority, lora_request=lora))
-    gen = Generation(state.engine, sequences)
+    if req.use_beam_search:
+        gen = beam_generation(state.engine, req, prompts, request_id, lambda prompt: preprocess.resolve_max_tokens(
+            requested_max_tokens, len(prompt.token_ids), limits, max_tokens_param), logprobs, lora)
+        sequences = gen.sequences
+    else:
+        sequences = []
+        for p, prompt in enumerate(prompts):
+            max_tokens = preprocess.resolve_max_tokens(requested_max_tokens, len(prompt.token_ids), limits,
+                                                       max_tokens_param)
+            for i in range(req.n):
+                # max_tokens 0 (echo only): one token is generated and left out of the response
+                params = preprocess.sampling_params(req, max_tokens=max(max_tokens, 1), logprobs=logprobs,
+                                                    limits=limits, child=i, defaults=state.defaults,
+                                                    prompt_logprobs=max(scored) if scored else None, guided=guided)
+                sequences.append(Sequence(p * req.n + i, f"{request_id}-{p * req.n + i}", prompt, params,
+                                          priority=req.priority, lora_request=lora))
+        gen = Generation(state.engine, sequences)
     view = _View(state, req, kind, request_id, prompts, logprobs, score_only=requested_max_tokens == 0, tools=tools,
                  model=lora.lora_name if lora is not None else state.served_model_name, reasoning=reasoning)
     state.admission.acquire(len(sequences))

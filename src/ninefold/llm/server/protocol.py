@@ -107,6 +107,10 @@ class SamplingFields(RequestModel):
         None, min_length=1, max_length=1 << 20, description="Every generated token is one of these (vLLM's extra).")
     bad_words: list[StrictStr] | None = Field(
         None, max_length=256, description="Words never generated, as given or after a space (vLLM's extra).")
+    use_beam_search: StrictBool = Field(
+        False, description="The n choices are the n best beams of a beam search (vLLM's extra).")
+    length_penalty: Number = Field(
+        1.0, description="With use_beam_search: beams rank by cumulative logprob / length ** length_penalty.")
     priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1,
                                 description="Lower runs first, with --scheduling-policy priority (vLLM's extra).")
     return_tokens_as_token_ids: StrictBool = Field(
