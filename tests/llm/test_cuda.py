@@ -185,3 +185,21 @@ def test_json_guided_decoding_on_cuda_matches_the_cpu_in_float32(model_dirs):
     picked = SamplingParams(temperature=1.0, seed=4, n=6, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=choices))
     for out in bf16.generate(prompts, picked):
         assert all(c.text in choices and c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_float32_beam_search_on_cuda_matches_transformers_beam_search(model_dirs):
+    """``LLM.beam_search`` on CUDA (rounds through the prefix cache, overlapped scheduling on) returns
+    transformers' beams in float32 (EOS off, so both keep the best beams by summed log-probability)."""
+    from ninefold import BeamSearchParams
+
+    path = model_dirs["llama"]
+    llm = LLM(str(path), dtype="float32", device="cuda", block_size=16, num_kv_blocks=128, cuda_graph_max_batch=8)
+    got = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
+    model = _hf(path, torch.float32)
+    for prompt, result in zip(PROMPTS[:2], got):
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=3,
+                             max_new_tokens=10, do_sample=False, length_penalty=0.0, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        assert [s.tokens for s in result.sequences] == out.sequences.tolist()
+        assert [s.cum_logprob for s in result.sequences] == pytest.approx(out.sequences_scores.tolist(), abs=1e-3)
