@@ -79,17 +79,18 @@ class BeamGeneration:
     params: list[BeamSearchParams]
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    _failure: asyncio.Future | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:  # (built inside a request handler, so on the server's event loop)
+        self._failure: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def fail(self, error: APIError) -> None:
         """End the generation with ``error`` (used when a shutdown deadline passes)."""
-        if self._failure is not None and not self._failure.done():
+        if not self._failure.done():
             self._failure.set_exception(error)
 
     async def events(self) -> AsyncIterator[Sequence]:
         """Yield every choice once, finished, after the searches end; raises the first error."""
-        self._failure = asyncio.get_running_loop().create_future()
         n = len(self.sequences) // max(len(self.params), 1)
         groups = [self.sequences[i * n:(i + 1) * n] for i in range(len(self.params))]
         self._tasks = [asyncio.create_task(self._search(group, params, p))
