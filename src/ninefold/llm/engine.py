@@ -90,7 +90,8 @@ class LLMEngine:
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size) if mc.has_lm_head else max_len
         self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)
         self.generation_config = dict(ckpt.generation_config)
-        self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching,
+                                   reuse_partial_blocks=self.parallel_group is None)
         self.speculative = SpeculativeConfig.parse(cfg.speculative_config)
         if self.speculative is not None and getattr(self.model, "rope_in_attention", False):
             # the decode graphs also replay draft steps, whose rows read keys other rows write in the same layer

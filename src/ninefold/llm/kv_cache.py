@@ -9,6 +9,12 @@ of its own on each registered block: when no sequence holds it any more (ref-cou
 cached and becomes *evictable*, and is evicted least-recently-used first when free blocks run
 out. With ``enable_prefix_caching=False`` nothing is registered.
 
+A finished sequence's last, partly filled block is registered too (under the digest of its computed tokens,
+chained like a full block), when the pool's blocks can be copied: a later sequence whose tokens go on from
+exactly those (a beam extended by one token, a prompt that continues an earlier output) gets a copy of it and
+computes only what follows, instead of recomputing up to ``block_size - 1`` tokens. The copy is its own, so
+the cached block stays as it was for the next such sequence.
+
 The scheduler registers a block as soon as a step that computes all its tokens is scheduled, before the step
 runs: a sequence admitted later in the same step (a sibling of an ``n > 1`` request, or another request with
 the same system prompt) reuses it, since every layer writes the whole step's keys and values to the cache
@@ -22,7 +28,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from ninefold.llm.sequence import Sequence
+from ninefold.llm.sequence import PLACEHOLDER, Sequence
 
 
 def block_digest(parent: bytes | tuple | None, tokens: tuple[int, ...]) -> bytes:
@@ -37,10 +43,12 @@ def block_digest(parent: bytes | tuple | None, tokens: tuple[int, ...]) -> bytes
 class BlockManager:
     """Allocates blocks for sequences over ``pool`` and keeps the prefix cache."""
 
-    def __init__(self, pool, *, enable_prefix_caching: bool = True):
+    def __init__(self, pool, *, enable_prefix_caching: bool = True, reuse_partial_blocks: bool = True):
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # (tensor-parallel engines turn it off: a copy here would not reach the other ranks' pools)
+        self.reuse_partial_blocks = enable_prefix_caching and reuse_partial_blocks and hasattr(pool, "copy_blocks")
         self._by_hash: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # digest -> (block id, its tokens)
         self._hash_of: dict[int, bytes] = {}  # block id -> digest
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
@@ -79,7 +87,30 @@ class BlockManager:
         root = seq.cache_root
         if seq.prefix_memo is None or seq.prefix_memo[0] != root:
             seq.prefix_memo = (root, [])
-        return self._cached_chain(seq.token_ids, max(usable, 0) // self.block_size, root, seq.prefix_memo[1])
+        full = max(usable, 0) // self.block_size
+        hits = self._cached_chain(seq.token_ids, full, root, seq.prefix_memo[1])
+        seq.partial_hit = None
+        if self.reuse_partial_blocks and len(hits) == full and seq.prompt_logprobs is None:
+            seq.partial_hit = self._partial_hit(seq.token_ids, full, usable, hits[-1][1] if hits else root)
+        return hits
+
+    def cached_tokens(self, seq: Sequence, hits: list[tuple[int, bytes]]) -> int:
+        """Tokens of ``seq`` that an admission with ``hits`` (and the partial block ``match_prefix`` found) skips."""
+        return len(hits) * self.block_size + (seq.partial_hit[1] if seq.partial_hit else 0)
+
+    def _partial_hit(self, token_ids: list[int], full: int, usable: int, parent) -> tuple[int, int] | None:
+        """``(block, tokens)`` of a cached partly filled block holding ``token_ids`` from block ``full`` on, the
+        longest of at most two lengths: all ``usable`` tokens (a beam extended by one token) or one fewer (a prompt
+        continuing an earlier output, whose last token was never computed)."""
+        start = full * self.block_size
+        for end in (usable, usable - 1):
+            if end <= start:
+                return None
+            tokens = tuple(token_ids[start:end])
+            entry = self._by_hash.get(block_digest(parent, tokens))
+            if entry is not None and entry[1] == tokens:
+                return entry[0], end - start
+        return None
 
     def _chain(self, token_ids: list[int], num_blocks: int, root=None, memo: list | None = None):
         """``(tokens, hash)`` of the first ``num_blocks`` full blocks of ``token_ids``, each hash chained over
@@ -114,7 +145,9 @@ class BlockManager:
         """Whether ``seq`` can start with ``hits`` reused and ``num_new_tokens`` more tokens, leaving at least
         ``keep_free`` blocks to be had (headroom for the running sequences' next tokens)."""
         reclaimed = sum(1 for block, _ in hits if block in self._evictable)
-        needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        if seq.partial_hit and seq.partial_hit[0] in self._evictable:  # held while it is copied
+            reclaimed += 1
+        needed = self.blocks_for(self.cached_tokens(seq, hits) + num_new_tokens) - len(hits)
         return needed + keep_free <= self.num_available - reclaimed
 
     def admit(self, seq: Sequence, hits: list[tuple[int, bytes]]) -> None:
@@ -127,6 +160,16 @@ class BlockManager:
         seq.block_hashes = [h for _, h in hits]
         seq.prefix_memo = None
         seq.num_computed_tokens = len(blocks) * self.block_size
+        if seq.partial_hit is not None:
+            source, count = seq.partial_hit
+            self._take([source])  # (so that the allocation below cannot evict it)
+            self._evict(1 - self.pool.num_free)
+            copy = self.pool.allocate(1)
+            self.pool.copy_blocks([source], copy)
+            self.release([source])
+            seq.block_table.append(copy[0])
+            seq.num_computed_tokens += count
+            seq.partial_hit = None
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.queried_tokens += seq.num_prompt_tokens
@@ -265,11 +308,30 @@ class BlockManager:
 
     # -- release ----------------------------------------------------------------------------------
 
-    def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s blocks (at once); cached ones stay, evictable, tail blocks first in line."""
+    def free(self, seq: Sequence, keep_partial: bool = False) -> None:
+        """Drop ``seq``'s blocks (at once); cached ones stay, evictable, tail blocks first in line. ``keep_partial``
+        (a sequence that finished normally): its last, partly filled block of computed tokens is cached too."""
+        if keep_partial and self.reuse_partial_blocks:
+            self._register_partial(seq)
         self.release(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
+
+    def _register_partial(self, seq: Sequence) -> None:
+        computed = seq.num_computed_tokens
+        b, count = divmod(computed, self.block_size)
+        if not count or b >= len(seq.block_table) or len(seq.block_hashes) != b or computed > seq.num_tokens:
+            return  # no partly filled block, or the full blocks before it are not all registered
+        tokens = tuple(seq.token_ids[b * self.block_size:computed])
+        block = seq.block_table[b]
+        if PLACEHOLDER in tokens or block in self._hash_of or self.pool.ref_count(block) != 1:
+            return
+        h = block_digest(seq.block_hashes[-1] if b else seq.cache_root, tokens)
+        if h in self._by_hash:
+            return
+        self._by_hash[h] = (block, tokens)
+        self._hash_of[block] = h
+        self.pool.incref([block])
 
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached block (blocks in use stay registered)."""

@@ -152,7 +152,7 @@ class Scheduler:
             if seq.pending_row >= 0:  # preempted while its last token is in flight: wait for that token
                 break
             hits = self.blocks.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
+            n = min(seq.num_tokens - self.blocks.cached_tokens(seq, hits), budget)
             # The pool's watermark stays free while others run, so they grow without preempting the newcomer.
             keep_free = self.blocks.pool.watermark_blocks if self.running else 0
             if not self.blocks.can_admit(seq, hits, n, keep_free):
@@ -230,7 +230,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.status is not Status.FINISHED:
             self._release_slot(seq)
-            self.blocks.free(seq)
+            self.blocks.free(seq, keep_partial=reason in ("stop", "length"))
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -38,6 +38,9 @@ class Sequence:
     # while waiting: ``(cache_root, [(block's tokens, digest), ...])`` from the last prefix match, so a sequence
     # that waits many steps digests its prompt once (``BlockManager.match_prefix``)
     prefix_memo: tuple | None = None
+    # while waiting: ``(block, tokens)`` of a cached partly filled block that continues the full blocks the last
+    # prefix match found (``BlockManager.match_prefix``), copied at admission
+    partial_hit: tuple[int, int] | None = None
     generator: Any = None  # seeded requests: reseeded for every token (``Sampler.generators``)
     seed: int | None = None
     detokenizer: Any = None

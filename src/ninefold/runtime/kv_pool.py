@@ -248,6 +248,16 @@ class KVCachePool:
         index = torch.tensor(ids, dtype=torch.long, device=self._kv.device)
         self._kv.index_copy_(2, index, data.to(self._kv.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5))
 
+    def copy_blocks(self, sources: Iterable[int], targets: Iterable[int]) -> None:
+        """Copy blocks ``sources`` onto blocks ``targets`` (pairwise, every layer's keys and values) on the pool's
+        device, in stream order with the steps that write and read them."""
+        sources, targets = self._ids("sources", sources), self._ids("targets", targets)
+        if len(sources) != len(targets):
+            raise ValueError(f"targets: {len(targets)} given for {len(sources)} sources")
+        index = torch.tensor(sources, dtype=torch.long, device=self._kv.device)
+        self._kv.index_copy_(2, torch.tensor(targets, dtype=torch.long, device=self._kv.device),
+                             self._kv.index_select(2, index))
+
     # -- bookkeeping ------------------------------------------------------------------------------
 
     @property
