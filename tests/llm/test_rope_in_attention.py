@@ -54,12 +54,12 @@ def test_the_switch_is_read_from_the_environment(model_dirs, monkeypatch):
     assert not LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
     monkeypatch.delenv("NINEFOLD_ROPE_IN_ATTENTION")
     assert not LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16).model.rope_in_attention
-    assert not rope_in_attention_wanted()  # unset: off
+    assert not rope_in_attention_wanted("cpu") and rope_in_attention_wanted("cuda:1")  # unset: on CUDA only
     for setting, expected in (("1", True), ("0", False)):
         monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", setting)
-        assert rope_in_attention_wanted() is expected
+        assert rope_in_attention_wanted("cpu") is expected and rope_in_attention_wanted("cuda") is expected
     monkeypatch.setenv("NINEFOLD_ROPE_IN_ATTENTION", "yes")
-    with pytest.raises(ValueError, match="NINEFOLD_ROPE_IN_ATTENTION: got 'yes'; expected 0 .off, the default. or 1"):
+    with pytest.raises(ValueError, match="NINEFOLD_ROPE_IN_ATTENTION: got 'yes'; expected 0 .off. or 1 .on., or unset"):
         LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16)
 
 
