@@ -18,6 +18,7 @@ def test_beam_search_bench_times_both_and_compares_the_best_beams(tmp_path):
                                 "--out", str(tmp_path)])
     written = json.loads((tmp_path / "beam_search.json").read_text())
     assert written["rows"] == results["rows"] and [r["width"] for r in written["rows"]] == [1, 3]
+    assert (tmp_path / "beam_search.png").stat().st_size > 0
     for row in written["rows"]:
         assert row["fp32_best_beam_equals_transformers"] is True
         assert min(row["ninefold_s"], row["ninefold fp32_s"], row["transformers_s"]) > 0

@@ -94,8 +94,39 @@ def main(argv: list[str] | None = None) -> dict:
               + (f", transformers {row['transformers_s']:.2f} s ({row['speedup_vs_transformers']:.2f}x), fp32 best "
                  f"beam {'=' if row['fp32_best_beam_equals_transformers'] else '!='} transformers'"
                  if peer is not None else ""), flush=True)
-    write_json("beam_search.json", results, args.out, announce=True)
+    path = write_json("beam_search.json", results, args.out, announce=True)
+    if path is not None:
+        plot(results, path.with_suffix(".png"))
     return results
+
+
+def plot(results: dict, path) -> None:
+    """Seconds per beam search against the beam width: ninefold (as loaded and in float32) and transformers,
+    with ninefold's greedy generation of the same length as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    widths = [r["width"] for r in rows]
+    series = [("ninefold", "ninefold_s"), ("ninefold float32", "ninefold fp32_s"), ("transformers float32",
+                                                                                  "transformers_s")]
+    series = [(label, key) for label, key in series if all(key in r for r in rows)]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    step = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        ax.bar([k + (i - (len(series) - 1) / 2) * step for k in range(len(rows))], [r[key] for r in rows], step,
+               label=label)
+    ax.axhline(results["ninefold greedy_s"], color="grey", ls="--", lw=1, label="ninefold greedy")
+    ax.set_xticks(range(len(rows)), [str(w) for w in widths])
+    ax.set_xlabel("beam width")
+    ax.set_ylabel(f"seconds for {results['max_tokens']} tokens")
+    ax.set_title(f"beam search, {results['device']}, {results['model'].rsplit('/', 1)[-1]}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
