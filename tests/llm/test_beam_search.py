@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ninefold import LLM, BeamSearchParams, LoRARequest
-from ninefold.llm.beam_search import BeamSearch, BeamSearchSequence, beam_score
+from ninefold.llm.beam_search import BeamSearch, BeamSearchSequence, beam_score, rank_key
 
 PROMPTS = ([5, 9, 14], [7, 30, 2, 41, 99, 12, 250, 3, 18, 77, 64, 11, 6, 200, 31, 8, 140])
 
@@ -25,13 +25,13 @@ def _hf(path, adapter=None):
     return model.eval()
 
 
-def reference_search(model, prompt, width, max_tokens, eos, length_penalty, finished=None):
+def reference_search(model, prompt, width, max_tokens, eos, length_penalty, finished=None, ignore_eos=False):
     """Beam search as documented in ``ninefold.llm.beam_search``, on full forwards of transformers' model
     (``finished``: a list that receives every beam ended by EOS, returned or not)."""
     beams, done = [(list(prompt), 0.0)], []
 
-    def score(tokens, cum, finished):
-        return cum / ((len(tokens) - (1 if finished else 0)) ** length_penalty)
+    def score(tokens, cum, _=None):
+        return cum / ((len(tokens) - (1 if tokens[-1] in eos else 0)) ** length_penalty)
 
     for _ in range(max_tokens):
         grown = []
@@ -41,7 +41,7 @@ def reference_search(model, prompt, width, max_tokens, eos, length_penalty, fini
             top = torch.log_softmax(logits, -1).topk(2 * width)
             for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
                 entry = (tokens + [token], cum + logprob)
-                (done.append((*entry, "stop")) if token in eos else grown.append(entry))
+                (done.append((*entry, "stop")) if token in eos and not ignore_eos else grown.append(entry))
         grown.sort(key=lambda e: score(e[0], e[1], False), reverse=True)
         beams = grown[:width]
         if not beams:
@@ -72,7 +72,7 @@ def test_matches_transformers_beam_search_batched_and_one_prompt_at_a_time(model
                              max_new_tokens=new, do_sample=False, length_penalty=0.0, pad_token_id=0,
                              output_scores=True, return_dict_in_generate=True)
         expected.append((out.sequences.tolist(), out.sequences_scores.tolist()))
-    params = BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True)
+    params = BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True, length_penalty=0.0)
     for caching in (True, False):  # a round's beams served by the prefix cache, and recomputed whole
         llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=256, enable_prefix_caching=caching)
         together = llm.beam_search([list(p) for p in PROMPTS], params)
@@ -144,8 +144,9 @@ def test_an_adapter_steers_the_search_as_peft_does(model_dirs, tmp_path):
     request = LoRARequest("a", 1, str(adapter))
     params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
     got = llm.beam_search([list(PROMPTS[0]), list(PROMPTS[1])], params, lora_request=[request, None])
-    assert_same_beams(got[0], reference_search(_hf(base, adapter), PROMPTS[0], 2, 6, (), 1.0))
-    assert_same_beams(got[1], reference_search(_hf(base), PROMPTS[1], 2, 6, (), 1.0))
+    eos = set(llm.engine.eos_token_ids)  # (with ignore_eos, a final EOS token still does not count in the score)
+    assert_same_beams(got[0], reference_search(_hf(base, adapter), PROMPTS[0], 2, 6, eos, 1.0, ignore_eos=True))
+    assert_same_beams(got[1], reference_search(_hf(base), PROMPTS[1], 2, 6, eos, 1.0, ignore_eos=True))
 
 
 def test_concurrency_limit_and_model_length_cap(model_dirs):
@@ -205,3 +206,21 @@ def test_score_and_extension_rules():
     best = search.result(decode=lambda ids: ",".join(map(str, ids)))
     assert best.sequences[0].text == "4,5"  # -0.05 beats -0.7 / 5; the EOS left out of the text
     assert [s.finish_reason for s in best.sequences] == ["stop", "length"]
+
+
+@pytest.mark.parametrize("length_penalty", [-1000.0, -2.0, 0.0, 0.7, 3.0, 400.0])
+def test_ranking_follows_the_score_without_overflowing(length_penalty):
+    beams = [BeamSearchSequence(list(range(n)), cum_logprob=c) for n, c in ((3, -0.5), (9, -2.0), (30, -6.0),
+                                                                             (31, -6.1), (5, 0.0))]
+    keys = [rank_key(b, {99}, length_penalty) for b in beams]
+    if abs(length_penalty) < 10:  # the score itself is representable: the key orders beams as it does
+        scores = [beam_score(b, {99}, length_penalty) for b in beams]
+        assert sorted(range(5), key=keys.__getitem__) == sorted(range(5), key=scores.__getitem__)
+    assert keys[4] == math.inf and all(math.isfinite(k) for k in keys[:4])
+    assert (keys[3] > keys[2]) == (length_penalty * math.log(31 / 30) > math.log(6.1 / 6.0))
+    assert beam_score(beams[2], {99}, length_penalty) <= 0  # no OverflowError or ZeroDivisionError either
+
+
+def test_a_final_eos_is_not_counted_in_the_length_with_ignore_eos_too():
+    beam = BeamSearchSequence([4, 5, 9], cum_logprob=-1.0)
+    assert beam_score(beam, {9}, 1.0) == pytest.approx(-0.5) and beam_score(beam, {8}, 1.0) == pytest.approx(-1 / 3)

@@ -194,7 +194,8 @@ def test_float32_beam_search_on_cuda_matches_transformers_beam_search(model_dirs
 
     path = model_dirs["llama"]
     llm = LLM(str(path), dtype="float32", device="cuda", block_size=16, num_kv_blocks=128, cuda_graph_max_batch=8)
-    got = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
+    got = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True,
+                                                        length_penalty=0.0))
     model = _hf(path, torch.float32)
     for prompt, result in zip(PROMPTS[:2], got):
         ids = torch.tensor([prompt], device="cuda")

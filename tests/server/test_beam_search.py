@@ -1,6 +1,9 @@
 """``use_beam_search`` (vLLM's extra) on /v1/completions and /v1/chat/completions, through the official openai
 client, against ``LLM.beam_search`` run in this process on the same checkpoint."""
 
+import json
+import time
+
 import httpx
 import pytest
 
@@ -74,12 +77,20 @@ def test_chat_beams_continue_the_rendered_conversation(client, llm):
 def test_fields_beam_search_cannot_honour_are_a_400_naming_them(server, field, value):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True, field: value}
     check_error(httpx.post(server.base + "/v1/completions", json=body, timeout=60), 400, field, "use_beam_search")
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, "length_penalty": "long"}
-    check_error(httpx.post(server.base + "/v1/completions", json=body, timeout=60), 400, "length_penalty")
-    ok = httpx.post(server.base + "/v1/completions", timeout=60,
-                    json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "n": 2, "use_beam_search": True})
-    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     assert server.wait_idle()["ninefold:num_sequences_admitted"] == 0
+
+
+@pytest.mark.parametrize("penalty, status", [("long", 400), (float("inf"), 400), (400, 200), (-1000, 200)])
+def test_length_penalty_must_be_a_finite_number_of_any_size(server, penalty, status):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "n": 2, "use_beam_search": True,
+            "length_penalty": penalty}
+    response = httpx.post(server.base + "/v1/completions", timeout=60,
+                          content=json.dumps(body), headers={"content-type": "application/json"})
+    if status == 400:
+        check_error(response, 400, "length_penalty")
+    else:
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
 
 
 def test_a_client_leaving_mid_search_leaves_nothing_running(server):
@@ -90,3 +101,7 @@ def test_a_client_leaving_mid_search_leaves_nothing_running(server):
     m = server.wait_idle()
     assert m["ninefold:num_requests_running"] == 0 and m["ninefold:num_sequences_admitted"] == 0
     assert m["ninefold:num_free_kv_blocks"] == m["ninefold:num_kv_blocks"]
+    time.sleep(1.5)  # a search left running would go on admitting rounds, each looking up the prefix cache
+    later = server.metrics()
+    assert later["ninefold:prefix_cache_queries_total"] == m["ninefold:prefix_cache_queries_total"]
+    assert later["ninefold:num_free_kv_blocks"] == later["ninefold:num_kv_blocks"]

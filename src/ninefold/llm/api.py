@@ -116,8 +116,8 @@ class LLM:
         whole = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                logprobs=min(params.candidates_per_beam, engine.model_config.vocab_size))
         checked = [engine.build_request(p, whole, lora_request=a) for p, a in zip(items, adapters)]
-        eos = () if params.ignore_eos else engine.eos_token_ids
-        searches = [BeamSearch(r.prompt_token_ids, params, eos, engine.max_model_len) for r in checked]
+        searches = [BeamSearch(r.prompt_token_ids, params, engine.eos_token_ids, engine.max_model_len)
+                    for r in checked]
         round_params = round_sampling_params(params, engine.model_config.vocab_size)
         width = concurrency_limit or max(len(searches), 1)
         with tqdm(total=len(searches), disable=not use_tqdm, desc="beam search") as bar:

@@ -6,7 +6,8 @@ tokens and their log-probabilities. Every beam's candidates extend it; a candida
 finishes (unless ``ignore_eos``), the others compete for the ``beam_width`` places of the next round. After
 ``max_tokens`` rounds (or when no beam is left) the finished and the live beams are ranked together by
 ``cum_logprob / length ** length_penalty``, where the length counts the prompt's tokens and the generated ones
-except a final EOS (vLLM's score), and the best ``beam_width`` are returned.
+except a final EOS token (vLLM's score), and the best ``beam_width`` are returned. One difference from vLLM: the
+EOS tokens are all that the model's files name (as ``generate`` stops at), not only the tokenizer's.
 
 This module holds the search itself; ``LLM.beam_search`` and the server run its rounds on their engines.
 """
@@ -86,12 +87,29 @@ class BeamSearchOutput:
 
 
 def beam_score(sequence: BeamSearchSequence, eos_token_ids: Iterable[int], length_penalty: float) -> float:
-    """vLLM's ranking score: ``cum_logprob / length ** length_penalty``, the length counting the prompt and
-    every generated token but a final EOS."""
+    """vLLM's ranking score: ``cum_logprob / length ** length_penalty``, the length counting the prompt and every
+    generated token but a final EOS token (-inf or 0.0 where a penalty's power leaves the float range; the search
+    ranks by ``rank_key``, which orders beams alike without overflowing)."""
+    length = _scored_length(sequence, eos_token_ids)
+    try:
+        return sequence.cum_logprob / (length ** length_penalty)
+    except (OverflowError, ZeroDivisionError):
+        return -math.inf if length_penalty < 0 and sequence.cum_logprob < 0 else 0.0
+
+
+def rank_key(sequence: BeamSearchSequence, eos_token_ids: Iterable[int], length_penalty: float) -> float:
+    """A key that orders beams as ``beam_score`` does (higher first) for every finite penalty: the logarithm
+    of the score's magnitude, negated (log-probabilities are never positive, so neither is a score)."""
+    if sequence.cum_logprob >= 0:
+        return math.inf
+    return length_penalty * math.log(_scored_length(sequence, eos_token_ids)) - math.log(-sequence.cum_logprob)
+
+
+def _scored_length(sequence: BeamSearchSequence, eos_token_ids: Iterable[int]) -> int:
     length = len(sequence.tokens)
-    if sequence.stop_reason is not None and sequence.tokens and sequence.tokens[-1] in set(eos_token_ids):
+    if sequence.tokens and sequence.tokens[-1] in eos_token_ids:  # (vLLM's rule, with ignore_eos too)
         length -= 1
-    return sequence.cum_logprob / (max(length, 1) ** length_penalty)
+    return max(length, 1)
 
 
 class BeamSearch:
@@ -149,7 +167,7 @@ class BeamSearch:
         return BeamSearchOutput(best)
 
     def _score(self, sequence: BeamSearchSequence) -> float:
-        return beam_score(sequence, self.eos_token_ids, self.params.length_penalty)
+        return rank_key(sequence, self.eos_token_ids, self.params.length_penalty)
 
 
 def round_sampling_params(params: BeamSearchParams, vocab_size: int, reported: int = 0) -> SamplingParams:

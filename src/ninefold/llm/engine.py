@@ -608,6 +608,8 @@ class LLMEngine:
             "num_blocks": self.pool.num_blocks,
             "block_size": self.config.block_size,
             "prefix_cache_hit_rate": self.blocks.hit_rate,
+            "prefix_cache_queries": self.blocks.queried_tokens,
+            "prefix_cache_hits": self.blocks.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,

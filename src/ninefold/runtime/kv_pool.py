@@ -254,9 +254,8 @@ class KVCachePool:
         sources, targets = self._ids("sources", sources), self._ids("targets", targets)
         if len(sources) != len(targets):
             raise ValueError(f"targets: {len(targets)} given for {len(sources)} sources")
-        index = torch.tensor(sources, dtype=torch.long, device=self._kv.device)
-        self._kv.index_copy_(2, torch.tensor(targets, dtype=torch.long, device=self._kv.device),
-                             self._kv.index_select(2, index))
+        for source, target in zip(sources, targets):  # (no index tensor to upload: nothing waits for the device)
+            self._kv[:, :, target].copy_(self._kv[:, :, source])
 
     # -- bookkeeping ------------------------------------------------------------------------------
 

@@ -127,8 +127,7 @@ class BeamGeneration:
     async def _search(self, group: list[Sequence], params: BeamSearchParams, p: int) -> None:
         engine = self.engine
         prompt = group[0].prompt
-        eos = () if params.ignore_eos else engine.engine.eos_token_ids
-        search = BeamSearch(prompt.token_ids, params, eos, engine.max_model_len)
+        search = BeamSearch(prompt.token_ids, params, engine.engine.eos_token_ids, engine.max_model_len)
         round_params = round_sampling_params(params, engine.vocab_size, self.logprobs or 0)
         rounds = 0
         while not search.done:

@@ -34,6 +34,8 @@ class _EngineGauges(Collector):
     # counters that only grow, under Prometheus's ``_total`` names (as vLLM's)
     _COUNTERS = (
         ("num_preemptions", "num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
+        ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens the prefix cache served."),
         ("spec_decode_num_draft_tokens", "num_draft_tokens", "Speculative draft tokens proposed."),
         ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Speculative draft tokens the model accepted."),
     )
