@@ -123,7 +123,10 @@ class LLM:
         with tqdm(total=len(searches), disable=not use_tqdm, desc="beam search") as bar:
             for start in range(0, len(searches), width):
                 group = list(zip(searches[start:start + width], adapters[start:start + width]))
+                rounds = 0
                 while any(not s.done for s, _ in group):
+                    rounds += 1
+                    bar.set_postfix_str(f"round {rounds} of at most {params.max_tokens}", refresh=rounds % 8 == 1)
                     live = [(s, a, beam) for s, a in group for beam in s.beams]
                     outs = self.generate(prompt_token_ids=[beam.tokens for _, _, beam in live],
                                          sampling_params=round_params, lora_request=[a for _, a, _ in live])
