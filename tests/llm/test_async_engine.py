@@ -124,3 +124,42 @@ def test_embed_jobs_share_steps_and_a_cancelled_one_is_dropped(llama_dir):
             asyncio.run(eng.embed(prompts[:2], [PoolingParams()], "bad"))
     finally:
         eng.shutdown()
+
+
+def test_beam_search_matches_the_offline_search_beside_other_requests_and_cancels_cleanly(engine, llama_dir):
+    import time
+
+    from ninefold import LLM, BeamSearchParams
+
+    prompt, params = [5, 9, 14, 33, 71], BeamSearchParams(beam_width=3, max_tokens=8)
+
+    async def beside_a_generation():
+        return await asyncio.gather(engine.beam_search(prompt, params, "beam-a"),
+                                    collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=5), "plain-a"))
+
+    got, plain = asyncio.run(beside_a_generation())
+    assert plain[-1].finished
+    expected = LLM(str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64).beam_search([prompt], params)[0]
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
+    assert [s.cum_logprob for s in got.sequences] == pytest.approx([s.cum_logprob for s in expected.sequences],
+                                                                   abs=1e-5)
+    assert [s.text for s in got.sequences] == [s.text for s in expected.sequences]
+
+    async def cancelled():
+        task = asyncio.create_task(engine.beam_search(prompt, BeamSearchParams(2, 100, ignore_eos=True), "beam-b"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    deadline = time.monotonic() + 10
+    while (engine.stats()["num_running"] or engine.stats()["num_waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    looked_up = engine.stats()["prefix_cache_queries"]
+    time.sleep(0.5)  # no round is admitted any more
+    assert engine.stats()["prefix_cache_queries"] == looked_up and engine.stats()["num_running"] == 0
+    with pytest.raises(TypeError, match="params: expected BeamSearchParams"):
+        asyncio.run(engine.beam_search(prompt, {"beam_width": 2}, "beam-c"))
+    with pytest.raises(ValueError, match="prompt: 300 tokens"):
+        asyncio.run(engine.beam_search([5] * 300, params, "beam-d"))

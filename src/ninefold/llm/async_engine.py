@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ninefold.llm.beam_search import BeamSearchOutput, BeamSearchParams, search_async
 from ninefold.llm.embedding import EmbeddingRequest
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -128,6 +129,24 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not finished:
                 self._inbox.put(("abort", rid))
+
+    async def beam_search(self, prompt: str | list[int], params: BeamSearchParams, request_id: str, priority: int = 0,
+                          lora_request=None) -> BeamSearchOutput:
+        """The ``params.beam_width`` best continuations of one prompt (``ninefold.llm.beam_search``, as
+        ``LLM.beam_search``), its rounds interleaved with the engine's other requests (round ids
+        ``{request_id}-beam{round}-{k}``). The prompt and parameters are checked first (ValueError/TypeError);
+        cancelling the call aborts the round in flight."""
+        if self._stopped:
+            raise RuntimeError("AsyncEngine: shut down")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        checked = self.engine.build_request(prompt, SamplingParams(temperature=0, max_tokens=params.max_tokens,
+                                                                   ignore_eos=params.ignore_eos),
+                                            request_id, priority, lora_request)
+        search = await search_async(self, checked.prompt_token_ids, params, checked.request_id, priority=priority,
+                                    lora_request=lora_request)
+        tokenizer = self.tokenizer
+        return search.result(tokenizer.decode if tokenizer is not None else None)
 
     async def embed(self, prompts: list, pooling_params: PoolingParams | list[PoolingParams] | None,
                     request_id: str) -> list[EmbeddingRequestOutput]:

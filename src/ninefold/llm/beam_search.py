@@ -9,14 +9,17 @@ finishes (unless ``ignore_eos``), the others compete for the ``beam_width`` plac
 except a final EOS token (vLLM's score), and the best ``beam_width`` are returned. One difference from vLLM: the
 EOS tokens are all that the model's files name (as ``generate`` stops at), not only the tokenizer's.
 
-This module holds the search itself; ``LLM.beam_search`` and the server run its rounds on their engines.
+This module holds the search itself and its rounds on an ``AsyncEngine`` (``search_async``); ``LLM.beam_search``
+runs the rounds on its engine, ``AsyncEngine.beam_search`` and the server through ``search_async``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ninefold.llm.sampling import SamplingParams
 
@@ -181,3 +184,32 @@ def top_candidates(logprobs: dict[int, float], count: int) -> dict[int, float]:
     """The ``count`` most likely entries of one token's logprobs dict (it may also hold the sampled token)."""
     ranked = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)
     return dict(ranked[:count])
+
+
+async def search_async(engine: Any, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str, *,
+                       priority: int = 0, lora_request: Any = None, reported: int = 0) -> BeamSearch:
+    """Run one prompt's search on an ``AsyncEngine``, each round's one-token requests concurrently (ids
+    ``{request_id}-beam{round}-{k}``); returns the finished search (``BeamSearch.result`` ranks it). ``reported``:
+    how many logprobs per token the beams record (at least their candidates). Cancelling it aborts the round's
+    requests; an engine error is raised as the engine raised it."""
+    search = BeamSearch(prompt_token_ids, params, engine.engine.eos_token_ids, engine.max_model_len)
+    round_params = round_sampling_params(params, engine.vocab_size, reported)
+    rounds = 0
+    while not search.done:
+        outs = await asyncio.gather(*(_one_token(engine, beam.tokens, round_params, f"{request_id}-beam{rounds}-{k}",
+                                                 priority, lora_request)
+                                      for k, beam in enumerate(search.beams)))
+        shown = [out.logprobs[0] for out in outs]
+        search.extend([top_candidates(s, params.candidates_per_beam) for s in shown], shown)
+        rounds += 1
+    return search
+
+
+async def _one_token(engine: Any, tokens: list[int], params: SamplingParams, request_id: str, priority: int,
+                     lora_request: Any):
+    last = None
+    async for out in engine.generate(tokens, params, request_id, priority, lora_request):
+        last = out
+    if last is None or not last.outputs or last.outputs[0].finish_reason in (None, "abort"):
+        raise RuntimeError(f"beam search: round request {request_id!r} ended without its token (aborted)")
+    return last.outputs[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from ninefold.llm.beam_search import BeamSearch, BeamSearchParams, round_sampling_params, top_candidates
+from ninefold.llm.beam_search import BeamSearchParams, round_sampling_params, search_async
 from ninefold.llm.outputs import CompletionOutput
 from ninefold.llm.server.errors import APIError, bad_request
 from ninefold.llm.server.generation import Sequence
@@ -125,19 +125,18 @@ class BeamGeneration:
                     seq.timer.finish(seq.finish_reason)
 
     async def _search(self, group: list[Sequence], params: BeamSearchParams, p: int) -> None:
-        engine = self.engine
-        prompt = group[0].prompt
-        search = BeamSearch(prompt.token_ids, params, engine.engine.eos_token_ids, engine.max_model_len)
-        round_params = round_sampling_params(params, engine.vocab_size, self.logprobs or 0)
-        rounds = 0
-        while not search.done:
-            outs = await asyncio.gather(*(self._one(beam.tokens, round_params, f"{group[0].request_id}-beam{rounds}-{k}",
-                                                    group[0])
-                                          for k, beam in enumerate(search.beams)))
-            shown = [out.logprobs[0] for out in outs]
-            search.extend([top_candidates(s, params.candidates_per_beam) for s in shown], shown)
-            rounds += 1
-        tokenizer = engine.tokenizer
+        first = group[0]
+        try:
+            search = await search_async(self.engine, first.prompt.token_ids, params, first.request_id,
+                                        priority=first.priority, lora_request=first.lora_request,
+                                        reported=self.logprobs or 0)
+        except asyncio.CancelledError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"the engine rejected the request: {exc}") from None
+        except Exception as exc:
+            raise APIError(500, f"generation failed ({type(exc).__name__}: {exc})") from None
+        tokenizer = self.engine.tokenizer
         for seq, beam in zip(group, search.result().sequences):
             generated = beam.tokens[search.prompt_len:]
             shown_ids = generated[:-1] if beam.stop_reason is not None and not params.include_stop_str_in_output \
@@ -146,18 +145,3 @@ class BeamGeneration:
             seq.output = CompletionOutput(seq.index % len(group), text, generated, beam.cum_logprob,
                                           beam.logprobs if self.logprobs is not None else None,
                                           beam.finish_reason, beam.stop_reason)
-
-    async def _one(self, tokens: list[int], params, request_id: str, seq: Sequence) -> CompletionOutput:
-        last = None
-        try:
-            async for out in self.engine.generate(tokens, params, request_id, seq.priority, seq.lora_request):
-                last = out
-        except (ValueError, TypeError) as exc:
-            raise APIError(400, f"the engine rejected the request: {exc}") from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise APIError(500, f"generation failed ({type(exc).__name__}: {exc})") from None
-        if last is None or not last.outputs or last.outputs[0].finish_reason in (None, "abort"):
-            raise APIError(500, "a beam-search round ended without its token (the engine aborted it)")
-        return last.outputs[0]
