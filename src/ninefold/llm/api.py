@@ -12,7 +12,7 @@ from ninefold.llm.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
     round_sampling_params,
-    top_candidates,
+    whole_request_params,
 )
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.lora import LoRARequest
@@ -105,16 +105,13 @@ class LLM:
         one adapter for all or one per prompt; ``concurrency_limit``: search at most that many prompts at once
         (all by default). Each round batches one token of every live beam; the prefix cache keeps a round's
         cost to the beams' newest tokens."""
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        whole = whole_request_params(params)
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
                                               or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit: got {concurrency_limit!r}; expected an integer >= 1 or None")
         items = _prompt_list(prompts, None)
         adapters = _per_prompt(lora_request, len(items))
         engine = self.engine
-        whole = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
-                               logprobs=min(params.candidates_per_beam, engine.model_config.vocab_size))
         checked = [engine.build_request(p, whole, lora_request=a) for p, a in zip(items, adapters)]
         searches = [BeamSearch(r.prompt_token_ids, params, engine.eos_token_ids, engine.max_model_len)
                     for r in checked]
@@ -130,13 +127,12 @@ class LLM:
                     live = [(s, a, beam) for s, a in group for beam in s.beams]
                     outs = self.generate(prompt_token_ids=[beam.tokens for _, _, beam in live],
                                          sampling_params=round_params, lora_request=[a for _, a, _ in live])
-                    candidates: dict[int, list] = {}
+                    answers: dict[int, list] = {}
                     for (search, _, _), out in zip(live, outs):
-                        options = top_candidates(out.outputs[0].logprobs[0], params.candidates_per_beam)
-                        candidates.setdefault(id(search), []).append(options)
+                        answers.setdefault(id(search), []).append(out.outputs[0].logprobs[0])
                     for search, _ in group:
                         if not search.done:
-                            search.extend(candidates[id(search)])
+                            search.take_round(answers[id(search)])
                 bar.update(len(group))
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return [search.result(decode) for search in searches]

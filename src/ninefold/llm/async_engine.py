@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ninefold.llm.beam_search import BeamSearchOutput, BeamSearchParams, search_async
+from ninefold.llm.beam_search import BeamSearchOutput, BeamSearchParams, search_async, whole_request_params
 from ninefold.llm.embedding import EmbeddingRequest
 from ninefold.llm.engine import LLMEngine
 from ninefold.llm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -138,11 +138,7 @@ class AsyncEngine:
         cancelling the call aborts the round in flight."""
         if self._stopped:
             raise RuntimeError("AsyncEngine: shut down")
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        checked = self.engine.build_request(prompt, SamplingParams(temperature=0, max_tokens=params.max_tokens,
-                                                                   ignore_eos=params.ignore_eos),
-                                            request_id, priority, lora_request)
+        checked = self.engine.build_request(prompt, whole_request_params(params), request_id, priority, lora_request)
         search = await search_async(self, checked.prompt_token_ids, params, checked.request_id, priority=priority,
                                     lora_request=lora_request)
         tokenizer = self.tokenizer

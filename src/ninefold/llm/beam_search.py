@@ -155,6 +155,19 @@ class BeamSearch:
             self.finished += self.beams
             self.beams = []
 
+    def take_round(self, logprobs: list[dict[int, float]]) -> None:
+        """One round as the engine answered it: each live beam's next-token logprobs (at least its
+        ``candidates_per_beam`` most likely tokens); those best ones extend it, and the new beams record the
+        whole dict."""
+        self.extend([top_candidates(step, self.params.candidates_per_beam) for step in logprobs], logprobs)
+
+    def shown_tokens(self, beam: BeamSearchSequence) -> list[int]:
+        """The tokens a beam's text shows: all but an EOS token that ended it, unless
+        ``include_stop_str_in_output``."""
+        if beam.stop_reason is not None and not self.params.include_stop_str_in_output:
+            return beam.tokens[:-1]
+        return beam.tokens
+
     def result(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
         """The best ``beam_width`` of the finished and live beams, best first, with their text when ``decode``
         (token ids -> str) is given."""
@@ -163,14 +176,19 @@ class BeamSearch:
         best = sorted(self.finished + self.beams, key=self._score, reverse=True)[:self.params.beam_width]
         if decode is not None:
             for beam in best:
-                keep = beam.tokens
-                if beam.stop_reason is not None and not self.params.include_stop_str_in_output:
-                    keep = keep[:-1]
-                beam.text = decode(keep)
+                beam.text = decode(self.shown_tokens(beam))
         return BeamSearchOutput(best)
 
     def _score(self, sequence: BeamSearchSequence) -> float:
         return rank_key(sequence, self.eos_token_ids, self.params.length_penalty)
+
+
+def whole_request_params(params: BeamSearchParams) -> SamplingParams:
+    """What a search asks of the engine as a whole, for checking its prompt up front (room for ``max_tokens`` in
+    the context and the KV cache); TypeError when ``params`` is not ``BeamSearchParams``."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+    return SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
 
 
 def round_sampling_params(params: BeamSearchParams, vocab_size: int, reported: int = 0) -> SamplingParams:
@@ -199,8 +217,7 @@ async def search_async(engine: Any, prompt_token_ids: list[int], params: BeamSea
         outs = await asyncio.gather(*(_one_token(engine, beam.tokens, round_params, f"{request_id}-beam{rounds}-{k}",
                                                  priority, lora_request)
                                       for k, beam in enumerate(search.beams)))
-        shown = [out.logprobs[0] for out in outs]
-        search.extend([top_candidates(s, params.candidates_per_beam) for s in shown], shown)
+        search.take_round([out.logprobs[0] for out in outs])
         rounds += 1
     return search
 

@@ -93,8 +93,7 @@ class BeamGeneration:
         """Yield every choice once, finished, after the searches end; raises the first error."""
         n = len(self.sequences) // max(len(self.params), 1)
         groups = [self.sequences[i * n:(i + 1) * n] for i in range(len(self.params))]
-        self._tasks = [asyncio.create_task(self._search(group, params, p))
-                       for p, (group, params) in enumerate(zip(groups, self.params))]
+        self._tasks = [asyncio.create_task(self._search(group, params)) for group, params in zip(groups, self.params)]
         try:
             pending = set(self._tasks) | {self._failure}
             while pending - {self._failure}:
@@ -124,7 +123,7 @@ class BeamGeneration:
                 if seq.timer is not None:
                     seq.timer.finish(seq.finish_reason)
 
-    async def _search(self, group: list[Sequence], params: BeamSearchParams, p: int) -> None:
+    async def _search(self, group: list[Sequence], params: BeamSearchParams) -> None:
         first = group[0]
         try:
             search = await search_async(self.engine, first.prompt.token_ids, params, first.request_id,
@@ -139,9 +138,8 @@ class BeamGeneration:
         tokenizer = self.engine.tokenizer
         for seq, beam in zip(group, search.result().sequences):
             generated = beam.tokens[search.prompt_len:]
-            shown_ids = generated[:-1] if beam.stop_reason is not None and not params.include_stop_str_in_output \
-                else generated
-            text = tokenizer.decode(shown_ids, skip_special_tokens=self.skip_special_tokens) if tokenizer else ""
+            shown = search.shown_tokens(beam)[search.prompt_len:]
+            text = tokenizer.decode(shown, skip_special_tokens=self.skip_special_tokens) if tokenizer else ""
             seq.output = CompletionOutput(seq.index % len(group), text, generated, beam.cum_logprob,
                                           beam.logprobs if self.logprobs is not None else None,
                                           beam.finish_reason, beam.stop_reason)
