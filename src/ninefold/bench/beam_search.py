@@ -6,7 +6,8 @@ One chat prompt, ``ignore_eos`` (every beam runs ``--max-tokens`` rounds), best 
 ninefold runs twice: with the model's weights as loaded (a GGUF's matrices stay quantized on CPUs) and with
 ``quantization="none"`` (float32, the same numbers transformers computes, so the best beams should agree; the
 table says whether they do). Greedy ``generate`` of the same length is the baseline a beam search round is
-compared with. Writes ``beam_search.json`` under --out (or $OUT).
+compared with. Writes ``beam_search.json`` under --out (or $OUT). On a GPU machine without the GGUF file,
+``scripts/random_checkpoint.py`` gives a directory of its config, tokenizer and random weights to pass as --model.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
     path = hub.resolve_model(args.model)
     widths = [int(w) for w in args.widths.split(",")]
     rows: list[dict] = []
-    engines = {"ninefold": LLM(str(path), device=args.device),
-               "ninefold fp32": LLM(str(path), device=args.device, dtype="float32", quantization="none")}
+    # two engines share the device; the fraction bounds the device's whole use once an engine's pool is made
+    engines = {"ninefold": LLM(str(path), device=args.device, kv_cache_memory_fraction=0.4),
+               "ninefold fp32": LLM(str(path), device=args.device, dtype="float32", quantization="none",
+                                    kv_cache_memory_fraction=0.8)}
     ids = engines["ninefold"].tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                             add_generation_prompt=True, tokenize=True)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
