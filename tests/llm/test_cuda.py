@@ -204,3 +204,25 @@ def test_float32_beam_search_on_cuda_matches_transformers_beam_search(model_dirs
                              output_scores=True, return_dict_in_generate=True)
         assert [s.tokens for s in result.sequences] == out.sequences.tolist()
         assert [s.cum_logprob for s in result.sequences] == pytest.approx(out.sequences_scores.tolist(), abs=1e-3)
+
+
+def test_gpu_memory_utilization_is_each_engines_own_share(model_dirs):
+    """vLLM's gpu_memory_utilization bounds one engine, whatever else holds the GPU: engines of 0.3 each fit in one
+    process beside each other, with pools of about the same size; the device-wide kv_cache_memory_fraction of 0.3
+    leaves an engine nothing once others hold more than 0.3 of the device."""
+    from ninefold.runtime import KVCacheExhausted
+
+    path = str(model_dirs["llama"])
+    _, total = torch.cuda.mem_get_info()
+    first = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, cuda_graph_max_batch=4)
+    second = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, cuda_graph_max_batch=4)
+    with pytest.raises(KVCacheExhausted, match="memory_fraction=0.3"):
+        LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory_fraction=0.3, cuda_graph_max_batch=4)
+    third = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.25, cuda_graph_max_batch=4)
+    blocks = [llm.engine.pool.num_blocks * llm.engine.pool.bytes_per_block for llm in (first, second, third)]
+    assert abs(blocks[0] - blocks[1]) <= 0.05 * blocks[0], blocks
+    assert 0.2 * total < blocks[0] < 0.3 * total and 0.15 * total < blocks[2] < 0.25 * total, (blocks, total)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = [llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)[2].outputs[0].token_ids
+               for llm in (first, second, third)]
+    assert outputs[0] == outputs[1] == outputs[2]

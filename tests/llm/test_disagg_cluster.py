@@ -108,6 +108,17 @@ def test_workers_sharing_a_gpu_load_in_turn_with_their_share_of_memory():
     assert [_loading_order(cpus, r) for r in range(3)] == [(1, 0, None)] * 3
 
 
+def test_a_worker_sharing_a_gpu_scales_only_the_device_wide_fraction():
+    from ninefold.llm.disagg.cluster import worker_llm_args
+
+    assert worker_llm_args({}, 0.5) == {"kv_cache_memory_fraction": 0.45}
+    assert worker_llm_args({"kv_cache_memory_fraction": 0.6}, 0.5) == {"kv_cache_memory_fraction": 0.3}
+    assert worker_llm_args({"dtype": "bfloat16"}, None) == {"dtype": "bfloat16"}
+    # each engine's own share already, and an exact pool: nothing to scale (both would clash with a fraction)
+    assert worker_llm_args({"gpu_memory_utilization": 0.3}, 0.5) == {"gpu_memory_utilization": 0.3}
+    assert worker_llm_args({"num_kv_blocks": 64}, 0.5) == {"num_kv_blocks": 64}
+
+
 def test_a_worker_whose_router_went_away_without_stopping_it_says_so():
     from ninefold.comm import CommError
     from ninefold.llm.disagg.cluster import _serve

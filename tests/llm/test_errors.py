@@ -96,6 +96,7 @@ def test_engine_argument_errors(llama_dir):
     ("enable_prefix_caching", "false", "True or False"), ("enforce_eager", 0, "True or False"),
     ("seed", "abc", "an integer"), ("seed", True, "an integer"), ("max_model_len", True, "a positive integer or None"),
     ("num_kv_blocks", False, "a positive integer or None"), ("kv_cache_memory_fraction", "0.5", "a number in (0, 1]"),
+    ("gpu_memory_utilization", 0, "a number in (0, 1] or None"), ("gpu_memory_utilization", True, "a number in (0, 1]"),
 ])
 def test_engine_arguments_of_the_wrong_type_are_refused_naming_them(name, value, accepted):
     """(A string "false" would read as True; True would be a context of one token.)"""
@@ -103,6 +104,15 @@ def test_engine_arguments_of_the_wrong_type_are_refused_naming_them(name, value,
 
     with pytest.raises(ValueError, match=rf"{name}: got {value!r}; expected {re.escape(accepted)}"):
         split_engine_args({name: value})
+
+
+def test_both_kv_cache_sizings_at_once_are_refused():
+    from ninefold.llm.config import split_engine_args
+
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: got 0.5 beside kv_cache_memory_fraction=0.8; "
+                                         "give one of the two"):
+        split_engine_args({"gpu_memory_utilization": 0.5, "kv_cache_memory_fraction": 0.8})
+    assert split_engine_args({"gpu_memory_utilization": 0.5}).kv_cache_memory_fraction is None
 
 
 def test_empty_batches_give_empty_results(llm):

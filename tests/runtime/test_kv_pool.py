@@ -1,5 +1,6 @@
 """KVCachePool: block bookkeeping as a hypothesis state machine, swaps, sizing and errors."""
 
+import re
 import subprocess
 import sys
 
@@ -289,6 +290,36 @@ def test_from_memory_subtracts_profiled_activation_peak():
     without, with_peak = probe.stdout.strip().splitlines()[-2:]
     assert int(without.split()[1]) > 0
     assert with_peak == "with raised True 0", with_peak
+
+
+def test_instance_fraction_bounds_the_owner_not_the_device(monkeypatch):
+    """vLLM's gpu_memory_utilization: the owner may hold ``fraction * total`` in all, whatever else the device
+    holds, and never more than is free. Fixed free/total figures keep the arithmetic exact."""
+    from ninefold.runtime import Device
+
+    gib = 2**30
+    monkeypatch.setattr(Device, "available_bytes", lambda self: 2 * gib)
+    monkeypatch.setattr(Device, "memory_info", lambda self: (2 * gib, 4 * gib))
+    args = (2, 2, 32, 16, torch.float32, "cpu")
+    per_block = 2 * 2 * 16 * 2 * 32 * 4
+
+    def blocks(**kwargs):
+        return KVCachePool.from_memory(*args, **kwargs).num_blocks
+
+    # half of 4 GiB, of which the owner's weights hold 1 GiB: 1 GiB left, though 2 GiB are free
+    assert blocks(instance_fraction=0.5, instance_used_bytes=gib) == gib // per_block
+    assert blocks(instance_fraction=0.5, instance_used_bytes=gib, reserved_bytes=gib // 2) == gib // 2 // per_block
+    # the device-wide fraction would have given 2 GiB - 0.5 * 4 GiB = nothing; the instance's is not cut by others
+    with pytest.raises(KVCacheExhausted, match="memory_fraction=0.5"):
+        blocks(memory_fraction=0.5)
+    assert blocks(instance_fraction=1.0) == 2 * gib // per_block  # all of the device, but only what is free
+    assert blocks(instance_fraction=0.5, memory_fraction=0.1) == 2 * gib // per_block  # memory_fraction unused
+    with pytest.raises(KVCacheExhausted, match=r"instance_fraction=0.25\) and holds 1073741824"):
+        blocks(instance_fraction=0.25, instance_used_bytes=gib)
+    for bad in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match=rf"instance_fraction: expected None or a fraction in \(0, 1\], got "
+                                             rf"{re.escape(repr(bad))}"):
+            blocks(instance_fraction=bad)
 
 
 @pytest.mark.parametrize("kwargs, error", [

@@ -1,9 +1,12 @@
 """Prometheus counters and histograms move by what a request did; the CLI fails cleanly."""
 
+import re
 import subprocess
 import sys
 
 import httpx
+
+from .conftest import ServerProcess
 
 PREFIX = "ninefold:"
 
@@ -46,3 +49,45 @@ def test_serve_help_and_bad_model_exit_cleanly(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2
     assert "nope.gguf" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def _cache_config(server) -> dict[str, str]:
+    line = next(line for line in httpx.get(server.base + "/metrics").text.splitlines()
+                if line.startswith(PREFIX + "cache_config_info{"))
+    return dict(re.findall(r'(\w+)="([^"]*)"', line))
+
+
+def _prefix_hits_after_repeating_a_prompt(server) -> float:
+    """Prefix-cache hit tokens that two identical 40-token prompts, one after the other, add."""
+    before = server.metrics().get(PREFIX + "prefix_cache_hits_total", 0.0)
+    for _ in range(2):
+        response = httpx.post(server.base + "/v1/completions", timeout=120,
+                              json={"model": "tiny", "prompt": list(range(3, 43)), "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    return server.metrics()[PREFIX + "prefix_cache_hits_total"] - before
+
+
+def test_vllm_cache_flags_reach_the_engine(server, tiny_model, tmp_path):
+    """--block-size, --no-enable-prefix-caching, --gpu-memory-utilization and --enforce-eager, as vLLM spells them:
+    /metrics' cache_config_info shows them, and the second of two identical prompts hits no cached block."""
+    assert _cache_config(server)["block_size"] == "16" and _cache_config(server)["enable_prefix_caching"] == "True"
+    assert _prefix_hits_after_repeating_a_prompt(server) >= 32  # the default server reuses the first prompt's blocks
+    flagged = ServerProcess(tiny_model, tmp_path, "--block-size", "8", "--no-enable-prefix-caching",
+                            "--gpu-memory-utilization", "0.5", "--enforce-eager", "--max-model-len", "512")
+    try:
+        config = _cache_config(flagged)
+        assert (config["block_size"], config["enable_prefix_caching"], config["gpu_memory_utilization"]) == \
+            ("8", "False", "0.5")
+        assert _prefix_hits_after_repeating_a_prompt(flagged) == 0
+    finally:
+        assert flagged.stop() == 0
+
+
+def test_bad_cache_flags_exit_before_loading():
+    for flag, value, accepted in (("--gpu-memory-utilization", "1.5", "a fraction in (0, 1]"),
+                                  ("--gpu-memory-utilization", "nan", "a fraction in (0, 1]"),
+                                  ("--block-size", "0", "an integer >= 1")):
+        run = subprocess.run([sys.executable, "-m", "ninefold", "serve", flag, value], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2
+        assert f"argument {flag}: expected {accepted}, got '{value}'" in run.stderr

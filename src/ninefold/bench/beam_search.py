@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = hub.resolve_model(args.model)
     widths = [int(w) for w in args.widths.split(",")]
     rows: list[dict] = []
-    # two engines share the device; the fraction bounds the device's whole use once an engine's pool is made
-    engines = {"ninefold": LLM(str(path), device=args.device, kv_cache_memory_fraction=0.4),
-               "ninefold fp32": LLM(str(path), device=args.device, dtype="float32", quantization="none",
-                                    kv_cache_memory_fraction=0.8)}
+    share = {"gpu_memory_utilization": 0.4} if args.device != "cpu" else {}  # two engines, and transformers
+    engines = {"ninefold": LLM(str(path), device=args.device, **share),
+               "ninefold fp32": LLM(str(path), device=args.device, dtype="float32", quantization="none", **share)}
     ids = engines["ninefold"].tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                             add_generation_prompt=True, tokenize=True)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

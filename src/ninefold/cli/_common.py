@@ -64,6 +64,26 @@ def speculative_config_type(text: str) -> dict:
     return value
 
 
+def add_cache_arguments(parser) -> None:
+    """vLLM's KV-cache and execution flags: --gpu-memory-utilization, --block-size, --[no-]enable-prefix-caching,
+    --enforce-eager."""
+    parser.add_argument("--gpu-memory-utilization", type=fraction_type, default=None,
+                        help="share of the GPU's memory this engine may use in all, weights and KV cache included, "
+                             "whatever else runs there (default: the KV cache fills the GPU to 90%%)")
+    parser.add_argument("--block-size", type=positive_int_type, default=None,
+                        help="tokens per KV-cache block (default: 16)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV blocks of earlier requests' identical prompt starts (default: on)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="run every step eagerly, without CUDA graphs")
+
+
+def cache_engine_args(args) -> dict:
+    """The engine arguments :func:`add_cache_arguments`' flags give (those left out are absent)."""
+    names = ("gpu_memory_utilization", "block_size", "enable_prefix_caching", "enforce_eager")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def add_speculative_argument(parser) -> None:
     """``--speculative-config``, as vLLM spells it (n-gram prompt lookup only)."""
     parser.add_argument("--speculative-config", type=speculative_config_type, default=None, metavar="JSON",
@@ -123,3 +143,4 @@ positive_int_type = checked_type(int, lambda v: v >= 1, "an integer >= 1")
 non_negative_int_type = checked_type(int, lambda v: v >= 0, "an integer >= 0")
 port_type = checked_type(int, lambda v: 1 <= v <= 65535, "a TCP port, an integer in [1, 65535]")
 seconds_type = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0")
+fraction_type = checked_type(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")

@@ -8,8 +8,10 @@ import socket
 import sys
 
 from ninefold.cli._common import (
+    add_cache_arguments,
     add_parallel_argument,
     add_speculative_argument,
+    cache_engine_args,
     device_error,
     fail,
     non_negative_int_type,
@@ -62,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=_non_negative, default=1024,
                         help="sequences waiting beyond --max-num-seqs before 429 (default: 1024)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: sized)")
+    add_cache_arguments(parser)
     parser.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best available)")
     parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
@@ -158,6 +161,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "speculative_config": getattr(args, "speculative_config", None),
         "scheduling_policy": getattr(args, "scheduling_policy", None),
         **lora_engine_args(args),
+        **cache_engine_args(args),
     }
     try:
         engine = start_engine(model, {k: v for k, v in engine_args.items() if v is not None})

@@ -293,7 +293,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_fraction: float = 0.9
+    # KV-cache sizing on accelerators (one of the two; neither: kv_cache_memory_fraction 0.9).
+    # kv_cache_memory_fraction: the share of the device's memory in use once the pool is made, counting
+    # whatever else holds memory there. gpu_memory_utilization (vLLM's): the share this engine may use in
+    # all (weights, activations, graphs, KV cache), whatever else runs on the device.
+    kv_cache_memory_fraction: float | None = None
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
@@ -350,9 +355,14 @@ class EngineConfig:
                 raise ValueError(f"{name}: got {value!r}; expected a positive integer or None")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling: got {self.async_scheduling!r}; expected True, False or None (auto)")
-        fraction = self.kv_cache_memory_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction: got {fraction!r}; expected a number in (0, 1]")
+        for name in ("kv_cache_memory_fraction", "gpu_memory_utilization"):
+            fraction = getattr(self, name)
+            if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                         or not 0 < fraction <= 1):
+                raise ValueError(f"{name}: got {fraction!r}; expected a number in (0, 1] or None")
+        if self.kv_cache_memory_fraction is not None and self.gpu_memory_utilization is not None:
+            raise ValueError(f"gpu_memory_utilization: got {self.gpu_memory_utilization!r} beside "
+                             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r}; give one of the two")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: got {self.load_format!r}; supported: 'auto', 'dummy'")
         if self.quantization not in QUANTIZATION_MODES:

@@ -33,7 +33,7 @@ from ninefold.llm.sequence import Request, Sequence, Status
 from ninefold.llm.speculative import NgramProposer, SpeculativeConfig, accepted_count
 from ninefold.llm.token_bytes import vocabulary_bytes
 from ninefold.llm.tokenizer import Tokenizer
-from ninefold.runtime import KVCachePool
+from ninefold.runtime import Device, KVCachePool
 
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPUs, where "free memory" is shared with everything
 
@@ -59,6 +59,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len: got {cfg.max_model_len}; this model supports at most {limit}")
         max_len = cfg.max_model_len or limit
         self.parallel_group = None
+        self._memory_before_load = _held_elsewhere(self.device)  # what gpu_memory_utilization does not count
         if cfg.tensor_parallel_size > 1:
             try:
                 self.model = self._start_parallel(model, ckpt, max_len)
@@ -162,8 +163,12 @@ class LLMEngine:
             per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
             return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
-        return KVCachePool.from_memory(*args, memory_fraction=cfg.kv_cache_memory_fraction,
-                                       profile_fn=self._profile_forward,
+        if cfg.gpu_memory_utilization is not None:
+            held = _held_elsewhere(self.device) - self._memory_before_load
+            sizing = {"instance_fraction": cfg.gpu_memory_utilization, "instance_used_bytes": max(0, held)}
+        else:
+            sizing = {"memory_fraction": cfg.kv_cache_memory_fraction or 0.9}
+        return KVCachePool.from_memory(*args, **sizing, profile_fn=self._profile_forward,
                                        reserved_bytes=(1 << 30) + self._lora_graph_bytes())
 
     def _graph_max_batch(self) -> int:
@@ -613,7 +618,18 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "cache_config": self.cache_config(),
         }
+
+    def cache_config(self) -> dict[str, str]:
+        """The KV cache's settings as vLLM's ``cache_config_info`` labels them (strings)."""
+        cfg = self.config
+        return {"block_size": str(cfg.block_size), "cache_dtype": str(self.dtype).removeprefix("torch."),
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+                "kv_cache_memory_fraction": str(cfg.kv_cache_memory_fraction),
+                "num_gpu_blocks": str(self.pool.num_blocks if self.device.type != "cpu" else None),
+                "num_cpu_blocks": str(self.pool.num_blocks if self.device.type == "cpu" else None)}
 
 
 def _unwrap_prompt_dict(prompt):
@@ -631,6 +647,15 @@ def _unwrap_prompt_dict(prompt):
 
 def _copy(values: list | None) -> list | None:
     return None if values is None else list(values)
+
+
+def _held_elsewhere(device: torch.device) -> int:
+    """Bytes of ``device``'s memory that new allocations cannot get (0 on CPUs): what this engine has loaded since
+    an earlier reading is the difference of two readings."""
+    if device.type == "cpu":
+        return 0
+    dev = Device(device)
+    return dev.memory_info()[1] - dev.available_bytes()
 
 
 def _default_dtype(config: dict, device: torch.device) -> torch.dtype:

@@ -156,21 +156,35 @@ class KVCachePool:
         policy: str = "preempt",
         swap_bytes: int = 0,
         watermark: float = 0.01,
+        instance_fraction: float | None = None,
+        instance_used_bytes: int = 0,
     ) -> KVCachePool:
         """A pool sized from the device's free memory.
 
         The KV budget is ``free - (1 - memory_fraction) * total - weight_bytes - activation_bytes -
         reserved_bytes``, where ``free`` counts memory torch's allocator holds unused: ``weight_bytes``
-        counts weights not loaded yet (loaded ones are already out of ``free``), ``activation_bytes`` the activation peak, or ``profile_fn`` (a forward pass at the
-        largest batch) is run and its measured peak used. Without ``num_blocks`` the pool takes every
-        block that fits (at least ``min_blocks``); with it, exactly that many. Either way, asking for
-        more than fits raises ``KVCacheExhausted`` with the needed and available bytes.
-        ``swap_bytes`` of pinned host memory become host blocks (policy ``"swap"``).
+        counts weights not loaded yet (loaded ones are already out of ``free``), ``activation_bytes`` the
+        activation peak, or ``profile_fn`` (a forward pass at the largest batch) is run and its measured peak
+        used. So ``memory_fraction`` bounds the whole device's use, whoever else holds memory on it.
+
+        ``instance_fraction`` (vLLM's ``gpu_memory_utilization``) bounds only the pool's owner instead: its
+        budget is ``instance_fraction * total - instance_used_bytes - weight_bytes - activation_bytes -
+        reserved_bytes`` (``instance_used_bytes``: what the owner already holds, its loaded weights), and never
+        more than ``free`` less the same reserves; ``memory_fraction`` is then not used.
+
+        Without ``num_blocks`` the pool takes every block that fits (at least ``min_blocks``); with it, exactly
+        that many. Either way, asking for more than fits raises ``KVCacheExhausted`` with the needed and
+        available bytes. ``swap_bytes`` of pinned host memory become host blocks (policy ``"swap"``).
         """
         if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction: expected a fraction in (0, 1], got {memory_fraction!r}")
+        if instance_fraction is not None and (isinstance(instance_fraction, bool)
+                                              or not isinstance(instance_fraction, (int, float))
+                                              or not 0 < instance_fraction <= 1):
+            raise ValueError(f"instance_fraction: expected None or a fraction in (0, 1], got {instance_fraction!r}")
         for arg, value in [("reserved_bytes", reserved_bytes), ("weight_bytes", weight_bytes),
-                           ("activation_bytes", activation_bytes), ("swap_bytes", swap_bytes)]:
+                           ("activation_bytes", activation_bytes), ("swap_bytes", swap_bytes),
+                           ("instance_used_bytes", instance_used_bytes)]:
             _check_int(arg, value, minimum=0)
         _check_int("min_blocks", min_blocks, minimum=1)
         if num_blocks is not None:
@@ -192,18 +206,26 @@ class KVCachePool:
                 empty_cache()
         _, total = dev.memory_info()
         free = dev.available_bytes()
-        headroom = int(total * (1 - memory_fraction))
         host_blocks = swap_bytes // per_block
         # On the CPU the host blocks that receive swapped-out blocks come out of the same memory.
         swap_share = 0 if dev.is_accelerator else host_blocks * per_block
-        budget = free - headroom - weight_bytes - activation_bytes - reserved_bytes - swap_share
+        reserves = weight_bytes + activation_bytes + reserved_bytes + swap_share
+        if instance_fraction is None:
+            headroom = int(total * (1 - memory_fraction))
+            budget = free - headroom - reserves
+            limit = f"minus headroom {headroom} (memory_fraction={memory_fraction})"
+        else:
+            allowed = int(total * instance_fraction)
+            budget = min(allowed - instance_used_bytes, free) - reserves
+            limit = (f"this instance may use {allowed} (instance_fraction={instance_fraction}) and holds "
+                     f"{instance_used_bytes}")
         fits = max(0, budget) // per_block
         wanted = num_blocks if num_blocks is not None else min_blocks
         if wanted > fits:
             raise KVCacheExhausted(
                 f"KV cache: {wanted} blocks need {wanted * per_block} bytes ({per_block} per block) but only "
-                f"{max(0, budget)} are available on {dev.torch}: {free} free of {total}, minus headroom {headroom} "
-                f"(memory_fraction={memory_fraction}), weights {weight_bytes}, activation peak {activation_bytes}, "
+                f"{max(0, budget)} are available on {dev.torch}: {free} free of {total}, {limit}, "
+                f"weights {weight_bytes}, activation peak {activation_bytes}, "
                 f"reserved {reserved_bytes}" + (f", swap space {swap_share}" if swap_share else ""),
                 needed=wanted * per_block, available=max(0, budget), unit="bytes")
         return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, dev,

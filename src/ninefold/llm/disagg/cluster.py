@@ -71,7 +71,8 @@ def start(comm, model, **llm_args) -> Router | None:
 
     Workers that share a GPU load one after another, each allowed up to its share of
     ``kv_cache_memory_fraction`` (default 0.9) of the GPU, so that the first does not take every worker's
-    KV-cache memory. A worker that cannot load makes the router raise, naming it and why."""
+    KV-cache memory; with ``gpu_memory_utilization`` (a per-engine share already) each takes what it says.
+    A worker that cannot load makes the router raise, naming it and why."""
     if llm_args.get("tensor_parallel_size", 1) != 1:
         raise ValueError(f"tensor_parallel_size: got {llm_args['tensor_parallel_size']!r}; a disaggregated worker is "
                          "one rank of the job's communicator, and its KV blocks travel whole (use 1)")
@@ -82,8 +83,7 @@ def start(comm, model, **llm_args) -> Router | None:
         raise ValueError(f"comm: disaggregation needs a router and at least one prefill and one decode worker, "
                          f"so 3 or more ranks; got {comm.world_size}")
     stages, my_stage, share = _loading_order(comm.topology, comm.rank)
-    if share is not None and "num_kv_blocks" not in llm_args:
-        llm_args = {**llm_args, "kv_cache_memory_fraction": llm_args.get("kv_cache_memory_fraction", 0.9) * share}
+    llm_args = worker_llm_args(llm_args, share)
     llm, failure = None, None
     for stage in range(stages):
         if comm.rank != 0 and stage == my_stage:
@@ -103,6 +103,14 @@ def start(comm, model, **llm_args) -> Router | None:
         return Router(comm, max_model_len=min(limit for _, limit in states[1:]))
     _serve(comm, llm)
     return None
+
+
+def worker_llm_args(llm_args: dict, share: float | None) -> dict:
+    """``llm_args`` for a worker allowed ``share`` of the device-wide KV memory fraction (None: alone on its GPU).
+    A fixed ``num_kv_blocks`` or a per-engine ``gpu_memory_utilization`` is left as given."""
+    if share is None or "num_kv_blocks" in llm_args or llm_args.get("gpu_memory_utilization") is not None:
+        return llm_args
+    return {**llm_args, "kv_cache_memory_fraction": (llm_args.get("kv_cache_memory_fraction") or 0.9) * share}
 
 
 def _loading_order(topology, rank: int) -> tuple[int, int, float | None]:

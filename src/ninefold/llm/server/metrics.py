@@ -62,6 +62,11 @@ class _EngineGauges(Collector):
                 counter = CounterMetricFamily(f"ninefold:{name}", doc, labels=["model_name"])
                 counter.add_metric([self.model_name], float(stats[key]))
                 yield counter
+        cache = stats.get("cache_config")
+        if cache is not None:  # vLLM's info gauge: the settings in its labels, value 1
+            family = GaugeMetricFamily("ninefold:cache_config_info", "The KV cache's settings.", labels=list(cache))
+            family.add_metric(list(cache.values()), 1.0)
+            yield family
         lora = stats.get("lora")
         if lora is not None:  # vLLM's info gauge: the adapters in its labels, the scrape time as its value
             family = GaugeMetricFamily("ninefold:lora_requests_info", "LoRA adapters of running and waiting requests.",
