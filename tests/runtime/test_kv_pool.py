@@ -313,6 +313,9 @@ def test_instance_fraction_bounds_the_owner_not_the_device(monkeypatch):
     with pytest.raises(KVCacheExhausted, match="memory_fraction=0.5"):
         blocks(memory_fraction=0.5)
     assert blocks(instance_fraction=1.0) == 2 * gib // per_block  # all of the device, but only what is free
+    # the reserves come out of what is free too, and the owner's holdings only out of its share
+    assert blocks(instance_fraction=1.0, reserved_bytes=gib // 2) == (2 * gib - gib // 2) // per_block
+    assert blocks(instance_fraction=0.75, instance_used_bytes=gib) == 2 * gib // per_block
     assert blocks(instance_fraction=0.5, memory_fraction=0.1) == 2 * gib // per_block  # memory_fraction unused
     with pytest.raises(KVCacheExhausted, match=r"instance_fraction=0.25\) and holds 1073741824"):
         blocks(instance_fraction=0.25, instance_used_bytes=gib)

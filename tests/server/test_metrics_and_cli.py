@@ -91,3 +91,17 @@ def test_bad_cache_flags_exit_before_loading():
                              text=True, timeout=120)
         assert run.returncode == 2
         assert f"argument {flag}: expected {accepted}, got '{value}'" in run.stderr
+
+
+def test_cache_flags_become_engine_arguments_only_when_given():
+    import argparse
+
+    from ninefold.cli._common import add_cache_arguments, cache_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    assert cache_engine_args(parser.parse_args([])) == {}
+    assert cache_engine_args(parser.parse_args(["--enforce-eager", "--no-enable-prefix-caching", "--block-size", "32",
+                                                "--gpu-memory-utilization", "0.25"])) == {
+        "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32, "gpu_memory_utilization": 0.25}
+    assert cache_engine_args(parser.parse_args(["--enable-prefix-caching"])) == {"enable_prefix_caching": True}

@@ -69,7 +69,8 @@ def add_cache_arguments(parser) -> None:
     --enforce-eager."""
     parser.add_argument("--gpu-memory-utilization", type=fraction_type, default=None,
                         help="share of the GPU's memory this engine may use in all, weights and KV cache included, "
-                             "whatever else runs there (default: the KV cache fills the GPU to 90%%)")
+                             "whatever else runs there (default: the KV cache fills the GPU to 90%%; not used with "
+                             "--num-kv-blocks or on CPUs)")
     parser.add_argument("--block-size", type=positive_int_type, default=None,
                         help="tokens per KV-cache block (default: 16)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

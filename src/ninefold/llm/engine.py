@@ -59,7 +59,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len: got {cfg.max_model_len}; this model supports at most {limit}")
         max_len = cfg.max_model_len or limit
         self.parallel_group = None
-        self._memory_before_load = _held_elsewhere(self.device)  # what gpu_memory_utilization does not count
+        self._memory_before_load = _allocated(self.device)  # what gpu_memory_utilization does not count
         if cfg.tensor_parallel_size > 1:
             try:
                 self.model = self._start_parallel(model, ckpt, max_len)
@@ -164,7 +164,7 @@ class LLMEngine:
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
             return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
         if cfg.gpu_memory_utilization is not None:
-            held = _held_elsewhere(self.device) - self._memory_before_load
+            held = _allocated(self.device) - self._memory_before_load
             sizing = {"instance_fraction": cfg.gpu_memory_utilization, "instance_used_bytes": max(0, held)}
         else:
             sizing = {"memory_fraction": cfg.kv_cache_memory_fraction or 0.9}
@@ -622,14 +622,14 @@ class LLMEngine:
         }
 
     def cache_config(self) -> dict[str, str]:
-        """The KV cache's settings as vLLM's ``cache_config_info`` labels them (strings)."""
+        """The KV cache's settings as vLLM's ``cache_config_info`` labels them (strings; as vLLM, the device's
+        blocks are ``num_gpu_blocks`` on any device and ``num_cpu_blocks`` the host blocks swapped to)."""
         cfg = self.config
         return {"block_size": str(cfg.block_size), "cache_dtype": str(self.dtype).removeprefix("torch."),
                 "enable_prefix_caching": str(cfg.enable_prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
                 "kv_cache_memory_fraction": str(cfg.kv_cache_memory_fraction),
-                "num_gpu_blocks": str(self.pool.num_blocks if self.device.type != "cpu" else None),
-                "num_cpu_blocks": str(self.pool.num_blocks if self.device.type == "cpu" else None)}
+                "num_gpu_blocks": str(self.pool.num_blocks), "num_cpu_blocks": str(self.pool.num_host_blocks)}
 
 
 def _unwrap_prompt_dict(prompt):
@@ -649,13 +649,10 @@ def _copy(values: list | None) -> list | None:
     return None if values is None else list(values)
 
 
-def _held_elsewhere(device: torch.device) -> int:
-    """Bytes of ``device``'s memory that new allocations cannot get (0 on CPUs): what this engine has loaded since
-    an earlier reading is the difference of two readings."""
-    if device.type == "cpu":
-        return 0
-    dev = Device(device)
-    return dev.memory_info()[1] - dev.available_bytes()
+def _allocated(device: torch.device) -> int:
+    """Bytes this process's live tensors hold on ``device`` (0 on CPUs): what an engine has loaded since an earlier
+    reading is the difference of two readings, whatever other processes allocate or free meanwhile."""
+    return 0 if device.type == "cpu" else Device(device).allocated_bytes()
 
 
 def _default_dtype(config: dict, device: torch.device) -> torch.dtype:
