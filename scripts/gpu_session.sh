@@ -111,6 +111,8 @@ step_command() {
     lora-cuda) echo 'python3 -m pytest tests/llm/test_lora.py tests/llm/test_embeddings.py tests/ops/test_lora_kernels.py -q -k cuda -rs -p no:cacheprovider' ;;
     ops-cuda) echo 'python3 -m pytest tests/ops -q -n 8 -k cuda --timeout 90 -p no:cacheprovider' ;;
     layer-overlap) echo "python3 -m ninefold.bench.layer_overlap ${LAYER_OVERLAP_ARGS:-}" ;;
+    fp8-tests) echo 'python3 -m pytest tests/ops/test_fp8.py tests/ops/test_triton_gemv.py tests/llm/test_fp8.py tests/llm/test_cuda.py -q -p no:cacheprovider -rs -k "fp8 or gemv"' ;;
+    llm-fp8) echo 'for q in fp8 none; do mkdir -p $OUT/$q; OUT=$OUT/$q python3 -m ninefold.bench.llm --parts decode_batch1,offline --quantization $q > $OUT/$q.log 2>&1; echo "quantization=$q: $(grep -a "correctness\|batch-1 decode:\|offline 256\|FAILED" $OUT/$q.log | cut -c1-300 | tr "\n" " ")"; done; true' ;;
     *) echo "echo unknown step $1; false" ;;
   esac
 }

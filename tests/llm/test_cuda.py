@@ -226,3 +226,32 @@ def test_gpu_memory_utilization_is_each_engines_own_share(model_dirs):
     outputs = [llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)[2].outputs[0].token_ids
                for llm in (first, second, third)]
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_fp8_greedy_picks_top_tokens_of_its_rounded_weights(model_dirs, tmp_path, enforce_eager):
+    """quantization="fp8" in bfloat16 (prefill rows W8A8 through ``scaled_mm``, decode rows weight-only through the
+    Triton GEMV): every token it picks is, within the activations' rounding, a top token of transformers' float32
+    logits on the checkpoint that holds the FP8 weight values."""
+    from test_fp8 import _rounded_copy
+
+    from ninefold import ops
+
+    path = model_dirs["llama"]
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", quantization="fp8", num_kv_blocks=64,
+              enforce_eager=enforce_eager, cuda_graph_max_batch=8)
+    qkv = llm.engine.model.layers[0].qkv
+    for rows, impl in ((3, "triton_gemv"), (40, "scaled_mm")):
+        assert ops.choose("linear_fp8", torch.zeros(rows, qkv.shape[1], device="cuda", dtype=torch.bfloat16), qkv) == impl
+    outs = llm.generate(prompt_token_ids=PROMPTS,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    ref = _hf(_rounded_copy(path, tmp_path / "rounded"), torch.float32)
+    gaps = []
+    for prompt, out in zip(PROMPTS, outs):
+        ids = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + ids], device="cuda")).logits[0]
+        for t, token in enumerate(ids):
+            row = logits[len(prompt) - 1 + t]
+            gaps.append(float(row.max() - row[token]))
+    assert max(gaps) <= 0.15, f"largest gap below the top logit {max(gaps):.3f} (of {len(gaps)} tokens)"

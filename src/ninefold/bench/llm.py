@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b", help="dummy shape name (see ninefold.llm.config)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                        help="fp8: the layer matrices in FP8 (W8A8); the bounds still use the bfloat16 matmul rate")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--offline-time-limit", type=float, default=100.0,
                         help="seconds; past it the offline run stops and reports the tokens done so far")
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"command": "python -m ninefold.bench.llm " + " ".join(argv or sys.argv[1:]),
                      "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
                      "torch": torch.__version__, "model": str(args.model.get("name", "config") if isinstance(args.model, dict) else args.model),
-                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "dtype": args.dtype, "quantization": args.quantization, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NINEFOLD_")}}
     profile = profile_device(device)
     bandwidth = profile.bandwidth["copy"]
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpt_fast and device == "cuda":
         peer = results["gpt_fast"] = run_gpt_fast(args.gpt_fast, args, bandwidth)
     engine = LLMEngine({k: v for k, v in args.model.items() if k != "name"} if isinstance(args.model, dict) else args.model,
-                       load_format="dummy", dtype=args.dtype, device=device, max_model_len=args.max_len,
+                       load_format="dummy", dtype=args.dtype, quantization=args.quantization, device=device,
+                       max_model_len=args.max_len,
                        max_num_seqs=256, max_num_batched_tokens=max(args.ttft_lengths), seed=args.seed)
     mc = engine.model_config
     weight_bytes = engine.model.weight_bytes
@@ -158,10 +161,24 @@ def _sync(engine) -> None:
 
 @torch.inference_mode()
 def reference_logits(engine, ids: list[int]) -> torch.Tensor:
-    """Last-position logits from a plain float32 torch forward of the engine's weights."""
+    """Last-position logits from a plain float32 torch forward of the engine's weights (FP8 layers: their
+    dequantized weights, and their inputs rounded to FP8 per row as ``linear_fp8`` rounds them)."""
+    from ninefold.ops.fp8 import quantize_rows
+
     model, c = engine.model, engine.model_config
     w = model.weights
     dev = model.device
+
+    def mat(name: str) -> torch.Tensor:  # a layer matrix in float32 (an FP8 one dequantized)
+        fp8 = model.packed.get(name)
+        return fp8.dequantize(torch.float32) if fp8 is not None else w[name].float()
+
+    def mm(x: torch.Tensor, name: str) -> torch.Tensor:  # x @ W.T; an FP8 layer's x rounded to FP8 per row too
+        if name in model.packed:
+            codes, scales = quantize_rows(x)
+            x = codes.float() * scales[:, None]
+        return x @ mat(name).T
+
     x = w["embed"].float()[torch.tensor(ids, device=dev)]
     T = len(ids)
     inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=dev).float() / c.head_dim))
@@ -178,7 +195,7 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
 
     for i in range(c.num_layers):
         h = norm(x, w[f"{i}.input_norm"])
-        qkv = h @ w[f"{i}.qkv"].float().T
+        qkv = mm(h, f"{i}.qkv")
         if w.get(f"{i}.qkv_bias") is not None:
             qkv = qkv + w[f"{i}.qkv_bias"].float()
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
@@ -190,11 +207,21 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                              is_causal=True)
-        x = x + o.transpose(0, 1).reshape(T, -1) @ w[f"{i}.o"].float().T
+        x = x + mm(o.transpose(0, 1).reshape(T, -1), f"{i}.o")
         h = norm(x, w[f"{i}.post_norm"])
-        gate, up = (h @ w[f"{i}.gate_up"].float().T).chunk(2, -1)
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{i}.down"].float().T
+        gate, up = mm(h, f"{i}.gate_up").chunk(2, -1)
+        x = x + mm(torch.nn.functional.silu(gate) * up, f"{i}.down")
     return norm(x[-1], w["norm"]) @ w["lm_head"].float().T
+
+
+def _agreement_bounds(engine) -> tuple[float, float]:
+    """(least cosine, largest relative error) of the engine's logits against ``reference_logits``.
+
+    FP8 layers get wider bounds: each rounds its input to FP8 per row, and which FP8 value a bfloat16 input
+    rounds to differs from the float32 reference's choice for some elements; through 32 layers of random
+    weights these flips added up to cos 0.971, rel 0.24 on an H100 (the operator itself matches the reference
+    at these shapes to bfloat16 rounding: tests/ops/test_fp8.py). A broken layer still lands far outside."""
+    return (0.95, 0.35) if engine.model.packed and engine.config.quantization == "fp8" else (0.995, 0.1)
 
 
 @torch.inference_mode()
@@ -208,7 +235,8 @@ def check_correctness(engine) -> dict:
     ours = engine.runner.forward_logits(engine.scheduler.schedule())[0]
     cos = torch.nn.functional.cosine_similarity(ours.double(), ref.double(), dim=0).item()
     rel = ((ours - ref).norm() / ref.norm()).item()
-    assert cos > 0.995 and rel < 0.1, f"prefill logits disagree with the float32 reference: cos {cos}, rel {rel}"
+    min_cos, max_rel = _agreement_bounds(engine)
+    assert cos > min_cos and rel < max_rel, f"prefill logits disagree with the float32 reference: cos {cos}, rel {rel}"
     engine.abort_request("check")
     # decode: the graph replay and the eager step, each against the float32 reference of the same
     # tokens (they may run different attention launch configurations: eager sizes its splits by
@@ -228,7 +256,7 @@ def check_correctness(engine) -> dict:
     for name, got in (("graph", graph_logits), ("eager", eager_logits)):
         d_cos = torch.nn.functional.cosine_similarity(got, decode_ref, dim=0).item()
         d_rel = ((got - decode_ref).norm() / decode_ref.norm()).item()
-        assert d_cos > 0.995 and d_rel < 0.1, f"{name} decode logits disagree with the float32 reference: cos {d_cos}, rel {d_rel}"
+        assert d_cos > min_cos and d_rel < max_rel, f"{name} decode logits disagree with the float32 reference: cos {d_cos}, rel {d_rel}"
         decode[f"decode_{name}_rel_error_vs_fp32"] = d_rel
     graph_rel = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
     engine.abort_request("g")
@@ -619,7 +647,8 @@ def _kernel_names(entry: str) -> list[str]:
 
 
 def print_table(r: dict) -> None:
-    lines = ["", f"| {r['model']} {r['dtype']} on {r['device']} | measured | roofline | ratio |", "| --- | --- | --- | --- |"]
+    weights = r["dtype"] + (" with FP8 layers" if r.get("quantization", "none") == "fp8" else "")
+    lines = ["", f"| {r['model']} {weights} on {r['device']} | measured | roofline | ratio |", "| --- | --- | --- | --- |"]
     if "decode_batch1" in r:
         d = r["decode_batch1"]
         lines.append(f"| batch-1 decode tok/s | {d['tok_per_s']:.1f} | {d['roofline_tok_per_s']:.0f} | "

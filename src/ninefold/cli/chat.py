@@ -45,9 +45,10 @@ def register(subparsers) -> None:
                    help="random seed of the sampling, for repeatable answers (default: none)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the best available)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none", "fp8"],
                    help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
-                        "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+                        "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
+                        "any checkpoint's layer matrices in FP8 (W8A8 on GPUs with FP8 tensor cores)")
     add_parallel_argument(p)
     add_speculative_argument(p)
     add_adapter_argument(p)

@@ -67,9 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
     parser.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best available)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none"],
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none", "fp8"],
                         help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
-                             "activations), int4 = packed on any device, none = dequantized to --dtype (exact)")
+                             "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
+                        "any checkpoint's layer matrices in FP8 (W8A8 on GPUs with FP8 tensor cores)")
     add_parallel_argument(parser)
     add_speculative_argument(parser)
     add_lora_arguments(parser)

@@ -279,7 +279,7 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-QUANTIZATION_MODES = ("auto", "int4", "none")
+QUANTIZATION_MODES = ("auto", "int4", "none", "fp8")
 
 
 @dataclass
@@ -308,7 +308,9 @@ class EngineConfig:
     load_format: str = "auto"
     # GGUF 4-bit and Q8_0 matrices: "auto" keeps them packed where that is the fast path (bfloat16
     # on CPUs), "int4" keeps them packed on any device and dtype, "none" dequantizes everything to
-    # ``dtype`` (the exact path).
+    # ``dtype`` (the exact path). "fp8" (vLLM's online FP8) stores every layer's projection matrices, of
+    # any checkpoint, as FP8 with a scale per output channel (``ops.Fp8Weight``): W8A8 on GPUs with FP8
+    # tensor cores, weight-only elsewhere; the embedding and output layer stay in ``dtype``.
     quantization: str = "auto"
     seed: int = 0
     # Ranks that each hold a slice of every layer (Megatron-style; ``ninefold.llm.parallel``): this

@@ -38,13 +38,23 @@ class Checkpoint:
 
 def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
                     quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
+    """Load ``model`` (``_load``); with ``quantization="fp8"`` the config says so for the model to act on."""
+    ckpt = _load(model, load_format, quantization, tensor_parallel)
+    if quantization == "fp8":
+        ckpt.config = {**ckpt.config, "ninefold_quantization": "fp8"}
+    return ckpt
+
+
+def _load(model: str | Path | dict | None, load_format: str = "auto",
+          quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
     """Load ``model``: a HF directory, a ``.gguf`` file or a known name (None = the default model).
 
     With ``load_format="dummy"``, ``model`` may also be a shape name from ``NAMED_SHAPES``
     (e.g. ``"llama-3.1-8b"``) or a config dict; no weights are read.
-    ``quantization`` (``"auto"``, ``"int4"``, ``"none"``; see ``EngineConfig``): unless ``"none"``,
-    a GGUF file's 4-bit and Q8_0 matrices stay quantized (``gguf_packed``) and the choice is
-    recorded in the config as ``ninefold_quantization`` for the model to act on.
+    ``quantization`` (``"auto"``, ``"int4"``, ``"none"``, ``"fp8"``; see ``EngineConfig``): with ``"auto"`` or
+    ``"int4"`` a GGUF file's 4-bit and Q8_0 matrices stay quantized (``gguf_packed``) and the choice is
+    recorded in the config as ``ninefold_quantization`` for the model to act on; ``"none"`` and ``"fp8"``
+    dequantize them (the model requantizes its layer matrices to FP8 with ``"fp8"``).
     ``tensor_parallel`` (rank, size): a Hugging Face directory's weights are read as that rank's slices
     only (``Checkpoint.tensor_parallel`` says so); other sources are read whole.
     """
@@ -311,7 +321,7 @@ def _from_gguf(path: Path, quantization: str = "auto") -> Checkpoint:
         from ninefold.llm.gguf import load_gguf
     except ImportError as error:
         raise ValueError(f"model: loading {str(path)!r} needs ninefold.llm.gguf, not available ({error})") from error
-    ckpt = load_gguf(path, keep_quantized=quantization != "none")
+    ckpt = load_gguf(path, keep_quantized=quantization not in ("none", "fp8"))
     config = dict(ckpt.config)
     config["ninefold_quantization"] = quantization
     try:

@@ -11,6 +11,7 @@ from ninefold.ops import fused_linear, registry, tuning  # noqa: F401  (ops.regi
 from ninefold.ops.attention import attention_decode, attention_prefill, reshape_and_cache
 from ninefold.ops.dispatch import candidates, choose, implementation, operators, reload_environment, run, use
 from ninefold.ops.elementwise import add, gelu_and_mul, mul, silu_and_mul
+from ninefold.ops.fp8 import Fp8Weight, linear_fp8
 from ninefold.ops.fused_linear import add_rms_norm_linear, silu_and_mul_linear
 from ninefold.ops.linear import embedding, linear
 from ninefold.ops.norm import add_rms_norm, rms_norm, softmax
@@ -52,7 +53,7 @@ import ninefold.ops.norm_row  # noqa: E402,F401  (one-row CPU rms_norm / add_rms
 
 __all__ = [
     "add", "add_rms_norm", "add_rms_norm_linear", "argmax", "attention_decode", "attention_prefill", "embedding", "gelu_and_mul",
-    "linear", "linear_blocks", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "rope_cache_attention_decode", "sample", "silu_and_mul", "silu_and_mul_linear", "softmax",
-    "BlockWeight", "Impl", "Int4Weight", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
+    "linear", "linear_blocks", "linear_fp8", "linear_int4", "mul", "reshape_and_cache", "rms_norm", "rope", "rope_and_cache", "rope_cache_attention_decode", "sample", "silu_and_mul", "silu_and_mul_linear", "softmax",
+    "BlockWeight", "Fp8Weight", "Impl", "Int4Weight", "OpError", "UnsupportedError", "candidates", "choose", "implementation", "operators", "register",
     "register_torch_library", "reload_environment", "run", "use",
 ]

@@ -81,14 +81,14 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | PackedLinear  # [(Hq + 2 Hk) Dh, D]
+    qkv: torch.Tensor | PackedLinear | ops.Fp8Weight  # [(Hq + 2 Hk) Dh, D]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor | PackedLinear  # [D, Hq Dh]
+    o: torch.Tensor | PackedLinear | ops.Fp8Weight  # [D, Hq Dh]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | PackedLinear  # [2 I, D]
-    down: torch.Tensor | PackedLinear  # [D, I]
+    gate_up: torch.Tensor | PackedLinear | ops.Fp8Weight  # [2 I, D]
+    down: torch.Tensor | PackedLinear | ops.Fp8Weight  # [D, I]
 
 
 class LlamaForCausalLM:
@@ -99,6 +99,7 @@ class LlamaForCausalLM:
     where that mode asks for it ("auto": on CPUs with bfloat16 support, packed GEMMs in bfloat16
     whatever the model's dtype, plus a dense copy in the model's dtype for prefill within
     ``DENSE_COPY_BUDGET``; "int4": on any device, packed only); otherwise they are dequantized.
+    With "fp8" every layer's projection matrices become ``ops.Fp8Weight`` (``ops.linear_fp8``).
     """
 
     def __init__(
@@ -146,7 +147,7 @@ class LlamaForCausalLM:
                 fused["lm_head"] = fused["embed"]
         for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", leave=False):
             fused.update(self._fused_layer(take, i))
-        self.packed = {name: t for name, t in fused.items() if isinstance(t, PackedLinear)}
+        self.packed = {name: t for name, t in fused.items() if isinstance(t, (PackedLinear, ops.Fp8Weight))}
         self.tables = {name: t for name, t in fused.items() if isinstance(t, QuantizedEmbedding)}
         dense = {n: t for n, t in fused.items() if n not in self.packed and n not in self.tables}
         self.weights = WeightStore(dense, device, dtype=dtype)
@@ -164,11 +165,13 @@ class LlamaForCausalLM:
         self.rope_in_attention = rope_in_attention_wanted(device) and parallel is None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cpu_decoder = None
-        # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces)
-        self.cpu_fast_decode = parallel is None
+        # decode steps on CPUs run through llama_cpu.CpuDecoder (one fused step: no room for the all-reduces;
+        # it reads dense or GGUF-packed matrices only)
+        self.cpu_fast_decode = parallel is None and not self.fp8
 
     def _setup_packing(self, config: ModelConfig) -> None:
         mode = config.raw.get("ninefold_quantization", "none")
+        self.fp8 = mode == "fp8"
         # torch's CPU int4 kernel is fast for bfloat16 activations only (float32/float16 take a
         # scalar path ~20x slower than a dense matmul): on CPUs with bfloat16 support the packed
         # GEMMs run in bfloat16 whatever the model's dtype (the rest of a float32 model stays float32).
@@ -205,6 +208,8 @@ class LlamaForCausalLM:
         the output layer, and for layer matrices that also keep a dense copy (whose packed calls are then
         only short prefill chunks); a layer matrix without one prefills on the blocks in one term, as the
         decode step and llama.cpp do, at half the work."""
+        if self.fp8 and not head:  # from the checkpoint's own precision, on the device
+            return ops.Fp8Weight.quantize(torch.cat([p.to(self.device) for p in parts]))
         if self.pack and all(isinstance(p, QUANTIZED) for p in parts):
             keep_dense = dense_copy and self.dense_copies
             packed = packed_linear(parts, self.device, self.dtype, keep_dense=keep_dense,
@@ -396,9 +401,12 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear | ops.Fp8Weight,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
     if type(weight) is PackedLinear:
         return weight(x, bias)
+    if type(weight) is ops.Fp8Weight:
+        return ops.linear_fp8(x, weight, bias)
     return ops.linear(x, weight, bias)
 
 

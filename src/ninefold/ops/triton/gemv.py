@@ -31,10 +31,11 @@ _OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in
                                     filter(None, os.environ.get("NINEFOLD_TRITON_GEMV", "").split(",")))}
 
 
-@triton.jit(do_not_specialize=["M"])
-def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+@triton.jit
+def gemv_rows(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``x[:M] @ w[n].T`` in float32 for this program's ``BLOCK_N`` columns n, the weight widened to x's dtype
+    as it is loaded (a no-op for a weight of x's dtype; FP8 codes for ``fp8_gemv``)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
@@ -51,13 +52,23 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
             k_ok = (k0 + k) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    acc = gemv_rows(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+             mask=(m < M)[:, None] & (n < N)[None, :])
 
 
 def supports(x, weight, bias=None) -> str | None:
