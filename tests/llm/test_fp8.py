@@ -78,3 +78,24 @@ def test_two_ranks_each_quantize_their_own_slices(model_dirs, tmp_path):
 def test_unknown_quantization_lists_fp8(model_dirs):
     with pytest.raises(ValueError, match="quantization: got 'fp4'; supported: 'auto', 'int4', 'none', 'fp8'"):
         LLM(str(model_dirs["llama"]), device="cpu", quantization="fp4")
+
+
+def test_a_quantized_gguf_is_dequantized_then_stored_in_fp8(tmp_path):
+    """A GGUF's Q4_0 matrices are decoded before the FP8 rounding (the packed codes cannot be requantized as they
+    are): each FP8 layer holds exactly the FP8 rounding of the matrix the GGUF read with quantization="none" holds,
+    and the engine generates."""
+    from gguf import GGMLQuantizationType as T
+
+    from .test_gguf import hf_weights, write_gguf
+
+    path = write_gguf(tmp_path / "q4.gguf", hf_weights(), T.Q4_0)
+    fp8 = LLM(str(path), device="cpu", dtype="float32", quantization="fp8", num_kv_blocks=64)
+    layer = fp8.engine.model.layers[0]
+    assert all(type(m) is Fp8Weight for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    exact = LLM(str(path), device="cpu", dtype="float32", quantization="none", num_kv_blocks=64)
+    for got, dense in zip(fp8.engine.model.layers, exact.engine.model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            matrix = getattr(dense, name)
+            assert not torch.equal(getattr(got, name).dequantize(), matrix)
+            assert torch.equal(getattr(got, name).dequantize(), Fp8Weight.quantize(matrix).dequantize())
+    assert all(len(ids) == 32 for ids in _greedy(fp8))

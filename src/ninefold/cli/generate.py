@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "int4", "none", "fp8"],
                    help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
-                        "any checkpoint's layer matrices in FP8 (W8A8 on GPUs with FP8 tensor cores)")
+                        "any checkpoint's layer matrices in FP8 (for GPUs with FP8 tensor cores; elsewhere dequantized "
+                        "on every call)")
     add_parallel_argument(p)
     add_speculative_argument(p)
     add_adapter_argument(p)

@@ -158,7 +158,8 @@ class ModelConfig:
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
             raise ValueError(
                 f"quantization_config: got a checkpoint quantized with {method!r}; supported: unquantized "
-                "float32/float16/bfloat16 safetensors (or a .gguf file, whose quantized matrices are supported)"
+                "float32/float16/bfloat16 safetensors (or a .gguf file, whose quantized matrices are supported); "
+                "for FP8 weights load the unquantized checkpoint with quantization='fp8'"
             )
         act = config.get("hidden_act", "silu")
         if act != "silu":

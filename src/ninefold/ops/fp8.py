@@ -10,7 +10,7 @@ Implementations:
   (one float32 scale per token, a Triton kernel) and multiplied by ``torch._scaled_mm`` with both
   row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores); float32 accumulation, bfloat16 out. Hopper's fast
   FP8 accumulation (``use_fast_accum``) is off: on an H100 it put 2% errors into sums of 14336 products.
-- ``triton_gemv`` (CUDA, 1..16 rows of bfloat16/float16 x): a Triton GEMV that streams the FP8 codes and
+- ``triton_gemv`` (CUDA, compute capability 8.9 or later, 1..16 rows of bfloat16/float16 x): a Triton GEMV that streams the FP8 codes and
   widens them in registers; x keeps its precision (``ninefold.ops.triton.fp8_gemv``).
 - ``dequantize`` (any device and dtype): ``F.linear(x, codes * scales)`` in x's dtype: x keeps its
   precision (weight-only FP8), at the cost of the dense weight made on every call.
@@ -29,6 +29,7 @@ from ninefold.ops.registry import register
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row keeps a usable scale
+GEMV_MAX_ROWS = 16  # steps of at most this many rows run the weight-only GEMV where it applies
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +50,8 @@ class Fp8Weight:
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         if not isinstance(codes, torch.Tensor) or codes.dtype != FP8 or codes.dim() != 2:
-            got = f"{codes.dtype} with shape {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes)
+            got = (f"{codes.dtype} with shape {tuple(codes.shape)}" if isinstance(codes, torch.Tensor)
+                   else type(codes).__name__)
             raise spec.OpError(f"Fp8Weight: codes must be a 2-D torch.float8_e4m3fn tensor [N, K], got {got}")
         if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.shape != codes.shape[:1]:
             got = (f"{scales.dtype} with shape {tuple(scales.shape)}" if isinstance(scales, torch.Tensor)
@@ -65,7 +67,9 @@ class Fp8Weight:
     def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
         """Quantize a floating ``[N, K]`` matrix per row (on its device)."""
         spec.tensor("Fp8Weight.quantize", "weight", weight, ndim=2)
-        spec.floating("Fp8Weight.quantize", "weight", weight)
+        if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise spec.OpError(f"Fp8Weight.quantize: weight must be float64, float32, float16 or bfloat16, got "
+                               f"{weight.dtype}")
         return cls(*quantize_rows(weight))
 
     @property
@@ -152,7 +156,9 @@ def _linear_fp8_gemv(x, weight, bias):
 
 
 def _register_gemv() -> None:
-    """The Triton GEMV for decode steps of 1..16 rows, above ``scaled_mm`` (CUDA with Triton only)."""
+    """The Triton GEMV for decode steps of 1..16 rows, above ``scaled_mm`` (where CUDA and Triton are)."""
+    if not torch.cuda.is_available():
+        return
     try:
         import triton  # noqa: F401
     except ImportError:

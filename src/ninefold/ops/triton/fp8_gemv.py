@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.fp8 import GEMV_MAX_ROWS as MAX_M
 from ninefold.ops.triton.gemv import gemv_rows
 
-MAX_M = 16
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4
 LONG_K = {"block_k": 512, "num_stages": 3}  # K >= 8192
 
@@ -36,6 +36,8 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, strid
 
 def supports(x, weight, bias=None) -> str | None:
     """A reason this kernel does not apply, or None."""
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "Triton converts FP8 (fp8e4nv) only on compute capability 8.9 or later"
     m = x.numel() // max(weight.shape[1], 1)
     if not 1 <= m <= MAX_M:
         return f"x has {m} rows; this kernel takes 1 to {MAX_M}"
