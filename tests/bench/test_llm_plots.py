@@ -58,3 +58,17 @@ def test_gaps_plot_needs_no_ceilings_and_offline_plot_does(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps({"offline": {"steps": [], "profiled": []}}))
     with pytest.raises(SystemExit):
         llm_plots.main([str(tmp_path / "p.json"), "--out", str(tmp_path / "x.png")])
+
+
+def test_runs_side_by_side_give_ratios_to_the_first(tmp_path):
+    def run(decode, offline):
+        return {"model": "llama-3.1-8b", "device": "card",
+                "decode_batch1": {"tok_per_s": decode, "roofline_tok_per_s": 2 * decode},
+                "offline": {"total_tok_per_s": offline, "roofline_total_tok_per_s": 1.5 * offline}}
+
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": {"bfloat16": run(200.0, 18000.0), "FP8 layers": run(230.0, 19800.0)}}))
+    assert llm_plots.main([str(path), "--out", str(tmp_path / "runs.png")]) == 0
+    assert (tmp_path / "runs.png").stat().st_size > 10_000
+    ratios = llm_plots.plot_runs(json.loads(path.read_text())["runs"], tmp_path / "again.png")
+    assert ratios["decode_batch1"] == pytest.approx([1.0, 1.15]) and ratios["offline"] == pytest.approx([1.0, 1.1])

@@ -84,3 +84,15 @@ def test_chat_refuses_a_message_too_long_for_the_context_and_keeps_the_conversat
     assert session.ask("hello world " * 600, out) == ""
     assert session.messages == before and "at most" in capsys.readouterr().err
     assert out.getvalue().count("\n") == 1  # the first answer only
+
+
+def test_generate_takes_fp8_and_the_cache_flags(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", quantization="fp8", block_size=8, enable_prefix_caching=False,
+              num_kv_blocks=64)
+    want = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    out = run_cli("--model", str(llama_dir), "Hello", "--max-tokens", "12", "--raw", "--quantization", "fp8",
+                  "--block-size", "8", "--no-enable-prefix-caching", "--enforce-eager", "--gpu-memory-utilization", "0.5")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+    bad = run_cli("--model", str(llama_dir), "Hello", "--gpu-memory-utilization", "2")
+    assert bad.returncode == 2 and "argument --gpu-memory-utilization: expected a fraction in (0, 1], got '2'" in bad.stderr

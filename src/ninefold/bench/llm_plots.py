@@ -8,7 +8,8 @@ share of the bound against the batch size. Steps the profiler recorded kernel by
 and are left out, as is an empty step (no sequences). The ceilings are arguments: pass the ones measured on the same card.
 
 Given ``llm_profile_gaps.json`` (``llm_profile --gaps``) instead, it draws each decode step's wall time
-split into the time kernels run and the idle time between them, by batch size (no ceilings needed).
+split into the time kernels run and the idle time between them, by batch size (no ceilings needed); given a
+file with ``{"runs": {label: bench_llm.json, ...}}``, bars of their batch-1 decode and offline figures.
 """
 
 from __future__ import annotations
@@ -101,6 +102,34 @@ def plot_decode_gaps(gaps: list[dict], path: str | Path) -> dict:
     return {"rows": len(gaps), "max_idle_share": worst}
 
 
+def plot_runs(runs: dict[str, dict], path: str | Path) -> dict:
+    """Bars of ``bench.llm`` results side by side (``{label: bench_llm.json}``, e.g. bfloat16 and FP8 weights on one
+    card): batch-1 decode and offline total tok/s, each with its run's roofline as a tick; returns the ratios to the
+    first run."""
+    labels = list(runs)
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    decode_ax, offline_ax = fig.subplots(1, 2)
+    ratios = {}
+    for ax, part, key, bound_key, title in (
+            (decode_ax, "decode_batch1", "tok_per_s", "roofline_tok_per_s", "batch-1 decode (tok/s)"),
+            (offline_ax, "offline", "total_tok_per_s", "roofline_total_tok_per_s", "offline 256 requests (total tok/s)")):
+        values = [runs[label][part][key] for label in labels]
+        bounds = [runs[label][part].get(bound_key) for label in labels]
+        bars = ax.bar(labels, values)
+        ax.bar_label(bars, [f"{v:.0f}" for v in values])
+        ax.scatter([i for i, b in enumerate(bounds) if b], [b for b in bounds if b], marker="_", s=900, color="black",
+                   label="roofline of the run")
+        ax.set(title=title)
+        ax.legend(loc="lower right")
+        ratios[part] = [v / values[0] for v in values]
+    first = next(iter(runs.values()))
+    fig.suptitle(f"{first.get('model', '')} on {first.get('device', '')}: "
+                 + ", ".join(f"{label} {r:.2f}x / {o:.2f}x" for label, r, o in
+                             zip(labels, ratios["decode_batch1"], ratios["offline"])) + " (decode / offline)")
+    fig.savefig(path, dpi=100)
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.llm_plots", description=__doc__.splitlines()[0])
     parser.add_argument("profile", help="llm_profile.json (or llm_profile_gaps.json) from python -m ninefold.bench.llm_profile")
@@ -110,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     profile = json.loads(Path(args.profile).read_text())
+    if "runs" in profile:  # bench.llm results to compare (e.g. docs/perf/data/llm_fp8_h100.json)
+        ratios = plot_runs(profile["runs"], args.out)
+        print(f"{args.out}: {', '.join(profile['runs'])}; against the first: {ratios}")
+        return 0
     if "gaps" in profile:
         totals = plot_decode_gaps(profile["gaps"], args.out)
         print(f"{args.out}: {totals['rows']} decode cases, idle between kernels at most {totals['max_idle_share']:.1%}")

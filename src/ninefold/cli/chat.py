@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 from ninefold.cli._common import (
+    add_cache_arguments,
     add_parallel_argument,
     add_speculative_argument,
+    cache_engine_args,
     clean_text,
     device_error,
     fail,
@@ -52,6 +54,7 @@ def register(subparsers) -> None:
                         "on every call)")
     add_parallel_argument(p)
     add_speculative_argument(p)
+    add_cache_arguments(p)
     add_adapter_argument(p)
     p.set_defaults(func=run)
 
@@ -199,7 +202,7 @@ def _load(args: argparse.Namespace):
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"),
                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                        speculative_config=getattr(args, "speculative_config", None),
-                       **adapter_engine_args(getattr(args, "lora", None)))
+                       **adapter_engine_args(getattr(args, "lora", None)), **cache_engine_args(args))
     return engine, name, time.perf_counter() - start
 
 

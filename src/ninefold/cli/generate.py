@@ -6,8 +6,10 @@ import argparse
 import sys
 
 from ninefold.cli._common import (
+    add_cache_arguments,
     add_parallel_argument,
     add_speculative_argument,
+    cache_engine_args,
     clean_text,
     device_error,
     fail,
@@ -48,6 +50,7 @@ def register(subparsers) -> None:
                         "on every call)")
     add_parallel_argument(p)
     add_speculative_argument(p)
+    add_cache_arguments(p)
     add_adapter_argument(p)
     p.set_defaults(func=run)
 
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed)
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                            quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-                           speculative_config=args.speculative_config, **adapter_engine_args(args.lora))
+                           speculative_config=args.speculative_config, **adapter_engine_args(args.lora),
+                           **cache_engine_args(args))
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("model: has no tokenizer, so text prompts cannot be encoded")
