@@ -154,3 +154,20 @@ def test_a_token_budget_above_max_model_len_is_profiled_within_the_rotary_table(
     engine = LLMEngine(str(llama_dir), device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=200)
     assert engine.model.cos_sin.shape[0] == 64
     engine._profile_forward()  # raised IndexError before (positions up to 199)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(partial_rotary_factor=0.75), r"partial_rotary_factor: got 0.75; supported: 1.0 \(rope over the whole head\)"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     r"partial_rotary_factor: got 0.5"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
+     r"rope_scaling: got rope_type 'longrope'; supported: 'default', 'llama3', 'freq_factors'"),
+])
+def test_phi3_variants_not_supported_yet_are_refused_naming_the_key(extra, message):
+    from ninefold.llm.config import ModelConfig
+
+    config = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_hidden_layers=1, vocab_size=50, **extra)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(config)
+    ModelConfig.from_dict({k: v for k, v in config.items() if k not in extra})  # the plain config loads

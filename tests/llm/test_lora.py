@@ -255,3 +255,18 @@ def test_embeddings_under_adapters_match_peft_hidden_states(setup):
     assert llm.engine.lora_slots.refs == [0]
     with pytest.raises(ValueError, match="lora_request: 1 given for 4 prompts"):
         llm.embed(prompt_token_ids=prompts, lora_request=loras[:1])
+
+
+def test_a_phi3_adapter_on_its_stacked_projections_matches_peft(tmp_path):
+    """Phi-3 stores q/k/v and gate/up stacked (qkv_proj, gate_up_proj): an adapter on those splits its B rows over
+    the parts."""
+    base = build_model_dir(tmp_path / "phi3", "phi3")
+    adapter = write_lora_adapter(base, tmp_path / "stacked", r=8, seed=4,
+                                 target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    llm = LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=8, block_size=8, num_kv_blocks=64)
+    prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19))
+    expected = [peft_greedy(base, adapter, p) for p in prompts]
+    assert expected != [peft_greedy(base, None, p) for p in prompts]  # the adapter changes the output
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY,
+                        lora_request=LoRARequest("stacked", 1, str(adapter)))
+    assert ids_of(outs) == expected

@@ -52,7 +52,7 @@ def generate_ids(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list
     return [out.outputs[0].token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "phi3"])
 def test_greedy_matches_transformers_one_prompt_at_a_time_and_batched(model_dirs, variant):
     path = model_dirs[variant]
     llm = LLM(str(path), device="cpu", block_size=8, num_kv_blocks=64)
@@ -63,7 +63,7 @@ def test_greedy_matches_transformers_one_prompt_at_a_time_and_batched(model_dirs
     assert generate_ids(llm, prompts) == expected
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "phi3"])
 def test_last_position_logits_match_transformers(model_dirs, variant):
     path = model_dirs[variant]
     engine = LLMEngine(str(path), device="cpu", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
@@ -78,7 +78,7 @@ def test_last_position_logits_match_transformers(model_dirs, variant):
         torch.testing.assert_close(logits[row], ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "phi3"])
 def test_chunked_prefill_matches_transformers(model_dirs, variant):
     path = model_dirs[variant]
     llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=7, enable_prefix_caching=False)
@@ -132,7 +132,7 @@ def test_chat_renders_the_template_and_generates(llama_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "phi3"])
 def test_cpu_decode_path_matches_the_generic_path(model_dirs, variant, dtype):
     """llama_cpu.CpuDecoder (the CPU decode step) computes what the ops-by-ops forward computes,
     for a batch of three sequences of different lengths and for one alone."""

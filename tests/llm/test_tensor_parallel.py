@@ -326,3 +326,9 @@ def test_an_engine_built_in_a_thread_that_ends_keeps_its_workers(model_dirs):
         assert generate_ids(llm, prompts) == [hf_greedy(path, prompts[0])]
     finally:
         llm.close()
+
+
+def test_phi3_is_refused_under_tensor_parallelism_naming_why(model_dirs):
+    with pytest.raises(ValueError, match="tensor_parallel_size: got 2, but this model cannot be split 2 ways: Phi-3's "
+                                         "stacked qkv_proj and gate_up_proj are not split across ranks yet"):
+        LLM(str(model_dirs["phi3"]), device="cpu", tensor_parallel_size=2)

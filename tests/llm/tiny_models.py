@@ -44,7 +44,7 @@ def build_tokenizer(vocab_size: int = 320):
 
 def hf_config(variant: str, vocab_size: int, **overrides):
     """A transformers config object of ``variant`` with hidden 64 and 2 layers."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512,
@@ -65,6 +65,9 @@ def hf_config(variant: str, vocab_size: int, **overrides):
     elif variant == "qwen3":
         cls = Qwen3Config
         common.update(head_dim=32, tie_word_embeddings=False)
+    elif variant == "phi3":  # (not in VARIANTS: tests/llm/test_phi3.py covers it)
+        cls = Phi3Config
+        common.update(tie_word_embeddings=False, pad_token_id=0, original_max_position_embeddings=512)
     else:
         raise ValueError(f"variant: {variant!r}; expected one of {VARIANTS}")
     common.update(overrides)

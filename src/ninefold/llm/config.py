@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 # The decoders without an output layer (transformers' base classes, which embedding checkpoints such as
@@ -31,6 +32,7 @@ BASE_ARCHITECTURES = {
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    "Phi3Model": "Phi3ForCausalLM",
 }
 
 # config.json model_type -> architecture, for configs without an ``architectures`` entry.
@@ -39,6 +41,7 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 DTYPES = {
@@ -174,6 +177,9 @@ class ModelConfig:
             raise ValueError(f"num_key_value_heads: got {kv_heads}, must divide num_attention_heads={heads}")
         head_dim = int(config.get("head_dim") or hidden // heads)
         rope_params = config.get("rope_parameters") or {}
+        partial = config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor: got {partial!r}; supported: 1.0 (rope over the whole head)")
         rope_theta = float(config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         scaling = config.get("rope_scaling") or (rope_params if rope_params else None)
         if scaling is not None:

@@ -18,12 +18,14 @@ import torch
 
 from ninefold.llm.config import ModelConfig
 
-# projection name -> (its fused matrix in the model, its part within that matrix)
+# projection name -> (its fused matrix in the model, its part within that matrix; None: all of its parts, for the
+# projections Phi-3 stores stacked, whose B rows split into the parts' B matrices with A shared)
 MODULES = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
     "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
+    "qkv_proj": ("qkv", None), "gate_up_proj": ("gate_up", None),
 }
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -81,7 +83,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise ValueError(f"lora_path: adapter {name!r} changes {where}; the model has {config.num_layers} layers")
         a, b = ab["A"].float(), ab["B"].float()
         matrix, part = MODULES[module]
-        d_in, d_out = sizes[matrix][part]
+        parts = range(len(sizes[matrix])) if part is None else [part]
+        d_in, d_out = sizes[matrix][parts[0]][0], sum(sizes[matrix][j][1] for j in parts)
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
             raise ValueError(f"lora_path: adapter {name!r} has {where} lora_A {tuple(a.shape)} and lora_B "
@@ -93,7 +96,13 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
             raise ValueError(f"lora_path: adapter {name!r} has lora_alpha {alpha!r} for {where}; expected a number")
         scale = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
-        adapter.weights[(layer, matrix, part)] = (a.contiguous(), (b * scale).contiguous())
+        rows = 0
+        for j in parts:
+            if (layer, matrix, j) in adapter.weights:
+                raise ValueError(f"lora_path: adapter {name!r} changes {where} and a projection stacked with it twice")
+            out = sizes[matrix][j][1]
+            adapter.weights[(layer, matrix, j)] = (a.contiguous(), (b[rows:rows + out] * scale).contiguous())
+            rows += out
         adapter.rank = max(adapter.rank, r)
     return adapter
 

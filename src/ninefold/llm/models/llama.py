@@ -1,4 +1,4 @@
-"""The Llama-family decoder, read top to bottom: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3.
+"""The Llama-family decoder, read top to bottom: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Phi-3.
 
 Variants are switches of ``ModelConfig``: q/k/v bias (Qwen2), RMSNorm on q and k per head
 (Qwen3), tied embeddings, grouped-query attention, llama3 rope scaling. Every layer calls
@@ -223,16 +223,21 @@ class LlamaForCausalLM:
     def _fused_layer(self, take, i: int) -> dict[str, torch.Tensor | PackedLinear]:
         c, p = self.config, f"model.layers.{i}."
         D, Dh = c.hidden_size, c.head_dim
-        q = take(p + "self_attn.q_proj.weight", (self.q_size, D))
-        k = take(p + "self_attn.k_proj.weight", (self.kv_size, D))
-        v = take(p + "self_attn.v_proj.weight", (self.kv_size, D))
+        if p + "self_attn.qkv_proj.weight" in take.tensors:  # Phi-3 stores q/k/v, and gate/up, already stacked
+            qkv = [take(p + "self_attn.qkv_proj.weight", (self.q_size + 2 * self.kv_size, D))]
+            gate_up = [take(p + "mlp.gate_up_proj.weight", (2 * c.intermediate_size, D))]
+        else:
+            qkv = [take(p + "self_attn.q_proj.weight", (self.q_size, D)),
+                   take(p + "self_attn.k_proj.weight", (self.kv_size, D)),
+                   take(p + "self_attn.v_proj.weight", (self.kv_size, D))]
+            gate_up = [take(p + "mlp.gate_proj.weight", (c.intermediate_size, D)),
+                       take(p + "mlp.up_proj.weight", (c.intermediate_size, D))]
         out = {
             "input_norm": take(p + "input_layernorm.weight", (D,)),
-            "qkv": self._matrix([q, k, v]),
+            "qkv": self._matrix(qkv),
             "o": self._matrix([take(p + "self_attn.o_proj.weight", (D, self.q_size))]),
             "post_norm": take(p + "post_attention_layernorm.weight", (D,)),
-            "gate_up": self._matrix([take(p + "mlp.gate_proj.weight", (c.intermediate_size, D)),
-                                     take(p + "mlp.up_proj.weight", (c.intermediate_size, D))]),
+            "gate_up": self._matrix(gate_up),
             "down": self._matrix([take(p + "mlp.down_proj.weight", (D, c.intermediate_size))]),
         }
         if c.attention_bias:
