@@ -192,9 +192,11 @@ class ModelConfig:
                 _check_llama3_scaling(scaling)
             elif kind == "freq_factors":
                 _check_freq_factors(scaling, head_dim)
+            elif kind == "longrope":
+                scaling = _longrope_scaling(scaling, config, head_dim)
             else:
                 raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3', "
-                                 "'freq_factors'")
+                                 "'freq_factors', 'longrope'")
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         sliding = config.get("sliding_window")
@@ -240,6 +242,32 @@ def _check_llama3_scaling(scaling: dict) -> None:
                          f"{numbers['low_freq_factor']!r} and {numbers['high_freq_factor']!r}")
 
 
+def _longrope_scaling(scaling: dict, config: dict, head_dim: int) -> dict:
+    """rope_type 'longrope' (Phi-3.5, Phi-3 128k) checked and completed: ``short_factor`` and ``long_factor`` (head_dim
+    / 2 positive numbers each), ``original_max_position_embeddings`` (the pretraining context) and the
+    ``attention_factor`` cos and sin are scaled by (given, else transformers' rule: ``sqrt(1 + ln(s) / ln(original))``
+    with ``s = max_position_embeddings / original``, 1 when ``s <= 1``)."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if (not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf
+                           for f in factors)):
+            shown = factors if not isinstance(factors, (list, tuple)) else f"{len(factors)} values"
+            raise ValueError(f"rope_scaling: rope_type 'longrope' needs {key}, {head_dim // 2} positive finite numbers "
+                             f"(head_dim / 2); got {shown}")
+    longest = int(config.get("max_position_embeddings", 4096))
+    original = config.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        raise ValueError(f"original_max_position_embeddings: got {original!r}; expected a positive integer")
+    stretch = longest / original if original else float(scaling.get("factor", 1.0))
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if stretch <= 1 else math.sqrt(1 + math.log(stretch) / math.log(original or longest))
+    return {"rope_type": "longrope", "short_factor": [float(f) for f in scaling["short_factor"]],
+            "long_factor": [float(f) for f in scaling["long_factor"]],
+            "original_max_position_embeddings": int(original or longest), "attention_factor": float(attention)}
+
+
 def _check_freq_factors(scaling: dict, head_dim: int) -> None:
     """rope_type 'freq_factors' (ninefold's form of a GGUF ``rope_freqs`` tensor) needs ``freq_factors``: one
     positive number per rotated pair, ``head_dim / 2`` of them."""
@@ -251,27 +279,38 @@ def _check_freq_factors(scaling: dict, head_dim: int) -> None:
                          f"numbers (head_dim / 2); got {shown}")
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
     """The rotary frequencies ``[head_dim / 2]`` float32, scaled as ``config.rope_scaling`` says: llama3's
     smooth interpolation, or per-frequency divisors (``freq_factors``: ``inv_freq / factor``, as llama.cpp
-    applies a GGUF's ``rope_freqs``)."""
+    applies a GGUF's ``rope_freqs``; ``longrope``: its long factors when the engine's context ``max_positions``
+    exceeds the pretraining one, else its short factors)."""
     dim = config.head_dim
     # float32 throughout, rounding the way the reference implementation (transformers) does
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type") == "longrope":
+        long = max_positions is not None and max_positions > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta ** exponents)
     if scaling.get("rope_type", scaling.get("type")) == "freq_factors":
         return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     return _llama3_scale(inv_freq, scaling)
 
 
 def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
-    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest."""
-    inv_freq = rope_inv_freq(config)
+    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest (both times
+    longrope's ``attention_factor``, which scales every attention logit by its square)."""
+    inv_freq = rope_inv_freq(config, max_positions)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        table = table * scaling["attention_factor"]
+    return table.to(device)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

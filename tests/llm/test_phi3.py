@@ -1,0 +1,57 @@
+"""Phi-3 specifics beyond the parity tests' plain variant: longrope scaling (Phi-3.5, the 128k Phi-3 models)."""
+
+import pytest
+import torch
+from test_parity import _hf_model, hf_greedy, prompts_for
+from tiny_models import build_model_dir
+
+from ninefold import LLM, SamplingParams
+from ninefold.llm.engine import LLMEngine
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(tmp_path_factory):
+    """A tiny Phi-3 pretrained on 64 positions and stretched to 512 with longrope (attention factor sqrt(1.5))."""
+    return build_model_dir(tmp_path_factory.mktemp("phi3") / "longrope", "phi3", rope_parameters=LONGROPE,
+                           original_max_position_embeddings=64, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("max_model_len, lengths", [(64, (3, 17)), (None, (70, 100))])
+def test_longrope_matches_transformers_below_and_above_the_pretraining_context(longrope_dir, max_model_len, lengths):
+    """With a context of at most the pretraining one the short factors run, as transformers runs sequences that
+    short; beyond it the long factors, as transformers runs sequences longer than it."""
+    llm = LLM(str(longrope_dir), device="cpu", max_model_len=max_model_len, num_kv_blocks=64)
+    prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=lengths)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert got == [hf_greedy(longrope_dir, p) for p in prompts]
+
+
+def test_longrope_logits_carry_the_attention_factor(longrope_dir):
+    engine = LLMEngine(str(longrope_dir), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    scaling = engine.model_config.rope_scaling
+    assert scaling["attention_factor"] == pytest.approx((1 + torch.log(torch.tensor(8.0)) /
+                                                         torch.log(torch.tensor(64.0))).sqrt().item())
+    prompt = prompts_for(engine.model_config.vocab_size, lengths=(90,))[0]
+    engine.add_request(engine.build_request(prompt, GREEDY, "r"))
+    logits = engine.runner.forward_logits(engine.scheduler.schedule())[0]
+    with torch.no_grad():
+        ref = _hf_model(longrope_dir)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_a_longrope_config_without_its_factors_is_refused(tmp_path):
+    from ninefold.llm.config import ModelConfig
+
+    config = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_hidden_layers=1, vocab_size=50, original_max_position_embeddings=64,
+                  rope_scaling={**LONGROPE, "long_factor": [1.0] * 7})
+    with pytest.raises(ValueError, match=r"rope_scaling: rope_type 'longrope' needs long_factor, 8 positive finite "
+                                         r"numbers \(head_dim / 2\); got 7 values"):
+        ModelConfig.from_dict(config)
+    with pytest.raises(ValueError, match="original_max_position_embeddings: got 0; expected a positive integer"):
+        ModelConfig.from_dict({**config, "rope_scaling": LONGROPE, "original_max_position_embeddings": 0})
