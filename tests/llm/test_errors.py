@@ -160,8 +160,8 @@ def test_a_token_budget_above_max_model_len_is_profiled_within_the_rotary_table(
     (dict(partial_rotary_factor=0.75), r"partial_rotary_factor: got 0.75; supported: 1.0 \(rope over the whole head\)"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      r"partial_rotary_factor: got 0.5"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     r"rope_scaling: got rope_type 'yarn'; supported: 'default', 'llama3', 'freq_factors', 'longrope'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+     r"rope_scaling: got rope_type 'dynamic'; supported: 'default', 'llama3', 'freq_factors', 'longrope'"),
 ])
 def test_phi3_variants_not_supported_yet_are_refused_naming_the_key(extra, message):
     from ninefold.llm.config import ModelConfig

@@ -2,6 +2,7 @@
 the prefix cache kept per adapter, slots shared by more adapters than fit, and every error case."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -270,3 +271,17 @@ def test_a_phi3_adapter_on_its_stacked_projections_matches_peft(tmp_path):
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY,
                         lora_request=LoRARequest("stacked", 1, str(adapter)))
     assert ids_of(outs) == expected
+
+
+def test_an_adapter_for_the_other_layout_is_refused(setup, tmp_path):
+    """A Phi-3 adapter (stacked qkv_proj) on a Qwen2 base, and a Qwen2 adapter (q_proj, ...) on a Phi-3 base."""
+    base, adapters = setup
+    phi3 = build_model_dir(tmp_path / "phi3", "phi3")
+    stacked = write_lora_adapter(phi3, tmp_path / "stacked", r=4, target_modules=("qkv_proj",))
+    for model, adapter, words in ((base, stacked, "a Qwen2ForCausalLM does not have (it stores q/k/v and gate/up "
+                                                   "separately)"),
+                                  (phi3, adapters["all"], "a Phi3ForCausalLM does not have (it stores q/k/v and "
+                                                          "gate/up stacked)")):
+        llm = LLM(str(model), device="cpu", enable_lora=True, max_lora_rank=16, num_kv_blocks=32)
+        with pytest.raises(ValueError, match=re.escape(words) + "; an adapter for another base model"):
+            llm.generate(["hi"], GREEDY, lora_request=LoRARequest("x", 1, str(adapter)))

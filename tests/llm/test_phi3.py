@@ -55,3 +55,28 @@ def test_a_longrope_config_without_its_factors_is_refused(tmp_path):
         ModelConfig.from_dict(config)
     with pytest.raises(ValueError, match="original_max_position_embeddings: got 0; expected a positive integer"):
         ModelConfig.from_dict({**config, "rope_scaling": LONGROPE, "original_max_position_embeddings": 0})
+
+
+def test_older_and_partial_longrope_configs_read_as_transformers_reads_them():
+    """Phi-3's older rope type names ("su", "yarn"), a missing original_max_position_embeddings (Phi-3's default
+    4096) and an explicit factor, each against transformers' own reading of the same config."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ninefold.llm.config import ModelConfig
+
+    factors = {"short_factor": LONGROPE["short_factor"], "long_factor": LONGROPE["long_factor"]}
+    cases = [dict(rope_scaling={"type": "su", **factors}, original_max_position_embeddings=64),
+             dict(rope_scaling={"type": "yarn", **factors}, original_max_position_embeddings=64),
+             dict(rope_scaling={"rope_type": "longrope", **factors}),
+             dict(rope_scaling={"rope_type": "longrope", "factor": 16.0, **factors}, original_max_position_embeddings=64)]
+    for extra in cases:
+        config = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_hidden_layers=1, vocab_size=50, max_position_embeddings=131072,
+                      **extra)
+        ours = ModelConfig.from_dict(config).rope_scaling
+        hf = Phi3Config(**{k: v for k, v in config.items() if k != "architectures"})
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=131072)
+        assert ours["attention_factor"] == pytest.approx(attention, rel=1e-6), extra
+        long = torch.tensor(ours["long_factor"])
+        assert torch.allclose(1.0 / (long * 10000.0 ** (torch.arange(0, 16, 2).float() / 16)), inv_freq), extra

@@ -186,6 +186,8 @@ class ModelConfig:
             if not isinstance(scaling, dict):
                 raise ValueError(f"rope_scaling: got {scaling!r}; expected a dict with a rope_type (or null)")
             kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):
+                kind = "longrope"  # older Phi-3 configs' names for it (transformers renames them the same way)
             if kind == "default":
                 scaling = None
             elif kind == "llama3":
@@ -193,7 +195,8 @@ class ModelConfig:
             elif kind == "freq_factors":
                 _check_freq_factors(scaling, head_dim)
             elif kind == "longrope":
-                scaling = _longrope_scaling(scaling, config, head_dim)
+                scaling = _longrope_scaling(scaling, config, head_dim,
+                                            default_original=4096 if arch == "Phi3ForCausalLM" else None)
             else:
                 raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3', "
                                  "'freq_factors', 'longrope'")
@@ -242,11 +245,11 @@ def _check_llama3_scaling(scaling: dict) -> None:
                          f"{numbers['low_freq_factor']!r} and {numbers['high_freq_factor']!r}")
 
 
-def _longrope_scaling(scaling: dict, config: dict, head_dim: int) -> dict:
+def _longrope_scaling(scaling: dict, config: dict, head_dim: int, default_original: int | None = None) -> dict:
     """rope_type 'longrope' (Phi-3.5, Phi-3 128k) checked and completed: ``short_factor`` and ``long_factor`` (head_dim
-    / 2 positive numbers each), ``original_max_position_embeddings`` (the pretraining context) and the
-    ``attention_factor`` cos and sin are scaled by (given, else transformers' rule: ``sqrt(1 + ln(s) / ln(original))``
-    with ``s = max_position_embeddings / original``, 1 when ``s <= 1``)."""
+    / 2 positive numbers each), ``original_max_position_embeddings`` (the pretraining context; Phi-3's default 4096)
+    and the ``attention_factor`` cos and sin are scaled by (given, else transformers' rule: ``sqrt(1 + ln(s) /
+    ln(original))`` with ``s`` the ``factor`` given, else ``max_position_embeddings / original``; 1 when ``s <= 1``)."""
     for key in ("short_factor", "long_factor"):
         factors = scaling.get(key)
         if (not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2
@@ -256,10 +259,17 @@ def _longrope_scaling(scaling: dict, config: dict, head_dim: int) -> dict:
             raise ValueError(f"rope_scaling: rope_type 'longrope' needs {key}, {head_dim // 2} positive finite numbers "
                              f"(head_dim / 2); got {shown}")
     longest = int(config.get("max_position_embeddings", 4096))
-    original = config.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
+    original = config.get("original_max_position_embeddings",
+                          scaling.get("original_max_position_embeddings", default_original))
     if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
         raise ValueError(f"original_max_position_embeddings: got {original!r}; expected a positive integer")
-    stretch = longest / original if original else float(scaling.get("factor", 1.0))
+    for key in ("factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"rope_scaling: rope_type 'longrope' needs {key} to be a positive number or absent; "
+                             f"got {value!r}")
+    stretch = scaling.get("factor") or (longest / original if original else 1.0)
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if stretch <= 1 else math.sqrt(1 + math.log(stretch) / math.log(original or longest))

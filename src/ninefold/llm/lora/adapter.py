@@ -27,6 +27,9 @@ MODULES = {
     "down_proj": ("down", 0),
     "qkv_proj": ("qkv", None), "gate_up_proj": ("gate_up", None),
 }
+STACKED = ("qkv_proj", "gate_up_proj")
+SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+STACKED_ARCHITECTURES = ("Phi3ForCausalLM",)  # the models that store q/k/v and gate/up stacked
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -70,6 +73,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise ValueError(f"lora_path: adapter {name!r} has tensor {key!r}; only LoRA matrices of the decoder's "
                              f"projections ({', '.join(MODULES)}) are supported (no embedding, output-layer or "
                              "fully trained modules)")
+        if m.group(3) in (SPLIT if config.architecture in STACKED_ARCHITECTURES else STACKED):
+            raise ValueError(f"lora_path: adapter {name!r} has tensor {key!r}, a projection a {config.architecture} "
+                             "does not have (it stores q/k/v and gate/up "
+                             f"{'stacked' if config.architecture in STACKED_ARCHITECTURES else 'separately'}); "
+                             "an adapter for another base model?")
         pairs.setdefault((int(m.group(1)), f"{m.group(2)}.{m.group(3)}"), {})[m.group(4)] = tensor
     if not pairs:
         raise ValueError(f"lora_path: adapter {name!r} in {str(path)!r} holds no LoRA matrices")
@@ -98,8 +106,6 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         scale = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
         rows = 0
         for j in parts:
-            if (layer, matrix, j) in adapter.weights:
-                raise ValueError(f"lora_path: adapter {name!r} changes {where} and a projection stacked with it twice")
             out = sizes[matrix][j][1]
             adapter.weights[(layer, matrix, j)] = (a.contiguous(), (b[rows:rows + out] * scale).contiguous())
             rows += out
