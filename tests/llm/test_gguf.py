@@ -251,6 +251,7 @@ GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's stacked projections
 }
 
 
@@ -454,9 +455,58 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    path = write_gguf(tmp_path / "phi.gguf", hf_weights(), T.F32, arch="phi3")
-    with pytest.raises(GGUFError, match="'phi3'"):
+    path = write_gguf(tmp_path / "gemma.gguf", hf_weights(), T.F32, arch="gemma2")
+    with pytest.raises(GGUFError, match="'gemma2'"):
         load_gguf(path)
+
+
+def phi3_weights(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``weights`` as Phi-3 stores them: q/k/v stacked into qkv_proj, gate/up into gate_up_proj."""
+    out = {}
+    for name, value in weights.items():
+        if ".self_attn.q_proj." in name:
+            parts = [weights[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = np.concatenate(parts)
+        elif ".mlp.gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = np.concatenate([value, weights[name.replace("gate", "up")]])
+        elif not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+            out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q4_0])
+def test_a_phi3_gguf_generates_what_the_same_weights_do_as_llama(tmp_path, qtype):
+    """llama.cpp's phi3 files: attn_qkv and a stacked ffn_up (gate first), no q/k row permutation; the same weights
+    written as a llama file (split, permuted) must give the same tokens."""
+    from ninefold import LLM, SamplingParams
+
+    weights = hf_weights()
+    phi3 = write_gguf(tmp_path / "phi3.gguf", phi3_weights(weights), qtype, arch="phi3")
+    llama = write_gguf(tmp_path / "llama.gguf", weights, qtype, arch="llama")
+    assert load_gguf(phi3).config["architectures"] == ["Phi3ForCausalLM"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = [LLM(str(p), device="cpu", dtype="float32", num_kv_blocks=32).generate(
+        prompt_token_ids=[[5, 9, 33, 40], [7, 8]], sampling_params=params) for p in (phi3, llama)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+
+
+def test_a_phi3_gguf_carries_its_longrope_factors_into_the_config(tmp_path):
+    long, short = np.linspace(1, 8, HEAD_DIM // 2, dtype=np.float32), np.linspace(1, 2, HEAD_DIM // 2, dtype=np.float32)
+    path = write_gguf(tmp_path / "phi35.gguf", phi3_weights(hf_weights()), T.F32, arch="phi3",
+                      metadata_overrides={"context_length": 4096},
+                      extra={"rope_factors_long.weight": long, "rope_factors_short.weight": short},
+                      extra_kv={"phi3.rope.scaling.original_context_length": 512,
+                                "phi3.rope.scaling.attn_factor": 1.25})
+    from ninefold.llm.config import ModelConfig
+
+    scaling = ModelConfig.from_dict(load_gguf(path).config).rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 512
+    assert scaling["long_factor"] == pytest.approx(long.tolist()) and scaling["short_factor"] == pytest.approx(short.tolist())
+    assert scaling["attention_factor"] == 1.25
+    bad = write_gguf(tmp_path / "half.gguf", phi3_weights(hf_weights()), T.F32, arch="phi3",
+                     extra={"rope_factors_long.weight": long})
+    with pytest.raises(GGUFError, match=r"rope_factors_short.weight is missing; longrope needs both factor tensors"):
+        load_gguf(bad)
 
 
 def test_truncated_file(tmp_path):

@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),
 }
 
 _GLOBAL_NAMES = {
@@ -55,7 +56,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q/k/v stacked
 }
+# Phi-3's ffn_up holds gate and up stacked (llama.cpp splits it in halves: the gate first, as HF's gate_up_proj)
+_STACKED_FFN = {"phi3": "mlp.gate_up_proj"}
+# GGUF tensors read into the config (``rope_scaling``), not the state dict
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -150,7 +156,7 @@ def gguf_config(file: GGUFFile) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_freq_factors(file, head_dim) or _rope_scaling(get),
+        "rope_scaling": _rope_freq_factors(file, head_dim) or _longrope(file, head_dim, get) or _rope_scaling(get),
         "vocab_size": int(vocab),
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
@@ -187,6 +193,28 @@ def _rope_freq_factors(file: GGUFFile, head_dim: int) -> dict | None:
     return {"rope_type": "freq_factors", "freq_factors": factors}
 
 
+def _longrope(file: GGUFFile, head_dim: int, get) -> dict | None:
+    """Phi-3.5's longrope from a GGUF: ``rope_factors_long`` / ``rope_factors_short`` (what llama.cpp's converter writes
+    for it), the pretraining context (``rope.scaling.original_context_length``) and, when given, the attention
+    factor (``rope.scaling.attn_factor``), as the HF ``rope_scaling`` dict."""
+    infos = [file.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short")]
+    if infos == [None, None]:
+        return None
+    factors = []
+    for kind, info in zip(("long", "short"), infos):
+        if info is None or tuple(info.shape) != (head_dim // 2,) or info.type_name not in ("F32", "F16", "BF16"):
+            shown = "missing" if info is None else f"{info.type_name} of shape {tuple(info.shape)}"
+            raise GGUFError(f"GGUF file {file.path}: rope_factors_{kind}.weight is {shown}; longrope needs both "
+                            f"factor tensors as float values of shape ({head_dim // 2},) (head_dim / 2)")
+        factors.append(dequantize(file.tensor_bytes(info), info.ggml_type, tuple(info.shape)).tolist())
+    scaling = {"rope_type": "longrope", "long_factor": factors[0], "short_factor": factors[1]}
+    if get("rope.scaling.original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    if get("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+    return scaling
+
+
 def _rope_scaling(get) -> dict | None:
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
@@ -204,14 +232,14 @@ def _expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str
     per_layer = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (ff, h),
-        "mlp.up_proj.weight": (ff, h),
         "mlp.down_proj.weight": (h, ff),
     }
+    if config["architectures"][0] == "Phi3ForCausalLM":
+        per_layer |= {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * ff, h)}
+    else:
+        per_layer |= {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                      "self_attn.v_proj.weight": (kv, h), "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h)}
     optional = {
         "self_attn.q_proj.bias": (q,),
         "self_attn.k_proj.bias": (kv,),
@@ -233,25 +261,27 @@ def _expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str
     return shapes, extras
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name, or None when it has none."""
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The HF name of a GGUF tensor name (in a file of GGUF architecture ``arch``), or None when it has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+        module = _STACKED_FFN.get(arch, "mlp.up_proj") if match.group(2) == "ffn_up" else _LAYER_NAMES[match.group(2)]
+        return f"model.layers.{match.group(1)}.{module}.{match.group(3)}"
     return None
 
 
 def _load_tensors(file: GGUFFile, config: dict, dtype: torch.dtype, progress: bool | None,
                   keep_quantized: bool = False) -> dict[str, torch.Tensor | Int4Codes | Q8Codes | GGUFRows]:
     required, extras = _expected_shapes(config)
-    permuted = SUPPORTED_ARCHITECTURES[file.metadata["general.architecture"]][1]
+    arch = file.metadata["general.architecture"]
+    permuted = SUPPORTED_ARCHITECTURES[arch][1]
     names = {}
     for name, info in file.tensors.items():
-        if name == "rope_freqs.weight":  # read into the config (rope_scaling) by gguf_config
+        if name in _ROPE_TENSORS:  # read into the config (rope_scaling) by gguf_config
             continue
-        target = hf_name(name)
+        target = hf_name(name, arch)
         if target is None or (target not in required and target not in extras):
             raise GGUFError(
                 f"GGUF file {file.path} holds tensor {name!r}, which a {config['architectures'][0]} "
