@@ -80,3 +80,22 @@ def test_older_and_partial_longrope_configs_read_as_transformers_reads_them():
         assert ours["attention_factor"] == pytest.approx(attention, rel=1e-6), extra
         long = torch.tensor(ours["long_factor"])
         assert torch.allclose(1.0 / (long * 10000.0 ** (torch.arange(0, 16, 2).float() / 16)), inv_freq), extra
+
+
+def test_cached_keys_rotated_with_the_other_longrope_factors_are_not_imported(longrope_dir):
+    """Engines of one longrope model with contexts on either side of the pretraining one rotate keys differently:
+    KV blocks exported by one are refused by the other (a ValueError, not silently mixed), taken by a twin."""
+    from ninefold.llm.disagg.kv_transfer import export_prefix, import_prefix
+
+    prompt = list(range(3, 40))
+    short = LLM(str(longrope_dir), device="cpu", max_model_len=64, num_kv_blocks=32)
+    short.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    prefix = export_prefix(short.engine, prompt)
+    assert len(prefix.blocks) == 2 and prefix.rope == short.engine.rope_fingerprint
+    long = LLM(str(longrope_dir), device="cpu", num_kv_blocks=32)
+    assert long.engine.rope_fingerprint != short.engine.rope_fingerprint
+    with pytest.raises(ValueError, match="prefix: its keys were rotated with another rotary table than the receiving "
+                                         "engine's"):
+        import_prefix(long.engine, prefix)
+    twin = LLM(str(longrope_dir), device="cpu", max_model_len=64, num_kv_blocks=32)
+    assert import_prefix(twin.engine, prefix) == 2

@@ -7,7 +7,9 @@ rope scaling), read from the config dict that both the HF loader and the GGUF lo
 
 from __future__ import annotations
 
+import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,6 +323,16 @@ def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> 
     if scaling.get("rope_type") == "longrope":
         table = table * scaling["attention_factor"]
     return table.to(device)
+
+
+def rope_fingerprint(config: ModelConfig, max_positions: int) -> int:
+    """A number that differs between rotary tables that rotate keys differently (head size, base, scaling, and for
+    longrope the factors an engine of ``max_positions`` picks): cached keys carry it between engines."""
+    scaling = dict(config.rope_scaling or {})
+    if scaling.get("rope_type") == "longrope":
+        scaling["long"] = max_positions > scaling["original_max_position_embeddings"]
+    text = json.dumps([config.head_dim, config.rope_theta, scaling], sort_keys=True)
+    return zlib.crc32(text.encode())
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from ninefold.llm.config import ModelConfig, resolve_dtype, split_engine_args
+from ninefold.llm.config import ModelConfig, resolve_dtype, rope_fingerprint, split_engine_args
 from ninefold.llm.detokenizer import IncrementalDetokenizer
 from ninefold.llm.embedding import Embedder
 from ninefold.llm.guided import Guide, TokenMasks
@@ -58,6 +58,7 @@ class LLMEngine:
         if cfg.max_model_len is not None and cfg.max_model_len > limit:
             raise ValueError(f"max_model_len: got {cfg.max_model_len}; this model supports at most {limit}")
         max_len = cfg.max_model_len or limit
+        self.rope_fingerprint = rope_fingerprint(mc, max_len)  # what cached keys were rotated with (KV transfer)
         self.parallel_group = None
         self._memory_before_load = _allocated(self.device)  # what gpu_memory_utilization does not count
         if cfg.tensor_parallel_size > 1:
