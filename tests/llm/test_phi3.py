@@ -99,3 +99,17 @@ def test_cached_keys_rotated_with_the_other_longrope_factors_are_not_imported(lo
         import_prefix(long.engine, prefix)
     twin = LLM(str(longrope_dir), device="cpu", max_model_len=64, num_kv_blocks=32)
     assert import_prefix(twin.engine, prefix) == 2
+
+
+def test_a_pool_smaller_than_the_pretraining_context_runs_the_short_factors(longrope_dir):
+    """No sequence can outgrow a 64-token pool, so the engine runs what transformers runs for sequences that short
+    (the short factors), though the configured context (512) is longer; its fingerprint says so."""
+    capped = LLM(str(longrope_dir), device="cpu", block_size=16, num_kv_blocks=4)
+    assert capped.engine.max_model_len == 64
+    short = LLM(str(longrope_dir), device="cpu", max_model_len=64, num_kv_blocks=4)
+    assert capped.engine.rope_fingerprint == short.engine.rope_fingerprint
+    assert torch.equal(capped.engine.model.cos_sin[:64], short.engine.model.cos_sin[:64])
+    assert capped.engine.model.cos_sin.shape[0] == 512  # the table still covers embedding steps of any length
+    prompts = prompts_for(capped.engine.model_config.vocab_size, lengths=(3, 17))
+    got = [o.outputs[0].token_ids for o in capped.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert got == [hf_greedy(longrope_dir, p) for p in prompts]

@@ -312,10 +312,11 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
     return _llama3_scale(inv_freq, scaling)
 
 
-def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
+def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None, context: int | None = None) -> torch.Tensor:
     """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest (both times
-    longrope's ``attention_factor``, which scales every attention logit by its square)."""
-    inv_freq = rope_inv_freq(config, max_positions)
+    longrope's ``attention_factor``, which scales every attention logit by its square). ``context``: the longest
+    sequence the engine runs, which picks longrope's factors (default ``max_positions``)."""
+    inv_freq = rope_inv_freq(config, context or max_positions)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)

@@ -15,7 +15,13 @@ import warnings
 
 import torch
 
-from ninefold.llm.config import ModelConfig, resolve_dtype, rope_fingerprint, split_engine_args
+from ninefold.llm.config import (
+    ModelConfig,
+    resolve_dtype,
+    rope_cos_sin_cache,
+    rope_fingerprint,
+    split_engine_args,
+)
 from ninefold.llm.detokenizer import IncrementalDetokenizer
 from ninefold.llm.embedding import Embedder
 from ninefold.llm.guided import Guide, TokenMasks
@@ -90,6 +96,7 @@ class LLMEngine:
         self.pool = self._make_pool(max_len)
         # a model without an output layer only embeds, in steps that read no cache: its context is the rotary table's
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size) if mc.has_lm_head else max_len
+        self._fit_rope_to_context()
         self.eos_token_ids = _eos_ids(mc, ckpt.generation_config, self.tokenizer)
         self.generation_config = dict(ckpt.generation_config)
         self.blocks = BlockManager(self.pool, enable_prefix_caching=cfg.enable_prefix_caching,
@@ -152,6 +159,17 @@ class LLMEngine:
         """Release what outlives the Python objects: a tensor-parallel engine's worker processes. Idempotent."""
         if self.parallel_group is not None:
             self.parallel_group.shutdown()
+
+    def _fit_rope_to_context(self) -> None:
+        """A KV pool smaller than the configured context caps the sequences; longrope's factors follow that cap
+        (a Phi-3.5 engine whose pool holds at most 4096 tokens runs the short factors, as transformers does for
+        sequences that short). Before any graph is captured; not under tensor parallelism (Phi-3 is refused)."""
+        capped = rope_fingerprint(self.model_config, self.max_model_len)
+        if capped == self.rope_fingerprint or self.parallel_group is not None:
+            return
+        rows = self.model.cos_sin.shape[0]
+        self.model.cos_sin = rope_cos_sin_cache(self.model_config, rows, self.device, context=self.max_model_len)
+        self.rope_fingerprint = capped
 
     def _make_pool(self, max_len: int) -> KVCachePool:
         cfg, mc = self.config, self.model.config  # the model's: one rank's heads under tensor parallelism
