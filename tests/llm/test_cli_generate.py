@@ -91,8 +91,11 @@ def test_generate_takes_fp8_and_the_cache_flags(llama_dir):
               num_kv_blocks=64)
     want = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     out = run_cli("--model", str(llama_dir), "Hello", "--max-tokens", "12", "--raw", "--quantization", "fp8",
-                  "--block-size", "8", "--no-enable-prefix-caching", "--enforce-eager", "--gpu-memory-utilization", "0.5")
+                  "--block-size", "8", "--no-enable-prefix-caching", "--enforce-eager", "--gpu-memory-utilization", "0.5",
+                  "--num-kv-blocks", "64")
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
+    short = run_cli("--model", str(llama_dir), "Hello " * 40, "--raw", "--max-model-len", "16")
+    assert short.returncode != 0 and "max_model_len" in short.stderr and "Traceback" not in short.stderr
     bad = run_cli("--model", str(llama_dir), "Hello", "--gpu-memory-utilization", "2")
     assert bad.returncode == 2 and "argument --gpu-memory-utilization: expected a fraction in (0, 1], got '2'" in bad.stderr

@@ -102,6 +102,8 @@ def test_cache_flags_become_engine_arguments_only_when_given():
     add_cache_arguments(parser)
     assert cache_engine_args(parser.parse_args([])) == {}
     assert cache_engine_args(parser.parse_args(["--enforce-eager", "--no-enable-prefix-caching", "--block-size", "32",
-                                                "--gpu-memory-utilization", "0.25"])) == {
-        "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32, "gpu_memory_utilization": 0.25}
+                                                "--gpu-memory-utilization", "0.25", "--max-model-len", "100",
+                                                "--num-kv-blocks", "7"])) == {
+        "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32, "gpu_memory_utilization": 0.25,
+        "max_model_len": 100, "num_kv_blocks": 7}
     assert cache_engine_args(parser.parse_args(["--enable-prefix-caching"])) == {"enable_prefix_caching": True}

@@ -65,8 +65,12 @@ def speculative_config_type(text: str) -> dict:
 
 
 def add_cache_arguments(parser) -> None:
-    """vLLM's KV-cache and execution flags: --gpu-memory-utilization, --block-size, --[no-]enable-prefix-caching,
-    --enforce-eager."""
+    """vLLM's context, KV-cache and execution flags: --max-model-len, --num-kv-blocks, --gpu-memory-utilization,
+    --block-size, --[no-]enable-prefix-caching, --enforce-eager."""
+    parser.add_argument("--max-model-len", type=positive_int_type, default=None,
+                        help="context length in tokens (default: the model's, capped by what the KV cache holds)")
+    parser.add_argument("--num-kv-blocks", type=positive_int_type, default=None,
+                        help="KV-cache blocks (default: sized from the device's memory; at most 1 GiB of cache on CPUs)")
     parser.add_argument("--gpu-memory-utilization", type=fraction_type, default=None,
                         help="share of the GPU's memory this engine may use in all, weights and KV cache included, "
                              "whatever else runs there (default: the KV cache fills the GPU to 90%%; not used with "
@@ -81,7 +85,8 @@ def add_cache_arguments(parser) -> None:
 
 def cache_engine_args(args) -> dict:
     """The engine arguments :func:`add_cache_arguments`' flags give (those left out are absent)."""
-    names = ("gpu_memory_utilization", "block_size", "enable_prefix_caching", "enforce_eager")
+    names = ("max_model_len", "num_kv_blocks", "gpu_memory_utilization", "block_size", "enable_prefix_caching",
+             "enforce_eager")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

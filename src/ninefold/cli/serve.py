@@ -51,7 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default: 8000)")
     parser.add_argument("--api-key", default=os.environ.get("NINEFOLD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $NINEFOLD_API_KEY, else none)")
-    parser.add_argument("--max-model-len", type=_positive, default=None, help="context length in tokens")
     parser.add_argument("--max-num-seqs", type=_positive, default=None, help="sequences run at once")
     parser.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                         help="tokens one step computes at most (prefill chunks, embedding batches; default 8192)")
@@ -63,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and preemption")
     parser.add_argument("--max-queue", type=_non_negative, default=1024,
                         help="sequences waiting beyond --max-num-seqs before 429 (default: 1024)")
-    parser.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: sized)")
     add_cache_arguments(parser)
     parser.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best available)")
@@ -153,11 +151,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     engine_args = {
         "dtype": args.dtype,
         "device": args.device,
-        "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", None),
         "pooling_type": getattr(args, "pooling_type", None),
-        "num_kv_blocks": args.num_kv_blocks,
         "quantization": getattr(args, "quantization", None),
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
         "speculative_config": getattr(args, "speculative_config", None),
