@@ -37,6 +37,9 @@ BASE_ARCHITECTURES = {
     "Phi3Model": "Phi3ForCausalLM",
 }
 
+# The architectures whose checkpoints store q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``) stacked.
+STACKED_PROJECTIONS = ("Phi3ForCausalLM",)
+
 # config.json model_type -> architecture, for configs without an ``architectures`` entry.
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -334,6 +337,16 @@ def rope_fingerprint(config: ModelConfig, max_positions: int) -> int:
         scaling["long"] = max_positions > scaling["original_max_position_embeddings"]
     text = json.dumps([config.head_dim, config.rope_theta, scaling], sort_keys=True)
     return zlib.crc32(text.encode())
+
+
+def projection_shapes(architecture: str, hidden: int, q: int, kv: int, intermediate: int) -> dict[str, tuple]:
+    """A layer's q/k/v and gate/up weights as ``architecture``'s checkpoints store them: HF names under
+    ``model.layers.{i}.`` -> shape (stacked for ``STACKED_PROJECTIONS``)."""
+    if architecture in STACKED_PROJECTIONS:
+        return {"self_attn.qkv_proj.weight": (q + 2 * kv, hidden), "mlp.gate_up_proj.weight": (2 * intermediate, hidden)}
+    return {"self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+            "self_attn.v_proj.weight": (kv, hidden), "mlp.gate_proj.weight": (intermediate, hidden),
+            "mlp.up_proj.weight": (intermediate, hidden)}
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

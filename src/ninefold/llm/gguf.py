@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from ninefold.llm.config import projection_shapes
 from ninefold.llm.gguf_dequant import INT4_TYPES, SUPPORTED_TYPES, dequantize, int4_codes, q8_0_codes
 from ninefold.llm.gguf_packed import GGUFRows, Int4Codes, Q8Codes
 from ninefold.llm.gguf_reader import GGUFError, GGUFFile, read_gguf
@@ -235,11 +236,7 @@ def _expected_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str
         "self_attn.o_proj.weight": (h, q),
         "mlp.down_proj.weight": (h, ff),
     }
-    if config["architectures"][0] == "Phi3ForCausalLM":
-        per_layer |= {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * ff, h)}
-    else:
-        per_layer |= {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                      "self_attn.v_proj.weight": (kv, h), "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h)}
+    per_layer |= projection_shapes(config["architectures"][0], h, q, kv, ff)
     optional = {
         "self_attn.q_proj.bias": (q,),
         "self_attn.k_proj.bias": (kv,),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ninefold.llm.config import NAMED_SHAPES, QUANTIZATION_MODES, ModelConfig
+from ninefold.llm.config import NAMED_SHAPES, QUANTIZATION_MODES, ModelConfig, projection_shapes
 from ninefold.llm.tokenizer import read_json_object, read_tokenizer_config, read_tokenizer_file
 
 
@@ -239,12 +239,7 @@ def expected_tensor_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
             p + "self_attn.o_proj.weight": (D, q), p + "mlp.down_proj.weight": (D, ff),
         })
-        if mc.architecture == "Phi3ForCausalLM":  # q/k/v and gate/up stored stacked
-            shapes.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, D), p + "mlp.gate_up_proj.weight": (2 * ff, D)})
-        else:
-            shapes.update({p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
-                           p + "self_attn.v_proj.weight": (kv, D), p + "mlp.gate_proj.weight": (ff, D),
-                           p + "mlp.up_proj.weight": (ff, D)})
+        shapes.update({p + name: shape for name, shape in projection_shapes(mc.architecture, D, q, kv, ff).items()})
         if mc.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ninefold.llm.config import ModelConfig
+from ninefold.llm.config import STACKED_PROJECTIONS, ModelConfig
 
 # projection name -> (its fused matrix in the model, its part within that matrix; None: all of its parts, for the
 # projections Phi-3 stores stacked, whose B rows split into the parts' B matrices with A shared)
@@ -29,7 +29,6 @@ MODULES = {
 }
 STACKED = ("qkv_proj", "gate_up_proj")
 SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-STACKED_ARCHITECTURES = ("Phi3ForCausalLM",)  # the models that store q/k/v and gate/up stacked
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -73,10 +72,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise ValueError(f"lora_path: adapter {name!r} has tensor {key!r}; only LoRA matrices of the decoder's "
                              f"projections ({', '.join(MODULES)}) are supported (no embedding, output-layer or "
                              "fully trained modules)")
-        if m.group(3) in (SPLIT if config.architecture in STACKED_ARCHITECTURES else STACKED):
+        if m.group(3) in (SPLIT if config.architecture in STACKED_PROJECTIONS else STACKED):
             raise ValueError(f"lora_path: adapter {name!r} has tensor {key!r}, a projection a {config.architecture} "
                              "does not have (it stores q/k/v and gate/up "
-                             f"{'stacked' if config.architecture in STACKED_ARCHITECTURES else 'separately'}); "
+                             f"{'stacked' if config.architecture in STACKED_PROJECTIONS else 'separately'}); "
                              "an adapter for another base model?")
         pairs.setdefault((int(m.group(1)), f"{m.group(2)}.{m.group(3)}"), {})[m.group(4)] = tensor
     if not pairs:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ninefold.llm.config import ModelConfig
+from ninefold.llm.config import STACKED_PROJECTIONS, ModelConfig
 from ninefold.llm.gguf_packed import QUANTIZED
 
 
@@ -41,7 +41,7 @@ def check_parallel_size(config: ModelConfig, size: int) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size: expected a positive int, got {size!r}")
     problems = []
-    if config.architecture == "Phi3ForCausalLM" and size > 1:
+    if config.architecture in STACKED_PROJECTIONS and size > 1:
         problems.append("Phi-3's stacked qkv_proj and gate_up_proj are not split across ranks yet")
     if config.num_heads % size:
         problems.append(f"num_attention_heads={config.num_heads} is not a multiple of it")
