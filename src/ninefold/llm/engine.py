@@ -66,7 +66,7 @@ class LLMEngine:
         max_len = cfg.max_model_len or limit
         self.rope_fingerprint = rope_fingerprint(mc, max_len)  # what cached keys were rotated with (KV transfer)
         self.parallel_group = None
-        self._memory_before_load = _allocated(self.device)  # what gpu_memory_utilization does not count
+        self._memory_before_load = Device(self.device).allocated_bytes()  # what gpu_memory_utilization leaves out
         if cfg.tensor_parallel_size > 1:
             try:
                 self.model = self._start_parallel(model, ckpt, max_len)
@@ -94,6 +94,7 @@ class LLMEngine:
             self.lora_slots = LoRASlots(mc, dtype=slots_dtype, device=self.device, max_loras=cfg.max_loras,
                                         max_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras)
         self.pool = self._make_pool(max_len)
+        self.cache_config = self._cache_config()  # (fixed from here on; stats() hands it out every call)
         # a model without an output layer only embeds, in steps that read no cache: its context is the rotary table's
         self.max_model_len = min(max_len, self.pool.num_blocks * cfg.block_size) if mc.has_lm_head else max_len
         self._fit_rope_to_context()
@@ -183,7 +184,7 @@ class LLMEngine:
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
             return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
         if cfg.gpu_memory_utilization is not None:
-            held = _allocated(self.device) - self._memory_before_load
+            held = Device(self.device).allocated_bytes() - self._memory_before_load
             sizing = {"instance_fraction": cfg.gpu_memory_utilization, "instance_used_bytes": max(0, held)}
         else:
             sizing = {"memory_fraction": cfg.kv_cache_memory_fraction or 0.9}
@@ -637,10 +638,10 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
-            "cache_config": self.cache_config(),
+            "cache_config": self.cache_config,
         }
 
-    def cache_config(self) -> dict[str, str]:
+    def _cache_config(self) -> dict[str, str]:
         """The KV cache's settings as vLLM's ``cache_config_info`` labels them (strings; as vLLM, the device's
         blocks are ``num_gpu_blocks`` on any device and ``num_cpu_blocks`` the host blocks swapped to)."""
         cfg = self.config
@@ -666,12 +667,6 @@ def _unwrap_prompt_dict(prompt):
 
 def _copy(values: list | None) -> list | None:
     return None if values is None else list(values)
-
-
-def _allocated(device: torch.device) -> int:
-    """Bytes this process's live tensors hold on ``device`` (0 on CPUs): what an engine has loaded since an earlier
-    reading is the difference of two readings, whatever other processes allocate or free meanwhile."""
-    return 0 if device.type == "cpu" else Device(device).allocated_bytes()
 
 
 def _default_dtype(config: dict, device: torch.device) -> torch.dtype:

@@ -176,12 +176,9 @@ class KVCachePool:
         that many. Either way, asking for more than fits raises ``KVCacheExhausted`` with the needed and
         available bytes. ``swap_bytes`` of pinned host memory become host blocks (policy ``"swap"``).
         """
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
-            raise ValueError(f"memory_fraction: expected a fraction in (0, 1], got {memory_fraction!r}")
-        if instance_fraction is not None and (isinstance(instance_fraction, bool)
-                                              or not isinstance(instance_fraction, (int, float))
-                                              or not 0 < instance_fraction <= 1):
-            raise ValueError(f"instance_fraction: expected None or a fraction in (0, 1], got {instance_fraction!r}")
+        _check_fraction("memory_fraction", memory_fraction)
+        if instance_fraction is not None:
+            _check_fraction("instance_fraction", instance_fraction, "None or ")
         for arg, value in [("reserved_bytes", reserved_bytes), ("weight_bytes", weight_bytes),
                            ("activation_bytes", activation_bytes), ("swap_bytes", swap_bytes),
                            ("instance_used_bytes", instance_used_bytes)]:
@@ -532,6 +529,11 @@ def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((j, h, 1))
     return runs
+
+
+def _check_fraction(arg: str, value, also: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{arg}: expected {also}a fraction in (0, 1], got {value!r}")
 
 
 def _check_int(arg: str, value, *, minimum: int) -> None:
