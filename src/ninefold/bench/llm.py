@@ -172,15 +172,14 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
     w = model.weights
     dev = model.device
 
-    def mat(name: str) -> torch.Tensor:  # a layer matrix in float32 (an FP8 one dequantized)
+    def mm(x: torch.Tensor, name: str) -> torch.Tensor:  # x @ W.T; an FP8 layer dequantized, its x rounded too
         fp8 = model.packed.get(name)
-        return fp8.dequantize(torch.float32) if fp8 is not None else w[name].float()
-
-    def mm(x: torch.Tensor, name: str) -> torch.Tensor:  # x @ W.T; an FP8 layer's x rounded to FP8 per row too
-        if isinstance(model.packed.get(name), Fp8Weight) and x.shape[0] > FP8_GEMV_ROWS:
+        if not isinstance(fp8, Fp8Weight):
+            return x @ w[name].float().T
+        if x.shape[0] > FP8_GEMV_ROWS:
             codes, scales = quantize_rows(x)
             x = codes.float() * scales[:, None]
-        return x @ mat(name).T
+        return x @ fp8.dequantize(torch.float32).T
 
     x = w["embed"].float()[torch.tensor(ids, device=dev)]
     T = len(ids)

@@ -88,10 +88,6 @@ class Fp8Weight:
         """The dense ``[N, K]`` matrix ``codes * scales`` in ``dtype``."""
         return (self.codes.float() * self.scales[:, None]).to(dtype)
 
-    def to(self, device) -> Fp8Weight:
-        """This weight on ``device``."""
-        return Fp8Weight(self.codes.to(device), self.scales.to(device))
-
     def __repr__(self) -> str:
         return f"Fp8Weight(shape={self.shape}, device={self.device})"
 
