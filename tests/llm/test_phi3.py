@@ -113,3 +113,25 @@ def test_a_pool_smaller_than_the_pretraining_context_runs_the_short_factors(long
     prompts = prompts_for(capped.engine.model_config.vocab_size, lengths=(3, 17))
     got = [o.outputs[0].token_ids for o in capped.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
     assert got == [hf_greedy(longrope_dir, p) for p in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+@pytest.mark.parametrize("max_model_len, lengths", [(64, (3, 17)), (None, (70, 100))])
+def test_longrope_on_cuda_matches_transformers_on_cuda(longrope_dir, enforce_eager, max_model_len, lengths):
+    """The scaled cos/sin table of either regime, eagerly and replayed from CUDA graphs, in float32 against
+    transformers on the same card."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(longrope_dir), dtype="float32", device="cuda", max_model_len=max_model_len, num_kv_blocks=64,
+              enforce_eager=enforce_eager, cuda_graph_max_batch=4)
+    prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=lengths)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    model = AutoModelForCausalLM.from_pretrained(longrope_dir, dtype=torch.float32).to("cuda").eval()
+    model.generation_config.eos_token_id = None
+    for prompt, tokens in zip(prompts, got):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens), do_sample=False,
+                             pad_token_id=0)
+        assert tokens == ref[0, len(prompt):].tolist()
