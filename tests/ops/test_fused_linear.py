@@ -62,3 +62,31 @@ def test_errors_name_the_fused_operator():
         ops.silu_and_mul_linear(torch.randn(1, 128), torch.randn(8, 32))
     with pytest.raises(ValueError, match=r"silu_and_mul_linear: bias"):
         ops.silu_and_mul_linear(torch.randn(1, 128), w, torch.randn(7))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_weights_run_the_norm_or_gate_then_linear_fp8(rows):
+    """An ``Fp8Weight`` takes the unfused pair with ``linear_fp8`` where no fused kernel runs (here the CPU)."""
+    k, n = 64, 24
+    x, r, g = torch.randn(rows, k), torch.randn(rows, k), torch.randn(k)
+    w8 = ops.Fp8Weight.quantize(torch.randn(n, k))
+    bias = torch.randn(n)
+    y, total = ops.add_rms_norm_linear(x, r, g, w8, 1e-5, bias)
+    normed, want_total = ops.add_rms_norm(x, r, g, 1e-5)
+    assert torch.equal(total, want_total) and torch.equal(y, ops.linear_fp8(normed, w8, bias))
+    a = torch.randn(rows, 2 * k)
+    assert torch.equal(ops.silu_and_mul_linear(a, w8), ops.linear_fp8(ops.silu_and_mul(a), w8))
+    # an FP8 weight and a dense one of the same shape are chosen for apart (the tuning bucket says which)
+    key = ops.fused_linear._add_rms_norm_linear_key(x, r, g, w8, 1e-5)
+    assert key[2][-1] == "fp8" and ops.fused_linear._add_rms_norm_linear_key(x, r, g, w8.dequantize(), 1e-5)[2][-1] == k
+
+
+def test_fp8_errors_name_the_fused_operator():
+    x, r, g = torch.randn(1, 64), torch.randn(1, 64), torch.randn(64)
+    with pytest.raises(ValueError, match=r"add_rms_norm_linear: x's last dimension must be weight's K = 32"):
+        ops.add_rms_norm_linear(x, r, g, ops.Fp8Weight.quantize(torch.randn(8, 32)))
+    with pytest.raises(ValueError, match=r"silu_and_mul_linear: weight must be \[N, 64\] \(half of x's last "
+                                         r"dimension\), got \(8, 32\)"):
+        ops.silu_and_mul_linear(torch.randn(1, 128), ops.Fp8Weight.quantize(torch.randn(8, 32)))
+    with pytest.raises(ValueError, match=r"add_rms_norm_linear: bias"):
+        ops.add_rms_norm_linear(x, r, g, ops.Fp8Weight.quantize(torch.randn(8, 64)), 1e-5, torch.randn(7))

@@ -47,6 +47,25 @@ for dtype, tol, dot in ((torch.float32, 1e-4, False), (torch.float32, 1e-4, True
         ref = w.double() @ (torch.nn.functional.silu(h[:k]) * h[k:])
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, ("silu_and_mul", dtype, n, k, split_k, err)
+# FP8 codes with a scale per row (weight-only: x stays float32 here), every loop and prologue.
+for dot in (False, True, 2):
+    for n, k, split_k, block_k in ((50, 256, 1, 64), (33, 512, 4, 128)):
+        scales = torch.rand(n) + 0.01
+        codes = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = codes.double() * scales.double()[:, None]
+        x, r, g, a = torch.randn(k), torch.randn(k), torch.randn(k), torch.randn(2 * k)
+        kw = dict(dot=dot is True, depth=2 if dot == 2 and k // split_k >= 2 * block_k else 1, split_k=split_k,
+                  block_n=16, block_k=block_k, scales=scales)
+        r_out = torch.empty_like(r)
+        for name, y, ref in (
+                ("none", gemv_pdl(x, codes, **kw), w @ x.double()),
+                ("add_rms_norm", gemv_pdl(x, codes, prologue="add_rms_norm", residual=r, norm_weight=g,
+                                          residual_out=r_out, eps=1e-5, **kw),
+                 w @ rms(x.double() + r.double(), g.double(), 1e-5)),
+                ("silu_and_mul", gemv_pdl(a, codes, prologue="silu_and_mul", **kw),
+                 w @ (torch.nn.functional.silu(a.double()[:k]) * a.double()[k:]))):
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            assert y.dtype == torch.float32 and err < 1e-4, ("fp8", name, dot, n, k, split_k, err)
 for ws, cnt in WORKSPACE._bufs.values():
     assert int(cnt.abs().sum()) == 0, "split-K counters left non-zero"
 print("ok")
@@ -80,6 +99,14 @@ def test_residual_out_must_not_alias_and_dtypes_must_match():
         gp.gemv_pdl(x, w, prologue="add_rms_norm", residual=r, norm_weight=g, residual_out=r, block_k=64)
     with pytest.raises(TypeError, match="dtype"):
         gp.gemv_pdl(x.double(), w, block_k=64)
+    codes = w.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"FP8 weight codes need scales, a contiguous float32 \[8\] \(one per row\), "
+                                         r"got None"):
+        gp.gemv_pdl(x, codes, block_k=64)
+    with pytest.raises(ValueError, match=r"got torch.float16 \(8,\)"):
+        gp.gemv_pdl(x, codes, block_k=64, scales=torch.ones(8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="scales are for float8_e4m3fn weight codes, got a torch.float32 weight"):
+        gp.gemv_pdl(x, w, block_k=64, scales=torch.ones(8))
 
 
 def test_pdl_refused_without_a_hopper_gpu():
@@ -89,14 +116,15 @@ def test_pdl_refused_without_a_hopper_gpu():
         gp.gemv_pdl(torch.randn(64), torch.randn(8, 64), pdl=True, block_k=64)
 
 
-def _compile_sm90(prologue: int, split_k: int, dot: bool, depth: int = 1):
+def _compile_sm90(prologue: int, split_k: int, dot: bool, depth: int = 1, fp8: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = gp.gemv_pdl_kernel
     consts = dict(PROLOGUE=prologue, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_GDC=True, DOT=dot,
-                  PRECISION="tf32", NORM_BLOCK=4096, DEPTH=depth)
-    types = dict(ws_ptr="*fp32", cnt_ptr="*i32", N="i32", K="i32", stride_wn="i32", eps="fp32")
+                  PRECISION="tf32", NORM_BLOCK=4096, DEPTH=depth, SCALED=fp8)
+    types = dict(ws_ptr="*fp32", cnt_ptr="*i32", s_ptr="*fp32", N="i32", K="i32", stride_wn="i32", eps="fp32",
+                 **({"w_ptr": "*fp8e4nv"} if fp8 else {}))
     sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if sig[n].startswith("*") or n in ("K", "stride_wn")}
@@ -105,15 +133,18 @@ def _compile_sm90(prologue: int, split_k: int, dot: bool, depth: int = 1):
 
 
 @pytest.mark.skipif(not gp.pdl_api(), reason="this Triton has no gdc_wait/launch_pdl")
-@pytest.mark.parametrize("prologue, split_k, dot, depth", [(0, 1, False, 1), (1, 2, False, 1), (2, 4, False, 1),
-                                                           (0, 1, True, 1), (1, 2, True, 1), (1, 1, False, 2)])
-def test_sm90_code_loads_weights_before_waiting(prologue, split_k, dot, depth):
-    compiled = _compile_sm90(prologue, split_k, dot, depth)
+@pytest.mark.parametrize("prologue, split_k, dot, depth, fp8", [
+    (0, 1, False, 1, False), (1, 2, False, 1, False), (2, 4, False, 1, False), (0, 1, True, 1, False),
+    (1, 2, True, 1, False), (1, 1, False, 2, False), (1, 1, False, 2, True), (2, 2, False, 1, True),
+    (0, 1, True, 1, True)])
+def test_sm90_code_loads_weights_before_waiting(prologue, split_k, dot, depth, fp8):
+    compiled = _compile_sm90(prologue, split_k, dot, depth, fp8)
     ptx = compiled.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
     trigger = next(i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line)
     early = [line for line in ptx[:wait] if "ld.global" in line]
-    assert trigger < wait and len(early) >= 8 * depth and all("evict_first" in line for line in early)
+    # a 32 x 256 tile is 8 loads of 16 bytes per thread in 16-bit weights, 4 in FP8 codes
+    assert trigger < wait and len(early) >= (4 if fp8 else 8) * depth and all("evict_first" in line for line in early)
     assert compiled.metadata.launch_pdl
     if dot:  # Triton pipelines the weight stream of the tl.dot loop (asynchronous copies)
         assert any("cp.async" in line for line in ptx[wait:])

@@ -60,6 +60,45 @@ def test_implementations_match_float64_in_the_interpreter():
     assert done.stdout.strip().endswith("ok"), done.stdout[-3000:]
 
 
+# FP8 weights: one row through the GEMV streaming the codes, more rows through the pairs (weight-only, x float32).
+CHECK_FP8 = r"""
+import warnings
+import torch
+import ninefold.ops as ops
+from ninefold.ops import references as ref
+torch.manual_seed(0)
+n, k = 40, 512
+w8 = ops.Fp8Weight.quantize(torch.randn(n, k))
+dense = w8.dequantize(torch.float64)
+g = torch.randn(k)
+with ops.use(linear_fp8="triton_pdl", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
+    x, r, a = torch.randn(1, k), torch.randn(1, k), torch.randn(1, 2 * k)
+    assert ops.choose("linear_fp8", x, w8, None) == "triton_pdl"
+    assert ops.choose("add_rms_norm_linear", x, r, g, w8, 1e-5, None) == "triton"
+    assert ops.choose("silu_and_mul_linear", a, w8, None) == "triton"
+    assert torch.allclose(ops.linear_fp8(x, w8).double(), x.double() @ dense.T, atol=1e-3, rtol=1e-4), "linear_fp8"
+    y, total = ops.add_rms_norm_linear(x, r, g, w8, 1e-5)
+    normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
+    assert torch.allclose(total.double(), want_total, atol=1e-6), "residual"
+    assert torch.allclose(y.double(), normed @ dense.T, atol=1e-3, rtol=1e-4), "add_rms_norm_linear"
+    y = ops.silu_and_mul_linear(a, w8)
+    assert torch.allclose(y.double(), ref.silu_and_mul(a) @ dense.T, atol=1e-3, rtol=1e-4), "silu_and_mul_linear"
+    with warnings.catch_warnings():  # three rows: the pinned GEMV steps aside for the unfused pair
+        warnings.simplefilter("ignore")
+        x3, r3 = torch.randn(3, k), torch.randn(3, k)
+        assert ops.choose("add_rms_norm_linear", x3, r3, g, w8, 1e-5, None) == "vendor"
+        assert ops.choose("linear_fp8", x3, w8, None) != "triton_pdl"
+        y, _ = ops.add_rms_norm_linear(x3, r3, g, w8, 1e-5)
+        assert torch.allclose(y.double(), ref.add_rms_norm(x3, r3, g, 1e-5)[0] @ dense.T, atol=1e-3, rtol=1e-4)
+print("ok")
+"""
+
+
+def test_fp8_weights_match_float64_in_the_interpreter():
+    done = run_interpreted(["-c", CHECK_FP8])
+    assert done.stdout.strip().endswith("ok"), done.stdout[-3000:]
+
+
 @pytest.mark.parametrize("args, reason", [
     ((torch.randn(33, 64), torch.randn(8, 64)), "33 rows: at most 32"),
     ((torch.randn(1, 64), torch.randn(8, 64), torch.randn(8)), "no bias"),
@@ -79,7 +118,7 @@ def test_strided_residual_is_refused():
 
 
 def test_configs_cover_their_shapes():
-    for key, (_bn, bk, sk, _w, _s, variant) in go.TABLE.items():
+    for key, (_bn, bk, sk, _w, _s, variant) in [*go.TABLE.items(), *go.FP8_TABLE.items()]:
         n, k = key[:2]
         assert k % (bk * sk) == 0 and variant in (0, 1, 2), key
         assert variant != 2 or k // sk >= 2 * bk, key
@@ -95,14 +134,17 @@ def test_pdl_is_on_unless_turned_off(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
 @pytest.mark.parametrize("pdl", ["0", "1"])
-def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, monkeypatch):
+def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, weights, monkeypatch):
     import ninefold.ops as ops
     from ninefold.ops import references as ref
     from ninefold.ops.triton import gemv_pdl
 
     if pdl == "1" and not gemv_pdl.pdl_available():
         pytest.skip("no PDL here")
+    if weights == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 codes convert on compute capability 8.9+")
     monkeypatch.setenv("NINEFOLD_GEMV_PDL", pdl)
     torch.manual_seed(0)
     dev, dt, k, n = "cuda", torch.bfloat16, 4096, 6144
@@ -110,25 +152,35 @@ def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, monkeypatch):
     g = torch.randn(k, device=dev, dtype=dt)
     w = torch.randn(n, k, device=dev, dtype=dt) / 64
     w2 = torch.randn(k, n // 2, device=dev, dtype=dt) / 64
+    w3 = torch.randn(n // 4, k, device=dev, dtype=dt) / 64
+    if weights == "fp8":
+        w, w2, w3 = (ops.Fp8Weight.quantize(t) for t in (w, w2, w3))
+        dense = [t.dequantize(torch.float64).cpu() for t in (w, w2, w3)]
+        assert ops.choose("linear_fp8", x, w3, None) == "triton_pdl"
+    else:
+        dense = [w, w2, w3]
     assert ops.choose("add_rms_norm_linear", x, r, g, w, 1e-5, None) == "triton"
 
     def step():
         y, total = ops.add_rms_norm_linear(x, r, g, w, 1e-5)
-        return ops.silu_and_mul_linear(y, w2), y, total
+        out = ops.silu_and_mul_linear(y, w2)
+        return out, y, total, (ops.linear_fp8(out, w3) if weights == "fp8" else ops.linear(out, w3))
 
-    out, y, total = step()
+    out, y, total, last = step()
     normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
-    want = ref.linear(normed.to(dt), w)
+    want = ref.linear(normed.to(dt), dense[0])
     assert torch.equal(total.cpu().double(), want_total)  # references are float64 on the CPU
     assert ((y.cpu().double() - want).abs().max() / want.abs().max()).item() < 2e-2
-    want_out = ref.linear(ref.silu_and_mul(y).to(dt), w2)
+    want_out = ref.linear(ref.silu_and_mul(y).to(dt), dense[1])
     assert ((out.cpu().double() - want_out).abs().max() / want_out.abs().max()).item() < 2e-2
+    want_last = ref.linear(out, dense[2])
+    assert ((last.cpu().double() - want_last).abs().max() / want_last.abs().max()).item() < 2e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out, _, _ = step()
+        g_out, _, _, g_last = step()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(g_out, out)
+    assert torch.equal(g_out, out) and torch.equal(g_last, last)
 
 
 def test_launch_table_file_and_override(tmp_path, monkeypatch):

@@ -280,8 +280,10 @@ class LlamaForCausalLM:
         hidden = embed_rows(self.embed, input_ids)
         # Up to 32 rows on a GPU (decode steps of few sequences): the norms run in the prologues of the
         # q/k/v and gate_up GEMVs and the SwiGLU gate in down's (ops.*_linear; one kernel each where a
-        # GEMV applies, the unfused pair otherwise). Other shapes and the CPU take the unfused path.
-        fuse = hidden.shape[0] <= FUSED_MAX_ROWS and hidden.is_cuda and not self.packed and lora is None
+        # GEMV applies, the unfused pair otherwise; FP8 layers too). Other shapes, GGUF-packed layers and the
+        # CPU take the unfused path.
+        fuse = (hidden.shape[0] <= FUSED_MAX_ROWS and hidden.is_cuda and (self.fp8 or not self.packed)
+                and lora is None)
         residual = None
         for i, layer in enumerate(self.layers):
             if lora is not None:

@@ -20,6 +20,10 @@ ahead, all requested before ``gdc_wait``), or with ``DOT`` runs ``tl.dot`` on th
 Triton pipelines the weight stream. Measured on the H200 it beats cuBLAS at one row on every
 Llama-3-8B shape (``docs/perf/ops.md``, ``python -m ninefold.bench.decode_chain``).
 
+FP8 weights (``SCALED``): ``w_ptr`` holds ``float8_e4m3fn`` codes, widened in registers as they are used,
+and ``s_ptr`` one float32 scale per output row, applied to each program's sums (``ops.Fp8Weight``; x and y
+keep their dtype: weight-only FP8, half the bytes streamed).
+
 Split-K (``SPLIT_K > 1``): programs write float32 partials, the last to arrive at a column block
 (atomic counter) sums them, writes ``y`` and resets the counter to 0, so the call needs no separate
 reduction kernel and replays in CUDA graphs.
@@ -95,11 +99,11 @@ def _x_chunk(x_ptr, r_ptr, g_ptr, kk, rstd, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
-def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, eps,
+def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_ptr, s_ptr, N, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr, DOT: tl.constexpr = False,
                     PRECISION: tl.constexpr = "ieee", NORM_BLOCK: tl.constexpr = 1024,
-                    DEPTH: tl.constexpr = 1):
+                    DEPTH: tl.constexpr = 1, SCALED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if USE_GDC:
@@ -136,14 +140,14 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
         # The row padded to 16 for tl.dot, so Triton's pipeliner streams the weight tiles (cp.async).
         row0 = tl.arange(0, 16)[:, None] == 0
         x = _x_chunk(x_ptr, r_ptr, g_ptr, k_start + k, rstd, K, PROLOGUE)
-        xp = tl.where(row0, x[None, :], 0.0).to(w.dtype)
-        acc2 = tl.dot(xp, tl.trans(w), input_precision=PRECISION)
+        xp = tl.where(row0, x[None, :], 0.0).to(x_ptr.dtype.element_ty)
+        acc2 = tl.dot(xp, tl.trans(w.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
         w_base = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
         for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
             w = tl.load(w_base + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)
-            xp = tl.where(row0, x[None, :], 0.0).to(w.dtype)
-            acc2 = tl.dot(xp, tl.trans(w), acc2, input_precision=PRECISION)
+            xp = tl.where(row0, x[None, :], 0.0).to(x_ptr.dtype.element_ty)
+            acc2 = tl.dot(xp, tl.trans(w.to(x_ptr.dtype.element_ty)), acc2, input_precision=PRECISION)
         out = tl.sum(acc2, 0)
     else:
         # Register double buffering (Triton does not pipeline loads that feed no dot): tile i + 1 is
@@ -174,6 +178,8 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
                 x = x_next
         acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, 1)
+    if SCALED:  # FP8 codes: one float32 scale per output row
+        out *= tl.load(s_ptr + n, mask=n_ok, other=0.0)
     if SPLIT_K == 1:
         tl.store(y_ptr + n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:
@@ -189,7 +195,7 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
 
 
 _LAUNCH = Launcher(gemv_pdl_kernel, ("PROLOGUE", "BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_GDC", "DOT", "PRECISION",
-                                      "NORM_BLOCK", "DEPTH"))
+                                      "NORM_BLOCK", "DEPTH", "SCALED"))
 
 
 class Workspace:
@@ -220,7 +226,8 @@ WORKSPACE = Workspace()
 CONFIG = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4}
 
 
-def check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, block_k: int) -> int:
+def check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, block_k: int,
+          scales: torch.Tensor | None = None) -> int:
     """Validate a call; returns K. Raises ``ValueError``/``TypeError`` naming the argument."""
     if prologue not in PROLOGUES:
         raise ValueError(f"gemv_pdl: prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
@@ -234,7 +241,16 @@ def check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, bl
     if x.numel() != want or not x.is_contiguous():
         raise ValueError(f"gemv_pdl: x must be one contiguous row of {want} elements for weight "
                          f"{tuple(weight.shape)} and prologue {prologue!r}, got shape {tuple(x.shape)}")
-    if x.dtype != weight.dtype:
+    if weight.dtype == torch.float8_e4m3fn:
+        if scales is None or scales.dtype != torch.float32 or scales.shape != weight.shape[:1] or not scales.is_contiguous():
+            got = None if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
+            raise ValueError(f"gemv_pdl: FP8 weight codes need scales, a contiguous float32 [{weight.shape[0]}] "
+                             f"(one per row), got {got}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"gemv_pdl: x's dtype {x.dtype} must be bfloat16, float16 or float32 for FP8 weights")
+    elif scales is not None:
+        raise ValueError(f"gemv_pdl: scales are for float8_e4m3fn weight codes, got a {weight.dtype} weight")
+    elif x.dtype != weight.dtype:
         raise TypeError(f"gemv_pdl: x's dtype {x.dtype} must match weight's {weight.dtype}")
     if k % (split_k * block_k):
         raise ValueError(f"gemv_pdl: K = {k} must be a multiple of split_k * block_k = {split_k * block_k}")
@@ -245,8 +261,11 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual_out: torch.Tensor | None = None,
              split_k: int = 1, pdl: bool = False, out: torch.Tensor | None = None, block_n: int | None = None,
              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-             dot: bool = False, depth: int = 1) -> torch.Tensor:
+             dot: bool = False, depth: int = 1, scales: torch.Tensor | None = None) -> torch.Tensor:
     """``prologue(x) @ weight.T`` for one row ``x``; returns ``y [N]`` (``out`` when given).
+
+    ``weight`` is x's dtype, or ``float8_e4m3fn`` codes with ``scales`` (float32 ``[N]``, one per row:
+    ``y = (prologue(x) @ codes.T) * scales``, the codes widened in registers; x keeps its precision).
 
     ``prologue="add_rms_norm"`` needs ``residual``, ``norm_weight`` and ``residual_out`` (receives
     ``x + residual``); ``"silu_and_mul"`` takes gate_up's ``[2K]`` output as ``x``. ``pdl=True``
@@ -257,7 +276,7 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
     """
     block_n = block_n or CONFIG["block_n"]
     block_k = min(block_k or CONFIG["block_k"], weight.shape[1])
-    k = check(x, weight, prologue, split_k, block_k)
+    k = check(x, weight, prologue, split_k, block_k, scales)
     if depth not in (1, 2) or (depth == 2 and (dot or k // split_k < 2 * block_k)):
         raise ValueError(f"gemv_pdl: depth must be 1, or 2 without dot and with K / split_k >= 2 * block_k, "
                          f"got depth={depth!r} (dot={dot}, K={k}, split_k={split_k}, block_k={block_k})")
@@ -275,9 +294,11 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
     n_blocks = triton.cdiv(n, block_n)
     ws, cnt = (WORKSPACE.get(x.device, n, split_k, n_blocks) if split_k > 1 else (y, y))
     args = (x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-            residual_out if residual_out is not None else x, ws, cnt, n, k, weight.stride(0), float(eps))
+            residual_out if residual_out is not None else x, ws, cnt, scales if scales is not None else y, n, k,
+            weight.stride(0), float(eps))
     consts = (PROLOGUES[prologue], block_n, block_k, split_k, pdl, dot,
-              "ieee" if x.dtype == torch.float32 else "tf32", min(triton.next_power_of_2(k), 8192), depth)
+              "ieee" if x.dtype == torch.float32 else "tf32", min(triton.next_power_of_2(k), 8192), depth,
+              scales is not None)
     _LAUNCH((n_blocks, split_k), args, consts, num_warps=num_warps or CONFIG["num_warps"],
             num_stages=num_stages or CONFIG["num_stages"], device_index=x.device.index or 0, launch_pdl=pdl)
     return y

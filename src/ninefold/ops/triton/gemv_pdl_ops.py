@@ -4,7 +4,9 @@ few-rows sibling (``ninefold.ops.triton.gemv_rows``, 2..32 rows).
 - :func:`linear` (``triton_row`` of ``ops.linear``): ``x @ weight.T`` for 1..32 rows;
 - :func:`add_rms_norm_linear` (``triton`` of ``ops.add_rms_norm_linear``): the residual add and
   RMSNorm in the GEMV's prologue;
-- :func:`silu_and_mul_linear` (``triton`` of ``ops.silu_and_mul_linear``): SwiGLU in the prologue.
+- :func:`silu_and_mul_linear` (``triton`` of ``ops.silu_and_mul_linear``): SwiGLU in the prologue;
+- :func:`linear_fp8` (``triton_pdl`` of ``ops.linear_fp8``): one row of an ``Fp8Weight``, whose codes the
+  one-row GEMV streams (as the two fused operators do for FP8 weights; compute capability 8.9+).
 
 Each covers 1..32 rows on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
 functions name what they refuse); dispatch falls back to the vendor implementations otherwise.
@@ -30,6 +32,7 @@ import os
 
 import torch
 
+from ninefold.ops.fp8 import Fp8Weight
 from ninefold.ops.triton import gemv_pdl, gemv_rows
 
 # (N, K[, prologue]) -> (block_n, block_k, split_k, num_warps, num_stages, variant): the H200 sweep's
@@ -47,19 +50,23 @@ TABLE: dict[tuple, tuple] = {
     (4096, 14336, "silu_and_mul"): (16, 512, 1, 4, 2, 2),  # 29.3 us
     (128256, 4096, "add_rms_norm"): (32, 256, 1, 4, 2, 0),  # 240.9 us
 }
+# (N, K, prologue, "fp8") -> the same fields, for FP8 codes (``Fp8Weight``): half the bytes per tile.
+FP8_TABLE: dict[tuple, tuple] = {}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16)
-OVERRIDE: dict[tuple[int, int, str], tuple] = {}  # (N, K, prologue) -> config; benchmarks set it
+OVERRIDE: dict[tuple, tuple] = {}  # (N, K, prologue[, "fp8"]) -> config; benchmarks set it
 
 
 @functools.cache
 def _file_table(path: str) -> dict:
     """``NINEFOLD_GEMV_TABLE``: a JSON list of ``{"n", "k", "prologue", "config"}`` (what
-    ``python -m ninefold.bench.decode_chain`` writes as ``$OUT/gemv_table.json``)."""
+    ``python -m ninefold.bench.decode_chain`` writes as ``$OUT/gemv_table.json``), entries for FP8
+    weights with ``"weight": "fp8"`` (``python -m ninefold.bench.fp8_gemv``)."""
     try:
         with open(path) as f:
             entries = json.load(f)
-        table = {(int(e["n"]), int(e["k"]), str(e["prologue"])): tuple(int(v) for v in e["config"]) for e in entries}
+        table = {(int(e["n"]), int(e["k"]), str(e["prologue"])) + (("fp8",) if e.get("weight") == "fp8" else ()):
+                 tuple(int(v) for v in e["config"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"NINEFOLD_GEMV_TABLE={path!r}: expected a JSON list of {{n, k, prologue, config}} "
                          f"entries with 6-integer configs ({error})") from None
@@ -122,17 +129,20 @@ def rows_enabled() -> bool:
     return os.environ.get("NINEFOLD_GEMV_ROWS", "1") != "0"
 
 
-def config(n: int, k: int, prologue: str = "none") -> tuple:
-    """The launch configuration for an ``[n, k]`` weight with ``prologue``: ``OVERRIDE``, then the
-    ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE``; else split-K over 2 for narrow outputs (fewer than
-    8192 columns leave SMs idle) and one K pass otherwise."""
-    key = (n, k, prologue)
+def config(n: int, k: int, prologue: str = "none", fp8: bool = False) -> tuple:
+    """The launch configuration for an ``[n, k]`` weight with ``prologue`` (of FP8 codes with ``fp8``):
+    ``OVERRIDE``, then the ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE`` (``FP8_TABLE``); else split-K over
+    2 for narrow outputs (fewer than 8192 columns leave SMs idle) and one K pass otherwise."""
+    key = (n, k, prologue) + (("fp8",) if fp8 else ())
     found = OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_TABLE")
     if found is None and path:
         found = _file_table(path).get(key)
     if found is None:
-        found = TABLE.get(key) or TABLE.get((n, k))
+        if fp8:
+            found = FP8_TABLE.get(key) or FP8_TABLE.get((n, k, "none", "fp8"))
+        else:
+            found = TABLE.get(key) or TABLE.get((n, k))
     if found is not None:
         return found
     block_k = 256 if k % 256 == 0 else 64
@@ -140,7 +150,7 @@ def config(n: int, k: int, prologue: str = "none") -> tuple:
     return 16, block_k, split_k, 4, 2, 0
 
 
-def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str = "none") -> str | None:
+def _kernel_reason(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, k: int, prologue: str = "none") -> str | None:
     rows = _rows(x)
     if rows > gemv_rows.MAX_ROWS:
         return f"{rows} rows: at most {gemv_rows.MAX_ROWS}"
@@ -149,6 +159,13 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str 
             return f"dtype {x.dtype}: bfloat16 or float16 only"
     elif not (_INTERPRETED and x.device.type == "cpu"):
         return f"device {x.device.type}: CUDA only (or the CPU under TRITON_INTERPRET=1)"
+    fp8 = type(weight) is Fp8Weight
+    if fp8:
+        if rows != 1:
+            return f"{rows} rows of an FP8 weight: the one-row GEMV only (linear_fp8 runs the others)"
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
+            return "FP8 codes convert in Triton only on compute capability 8.9 or later"
+        weight = weight.codes
     if weight.stride(1) != 1 or not x.is_contiguous():
         return "weight rows and x must be contiguous"
     if rows > 1:
@@ -164,7 +181,7 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor, k: int, prologue: str 
         return None
     if rows < 1:
         return "no rows"
-    _, block_k, split_k, *_, variant = config(weight.shape[0], k, prologue)
+    _, block_k, split_k, *_, variant = config(weight.shape[0], k, prologue, fp8)
     if k % (block_k * split_k):
         return f"K = {k} is not a multiple of {block_k * split_k}"
     if variant == 2 and k // split_k < 2 * block_k:
@@ -190,14 +207,18 @@ def pdl_enabled() -> bool:
 
 
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
-    """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous); returns ``[rows, N]`` or ``[N]``."""
+    """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous; one row for an ``Fp8Weight``);
+    returns ``[rows, N]`` or ``[N]``."""
     pdl = x.device.type == "cuda" and pdl_enabled() and gemv_pdl.pdl_available(x.device)
+    fp8 = type(weight) is Fp8Weight
+    if fp8:
+        weight, kw["scales"] = weight.codes, weight.scales
     rows = _rows(x)
     if rows > 1:
         bn, bk, sk, nw, ns = rows_config(weight.shape[0], weight.shape[1], prologue, rows)
         return gemv_rows.gemv_rows(x.reshape(rows, -1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
                                    block_k=bk, num_warps=nw, num_stages=ns, **kw)
-    bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue)
+    bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue, fp8)
     return gemv_pdl.gemv_pdl(x.reshape(-1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
                              block_k=bk, num_warps=nw, num_stages=ns, dot=dot == 1, depth=2 if dot == 2 else 1, **kw)
 
@@ -206,6 +227,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T`` for 1..32 rows ``x [..., K]`` (``supports`` must have said yes) -> ``[..., N]``."""
     if bias is not None:
         raise ValueError("gemv_pdl_ops.linear: bias is not supported (got a bias tensor); use ops.linear")
+    return _launch(x, weight).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def supports_linear_fp8(x, weight, bias=None) -> str | None:
+    """``None`` when :func:`linear_fp8` runs this call, else the reason it does not."""
+    if bias is not None:
+        return "no bias"
+    return _kernel_reason(x, weight, weight.shape[1])
+
+
+def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.linear_fp8`` for one row ``x [..., K]`` (``supports_linear_fp8`` must have said yes)."""
     return _launch(x, weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -242,8 +275,8 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def register_all() -> None:
-    """Register ``triton_row`` for ``linear`` and ``triton`` for the two fused operators (CUDA, or the
-    CPU in float32 under the interpreter, where they only run when pinned)."""
+    """Register ``triton_row`` for ``linear``, ``triton`` for the two fused operators and ``triton_pdl`` for
+    ``linear_fp8`` (CUDA, or the CPU in float32 under the interpreter, where they only run when pinned)."""
     from ninefold.ops.registry import register
 
     devices = ("cuda", "cpu") if _INTERPRETED else ("cuda",)
@@ -254,3 +287,6 @@ def register_all() -> None:
              priority=priority)(add_rms_norm_linear)
     register("silu_and_mul_linear", "triton", devices=devices, dtypes=dtypes, supports=supports_silu_and_mul_linear,
              priority=priority)(silu_and_mul_linear)
+    # above linear_fp8's few-rows GEMV (triton_gemv, 20) for the one-row calls this takes
+    register("linear_fp8", "triton_pdl", devices=devices, dtypes=dtypes, supports=supports_linear_fp8,
+             priority={"cuda": 30, "cpu": -10})(linear_fp8)
