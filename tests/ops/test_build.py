@@ -176,13 +176,15 @@ kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
 ops.rope_and_cache(q, k, v, torch.arange(3), torch.randn(16, 8), kc, vc, torch.arange(3))
 ops.add_rms_norm_linear(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), torch.randn(5, 8))
 ops.silu_and_mul_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(5, 4, dtype=torch.bfloat16))
+ops.add_rms_norm_linear(torch.randn(1, 8), torch.randn(1, 8), torch.ones(8), ops.Fp8Weight.quantize(torch.randn(5, 8)))
 print("ran")
 """
 
 
 def test_a_kept_composite_brings_the_operators_its_implementation_calls(tmp_path):
     """The vendor rope_and_cache, add_rms_norm_linear and silu_and_mul_linear call other operators through
-    dispatch: a build keeping them keeps those, for their dtypes, with the vendor implementation only."""
+    dispatch: a build keeping them keeps those, for their dtypes, with the vendor implementation only (linear_fp8,
+    for FP8 weights, with dequantize: it has no vendor one)."""
     (tmp_path / "ops.toml").write_text(COMPOSITES)
     build.build(tmp_path / "ops.toml", tmp_path / "b")
     kept = json.loads((tmp_path / "b" / "manifest.json").read_text())["ops"]
@@ -193,6 +195,7 @@ def test_a_kept_composite_brings_the_operators_its_implementation_calls(tmp_path
                     "reshape_and_cache": {"dtypes": ["float32"], "impls": ["vendor"]},
                     "add_rms_norm": {"dtypes": ["float32"], "impls": ["vendor"]},
                     "linear": {"dtypes": ["float32", "bfloat16"], "impls": ["vendor"]},
+                    "linear_fp8": {"dtypes": ["float32", "bfloat16"], "impls": ["dequantize"]},
                     "silu_and_mul": {"dtypes": ["bfloat16"], "impls": ["vendor"]}}
     assert _probe(tmp_path / "b", COMPOSITE_PROBE) == ["ran"]
 

@@ -27,7 +27,7 @@ divisible by 16 assumed, as the JIT specialises) and registered with it under
 
 A kept implementation that calls other operators through dispatch (``register(..., calls=...)``: the
 vendor ``rope_and_cache`` runs ``rope`` and ``reshape_and_cache``) brings them into the build, for its
-dtypes, with their vendor implementation; where the manifest lists such an operator itself, its
+dtypes, with their vendor implementation (``dequantize`` for ``linear_fp8``, which has no vendor one); where the manifest lists such an operator itself, its
 dtypes must cover the caller's. (With ``fallback = "vendor"`` every vendor implementation is there.)
 """
 
@@ -209,8 +209,13 @@ def read_manifest(path) -> dict:
 
 def _keep_called_operators(ops: dict, where: str) -> None:
     """Add to ``ops`` (operator -> entry) the operators its kept implementations call through dispatch, for the
-    callers' dtypes, with their vendor implementation; an operator listed in the manifest must cover them."""
+    callers' dtypes, with their portable implementation (``vendor``; ``dequantize`` for the quantized linears,
+    which have no vendor one); an operator listed in the manifest must cover them."""
     from ninefold.ops import registry
+
+    def portable(op: str) -> str:
+        names = {i.name for i in registry.all_implementations(op)}
+        return "vendor" if "vendor" in names or "dequantize" not in names else "dequantize"
 
     added: set[str] = set()
     todo = list(ops)
@@ -222,14 +227,14 @@ def _keep_called_operators(ops: dict, where: str) -> None:
                 continue
             for called in impl.calls:
                 if called not in ops:
-                    ops[called] = {"dtypes": [], "impls": ["vendor"]}
+                    ops[called] = {"dtypes": [], "impls": [portable(called)]}
                     added.add(called)
                 missing = [d for d in entry["dtypes"] if d not in ops[called]["dtypes"]]
                 if missing and called not in added:
                     raise ValueError(f"{where}: {op}'s {impl.name!r} implementation calls {called}, and "
                                      f"[ops.{called}] leaves out {op}'s dtypes {', '.join(missing)}; add them to "
                                      f"[ops.{called}] dtypes (or drop [ops.{called}]: {called} is then kept with its "
-                                     f"vendor implementation for {op}'s dtypes)")
+                                     f"{portable(called)} implementation for {op}'s dtypes)")
                 if missing:
                     ops[called]["dtypes"] += missing
                     todo.append(called)

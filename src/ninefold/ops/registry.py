@@ -54,7 +54,7 @@ _TRITON_OPS = ("add_rms_norm", "add_rms_norm_linear", "argmax", "attention_decod
                "sample", "silu_and_mul", "silu_and_mul_linear", "softmax")
 CUDA_ONLY: dict[str, tuple[str, ...]] = {op: ("triton",) for op in _TRITON_OPS}
 CUDA_ONLY["linear"] = ("triton", "triton_gemm", "triton_row", "cublaslt", "cutlass")
-CUDA_ONLY["linear_fp8"] = ("triton_gemv",)
+CUDA_ONLY["linear_fp8"] = ("triton_gemv", "triton_pdl")
 
 
 def register(op: str, name: str, *, devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES, supports=None,
