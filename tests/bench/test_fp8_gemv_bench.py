@@ -18,6 +18,16 @@ def test_candidates_fit_k(name, n, k, prologue):
         assert variant != 2 or k // sk >= 2 * bk
 
 
+@pytest.mark.parametrize("rows", [4, 16])
+def test_few_rows_candidates_fit_k_and_launch_as_gemv_rows_takes_them(rows):
+    for _name, _n, k, _prologue in bench.LAYERS:
+        found = bench.candidates(k, rows)
+        assert len(found) >= 6 and all(len(c) == 5 and k % (c[1] * c[2]) == 0 for c in found)
+    args = bench._launch_args((32, 256, 2, 4, 3), rows, pdl=False)
+    assert args == dict(split_k=2, pdl=False, block_n=32, block_k=256, num_warps=4, num_stages=3)
+    assert bench._launch_args((16, 512, 1, 4, 2, 2), 1, pdl=True)["depth"] == 2
+
+
 def test_a_short_k_drops_the_candidates_it_cannot_hold():
     assert all(bk * sk <= 512 for _bn, bk, sk, *_ in bench.candidates(512))
     assert not any(c[5] == 2 and c[1] == 512 for c in bench.candidates(512))

@@ -60,7 +60,8 @@ def test_implementations_match_float64_in_the_interpreter():
     assert done.stdout.strip().endswith("ok"), done.stdout[-3000:]
 
 
-# FP8 weights: one row through the GEMV streaming the codes, more rows through the pairs (weight-only, x float32).
+# FP8 weights: 1..16 rows through the GEMVs streaming the codes (no table entry needed), more rows through the
+# pairs (weight-only, x float32).
 CHECK_FP8 = r"""
 import warnings
 import torch
@@ -72,24 +73,26 @@ w8 = ops.Fp8Weight.quantize(torch.randn(n, k))
 dense = w8.dequantize(torch.float64)
 g = torch.randn(k)
 with ops.use(linear_fp8="triton_pdl", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
-    x, r, a = torch.randn(1, k), torch.randn(1, k), torch.randn(1, 2 * k)
-    assert ops.choose("linear_fp8", x, w8, None) == "triton_pdl"
-    assert ops.choose("add_rms_norm_linear", x, r, g, w8, 1e-5, None) == "triton"
-    assert ops.choose("silu_and_mul_linear", a, w8, None) == "triton"
-    assert torch.allclose(ops.linear_fp8(x, w8).double(), x.double() @ dense.T, atol=1e-3, rtol=1e-4), "linear_fp8"
-    y, total = ops.add_rms_norm_linear(x, r, g, w8, 1e-5)
-    normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
-    assert torch.allclose(total.double(), want_total, atol=1e-6), "residual"
-    assert torch.allclose(y.double(), normed @ dense.T, atol=1e-3, rtol=1e-4), "add_rms_norm_linear"
-    y = ops.silu_and_mul_linear(a, w8)
-    assert torch.allclose(y.double(), ref.silu_and_mul(a) @ dense.T, atol=1e-3, rtol=1e-4), "silu_and_mul_linear"
-    with warnings.catch_warnings():  # three rows: the pinned GEMV steps aside for the unfused pair
+    for rows in (1, 3, 16):
+        x, r, a = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
+        assert ops.choose("linear_fp8", x, w8, None) == "triton_pdl"
+        assert ops.choose("add_rms_norm_linear", x, r, g, w8, 1e-5, None) == "triton"
+        assert ops.choose("silu_and_mul_linear", a, w8, None) == "triton"
+        y = ops.linear_fp8(x, w8)
+        assert torch.allclose(y.double(), x.double() @ dense.T, atol=1e-3, rtol=1e-4), ("linear_fp8", rows)
+        y, total = ops.add_rms_norm_linear(x, r, g, w8, 1e-5)
+        normed, want_total = ref.add_rms_norm(x, r, g, 1e-5)
+        assert torch.allclose(total.double(), want_total, atol=1e-6), ("residual", rows)
+        assert torch.allclose(y.double(), normed @ dense.T, atol=1e-3, rtol=1e-4), ("add_rms_norm_linear", rows)
+        y = ops.silu_and_mul_linear(a, w8)
+        assert torch.allclose(y.double(), ref.silu_and_mul(a) @ dense.T, atol=1e-3, rtol=1e-4), ("silu", rows)
+    with warnings.catch_warnings():  # 17 rows: the pinned GEMVs step aside for the unfused pair
         warnings.simplefilter("ignore")
-        x3, r3 = torch.randn(3, k), torch.randn(3, k)
-        assert ops.choose("add_rms_norm_linear", x3, r3, g, w8, 1e-5, None) == "vendor"
-        assert ops.choose("linear_fp8", x3, w8, None) != "triton_pdl"
-        y, _ = ops.add_rms_norm_linear(x3, r3, g, w8, 1e-5)
-        assert torch.allclose(y.double(), ref.add_rms_norm(x3, r3, g, 1e-5)[0] @ dense.T, atol=1e-3, rtol=1e-4)
+        x, r = torch.randn(17, k), torch.randn(17, k)
+        assert ops.choose("add_rms_norm_linear", x, r, g, w8, 1e-5, None) == "vendor"
+        assert ops.choose("linear_fp8", x, w8, None) != "triton_pdl"
+        y, _ = ops.add_rms_norm_linear(x, r, g, w8, 1e-5)
+        assert torch.allclose(y.double(), ref.add_rms_norm(x, r, g, 1e-5)[0] @ dense.T, atol=1e-3, rtol=1e-4)
 print("ok")
 """
 
@@ -134,9 +137,10 @@ def test_pdl_is_on_unless_turned_off(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("weights, rows", [("bf16", 1), ("fp8", 1), ("fp8", 5), ("fp8", 16)])
 @pytest.mark.parametrize("pdl", ["0", "1"])
-def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, weights, monkeypatch):
+def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, weights, rows, monkeypatch):
+    """One row (the one-row GEMV) and, for FP8 weights, 2..16 rows (the few-rows GEMV, no table entry needed)."""
     import ninefold.ops as ops
     from ninefold.ops import references as ref
     from ninefold.ops.triton import gemv_pdl
@@ -148,7 +152,7 @@ def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, weights, monkey
     monkeypatch.setenv("NINEFOLD_GEMV_PDL", pdl)
     torch.manual_seed(0)
     dev, dt, k, n = "cuda", torch.bfloat16, 4096, 6144
-    x, r = (torch.randn(1, k, device=dev, dtype=dt) for _ in range(2))
+    x, r = (torch.randn(rows, k, device=dev, dtype=dt) for _ in range(2))
     g = torch.randn(k, device=dev, dtype=dt)
     w = torch.randn(n, k, device=dev, dtype=dt) / 64
     w2 = torch.randn(k, n // 2, device=dev, dtype=dt) / 64

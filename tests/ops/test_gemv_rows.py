@@ -60,6 +60,22 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
                 if prologue == "add_rms_norm":
                     ulp = 2.0 ** -10 if dtype == torch.float16 else 1e-6
                     assert ((r_out.double() - s).abs() <= ulp * s.abs() + 1e-30).all(), "residual_out"
+# FP8 codes with a scale per row, x kept in its dtype (weight-only)
+for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+    for m, n, k, split_k, block_k in ((3, 50, 256, 1, 64), (16, 33, 512, 4, 128)):
+        scales = torch.rand(n) + 0.01
+        codes = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = codes.double() * scales.double()[:, None]
+        x, r = torch.randn(m, k).to(dtype), torch.randn(m, k).to(dtype)
+        g, a = torch.randn(k).to(dtype), torch.randn(m, 2 * k).to(dtype)
+        want, s = _references(x, w, r, g, a, dtype)
+        for prologue in ("none", "add_rms_norm", "silu_and_mul"):
+            kw = dict(residual=r, norm_weight=g, residual_out=torch.empty_like(r), eps=1e-5) if prologue == "add_rms_norm" else {}
+            y = gemv_rows(a if prologue == "silu_and_mul" else x, codes, prologue=prologue, split_k=split_k,
+                          block_n=16, block_k=block_k, scales=scales, **kw)
+            ref = want[prologue]
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            assert y.dtype == dtype and err < tol, ("fp8", prologue, dtype, m, n, k, split_k, err)
 for ws, cnt in WORKSPACE._bufs.values():
     assert int(cnt.abs().sum()) == 0, "split-K counters left non-zero"
 print("ok")
@@ -96,6 +112,8 @@ def test_residual_out_must_not_alias_norm_weight_must_fit_and_dtypes_must_match(
                      block_k=64)
     with pytest.raises(TypeError, match="dtype"):
         gr.gemv_rows(x.double(), w, block_k=64)
+    with pytest.raises(ValueError, match=r"gemv_rows: FP8 weight codes need scales"):
+        gr.gemv_rows(x, w.to(torch.float8_e4m3fn), block_k=64)
 
 
 def test_pdl_refused_without_a_hopper_gpu():
@@ -105,15 +123,15 @@ def test_pdl_refused_without_a_hopper_gpu():
         gr.gemv_rows(torch.randn(2, 64), torch.randn(8, 64), pdl=True, block_k=64)
 
 
-def _compile_sm90(prologue: int, split_k: int, block_m: int):
+def _compile_sm90(prologue: int, split_k: int, block_m: int, fp8: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = gr.gemv_rows_kernel
     consts = dict(PROLOGUE=prologue, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k, USE_GDC=True,
-                  PRECISION="tf32", NORM_BLOCK=gr.NORM_BLOCK)
-    types = dict(ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_x="i32", stride_wn="i32",
-                 eps="fp32")
+                  PRECISION="tf32", NORM_BLOCK=gr.NORM_BLOCK, SCALED=fp8)
+    types = dict(ws_ptr="*fp32", cnt_ptr="*i32", s_ptr="*fp32", M="i32", N="i32", K="i32", stride_x="i32",
+                 stride_wn="i32", eps="fp32", **({"w_ptr": "*fp8e4nv"} if fp8 else {}))
     sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if sig[n].startswith("*") or n in ("K", "stride_x", "stride_wn")}
@@ -122,14 +140,17 @@ def _compile_sm90(prologue: int, split_k: int, block_m: int):
 
 
 @pytest.mark.skipif(not gp.pdl_api(), reason="this Triton has no gdc_wait/launch_pdl")
-@pytest.mark.parametrize("prologue, split_k, block_m", [(0, 1, 16), (1, 2, 16), (2, 1, 16), (2, 4, 32), (1, 1, 32)])
-def test_sm90_code_loads_weights_before_waiting(prologue, split_k, block_m):
-    compiled = _compile_sm90(prologue, split_k, block_m)
+@pytest.mark.parametrize("prologue, split_k, block_m, fp8", [(0, 1, 16, False), (1, 2, 16, False), (2, 1, 16, False),
+                                                             (2, 4, 32, False), (1, 1, 32, False), (1, 1, 16, True),
+                                                             (2, 2, 16, True)])
+def test_sm90_code_loads_weights_before_waiting(prologue, split_k, block_m, fp8):
+    compiled = _compile_sm90(prologue, split_k, block_m, fp8)
     ptx = compiled.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
     trigger = next(i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line)
     early = [line for line in ptx[:wait] if "ld.global" in line]
-    assert trigger < wait and len(early) >= 8 and all("evict_first" in line for line in early)
+    # a 32 x 256 tile is 8 loads of 16 bytes per thread in 16-bit weights, 4 in FP8 codes
+    assert trigger < wait and len(early) >= (4 if fp8 else 8) and all("evict_first" in line for line in early)
     assert compiled.metadata.launch_pdl
     assert any("cp.async" in line for line in ptx[wait:])  # Triton pipelines the weight stream of the loop
 

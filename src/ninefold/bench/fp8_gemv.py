@@ -1,21 +1,22 @@
 """The one-row GEMV over FP8 weights against what FP8 decode ran before: ``python -m ninefold.bench.fp8_gemv`` (GPU).
 
-For each Llama-3.1-8B decode layer at one row (q/k/v and gate_up with the residual add + RMSNorm before
-them, q/k/v also bare as the first layer runs it, o, down with the SwiGLU gate before it), the time per
-call of:
+For each Llama-3.1-8B decode layer (q/k/v and gate_up with the residual add + RMSNorm before them, q/k/v
+also bare as the first layer runs it, o, down with the SwiGLU gate before it) at ``--rows`` rows (1, 4 and
+16 by default), the time per call of:
 
 - ``before``: the norm or gate as its own kernel, then ``linear_fp8``'s few-rows GEMV (``triton_gemv``):
-  what an FP8 model ran at batch 1 until the one-row GEMV took FP8 codes;
-- ``bf16``: the one-row GEMV on bfloat16 weights with its shipped launch configuration and fused prologue
-  (twice the bytes: the step FP8 is meant to halve);
-- each candidate configuration of the one-row GEMV on the FP8 codes (``gemv_pdl(..., scales=)``, its
-  prologue fused, with PDL where available),
+  what an FP8 model ran at 1..16 rows until the GEMVs with fused prologues took FP8 codes;
+- ``bf16`` (one row): the one-row GEMV on bfloat16 weights with its shipped launch configuration and fused
+  prologue (twice the bytes: the step FP8 is meant to halve);
+- each candidate configuration of the one-row GEMV (``gemv_pdl(..., scales=)``) or, at 2..16 rows, the
+  few-rows GEMV (``gemv_rows(..., scales=)``) on the FP8 codes, the prologue fused, with PDL where available,
 
 as CUDA graphs of back-to-back calls cycling through copies of the weight so that L2 does not serve it.
 Every configuration is checked against a float32 product of the dequantized weight before it is timed.
 
-Prints a table; writes ``$OUT/fp8_gemv.json`` (every timing) and ``$OUT/fp8_gemv_table.json`` (the fastest
-configuration per layer, ``NINEFOLD_GEMV_TABLE`` format with ``"weight": "fp8"``).
+Prints a table; writes ``$OUT/fp8_gemv.json`` (every timing), ``$OUT/fp8_gemv_table.json`` (the fastest
+one-row configuration per layer, ``NINEFOLD_GEMV_TABLE`` format with ``"weight": "fp8"``) and
+``$OUT/fp8_gemv_rows_table.json`` (per layer and row count, ``NINEFOLD_GEMV_ROWS_TABLE`` format).
 """
 
 from __future__ import annotations
@@ -45,9 +46,26 @@ CANDIDATES = [(16, 512, 1, 4, 2, 0), (16, 1024, 1, 4, 2, 0), (32, 512, 1, 4, 2, 
               (16, 512, 1, 4, 4, 1), (32, 1024, 1, 8, 3, 1)]
 
 
-def candidates(k: int) -> list[tuple]:
-    """The configurations that fit K (a multiple of block_k * split_k; two tiles per split for variant 2)."""
+# (block_n, block_k, split_k, num_warps, num_stages) of the few-rows GEMV (2..16 rows, tl.dot loop).
+ROWS_CANDIDATES = [(32, 256, 1, 4, 4), (32, 512, 1, 4, 3), (16, 256, 1, 4, 4), (16, 512, 1, 4, 3),
+                   (64, 256, 1, 4, 3), (32, 256, 2, 4, 4), (16, 512, 2, 4, 3), (64, 512, 1, 8, 3)]
+
+
+def candidates(k: int, rows: int = 1) -> list[tuple]:
+    """The configurations that fit K (a multiple of block_k * split_k; two tiles per split for variant 2)
+    for the one-row GEMV, or the few-rows GEMV's when ``rows`` > 1."""
+    if rows > 1:
+        return [c for c in ROWS_CANDIDATES if k % (c[1] * c[2]) == 0]
     return [c for c in CANDIDATES if k % (c[1] * c[2]) == 0 and (c[5] != 2 or k // c[2] >= 2 * c[1])]
+
+
+def _launch_args(cfg: tuple, rows: int, pdl: bool) -> dict:
+    if rows > 1:
+        bn, bk, sk, nw, ns = cfg
+        return dict(split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    bn, bk, sk, nw, ns, variant = cfg
+    return dict(split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=variant == 1,
+                depth=2 if variant == 2 else 1)
 
 
 def _before(kw: dict, weight, prologue: str) -> torch.Tensor:
@@ -61,43 +79,43 @@ def _before(kw: dict, weight, prologue: str) -> torch.Tensor:
         x = ops.silu_and_mul(kw["x"])
     else:
         x = kw["x"]
-    return linear_fp8(x.reshape(1, -1), weight)
+    return linear_fp8(x.reshape(-1, x.shape[-1]), weight)
 
 
-def bench_layer(name: str, n: int, k: int, prologue: str, copies: list, dense: list[torch.Tensor], pdl: bool,
-                bandwidth: float) -> dict:
-    """``before``, ``bf16`` and every FP8 candidate for one layer."""
+def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: list, dense: list[torch.Tensor],
+                pdl: bool, bandwidth: float) -> dict:
+    """``before``, ``bf16`` and every FP8 candidate for one layer at ``rows`` rows."""
     from ninefold.ops.triton import gemv_pdl_ops
     from ninefold.ops.triton.gemv_pdl import gemv_pdl
+    from ninefold.ops.triton.gemv_rows import gemv_rows
 
+    gemv = gemv_rows if rows > 1 else gemv_pdl
     w0 = copies[0]
-    kw, xin = _tuning_inputs(torch.empty(0, k, dtype=torch.bfloat16, device="cuda"), prologue, EPS)
-    want = w0.dequantize(torch.float32) @ xin
+    kw, xin = _tuning_inputs(torch.empty(0, k, dtype=torch.bfloat16, device="cuda"), prologue, EPS,
+                             rows if rows > 1 else None)
+    want = (xin @ w0.dequantize(torch.float32).T).reshape(-1)
     calls = 2 * len(copies)
-    row = {"layer": name, "n": n, "k": k, "prologue": prologue, "bound_us": w0.nbytes / bandwidth * 1e6,
+    row = {"layer": name, "n": n, "k": k, "prologue": prologue, "rows": rows, "bound_us": w0.nbytes / bandwidth * 1e6,
            "bf16_bound_us": n * k * 2 / bandwidth * 1e6}
     got = _before(kw, w0, prologue).float().reshape(-1)
     row["before_error"] = ((got - want).abs().max() / want.abs().max()).item()
     row["before_us"] = graph_us(lambda i: _before(kw, copies[i % len(copies)], prologue), calls)
-    bn, bk, sk, nw, ns, variant = gemv_pdl_ops.config(n, k, prologue)
-    bf16_args = {key: v for key, v in kw.items() if key != "x"}
-    bf16_args.update(split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=variant == 1,
-                     depth=2 if variant == 2 else 1)
-    row["bf16_us"] = graph_us(lambda i: gemv_pdl(kw["x"], dense[i % len(dense)], **bf16_args), 2 * len(dense))
+    if rows == 1:
+        bf16_args = {key: v for key, v in kw.items() if key != "x"}
+        bf16_args.update(_launch_args(gemv_pdl_ops.config(n, k, prologue), 1, pdl))
+        row["bf16_us"] = graph_us(lambda i: gemv_pdl(kw["x"], dense[i % len(dense)], **bf16_args), 2 * len(dense))
     row["configs"] = []
-    for cfg in candidates(k):
-        bn, bk, sk, nw, ns, variant = cfg
+    for cfg in candidates(k, rows):
         args = {key: v for key, v in kw.items() if key != "x"}
-        args.update(split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=variant == 1,
-                    depth=2 if variant == 2 else 1)
+        args.update(_launch_args(cfg, rows, pdl))
         entry = {"config": list(cfg)}
         try:
-            y = gemv_pdl(kw["x"], w0.codes, scales=w0.scales, **args)
-            err = ((y.float() - want).abs().max() / want.abs().max()).item()
+            y = gemv(kw["x"], w0.codes, scales=w0.scales, **args)
+            err = ((y.float().reshape(-1) - want).abs().max() / want.abs().max()).item()
             if not err < 2e-2:
                 raise AssertionError(f"relative error {err:.3g}")
-            entry["us"] = graph_us(lambda i, a=args: gemv_pdl(kw["x"], copies[i % len(copies)].codes,
-                                                              scales=copies[i % len(copies)].scales, **a), calls)
+            entry["us"] = graph_us(lambda i, a=args: gemv(kw["x"], copies[i % len(copies)].codes,
+                                                          scales=copies[i % len(copies)].scales, **a), calls)
         except Exception as error:  # reported per configuration; the others still run
             entry["error"] = repr(error)[:300]
         row["configs"].append(entry)
@@ -110,7 +128,12 @@ def bench_layer(name: str, n: int, k: int, prologue: str, copies: list, dense: l
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.fp8_gemv", description=__doc__.split("\n")[0])
-    parser.parse_args(argv)
+    parser.add_argument("--rows", default="1,4,16", help="row counts to time (1: the one-row GEMV; 2..16: the "
+                                                          "few-rows GEMV; default 1,4,16)")
+    args = parser.parse_args(argv)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if not all(1 <= r <= 16 for r in rows_list):
+        parser.error(f"--rows: got {args.rows!r}; expected row counts from 1 to 16")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         print("ninefold.bench.fp8_gemv needs a CUDA device of compute capability 8.9 or later (FP8); nothing "
               "measured.", file=sys.stderr)
@@ -123,25 +146,29 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = profile_device("cuda").bandwidth["copy"]
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e9:.0f} GB/s, PDL {'on' if pdl else 'off'}")
     torch.manual_seed(0)
-    results, table, t0 = [], [], time.perf_counter()
+    results, table, rows_table, t0 = [], [], [], time.perf_counter()
     for name, n, k, prologue in LAYERS:
         count = max(2, math.ceil((256 << 20) / (n * k)))
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(count)]
         copies = [ops.Fp8Weight.quantize(w) for w in dense]
-        row = bench_layer(name, n, k, prologue, copies, dense[: max(2, count // 2)], pdl, bandwidth)
-        results.append(row)
-        if "best" in row:
-            table.append({"n": n, "k": k, "prologue": prologue, "weight": "fp8", "config": row["best"]})
-        best = row.get("best_us", float("nan"))
-        print(f"{name:8s} {prologue:13s} bound {row['bound_us']:6.1f} us | before {row['before_us']:6.1f} | bf16 "
-              f"{row['bf16_us']:6.1f} (bound {row['bf16_bound_us']:.1f}) | FP8 GEMV {best:6.1f} "
-              f"({row['before_us'] / best:.2f}x before, {row['bound_us'] / best:.0%} of bound) {row.get('best')} "
-              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+        for rows in rows_list:
+            row = bench_layer(name, n, k, prologue, rows, copies, dense[: max(2, count // 2)], pdl, bandwidth)
+            results.append(row)
+            if "best" in row:
+                entry = {"n": n, "k": k, "prologue": prologue, "weight": "fp8", "config": row["best"]}
+                (table if rows == 1 else rows_table).append(entry if rows == 1 else {**entry, "rows": rows})
+            best = row.get("best_us", float("nan"))
+            bf16 = f"bf16 {row['bf16_us']:6.1f} (bound {row['bf16_bound_us']:.1f}) | " if "bf16_us" in row else ""
+            print(f"{name:8s} {prologue:13s} rows {rows:2d}: bound {row['bound_us']:6.1f} us | before "
+                  f"{row['before_us']:6.1f} | {bf16}FP8 GEMV {best:6.1f} ({row['before_us'] / best:.2f}x before, "
+                  f"{row['bound_us'] / best:.0%} of bound) {row.get('best')} [{time.perf_counter() - t0:.0f} s]",
+                  flush=True)
         del copies, dense
         torch.cuda.empty_cache()
     write_json("fp8_gemv.json", {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl,
                                  "results": results})
     write_json("fp8_gemv_table.json", table)
+    write_json("fp8_gemv_rows_table.json", rows_table)
     return 0
 
 

@@ -226,6 +226,21 @@ WORKSPACE = Workspace()
 CONFIG = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4}
 
 
+def check_weight_dtype(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """A weight of x's dtype, or FP8 codes with float32 scales per row (``TypeError``/``ValueError`` otherwise)."""
+    if weight.dtype == torch.float8_e4m3fn:
+        if scales is None or scales.dtype != torch.float32 or scales.shape != weight.shape[:1] or not scales.is_contiguous():
+            got = None if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
+            raise ValueError(f"{kernel}: FP8 weight codes need scales, a contiguous float32 [{weight.shape[0]}] "
+                             f"(one per row), got {got}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{kernel}: x's dtype {x.dtype} must be bfloat16, float16 or float32 for FP8 weights")
+    elif scales is not None:
+        raise ValueError(f"{kernel}: scales are for float8_e4m3fn weight codes, got a {weight.dtype} weight")
+    elif x.dtype != weight.dtype:
+        raise TypeError(f"{kernel}: x's dtype {x.dtype} must match weight's {weight.dtype}")
+
+
 def check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, block_k: int,
           scales: torch.Tensor | None = None) -> int:
     """Validate a call; returns K. Raises ``ValueError``/``TypeError`` naming the argument."""
@@ -241,17 +256,7 @@ def check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, bl
     if x.numel() != want or not x.is_contiguous():
         raise ValueError(f"gemv_pdl: x must be one contiguous row of {want} elements for weight "
                          f"{tuple(weight.shape)} and prologue {prologue!r}, got shape {tuple(x.shape)}")
-    if weight.dtype == torch.float8_e4m3fn:
-        if scales is None or scales.dtype != torch.float32 or scales.shape != weight.shape[:1] or not scales.is_contiguous():
-            got = None if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
-            raise ValueError(f"gemv_pdl: FP8 weight codes need scales, a contiguous float32 [{weight.shape[0]}] "
-                             f"(one per row), got {got}")
-        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"gemv_pdl: x's dtype {x.dtype} must be bfloat16, float16 or float32 for FP8 weights")
-    elif scales is not None:
-        raise ValueError(f"gemv_pdl: scales are for float8_e4m3fn weight codes, got a {weight.dtype} weight")
-    elif x.dtype != weight.dtype:
-        raise TypeError(f"gemv_pdl: x's dtype {x.dtype} must match weight's {weight.dtype}")
+    check_weight_dtype("gemv_pdl", x, weight, scales)
     if k % (split_k * block_k):
         raise ValueError(f"gemv_pdl: K = {k} must be a multiple of split_k * block_k = {split_k * block_k}")
     return k

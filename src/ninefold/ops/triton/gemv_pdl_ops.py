@@ -5,8 +5,10 @@ few-rows sibling (``ninefold.ops.triton.gemv_rows``, 2..32 rows).
 - :func:`add_rms_norm_linear` (``triton`` of ``ops.add_rms_norm_linear``): the residual add and
   RMSNorm in the GEMV's prologue;
 - :func:`silu_and_mul_linear` (``triton`` of ``ops.silu_and_mul_linear``): SwiGLU in the prologue;
-- :func:`linear_fp8` (``triton_pdl`` of ``ops.linear_fp8``): one row of an ``Fp8Weight``, whose codes the
-  one-row GEMV streams (as the two fused operators do for FP8 weights; compute capability 8.9+).
+- :func:`linear_fp8` (``triton_pdl`` of ``ops.linear_fp8``): 1..16 rows of an ``Fp8Weight``, whose codes
+  both GEMVs stream (as the two fused operators do for FP8 weights; compute capability 8.9+). Unlike
+  dense weights, FP8 calls of 2..16 rows run the few-rows GEMV without a table entry: the alternative
+  there is ``linear_fp8``'s own few-rows GEMV, the same loop without the prologue or PDL.
 
 Each covers 1..32 rows on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
 functions name what they refuse); dispatch falls back to the vendor implementations otherwise.
@@ -82,6 +84,15 @@ def _file_table(path: str) -> dict:
 # 32 (the row count rounded up to a power of two).
 ROWS_TABLE: dict[tuple, tuple] = {}
 ROWS_OVERRIDE: dict[tuple, tuple] = {}  # benchmarks set it
+# FP8 weights (keys ending in "fp8"): the alternative at 2..16 rows is linear_fp8's few-rows GEMV, the same loop
+# without the prologue or PDL, so calls no table lists run with this configuration (that kernel's own).
+FP8_ROWS_TABLE: dict[tuple, tuple] = {}
+FP8_MAX_ROWS = 16  # more rows: linear_fp8's scaled_mm (FP8 tensor cores)
+
+
+def fp8_rows_default(k: int) -> tuple:
+    """(block_n, block_k, split_k, num_warps, num_stages) of the few-rows GEMV over FP8 codes no table lists."""
+    return (32, 512, 1, 4, 3) if k >= 8192 and k % 512 == 0 else (32, 256, 1, 4, 4)
 
 
 def rows_bucket(rows: int) -> int:
@@ -92,11 +103,13 @@ def rows_bucket(rows: int) -> int:
 @functools.cache
 def _rows_file_table(path: str) -> dict:
     """``NINEFOLD_GEMV_ROWS_TABLE``: a JSON list of ``{"n", "k", "prologue", "rows", "config"}`` with 5-integer
-    configs or ``[]`` (what ``python -m ninefold.bench.gemv_rows`` writes as ``$OUT/gemv_rows_table.json``)."""
+    configs or ``[]`` (what ``python -m ninefold.bench.gemv_rows`` writes as ``$OUT/gemv_rows_table.json``),
+    entries for FP8 weights with ``"weight": "fp8"``."""
     try:
         with open(path) as f:
             entries = json.load(f)
-        table = {(int(e["n"]), int(e["k"]), str(e["prologue"]), int(e["rows"])): tuple(int(v) for v in e["config"])
+        table = {(int(e["n"]), int(e["k"]), str(e["prologue"]), int(e["rows"]))
+                 + (("fp8",) if e.get("weight") == "fp8" else ()): tuple(int(v) for v in e["config"])
                  for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"NINEFOLD_GEMV_ROWS_TABLE={path!r}: expected a JSON list of {{n, k, prologue, rows, "
@@ -108,18 +121,19 @@ def _rows_file_table(path: str) -> dict:
     return table
 
 
-def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16) -> tuple:
+def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16, fp8: bool = False) -> tuple:
     """The launch configuration of the few-rows GEMV for ``rows`` rows of an ``[n, k]`` weight with
     ``prologue``: ``ROWS_OVERRIDE``, then the ``NINEFOLD_GEMV_ROWS_TABLE`` file, then ``ROWS_TABLE``
     (each by rows bucket). ``()`` (the call is declined: cuBLAS and the unfused pair run) where none
-    has the call: the few-rows GEMV runs only where a measurement chose it."""
-    key = (n, k, prologue, rows_bucket(rows))
+    has the call: the few-rows GEMV runs only where a measurement chose it. FP8 codes (``fp8``) look up
+    keys ending in ``"fp8"`` and ``FP8_ROWS_TABLE``, else run :func:`fp8_rows_default`."""
+    key = (n, k, prologue, rows_bucket(rows)) + (("fp8",) if fp8 else ())
     found = ROWS_OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_ROWS_TABLE")
     if found is None and path:
         found = _rows_file_table(path).get(key)
     if found is None:
-        found = ROWS_TABLE.get(key)
+        found = FP8_ROWS_TABLE.get(key, fp8_rows_default(k)) if fp8 else ROWS_TABLE.get(key)
     return found if found is not None else ()
 
 
@@ -161,8 +175,8 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, k: int, pr
         return f"device {x.device.type}: CUDA only (or the CPU under TRITON_INTERPRET=1)"
     fp8 = type(weight) is Fp8Weight
     if fp8:
-        if rows != 1:
-            return f"{rows} rows of an FP8 weight: the one-row GEMV only (linear_fp8 runs the others)"
+        if rows > FP8_MAX_ROWS:
+            return f"{rows} rows of an FP8 weight: at most {FP8_MAX_ROWS} (linear_fp8's scaled_mm runs more)"
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
             return "FP8 codes convert in Triton only on compute capability 8.9 or later"
         weight = weight.codes
@@ -171,7 +185,7 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, k: int, pr
     if rows > 1:
         if not rows_enabled():
             return f"{rows} rows: the few-rows GEMV is off (NINEFOLD_GEMV_ROWS=0)"
-        found = rows_config(weight.shape[0], k, prologue, rows)
+        found = rows_config(weight.shape[0], k, prologue, rows, fp8)
         if not found:
             return (f"{rows} rows of [{weight.shape[0]}, {k}] ({prologue}): no few-rows GEMV configuration measured "
                     f"faster than cuBLAS (ROWS_TABLE, NINEFOLD_GEMV_ROWS_TABLE)")
@@ -207,7 +221,7 @@ def pdl_enabled() -> bool:
 
 
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
-    """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous; one row for an ``Fp8Weight``);
+    """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous; 1..16 for an ``Fp8Weight``);
     returns ``[rows, N]`` or ``[N]``."""
     pdl = x.device.type == "cuda" and pdl_enabled() and gemv_pdl.pdl_available(x.device)
     fp8 = type(weight) is Fp8Weight
@@ -215,7 +229,7 @@ def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
         weight, kw["scales"] = weight.codes, weight.scales
     rows = _rows(x)
     if rows > 1:
-        bn, bk, sk, nw, ns = rows_config(weight.shape[0], weight.shape[1], prologue, rows)
+        bn, bk, sk, nw, ns = rows_config(weight.shape[0], weight.shape[1], prologue, rows, fp8)
         return gemv_rows.gemv_rows(x.reshape(rows, -1), weight, prologue=prologue, split_k=sk, pdl=pdl, block_n=bn,
                                    block_k=bk, num_warps=nw, num_stages=ns, **kw)
     bn, bk, sk, nw, ns, dot = config(weight.shape[0], weight.shape[1], prologue, fp8)
@@ -231,14 +245,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def supports_linear_fp8(x, weight, bias=None) -> str | None:
-    """``None`` when :func:`linear_fp8` runs this call, else the reason it does not."""
+    """``None`` when :func:`linear_fp8` runs this call (1..16 rows), else the reason it does not."""
     if bias is not None:
         return "no bias"
     return _kernel_reason(x, weight, weight.shape[1])
 
 
 def linear_fp8(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.linear_fp8`` for one row ``x [..., K]`` (``supports_linear_fp8`` must have said yes)."""
+    """``ops.linear_fp8`` for 1..16 rows ``x [..., K]`` (``supports_linear_fp8`` must have said yes)."""
     return _launch(x, weight).reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -16,6 +16,9 @@ Prologues (``PROLOGUE``), as the one-row kernel's:
   ``residual_out`` (another buffer: the other programs still read ``residual``);
 - ``2``: SwiGLU: ``x[m, k] = silu(a[m, k]) * a[m, K + k]`` for gate_up's ``[M, 2K]`` output.
 
+FP8 weights (``SCALED``): ``w_ptr`` holds ``float8_e4m3fn`` codes, widened to x's dtype per tile, and
+``s_ptr`` one float32 scale per output row, applied to the sums (weight-only FP8, as the one-row kernel).
+
 Split-K (``SPLIT_K > 1``): float32 partials, the last program to arrive at a column block (atomic
 counter) sums them in split order, stores ``y`` and resets its counter, so a call is one launch and
 replays in CUDA graphs.
@@ -27,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.gemv_pdl import PROLOGUES, WORKSPACE, pdl_available, rms_normed, silu_gated
+from ninefold.ops.triton.gemv_pdl import (
+    PROLOGUES,
+    WORKSPACE,
+    check_weight_dtype,
+    pdl_available,
+    rms_normed,
+    silu_gated,
+)
 from ninefold.ops.triton.launch import Launcher
 
 MIN_ROWS, MAX_ROWS = 2, 32
@@ -57,10 +67,10 @@ def _rows_chunk(x_ptr, r_ptr, g_ptr, rows, rows_ok, kk, rstd, stride_x, K, PROLO
 
 
 @triton.jit(do_not_specialize=["M"])
-def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x, stride_wn,
-                     eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_ptr, s_ptr, M, N, K, stride_x,
+                     stride_wn, eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr, PRECISION: tl.constexpr,
-                     NORM_BLOCK: tl.constexpr):
+                     NORM_BLOCK: tl.constexpr, SCALED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if USE_GDC:
@@ -93,11 +103,13 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_p
             sq += s * s
         rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)
     x = _rows_chunk(x_ptr, r_ptr, g_ptr, rows, rows_ok, k_start + k, rstd, stride_x, K, PROLOGUE)
-    acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
     for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
         w = tl.load(w_base + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         x = _rows_chunk(x_ptr, r_ptr, g_ptr, rows, rows_ok, k0 + k, rstd, stride_x, K, PROLOGUE)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, input_precision=PRECISION)
+    if SCALED:  # FP8 codes: one float32 scale per output row
+        acc *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
     out_ok = rows_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptr + rows[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
@@ -115,10 +127,11 @@ def gemv_rows_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_p
 
 
 _LAUNCH = Launcher(gemv_rows_kernel, ("PROLOGUE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_GDC", "PRECISION",
-                                       "NORM_BLOCK"))
+                                       "NORM_BLOCK", "SCALED"))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, block_k: int) -> tuple[int, int]:
+def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, block_k: int,
+           scales: torch.Tensor | None = None) -> tuple[int, int]:
     """Validate a call; returns (M, K). Raises ``ValueError``/``TypeError`` naming the argument."""
     if prologue not in PROLOGUES:
         raise ValueError(f"gemv_rows: prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
@@ -132,8 +145,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, b
     if x.dim() != 2 or x.shape[1] != width or not x.is_contiguous() or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"gemv_rows: x must be a contiguous [M, {width}] tensor with {MIN_ROWS} <= M <= {MAX_ROWS} "
                          f"for weight {tuple(weight.shape)} and prologue {prologue!r}, got shape {tuple(x.shape)}")
-    if x.dtype != weight.dtype:
-        raise TypeError(f"gemv_rows: x's dtype {x.dtype} must match weight's {weight.dtype}")
+    check_weight_dtype("gemv_rows", x, weight, scales)
     if k % (split_k * block_k):
         raise ValueError(f"gemv_rows: K = {k} must be a multiple of split_k * block_k = {split_k * block_k}")
     return x.shape[0], k
@@ -142,9 +154,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, split_k: int, b
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", residual: torch.Tensor | None = None,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual_out: torch.Tensor | None = None,
               split_k: int = 1, pdl: bool = False, out: torch.Tensor | None = None, block_n: int | None = None,
-              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
     """``prologue(x) @ weight.T`` for ``x [M, K]`` (``[M, 2K]`` for ``"silu_and_mul"``), 2 <= M <= 32;
-    returns ``y [M, N]`` (``out`` when given).
+    returns ``y [M, N]`` (``out`` when given). ``weight`` is x's dtype, or ``float8_e4m3fn`` codes with
+    ``scales`` (float32 ``[N]``, one per row), as for ``gemv_pdl``.
 
     ``prologue="add_rms_norm"`` needs ``residual`` and ``residual_out`` (``[M, K]``, contiguous; the
     latter receives ``x + residual``) and ``norm_weight`` (``[K]``). ``pdl=True`` launches with
@@ -152,7 +166,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", 
     """
     block_n = block_n or CONFIG["block_n"]
     block_k = min(block_k or CONFIG["block_k"], weight.shape[1])
-    m, k = _check(x, weight, prologue, split_k, block_k)
+    m, k = _check(x, weight, prologue, split_k, block_k, scales)
     n = weight.shape[0]
     if prologue == "add_rms_norm":
         for name, t in (("residual", residual), ("residual_out", residual_out)):
@@ -171,10 +185,10 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", 
     bm = block_m(m)
     ws, cnt = (WORKSPACE.get(x.device, n * bm, split_k, n_blocks) if split_k > 1 else (y, y))
     args = (x, weight, y, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-            residual_out if residual_out is not None else x, ws, cnt, m, n, k, x.stride(0), weight.stride(0),
-            float(eps))
+            residual_out if residual_out is not None else x, ws, cnt, scales if scales is not None else y, m, n, k,
+            x.stride(0), weight.stride(0), float(eps))
     consts = (PROLOGUES[prologue], bm, block_n, block_k, split_k, pdl,
-              "ieee" if x.dtype == torch.float32 else "tf32", NORM_BLOCK)
+              "ieee" if x.dtype == torch.float32 else "tf32", NORM_BLOCK, scales is not None)
     _LAUNCH((n_blocks, split_k), args, consts, num_warps=num_warps or CONFIG["num_warps"],
             num_stages=num_stages or CONFIG["num_stages"], device_index=x.device.index or 0, launch_pdl=pdl)
     return y
