@@ -328,7 +328,52 @@ def test_an_engine_built_in_a_thread_that_ends_keeps_its_workers(model_dirs):
         llm.close()
 
 
-def test_phi3_is_refused_under_tensor_parallelism_naming_why(model_dirs):
-    with pytest.raises(ValueError, match="tensor_parallel_size: got 2, but this model cannot be split 2 ways: Phi-3's "
-                                         "stacked qkv_proj and gate_up_proj are not split across ranks yet"):
-        LLM(str(model_dirs["phi3"]), device="cpu", tensor_parallel_size=2)
+def test_stacked_projections_split_into_each_ranks_own_stacked_matrices():
+    """Phi-3's qkv_proj and gate_up_proj: a rank's matrix stacks its rows of q, k and v (of gate and up), as the
+    unstacked checkpoint's q_proj, k_proj, v_proj (gate_proj, up_proj) would be sliced for it."""
+    config = ModelConfig.from_dict(dict(architectures=["Phi3ForCausalLM"], hidden_size=8 * 4, intermediate_size=12,
+                                        num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1,
+                                        vocab_size=50))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, 32, generator=gen) for rows in (32, 8, 8))
+    gate, up = torch.randn(12, 32, generator=gen), torch.randn(12, 32, generator=gen)
+    p = "model.layers.0."
+    full = {p + "self_attn.qkv_proj.weight": torch.cat([q, k, v]), p + "mlp.gate_up_proj.weight": torch.cat([gate, up])}
+    for size in (2, 4):
+        for rank in range(size):
+            plan = shard_plan(config, rank, size)
+            got = shard_tensors(full, config, plan, keep_lm_head=False)
+            qs, kvs = slice(plan.q_heads[0] * 4, plan.q_heads[1] * 4), slice(plan.kv_heads[0] * 4, plan.kv_heads[1] * 4)
+            cs = slice(*plan.channels)
+            assert torch.equal(got[p + "self_attn.qkv_proj.weight"], torch.cat([q[qs], k[kvs], v[kvs]])), (size, rank)
+            assert torch.equal(got[p + "mlp.gate_up_proj.weight"], torch.cat([gate[cs], up[cs]])), (size, rank)
+
+
+def test_two_ranks_of_phi3_generate_transformers_greedy_tokens_reading_only_their_slices(model_dirs):
+    from ninefold.llm.loader import load_checkpoint
+
+    path = model_dirs["phi3"]
+    full, part = load_checkpoint(str(path)), load_checkpoint(str(path), tensor_parallel=(1, 2))
+    config = ModelConfig.from_dict(full.config)
+    want = shard_tensors(full.tensors, config, shard_plan(config, 1, 2), keep_lm_head=True)
+    assert all(torch.equal(part.tensors[name], tensor) for name, tensor in want.items())
+    with LLM(str(path), device="cpu", block_size=8, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        prompts = prompts_for(llm.engine.model_config.vocab_size)
+        assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
+
+
+def test_longrope_factors_follow_the_pool_on_every_rank(tmp_path):
+    """A pool capping the context below the pretraining one picks the short factors on rank 0 and the workers alike
+    (a worker on the long ones would rotate its heads' keys differently: tokens would part from transformers')."""
+    from test_phi3 import LONGROPE
+    from tiny_models import build_model_dir
+
+    path = build_model_dir(tmp_path / "longrope", "phi3", rope_parameters=LONGROPE,
+                           original_max_position_embeddings=64, max_position_embeddings=512)
+    with LLM(str(path), device="cpu", block_size=16, num_kv_blocks=4, tensor_parallel_size=2) as llm:
+        assert llm.engine.max_model_len == 64
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(3, 17))
+        assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
+    with LLM(str(path), device="cpu", block_size=16, num_kv_blocks=16, tensor_parallel_size=2) as llm:
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(70, 100))
+        assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]

@@ -18,7 +18,6 @@ import torch
 from ninefold.llm.config import (
     ModelConfig,
     resolve_dtype,
-    rope_cos_sin_cache,
     rope_fingerprint,
     split_engine_args,
 )
@@ -164,12 +163,11 @@ class LLMEngine:
     def _fit_rope_to_context(self) -> None:
         """A KV pool smaller than the configured context caps the sequences; longrope's factors follow that cap
         (a Phi-3.5 engine whose pool holds at most 4096 tokens runs the short factors, as transformers does for
-        sequences that short). Before any graph is captured; not under tensor parallelism (Phi-3 is refused)."""
+        sequences that short). Before any graph is captured; under tensor parallelism on every rank."""
         capped = rope_fingerprint(self.model_config, self.max_model_len)
-        if capped == self.rope_fingerprint or self.parallel_group is not None:
+        if capped == self.rope_fingerprint:
             return
-        rows = self.model.cos_sin.shape[0]
-        self.model.cos_sin = rope_cos_sin_cache(self.model_config, rows, self.device, context=self.max_model_len)
+        self.model.fit_rope(self.max_model_len)
         self.rope_fingerprint = capped
 
     def _make_pool(self, max_len: int) -> KVCachePool:

@@ -200,9 +200,11 @@ def _read_weights(path: Path, index_for=None) -> tuple[dict[str, torch.Tensor], 
                     if index is None:
                         tensors[name] = handle.get_tensor(stored)
                     else:
+                        from ninefold.llm.parallel.sharding import take
+
                         part = handle.get_slice(stored)
                         full_shapes[name] = tuple(part.get_shape())
-                        tensors[name] = part[index]
+                        tensors[name] = take(part, index)
                     origin[name] = file.name
         except SafetensorError as error:
             raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {error}") from error

@@ -265,6 +265,11 @@ class LlamaForCausalLM:
         embedding tables as stored)."""
         return self.weights.nbytes + sum(p.nbytes for p in (*self.packed.values(), *self.tables.values()))
 
+    def fit_rope(self, context: int) -> None:
+        """Rebuild the rotary table (same rows) for sequences of at most ``context`` tokens: longrope picks its
+        factors by the longest sequence the engine runs."""
+        self.cos_sin = rope_cos_sin_cache(self.config, self.cos_sin.shape[0], self.cos_sin.device, context=context)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 lora=None) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, D]``, for token ids and positions ``[T]``.

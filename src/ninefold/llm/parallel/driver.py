@@ -276,6 +276,11 @@ class ParallelModel:
             raise
         self.group.agree_loaded(None, "allocate their KV cache")
 
+    def fit_rope(self, context: int) -> None:
+        """Rebuild the rotary table for ``context`` here and on every worker (longrope's factors follow it)."""
+        self.group.send(protocol.encode_command(Op.FIT_ROPE, context))
+        self.model.fit_rope(context)
+
     def __getattr__(self, name: str):
         return getattr(self.model, name)
 

@@ -20,13 +20,14 @@ class Op(enum.IntEnum):
     FORWARD = 1
     BIND_KV_CACHE = 2
     STOP = 3
+    FIT_ROPE = 4
 
 
 # The tensors of a forward pass, in payload order, with the dtype the model takes them in.
 _FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
            ("block_tables", torch.int32), ("context_lens", torch.int32), ("cu_seqlens_q", torch.int32),
            ("cu_seqlens_k", torch.int32), ("decode_context_lens", torch.int32))
-_FIXED = 6  # op, use_cache, num_decodes, max_seqlen_q, max_seqlen_k, BIND_KV_CACHE's block count
+_FIXED = 6  # op, use_cache, num_decodes, max_seqlen_q, max_seqlen_k, a command's value (blocks, context)
 HEADER_SIZE = _FIXED + 3 * len(_FIELDS)
 HEADER_BYTES = 8 * HEADER_SIZE
 
@@ -54,7 +55,8 @@ def encode_forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: Atten
 
 
 def encode_command(op: Op, value: int = 0) -> bytes:
-    """Rank 0: the header of a command without payload (``value``: BIND_KV_CACHE's block count)."""
+    """Rank 0: the header of a command without payload (``value``: BIND_KV_CACHE's block count, FIT_ROPE's
+    context)."""
     header = np.zeros(HEADER_SIZE, dtype=np.int64)
     header[0], header[5] = int(op), value
     return header.tobytes()
@@ -63,8 +65,8 @@ def encode_command(op: Op, value: int = 0) -> bytes:
 def decode(header: bytes, comm, device: torch.device):
     """A worker: the command in ``header``, receiving a forward pass's payload from rank 0.
 
-    Returns ``(Op.FORWARD, (input_ids, positions, meta))``, ``(Op.BIND_KV_CACHE, num_blocks)`` or
-    ``(Op.STOP, 0)``."""
+    Returns ``(Op.FORWARD, (input_ids, positions, meta))``, ``(Op.BIND_KV_CACHE, num_blocks)``,
+    ``(Op.FIT_ROPE, context)`` or ``(Op.STOP, 0)``."""
     values = np.frombuffer(header, dtype=np.int64).tolist()
     op = Op(values[0])
     if op is not Op.FORWARD:

@@ -7,6 +7,9 @@ are replicated; the output layer lives on rank 0 only, which samples (no gather 
 
 With fewer key/value heads than ranks, each key/value head is replicated on the ranks whose query
 heads read it (``size`` must then be a multiple of the key/value heads).
+
+Checkpoints that store q/k/v and gate/up stacked (Phi-3's ``qkv_proj``, ``gate_up_proj``) give each rank
+its slice of every part, stacked in the same order: the local matrix of a rank's own heads and channels.
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ def check_parallel_size(config: ModelConfig, size: int) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size: expected a positive int, got {size!r}")
     problems = []
-    if config.architecture in STACKED_PROJECTIONS and size > 1:
-        problems.append("Phi-3's stacked qkv_proj and gate_up_proj are not split across ranks yet")
     if config.num_heads % size:
         problems.append(f"num_attention_heads={config.num_heads} is not a multiple of it")
     if config.num_kv_heads % size and size % config.num_kv_heads:
@@ -68,12 +69,26 @@ def shard_plan(config: ModelConfig, rank: int, size: int) -> ShardPlan:
     return ShardPlan(rank, size, (rank * hq, (rank + 1) * hq), kv, (rank * inter, (rank + 1) * inter))
 
 
-def shard_index(name: str, config: ModelConfig, plan: ShardPlan) -> tuple[slice, ...] | None:
-    """The part of HF tensor ``name`` that ``plan``'s rank holds, as an index into the full tensor (None: all of it)."""
+Index = tuple[slice, ...]
+
+
+def _shifted(part: slice, offset: int) -> Index:
+    return (slice(part.start + offset, part.stop + offset),)
+
+
+def shard_index(name: str, config: ModelConfig, plan: ShardPlan) -> Index | list[Index] | None:
+    """The part of HF tensor ``name`` that ``plan``'s rank holds, as an index into the full tensor (None: all of it),
+    or for a stacked projection the list of indices whose rows, concatenated, are the rank's stacked matrix."""
     dh = config.head_dim
     q = slice(plan.q_heads[0] * dh, plan.q_heads[1] * dh)
     kv = slice(plan.kv_heads[0] * dh, plan.kv_heads[1] * dh)
     channels = slice(*plan.channels)
+    if config.architecture in STACKED_PROJECTIONS:
+        q_rows, kv_rows = config.num_heads * dh, config.num_kv_heads * dh
+        if name.endswith("self_attn.qkv_proj.weight"):
+            return [(q,), _shifted(kv, q_rows), _shifted(kv, q_rows + kv_rows)]
+        if name.endswith("mlp.gate_up_proj.weight"):
+            return [(channels,), _shifted(channels, config.intermediate_size)]
     if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         return (q,)
     if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
@@ -98,6 +113,14 @@ def shard_tensors(tensors: dict, config: ModelConfig, plan: ShardPlan, *, keep_l
         if name == "lm_head.weight" and not keep_lm_head:
             continue
         t = tensor.dequantize(torch.float32) if isinstance(tensor, QUANTIZED) else tensor
-        index = shard_index(name, config, plan)
-        out[name] = t if index is None else t[index].contiguous()
+        out[name] = take(t, shard_index(name, config, plan))
     return out
+
+
+def take(tensor, index: Index | list[Index] | None) -> torch.Tensor:
+    """``tensor`` (a tensor, or a safetensors slice) at ``shard_index``'s ``index``, as a contiguous tensor."""
+    if index is None:
+        return tensor
+    if isinstance(index, list):
+        return torch.cat([tensor[part] for part in index])
+    return tensor[index].contiguous()

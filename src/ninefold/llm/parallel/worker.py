@@ -57,6 +57,8 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> 
                     error = e
                 if not _all_succeeded(comm, error):
                     return
+            elif op is Op.FIT_ROPE:
+                rank_model.fit_rope(value)
             else:
                 rank_model.forward(*value)
 
