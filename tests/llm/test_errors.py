@@ -157,13 +157,16 @@ def test_a_token_budget_above_max_model_len_is_profiled_within_the_rotary_table(
 
 
 @pytest.mark.parametrize("extra, message", [
-    (dict(partial_rotary_factor=0.75), r"partial_rotary_factor: got 0.75; supported: 1.0 \(rope over the whole head\)"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
-     r"partial_rotary_factor: got 0.5"),
+    (dict(partial_rotary_factor=0.2), r"partial_rotary_factor: got 0.2, which rotates 3 of the head's 16 dimensions; "
+     r"supported: an even count of at least 2 with an even remainder"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}),
+     r"partial_rotary_factor: got 1.5; expected a number in \(0, 1\]"),
+    (dict(partial_rotary_factor=0.0), r"partial_rotary_factor: got 0.0; expected a number in \(0, 1\]"),
+    (dict(partial_rotary_factor=0.1), r"partial_rotary_factor: got 0.1, which rotates 1 of the head's 16"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
      r"rope_scaling: got rope_type 'dynamic'; supported: 'default', 'llama3', 'freq_factors', 'longrope'"),
 ])
-def test_phi3_variants_not_supported_yet_are_refused_naming_the_key(extra, message):
+def test_phi3_configs_that_cannot_run_are_refused_naming_the_key(extra, message):
     from ninefold.llm.config import ModelConfig
 
     config = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -51,7 +51,7 @@ def test_a_longrope_config_without_its_factors_is_refused(tmp_path):
                   num_hidden_layers=1, vocab_size=50, original_max_position_embeddings=64,
                   rope_scaling={**LONGROPE, "long_factor": [1.0] * 7})
     with pytest.raises(ValueError, match=r"rope_scaling: rope_type 'longrope' needs long_factor, 8 positive finite "
-                                         r"numbers \(head_dim / 2\); got 7 values"):
+                                         r"numbers \(one per rotated pair of head dimensions\); got 7 values"):
         ModelConfig.from_dict(config)
     with pytest.raises(ValueError, match="original_max_position_embeddings: got 0; expected a positive integer"):
         ModelConfig.from_dict({**config, "rope_scaling": LONGROPE, "original_max_position_embeddings": 0})
@@ -135,3 +135,41 @@ def test_longrope_on_cuda_matches_transformers_on_cuda(longrope_dir, enforce_eag
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens), do_sample=False,
                              pad_token_id=0)
         assert tokens == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("partial, rope", [(0.75, None), (0.5, None), (0.75, "longrope")])
+def test_a_partial_rotary_embedding_matches_transformers(tmp_path, partial, rope):
+    """Phi-4-mini rotates the first three quarters of each head: the engine stores q's and k's rows so that the
+    rotated pairs are its kernels' pairs and the others pass (cos 1, sin 0), which changes no attention score."""
+    extra = {}
+    if rope == "longrope":
+        pairs = int(16 * partial) // 2
+        extra = dict(rope_parameters={**LONGROPE, "short_factor": LONGROPE["short_factor"][:pairs],
+                                      "long_factor": LONGROPE["long_factor"][:pairs], "partial_rotary_factor": partial},
+                     original_max_position_embeddings=64, max_position_embeddings=512)
+    path = build_model_dir(tmp_path / "partial", "phi3", partial_rotary_factor=partial, **extra)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64)
+    config = llm.engine.model_config
+    assert config.rotated_dim == int(16 * partial) and llm.engine.model.cos_sin.shape[1] == 16
+    lengths = (70, 100) if rope else (3, 17, 40)
+    prompts = prompts_for(config.vocab_size, lengths=lengths)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert got == [hf_greedy(path, p) for p in prompts]
+    engine = LLMEngine(str(path), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    engine.add_request(engine.build_request(prompts[0], GREEDY, "r"))
+    logits = engine.runner.forward_logits(engine.scheduler.schedule())[0]
+    with torch.no_grad():
+        ref = _hf_model(path)(torch.tensor([prompts[0]])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_keys_rotated_over_part_of_the_head_carry_another_fingerprint(tmp_path):
+    from ninefold.llm.config import ModelConfig, rope_fingerprint
+
+    config = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_hidden_layers=1, vocab_size=50)
+    full = ModelConfig.from_dict(config)
+    partial = ModelConfig.from_dict({**config, "partial_rotary_factor": 0.75})
+    assert rope_fingerprint(full, 512) != rope_fingerprint(partial, 512)
+    assert rope_fingerprint(full, 512) == rope_fingerprint(ModelConfig.from_dict({**config, "partial_rotary_factor": 1.0}),
+                                                           512)

@@ -135,6 +135,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # False for a checkpoint of the decoder alone (an embedding model): it embeds but cannot generate
     has_lm_head: bool = True
+    # the head dimensions rope rotates (partial_rotary_factor * head_dim; 0: all of them)
+    rotary_dim: int = 0
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -182,9 +184,8 @@ class ModelConfig:
             raise ValueError(f"num_key_value_heads: got {kv_heads}, must divide num_attention_heads={heads}")
         head_dim = int(config.get("head_dim") or hidden // heads)
         rope_params = config.get("rope_parameters") or {}
-        partial = config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            raise ValueError(f"partial_rotary_factor: got {partial!r}; supported: 1.0 (rope over the whole head)")
+        rotary_dim = _rotary_dim(config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor")),
+                                 head_dim)
         rope_theta = float(config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         scaling = config.get("rope_scaling") or (rope_params if rope_params else None)
         if scaling is not None:
@@ -198,9 +199,9 @@ class ModelConfig:
             elif kind == "llama3":
                 _check_llama3_scaling(scaling)
             elif kind == "freq_factors":
-                _check_freq_factors(scaling, head_dim)
+                _check_freq_factors(scaling, rotary_dim)
             elif kind == "longrope":
-                scaling = _longrope_scaling(scaling, config, head_dim,
+                scaling = _longrope_scaling(scaling, config, rotary_dim,
                                             default_original=4096 if arch == "Phi3ForCausalLM" else None)
             else:
                 raise ValueError(f"rope_scaling: got rope_type {kind!r}; supported: 'default', 'llama3', "
@@ -233,7 +234,27 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             has_lm_head=not (config.get("ninefold_headless") or (base and not config.get("tie_word_embeddings"))),
             raw=dict(config),
+            rotary_dim=rotary_dim,
         )
+
+    @property
+    def rotated_dim(self) -> int:
+        """How many dimensions of each head rope rotates (``head_dim`` unless the rotary embedding is partial)."""
+        return self.rotary_dim or self.head_dim
+
+
+def _rotary_dim(partial, head_dim: int) -> int:
+    """The head dimensions rope rotates for ``partial_rotary_factor`` ``partial`` (None: all), as transformers
+    computes them (``int(head_dim * partial)``); both it and the rest must be even (they rotate and pass in pairs)."""
+    if partial is None:
+        return head_dim
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor: got {partial!r}; expected a number in (0, 1]")
+    rotary = int(head_dim * partial)
+    if rotary < 2 or rotary % 2 or (head_dim - rotary) % 2:
+        raise ValueError(f"partial_rotary_factor: got {partial!r}, which rotates {rotary} of the head's {head_dim} "
+                         "dimensions; supported: an even count of at least 2 with an even remainder")
+    return rotary
 
 
 def _check_llama3_scaling(scaling: dict) -> None:
@@ -252,7 +273,7 @@ def _check_llama3_scaling(scaling: dict) -> None:
 
 def _longrope_scaling(scaling: dict, config: dict, head_dim: int, default_original: int | None = None) -> dict:
     """rope_type 'longrope' (Phi-3.5, Phi-3 128k) checked and completed: ``short_factor`` and ``long_factor`` (head_dim
-    / 2 positive numbers each), ``original_max_position_embeddings`` (the pretraining context; Phi-3's default 4096)
+    / 2 positive numbers each; ``head_dim``: the rotated dimensions), ``original_max_position_embeddings`` (the pretraining context; Phi-3's default 4096)
     and the ``attention_factor`` cos and sin are scaled by (given, else transformers' rule: ``sqrt(1 + ln(s) /
     ln(original))`` with ``s`` the ``factor`` given, else ``max_position_embeddings / original``; 1 when ``s <= 1``)."""
     for key in ("short_factor", "long_factor"):
@@ -262,7 +283,7 @@ def _longrope_scaling(scaling: dict, config: dict, head_dim: int, default_origin
                            for f in factors)):
             shown = factors if not isinstance(factors, (list, tuple)) else f"{len(factors)} values"
             raise ValueError(f"rope_scaling: rope_type 'longrope' needs {key}, {head_dim // 2} positive finite numbers "
-                             f"(head_dim / 2); got {shown}")
+                             f"(one per rotated pair of head dimensions); got {shown}")
     longest = int(config.get("max_position_embeddings", 4096))
     original = config.get("original_max_position_embeddings",
                           scaling.get("original_max_position_embeddings", default_original))
@@ -291,15 +312,15 @@ def _check_freq_factors(scaling: dict, head_dim: int) -> None:
             or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf for f in factors)):
         shown = factors if not isinstance(factors, (list, tuple)) else f"{len(factors)} values"
         raise ValueError(f"rope_scaling: rope_type 'freq_factors' needs freq_factors, {head_dim // 2} positive finite "
-                         f"numbers (head_dim / 2); got {shown}")
+                         f"numbers (one per rotated pair of head dimensions); got {shown}")
 
 
 def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
-    """The rotary frequencies ``[head_dim / 2]`` float32, scaled as ``config.rope_scaling`` says: llama3's
+    """The rotary frequencies ``[rotated_dim / 2]`` float32, scaled as ``config.rope_scaling`` says: llama3's
     smooth interpolation, or per-frequency divisors (``freq_factors``: ``inv_freq / factor``, as llama.cpp
     applies a GGUF's ``rope_freqs``; ``longrope``: its long factors when the engine's context ``max_positions``
     exceeds the pretraining one, else its short factors)."""
-    dim = config.head_dim
+    dim = config.rotated_dim
     # float32 throughout, rounding the way the reference implementation (transformers) does
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
@@ -318,24 +339,56 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
 def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None, context: int | None = None) -> torch.Tensor:
     """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest (both times
     longrope's ``attention_factor``, which scales every attention logit by its square). ``context``: the longest
-    sequence the engine runs, which picks longrope's factors (default ``max_positions``)."""
+    sequence the engine runs, which picks longrope's factors (default ``max_positions``).
+
+    With a partial rotary embedding the pairs past the rotated ones get cos 1 and sin 0 (left as they are): the
+    model stores each head's q/k dimensions in ``rotary_head_order``, which puts the passed dimensions there."""
     inv_freq = rope_inv_freq(config, context or max_positions)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
-    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos, sin = freqs.cos(), freqs.sin()
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type") == "longrope":
-        table = table * scaling["attention_factor"]
-    return table.to(device)
+        cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
+    passed = (config.head_dim - config.rotated_dim) // 2
+    if passed:
+        cos = torch.cat([cos, torch.ones(max_positions, passed)], dim=-1)
+        sin = torch.cat([sin, torch.zeros(max_positions, passed)], dim=-1)
+    return torch.cat([cos, sin], dim=-1).to(device)
+
+
+def rotary_head_order(config: ModelConfig) -> list[int] | None:
+    """With a partial rotary embedding, the order in which the model stores each head's q and k dimensions: rope
+    rotates dimension ``i`` with ``i + rotated_dim / 2`` (transformers' halves of the rotated part), and the
+    kernels rotate ``i`` with ``i + head_dim / 2`` over the whole head; this order makes each rotated pair a kernel
+    pair and each passed dimension one whose table entry is cos 1, sin 0. Attention scores do not change (q and k
+    are permuted alike). ``None`` when rope rotates the whole head."""
+    d, r = config.head_dim, config.rotated_dim
+    if r == d:
+        return None
+    half, rest = r // 2, (d - r) // 2
+    return [*range(half), *range(r, r + rest), *range(half, r), *range(r + rest, d)]
+
+
+def rotary_rows(rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """q or k rows of whole heads (``[heads * head_dim, ...]``: projection weights, biases, LoRA B matrices) in
+    ``rotary_head_order``; ``rows`` itself when rope rotates the whole head."""
+    order = rotary_head_order(config)
+    if order is None:
+        return rows
+    heads = rows.shape[0] // config.head_dim
+    index = (torch.arange(heads)[:, None] * config.head_dim + torch.tensor(order)[None, :]).reshape(-1)
+    return rows[index.to(rows.device)]
 
 
 def rope_fingerprint(config: ModelConfig, max_positions: int) -> int:
-    """A number that differs between rotary tables that rotate keys differently (head size, base, scaling, and for
-    longrope the factors an engine of ``max_positions`` picks): cached keys carry it between engines."""
+    """A number that differs between rotary tables that rotate keys differently (head size, rotated dimensions, base,
+    scaling, and for longrope the factors an engine of ``max_positions`` picks): cached keys carry it between engines."""
     scaling = dict(config.rope_scaling or {})
     if scaling.get("rope_type") == "longrope":
         scaling["long"] = max_positions > scaling["original_max_position_embeddings"]
-    text = json.dumps([config.head_dim, config.rope_theta, scaling], sort_keys=True)
+    partial = [config.rotated_dim] if config.rotated_dim != config.head_dim else []
+    text = json.dumps([config.head_dim, config.rope_theta, scaling, *partial], sort_keys=True)
     return zlib.crc32(text.encode())
 
 

@@ -137,9 +137,10 @@ def gguf_config(file: GGUFFile) -> dict:
     head_dim = int(get("attention.key_length", hidden // heads))
     if get("attention.value_length", head_dim) != head_dim:
         raise GGUFError(f"GGUF file {file.path}: key and value head sizes differ, which is not supported")
-    rope_dim = get("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise GGUFError(f"GGUF file {file.path}: rotary dimension {rope_dim} != head size {head_dim} (partial rotary) is not supported")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim and arch != "phi3":  # (llama.cpp's other converters permute q/k over the whole head)
+        raise GGUFError(f"GGUF file {file.path}: rotary dimension {rope_dim} != head size {head_dim} (partial rotary) "
+                        f"is supported for phi3 files only, not {arch}")
     tokens = meta.get("tokenizer.ggml.tokens")
     embed = file.tensors.get("token_embd.weight")
     vocab = get("vocab_size") or (len(tokens) if tokens is not None else None) or (embed.shape[0] if embed else None)
@@ -157,7 +158,7 @@ def gguf_config(file: GGUFFile) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_freq_factors(file, head_dim) or _longrope(file, head_dim, get) or _rope_scaling(get),
+        "rope_scaling": _rope_freq_factors(file, rope_dim) or _longrope(file, rope_dim, get) or _rope_scaling(get),
         "vocab_size": int(vocab),
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
@@ -168,6 +169,8 @@ def gguf_config(file: GGUFFile) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    if rope_dim != head_dim:  # Phi-4-mini's partial rotary embedding (a power-of-two head size divides exactly)
+        config["partial_rotary_factor"] = rope_dim / head_dim
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
     if get("pooling_type") in GGUF_POOLING_TYPES:  # an embedding model's (llama.cpp's --pooling)
@@ -187,7 +190,7 @@ def _rope_freq_factors(file: GGUFFile, head_dim: int) -> dict | None:
                         f"{file.metadata[f'{arch}.rope.scaling.type']!r}; the two together are not supported")
     if tuple(info.shape) != (head_dim // 2,) or info.type_name not in ("F32", "F16", "BF16"):
         raise GGUFError(f"GGUF file {file.path}: rope_freqs.weight is {info.type_name} of shape {tuple(info.shape)}; "
-                        f"expected float values of shape ({head_dim // 2},) (head_dim / 2)")
+                        f"expected float values of shape ({head_dim // 2},) (one per rotated pair)")
     factors = dequantize(file.tensor_bytes(info), info.ggml_type, tuple(info.shape)).tolist()
     if not all(0 < f < float("inf") for f in factors):
         raise GGUFError(f"GGUF file {file.path}: rope_freqs.weight holds values that are not positive and finite")
@@ -206,7 +209,7 @@ def _longrope(file: GGUFFile, head_dim: int, get) -> dict | None:
         if info is None or tuple(info.shape) != (head_dim // 2,) or info.type_name not in ("F32", "F16", "BF16"):
             shown = "missing" if info is None else f"{info.type_name} of shape {tuple(info.shape)}"
             raise GGUFError(f"GGUF file {file.path}: rope_factors_{kind}.weight is {shown}; longrope needs both "
-                            f"factor tensors as float values of shape ({head_dim // 2},) (head_dim / 2)")
+                            f"factor tensors as float values of shape ({head_dim // 2},) (one per rotated pair)")
         factors.append(dequantize(file.tensor_bytes(info), info.ggml_type, tuple(info.shape)).tolist())
     scaling = {"rope_type": "longrope", "long_factor": factors[0], "short_factor": factors[1]}
     if get("rope.scaling.original_context_length") is not None:

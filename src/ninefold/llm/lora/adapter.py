@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ninefold.llm.config import STACKED_PROJECTIONS, ModelConfig
+from ninefold.llm.config import STACKED_PROJECTIONS, ModelConfig, rotary_rows
 
 # projection name -> (its fused matrix in the model, its part within that matrix; None: all of its parts, for the
 # projections Phi-3 stores stacked, whose B rows split into the parts' B matrices with A shared)
@@ -106,7 +106,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         rows = 0
         for j in parts:
             out = sizes[matrix][j][1]
-            adapter.weights[(layer, matrix, j)] = (a.contiguous(), (b[rows:rows + out] * scale).contiguous())
+            b_part = b[rows:rows + out] * scale
+            if matrix == "qkv" and j < 2:  # q's and k's rows as the model stores them (a partial rotary embedding)
+                b_part = rotary_rows(b_part, config)
+            adapter.weights[(layer, matrix, j)] = (a.contiguous(), b_part.contiguous())
             rows += out
         adapter.rank = max(adapter.rank, r)
     return adapter

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ninefold import ops
-from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
+from ninefold.llm.config import ModelConfig, rope_cos_sin_cache, rotary_head_order, rotary_rows
 from ninefold.llm.gguf_packed import (
     QUANTIZED,
     GGUFRows,
@@ -232,6 +232,8 @@ class LlamaForCausalLM:
                    take(p + "self_attn.v_proj.weight", (self.kv_size, D))]
             gate_up = [take(p + "mlp.gate_proj.weight", (c.intermediate_size, D)),
                        take(p + "mlp.up_proj.weight", (c.intermediate_size, D))]
+        if rotary_head_order(c) is not None:  # a partial rotary embedding: q and k rows in the kernels' pair order
+            qkv = self._rotary_ordered(qkv)
         out = {
             "input_norm": take(p + "input_layernorm.weight", (D,)),
             "qkv": self._matrix(qkv),
@@ -241,12 +243,21 @@ class LlamaForCausalLM:
             "down": self._matrix([take(p + "mlp.down_proj.weight", (D, c.intermediate_size))]),
         }
         if c.attention_bias:
-            out["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", (size,))
-                                         for n, size in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size))])
+            q_bias, k_bias, v_bias = (take(p + f"self_attn.{n}_proj.bias", (size,))
+                                      for n, size in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)))
+            out["qkv_bias"] = torch.cat([rotary_rows(q_bias, c), rotary_rows(k_bias, c), v_bias])
         if c.qk_norm:
-            out["q_norm"] = take(p + "self_attn.q_norm.weight", (Dh,))
-            out["k_norm"] = take(p + "self_attn.k_norm.weight", (Dh,))
+            order = rotary_head_order(c) or slice(None)
+            out["q_norm"] = take(p + "self_attn.q_norm.weight", (Dh,))[order]
+            out["k_norm"] = take(p + "self_attn.k_norm.weight", (Dh,))[order]
         return {f"{i}.{name}": t for name, t in out.items()}
+
+    def _rotary_ordered(self, qkv: list) -> list[torch.Tensor]:
+        """q/k/v weight parts (stacked in one, or three) as dense ``[q; k; v]`` parts with q's and k's rows in
+        ``rotary_head_order`` (quantized GGUF parts are dequantized for it)."""
+        dense = [t.dequantize(torch.float32) if isinstance(t, QUANTIZED) else t for t in qkv]
+        q, k, v = dense if len(dense) == 3 else dense[0].split([self.q_size, self.kv_size, self.kv_size])
+        return [rotary_rows(q, self.config), rotary_rows(k, self.config), v]
 
     def bind_kv_cache(self, pool) -> None:
         """Use ``pool`` (a ``KVCachePool``) as this model's paged key/value storage."""
