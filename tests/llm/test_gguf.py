@@ -490,6 +490,38 @@ def test_a_phi3_gguf_generates_what_the_same_weights_do_as_llama(tmp_path, qtype
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
 
 
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0])
+def test_a_phi3_gguf_with_a_partial_rotary_embedding_generates_what_transformers_does(tmp_path, qtype):
+    """Phi-4-mini's files rotate rope.dimension_count (here 48) of each head's 64 dimensions; quantized q/k/v are
+    dequantized to be reordered for it."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from ninefold import LLM, SamplingParams
+
+    weights = phi3_weights(hf_weights())
+    path = write_gguf(tmp_path / "phi4.gguf", weights, qtype, arch="phi3", metadata_overrides={"rope.dimension_count": 48})
+    ckpt = load_gguf(path)
+    assert ckpt.config["partial_rotary_factor"] == 0.75
+    hf = Phi3ForCausalLM(Phi3Config(
+        hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        num_hidden_layers=LAYERS, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.75,
+        max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0)).eval()
+    decoded = {name: t.float() for name, t in load_gguf(path, keep_quantized=False).tensors.items()}
+    hf.load_state_dict(decoded, strict=False)  # (the tied output layer is the embedding)
+    prompt = [5, 9, 33, 40, 7, 8, 11]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    got = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32).generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert got[0].outputs[0].token_ids == want
+    llama = write_gguf(tmp_path / "llama.gguf", hf_weights(), qtype, metadata_overrides={"rope.dimension_count": 48})
+    with pytest.raises(GGUFError, match="rotary dimension 48 != head size 64 .partial rotary. is supported for phi3 "
+                                        "files only, not llama"):
+        load_gguf(llama)
+
+
 def test_a_phi3_gguf_carries_its_longrope_factors_into_the_config(tmp_path):
     long, short = np.linspace(1, 8, HEAD_DIM // 2, dtype=np.float32), np.linspace(1, 2, HEAD_DIM // 2, dtype=np.float32)
     path = write_gguf(tmp_path / "phi35.gguf", phi3_weights(hf_weights()), T.F32, arch="phi3",

@@ -258,10 +258,11 @@ def test_embeddings_under_adapters_match_peft_hidden_states(setup):
         llm.embed(prompt_token_ids=prompts, lora_request=loras[:1])
 
 
-def test_a_phi3_adapter_on_its_stacked_projections_matches_peft(tmp_path):
+@pytest.mark.parametrize("partial", [None, 0.75])
+def test_a_phi3_adapter_on_its_stacked_projections_matches_peft(tmp_path, partial):
     """Phi-3 stores q/k/v and gate/up stacked (qkv_proj, gate_up_proj): an adapter on those splits its B rows over
-    the parts."""
-    base = build_model_dir(tmp_path / "phi3", "phi3")
+    the parts; with a partial rotary embedding (Phi-4-mini) q's and k's B rows follow the model's row order."""
+    base = build_model_dir(tmp_path / "phi3", "phi3", **({"partial_rotary_factor": partial} if partial else {}))
     adapter = write_lora_adapter(base, tmp_path / "stacked", r=8, seed=4,
                                  target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     llm = LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=8, block_size=8, num_kv_blocks=64)

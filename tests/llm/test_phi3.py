@@ -115,20 +115,32 @@ def test_a_pool_smaller_than_the_pretraining_context_runs_the_short_factors(long
     assert got == [hf_greedy(longrope_dir, p) for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def partial_dir(tmp_path_factory):
+    """A tiny Phi-4-mini-like model: longrope over the first three quarters of each head."""
+    return build_model_dir(tmp_path_factory.mktemp("phi4") / "partial", "phi3", partial_rotary_factor=0.75,
+                           rope_parameters={**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                                            "long_factor": LONGROPE["long_factor"][:6], "partial_rotary_factor": 0.75},
+                           original_max_position_embeddings=64, max_position_embeddings=512)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [True, False])
-@pytest.mark.parametrize("max_model_len, lengths", [(64, (3, 17)), (None, (70, 100))])
-def test_longrope_on_cuda_matches_transformers_on_cuda(longrope_dir, enforce_eager, max_model_len, lengths):
-    """The scaled cos/sin table of either regime, eagerly and replayed from CUDA graphs, in float32 against
-    transformers on the same card."""
+@pytest.mark.parametrize("model, max_model_len, lengths", [("longrope", 64, (3, 17)), ("longrope", None, (70, 100)),
+                                                           ("partial", None, (70, 100))])
+def test_longrope_on_cuda_matches_transformers_on_cuda(longrope_dir, partial_dir, enforce_eager, model, max_model_len,
+                                                       lengths):
+    """The scaled cos/sin table of either regime (and over part of the head), eagerly and replayed from CUDA graphs,
+    in float32 against transformers on the same card."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(longrope_dir), dtype="float32", device="cuda", max_model_len=max_model_len, num_kv_blocks=64,
+    path = longrope_dir if model == "longrope" else partial_dir
+    llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=max_model_len, num_kv_blocks=64,
               enforce_eager=enforce_eager, cuda_graph_max_batch=4)
     prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=lengths)
     got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
-    model = AutoModelForCausalLM.from_pretrained(longrope_dir, dtype=torch.float32).to("cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     model.generation_config.eos_token_id = None
     for prompt, tokens in zip(prompts, got):
         ids = torch.tensor([prompt], device="cuda")

@@ -362,6 +362,16 @@ def test_two_ranks_of_phi3_generate_transformers_greedy_tokens_reading_only_thei
         assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
 
 
+def test_two_ranks_of_a_partial_rotary_phi3_generate_transformers_greedy_tokens(tmp_path):
+    """Each rank orders its own heads' q/k rows for the partial rotary embedding (Phi-4-mini)."""
+    from tiny_models import build_model_dir
+
+    path = build_model_dir(tmp_path / "partial", "phi3", partial_rotary_factor=0.75)
+    with LLM(str(path), device="cpu", block_size=8, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        prompts = prompts_for(llm.engine.model_config.vocab_size)
+        assert generate_ids(llm, prompts) == [hf_greedy(path, p) for p in prompts]
+
+
 def test_longrope_factors_follow_the_pool_on_every_rank(tmp_path):
     """A pool capping the context below the pretraining one picks the short factors on rank 0 and the workers alike
     (a worker on the long ones would rotate its heads' keys differently: tokens would part from transformers')."""
