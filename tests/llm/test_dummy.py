@@ -22,17 +22,25 @@ def test_llama_3_1_8b_shape_has_8b_parameters():
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_dummy_weights_from_a_config_dict_or_directory_generate(model_dirs, variant):
+    """A config alone has no tokenizer (token ids only); a model directory keeps its tokenizer, as vLLM's dummy
+    format does: only the weights are random."""
     import json
 
     config = json.loads((model_dirs[variant] / "config.json").read_text())
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for source in (config, str(model_dirs[variant])):
-        llm = LLM(source, device="cpu", load_format="dummy", num_kv_blocks=16)
-        assert llm.tokenizer is None
-        out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)
-        assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text == ""
-        with pytest.raises(ValueError, match="no tokenizer"):
-            llm.generate(["text"], params)
+    bare = LLM(config, device="cpu", load_format="dummy", num_kv_blocks=16)
+    assert bare.tokenizer is None
+    out = bare.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params)
+    assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.generate(["text"], params)
+    directory = LLM(str(model_dirs[variant]), device="cpu", load_format="dummy", num_kv_blocks=16)
+    assert directory.tokenizer is not None
+    request = directory.generate(["The quick brown fox"], params)[0]
+    out = request.outputs[0]
+    assert len(out.token_ids) == 8 and out.text == directory.tokenizer.decode(out.token_ids)
+    same = bare.generate(prompt_token_ids=[request.prompt_token_ids], sampling_params=params)
+    assert same[0].outputs[0].token_ids == out.token_ids  # the same seed: the same random weights
 
 
 def test_unknown_dummy_shape_lists_the_known_ones():

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from .conftest import ServerProcess
 
@@ -107,3 +108,52 @@ def test_cache_flags_become_engine_arguments_only_when_given():
         "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32, "gpu_memory_utilization": 0.25,
         "max_model_len": 100, "num_kv_blocks": 7}
     assert cache_engine_args(parser.parse_args(["--enable-prefix-caching"])) == {"enable_prefix_caching": True}
+
+
+def test_dummy_weights_serve_what_an_engine_of_the_same_seed_generates(tiny_model, tmp_path):
+    """vLLM's --load-format dummy (benchmarks without the weights) with --seed choosing them; the model directory's
+    tokenizer still reads and writes the text."""
+    from ninefold import LLM, SamplingParams
+
+    prompt, params = "The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(str(tiny_model.path), device="cpu", load_format="dummy", seed=3, num_kv_blocks=64).generate(
+        [prompt], params)[0].outputs[0]
+    real = LLM(str(tiny_model.path), device="cpu", num_kv_blocks=64).generate([prompt], params)[0].outputs[0]
+    assert want.text and want.token_ids != real.token_ids  # (else the test could not tell the weights apart)
+    dummy = ServerProcess(tiny_model, tmp_path, "--load-format", "dummy", "--seed", "3")
+    try:
+        response = httpx.post(dummy.base + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want.text
+    finally:
+        assert dummy.stop() == 0
+
+
+def test_a_model_without_a_tokenizer_takes_token_ids_and_answers_text_with_a_400(tiny_model, tmp_path):
+    """Dummy weights of a bare config.json: token ids in, token ids out (logprobs show "token_id:<id>"); text,
+    chat messages and /tokenize are the client's 400 naming the field, and the server keeps serving."""
+    import dataclasses
+
+    import openai
+
+    bare = dataclasses.replace(tiny_model, path=tiny_model.path / "config.json")
+    server = ServerProcess(bare, tmp_path, "--load-format", "dummy")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+    try:
+        out = client.completions.create(model="tiny", prompt=list(range(3, 20)), max_tokens=4, temperature=0,
+                                        logprobs=2, extra_body={"ignore_eos": True})
+        tokens = out.choices[0].logprobs.tokens
+        assert len(tokens) == 4 and all(t.startswith("token_id:") for t in tokens)
+        for call, param in ((lambda: client.completions.create(model="tiny", prompt="hello", max_tokens=2), "prompt"),
+                            (lambda: client.chat.completions.create(
+                                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2), "messages")):
+            with pytest.raises(openai.BadRequestError) as error:
+                call()
+            assert error.value.body["param"] == param
+            assert "this model has no tokenizer" in error.value.body["message"]
+        response = httpx.post(server.base + "/tokenize", json={"model": "tiny", "prompt": "hi"}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        assert httpx.get(server.base + "/health", timeout=60).status_code == 200
+    finally:
+        assert server.stop() == 0

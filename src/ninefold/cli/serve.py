@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
     parser.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best available)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="auto reads the weights; dummy makes random ones of the same shapes (benchmarks)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the dummy weights (default: 0); requests carry their own sampling seeds")
     parser.add_argument("--quantization", default="auto", choices=["auto", "int4", "none", "fp8"],
                         help="GGUF 4-bit/Q8_0 weights: auto = kept packed on CPUs with bf16 (int4 kernel, bf16 "
                              "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
@@ -155,6 +159,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": getattr(args, "max_num_batched_tokens", None),
         "pooling_type": getattr(args, "pooling_type", None),
         "quantization": getattr(args, "quantization", None),
+        "load_format": None if getattr(args, "load_format", "auto") == "auto" else args.load_format,
+        "seed": getattr(args, "seed", None),
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
         "speculative_config": getattr(args, "speculative_config", None),
         "scheduling_policy": getattr(args, "scheduling_policy", None),

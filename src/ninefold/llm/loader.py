@@ -28,7 +28,7 @@ class Checkpoint:
 
     config: dict
     tensors: dict[str, torch.Tensor] | None
-    tokenizer: Any = None  # a tokenizers.Tokenizer, or None (dummy weights)
+    tokenizer: Any = None  # a tokenizers.Tokenizer, or None (dummy weights of a shape without a directory)
     tokenizer_config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     source: str = ""
@@ -349,8 +349,12 @@ def _dummy(model: str | Path | dict | None) -> Checkpoint:
         return Checkpoint(config=dict(NAMED_SHAPES[model.lower()]), tensors=None, source=f"dummy:{model}")
     if model is not None:
         path = Path(model)
-        if path.is_dir():
+        if path.is_dir():  # random weights, the rest as the directory has it (as vLLM's dummy format)
+            tokenizer_file = path / "tokenizer.json"
             return Checkpoint(config=_read_json(path / "config.json", required=True), tensors=None,
+                              tokenizer=read_tokenizer_file(tokenizer_file) if tokenizer_file.is_file() else None,
+                              tokenizer_config=read_tokenizer_config(path),
+                              generation_config=_read_json(path / "generation_config.json", required=False),
                               source=f"dummy:{path}")
         if path.suffix == ".json" and path.is_file():
             return Checkpoint(config=_read_json(path, required=True), tensors=None, source=f"dummy:{path}")

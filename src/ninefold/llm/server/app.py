@@ -13,10 +13,10 @@ from ninefold.llm.server import handlers, lora_routes
 from ninefold.llm.server.admission import Admission
 from ninefold.llm.server.embeddings import create_embedding
 from ninefold.llm.server.errors import APIError, install_error_handlers
-from ninefold.llm.server.logprobs import TokenTexts
+from ninefold.llm.server.logprobs import TokenIdTexts, TokenTexts
 from ninefold.llm.server.metrics import CONTENT_TYPE, ServerMetrics
 from ninefold.llm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from ninefold.llm.server.preprocess import render_chat
+from ninefold.llm.server.preprocess import needs_tokenizer, render_chat
 from ninefold.llm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -93,7 +93,9 @@ def build_app(
         limits=limits,
         metrics=metrics,
         admission=admission,
-        texts=TokenTexts(engine.tokenizer),
+        # without a tokenizer (dummy weights of a named shape) tokens show as "token_id:<id>", as vLLM's
+        # return_tokens_as_token_ids shows them
+        texts=TokenTexts(engine.tokenizer) if engine.tokenizer is not None else TokenIdTexts(None),
         defaults=engine_defaults(engine),
         tool_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
@@ -163,7 +165,8 @@ def build_app(
                                  tools=template_tools(body), template_kwargs=body.chat_template_kwargs,
                                  continue_final_message=body.continue_final_message)
         else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = needs_tokenizer(engine.tokenizer, "prompt").encode(body.prompt,
+                                                                        add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": list(tokens)}
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
@@ -174,7 +177,7 @@ def build_app(
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
                            param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": needs_tokenizer(engine.tokenizer, "tokens").decode(body.tokens, skip_special_tokens=False)}
 
     if allow_runtime_lora_updating:
         lora_routes.install_runtime_updates(app, state)

@@ -242,6 +242,8 @@ class _View:
         prompt = self.prompts[seq.index // self.n]
         if prompt.text is not None:
             return prompt.text
+        if self.state.tokenizer is None:  # (token ids in, token ids out: no text to echo)
+            return ""
         return self.state.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _echo(self, seq: Sequence) -> tuple[str, dict | None, int]:

@@ -44,14 +44,14 @@ class TokenIdTexts:
     """vLLM's ``return_tokens_as_token_ids``: every token shows as ``"token_id:<id>"`` (bytes unchanged), so a
     client can tell apart tokens whose texts are the same or not valid UTF-8 alone."""
 
-    def __init__(self, texts: TokenTexts) -> None:
-        self.texts = texts
+    def __init__(self, texts: TokenTexts | None) -> None:
+        self.texts = texts  # None: no tokenizer, so no bytes either
 
     def text(self, token_id: int) -> str:
         return f"token_id:{token_id}"
 
-    def bytes(self, token_id: int) -> list[int]:
-        return self.texts.bytes(token_id)
+    def bytes(self, token_id: int) -> list[int] | None:
+        return self.texts.bytes(token_id) if self.texts is not None else None
 
 
 def _finite(value: float) -> float:

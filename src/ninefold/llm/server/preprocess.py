@@ -34,6 +34,15 @@ class Prompt:
     text: str | None = None
 
 
+def needs_tokenizer(tokenizer, param: str):
+    """``tokenizer``, or the client's 400 naming ``param`` when the model has none (dummy weights of a named
+    shape take token ids only)."""
+    if tokenizer is None:
+        raise bad_request(f"'{param}': this model has no tokenizer (dummy weights of a named shape), so it takes "
+                          "token ids only (a list of int)", param)
+    return tokenizer
+
+
 def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
     """The prompts of a completions request (a string, strings, token ids or lists of token ids)."""
     if req.suffix:
@@ -41,7 +50,7 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
     prompts = []
     for item in prompt_items(req.prompt, "prompt", "prompts", 64):
         if isinstance(item, str):
-            prompts.append(Prompt(tokenizer.encode(item), item))
+            prompts.append(Prompt(needs_tokenizer(tokenizer, "prompt").encode(item), item))
         else:
             prompts.append(Prompt(list(item)))
     return prompts
@@ -82,6 +91,7 @@ def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
     ``tools`` go to the template as ``tools`` (transformers' convention); earlier tool calls' JSON arguments
     reach it as objects, as Hugging Face templates expect.
     """
+    needs_tokenizer(tokenizer, "messages")
     if continue_final_message and add_generation_prompt:
         raise bad_request("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message")
     extra = dict(template_kwargs or {})
