@@ -12,7 +12,7 @@ from ninefold.bench import fp8_gemv as bench  # noqa: E402
 @pytest.mark.parametrize("name, n, k, prologue", bench.LAYERS)
 def test_candidates_fit_k(name, n, k, prologue):
     found = bench.candidates(k)
-    assert len(found) >= 10, name
+    assert len(found) >= 8, name
     for _bn, bk, sk, _nw, _ns, variant in found:
         assert k % (bk * sk) == 0 and variant in (0, 1, 2)
         assert variant != 2 or k // sk >= 2 * bk
@@ -22,7 +22,7 @@ def test_candidates_fit_k(name, n, k, prologue):
 def test_few_rows_candidates_fit_k_and_launch_as_gemv_rows_takes_them(rows):
     for _name, _n, k, _prologue in bench.LAYERS:
         found = bench.candidates(k, rows)
-        assert len(found) >= 6 and all(len(c) == 5 and k % (c[1] * c[2]) == 0 for c in found)
+        assert len(found) >= 4 and all(len(c) == 5 and k % (c[1] * c[2]) == 0 for c in found)
     args = bench._launch_args((32, 256, 2, 4, 3), rows, pdl=False)
     assert args == dict(split_k=2, pdl=False, block_n=32, block_k=256, num_warps=4, num_stages=3)
     assert bench._launch_args((16, 512, 1, 4, 2, 2), 1, pdl=True)["depth"] == 2
