@@ -255,3 +255,48 @@ def test_fp8_greedy_picks_top_tokens_of_its_rounded_weights(model_dirs, tmp_path
             row = logits[len(prompt) - 1 + t]
             gaps.append(float(row.max() - row[token]))
     assert max(gaps) <= 0.15, f"largest gap below the top logit {max(gaps):.3f} (of {len(gaps)} tokens)"
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_fp8_decode_through_the_fused_gemvs_picks_top_tokens_of_its_rounded_weights(tmp_path, enforce_eager,
+                                                                                    monkeypatch):
+    """A model wide enough for the FP8 GEMVs (hidden 512), with launch entries for its shapes as a measured table
+    would give: decode steps of one and three rows run the norm and the gate inside the FP8 GEMVs (PDL on
+    Hopper), and every token is, within rounding, a top token of transformers on the FP8-rounded weights."""
+    from test_fp8 import _rounded_copy
+    from tiny_models import build_model_dir
+
+    from ninefold import ops
+    from ninefold.ops.triton import gemv_pdl_ops as go
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 GEMVs run on Hopper")
+    path = build_model_dir(tmp_path / "wide", "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                           num_key_value_heads=2)
+    shapes = {(1024, 512, "add_rms_norm"), (1024, 512, "none"), (512, 512, "none"), (2048, 512, "add_rms_norm"),
+              (512, 1024, "silu_and_mul")}
+    for n, k, prologue in shapes:
+        monkeypatch.setitem(go.OVERRIDE, (n, k, prologue, "fp8"), (16, 256, 1, 4, 2, 0))
+        for bucket in (2, 4):
+            monkeypatch.setitem(go.ROWS_OVERRIDE, (n, k, prologue, bucket, "fp8"), (32, 256, 1, 4, 3))
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", quantization="fp8", num_kv_blocks=64,
+              enforce_eager=enforce_eager, cuda_graph_max_batch=8)
+    layer = llm.engine.model.layers[1]
+    for rows in (1, 3):
+        x = torch.zeros(rows, 512, device="cuda", dtype=torch.bfloat16)
+        assert ops.choose("add_rms_norm_linear", x, x, layer.input_norm, layer.qkv, 1e-6, None) == "triton"
+        assert ops.choose("silu_and_mul_linear", torch.zeros(rows, 2048, device="cuda", dtype=torch.bfloat16),
+                          layer.down, None) == "triton"
+        assert ops.choose("linear_fp8", x, layer.o, None) == "triton_pdl"
+    ref = _hf(_rounded_copy(path, tmp_path / "rounded"), torch.float32)
+    gaps = []
+    for batch in (PROMPTS[:1], PROMPTS):
+        outs = llm.generate(prompt_token_ids=batch,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        for prompt, out in zip(batch, outs):
+            ids = out.outputs[0].token_ids
+            with torch.no_grad():
+                logits = ref(torch.tensor([prompt + ids], device="cuda")).logits[0]
+            gaps += [float(logits[len(prompt) - 1 + t].max() - logits[len(prompt) - 1 + t][token])
+                     for t, token in enumerate(ids)]
+    assert max(gaps) <= 0.15, f"largest gap below the top logit {max(gaps):.3f} (of {len(gaps)} tokens)"

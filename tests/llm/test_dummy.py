@@ -34,6 +34,9 @@ def test_dummy_weights_from_a_config_dict_or_directory_generate(model_dirs, vari
     assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         bare.generate(["text"], params)
+    with pytest.raises(ValueError, match="^stop: this model has no tokenizer, so its output has no text to find stop "
+                                         "strings in; use stop_token_ids"):
+        bare.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4, stop=["a"]))
     directory = LLM(str(model_dirs[variant]), device="cpu", load_format="dummy", num_kv_blocks=16)
     assert directory.tokenizer is not None
     request = directory.generate(["The quick brown fox"], params)[0]

@@ -501,7 +501,7 @@ def test_a_phi3_gguf_with_a_partial_rotary_embedding_generates_what_transformers
     weights = phi3_weights(hf_weights())
     path = write_gguf(tmp_path / "phi4.gguf", weights, qtype, arch="phi3", metadata_overrides={"rope.dimension_count": 48})
     ckpt = load_gguf(path)
-    assert ckpt.config["partial_rotary_factor"] == 0.75
+    assert ckpt.config["partial_rotary_factor"] == 0.75 and ckpt.config["ninefold_rotary_dim"] == 48
     hf = Phi3ForCausalLM(Phi3Config(
         hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         num_hidden_layers=LAYERS, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.75,

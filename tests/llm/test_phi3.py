@@ -185,3 +185,17 @@ def test_keys_rotated_over_part_of_the_head_carry_another_fingerprint(tmp_path):
     assert rope_fingerprint(full, 512) != rope_fingerprint(partial, 512)
     assert rope_fingerprint(full, 512) == rope_fingerprint(ModelConfig.from_dict({**config, "partial_rotary_factor": 1.0}),
                                                            512)
+
+
+def test_a_rotary_count_given_exactly_is_taken_as_it_is():
+    """A GGUF's rope.dimension_count (carried as ninefold_rotary_dim): 60 of 88, which the factor 60 / 88 would give
+    as int(59.99...) = 59; an odd or oversized count is refused naming the key."""
+    from ninefold.llm.config import ModelConfig
+
+    config = dict(architectures=["Phi3ForCausalLM"], hidden_size=88 * 2, intermediate_size=64, num_attention_heads=2,
+                  num_hidden_layers=1, vocab_size=50, partial_rotary_factor=60 / 88)
+    assert ModelConfig.from_dict({**config, "ninefold_rotary_dim": 60}).rotated_dim == 60
+    for bad, message in ((59, "rope.dimension_count: got 59, which rotates 59 of the head's 88 dimensions"),
+                         (90, r"rope.dimension_count: got 90; expected 1..88 \(the head size\)")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict({**config, "ninefold_rotary_dim": bad})

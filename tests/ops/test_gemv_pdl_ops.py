@@ -72,6 +72,11 @@ n, k = 40, 512
 w8 = ops.Fp8Weight.quantize(torch.randn(n, k))
 dense = w8.dequantize(torch.float64)
 g = torch.randn(k)
+from ninefold.ops.triton import gemv_pdl_ops as go
+for prologue in ("none", "add_rms_norm", "silu_and_mul"):  # FP8 GEMVs run only where a launch table lists the call
+    go.OVERRIDE[(n, k, prologue, "fp8")] = (16, 128, 2, 4, 2, 0)
+    for bucket in (4, 16):
+        go.ROWS_OVERRIDE[(n, k, prologue, bucket, "fp8")] = (16, 128, 1, 4, 2)
 with ops.use(linear_fp8="triton_pdl", add_rms_norm_linear="triton", silu_and_mul_linear="triton"):
     for rows in (1, 3, 16):
         x, r, a = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
@@ -86,13 +91,16 @@ with ops.use(linear_fp8="triton_pdl", add_rms_norm_linear="triton", silu_and_mul
         assert torch.allclose(y.double(), normed @ dense.T, atol=1e-3, rtol=1e-4), ("add_rms_norm_linear", rows)
         y = ops.silu_and_mul_linear(a, w8)
         assert torch.allclose(y.double(), ref.silu_and_mul(a) @ dense.T, atol=1e-3, rtol=1e-4), ("silu", rows)
-    with warnings.catch_warnings():  # 17 rows: the pinned GEMVs step aside for the unfused pair
+    with warnings.catch_warnings():  # 17 rows, or a call no table lists: the pinned GEMVs step aside for the pair
         warnings.simplefilter("ignore")
         x, r = torch.randn(17, k), torch.randn(17, k)
         assert ops.choose("add_rms_norm_linear", x, r, g, w8, 1e-5, None) == "vendor"
         assert ops.choose("linear_fp8", x, w8, None) != "triton_pdl"
         y, _ = ops.add_rms_norm_linear(x, r, g, w8, 1e-5)
         assert torch.allclose(y.double(), ref.add_rms_norm(x, r, g, 1e-5)[0] @ dense.T, atol=1e-3, rtol=1e-4)
+        other = ops.Fp8Weight.quantize(torch.randn(24, k))
+        assert ops.choose("add_rms_norm_linear", x[:1], r[:1], g, other, 1e-5, None) == "vendor"
+        assert ops.choose("linear_fp8", x[:2], other, None) != "triton_pdl"
 print("ok")
 """
 
@@ -160,6 +168,10 @@ def test_cuda_fused_ops_match_float64_and_replay_in_a_graph(pdl, weights, rows, 
     if weights == "fp8":
         w, w2, w3 = (ops.Fp8Weight.quantize(t) for t in (w, w2, w3))
         dense = [t.dequantize(torch.float64).cpu() for t in (w, w2, w3)]
+        for t, prologue in ((w, "add_rms_norm"), (w2, "silu_and_mul"), (w3, "none")):  # as a measured table would
+            monkeypatch.setitem(go.OVERRIDE, (*t.shape, prologue, "fp8"), (16, 512, 1, 4, 2, 2))
+            monkeypatch.setitem(go.ROWS_OVERRIDE, (*t.shape, prologue, go.rows_bucket(rows), "fp8"),
+                                (32, 256, 1, 4, 3))
         assert ops.choose("linear_fp8", x, w3, None) == "triton_pdl"
     else:
         dense = [w, w2, w3]
@@ -208,6 +220,32 @@ def test_launch_table_file_and_override(tmp_path, monkeypatch):
     monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="NINEFOLD_GEMV_TABLE=.*JSON list"):
         go.config(1, 2)
+
+
+def test_fp8_entries_are_kept_apart_from_dense_ones_and_nothing_else_runs_fp8(tmp_path, monkeypatch):
+    """An FP8 weight runs the GEMVs only with a configuration measured for FP8 codes; a dense entry of the same
+    shape is not one."""
+    import json
+
+    monkeypatch.delenv("NINEFOLD_GEMV_TABLE", raising=False)
+    monkeypatch.delenv("NINEFOLD_GEMV_ROWS_TABLE", raising=False)
+    assert go.config(6144, 4096, "add_rms_norm", fp8=True) is None  # (a dense TABLE entry exists for it)
+    assert go.rows_config(6144, 4096, "add_rms_norm", 4, fp8=True) == ()
+    one, rows = tmp_path / "one.json", tmp_path / "rows.json"
+    one.write_text(json.dumps([{"n": 6144, "k": 4096, "prologue": "add_rms_norm", "weight": "fp8",
+                                "config": [16, 1024, 1, 4, 2, 2]},
+                               {"n": 6144, "k": 4096, "prologue": "add_rms_norm", "config": [64, 128, 2, 8, 3, 1]}]))
+    rows.write_text(json.dumps([{"n": 6144, "k": 4096, "prologue": "none", "rows": 4, "weight": "fp8",
+                                 "config": [32, 512, 1, 4, 3]},
+                                {"n": 6144, "k": 4096, "prologue": "none", "rows": 16, "weight": "fp8", "config": []}]))
+    monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(one))
+    monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(rows))
+    assert go.config(6144, 4096, "add_rms_norm", fp8=True) == (16, 1024, 1, 4, 2, 2)
+    assert go.config(6144, 4096, "add_rms_norm") == (64, 128, 2, 8, 3, 1)
+    assert go.config(6144, 4096, "none", fp8=True) is None
+    assert go.rows_config(6144, 4096, "none", 3, fp8=True) == (32, 512, 1, 4, 3)
+    assert go.rows_config(6144, 4096, "none", 3) == ()  # the dense call is not listed
+    assert go.rows_config(6144, 4096, "none", 16, fp8=True) == ()  # listed as declined
 
 
 def test_rows_table_by_bucket_file_override_and_decline(tmp_path, monkeypatch):

@@ -154,6 +154,18 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_answers_text_with_a_400
             assert "this model has no tokenizer" in error.value.body["message"]
         response = httpx.post(server.base + "/tokenize", json={"model": "tiny", "prompt": "hi"}, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        with pytest.raises(openai.BadRequestError, match="stop: this model has no tokenizer"):
+            client.completions.create(model="tiny", prompt=[3, 4, 5], max_tokens=4, stop=["a"])
         assert httpx.get(server.base + "/health", timeout=60).status_code == 200
     finally:
         assert server.stop() == 0
+
+
+def test_a_chat_template_for_a_model_without_a_tokenizer_exits_naming_the_flag(tiny_model, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    run = subprocess.run([sys.executable, "-m", "ninefold", "serve", "--model", str(tiny_model.path / "config.json"),
+                          "--load-format", "dummy", "--device", "cpu", "--chat-template", str(template)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "argument --chat-template: this model has no tokenizer" in run.stderr

@@ -15,8 +15,10 @@ as CUDA graphs of back-to-back calls cycling through copies of the weight so tha
 Every configuration is checked against a float32 product of the dequantized weight before it is timed.
 
 Prints a table; writes ``$OUT/fp8_gemv.json`` (every timing), ``$OUT/fp8_gemv_table.json`` (the fastest
-one-row configuration per layer, ``NINEFOLD_GEMV_TABLE`` format with ``"weight": "fp8"``) and
-``$OUT/fp8_gemv_rows_table.json`` (per layer and row count, ``NINEFOLD_GEMV_ROWS_TABLE`` format).
+one-row configuration of each layer where it beat ``before``, ``NINEFOLD_GEMV_TABLE`` format with
+``"weight": "fp8"``) and ``$OUT/fp8_gemv_rows_table.json`` (per layer and row count, the fastest configuration
+or ``[]`` where ``before`` was faster, ``NINEFOLD_GEMV_ROWS_TABLE`` format). FP8 GEMVs run only where such a
+table (or ``gemv_pdl_ops.FP8_TABLE`` / ``FP8_ROWS_TABLE``) lists the call.
 """
 
 from __future__ import annotations
@@ -149,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         for rows in rows_list:
             row = bench_layer(name, n, k, prologue, rows, copies, dense[: max(2, count // 2)], pdl, bandwidth)
             results.append(row)
-            if "best" in row:
-                entry = {"n": n, "k": k, "prologue": prologue, "weight": "fp8", "config": row["best"]}
+            faster = row.get("best_us", float("inf")) < row["before_us"]
+            if faster or rows > 1:  # (a rows entry of [] declines the call: the unfused pair measured faster)
+                entry = {"n": n, "k": k, "prologue": prologue, "weight": "fp8", "config": row["best"] if faster else []}
                 if rows > 1:
                     entry["rows"] = rows
                 # q/k/v's bare form (the first layer's, after the embedding) runs as often as one layer in 32

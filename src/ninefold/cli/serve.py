@@ -172,6 +172,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as error:
         return fail("serve", str(error))
     if template is not None:
+        if engine.tokenizer is None:
+            engine.shutdown()
+            return fail("serve", "argument --chat-template: this model has no tokenizer (dummy weights of a bare "
+                                 "config), so it has no chat to template")
         engine.tokenizer.chat_template = template
     try:
         app = build_app(

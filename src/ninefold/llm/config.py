@@ -185,7 +185,7 @@ class ModelConfig:
         head_dim = int(config.get("head_dim") or hidden // heads)
         rope_params = config.get("rope_parameters") or {}
         rotary_dim = _rotary_dim(config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor")),
-                                 head_dim)
+                                 head_dim, config.get("ninefold_rotary_dim"))
         rope_theta = float(config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         scaling = config.get("rope_scaling") or (rope_params if rope_params else None)
         if scaling is not None:
@@ -243,17 +243,24 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
 
-def _rotary_dim(partial, head_dim: int) -> int:
+def _rotary_dim(partial, head_dim: int, exact=None) -> int:
     """The head dimensions rope rotates for ``partial_rotary_factor`` ``partial`` (None: all), as transformers
-    computes them (``int(head_dim * partial)``); both it and the rest must be even (they rotate and pass in pairs)."""
-    if partial is None:
+    computes them (``int(head_dim * partial)``), or ``exact`` when given (a GGUF's ``rope.dimension_count``); both
+    it and the rest must be even (they rotate and pass in pairs)."""
+    if exact is not None:
+        rotary = exact
+        if isinstance(rotary, bool) or not isinstance(rotary, int) or not 0 < rotary <= head_dim:
+            raise ValueError(f"rope.dimension_count: got {rotary!r}; expected 1..{head_dim} (the head size)")
+    elif partial is None:
         return head_dim
-    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+    elif isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise ValueError(f"partial_rotary_factor: got {partial!r}; expected a number in (0, 1]")
-    rotary = int(head_dim * partial)
+    else:
+        rotary = int(head_dim * partial)
     if rotary < 2 or rotary % 2 or (head_dim - rotary) % 2:
-        raise ValueError(f"partial_rotary_factor: got {partial!r}, which rotates {rotary} of the head's {head_dim} "
-                         "dimensions; supported: an even count of at least 2 with an even remainder")
+        given = f"rope.dimension_count: got {rotary}" if exact is not None else f"partial_rotary_factor: got {partial!r}"
+        raise ValueError(f"{given}, which rotates {rotary} of the head's {head_dim} dimensions; supported: an even "
+                         "count of at least 2 with an even remainder")
     return rotary
 
 
@@ -337,8 +344,8 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
 
 
 def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device=None, context: int | None = None) -> torch.Tensor:
-    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest (both times
-    longrope's ``attention_factor``, which scales every attention logit by its square). ``context``: the longest
+    """``[max_positions, head_dim]`` float32: cos in the first half of the columns, sin in the rest (the rotated
+    pairs' both times longrope's ``attention_factor``, as transformers scales them). ``context``: the longest
     sequence the engine runs, which picks longrope's factors (default ``max_positions``).
 
     With a partial rotary embedding the pairs past the rotated ones get cos 1 and sin 0 (left as they are): the

@@ -319,6 +319,9 @@ class LLMEngine:
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} out of the vocabulary "
                              f"range [0, {vocab})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so its output has no text to find stop strings in; "
+                             "use stop_token_ids")
         bad_words = self._bad_word_ids(params.bad_words) if params.bad_words else None
         machine = None
         if params.guided_decoding is not None:

@@ -169,8 +169,9 @@ def gguf_config(file: GGUFFile) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    if rope_dim != head_dim:  # Phi-4-mini's partial rotary embedding (a power-of-two head size divides exactly)
+    if rope_dim != head_dim:  # Phi-4-mini's partial rotary embedding: the count itself (a factor may round short)
         config["partial_rotary_factor"] = rope_dim / head_dim
+        config["ninefold_rotary_dim"] = rope_dim
     if get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))
     if get("pooling_type") in GGUF_POOLING_TYPES:  # an embedding model's (llama.cpp's --pooling)

@@ -10,6 +10,9 @@ Implementations:
   (one float32 scale per token, a Triton kernel) and multiplied by ``torch._scaled_mm`` with both
   row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores); float32 accumulation, bfloat16 out. Hopper's fast
   FP8 accumulation (``use_fast_accum``) is off: on an H100 it put 2% errors into sums of 14336 products.
+- ``triton_pdl`` (Hopper, 1..16 rows without bias, where an FP8 launch table lists the call): the one-row and
+  few-rows GEMVs of ``ninefold.ops.triton.gemv_pdl_ops`` streaming the codes, launched with PDL (those GEMVs
+  also run ``ops.add_rms_norm_linear`` / ``ops.silu_and_mul_linear`` with an ``Fp8Weight``).
 - ``triton_gemv`` (CUDA, compute capability 8.9 or later, 1..16 rows of bfloat16/float16 x): a Triton GEMV that streams the FP8 codes and
   widens them in registers; x keeps its precision (``ninefold.ops.triton.fp8_gemv``).
 - ``dequantize`` (any device and dtype): ``F.linear(x, codes * scales)`` in x's dtype: x keeps its

@@ -7,7 +7,8 @@ one row, CUDA, bf16/fp16). Decode steps at batch 1 read each weight once per tok
 the separate norm/activation kernels and their launch gaps shortens the step.
 
 ``weight`` may also be an ``ops.Fp8Weight``: the pair is then the norm or gate followed by
-``linear_fp8``, and the Triton GEMV streams the FP8 codes (one row, compute capability 8.9+).
+``linear_fp8``, and the Triton GEMVs stream the FP8 codes (1..16 rows, where an FP8 launch table measured
+on Hopper lists the call; ``ninefold.ops.triton.gemv_pdl_ops``).
 """
 
 from __future__ import annotations
@@ -24,16 +25,19 @@ from ninefold.ops.registry import register
 
 
 def _renamed(op: str, error: Exception, *names: str) -> Exception:
+    """``error`` with the unfused operator that raised it (its message's leading ``name:``) renamed ``op``."""
     text = str(error)
-    for name in names:
-        text = text.replace(f"{name}:", f"{op}:", 1)
-    return type(error)(text)
+    for name in (op, *names):
+        if text.startswith(f"{name}:"):
+            return type(error)(f"{op}:{text[len(name) + 1:]}")
+    return error
 
 
 def _weight_bucket(bucket: int, weight) -> tuple:
-    """The tuning bucket of a fused call: FP8 weights tune apart from dense ones of the same shape."""
+    """The tuning bucket of a fused call: FP8 weights tune apart from dense ones of the same shape (a fourth
+    number, the codes' 8 bits: tuning files hold buckets of integers)."""
     n, k = weight.shape
-    return (bucket, n, k, "fp8") if type(weight) is Fp8Weight else (bucket, n, k)
+    return (bucket, n, k, 8) if type(weight) is Fp8Weight else (bucket, n, k)
 
 
 def _check_linear(x, weight, bias) -> None:

@@ -280,6 +280,7 @@ class LlamaForCausalLM:
         """Rebuild the rotary table (same rows) for sequences of at most ``context`` tokens: longrope picks its
         factors by the longest sequence the engine runs."""
         self.cos_sin = rope_cos_sin_cache(self.config, self.cos_sin.shape[0], self.cos_sin.device, context=context)
+        self._cpu_decoder = None  # (it holds the old table's pointer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 lora=None) -> torch.Tensor:

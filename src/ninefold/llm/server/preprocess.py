@@ -35,11 +35,11 @@ class Prompt:
 
 
 def needs_tokenizer(tokenizer, param: str):
-    """``tokenizer``, or the client's 400 naming ``param`` when the model has none (dummy weights of a named
-    shape take token ids only)."""
+    """``tokenizer``, or the client's 400 naming ``param`` when the model has none (dummy weights without a
+    tokenizer.json take token ids only)."""
     if tokenizer is None:
-        raise bad_request(f"'{param}': this model has no tokenizer (dummy weights of a named shape), so it takes "
-                          "token ids only (a list of int)", param)
+        raise bad_request(f"'{param}': this model has no tokenizer (dummy weights without a tokenizer.json), so it "
+                          "takes token ids only (a list of int)", param)
     return tokenizer
 
 

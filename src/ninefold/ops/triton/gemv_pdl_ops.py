@@ -6,9 +6,10 @@ few-rows sibling (``ninefold.ops.triton.gemv_rows``, 2..32 rows).
   RMSNorm in the GEMV's prologue;
 - :func:`silu_and_mul_linear` (``triton`` of ``ops.silu_and_mul_linear``): SwiGLU in the prologue;
 - :func:`linear_fp8` (``triton_pdl`` of ``ops.linear_fp8``): 1..16 rows of an ``Fp8Weight``, whose codes
-  both GEMVs stream (as the two fused operators do for FP8 weights; compute capability 8.9+). Unlike
-  dense weights, FP8 calls of 2..16 rows run the few-rows GEMV without a table entry: the alternative
-  there is ``linear_fp8``'s own few-rows GEMV, the same loop without the prologue or PDL.
+  both GEMVs stream (as the two fused operators do for FP8 weights). FP8 calls run only where a launch
+  table measured on Hopper lists them (``FP8_TABLE``, ``FP8_ROWS_TABLE``, or the table files' entries with
+  ``"weight": "fp8"``, which ``python -m ninefold.bench.fp8_gemv`` writes), on compute capability 9.x;
+  elsewhere the unfused pair runs, with ``linear_fp8``'s own few-rows GEMV.
 
 Each covers 1..32 rows on CUDA in bf16/fp16 without bias, K a multiple of the tile (the ``supports_*``
 functions name what they refuse); dispatch falls back to the vendor implementations otherwise.
@@ -52,7 +53,7 @@ TABLE: dict[tuple, tuple] = {
     (4096, 14336, "silu_and_mul"): (16, 512, 1, 4, 2, 2),  # 29.3 us
     (128256, 4096, "add_rms_norm"): (32, 256, 1, 4, 2, 0),  # 240.9 us
 }
-# (N, K, prologue, "fp8") -> the same fields, for FP8 codes (``Fp8Weight``): half the bytes per tile.
+# (N, K, prologue, "fp8") -> the same fields, for FP8 codes (``Fp8Weight``); calls it does not list are declined.
 FP8_TABLE: dict[tuple, tuple] = {}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -84,15 +85,9 @@ def _file_table(path: str) -> dict:
 # 32 (the row count rounded up to a power of two).
 ROWS_TABLE: dict[tuple, tuple] = {}
 ROWS_OVERRIDE: dict[tuple, tuple] = {}  # benchmarks set it
-# FP8 weights (keys ending in "fp8"): the alternative at 2..16 rows is linear_fp8's few-rows GEMV, the same loop
-# without the prologue or PDL, so calls no table lists run with this configuration (that kernel's own).
+# FP8 weights (keys ending in "fp8"), as ROWS_TABLE; calls it does not list are declined (the unfused pair runs).
 FP8_ROWS_TABLE: dict[tuple, tuple] = {}
 FP8_MAX_ROWS = 16  # more rows: linear_fp8's scaled_mm (FP8 tensor cores)
-
-
-def fp8_rows_default(k: int) -> tuple:
-    """(block_n, block_k, split_k, num_warps, num_stages) of the few-rows GEMV over FP8 codes no table lists."""
-    return (32, 512, 1, 4, 3) if k >= 8192 and k % 512 == 0 else (32, 256, 1, 4, 4)
 
 
 def rows_bucket(rows: int) -> int:
@@ -126,14 +121,14 @@ def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16, fp8: boo
     ``prologue``: ``ROWS_OVERRIDE``, then the ``NINEFOLD_GEMV_ROWS_TABLE`` file, then ``ROWS_TABLE``
     (each by rows bucket). ``()`` (the call is declined: cuBLAS and the unfused pair run) where none
     has the call: the few-rows GEMV runs only where a measurement chose it. FP8 codes (``fp8``) look up
-    keys ending in ``"fp8"`` and ``FP8_ROWS_TABLE``, else run :func:`fp8_rows_default`."""
+    keys ending in ``"fp8"`` and ``FP8_ROWS_TABLE``."""
     key = (n, k, prologue, rows_bucket(rows)) + (("fp8",) if fp8 else ())
     found = ROWS_OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_ROWS_TABLE")
     if found is None and path:
         found = _rows_file_table(path).get(key)
     if found is None:
-        found = FP8_ROWS_TABLE.get(key, fp8_rows_default(k)) if fp8 else ROWS_TABLE.get(key)
+        found = (FP8_ROWS_TABLE if fp8 else ROWS_TABLE).get(key)
     return found if found is not None else ()
 
 
@@ -143,21 +138,19 @@ def rows_enabled() -> bool:
     return os.environ.get("NINEFOLD_GEMV_ROWS", "1") != "0"
 
 
-def config(n: int, k: int, prologue: str = "none", fp8: bool = False) -> tuple:
-    """The launch configuration for an ``[n, k]`` weight with ``prologue`` (of FP8 codes with ``fp8``):
-    ``OVERRIDE``, then the ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE`` (``FP8_TABLE``); else split-K over
-    2 for narrow outputs (fewer than 8192 columns leave SMs idle) and one K pass otherwise."""
+def config(n: int, k: int, prologue: str = "none", fp8: bool = False) -> tuple | None:
+    """The launch configuration for an ``[n, k]`` weight with ``prologue``: ``OVERRIDE``, then the
+    ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE``; else split-K over 2 for narrow outputs (fewer than 8192
+    columns leave SMs idle) and one K pass otherwise. FP8 codes (``fp8``) look up keys ending in ``"fp8"``
+    and ``FP8_TABLE``, with no default: ``None`` where none lists the call."""
     key = (n, k, prologue) + (("fp8",) if fp8 else ())
     found = OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_TABLE")
     if found is None and path:
         found = _file_table(path).get(key)
     if found is None:
-        if fp8:
-            found = FP8_TABLE.get(key) or FP8_TABLE.get((n, k, "none", "fp8"))
-        else:
-            found = TABLE.get(key) or TABLE.get((n, k))
-    if found is not None:
+        found = FP8_TABLE.get(key) if fp8 else TABLE.get(key) or TABLE.get((n, k))
+    if found is not None or fp8:
         return found
     block_k = 256 if k % 256 == 0 else 64
     split_k = 2 if n < 8192 and k % (2 * block_k) == 0 else 1
@@ -177,8 +170,8 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, k: int, pr
     if fp8:
         if rows > FP8_MAX_ROWS:
             return f"{rows} rows of an FP8 weight: at most {FP8_MAX_ROWS} (linear_fp8's scaled_mm runs more)"
-        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
-            return "FP8 codes convert in Triton only on compute capability 8.9 or later"
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] != 9:
+            return "the FP8 launch tables are measured on Hopper (compute capability 9.x)"
         weight = weight.codes
     if weight.stride(1) != 1 or not x.is_contiguous():
         return "weight rows and x must be contiguous"
@@ -195,7 +188,11 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, k: int, pr
         return None
     if rows < 1:
         return "no rows"
-    _, block_k, split_k, *_, variant = config(weight.shape[0], k, prologue, fp8)
+    found = config(weight.shape[0], k, prologue, fp8)
+    if found is None:
+        return (f"one row of an FP8 [{weight.shape[0]}, {k}] ({prologue}): no launch configuration measured "
+                "(FP8_TABLE, NINEFOLD_GEMV_TABLE)")
+    _, block_k, split_k, *_, variant = found
     if k % (block_k * split_k):
         return f"K = {k} is not a multiple of {block_k * split_k}"
     if variant == 2 and k // split_k < 2 * block_k:
