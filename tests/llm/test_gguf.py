@@ -492,8 +492,8 @@ def test_a_phi3_gguf_generates_what_the_same_weights_do_as_llama(tmp_path, qtype
 
 @pytest.mark.parametrize("qtype", [T.F32, T.Q8_0])
 def test_a_phi3_gguf_with_a_partial_rotary_embedding_generates_what_transformers_does(tmp_path, qtype):
-    """Phi-4-mini's files rotate rope.dimension_count (here 48) of each head's 64 dimensions; quantized q/k/v are
-    dequantized to be reordered for it."""
+    """Phi-4-mini's files rotate rope.dimension_count (here 48) of each head's 64 dimensions; quantized q/k/v rows
+    are reordered for it as they are (kept packed)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     from ninefold import LLM, SamplingParams
@@ -513,9 +513,17 @@ def test_a_phi3_gguf_with_a_partial_rotary_embedding_generates_what_transformers
         ids = torch.tensor([prompt])
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    got = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32).generate(
-        prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    exact = LLM(str(path), device="cpu", dtype="float32", quantization="none", num_kv_blocks=32)
+    got = exact.generate(prompt_token_ids=[prompt],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert got[0].outputs[0].token_ids == want
+    if qtype != T.F32:  # kept packed, the codes' rows in the model's order: the same matrix as the exact engine's
+        from ninefold.llm.gguf_packed import PackedLinear
+
+        packed = LLM(str(path), device="cpu", dtype="float32", quantization="int4", num_kv_blocks=32)
+        qkv = packed.engine.model.layers[0].qkv
+        assert isinstance(qkv, PackedLinear)
+        torch.testing.assert_close(qkv(torch.eye(HIDDEN)).T, exact.engine.model.layers[0].qkv, rtol=0, atol=1e-5)
     llama = write_gguf(tmp_path / "llama.gguf", hf_weights(), qtype, metadata_overrides={"rope.dimension_count": 48})
     with pytest.raises(GGUFError, match="rotary dimension 48 != head size 64 .partial rotary. is supported for phi3 "
                                         "files only, not llama"):

@@ -252,12 +252,22 @@ class LlamaForCausalLM:
             out["k_norm"] = take(p + "self_attn.k_norm.weight", (Dh,))[order]
         return {f"{i}.{name}": t for name, t in out.items()}
 
-    def _rotary_ordered(self, qkv: list) -> list[torch.Tensor]:
-        """q/k/v weight parts (stacked in one, or three) as dense ``[q; k; v]`` parts with q's and k's rows in
-        ``rotary_head_order`` (quantized GGUF parts are dequantized for it)."""
-        dense = [t.dequantize(torch.float32) if isinstance(t, QUANTIZED) else t for t in qkv]
-        q, k, v = dense if len(dense) == 3 else dense[0].split([self.q_size, self.kv_size, self.kv_size])
-        return [rotary_rows(q, self.config), rotary_rows(k, self.config), v]
+    def _rotary_ordered(self, qkv: list) -> list:
+        """q/k/v weight parts (stacked in one, or three) as ``[q, k, v]`` parts with q's and k's rows in
+        ``rotary_head_order`` (quantized GGUF parts reordered as they are: their blocks lie along rows)."""
+        q, kv, c = self.q_size, self.kv_size, self.config
+        if len(qkv) == 1:
+            parts = [(qkv[0], lambda r: rotary_rows(r[:q], c)), (qkv[0], lambda r: rotary_rows(r[q:q + kv], c)),
+                     (qkv[0], lambda r: r[q + kv:])]
+        else:
+            parts = [(qkv[0], lambda r: rotary_rows(r, c)), (qkv[1], lambda r: rotary_rows(r, c)), (qkv[2], None)]
+        out = []
+        for t, fn in parts:
+            if fn is None:
+                out.append(t)
+            else:
+                out.append(t.map_rows(fn) if isinstance(t, QUANTIZED) else fn(t))
+        return out
 
     def bind_kv_cache(self, pool) -> None:
         """Use ``pool`` (a ``KVCachePool``) as this model's paged key/value storage."""
