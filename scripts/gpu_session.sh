@@ -113,7 +113,7 @@ step_command() {
     layer-overlap) echo "python3 -m ninefold.bench.layer_overlap ${LAYER_OVERLAP_ARGS:-}" ;;
     pytest) echo "python3 -m pytest ${PYTEST_ARGS:?set PYTEST_ARGS to the tests to run} -q -rs -p no:cacheprovider" ;;
     fp8-tests) echo 'python3 -m pytest tests/ops/test_fp8.py tests/ops/test_triton_gemv.py tests/llm/test_fp8.py tests/llm/test_cuda.py -q -p no:cacheprovider -rs -k "fp8 or gemv"' ;;
-    fp8-gemv) echo 'python3 -m ninefold.bench.fp8_gemv' ;;
+    fp8-gemv) echo "python3 -m ninefold.bench.fp8_gemv ${FP8_GEMV_ARGS:-}" ;;
     llm-fp8-b1-ab) echo 'T=$(find /tmp/nf-results -name fp8_gemv_table.json | head -1); R=$(find /tmp/nf-results -name fp8_gemv_rows_table.json | head -1); echo "tables: $T $R"; for i in $(seq ${FP8_AB_ROUNDS:-1}); do for arm in before gemv; do case $arm in before) E="NINEFOLD_OPS=add_rms_norm_linear=vendor,silu_and_mul_linear=vendor,linear_fp8=triton_gemv";; *) E="NINEFOLD_GEMV_TABLE=$T NINEFOLD_GEMV_ROWS_TABLE=$R";; esac; mkdir -p $OUT/$arm-$i; env $E OUT=$OUT/$arm-$i python3 -m ninefold.bench.llm --parts decode_batch1 --quantization fp8 > $OUT/$arm-$i.log 2>&1; echo "run $i $arm ($E): $(grep -a "correctness\|batch-1 decode:\|FAILED" $OUT/$arm-$i.log | cut -c1-300 | tr "\n" " ")"; done; done; true' ;;
     llm-fp8) echo 'for q in fp8 none; do mkdir -p $OUT/$q; OUT=$OUT/$q python3 -m ninefold.bench.llm --parts decode_batch1,offline --quantization $q > $OUT/$q.log 2>&1; echo "quantization=$q: $(grep -a "correctness\|batch-1 decode:\|offline 256\|FAILED" $OUT/$q.log | cut -c1-300 | tr "\n" " ")"; done; true' ;;
     *) echo "echo unknown step $1; false" ;;
