@@ -54,7 +54,14 @@ TABLE: dict[tuple, tuple] = {
     (128256, 4096, "add_rms_norm"): (32, 256, 1, 4, 2, 0),  # 240.9 us
 }
 # (N, K, prologue, "fp8") -> the same fields, for FP8 codes (``Fp8Weight``); calls it does not list are declined.
-FP8_TABLE: dict[tuple, tuple] = {}
+# Where the one-row GEMV beat what FP8 decode otherwise runs (the norm or gate's own kernel, then linear_fp8's
+# triton_gemv), in graphs of back-to-back calls over 256 MB of weight copies: H100, 2026-12-07 13:27 UTC,
+# `python -m ninefold.bench.fp8_gemv --rows 1,4` (docs/perf/data/fp8_gemv_h100.json). q/k/v (18.5 vs 18.2 us) and
+# gate_up (50.9 vs 49.1) lost, and at 4 rows the few-rows GEMV lost on every layer, so FP8_ROWS_TABLE lists none.
+FP8_TABLE: dict[tuple, tuple] = {
+    (4096, 4096, "none", "fp8"): (16, 512, 1, 4, 2, 0),  # o: 9.6 us (13.0 before)
+    (4096, 14336, "silu_and_mul", "fp8"): (16, 512, 1, 4, 2, 0),  # down: 33.4 us (39.1 before)
+}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16)
 OVERRIDE: dict[tuple, tuple] = {}  # (N, K, prologue[, "fp8"]) -> config; benchmarks set it
