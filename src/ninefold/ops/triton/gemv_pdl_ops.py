@@ -55,7 +55,7 @@ TABLE: dict[tuple, tuple] = {
 }
 # (N, K, prologue, "fp8") -> the same fields, for FP8 codes (``Fp8Weight``); calls it does not list are declined.
 # Where the one-row GEMV beat what FP8 decode otherwise runs (the norm or gate's own kernel, then linear_fp8's
-# triton_gemv), in graphs of back-to-back calls over 256 MB of weight copies: H100, 2026-12-07 13:27 UTC,
+# triton_gemv), in graphs of back-to-back calls over 256 MB of weight copies: H100, 2026-12-07 13:25 UTC,
 # `python -m ninefold.bench.fp8_gemv --rows 1,4` (docs/perf/data/fp8_gemv_h100.json). q/k/v (18.5 vs 18.2 us) and
 # gate_up (50.9 vs 49.1) lost, and at 4 rows the few-rows GEMV lost on every layer, so FP8_ROWS_TABLE lists none.
 FP8_TABLE: dict[tuple, tuple] = {
