@@ -36,3 +36,12 @@ def test_inputs_give_the_prologue_results():
 def test_without_a_gpu_it_refuses(capsys):
     assert bench.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_configuration_that_computes_the_wrong_product_is_reported_and_not_timed():
+    want = torch.ones(2, 3)
+    out = bench.time_configs([(1,), (2,)], lambda cfg: {"scale": cfg[0]}, lambda a, i: want * a["scale"], want, 4)
+    assert [c["config"] for c in out["configs"]] == [[1], [2]]
+    assert "relative error 1" in out["configs"][1]["error"] and "us" not in out["configs"][1]
+    if not torch.cuda.is_available():  # the right one reaches the graph timing, which needs CUDA
+        assert "error" in out["configs"][0] and "best" not in out

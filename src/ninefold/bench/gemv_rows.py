@@ -92,27 +92,41 @@ def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: lis
     row = {"layer": name, "n": n, "k": k, "prologue": prologue, "rows": rows,
            "bound_us": n * k * w0.element_size() / bandwidth * 1e6}
     row["unfused_us"] = graph_us(lambda i: _unfused(kw, copies[i % len(copies)], prologue), calls)
-    row["configs"] = []
     x = kw["x"]
-    for cfg in candidates(n, k):
+
+    def args_of(cfg):
         bn, bk, sk, nw, ns = cfg
         args = {key: v for key, v in kw.items() if key != "x"}
         args.update(split_k=sk, pdl=pdl, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        return args
+
+    row.update(time_configs(candidates(n, k), args_of, lambda a, i: gemv_rows(x, copies[i % len(copies)], **a),
+                            want, calls))
+    return row
+
+
+def time_configs(configs, args_of, call, want: torch.Tensor, calls: int) -> dict:
+    """Each launch configuration checked, then timed: ``call(args_of(cfg), i)`` runs it on copy ``i`` of the weight
+    (copy 0 is checked against ``want``, relative error below 2e-2), then ``calls`` back-to-back calls are timed as a
+    graph. Returns ``{"configs": [...], "best": config, "best_us": us}`` (no best when none ran)."""
+    out: dict = {"configs": []}
+    for cfg in configs:
+        args = args_of(cfg)
         entry = {"config": list(cfg)}
         try:
-            y = gemv_rows(x, w0, **args)
-            err = ((y.float() - want).abs().max() / want.abs().max()).item()
+            y = call(args, 0)
+            err = ((y.float().reshape(-1) - want.reshape(-1)).abs().max() / want.abs().max()).item()
             if not err < 2e-2:
                 raise AssertionError(f"relative error {err:.3g}")
-            entry["us"] = graph_us(lambda i, a=args: gemv_rows(x, copies[i % len(copies)], **a), calls)
+            entry["us"] = graph_us(lambda i, a=args: call(a, i), calls)
         except Exception as error:  # reported per configuration; the others still run
             entry["error"] = repr(error)[:300]
-        row["configs"].append(entry)
-    timed = [c for c in row["configs"] if "us" in c]
+        out["configs"].append(entry)
+    timed = [c for c in out["configs"] if "us" in c]
     if timed:
         best = min(timed, key=lambda c: c["us"])
-        row["best"], row["best_us"] = best["config"], best["us"]
-    return row
+        out["best"], out["best_us"] = best["config"], best["us"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
