@@ -129,15 +129,17 @@ def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None
         config["ninefold_headless"] = True  # the decoder alone, saved from its base class: embeddings only
         model_config = ModelConfig.from_dict(config)
     check_tensors(model_config, config, tensors, origin, source=str(path), full_shapes=full_shapes)
-    return Checkpoint(
-        config=config,
-        tensors=tensors,
-        tokenizer=read_tokenizer_file(tokenizer_file),
-        tokenizer_config=read_tokenizer_config(path),
-        generation_config=_read_json(path / "generation_config.json", required=False),
-        source=str(path),
-        tensor_parallel=tensor_parallel,
-    )
+    return Checkpoint(config=config, tensors=tensors, **_text_files(path), source=str(path),
+                      tensor_parallel=tensor_parallel)
+
+
+def _text_files(path: Path) -> dict:
+    """A model directory's tokenizer (None without tokenizer.json), tokenizer config and generation config, as
+    ``Checkpoint`` fields."""
+    tokenizer_file = path / "tokenizer.json"
+    return {"tokenizer": read_tokenizer_file(tokenizer_file) if tokenizer_file.is_file() else None,
+            "tokenizer_config": read_tokenizer_config(path),
+            "generation_config": _read_json(path / "generation_config.json", required=False)}
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -350,12 +352,8 @@ def _dummy(model: str | Path | dict | None) -> Checkpoint:
     if model is not None:
         path = Path(model)
         if path.is_dir():  # random weights, the rest as the directory has it (as vLLM's dummy format)
-            tokenizer_file = path / "tokenizer.json"
             return Checkpoint(config=_read_json(path / "config.json", required=True), tensors=None,
-                              tokenizer=read_tokenizer_file(tokenizer_file) if tokenizer_file.is_file() else None,
-                              tokenizer_config=read_tokenizer_config(path),
-                              generation_config=_read_json(path / "generation_config.json", required=False),
-                              source=f"dummy:{path}")
+                              **_text_files(path), source=f"dummy:{path}")
         if path.suffix == ".json" and path.is_file():
             return Checkpoint(config=_read_json(path, required=True), tensors=None, source=f"dummy:{path}")
     raise ValueError(
