@@ -255,18 +255,16 @@ class LlamaForCausalLM:
     def _rotary_ordered(self, qkv: list) -> list:
         """q/k/v weight parts (stacked in one, or three) as ``[q, k, v]`` parts with q's and k's rows in
         ``rotary_head_order`` (quantized GGUF parts reordered as they are: their blocks lie along rows)."""
-        q, kv, c = self.q_size, self.kv_size, self.config
-        if len(qkv) == 1:
-            parts = [(qkv[0], lambda r: rotary_rows(r[:q], c)), (qkv[0], lambda r: rotary_rows(r[q:q + kv], c)),
-                     (qkv[0], lambda r: r[q + kv:])]
+        if len(qkv) == 1:  # stacked: the parts are row ranges of one matrix
+            q, kv = self.q_size, self.kv_size
+            parts = [(qkv[0], slice(0, q)), (qkv[0], slice(q, q + kv)), (qkv[0], slice(q + kv, None))]
         else:
-            parts = [(qkv[0], lambda r: rotary_rows(r, c)), (qkv[1], lambda r: rotary_rows(r, c)), (qkv[2], None)]
+            parts = [(t, slice(None)) for t in qkv]
         out = []
-        for t, fn in parts:
-            if fn is None:
-                out.append(t)
-            else:
-                out.append(t.map_rows(fn) if isinstance(t, QUANTIZED) else fn(t))
+        for j, (t, rows) in enumerate(parts):
+            def part(r, rows=rows, rotated=j < 2):
+                return rotary_rows(r[rows], self.config) if rotated else r[rows]
+            out.append(t.map_rows(part) if isinstance(t, QUANTIZED) else part(t))
         return out
 
     def bind_kv_cache(self, pool) -> None:

@@ -67,6 +67,11 @@ _DTYPES = (torch.bfloat16, torch.float16)
 OVERRIDE: dict[tuple, tuple] = {}  # (N, K, prologue[, "fp8"]) -> config; benchmarks set it
 
 
+def _weight_kind(fp8: bool) -> tuple:
+    """The end of a launch-table key: ``("fp8",)`` for FP8 codes, nothing for weights of x's dtype."""
+    return ("fp8",) if fp8 else ()
+
+
 @functools.cache
 def _file_table(path: str) -> dict:
     """``NINEFOLD_GEMV_TABLE``: a JSON list of ``{"n", "k", "prologue", "config"}`` (what
@@ -75,7 +80,7 @@ def _file_table(path: str) -> dict:
     try:
         with open(path) as f:
             entries = json.load(f)
-        table = {(int(e["n"]), int(e["k"]), str(e["prologue"])) + (("fp8",) if e.get("weight") == "fp8" else ()):
+        table = {(int(e["n"]), int(e["k"]), str(e["prologue"])) + _weight_kind(e.get("weight") == "fp8"):
                  tuple(int(v) for v in e["config"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"NINEFOLD_GEMV_TABLE={path!r}: expected a JSON list of {{n, k, prologue, config}} "
@@ -110,9 +115,8 @@ def _rows_file_table(path: str) -> dict:
     try:
         with open(path) as f:
             entries = json.load(f)
-        table = {(int(e["n"]), int(e["k"]), str(e["prologue"]), int(e["rows"]))
-                 + (("fp8",) if e.get("weight") == "fp8" else ()): tuple(int(v) for v in e["config"])
-                 for e in entries}
+        table = {(int(e["n"]), int(e["k"]), str(e["prologue"]), int(e["rows"])) + _weight_kind(e.get("weight") == "fp8"):
+                 tuple(int(v) for v in e["config"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"NINEFOLD_GEMV_ROWS_TABLE={path!r}: expected a JSON list of {{n, k, prologue, rows, "
                          f"config}} entries ({error})") from None
@@ -129,7 +133,7 @@ def rows_config(n: int, k: int, prologue: str = "none", rows: int = 16, fp8: boo
     (each by rows bucket). ``()`` (the call is declined: cuBLAS and the unfused pair run) where none
     has the call: the few-rows GEMV runs only where a measurement chose it. FP8 codes (``fp8``) look up
     keys ending in ``"fp8"`` and ``FP8_ROWS_TABLE``."""
-    key = (n, k, prologue, rows_bucket(rows)) + (("fp8",) if fp8 else ())
+    key = (n, k, prologue, rows_bucket(rows)) + _weight_kind(fp8)
     found = ROWS_OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_ROWS_TABLE")
     if found is None and path:
@@ -150,7 +154,7 @@ def config(n: int, k: int, prologue: str = "none", fp8: bool = False) -> tuple |
     ``NINEFOLD_GEMV_TABLE`` file, then ``TABLE``; else split-K over 2 for narrow outputs (fewer than 8192
     columns leave SMs idle) and one K pass otherwise. FP8 codes (``fp8``) look up keys ending in ``"fp8"``
     and ``FP8_TABLE``, with no default: ``None`` where none lists the call."""
-    key = (n, k, prologue) + (("fp8",) if fp8 else ())
+    key = (n, k, prologue) + _weight_kind(fp8)
     found = OVERRIDE.get(key)
     path = os.environ.get("NINEFOLD_GEMV_TABLE")
     if found is None and path:
