@@ -73,7 +73,7 @@ def test_an_id_loaded_again_after_forget_gets_new_weights_and_no_old_cache(setup
     write_lora_adapter(base, path, r=4, seed=6)  # retrained in place, then unloaded and loaded again
     engine.lora_slots.forget(1)
     new = run()
-    _references.pop((str(path), tuple(prompt), 16))  # the reference reads the new files
+    _references.pop((str(base), str(path), tuple(prompt), 16))  # the reference reads the new files
     assert new.num_cached_tokens == 0
     assert new.outputs[0].token_ids == peft_greedy(base, path, prompt, 16) != expected_old
 

@@ -1,13 +1,19 @@
 """``ninefold serve -tp 2``: a live server whose engine spans two processes, through the openai client."""
 
 import signal
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import openai
 
 from .conftest import ServerProcess
 from .tiny_model import CHAIN_TEXT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llm"))
+from tiny_models import build_model_dir, write_lora_adapter  # noqa: E402
 
 
 def _children(pid: int) -> list[int]:
@@ -73,3 +79,34 @@ def test_a_server_that_lost_a_worker_fails_its_health_check(tiny_model, tmp_path
         assert health.status_code == 503 and "tensor-parallel workers gone: rank 1" in health.text, health.text
     finally:
         server.stop(signal.SIGTERM)
+
+
+def test_a_two_rank_server_serves_adapters_given_at_start_and_loaded_at_runtime(tmp_path):
+    """``--lora-modules`` and ``/v1/load_lora_adapter`` with ``-tp 2``: each model name gives what a one-device
+    engine gives under that adapter, also when one slot makes the adapters take turns (rewritten on both ranks)."""
+    from ninefold import LLM, LoRARequest, SamplingParams
+
+    base = build_model_dir(tmp_path / "base", "qwen2")
+    adapters = {"a": write_lora_adapter(base, tmp_path / "a", r=8, seed=1),
+                "b": write_lora_adapter(base, tmp_path / "b", r=4, seed=2, target_modules=("q_proj", "v_proj"))}
+    prompt, params = "The quick brown fox", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(base), device="cpu", enable_lora=True, block_size=8, num_kv_blocks=64) as one_device:
+        expected = {name: one_device.generate([prompt], params, lora_request=LoRARequest(name, i + 1, str(path)) if
+                                              path else None)[0].outputs[0].text
+                    for i, (name, path) in enumerate((("a", adapters["a"]), ("b", adapters["b"]), ("tiny", None)))}
+    assert len(set(expected.values())) == 3
+    server = ServerProcess(SimpleNamespace(path=base), tmp_path, "--tensor-parallel-size", "2", "--num-kv-blocks",
+                           "64", "--lora-modules", f"a={adapters['a']}", "--max-loras", "1",
+                           "--allow-runtime-lora-updating")
+    try:
+        reply = httpx.post(server.base + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path":
+                                                                          str(adapters["b"])}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for name in ("a", "b", "tiny", "a", "b"):
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == expected[name], name
+    finally:
+        code = server.stop(signal.SIGTERM)
+    assert code == 0, server.log()

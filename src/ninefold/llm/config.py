@@ -490,9 +490,6 @@ class EngineConfig:
             raise ValueError(f"seed: got {self.seed!r}; expected an integer")
         if self.max_cpu_loras is not None and isinstance(self.max_cpu_loras, int) and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(f"enable_lora: LoRA adapters run on one device; got tensor_parallel_size="
-                             f"{self.tensor_parallel_size}")
         for name in ("max_model_len", "num_kv_blocks", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

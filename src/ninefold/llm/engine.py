@@ -88,10 +88,14 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         self.lora_slots = None
         if cfg.enable_lora:  # before the KV pool, which takes what memory is left
-            # float32 on CPUs: the native decode step reads them as they are (adapters are small)
-            slots_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-            self.lora_slots = LoRASlots(mc, dtype=slots_dtype, device=self.device, max_loras=cfg.max_loras,
-                                        max_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras)
+            parallel = {}
+            if self.parallel_group is not None:  # rank 0's slices; the workers get theirs from it
+                from ninefold.llm.parallel import shard_plan
+
+                parallel = {"plan": shard_plan(mc, 0, cfg.tensor_parallel_size), "mirror": self.model}
+            self.lora_slots = LoRASlots(mc, dtype=self._lora_slots_dtype(), device=self.device,
+                                        max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
+                                        max_cpu_loras=cfg.max_cpu_loras, **parallel)
         self.pool = self._make_pool(max_len)
         self.cache_config = self._cache_config()  # (fixed from here on; stats() hands it out every call)
         # a model without an output layer only embeds, in steps that read no cache: its context is the rotary table's
@@ -143,8 +147,11 @@ class LLMEngine:
         self.parallel_group = group
         # the workers read what rank 0 read: the resolved file or directory (dummy weights: the shape asked for)
         source = model if ckpt.tensors is None else ckpt.source
+        lora = None
+        if cfg.enable_lora:
+            lora = {"max_loras": cfg.max_loras, "max_rank": cfg.max_lora_rank, "dtype": self._lora_slots_dtype()}
         group.setup(model=source, load_format=cfg.load_format, quantization=cfg.quantization, dtype=self.dtype,
-                    max_positions=max_len, seed=cfg.seed, block_size=cfg.block_size)
+                    max_positions=max_len, seed=cfg.seed, block_size=cfg.block_size, lora=lora)
         rank_model, error = None, None
         try:
             rank_model = build_rank_model(mc, ckpt.tensors, group.parallel, dtype=self.dtype, device=self.device,
@@ -192,6 +199,10 @@ class LLMEngine:
     def _graph_max_batch(self) -> int:
         """The largest batch the decode graphs are captured for."""
         return min(self.config.cuda_graph_max_batch, self.config.max_num_seqs)
+
+    def _lora_slots_dtype(self) -> torch.dtype:
+        # float32 on CPUs: the native decode step reads them as they are (adapters are small)
+        return torch.float32 if self.device.type == "cpu" else self.dtype
 
     def _lora_graph_bytes(self) -> int:
         """What the adapters' decode graphs keep beyond the base graphs: their logits at every captured size (their

@@ -276,7 +276,7 @@ class ModelRunner:
         return self.model.compute_logits(self._forward(args[0], args[1], meta, lora))
 
     def _forward(self, token_ids, positions, meta, lora):
-        # (models without adapters, such as a tensor-parallel group's, take no ``lora`` argument)
+        # (models without adapter support take no ``lora`` argument)
         if lora is None:
             return self.model.forward(token_ids, positions, meta)
         return self.model.forward(token_ids, positions, meta, lora=lora)

@@ -9,6 +9,10 @@ its rows use, are two dense matmuls: ``((x @ A) * mask) @ B``, where ``mask[t, c
 can compute it where ``NINEFOLD_LORA_KERNELS=1`` (``ninefold.ops.triton.lora``: the first applies the mask
 to its reduced ``x @ A``, the second adds ``@ B`` into the output; in the decode graphs only).
 
+Under tensor parallelism every rank holds slots of its own heads' and channels' sizes (``plan``): rank 0's
+slots decide which adapter sits where and send each worker its slices of what they write (``mirror``);
+a worker's slots only hold what they are sent (``place``).
+
 On CPUs the slots are also kept slot by slot, in bfloat16, for the native decode step (``a_rows``
 ``[L, S, in, R]``, ``b_tiles`` ``[L, S, ceil(out / 16), R, 16]``): what one row's adapter reads there is
 contiguous, the 16 outputs of one kernel group are one run of memory, and half the bytes of float32 are read
@@ -49,10 +53,14 @@ class LoRASlots:
     used dropped first) and which slot each adapter in use occupies."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device, max_loras: int,
-                 max_rank: int, max_cpu_loras: int | None = None):
+                 max_rank: int, max_cpu_loras: int | None = None, plan=None, mirror=None):
+        """``config``: the whole model's (adapters are checked against it). ``plan``: a tensor-parallel rank's
+        ``ShardPlan`` (slots of its slices); ``mirror``: rank 0's ``ParallelModel``, told every slot written or
+        cleared (``write_lora``)."""
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.plan, self.mirror = plan, mirror
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
-        self.parts = part_sizes(config)
+        self.parts = part_sizes(config if plan is None else plan.local_config(config))
         L = config.num_layers
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
@@ -62,7 +70,7 @@ class LoRASlots:
             self.b[matrix] = torch.zeros((L, width, sum(out for _, out in parts)), dtype=dtype, device=device)
         self.a_rows: dict[str, torch.Tensor] = {}
         self.b_tiles: dict[str, torch.Tensor] = {}
-        if device.type == "cpu":
+        if device.type == "cpu" and plan is None:  # (tensor-parallel ranks run the generic layers)
             for matrix, parts in self.parts.items():
                 r, out = max_rank * len(parts), sum(n for _, n in parts)
                 self.a_rows[matrix] = torch.zeros((L, max_loras, parts[0][0], r), dtype=torch.bfloat16)
@@ -156,6 +164,17 @@ class LoRASlots:
         self.holder[slot] = self.adapter_in[slot] = None
         self._idle.pop(slot, None)
         self._zero(slot)
+        if self.mirror is not None:
+            self.mirror.write_lora(slot, None, self.config)
+
+    def place(self, slot: int, adapter: Adapter | None) -> None:
+        """A tensor-parallel worker: hold ``adapter`` (already this rank's slices, ``shard_lora``; None: nothing) in
+        ``slot``, as rank 0's slots do now."""
+        self.adapter_in[slot] = adapter
+        if adapter is None:
+            self._zero(slot)
+        else:
+            self._fill(slot, adapter.weights)
 
     def _zero(self, slot: int) -> None:
         for matrix, parts in self.parts.items():
@@ -167,8 +186,18 @@ class LoRASlots:
                 self.b_tiles[matrix][:, slot] = 0
 
     def _write(self, slot: int, adapter: Adapter) -> None:
+        weights = adapter.weights
+        if self.plan is not None:
+            from ninefold.llm.parallel.sharding import shard_lora
+
+            weights = shard_lora(weights, self.config, self.plan)
+        self._fill(slot, weights)
+        if self.mirror is not None:
+            self.mirror.write_lora(slot, adapter, self.config)
+
+    def _fill(self, slot: int, weights: dict) -> None:
         self._zero(slot)
-        for (layer, matrix, part), (a, b) in adapter.weights.items():
+        for (layer, matrix, part), (a, b) in weights.items():
             parts = self.parts[matrix]
             first = slot * self.max_rank * len(parts) + part * self.max_rank
             out_at = sum(out for _, out in parts[:part])

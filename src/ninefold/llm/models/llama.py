@@ -323,17 +323,14 @@ class LlamaForCausalLM:
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
                 qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            x = _linear(self._attention(i, layer, qkv, positions, meta), layer.o)
-            if self.parallel is not None:
-                x = self.parallel.all_reduce(x)
+            x = self._reduced(_linear(self._attention(i, layer, qkv, positions, meta), layer.o))
             if fuse:
                 gate_up, residual = ops.add_rms_norm_linear(x, residual, layer.post_norm, layer.gate_up, eps)
                 hidden = ops.silu_and_mul_linear(gate_up, layer.down)
             else:
                 x, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
                 hidden = _linear(ops.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
-            if self.parallel is not None:
-                hidden = self.parallel.all_reduce(hidden)
+            hidden = self._reduced(hidden)
         out, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
         return out
 
@@ -346,9 +343,14 @@ class LlamaForCausalLM:
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
         qkv = lora.add(i, "qkv", x, _linear(x, layer.qkv, layer.qkv_bias))
         o = self._attention(i, layer, qkv, positions, meta)
-        x, residual = ops.add_rms_norm(lora.add(i, "o", o, _linear(o, layer.o)), residual, layer.post_norm, eps)
+        x, residual = ops.add_rms_norm(self._reduced(lora.add(i, "o", o, _linear(o, layer.o))), residual,
+                                       layer.post_norm, eps)
         act = ops.silu_and_mul(lora.add(i, "gate_up", x, _linear(x, layer.gate_up)))
-        return lora.add(i, "down", act, _linear(act, layer.down)), residual
+        return self._reduced(lora.add(i, "down", act, _linear(act, layer.down))), residual
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over a tensor-parallel group's ranks (``x`` itself on one device)."""
+        return x if self.parallel is None else self.parallel.all_reduce(x)
 
     def _attention(self, i: int, layer: LayerWeights, qkv: torch.Tensor, positions, meta: AttentionMetadata):
         """Attention of a layer's q/k/v rows (after rope and the cache write), ``[T, Hq Dh]``, before the o projection."""

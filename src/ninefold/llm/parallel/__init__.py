@@ -7,7 +7,13 @@ sends per model call, ``driver`` and ``worker`` the two sides.
 
 from ninefold.llm.parallel.driver import ParallelModel, WorkerGroup
 from ninefold.llm.parallel.rank_model import TensorParallel, build_rank_model
-from ninefold.llm.parallel.sharding import ShardPlan, check_parallel_size, shard_plan, shard_tensors
+from ninefold.llm.parallel.sharding import (
+           ShardPlan,
+           check_parallel_size,
+           shard_lora,
+           shard_plan,
+           shard_tensors,
+)
 
 __all__ = ["ParallelModel", "ShardPlan", "TensorParallel", "WorkerGroup", "build_rank_model", "check_parallel_size",
-           "shard_plan", "shard_tensors"]
+           "shard_lora", "shard_plan", "shard_tensors"]

@@ -151,8 +151,9 @@ class WorkerGroup:
             raise RuntimeError(f"tensor-parallel workers failed to {what}: "
                                + "; ".join(f"rank {rank}: {text}" for rank, text in problems))
 
-    def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
-        """Hand every worker one command (and broadcast its payload)."""
+    def send(self, header: bytes, payload: torch.Tensor | None = None, objects: list | None = None) -> None:
+        """Hand every worker one command (and broadcast its payload, or send worker rank ``r`` its own pickled
+        ``objects[r - 1]``)."""
         if self.failed is not None:
             raise RuntimeError(f"the tensor-parallel group stopped after an error: {self.failed}")
         if self.comm is None:
@@ -163,6 +164,8 @@ class WorkerGroup:
                 p.stdin.flush()
             if payload is not None:
                 self.comm.broadcast(payload, src=0)
+            for rank, obj in enumerate(objects or (), 1):
+                self.comm.send_object(obj, rank)
         except (OSError, RuntimeError) as error:
             self.fail(error)
             raise RuntimeError(f"the tensor-parallel workers are gone: {self.workers_gone() or 'none exited yet'}") \
@@ -256,12 +259,14 @@ class ParallelModel:
         self.__dict__["model"] = model
         self.__dict__["group"] = group
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The hidden states of the whole model (every rank computes its slice)."""
-        header, payload = protocol.encode_forward(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, lora=None) -> torch.Tensor:
+        """The hidden states of the whole model (every rank computes its slice; ``lora``: rank 0's ``LoRAStep``,
+        whose rows' slots the workers apply to theirs)."""
+        header, payload = protocol.encode_forward(input_ids, positions, meta,
+                                                  None if lora is None else lora.row_slots)
         self.group.send(header, payload)
         try:
-            return self.model.forward(input_ids, positions, meta)
+            return self.model.forward(input_ids, positions, meta, lora=lora)
         except BaseException as error:
             self.group.fail(error)
             raise
@@ -275,6 +280,18 @@ class ParallelModel:
             self.group.fail(error)
             raise
         self.group.agree_loaded(None, "allocate their KV cache")
+
+    def write_lora(self, slot: int, adapter, config) -> None:
+        """Put ``adapter`` (a whole ``ninefold.llm.lora.Adapter`` of model ``config``; None: nothing) in LoRA slot
+        ``slot`` of every worker, each sent only its own slices."""
+        from dataclasses import replace
+
+        from ninefold.llm.parallel.sharding import shard_lora, shard_plan
+
+        shards = [None if adapter is None else
+                  replace(adapter, weights=shard_lora(adapter.weights, config, shard_plan(config, rank, self.group.size)))
+                  for rank in range(1, self.group.size)]
+        self.group.send(protocol.encode_command(Op.LORA_SLOT, slot), objects=shards)
 
     def fit_rope(self, context: int) -> None:
         """Rebuild the rotary table for ``context`` here and on every worker (longrope's factors follow it)."""

@@ -8,6 +8,9 @@ are replicated; the output layer lives on rank 0 only, which samples (no gather 
 With fewer key/value heads than ranks, each key/value head is replicated on the ranks whose query
 heads read it (``size`` must then be a multiple of the key/value heads).
 
+A LoRA adapter follows the same split (``shard_lora``): B's rows with the projections split by rows, A's
+columns with those split by columns, whose partial deltas the same all-reduce sums.
+
 Checkpoints that store q/k/v and gate/up stacked (Phi-3's ``qkv_proj``, ``gate_up_proj``) give each rank
 its slice of every part, stacked in the same order: the local matrix of a rank's own heads and channels.
 """
@@ -124,3 +127,24 @@ def take(tensor, index: Index | list[Index] | None) -> torch.Tensor:
     if isinstance(index, list):
         return torch.cat([tensor[part] for part in index])
     return tensor[index].contiguous()
+
+
+def shard_lora(weights: dict, config: ModelConfig, plan: ShardPlan) -> dict:
+    """An adapter's ``{(layer, matrix, part): (A [r, in], B [out, r])}`` (``ninefold.llm.lora.Adapter.weights``, full
+    sizes) as ``plan``'s rank applies it: q/k/v and gate/up keep B's rows of the rank's heads and channels, o and down
+    A's columns of them (each rank's ``(x_rank @ A_rank.T) @ B.T`` is a share of the delta that the all-reduce after
+    the projection adds up)."""
+    dh = config.head_dim
+    q = slice(plan.q_heads[0] * dh, plan.q_heads[1] * dh)
+    kv = slice(plan.kv_heads[0] * dh, plan.kv_heads[1] * dh)
+    channels = slice(*plan.channels)
+    rows = {("qkv", 0): q, ("qkv", 1): kv, ("qkv", 2): kv, ("gate_up", 0): channels, ("gate_up", 1): channels}
+    columns = {"o": q, "down": channels}
+    out = {}
+    for (layer, matrix, part), (a, b) in weights.items():
+        if matrix in columns:
+            a = a[:, columns[matrix]].contiguous()
+        else:
+            b = b[rows[(matrix, part)]].contiguous()
+        out[(layer, matrix, part)] = (a, b)
+    return out

@@ -21,10 +21,13 @@ from ninefold.llm.parallel.rank_model import TensorParallel, build_rank_model
 
 
 def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, load_format: str, quantization: str,
-                    dtype: torch.dtype, max_positions: int, seed: int, block_size: int):
+                    dtype: torch.dtype, max_positions: int, seed: int, block_size: int, lora: dict | None = None):
     """This rank's slice of ``model`` (as ``LLMEngine`` loads it), with a one-block scratch cache bound until
-    rank 0 sends the real cache's size."""
+    rank 0 sends the real cache's size; and with ``lora`` (``max_loras``, ``max_rank``, ``dtype``: rank 0's slots),
+    this rank's LoRA slots (else None)."""
     from ninefold.llm.loader import load_checkpoint
+    from ninefold.llm.lora import LoRASlots
+    from ninefold.llm.parallel.sharding import shard_plan
 
     ckpt = load_checkpoint(model, load_format, quantization=quantization,
                            tensor_parallel=(parallel.rank, parallel.size))
@@ -32,10 +35,14 @@ def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, lo
     rank_model = build_rank_model(config, ckpt.tensors, parallel, dtype=dtype, device=device,
                                   max_positions=max_positions, seed=seed, sliced=ckpt.tensor_parallel is not None)
     rank_model.bind_scratch_kv_cache(block_size)
-    return rank_model
+    slots = None
+    if lora is not None:
+        slots = LoRASlots(config, dtype=lora["dtype"], device=device, max_loras=lora["max_loras"],
+                          max_rank=lora["max_rank"], plan=shard_plan(config, parallel.rank, parallel.size))
+    return rank_model, slots
 
 
-def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> None:
+def serve(rank_model, comm, device: torch.device, block_size: int, commands, lora_slots=None) -> None:
     """Make rank 0's calls, read from ``commands`` (a binary stream), until STOP or its end."""
     from ninefold.runtime import KVCachePool
 
@@ -59,8 +66,12 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands) -> 
                     return
             elif op is Op.FIT_ROPE:
                 rank_model.fit_rope(value)
+            elif op is Op.LORA_SLOT:
+                lora_slots.place(value, comm.recv_object(0))
             else:
-                rank_model.forward(*value)
+                ids, positions, meta, row_slots = value
+                lora = None if row_slots is None else lora_slots.step(row_slots)
+                rank_model.forward(ids, positions, meta, lora=lora)
 
 
 def _all_succeeded(comm, error: BaseException | None) -> bool:
@@ -123,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = comm.broadcast_object(None)
         error = None
         try:
-            rank_model = load_rank_model(parallel, device, **settings)
+            rank_model, lora_slots = load_rank_model(parallel, device, **settings)
         except Exception as e:
             error = e
         if not _all_succeeded(comm, error):
             return 1  # rank 0 raises, naming every rank's error
-        serve(rank_model, comm, device, settings["block_size"], sys.stdin.buffer)
+        serve(rank_model, comm, device, settings["block_size"], sys.stdin.buffer, lora_slots)
         parallel.close()
     finally:
         comm.close()

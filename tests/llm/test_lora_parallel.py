@@ -1,0 +1,104 @@
+"""LoRA adapters under tensor parallelism: each rank's slices of an adapter, and engines over real worker processes
+against transformers + peft."""
+
+import json
+
+import pytest
+import torch
+from test_lora import GREEDY, ids_of, peft_greedy
+from test_parity import prompts_for
+from tiny_models import build_model_dir, write_lora_adapter
+
+from ninefold import LLM, LoRARequest
+from ninefold.llm.config import ModelConfig
+from ninefold.llm.lora.adapter import load_adapter
+from ninefold.llm.parallel import shard_lora, shard_plan, shard_tensors
+
+# (fused matrix, part) -> the HF projection it is a part of
+PROJECTIONS = {("qkv", 0): "self_attn.q_proj", ("qkv", 1): "self_attn.k_proj", ("qkv", 2): "self_attn.v_proj",
+               ("o", 0): "self_attn.o_proj", ("gate_up", 0): "mlp.gate_proj", ("gate_up", 1): "mlp.up_proj",
+               ("down", 0): "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_parallel")
+    out = {}
+    # qwen2: q/k/v biases, one key/value head per rank of two; llama_tied: one key/value head, on both ranks
+    for variant in ("qwen2", "llama_tied"):
+        base = build_model_dir(root / variant, variant)
+        out[variant] = base, {
+            "all": write_lora_adapter(base, root / f"{variant}-all", r=8, seed=1),
+            "qv": write_lora_adapter(base, root / f"{variant}-qv", r=4, seed=2, target_modules=("q_proj", "v_proj"),
+                                     use_rslora=True),
+        }
+    return out
+
+
+@pytest.mark.parametrize("variant, size", [("qwen2", 2), ("llama_tied", 2), ("llama_tied", 4)])
+def test_each_ranks_adapter_slices_merge_into_its_slice_of_the_merged_weights(bases, variant, size):
+    """A rank's ``B_r @ A_r`` is its slice of ``B @ A``, cut as the checkpoint's weights are cut: the rows of its
+    heads and channels for q/k/v and gate/up, the columns for o and down (whose shares the all-reduce adds up)."""
+    base, adapters = bases[variant]
+    config = ModelConfig.from_dict(json.loads((base / "config.json").read_text()))
+    adapter = load_adapter("all", adapters["all"], config, max_rank=8)
+    assert {matrix for _, matrix, _ in adapter.weights} == {"qkv", "o", "gate_up", "down"}
+    for rank in range(size):
+        plan = shard_plan(config, rank, size)
+        shards = shard_lora(adapter.weights, config, plan)
+        assert shards.keys() == adapter.weights.keys()
+        for (layer, matrix, part), (a, b) in adapter.weights.items():
+            name = f"model.layers.{layer}.{PROJECTIONS[(matrix, part)]}.weight"
+            expected = shard_tensors({name: b @ a}, config, plan, keep_lm_head=False)[name]
+            a_r, b_r = shards[(layer, matrix, part)]
+            assert torch.allclose(b_r @ a_r, expected, atol=1e-6), (rank, name)
+            assert a_r.is_contiguous() and b_r.is_contiguous()
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama_tied"])
+def test_two_ranks_apply_adapters_mixed_in_one_batch_as_peft_does(bases, variant):
+    base, adapters = bases[variant]
+    with LLM(str(base), device="cpu", block_size=8, num_kv_blocks=96, tensor_parallel_size=2, enable_lora=True,
+             max_loras=2, max_lora_rank=8) as llm:
+        assert llm.engine.lora_slots.a["o"].shape[1] * 2 == llm.engine.model_config.hidden_size  # rank 0's half
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19))
+        reqs = {"all": LoRARequest("all", 1, str(adapters["all"])), "qv": LoRARequest("qv", 2, str(adapters["qv"]))}
+        mixed = [(name, p) for name in ("all", "qv", None) for p in prompts]
+        outs = llm.generate(prompt_token_ids=[p for _, p in mixed], sampling_params=GREEDY,
+                            lora_request=[reqs.get(name) for name, _ in mixed])
+        expected = [peft_greedy(base, adapters[name] if name else None, p) for name, p in mixed]
+        assert len({tuple(e) for e in expected[::2]}) == 3  # each adapter changes the output
+        assert ids_of(outs) == expected
+
+
+def test_adapters_taking_turns_in_one_slot_are_rewritten_on_every_rank(bases):
+    """One slot, two adapters: the slot is cleared and written again between their requests on rank 0 and the
+    worker alike (a worker that kept the first adapter would give its tokens to the second's requests)."""
+    base, adapters = bases["qwen2"]
+    with LLM(str(base), device="cpu", block_size=8, num_kv_blocks=96, tensor_parallel_size=2, enable_lora=True,
+             max_loras=1, max_lora_rank=8) as llm:
+        prompt = prompts_for(llm.engine.model_config.vocab_size, lengths=(7,))[0]
+        order = ["qv", "all", "qv", None, "all"]
+        reqs = {"all": LoRARequest("all", 1, str(adapters["all"])), "qv": LoRARequest("qv", 2, str(adapters["qv"]))}
+        for name in order:  # one call each: every switch rewrites the slot
+            out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=reqs.get(name))
+            assert ids_of(out) == [peft_greedy(base, adapters[name] if name else None, prompt)], name
+        both = llm.generate(prompt_token_ids=[prompt, prompt], sampling_params=GREEDY,
+                            lora_request=[reqs["all"], reqs["qv"]])  # in one call: they wait for the slot in turn
+        assert ids_of(both) == [peft_greedy(base, adapters[n], prompt) for n in ("all", "qv")]
+
+
+def test_two_ranks_of_a_partial_rotary_phi3_apply_an_adapter_on_its_stacked_projections(tmp_path):
+    """Phi-3's stacked qkv_proj / gate_up_proj: the adapter's B rows split into parts, then into each rank's heads and
+    channels; with a partial rotary embedding q's and k's rows are in the model's order on every rank."""
+    base = build_model_dir(tmp_path / "phi3", "phi3", partial_rotary_factor=0.75)
+    adapter = write_lora_adapter(base, tmp_path / "stacked", r=8, seed=4,
+                                 target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    with LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=8, block_size=8, num_kv_blocks=64,
+             tensor_parallel_size=2) as llm:
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19))
+        expected = [peft_greedy(base, adapter, p) for p in prompts]
+        assert expected != [peft_greedy(base, None, p) for p in prompts]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY,
+                            lora_request=LoRARequest("stacked", 1, str(adapter)))
+        assert ids_of(outs) == expected
