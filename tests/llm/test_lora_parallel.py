@@ -102,3 +102,19 @@ def test_two_ranks_of_a_partial_rotary_phi3_apply_an_adapter_on_its_stacked_proj
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY,
                             lora_request=LoRARequest("stacked", 1, str(adapter)))
         assert ids_of(outs) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_apply_adapters_as_peft_does(bases):
+    """NCCL between two GPUs for the step (each row's slot in its payload), the adapters' slices sent to the worker
+    beside it; float32 so that the tokens are peft's exactly."""
+    base, adapters = bases["qwen2"]
+    with LLM(str(base), dtype="float32", device="cuda:0", block_size=16, num_kv_blocks=64, tensor_parallel_size=2,
+             enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19))
+        reqs = {"all": LoRARequest("all", 1, str(adapters["all"])), "qv": LoRARequest("qv", 2, str(adapters["qv"]))}
+        mixed = [(name, p) for name in ("all", "qv", None) for p in prompts]
+        outs = llm.generate(prompt_token_ids=[p for _, p in mixed], sampling_params=GREEDY,
+                            lora_request=[reqs.get(name) for name, _ in mixed])  # one slot: the adapters take turns
+        assert ids_of(outs) == [peft_greedy(base, adapters[name] if name else None, p) for name, p in mixed]
