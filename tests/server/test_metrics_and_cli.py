@@ -130,6 +130,32 @@ def test_dummy_weights_serve_what_an_engine_of_the_same_seed_generates(tiny_mode
         assert dummy.stop() == 0
 
 
+def test_a_bare_config_serves_chat_with_dummy_weights_and_a_tokenizer_given_apart(tiny_model, tmp_path):
+    """``--load-format dummy --tokenizer DIR`` for a config.json alone (vLLM's way to benchmark a shape with text):
+    completions and chat in text, the chat template taken from the tokenizer directory."""
+    import dataclasses
+
+    import openai
+
+    from ninefold import LLM, SamplingParams
+
+    bare = dataclasses.replace(tiny_model, path=tiny_model.path / "config.json")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(bare.path), device="cpu", load_format="dummy", tokenizer=str(tiny_model.path),
+               num_kv_blocks=64).chat([{"role": "user", "content": "hi"}], params)[0].outputs[0].text
+    assert want  # text, not tokens only
+    server = ServerProcess(bare, tmp_path, "--load-format", "dummy", "--tokenizer", str(tiny_model.path))
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content == want
+        text = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4)
+        assert text.usage.prompt_tokens > 1 and text.usage.completion_tokens == 4
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_model_without_a_tokenizer_takes_token_ids_and_answers_text_with_a_400(tiny_model, tmp_path):
     """Dummy weights of a bare config.json: token ids in, token ids out (logprobs show "token_id:<id>"); text,
     chat messages and /tokenize are the client's 400 naming the field, and the server keeps serving."""

@@ -90,6 +90,13 @@ def cache_engine_args(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+def add_tokenizer_argument(parser) -> None:
+    """``--tokenizer``, as vLLM spells it: a tokenizer directory used instead of the model's own."""
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json) to use "
+                             "instead of the model's own, e.g. for a GGUF file or dummy weights (default: the model's)")
+
+
 def add_speculative_argument(parser) -> None:
     """``--speculative-config``, as vLLM spells it (n-gram prompt lookup only)."""
     parser.add_argument("--speculative-config", type=speculative_config_type, default=None, metavar="JSON",

@@ -17,6 +17,7 @@ from ninefold.cli._common import (
     add_cache_arguments,
     add_parallel_argument,
     add_speculative_argument,
+    add_tokenizer_argument,
     cache_engine_args,
     clean_text,
     device_error,
@@ -52,6 +53,7 @@ def register(subparsers) -> None:
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
                         "any checkpoint's layer matrices in FP8 (for GPUs with FP8 tensor cores; elsewhere dequantized "
                         "on every call)")
+    add_tokenizer_argument(p)
     add_parallel_argument(p)
     add_speculative_argument(p)
     add_cache_arguments(p)
@@ -200,6 +202,7 @@ def _load(args: argparse.Namespace):
     start = time.perf_counter()
     model = str(hub.resolve_model(args.model))
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, quantization=getattr(args, "quantization", "auto"),
+                       tokenizer=getattr(args, "tokenizer", None),
                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                        speculative_config=getattr(args, "speculative_config", None),
                        **adapter_engine_args(getattr(args, "lora", None)), **cache_engine_args(args))

@@ -9,6 +9,7 @@ from ninefold.cli._common import (
     add_cache_arguments,
     add_parallel_argument,
     add_speculative_argument,
+    add_tokenizer_argument,
     cache_engine_args,
     clean_text,
     device_error,
@@ -48,6 +49,7 @@ def register(subparsers) -> None:
                         "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
                         "any checkpoint's layer matrices in FP8 (for GPUs with FP8 tensor cores; elsewhere dequantized "
                         "on every call)")
+    add_tokenizer_argument(p)
     add_parallel_argument(p)
     add_speculative_argument(p)
     add_cache_arguments(p)
@@ -74,12 +76,13 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                           quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                           quantization=args.quantization, tokenizer=args.tokenizer,
+                           tensor_parallel_size=args.tensor_parallel_size,
                            speculative_config=args.speculative_config, **adapter_engine_args(args.lora),
                            **cache_engine_args(args))
         tokenizer = engine.tokenizer
         if tokenizer is None:
-            raise ValueError("model: has no tokenizer, so text prompts cannot be encoded")
+            raise ValueError("model: has no tokenizer, so text prompts cannot be encoded; give one with --tokenizer DIR")
         if not args.raw and tokenizer.chat_template:
             messages = ([{"role": "system", "content": clean_text(args.system)}] if args.system else [])
             messages.append({"role": "user", "content": text})

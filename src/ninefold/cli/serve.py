@@ -11,6 +11,7 @@ from ninefold.cli._common import (
     add_cache_arguments,
     add_parallel_argument,
     add_speculative_argument,
+    add_tokenizer_argument,
     cache_engine_args,
     device_error,
     fail,
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations), int4 = packed on any device, none = dequantized to --dtype (exact); fp8 = "
                         "any checkpoint's layer matrices in FP8 (for GPUs with FP8 tensor cores; elsewhere dequantized "
                         "on every call)")
+    add_tokenizer_argument(parser)
     add_parallel_argument(parser)
     add_speculative_argument(parser)
     add_lora_arguments(parser)
@@ -161,6 +163,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "quantization": getattr(args, "quantization", None),
         "load_format": None if getattr(args, "load_format", "auto") == "auto" else args.load_format,
         "seed": getattr(args, "seed", None),
+        "tokenizer": getattr(args, "tokenizer", None),
         "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
         "speculative_config": getattr(args, "speculative_config", None),
         "scheduling_policy": getattr(args, "scheduling_policy", None),
@@ -175,7 +178,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if engine.tokenizer is None:
             engine.shutdown()
             return fail("serve", "argument --chat-template: this model has no tokenizer (dummy weights of a bare "
-                                 "config), so it has no chat to template")
+                                 "config), so it has no chat to template; give one with --tokenizer DIR")
         engine.tokenizer.chat_template = template
     try:
         app = build_app(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -448,6 +449,9 @@ class EngineConfig:
     # sequence that stops at step n (EOS, stop string) has one wasted row in step n+1.
     async_scheduling: bool | None = None
     load_format: str = "auto"
+    # A Hugging Face tokenizer directory to use instead of the model's own (vLLM's ``tokenizer``): its
+    # tokenizer.json and tokenizer_config.json (special tokens, chat template); the generation config stays the model's.
+    tokenizer: str | None = None
     # GGUF 4-bit and Q8_0 matrices: "auto" keeps them packed where that is the fast path (bfloat16
     # on CPUs), "int4" keeps them packed on any device and dtype, "none" dequantizes everything to
     # ``dtype`` (the exact path). "fp8" (vLLM's online FP8) stores every layer's projection matrices, of
@@ -490,6 +494,10 @@ class EngineConfig:
             raise ValueError(f"seed: got {self.seed!r}; expected an integer")
         if self.max_cpu_loras is not None and isinstance(self.max_cpu_loras, int) and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras ({self.max_loras})")
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, os.PathLike)):
+                raise ValueError(f"tokenizer: got {self.tokenizer!r}; expected the path of a tokenizer directory")
+            self.tokenizer = os.fspath(self.tokenizer)
         for name in ("max_model_len", "num_kv_blocks", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

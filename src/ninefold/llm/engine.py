@@ -37,7 +37,7 @@ from ninefold.llm.scheduler import Scheduler
 from ninefold.llm.sequence import Request, Sequence, Status
 from ninefold.llm.speculative import NgramProposer, SpeculativeConfig, accepted_count
 from ninefold.llm.token_bytes import vocabulary_bytes
-from ninefold.llm.tokenizer import Tokenizer
+from ninefold.llm.tokenizer import Tokenizer, read_tokenizer_dir
 from ninefold.runtime import Device, KVCachePool
 
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPUs, where "free memory" is shared with everything
@@ -51,7 +51,10 @@ class LLMEngine:
         self.model_name = str(model) if model is not None and not isinstance(model, dict) else "default"
         # tensor parallelism: rank 0 reads only its slices (a model that cannot be split is refused here)
         ckpt = load_checkpoint(model, cfg.load_format, quantization=cfg.quantization,
-                               tensor_parallel=(0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None)
+                               tensor_parallel=(0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None,
+                               read_tokenizer=cfg.tokenizer is None)
+        if cfg.tokenizer is not None:  # vLLM's --tokenizer: the text side from elsewhere, the weights from the model
+            ckpt.tokenizer, ckpt.tokenizer_config = read_tokenizer_dir(cfg.tokenizer)
         self.model_config = mc = ModelConfig.from_dict(ckpt.config)
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")

@@ -37,16 +37,20 @@ class Checkpoint:
 
 
 def load_checkpoint(model: str | Path | dict | None, load_format: str = "auto",
-                    quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
-    """Load ``model`` (``_load``); with ``quantization="fp8"`` the config says so for the model to act on."""
-    ckpt = _load(model, load_format, quantization, tensor_parallel)
+                    quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None,
+                    read_tokenizer: bool = True) -> Checkpoint:
+    """Load ``model`` (``_load``); with ``quantization="fp8"`` the config says so for the model to act on.
+    ``read_tokenizer=False``: a Hugging Face directory's tokenizer files are neither read nor required (the
+    tokenizer comes from elsewhere, or is not needed: tensor-parallel workers)."""
+    ckpt = _load(model, load_format, quantization, tensor_parallel, read_tokenizer)
     if quantization == "fp8":
         ckpt.config = {**ckpt.config, "ninefold_quantization": "fp8"}
     return ckpt
 
 
 def _load(model: str | Path | dict | None, load_format: str = "auto",
-          quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
+          quantization: str = "auto", tensor_parallel: tuple[int, int] | None = None,
+          read_tokenizer: bool = True) -> Checkpoint:
     """Load ``model``: a HF directory, a ``.gguf`` file or a known name (None = the default model).
 
     With ``load_format="dummy"``, ``model`` may also be a shape name from ``NAMED_SHAPES``
@@ -62,7 +66,7 @@ def _load(model: str | Path | dict | None, load_format: str = "auto",
         raise ValueError(f"quantization: got {quantization!r}; supported: "
                          f"{', '.join(repr(m) for m in QUANTIZATION_MODES)}")
     if load_format == "dummy":
-        return _dummy(model)
+        return _dummy(model, read_tokenizer)
     if load_format != "auto":
         raise ValueError(f"load_format: got {load_format!r}; supported: 'auto', 'dummy'")
     if isinstance(model, dict):
@@ -78,7 +82,7 @@ def _load(model: str | Path | dict | None, load_format: str = "auto",
             raise MissingModelFile(f"model: GGUF file {str(path)!r} not found")
         return _from_gguf(path, quantization)
     if path is not None and path.is_dir():
-        return load_hf_dir(path, tensor_parallel)
+        return load_hf_dir(path, tensor_parallel, read_tokenizer)
     if path is not None and path.is_file():
         raise ValueError(
             f"model: {str(path)!r} is a file but not a GGUF file; give a Hugging Face model directory (the "
@@ -94,10 +98,11 @@ def _load(model: str | Path | dict | None, load_format: str = "auto",
     resolved = Path(hub.resolve_model(None if model is None else str(model)))
     if resolved.suffix == ".gguf":
         return _from_gguf(resolved, quantization)
-    return load_hf_dir(resolved, tensor_parallel)
+    return load_hf_dir(resolved, tensor_parallel, read_tokenizer)
 
 
-def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None) -> Checkpoint:
+def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None,
+                read_tokenizer: bool = True) -> Checkpoint:
     """Read config.json, safetensors weights (single or sharded), tokenizer and generation config.
 
     The config is checked first (``ModelConfig.from_dict``: architecture, rope scaling, ...), so an
@@ -114,10 +119,10 @@ def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None
         model_config = ModelConfig.from_dict(config)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{config_file}: {error}") from error
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
+    if read_tokenizer and not (path / "tokenizer.json").is_file():
         raise MissingModelFile(f"tokenizer.json not found in {path} (a model directory needs the tokenizers "
-                               "library's tokenizer.json; tokenizer.model alone is not supported)")
+                               "library's tokenizer.json, or a tokenizer directory given apart: tokenizer=, "
+                               "--tokenizer; tokenizer.model alone is not supported)")
     index_for = None
     if tensor_parallel is not None:
         from ninefold.llm.parallel.sharding import shard_index, shard_plan
@@ -129,16 +134,17 @@ def load_hf_dir(path: str | Path, tensor_parallel: tuple[int, int] | None = None
         config["ninefold_headless"] = True  # the decoder alone, saved from its base class: embeddings only
         model_config = ModelConfig.from_dict(config)
     check_tensors(model_config, config, tensors, origin, source=str(path), full_shapes=full_shapes)
-    return Checkpoint(config=config, tensors=tensors, **_text_files(path), source=str(path),
+    return Checkpoint(config=config, tensors=tensors, **_text_files(path, read_tokenizer), source=str(path),
                       tensor_parallel=tensor_parallel)
 
 
-def _text_files(path: Path) -> dict:
-    """A model directory's tokenizer (None without tokenizer.json), tokenizer config and generation config, as
-    ``Checkpoint`` fields."""
+def _text_files(path: Path, read_tokenizer: bool = True) -> dict:
+    """A model directory's tokenizer (None without tokenizer.json, or without ``read_tokenizer``), tokenizer config
+    and generation config, as ``Checkpoint`` fields."""
     tokenizer_file = path / "tokenizer.json"
-    return {"tokenizer": read_tokenizer_file(tokenizer_file) if tokenizer_file.is_file() else None,
-            "tokenizer_config": read_tokenizer_config(path),
+    found = read_tokenizer and tokenizer_file.is_file()
+    return {"tokenizer": read_tokenizer_file(tokenizer_file) if found else None,
+            "tokenizer_config": read_tokenizer_config(path) if read_tokenizer else {},
             "generation_config": _read_json(path / "generation_config.json", required=False)}
 
 
@@ -344,7 +350,7 @@ def _from_gguf(path: Path, quantization: str = "auto") -> Checkpoint:
     )
 
 
-def _dummy(model: str | Path | dict | None) -> Checkpoint:
+def _dummy(model: str | Path | dict | None, read_tokenizer: bool = True) -> Checkpoint:
     if isinstance(model, dict):
         return Checkpoint(config=dict(model), tensors=None, source="dummy:config")
     if isinstance(model, str) and model.lower() in NAMED_SHAPES:
@@ -353,7 +359,7 @@ def _dummy(model: str | Path | dict | None) -> Checkpoint:
         path = Path(model)
         if path.is_dir():  # random weights, the rest as the directory has it (as vLLM's dummy format)
             return Checkpoint(config=_read_json(path / "config.json", required=True), tensors=None,
-                              **_text_files(path), source=f"dummy:{path}")
+                              **_text_files(path, read_tokenizer), source=f"dummy:{path}")
         if path.suffix == ".json" and path.is_file():
             return Checkpoint(config=_read_json(path, required=True), tensors=None, source=f"dummy:{path}")
     raise ValueError(

@@ -51,6 +51,17 @@ def read_tokenizer_file(file: str | Path) -> tokenizers.Tokenizer:
         raise ValueError(f"{file}: not a valid tokenizer.json for the tokenizers library ({error})") from error
 
 
+def read_tokenizer_dir(path: str | Path) -> tuple[tokenizers.Tokenizer, dict]:
+    """The tokenizer and tokenizer config (chat templates included) of a directory given apart from the model
+    (``EngineConfig.tokenizer``, vLLM's ``--tokenizer``); ValueError naming ``tokenizer`` when it holds none."""
+    root = Path(path)
+    if not (root / "tokenizer.json").is_file():
+        what = "a directory without tokenizer.json" if root.is_dir() else "not a directory"
+        raise ValueError(f"tokenizer: {str(path)!r} is {what}; expected a Hugging Face tokenizer directory "
+                         "(tokenizer.json, and tokenizer_config.json for special tokens and the chat template)")
+    return read_tokenizer_file(root / "tokenizer.json"), read_tokenizer_config(root)
+
+
 def read_tokenizer_config(path: str | Path) -> dict:
     """``tokenizer_config.json`` of a model directory (``{}`` when absent) with its chat templates.
 

@@ -30,7 +30,7 @@ def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, lo
     from ninefold.llm.parallel.sharding import shard_plan
 
     ckpt = load_checkpoint(model, load_format, quantization=quantization,
-                           tensor_parallel=(parallel.rank, parallel.size))
+                           tensor_parallel=(parallel.rank, parallel.size), read_tokenizer=False)
     config = ModelConfig.from_dict(ckpt.config)
     rank_model = build_rank_model(config, ckpt.tensors, parallel, dtype=dtype, device=device,
                                   max_positions=max_positions, seed=seed, sliced=ckpt.tensor_parallel is not None)
