@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_lora import GREEDY, ids_of, peft_greedy
 from test_parity import prompts_for
+from test_tensor_parallel import worker_only_site
 from tiny_models import build_model_dir, write_lora_adapter
 
 from ninefold import LLM, LoRARequest
@@ -52,7 +53,8 @@ def test_each_ranks_adapter_slices_merge_into_its_slice_of_the_merged_weights(ba
             expected = shard_tensors({name: b @ a}, config, plan, keep_lm_head=False)[name]
             a_r, b_r = shards[(layer, matrix, part)]
             assert torch.allclose(b_r @ a_r, expected, atol=1e-6), (rank, name)
-            assert a_r.is_contiguous() and b_r.is_contiguous()
+            for t in (a_r, b_r):  # copies of the slices alone: what a worker is sent is its share, not a view
+                assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama_tied"])
@@ -118,3 +120,27 @@ def test_two_gpus_apply_adapters_as_peft_does(bases):
         outs = llm.generate(prompt_token_ids=[p for _, p in mixed], sampling_params=GREEDY,
                             lora_request=[reqs.get(name) for name, _ in mixed])  # one slot: the adapters take turns
         assert ids_of(outs) == [peft_greedy(base, adapters[name] if name else None, p) for name, p in mixed]
+
+
+def test_a_worker_that_cannot_load_an_adapter_makes_rank_0_raise_naming_it(bases, tmp_path, monkeypatch):
+    """The workers acknowledge every slot write: one that fails stops the group (its slots would differ from rank
+    0's) and the request's caller gets the worker's error, not a later call's "workers gone"."""
+    body = """
+    from ninefold.llm.lora.slots import LoRASlots
+    def refuse(self, slot, adapter):
+        raise RuntimeError("slot memory on fire")
+    LoRASlots.place = refuse
+    """
+    monkeypatch.setenv("PYTHONPATH", worker_only_site(tmp_path, body))
+    base, adapters = bases["qwen2"]
+    with LLM(str(base), device="cpu", block_size=8, num_kv_blocks=96, tensor_parallel_size=2, enable_lora=True,
+             max_lora_rank=8) as llm:
+        prompt = prompts_for(llm.engine.model_config.vocab_size, lengths=(7,))[0]
+        assert ids_of(llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)) == [peft_greedy(base, None,
+                                                                                                       prompt)]
+        with pytest.raises(RuntimeError, match=r"load a LoRA adapter into slot 0: rank 1: RuntimeError: slot memory "
+                                               "on fire"):
+            llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY,
+                         lora_request=LoRARequest("all", 1, str(adapters["all"])))
+        with pytest.raises(RuntimeError, match="group stopped after an error: tensor-parallel workers failed to load"):
+            llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)

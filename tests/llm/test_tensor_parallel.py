@@ -173,7 +173,7 @@ def test_a_model_that_cannot_be_split_is_refused_before_any_worker_starts(model_
         LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=3)
 
 
-def _failing_site(tmp_path, body: str) -> str:
+def worker_only_site(tmp_path, body: str) -> str:
     """A directory whose sitecustomize.py runs ``body`` in tensor-parallel worker processes only."""
     site = tmp_path / "site"
     site.mkdir()
@@ -183,7 +183,7 @@ def _failing_site(tmp_path, body: str) -> str:
 
 
 def test_a_worker_that_dies_before_joining_is_reported_at_once(model_dirs, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, "import os; os._exit(7)"))
+    monkeypatch.setenv("PYTHONPATH", worker_only_site(tmp_path, "import os; os._exit(7)"))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1 exited with code 7 before joining"):
         LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
@@ -197,7 +197,7 @@ def test_a_worker_that_cannot_load_makes_rank_0_raise_naming_it(model_dirs, tmp_
         raise OSError("disk on fire")
     loader.load_checkpoint = refuse
     """
-    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
+    monkeypatch.setenv("PYTHONPATH", worker_only_site(tmp_path, body))
     with pytest.raises(RuntimeError, match="rank 1: OSError: disk on fire"):
         LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
@@ -210,7 +210,7 @@ def test_a_worker_that_cannot_allocate_its_kv_cache_makes_rank_0_raise_naming_it
             raise RuntimeError("out of memory (pretend)")
     runtime.KVCachePool = Refused
     """
-    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
+    monkeypatch.setenv("PYTHONPATH", worker_only_site(tmp_path, body))
     with pytest.raises(RuntimeError, match=r"failed to allocate their KV cache: rank 1: RuntimeError: out of memory"):
         LLMEngine(str(model_dirs["llama"]), device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
@@ -275,7 +275,7 @@ def test_a_worker_dying_inside_a_forward_pass_fails_the_call_within_seconds(mode
         return forward(self, *args, **kwargs)
     llama.LlamaForCausalLM.forward = dying
     """
-    monkeypatch.setenv("PYTHONPATH", _failing_site(tmp_path, body))
+    monkeypatch.setenv("PYTHONPATH", worker_only_site(tmp_path, body))
     with LLM(str(model_dirs["llama"]), device="cpu", block_size=8, num_kv_blocks=64, tensor_parallel_size=2) as llm:
         start = time.monotonic()
         with pytest.raises(Exception, match=r"rank 1 \(exit code 9\)|workers are gone"):

@@ -213,7 +213,8 @@ class LLMEngine:
         from ninefold.llm.cuda_graphs import capture_sizes
 
         cfg = self.config
-        if self.lora_slots is None or cfg.enforce_eager or self.device.type != "cuda":
+        if (self.lora_slots is None or cfg.enforce_eager or self.device.type != "cuda"
+                or self.parallel_group is not None):  # (tensor-parallel engines capture no graphs)
             return 0
         rows = sum(capture_sizes(self._graph_max_batch()))
         return rows * self.model_config.vocab_size * self.dtype.itemsize

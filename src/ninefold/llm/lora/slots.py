@@ -58,7 +58,7 @@ class LoRASlots:
         ``ShardPlan`` (slots of its slices); ``mirror``: rank 0's ``ParallelModel``, told every slot written or
         cleared (``write_lora``)."""
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
-        self.plan, self.mirror = plan, mirror
+        self.plan, self.mirror, self.dtype = plan, mirror, dtype
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.parts = part_sizes(config if plan is None else plan.local_config(config))
         L = config.num_layers
@@ -165,7 +165,7 @@ class LoRASlots:
         self._idle.pop(slot, None)
         self._zero(slot)
         if self.mirror is not None:
-            self.mirror.write_lora(slot, None, self.config)
+            self.mirror.write_lora(slot, None, self.config, self.dtype)
 
     def place(self, slot: int, adapter: Adapter | None) -> None:
         """A tensor-parallel worker: hold ``adapter`` (already this rank's slices, ``shard_lora``; None: nothing) in
@@ -193,7 +193,7 @@ class LoRASlots:
             weights = shard_lora(weights, self.config, self.plan)
         self._fill(slot, weights)
         if self.mirror is not None:
-            self.mirror.write_lora(slot, adapter, self.config)
+            self.mirror.write_lora(slot, adapter, self.config, self.dtype)
 
     def _fill(self, slot: int, weights: dict) -> None:
         self._zero(slot)

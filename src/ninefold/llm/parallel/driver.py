@@ -145,11 +145,13 @@ class WorkerGroup:
         mine = None if error is None else f"{type(error).__name__}: {error}"
         problems = [(rank, text) for rank, text in enumerate(self.comm.all_gather_object(mine)) if text is not None]
         if problems:
+            message = f"tensor-parallel workers failed to {what}: " + "; ".join(
+                f"rank {rank}: {text}" for rank, text in problems)
+            self.failed = self.failed or message  # later calls say why the group stopped
             self.shutdown()
             if error is not None:
                 raise error
-            raise RuntimeError(f"tensor-parallel workers failed to {what}: "
-                               + "; ".join(f"rank {rank}: {text}" for rank, text in problems))
+            raise RuntimeError(message)
 
     def send(self, header: bytes, payload: torch.Tensor | None = None, objects: list | None = None) -> None:
         """Hand every worker one command (and broadcast its payload, or send worker rank ``r`` its own pickled
@@ -281,17 +283,21 @@ class ParallelModel:
             raise
         self.group.agree_loaded(None, "allocate their KV cache")
 
-    def write_lora(self, slot: int, adapter, config) -> None:
+    def write_lora(self, slot: int, adapter, config, dtype: torch.dtype) -> None:
         """Put ``adapter`` (a whole ``ninefold.llm.lora.Adapter`` of model ``config``; None: nothing) in LoRA slot
-        ``slot`` of every worker, each sent only its own slices."""
+        ``slot`` of every worker, each sent only its own slices, in the slots' ``dtype``; raise (the group
+        stopped) naming a worker that could not."""
         from dataclasses import replace
 
         from ninefold.llm.parallel.sharding import shard_lora, shard_plan
 
-        shards = [None if adapter is None else
-                  replace(adapter, weights=shard_lora(adapter.weights, config, shard_plan(config, rank, self.group.size)))
-                  for rank in range(1, self.group.size)]
+        def slices(rank: int):
+            weights = shard_lora(adapter.weights, config, shard_plan(config, rank, self.group.size))
+            return replace(adapter, weights={key: (a.to(dtype), b.to(dtype)) for key, (a, b) in weights.items()})
+
+        shards = [None if adapter is None else slices(rank) for rank in range(1, self.group.size)]
         self.group.send(protocol.encode_command(Op.LORA_SLOT, slot), objects=shards)
+        self.group.agree_loaded(None, f"load a LoRA adapter into slot {slot}")
 
     def fit_rope(self, context: int) -> None:
         """Rebuild the rotary table for ``context`` here and on every worker (longrope's factors follow it)."""

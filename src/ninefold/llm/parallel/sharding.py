@@ -143,8 +143,8 @@ def shard_lora(weights: dict, config: ModelConfig, plan: ShardPlan) -> dict:
     out = {}
     for (layer, matrix, part), (a, b) in weights.items():
         if matrix in columns:
-            a = a[:, columns[matrix]].contiguous()
+            a = a[:, columns[matrix]].clone()
         else:
-            b = b[rows[(matrix, part)]].contiguous()
+            b = b[rows[(matrix, part)]].clone()  # (a copy: a view of rows would pickle the whole matrix)
         out[(layer, matrix, part)] = (a, b)
     return out

@@ -67,7 +67,13 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands, lor
             elif op is Op.FIT_ROPE:
                 rank_model.fit_rope(value)
             elif op is Op.LORA_SLOT:
-                lora_slots.place(value, comm.recv_object(0))
+                error = None
+                try:
+                    lora_slots.place(value, comm.recv_object(0))
+                except Exception as e:  # rank 0 raises, naming this rank; the slots would disagree
+                    error = e
+                if not _all_succeeded(comm, error):
+                    return
             else:
                 ids, positions, meta, row_slots = value
                 lora = None if row_slots is None else lora_slots.step(row_slots)
