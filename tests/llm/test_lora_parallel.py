@@ -10,7 +10,7 @@ from test_parity import prompts_for
 from test_tensor_parallel import worker_only_site
 from tiny_models import build_model_dir, write_lora_adapter
 
-from ninefold import LLM, LoRARequest
+from ninefold import LLM, LoRARequest, SamplingParams
 from ninefold.llm.config import ModelConfig
 from ninefold.llm.lora.adapter import load_adapter
 from ninefold.llm.parallel import shard_lora, shard_plan, shard_tensors
@@ -144,3 +144,51 @@ def test_a_worker_that_cannot_load_an_adapter_makes_rank_0_raise_naming_it(bases
                          lora_request=LoRARequest("all", 1, str(adapters["all"])))
         with pytest.raises(RuntimeError, match="group stopped after an error: tensor-parallel workers failed to load"):
             llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
+
+
+def test_two_ranks_under_adapters_give_one_devices_logprobs_beams_and_embeddings(bases):
+    """Prompt logprobs, beam search and embeddings under adapters: the same on two ranks as on one device."""
+    from ninefold import BeamSearchParams
+
+    base, adapters = bases["qwen2"]
+    reqs = [LoRARequest("all", 1, str(adapters["all"])), LoRARequest("qv", 2, str(adapters["qv"])), None]
+    logprobs = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    got = []
+    for size in (1, 2):
+        with LLM(str(base), device="cpu", block_size=8, num_kv_blocks=96, tensor_parallel_size=size, enable_lora=True,
+                 max_loras=2, max_lora_rank=8) as llm:
+            prompts = prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19, 12))
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=logprobs, lora_request=reqs)
+            beams = llm.beam_search([{"prompt_token_ids": prompts[1]}], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                                          ignore_eos=True),
+                                    lora_request=reqs[0])
+            embeddings = llm.embed(prompt_token_ids=prompts, lora_request=reqs)
+            got.append(([o.outputs[0].token_ids for o in outs], [o.prompt_logprobs for o in outs],
+                        [s.tokens for s in beams[0].sequences],
+                        torch.tensor([e.outputs.embedding for e in embeddings])))
+    (ids1, plp1, beams1, emb1), (ids2, plp2, beams2, emb2) = got
+    assert ids2 == ids1 and beams2 == beams1
+    for one, two in zip(plp1, plp2):
+        assert len(one) == len(two)
+        for a, b in zip(one, two):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.keys() == b.keys()
+                assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert torch.allclose(emb2, emb1, atol=1e-5)
+
+
+def test_two_ranks_speculate_chunk_and_preempt_under_adapters_as_peft_decodes(bases):
+    """n-gram drafts, a prefill chunked into 8-token steps and preemptions from a 16-block pool, with adapters and
+    without in one batch: every request's tokens are still peft's greedy ones."""
+    base, adapters = bases["qwen2"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(str(base), device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=4,
+             tensor_parallel_size=2, enable_lora=True, max_loras=1, max_lora_rank=8, speculative_config=spec) as llm:
+        motif = prompts_for(llm.engine.model_config.vocab_size, lengths=(6,), seed=11)[0]
+        prompts = [motif * 3, *prompts_for(llm.engine.model_config.vocab_size, lengths=(5, 19))]
+        names = ["all", "all", None]
+        reqs = {"all": LoRARequest("all", 1, str(adapters["all"]))}
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=[reqs.get(n) for n in names])
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.num_draft_tokens > 0
+        assert ids_of(outs) == [peft_greedy(base, adapters[n] if n else None, p) for n, p in zip(names, prompts)]
