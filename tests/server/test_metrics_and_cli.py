@@ -110,6 +110,16 @@ def test_cache_flags_become_engine_arguments_only_when_given():
     assert cache_engine_args(parser.parse_args(["--enable-prefix-caching"])) == {"enable_prefix_caching": True}
 
 
+def test_the_default_served_name_is_the_models_file_or_directory_name():
+    from ninefold.llm.server.engine import DEFAULT_SERVED_NAME, served_name
+
+    assert served_name("/models/Llama-3.1-8B") == served_name("/models/Llama-3.1-8B/") == "Llama-3.1-8B"
+    assert served_name("/models/smollm2-135m.Q4_K_M.gguf") == "smollm2-135m.Q4_K_M"
+    assert served_name("/models/my-shape/config.json") == "my-shape"  # not "config.json"
+    assert served_name("config.json") == "config.json" and served_name("llama-3.1-8b") == "llama-3.1-8b"
+    assert served_name(None) == DEFAULT_SERVED_NAME
+
+
 def test_dummy_weights_serve_what_an_engine_of_the_same_seed_generates(tiny_model, tmp_path):
     """vLLM's --load-format dummy (benchmarks without the weights) with --seed choosing them; the model directory's
     tokenizer still reads and writes the text."""

@@ -10,12 +10,15 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_name(model: str | None) -> str:
-    """The name clients use by default: the directory or file name, or the known model name."""
+    """The name clients use by default: the directory or file name (a config.json's directory), or the known model
+    name."""
     if model is None:
         return DEFAULT_SERVED_NAME
     path = Path(model)
     if path.suffix == ".gguf":
         return path.stem
+    if path.suffix == ".json" and path.parent.name:  # dummy weights of a bare config: name them by its directory
+        return path.parent.name
     return path.name or str(model)
 
 
