@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
                         help="fp8: the layer matrices in FP8 (W8A8); the bounds still use the bfloat16 matmul rate")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: the KV cache in FP8 codes (the bounds count its bytes as such)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--offline-time-limit", type=float, default=100.0,
                         help="seconds; past it the offline run stops and reports the tokens done so far")
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = results["gpt_fast"] = run_gpt_fast(args.gpt_fast, args, bandwidth)
     engine = LLMEngine({k: v for k, v in args.model.items() if k != "name"} if isinstance(args.model, dict) else args.model,
                        load_format="dummy", dtype=args.dtype, quantization=args.quantization, device=device,
+                       kv_cache_dtype=args.kv_cache_dtype,
                        max_model_len=args.max_len,
                        max_num_seqs=256, max_num_batched_tokens=max(args.ttft_lengths), seed=args.seed)
     mc = engine.model_config
@@ -581,7 +584,8 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
                         for r in requests for s in r.seqs)
     for r in requests:
         engine.abort_request(r.request_id)
-    terms = offline_bound_terms(mc, prompts, outputs, weight_bytes, engine.config.max_num_seqs, engine.dtype.itemsize)
+    kv_itemsize = engine.kv_dtype.itemsize
+    terms = offline_bound_terms(mc, prompts, outputs, weight_bytes, engine.config.max_num_seqs, kv_itemsize)
     flops, kv_reads, weight_reads = terms["flops"], terms["kv_bytes"], terms["weight_bytes"]
     bound_s = max(flops / mm_rate, (kv_reads + weight_reads) / bandwidth)
     total = sum(prompts) + sum(outputs)
@@ -597,7 +601,7 @@ def bench_offline(engine, rng, args, mc, weight_bytes: int, bandwidth: float, mm
               "steps_launched_ahead": engine.num_steps_ahead, **timeline.summary()}
     # The schedule's own bound: each step can at best overlap its own FLOPs and bytes, not another step's
     # (the workload bound above lets the prefill steps' FLOPs hide under the decode steps' bytes).
-    step_bound_s = sum(step_bounds(timeline.steps, mc, bandwidth, mm_rate, itemsize=engine.dtype.itemsize,
+    step_bound_s = sum(step_bounds(timeline.steps, mc, bandwidth, mm_rate, itemsize=kv_itemsize,
                                    weight_bytes=weight_bytes)) / 1e3
     result.update({"steps": len(timeline.steps), "step_bound_s": step_bound_s,
                    "fraction_of_step_bound": step_bound_s / elapsed})

@@ -66,7 +66,7 @@ def speculative_config_type(text: str) -> dict:
 
 def add_cache_arguments(parser) -> None:
     """vLLM's context, KV-cache and execution flags: --max-model-len, --num-kv-blocks, --gpu-memory-utilization,
-    --block-size, --[no-]enable-prefix-caching, --enforce-eager."""
+    --block-size, --kv-cache-dtype, --[no-]enable-prefix-caching, --enforce-eager."""
     parser.add_argument("--max-model-len", type=positive_int_type, default=None,
                         help="context length in tokens (default: the model's, capped by what the KV cache holds)")
     parser.add_argument("--num-kv-blocks", type=positive_int_type, default=None,
@@ -77,6 +77,9 @@ def add_cache_arguments(parser) -> None:
                              "--num-kv-blocks or on CPUs)")
     parser.add_argument("--block-size", type=positive_int_type, default=None,
                         help="tokens per KV-cache block (default: 16)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default=None,
+                        help="what the KV cache holds: auto = the model's dtype (default); fp8 = FP8 codes "
+                             "(float8_e4m3fn, no scale), half the memory per token of bfloat16")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the KV blocks of earlier requests' identical prompt starts (default: on)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
@@ -85,8 +88,8 @@ def add_cache_arguments(parser) -> None:
 
 def cache_engine_args(args) -> dict:
     """The engine arguments :func:`add_cache_arguments`' flags give (those left out are absent)."""
-    names = ("max_model_len", "num_kv_blocks", "gpu_memory_utilization", "block_size", "enable_prefix_caching",
-             "enforce_eager")
+    names = ("max_model_len", "num_kv_blocks", "gpu_memory_utilization", "block_size", "kv_cache_dtype",
+             "enable_prefix_caching", "enforce_eager")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

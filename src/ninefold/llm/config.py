@@ -425,6 +425,9 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 QUANTIZATION_MODES = ("auto", "int4", "none", "fp8")
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs; every field can be passed to ``LLM(...)`` / ``LLMEngine(...)`` as a keyword."""
@@ -443,6 +446,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # What the KV cache holds (vLLM's kv_cache_dtype): "auto", the model's dtype; "fp8" (or "fp8_e4m3"): FP8 codes
+    # (float8_e4m3fn, no scale: values beyond +-448 saturate), half of bfloat16's bytes per token.
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
     # Prepare and launch step n+1 while the device runs step n (None: on for CUDA devices). A
@@ -494,6 +500,9 @@ class EngineConfig:
             raise ValueError(f"seed: got {self.seed!r}; expected an integer")
         if self.max_cpu_loras is not None and isinstance(self.max_cpu_loras, int) and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras ({self.max_loras})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: got {self.kv_cache_dtype!r}; supported: "
+                             f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)} (fp8_e5m2 is not)")
         if self.tokenizer is not None:
             if not isinstance(self.tokenizer, (str, os.PathLike)):
                 raise ValueError(f"tokenizer: got {self.tokenizer!r}; expected the path of a tokenizer directory")

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from ninefold.llm.config import (
+    KV_CACHE_DTYPES,
     ModelConfig,
     resolve_dtype,
     rope_fingerprint,
@@ -59,6 +60,7 @@ class LLMEngine:
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(cfg.dtype, default=_default_dtype(ckpt.config, self.device))
+        self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or self.dtype  # what the KV cache holds
         self.tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config) if ckpt.tokenizer is not None else None
         limit = mc.max_position_embeddings
         if mc.sliding_window:
@@ -154,7 +156,8 @@ class LLMEngine:
         if cfg.enable_lora:
             lora = {"max_loras": cfg.max_loras, "max_rank": cfg.max_lora_rank, "dtype": self._lora_slots_dtype()}
         group.setup(model=source, load_format=cfg.load_format, quantization=cfg.quantization, dtype=self.dtype,
-                    max_positions=max_len, seed=cfg.seed, block_size=cfg.block_size, lora=lora)
+                    max_positions=max_len, seed=cfg.seed, block_size=cfg.block_size, lora=lora,
+                    kv_dtype=self.kv_dtype)
         rank_model, error = None, None
         try:
             rank_model = build_rank_model(mc, ckpt.tensors, group.parallel, dtype=self.dtype, device=self.device,
@@ -182,13 +185,13 @@ class LLMEngine:
 
     def _make_pool(self, max_len: int) -> KVCachePool:
         cfg, mc = self.config, self.model.config  # the model's: one rank's heads under tensor parallelism
-        args = (mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size, self.dtype, self.device)
+        args = (mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size, self.kv_dtype, self.device)
         if cfg.num_kv_blocks is not None:
             return KVCachePool(*args, cfg.num_kv_blocks)
         if not self.model_config.has_lm_head:  # embeddings only: their steps write no cache slot
             return KVCachePool(*args, 1)
         if self.device.type == "cpu":
-            per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+            per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
             return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
         if cfg.gpu_memory_utilization is not None:
@@ -661,7 +664,7 @@ class LLMEngine:
         """The KV cache's settings as vLLM's ``cache_config_info`` labels them (strings; as vLLM, the device's
         blocks are ``num_gpu_blocks`` on any device and ``num_cpu_blocks`` the host blocks swapped to)."""
         cfg = self.config
-        return {"block_size": str(cfg.block_size), "cache_dtype": str(self.dtype).removeprefix("torch."),
+        return {"block_size": str(cfg.block_size), "cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "enable_prefix_caching": str(cfg.enable_prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
                 "kv_cache_memory_fraction": str(cfg.kv_cache_memory_fraction),

@@ -3,6 +3,11 @@
 KV caches are ``[num_blocks, block_size, Hk, D]``; token ``p`` of a sequence lives in block
 ``block_tables[b, p // block_size]`` at offset ``p % block_size``. Query heads map onto KV heads
 in groups (GQA): query head ``h`` reads KV head ``h // (Hq // Hk)``.
+
+The caches hold the model's dtype, or FP8 codes (``KV_FP8``, ``float8_e4m3fn``: vLLM's ``kv_cache_dtype="fp8"``
+without scales): writes round to the nearest code (values beyond +-448 saturate), reads widen the codes to the
+query's dtype. Half the bytes of bfloat16 per token, so twice the tokens in the same memory and half the bytes a
+decode step reads from the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ from ninefold.ops import spec
 from ninefold.ops.dispatch import Operator
 from ninefold.ops.registry import register
 
+KV_FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(k_cache: torch.Tensor) -> tuple:
+    """What an FP8 cache adds to an operator's key (nothing for a cache of the model's dtype: keys, and the tuning
+    tables that hold them, stay as they were)."""
+    return ("fp8",) if k_cache.dtype == KV_FP8 else ()
+
 
 def _cache_checks(op: str, ref_name: str, ref, k_cache, v_cache) -> None:
     spec.tensor(op, "k_cache", k_cache, ndim=4)
@@ -25,7 +38,22 @@ def _cache_checks(op: str, ref_name: str, ref, k_cache, v_cache) -> None:
     if v_cache.shape != k_cache.shape:
         raise spec.OpError(f"{op}: v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     spec.same_device(op, ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+    if KV_FP8 in (k_cache.dtype, v_cache.dtype):
+        if k_cache.dtype != v_cache.dtype:
+            raise TypeError(f"{op}: k_cache is {spec.dtype_name(k_cache.dtype)} but v_cache is "
+                            f"{spec.dtype_name(v_cache.dtype)}; both hold {ref_name}'s dtype or both FP8 codes")
+        return
     spec.same_dtype(op, ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+
+
+def _cache_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` as the tensor to index: FP8 codes as their bytes (indexing float8 is not implemented everywhere)."""
+    return cache.view(torch.uint8) if cache.dtype == KV_FP8 else cache
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` as ``_cache_bytes(cache)`` holds them (FP8: rounded, saturating at +-448, as bytes)."""
+    return x.to(KV_FP8).view(torch.uint8) if cache.dtype == KV_FP8 else x
 
 
 def _scale(op: str, scale) -> None:
@@ -55,7 +83,7 @@ def _reshape_and_cache_key(key, value, k_cache, v_cache, slot_mapping):
     spec.shape(op, "slot_mapping", slot_mapping, (t,), " (one slot per token)")
     spec.same_device(op, "key", key, value=value, slot_mapping=slot_mapping)
     contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1
-    return key.device, key.dtype, (spec.pow2(t), hk, d, k_cache.shape[1]), contiguous
+    return key.device, key.dtype, (spec.pow2(t), hk, d, k_cache.shape[1]) + fp8_cache(k_cache), contiguous
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -120,7 +148,7 @@ def _decode_key(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     _scale(op, scale)
     contiguous = k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     capacity = spec.pow2(block_tables.shape[1] * bs)
-    return q.device, q.dtype, (spec.pow2(b), hq, hk, d, bs, capacity), contiguous
+    return q.device, q.dtype, (spec.pow2(b), hq, hk, d, bs, capacity) + fp8_cache(k_cache), contiguous
 
 
 def _decode_values(q, k_cache, v_cache, block_tables, context_lens, scale=None) -> None:
@@ -185,7 +213,8 @@ def _prefill_key(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, 
         spec.same_device(op, "q", q, block_tables=block_tables)
         contiguous = q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     _gqa(op, hq, hk)
-    return q.device, q.dtype, (spec.pow2(tq), spec.pow2(batch), hq, hk, d, bs), contiguous
+    fp8 = fp8_cache(k_cache) if k_cache is not None else ()
+    return q.device, q.dtype, (spec.pow2(tq), spec.pow2(batch), hq, hk, d, bs) + fp8, contiguous
 
 
 def _prefill_values(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, k_cache=None, v_cache=None, block_tables=None,
@@ -232,8 +261,8 @@ def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
         if slots.numel() and int(slots.max()) >= k_cache.shape[0] * bs:
             raise spec.OpError(f"reshape_and_cache: slot_mapping holds {int(slots.max())}, past the cache's "
                                f"{k_cache.shape[0] * bs} slots")
-        k_cache[slots // bs, slots % bs] = key
-        v_cache[slots // bs, slots % bs] = value
+        _cache_bytes(k_cache)[slots // bs, slots % bs] = _as_cached(key, k_cache)
+        _cache_bytes(v_cache)[slots // bs, slots % bs] = _as_cached(value, v_cache)
         return
     # Without a host sync: skipped tokens write to slot 0 the value slot 0 ends up with anyway.
     valid = slots >= 0
@@ -241,15 +270,18 @@ def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
     writes_zero = valid & (slots == 0)
     first = writes_zero.to(torch.int32).argmax()
     for src, cache in ((key, k_cache), (value, v_cache)):
-        row0 = torch.where(writes_zero.any(), src[first], cache[0, 0])
-        cache[target // bs, target % bs] = torch.where(valid[:, None, None], src, row0)
+        rows, held = _as_cached(src, cache), _cache_bytes(cache)
+        row0 = torch.where(writes_zero.any(), rows[first], held[0, 0])
+        held[target // bs, target % bs] = torch.where(valid[:, None, None], rows, row0)
 
 
-def _gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """``[B, n]`` block ids -> ``[B, n * block_size, Hk, D]`` tokens."""
+def _gather_pages(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, n]`` block ids -> ``[B, n * block_size, Hk, D]`` tokens, in ``dtype`` (FP8 codes widened)."""
     b, n = tables.shape
-    pages = cache.index_select(0, tables.reshape(-1))
-    return pages.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
+    pages = _cache_bytes(cache).index_select(0, tables.reshape(-1))
+    if cache.dtype == KV_FP8:
+        pages = pages.view(KV_FP8)
+    return pages.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).to(dtype)
 
 
 @register("attention_decode", "vendor")
@@ -262,8 +294,8 @@ def _attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, sca
     if q.device.type == "cpu":  # reading lengths is free on the CPU: gather only the used blocks
         n = max(1, min(n, -(-int(context_lens.max()) // bs)))
     tables = block_tables[:, :n].long().clamp(0, num_blocks - 1)
-    k = _gather_pages(k_cache, tables).transpose(1, 2)  # [B, Hk, L, D]
-    v = _gather_pages(v_cache, tables).transpose(1, 2)
+    k = _gather_pages(k_cache, tables, q.dtype).transpose(1, 2)  # [B, Hk, L, D]
+    v = _gather_pages(v_cache, tables, q.dtype).transpose(1, 2)
     visible = (torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]
     # GQA without copies: the query heads of one KV head become that head's query rows.
     out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, d), k, v, attn_mask=visible,
@@ -289,7 +321,7 @@ def _attention_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache
         else:
             bs = k_cache.shape[1]
             tables = block_tables[b:b + 1, : -(-lk // bs)].long()
-            kb, vb = _gather_pages(k_cache, tables)[0, :lk], _gather_pages(v_cache, tables)[0, :lk]
+            kb, vb = _gather_pages(k_cache, tables, q.dtype)[0, :lk], _gather_pages(v_cache, tables, q.dtype)[0, :lk]
         qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]  # [1, Hq, Lq, D]
         mask = None
         if lq != lk:  # queries are the last lq tokens: bottom-right aligned causal mask

@@ -21,12 +21,12 @@ def _rope_and_cache_key(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slo
     spec.tensor(op, "v", v, ndim=3)
     try:
         device, dtype, (bucket, hq, hk, d, r), neox, rope_ok = _rope_key(q, k, positions, cos_sin_cache, is_neox)
-        _, _, (_, _, _, bs), cache_ok = _reshape_and_cache_key(k, v, k_cache, v_cache, slot_mapping)
+        _, _, (_, _, _, bs, *fp8), cache_ok = _reshape_and_cache_key(k, v, k_cache, v_cache, slot_mapping)
     except (TypeError, ValueError) as error:  # name this operator, not the unfused one that checked
         raise type(error)(str(error).replace("rope:", f"{op}:", 1).replace("reshape_and_cache:", f"{op}:", 1)) from None
     spec.same_device(op, "q", q, k_cache=k_cache, slot_mapping=slot_mapping)
-    spec.same_dtype(op, "q", q, v=v, k_cache=k_cache)
-    return device, dtype, (bucket, hq, hk, d, r, bs), neox, rope_ok and cache_ok
+    spec.same_dtype(op, "q", q, v=v)  # (the caches: q's dtype or FP8 codes, checked above)
+    return device, dtype, (bucket, hq, hk, d, r, bs, *fp8), neox, rope_ok and cache_ok
 
 
 def _rope_and_cache_values(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True) -> None:

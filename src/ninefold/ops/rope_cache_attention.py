@@ -32,13 +32,13 @@ def _renamed(error: Exception) -> Exception:
 def _key(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale=None,
          is_neox=True):
     try:
-        device, dtype, (bucket, hq, hk, d, r, bs), neox, rope_ok = _rope_and_cache_key(
+        device, dtype, (bucket, hq, hk, d, r, bs, *fp8), neox, rope_ok = _rope_and_cache_key(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)
-        _, _, (_, _, _, _, _, capacity), decode_ok = _decode_key(q, k_cache, v_cache, block_tables, context_lens,
+        _, _, (_, _, _, _, _, capacity, *_), decode_ok = _decode_key(q, k_cache, v_cache, block_tables, context_lens,
                                                                  scale)
     except (TypeError, ValueError) as error:  # name this operator, not the unfused ones that checked
         raise _renamed(error) from None
-    return device, dtype, (bucket, hq, hk, d, r, bs, capacity), neox, rope_ok and decode_ok
+    return device, dtype, (bucket, hq, hk, d, r, bs, capacity, *fp8), neox, rope_ok and decode_ok
 
 
 def _values(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale=None,

@@ -275,6 +275,8 @@ def _prefer(op: str, name: str, *args):
 
 
 def supports(model, meta) -> bool:
-    """Whether ``CpuDecoder`` can run this step: a CPU model, a pure decode step, neox rope over the whole head."""
+    """Whether ``CpuDecoder`` can run this step: a CPU model, a pure decode step, neox rope over the whole head, a
+    cache of the model's dtype (not FP8 codes)."""
     return (model.device.type == "cpu" and model.cpu_fast_decode and meta.is_decode and meta.block_tables is not None
-            and model.cos_sin.shape[1] == model.config.head_dim and math.isfinite(model.scale))
+            and model.cos_sin.shape[1] == model.config.head_dim and math.isfinite(model.scale)
+            and model.kv_caches[0][0].dtype == model.dtype)

@@ -21,7 +21,8 @@ from ninefold.llm.parallel.rank_model import TensorParallel, build_rank_model
 
 
 def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, load_format: str, quantization: str,
-                    dtype: torch.dtype, max_positions: int, seed: int, block_size: int, lora: dict | None = None):
+                    dtype: torch.dtype, max_positions: int, seed: int, block_size: int, lora: dict | None = None,
+                    kv_dtype: torch.dtype | None = None):
     """This rank's slice of ``model`` (as ``LLMEngine`` loads it), with a one-block scratch cache bound until
     rank 0 sends the real cache's size; and with ``lora`` (``max_loras``, ``max_rank``, ``dtype``: rank 0's slots),
     this rank's LoRA slots (else None)."""
@@ -39,6 +40,7 @@ def load_rank_model(parallel: TensorParallel, device: torch.device, *, model, lo
     if lora is not None:
         slots = LoRASlots(config, dtype=lora["dtype"], device=device, max_loras=lora["max_loras"],
                           max_rank=lora["max_rank"], plan=shard_plan(config, parallel.rank, parallel.size))
+    rank_model.kv_dtype = kv_dtype or dtype  # what BIND_KV_CACHE's pool holds (rank 0's kv_cache_dtype)
     return rank_model, slots
 
 
@@ -59,7 +61,7 @@ def serve(rank_model, comm, device: torch.device, block_size: int, commands, lor
                 error = None
                 try:
                     rank_model.bind_kv_cache(KVCachePool(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
-                                                         rank_model.dtype, device, value))
+                                                         rank_model.kv_dtype, device, value))
                 except (RuntimeError, ValueError) as e:  # out of memory: rank 0 raises, naming this rank
                     error = e
                 if not _all_succeeded(comm, error):

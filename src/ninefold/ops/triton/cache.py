@@ -19,8 +19,10 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, heads
     live_heads = tl.where(slot >= 0, heads, 0)  # a skipped token (slot -1) writes nothing
     mask = (h < live_heads) & (e < d)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + e
-    tl.store(kc_ptr + dst, tl.load(key_ptr + t * stride_kt + h * stride_kh + e, mask=mask), mask=mask)
-    tl.store(vc_ptr + dst, tl.load(value_ptr + t * stride_vt + h * stride_vh + e, mask=mask), mask=mask)
+    key = tl.load(key_ptr + t * stride_kt + h * stride_kh + e, mask=mask)
+    value = tl.load(value_ptr + t * stride_vt + h * stride_vh + e, mask=mask)
+    tl.store(kc_ptr + dst, key.to(kc_ptr.dtype.element_ty), mask=mask)  # (FP8 caches: rounded, saturating)
+    tl.store(vc_ptr + dst, value.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(key, value, k_cache, v_cache, slot_mapping) -> str | None:

@@ -103,6 +103,8 @@ def _decode_tile(q, k, v, n0, end, b, bt_ptr, stride_btb, scale_log2e, m_i, l_i,
     nm = n < end
     nxt = n + BLOCK_N
     page = tl.load(bt_ptr + b * stride_btb + nxt // PAGE, mask=nxt < end, other=0)
+    k = k.to(q.dtype)  # (FP8 caches: the codes widened; a no-op for caches of q's dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HEADS == 1:
         s = tl.where(nm[None, :], s, float("-inf"))
@@ -242,8 +244,10 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
             k_new = _rotated(tl.load(k_row + e[None, :]), tl.load(k_row + partner[None, :]), cos[None, :],
                              sin[None, :], first_of_pair[None, :], rotated[None, :])
             dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_co + (kvh + h) * stride_ch + e[None, :]
-            tl.store(kc_ptr + dst, k_new.to(kc_ptr.dtype.element_ty))
-            tl.store(vc_ptr + dst, tl.load(v_ptr + b * stride_vb + (kvh + h) * stride_vh + e[None, :]))
+            # (through the model's dtype, as rope then reshape_and_cache round it: FP8 caches get the same codes)
+            tl.store(kc_ptr + dst, k_new.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty))
+            v_new = tl.load(v_ptr + b * stride_vb + (kvh + h) * stride_vh + e[None, :])
+            tl.store(vc_ptr + dst, v_new.to(vc_ptr.dtype.element_ty))
             tl.debug_barrier()  # the program's own reads of that row below see it
     tiles_from = start
     if EARLY_KV:

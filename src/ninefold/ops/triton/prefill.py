@@ -73,6 +73,7 @@ def _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_pt
         k = tl.load(k_ptr + k_rows[:, None] + e[None, :], mask=live[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + k_rows[:, None] + e[None, :])
+    k = k.to(q.dtype)  # (FP8 caches: the codes widened; a no-op otherwise)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         # Rows past the sequence (pos >= k_len) see zero keys past the end: harmless, never stored.
@@ -85,6 +86,7 @@ def _prefill_step(q, n0, acc, l_i, m_i, pos, k_len, b, kvh, k_start, k_ptr, v_pt
         v = tl.load(v_ptr + v_rows[:, None] + e[None, :], mask=live[:, None], other=0.0)
     else:
         v = tl.load(v_ptr + v_rows[:, None] + e[None, :])
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
