@@ -33,7 +33,7 @@ UNCOVERED = ("jit", "error")
 _I32 = 1 << 31
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
          torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-         torch.bool: "i1"}
+         torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr\s+\.\w+\s+\.align\s+\d+)?\s+\w+_param_(\d+)")
 _CTYPES = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
            "b32": ctypes.c_uint32, "s32": ctypes.c_int32, "u16": ctypes.c_uint16, "b16": ctypes.c_uint16,
