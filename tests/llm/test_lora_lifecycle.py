@@ -151,8 +151,11 @@ def test_kv_reserve_counts_the_adapter_graphs_logits():
     engine.config = SimpleNamespace(enforce_eager=False, cuda_graph_max_batch=256, max_num_seqs=64)
     engine.model_config = SimpleNamespace(vocab_size=1000)
     engine.dtype, engine.device, engine.lora_slots = torch.bfloat16, torch.device("cuda"), object()
+    engine.parallel_group = None
     assert engine._lora_graph_bytes() == sum(capture_sizes(64)) * 1000 * 2
-    engine.config.enforce_eager = True
+    engine.parallel_group = object()  # tensor-parallel engines capture no graphs
+    assert engine._lora_graph_bytes() == 0
+    engine.parallel_group, engine.config.enforce_eager = None, True
     assert engine._lora_graph_bytes() == 0
     engine.config.enforce_eager, engine.lora_slots = False, None
     assert engine._lora_graph_bytes() == 0
