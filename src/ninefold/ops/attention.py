@@ -51,9 +51,13 @@ def _cache_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == KV_FP8 else cache
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
 def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` as ``_cache_bytes(cache)`` holds them (FP8: rounded, saturating at +-448, as bytes)."""
-    return x.to(KV_FP8).view(torch.uint8) if cache.dtype == KV_FP8 else x
+    """Rows of ``x`` as ``_cache_bytes(cache)`` holds them (FP8: rounded, saturating at +-448, as bytes; the clamp
+    first: CUDA's conversion turns values beyond the range into NaN where the CPU's saturates)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8) if cache.dtype == KV_FP8 else x
 
 
 def _scale(op: str, scale) -> None:

@@ -9,6 +9,14 @@ from ninefold.ops.triton.launch import call
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """``x`` in the element type of ``cache_ptr``; FP8 codes saturate at +-448 (the conversion alone gives NaN)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, heads, d, block_size,
                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_co, stride_ch,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -21,8 +29,8 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, heads
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + e
     key = tl.load(key_ptr + t * stride_kt + h * stride_kh + e, mask=mask)
     value = tl.load(value_ptr + t * stride_vt + h * stride_vh + e, mask=mask)
-    tl.store(kc_ptr + dst, key.to(kc_ptr.dtype.element_ty), mask=mask)  # (FP8 caches: rounded, saturating)
-    tl.store(vc_ptr + dst, value.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, to_cache(key, kc_ptr), mask=mask)
+    tl.store(vc_ptr + dst, to_cache(value, vc_ptr), mask=mask)
 
 
 def supports(key, value, k_cache, v_cache, slot_mapping) -> str | None:

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ninefold.ops.triton import gemv_pdl
 from ninefold.ops.triton import launch as launch_module
+from ninefold.ops.triton.cache import to_cache
 from ninefold.ops.triton.launch import Launcher, call
 
 LOG2E = 1.4426950408889634
@@ -245,9 +246,9 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
                              sin[None, :], first_of_pair[None, :], rotated[None, :])
             dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_co + (kvh + h) * stride_ch + e[None, :]
             # (through the model's dtype, as rope then reshape_and_cache round it: FP8 caches get the same codes)
-            tl.store(kc_ptr + dst, k_new.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty))
+            tl.store(kc_ptr + dst, to_cache(k_new.to(k_ptr.dtype.element_ty), kc_ptr))
             v_new = tl.load(v_ptr + b * stride_vb + (kvh + h) * stride_vh + e[None, :])
-            tl.store(vc_ptr + dst, v_new.to(vc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + dst, to_cache(v_new, vc_ptr))
             tl.debug_barrier()  # the program's own reads of that row below see it
     tiles_from = start
     if EARLY_KV:

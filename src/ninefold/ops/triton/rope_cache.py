@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ninefold.ops.triton import decode
 from ninefold.ops.triton import rope as rope_module
+from ninefold.ops.triton.cache import to_cache
 from ninefold.ops.triton.launch import Launcher, empty
 
 
@@ -46,8 +47,8 @@ def _rotate_heads_to(src_ptr, dst_ptr, cache_ptr, tok, tmask, slot_off, smask, c
         tl.store(dst + i, y1, mask=mask)
         tl.store(dst + HALF + i, y2, mask=mask)
         if TO_CACHE:
-            tl.store(cdst + i, y1.to(cache_ptr.dtype.element_ty), mask=cmask & (i < HALF))
-            tl.store(cdst + HALF + i, y2.to(cache_ptr.dtype.element_ty), mask=cmask & (i < HALF))
+            tl.store(cdst + i, to_cache(y1, cache_ptr), mask=cmask & (i < HALF))
+            tl.store(cdst + HALF + i, to_cache(y2, cache_ptr), mask=cmask & (i < HALF))
     else:
         j = tl.arange(0, 2 * BLOCK_HALF)[None, None, :]
         mask = hmask & (j < 2 * HALF)
@@ -57,13 +58,13 @@ def _rotate_heads_to(src_ptr, dst_ptr, cache_ptr, tok, tmask, slot_off, smask, c
         y = y.to(dst_ptr.dtype.element_ty)
         tl.store(dst + j, y, mask=mask)
         if TO_CACHE:
-            tl.store(cdst + j, y.to(cache_ptr.dtype.element_ty), mask=cmask & (j < 2 * HALF))
+            tl.store(cdst + j, to_cache(y, cache_ptr), mask=cmask & (j < 2 * HALF))
     if BLOCK_TAIL > 0:  # features past the rotary dimension are copied
         k = 2 * HALF + tl.arange(0, BLOCK_TAIL)[None, None, :]
         tail = tl.load(src + k, mask=hmask & (k < d), other=0.0)
         tl.store(dst + k, tail, mask=hmask & (k < d))
         if TO_CACHE:
-            tl.store(cdst + k, tail.to(cache_ptr.dtype.element_ty), mask=cmask & (k < d))
+            tl.store(cdst + k, to_cache(tail, cache_ptr), mask=cmask & (k < d))
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -94,7 +95,7 @@ def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_
     e = tl.arange(0, BLOCK_D)[None, None, :]
     vmask = smask & (h < hk) & (e < d)
     v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + e, mask=vmask)
-    tl.store(vc_ptr + slot_off + h * d + e, v.to(vc_ptr.dtype.element_ty), mask=vmask)
+    tl.store(vc_ptr + slot_off + h * d + e, to_cache(v, vc_ptr), mask=vmask)
 
 
 _NAMES = ("HALF", "IS_NEOX", "BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "BLOCK_TAIL", "BLOCK_D", "USE_GDC")
