@@ -40,23 +40,23 @@ def test_an_fp8_cache_holds_codes_in_half_the_bytes_and_scores_prompts_as_the_fu
     assert max(diffs) > 0  # the codes do round (else this would not test the FP8 path)
 
 
-def test_fp8_cache_greedy_tokens_across_ranks_prefix_hits_and_preemption(llama_dir):
-    """A prompt's own chunk attends its fresh keys and values, earlier tokens' come from the cache (as in vLLM): so an
-    FP8 engine's tokens are the same whenever the same tokens come from the cache: on two tensor-parallel ranks as on
-    one, and on every pass served from the prefix cache. With a pool so small that sequences are preempted (and
-    recomputed from fresh values) every request still completes."""
+def test_fp8_cache_greedy_tokens_across_ranks_prefix_hits_preemption_and_batching(llama_dir):
+    """Every key a prefill chunk attends, its own included, is read back as a code from the cache (as vLLM's V1 does):
+    so an FP8 engine's tokens do not depend on prefix-cache hits, preemption, chunking or the step's other sequences,
+    and two tensor-parallel ranks give one's."""
     prompts = _prompts()
     one = _llm(llama_dir, kv_cache_dtype="fp8")
     first = _tokens(one, prompts)
-    cached = _tokens(one, prompts)
-    assert one.engine.blocks.hit_tokens > 0 and _tokens(one, prompts) == cached
+    assert _tokens(one, prompts) == first and one.engine.blocks.hit_tokens > 0
+    alone = [_tokens(_llm(llama_dir, kv_cache_dtype="fp8"), [p])[0] for p in prompts]
+    assert alone == first
+    chunked = _llm(llama_dir, kv_cache_dtype="fp8", max_num_batched_tokens=8)
+    assert _tokens(chunked, prompts) == first
+    tight = _llm(llama_dir, kv_cache_dtype="fp8", num_kv_blocks=12, enable_prefix_caching=False)
+    assert _tokens(tight, prompts) == first and tight.engine.scheduler.num_preemptions > 0
     with _llm(llama_dir, kv_cache_dtype="fp8", tensor_parallel_size=2) as two:
         assert two.engine.model.kv_caches[0][0].dtype == torch.float8_e4m3fn
         assert _tokens(two, prompts) == first
-    tight = _llm(llama_dir, kv_cache_dtype="fp8", num_kv_blocks=12, enable_prefix_caching=False)
-    outs = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert [len(o.outputs[0].token_ids) for o in outs] == [GREEDY.max_tokens] * len(prompts)
 
 
 def test_fp8_blocks_move_between_engines_in_and_across_processes(llama_dir):

@@ -369,3 +369,20 @@ def test_cuda_swap_round_trip_on_copy_stream():
     back = pool.swap_in(host)
     got = torch.stack([torch.stack([pool.k_cache(i)[back], pool.v_cache(i)[back]]) for i in range(2)])
     torch.testing.assert_close(got, data, rtol=0, atol=0)
+
+
+def test_an_fp8_pool_reads_writes_copies_and_swaps_its_codes():
+    """FP8 codes (``kv_cache_dtype="fp8"``) move as bytes through every indexed copy of the pool (indexing float8
+    is not implemented everywhere): read/write, copy, swap out and back in keep every code."""
+    fp8 = torch.float8_e4m3fn
+    pool = KVCachePool(LAYERS, HEADS, DIM, BLOCK, fp8, "cpu", 6, policy="swap", num_host_blocks=4)
+    ids = pool.allocate(3)
+    codes = (8 * torch.randn(3, *pool.block_shape, generator=torch.Generator().manual_seed(0))).to(fp8)
+    pool.write_blocks(ids, codes)
+    assert torch.equal(pool.read_blocks(ids).view(torch.uint8), codes.view(torch.uint8))
+    spare = pool.allocate(1)
+    pool.copy_blocks(ids[:1], spare)
+    assert torch.equal(pool.read_blocks(spare).view(torch.uint8), codes[:1].view(torch.uint8))
+    host = pool.swap_out(ids)
+    back = pool.swap_in(host)
+    assert torch.equal(pool.read_blocks(back).view(torch.uint8), codes.view(torch.uint8))

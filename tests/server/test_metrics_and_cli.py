@@ -108,6 +108,7 @@ def test_cache_flags_become_engine_arguments_only_when_given():
         "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32, "gpu_memory_utilization": 0.25,
         "max_model_len": 100, "num_kv_blocks": 7}
     assert cache_engine_args(parser.parse_args(["--enable-prefix-caching"])) == {"enable_prefix_caching": True}
+    assert cache_engine_args(parser.parse_args(["--kv-cache-dtype", "fp8"])) == {"kv_cache_dtype": "fp8"}
 
 
 def test_the_default_served_name_is_the_models_file_or_directory_name():

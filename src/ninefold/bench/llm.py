@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
                         help="fp8: the layer matrices in FP8 (W8A8); the bounds still use the bfloat16 matmul rate")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="fp8: the KV cache in FP8 codes (the bounds count its bytes as such)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--offline-time-limit", type=float, default=100.0,
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     mc = engine.model_config
     weight_bytes = engine.model.weight_bytes
     results["engine"] = {"weight_bytes": weight_bytes, "num_kv_blocks": engine.pool.num_blocks,
+                         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
                          "block_size": engine.config.block_size, "setup_s": time.perf_counter() - t0}
     print(f"engine ready in {time.perf_counter() - t0:.1f} s: {weight_bytes / 1e9:.2f} GB of weights, "
           f"{engine.pool.num_blocks} KV blocks")

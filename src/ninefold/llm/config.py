@@ -500,7 +500,7 @@ class EngineConfig:
             raise ValueError(f"seed: got {self.seed!r}; expected an integer")
         if self.max_cpu_loras is not None and isinstance(self.max_cpu_loras, int) and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras ({self.max_loras})")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: got {self.kv_cache_dtype!r}; supported: "
                              f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)} (fp8_e5m2 is not)")
         if self.tokenizer is not None:

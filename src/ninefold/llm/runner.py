@@ -302,7 +302,9 @@ class ModelRunner:
         ordered = decodes + rest
         ids, positions, slots = [], [], []
         cu_q, cu_k, row_end = [0], [0], {}
-        use_cache = False
+        # An FP8 cache: every chunk attends its own keys as codes too, read back from the cache (as vLLM's V1
+        # does), so a request's result does not depend on which other sequences share the step.
+        use_cache = self.pool.dtype.itemsize == 1
         max_q = max_k = 1
         row = 0
         for index, s in enumerate(ordered):

@@ -27,9 +27,9 @@ KV_FP8 = torch.float8_e4m3fn
 
 
 def fp8_cache(k_cache: torch.Tensor) -> tuple:
-    """What an FP8 cache adds to an operator's key (nothing for a cache of the model's dtype: keys, and the tuning
-    tables that hold them, stay as they were)."""
-    return ("fp8",) if k_cache.dtype == KV_FP8 else ()
+    """What an FP8 cache adds to an operator's key: its bytes per value, 1 (nothing for a cache of the model's dtype:
+    keys, and the tuning tables that hold them, stay as they were)."""
+    return (1,) if k_cache.dtype == KV_FP8 else ()
 
 
 def _cache_checks(op: str, ref_name: str, ref, k_cache, v_cache) -> None:

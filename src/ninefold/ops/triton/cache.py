@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -10,10 +11,22 @@ from ninefold.ops.triton.launch import call
 
 @triton.jit
 def to_cache(x, cache_ptr):
-    """``x`` in the element type of ``cache_ptr``; FP8 codes saturate at +-448 (the conversion alone gives NaN)."""
+    """``x`` in the element type of ``cache_ptr``; FP8 codes saturate at +-448 (the conversion alone gives NaN), NaN
+    stays NaN (as torch's clamp keeps it)."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)
     return x.to(cache_ptr.dtype.element_ty)
+
+
+def fp8_cache_refusal(k_cache: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot use ``k_cache`` (FP8 codes on a GPU before compute capability 8.9, where
+    Triton has no ``fp8e4nv``), or None."""
+    if k_cache.dtype != torch.float8_e4m3fn or k_cache.device.type != "cuda":
+        return None
+    if torch.cuda.get_device_capability(k_cache.device) < (8, 9):
+        return "Triton reads and writes FP8 (fp8e4nv) caches on compute capability 8.9 or later only"
+    return None
 
 
 @triton.jit
@@ -34,6 +47,8 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, heads
 
 
 def supports(key, value, k_cache, v_cache, slot_mapping) -> str | None:
+    if (why := fp8_cache_refusal(k_cache)) is not None:
+        return why
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "k_cache/v_cache are not contiguous"
     if key.stride(-1) != 1 or value.stride(-1) != 1:

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ninefold.ops.triton import gemv_pdl
 from ninefold.ops.triton import launch as launch_module
-from ninefold.ops.triton.cache import to_cache
+from ninefold.ops.triton.cache import fp8_cache_refusal, to_cache
 from ninefold.ops.triton.launch import Launcher, call
 
 LOG2E = 1.4426950408889634
@@ -395,6 +395,8 @@ def _merge_tile(group: int, config: dict) -> dict:
 
 
 def supports(q, k_cache, v_cache, block_tables, context_lens, scale) -> str | None:
+    if (why := fp8_cache_refusal(k_cache)) is not None:
+        return why
     d = q.shape[-1]
     if d < 16 or d & (d - 1):
         return f"head size {d} is not a power of two >= 16"

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.cache import fp8_cache_refusal
 from ninefold.ops.triton.launch import call
 
 LOG2E = 1.4426950408889634
@@ -164,6 +165,8 @@ def _static_iters(cu_seqlens_k, block_n: int) -> int:
 
 
 def supports(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache, block_tables, *_) -> str | None:
+    if k_cache is not None and (why := fp8_cache_refusal(k_cache)) is not None:
+        return why
     d = q.shape[-1]
     if d < 16 or d & (d - 1):
         return f"head size {d} is not a power of two >= 16"

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ninefold.ops.triton import decode
 from ninefold.ops.triton import rope as rope_module
-from ninefold.ops.triton.cache import to_cache
+from ninefold.ops.triton.cache import fp8_cache_refusal, to_cache
 from ninefold.ops.triton.launch import Launcher, empty
 
 
@@ -103,6 +103,8 @@ _KERNEL = Launcher(rope_and_cache_kernel, _NAMES)
 
 
 def supports(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox) -> str | None:
+    if (why := fp8_cache_refusal(k_cache)) is not None:
+        return why
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
         return "the head dimension of q, k, v or cos_sin_cache is not contiguous"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
