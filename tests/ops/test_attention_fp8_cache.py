@@ -141,3 +141,49 @@ def test_a_cache_of_another_float_dtype_is_still_refused():
     mixed = torch.zeros(2, 4, 2, 16, dtype=KV_FP8)
     with pytest.raises(TypeError, match="k_cache is float8_e4m3fn but v_cache is float16; both hold q's dtype or both"):
         ops.attention_decode(q, mixed, k16, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+
+
+def _compiled_for_sm90(name: str, cache_dtype: torch.dtype) -> str:
+    """The PTX of the Triton kernel ``name`` launches over caches of ``cache_dtype`` (Llama-3-8B heads, bfloat16
+    activations), recorded on meta tensors and compiled here for an H100/H200 as the GPU's JIT would."""
+    from ninefold.ops.triton import aot, cache, decode, launch, prebuilt, prefill, rope_cache
+
+    meta, bf16 = "meta", torch.bfloat16
+    b, hq, hk, d, bs = 64, 32, 8, 128, 16
+    q, k = torch.empty(b, hq, d, dtype=bf16, device=meta), torch.empty(b, hk, d, dtype=bf16, device=meta)
+    kc = torch.empty(256, bs, hk, d, dtype=cache_dtype, device=meta)
+    tables, lens = torch.empty(b, 16, dtype=torch.int32, device=meta), torch.empty(b, dtype=torch.int32, device=meta)
+    pos, slots = torch.empty(b, dtype=torch.int64, device=meta), torch.empty(b, dtype=torch.int64, device=meta)
+    cos_sin, cu = torch.empty(4096, d, device=meta), torch.empty(5, dtype=torch.int32, device=meta)
+    calls = {
+        "decode": lambda: decode.attention_decode(q, kc, kc, tables, lens, None),
+        "rope_fold": lambda: decode.rope_cache_attention_decode(q, k, k, pos, cos_sin, kc, kc, slots, tables, lens, None,
+                                                                True),
+        "prefill": lambda: prefill.attention_prefill(torch.empty(512, hq, d, dtype=bf16, device=meta), None, None, cu,
+                                                     cu, None, kc, kc, tables[:4], 128, 256),
+        "cache": lambda: cache.reshape_and_cache(k, k, kc, kc, slots),
+        "rope_cache": lambda: rope_cache.rope_and_cache(q, k, k, pos, cos_sin, kc, kc, slots, True),
+    }
+    real_sms, decode._sm_count = decode._sm_count, lambda device: 132
+    try:
+        with launch.recording() as recorded:
+            calls[name]()
+    finally:
+        decode._sm_count = real_sms
+    kernel, values, warps, stages = recorded[0]
+    spec = prebuilt.specialisation(kernel, values)
+    return aot.compile_spec(kernel, spec, warps, stages, aot.parse_target("cuda:90")).asm["ptx"]
+
+
+@pytest.mark.parametrize("name", ["decode", "rope_fold", "prefill", "cache", "rope_cache"])
+def test_triton_kernels_over_fp8_caches_compile_for_sm90(name):
+    """Every Triton kernel that reads or writes the cache compiles over FP8 codes (widened with cvt from e4m3; writes
+    clamped, then rounded with satfinite), and over a bfloat16 cache stores without any clamp."""
+    pytest.importorskip("triton")
+    ptx = _compiled_for_sm90(name, KV_FP8)
+    assert ".target sm_90" in ptx and "e4m3" in ptx
+    writes = name in ("rope_fold", "cache", "rope_cache")
+    if writes:  # the clamp keeps NaN (min/max .NaN), the conversion rounds to nearest and saturates
+        assert "cvt.rn.satfinite.e4m3x2" in ptx and "min.NaN.bf16" in ptx and "max.NaN.bf16" in ptx
+        plain = _compiled_for_sm90(name, torch.bfloat16)
+        assert "e4m3" not in plain and "min.NaN" not in plain and "max.NaN" not in plain
