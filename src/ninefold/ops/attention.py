@@ -22,6 +22,7 @@ import torch
 from ninefold.ops import spec
 from ninefold.ops.dispatch import Operator
 from ninefold.ops.registry import register
+from ninefold.runtime.kv_pool import as_bytes
 
 KV_FP8 = torch.float8_e4m3fn
 
@@ -46,16 +47,11 @@ def _cache_checks(op: str, ref_name: str, ref, k_cache, v_cache) -> None:
     spec.same_dtype(op, ref_name, ref, k_cache=k_cache, v_cache=v_cache)
 
 
-def _cache_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """``cache`` as the tensor to index: FP8 codes as their bytes (indexing float8 is not implemented everywhere)."""
-    return cache.view(torch.uint8) if cache.dtype == KV_FP8 else cache
-
-
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` as ``_cache_bytes(cache)`` holds them (FP8: rounded, saturating at +-448, as bytes; the clamp
+    """Rows of ``x`` as ``as_bytes(cache)`` holds them (FP8: rounded, saturating at +-448, as bytes; the clamp
     first: CUDA's conversion turns values beyond the range into NaN where the CPU's saturates)."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8) if cache.dtype == KV_FP8 else x
 
@@ -265,8 +261,8 @@ def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
         if slots.numel() and int(slots.max()) >= k_cache.shape[0] * bs:
             raise spec.OpError(f"reshape_and_cache: slot_mapping holds {int(slots.max())}, past the cache's "
                                f"{k_cache.shape[0] * bs} slots")
-        _cache_bytes(k_cache)[slots // bs, slots % bs] = _as_cached(key, k_cache)
-        _cache_bytes(v_cache)[slots // bs, slots % bs] = _as_cached(value, v_cache)
+        as_bytes(k_cache)[slots // bs, slots % bs] = _as_cached(key, k_cache)
+        as_bytes(v_cache)[slots // bs, slots % bs] = _as_cached(value, v_cache)
         return
     # Without a host sync: skipped tokens write to slot 0 the value slot 0 ends up with anyway.
     valid = slots >= 0
@@ -274,7 +270,7 @@ def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
     writes_zero = valid & (slots == 0)
     first = writes_zero.to(torch.int32).argmax()
     for src, cache in ((key, k_cache), (value, v_cache)):
-        rows, held = _as_cached(src, cache), _cache_bytes(cache)
+        rows, held = _as_cached(src, cache), as_bytes(cache)
         row0 = torch.where(writes_zero.any(), rows[first], held[0, 0])
         held[target // bs, target % bs] = torch.where(valid[:, None, None], rows, row0)
 
@@ -282,9 +278,7 @@ def _reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping):
 def _gather_pages(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[B, n]`` block ids -> ``[B, n * block_size, Hk, D]`` tokens, in ``dtype`` (FP8 codes widened)."""
     b, n = tables.shape
-    pages = _cache_bytes(cache).index_select(0, tables.reshape(-1))
-    if cache.dtype == KV_FP8:
-        pages = pages.view(KV_FP8)
+    pages = as_bytes(cache).index_select(0, tables.reshape(-1)).view(cache.dtype)
     return pages.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).to(dtype)
 
 

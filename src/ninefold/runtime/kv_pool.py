@@ -30,8 +30,9 @@ POLICIES = ("preempt", "swap")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` for the indexed copies: FP8 codes as their bytes (indexing float8 is not implemented on every device)."""
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` to index, copy or send: FP8 codes as their bytes (indexing float8 is not implemented on every device,
+    nor is float8 carried by every communication backend); other tensors as they are."""
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
@@ -254,7 +255,7 @@ class KVCachePool:
         on the pool's device): what :meth:`write_blocks` of a pool with the same layout takes."""
         ids = self._ids("ids", ids)
         index = torch.tensor(ids, dtype=torch.long, device=self._kv.device)
-        return _bytes(self._kv).index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().view(self.dtype)
+        return as_bytes(self._kv).index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().view(self.dtype)
 
     def write_blocks(self, ids: Iterable[int], data: torch.Tensor) -> None:
         """Overwrite blocks ``ids`` with ``data`` as :meth:`read_blocks` returns it (any device; same dtype)."""
@@ -270,7 +271,7 @@ class KVCachePool:
         if len(set(ids)) != len(ids):
             raise ValueError(f"ids: expected distinct block ids, got {ids}")
         index = torch.tensor(ids, dtype=torch.long, device=self._kv.device)
-        _bytes(self._kv).index_copy_(2, index, _bytes(data.to(self._kv.device, non_blocking=True)).permute(1, 2, 0, 3, 4, 5))
+        as_bytes(self._kv).index_copy_(2, index, as_bytes(data.to(self._kv.device, non_blocking=True)).permute(1, 2, 0, 3, 4, 5))
 
     def copy_blocks(self, sources: Iterable[int], targets: Iterable[int]) -> None:
         """Copy blocks ``sources`` onto blocks ``targets`` (pairwise, every layer's keys and values) on the pool's
@@ -364,9 +365,9 @@ class KVCachePool:
             self._copy_stream.wait_stream(self.device.current_stream())
         with self._on_copy_stream():
             index = self._device_index(ids)
-            staged = _bytes(self._kv).movedim(2, 0).index_select(0, index)  # [n, L, 2, bs, Hk, D], contiguous
+            staged = as_bytes(self._kv).movedim(2, 0).index_select(0, index)  # [n, L, 2, bs, Hk, D], contiguous
             for j, h, n in _runs(host_ids):
-                _bytes(self._host[h:h + n]).copy_(staged[j:j + n], non_blocking=True)
+                as_bytes(self._host[h:h + n]).copy_(staged[j:j + n], non_blocking=True)
             event = self._record_copy()
         for h in host_ids:
             self._host_free.popleft()
@@ -398,7 +399,7 @@ class KVCachePool:
                     staged = torch.empty((len(ids), *self._host.shape[1:]), dtype=self.dtype, device=self.device.torch)
                     for j, h, n in _runs(host_ids):
                         staged[j:j + n].copy_(self._host[h:h + n], non_blocking=True)
-                    _bytes(self._kv).index_copy_(2, self._device_index(ids), _bytes(staged).movedim(0, 2))
+                    as_bytes(self._kv).index_copy_(2, self._device_index(ids), as_bytes(staged).movedim(0, 2))
                     self._record_copy()
             except BaseException:
                 # Nothing was swapped in: the blocks go back to the front of the free list, with their fences.

@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from ninefold.runtime.kv_pool import as_bytes
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # (the header's index: append only)
 _HEADER = 9  # token count, block count, the 5 numbers of a block's shape, the dtype's index, the rope fingerprint
 
@@ -73,7 +75,7 @@ def send_prefix(comm, prefix: PrefixKV, dst: int, *, tag: int = 0) -> None:
     comm.send(header, dst, tag=tag)
     if len(prefix.blocks):
         comm.send(torch.tensor(prefix.token_ids, dtype=torch.int64), dst, tag=tag)
-        comm.send(_as_bytes(prefix.blocks.contiguous()), dst, tag=tag)
+        comm.send(as_bytes(prefix.blocks.contiguous()), dst, tag=tag)
 
 
 def recv_prefix(comm, src: int, *, device: torch.device | str | None = None, like=None, tag: int = 0) -> PrefixKV:
@@ -97,13 +99,9 @@ def recv_prefix(comm, src: int, *, device: torch.device | str | None = None, lik
     tokens = torch.empty(num_tokens, dtype=torch.int64)
     comm.recv(tokens, src, tag=tag)
     blocks = torch.empty((num_blocks, *shape), dtype=dtype, device=device)
-    comm.recv(_as_bytes(blocks), src, tag=tag)
+    comm.recv(as_bytes(blocks), src, tag=tag)
     return PrefixKV(tokens.tolist(), blocks, rope)
 
-
-def _as_bytes(blocks: torch.Tensor) -> torch.Tensor:
-    """FP8 blocks as their bytes (which every backend carries); other blocks as they are."""
-    return blocks.view(torch.uint8) if blocks.dtype == torch.float8_e4m3fn else blocks
 
 
 def _check_layout(shape: tuple, dtype: torch.dtype, want: tuple, want_dtype: torch.dtype) -> None:
