@@ -40,6 +40,7 @@ from ninefold.llm.speculative import NgramProposer, SpeculativeConfig, accepted_
 from ninefold.llm.token_bytes import vocabulary_bytes
 from ninefold.llm.tokenizer import Tokenizer, read_tokenizer_dir
 from ninefold.runtime import Device, KVCachePool
+from ninefold.runtime.kv_pool import bytes_per_block
 
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPUs, where "free memory" is shared with everything
 
@@ -191,7 +192,7 @@ class LLMEngine:
         if not self.model_config.has_lm_head:  # embeddings only: their steps write no cache slot
             return KVCachePool(*args, 1)
         if self.device.type == "cpu":
-            per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize
+            per_block = bytes_per_block(*args[:5])
             wanted = -(-max_len * min(cfg.max_num_seqs, 8) // cfg.block_size)
             return KVCachePool(*args, max(1, min(wanted, CPU_KV_BYTES // per_block)))
         if cfg.gpu_memory_utilization is not None:

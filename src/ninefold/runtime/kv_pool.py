@@ -140,7 +140,7 @@ class KVCachePool:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers, keys and values."""
-        return _bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        return bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
     @classmethod
     def from_memory(
@@ -195,7 +195,7 @@ class KVCachePool:
         if profile_fn is not None and not callable(profile_fn):
             raise TypeError(f"profile_fn: expected None or a callable, got {type(profile_fn).__name__}")
         dev = Device(device)
-        per_block = _bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
         if policy == "swap" and swap_bytes < per_block:
             raise ValueError(f"swap_bytes: policy 'swap' needs room for at least one host block ({per_block} bytes), "
                              f"got {swap_bytes}")
@@ -495,7 +495,8 @@ class KVCachePool:
                 f"device={self.device.torch}, free={self.num_free}, policy={self.policy!r})")
 
 
-def _bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of such a pool occupies across all layers, keys and values (arguments checked)."""
     for arg, value in [("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                        ("block_size", block_size)]:
         _check_int(arg, value, minimum=1)
