@@ -304,7 +304,7 @@ class ModelRunner:
         cu_q, cu_k, row_end = [0], [0], {}
         # An FP8 cache: every chunk attends its own keys as codes too, read back from the cache (as vLLM's V1
         # does), so a request's result does not depend on which other sequences share the step.
-        use_cache = self.pool.dtype.itemsize == 1
+        use_cache = self.pool.dtype == torch.float8_e4m3fn
         max_q = max_k = 1
         row = 0
         for index, s in enumerate(ordered):
