@@ -2,15 +2,20 @@
 
 import json
 
+import pytest
+
 from ninefold.bench.decode_attention import RAGGED_VARIANTS
 
 from .helpers import run_bench
 
 
-def test_bench_decode_attention_runs_on_the_cpu(tmp_path):
-    run = run_bench("decode_attention", "--device", "cpu", "--replays", "1", out=tmp_path, timeout=300)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_bench_decode_attention_runs_on_the_cpu(tmp_path, kv_cache_dtype):
+    run = run_bench("decode_attention", "--device", "cpu", "--replays", "1", "--kv-cache-dtype", kv_cache_dtype,
+                    out=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads((tmp_path / "decode_attention.json").read_text())
+    assert results["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv_cache_dtype == "fp8" else "torch.float32")
     assert results["failed_checks"] == 0 and len(results["checks"]) == 3 and all(r["ok"] for r in results["checks"])
     (row,) = results["decode"]
     assert (row["batch"], row["context"]) == (3, 70) and row["one_kernel_us"] > 0 and row["two_kernels_us"] > 0

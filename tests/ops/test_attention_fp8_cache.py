@@ -2,6 +2,7 @@
 saturate at +-448, every implementation reads the codes widened to the query's dtype."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -183,7 +184,9 @@ def test_triton_kernels_over_fp8_caches_compile_for_sm90(name):
     ptx = _compiled_for_sm90(name, KV_FP8)
     assert ".target sm_90" in ptx and "e4m3" in ptx
     writes = name in ("rope_fold", "cache", "rope_cache")
-    if writes:  # the clamp keeps NaN (min/max .NaN), the conversion rounds to nearest and saturates
-        assert "cvt.rn.satfinite.e4m3x2" in ptx and "min.NaN.bf16" in ptx and "max.NaN.bf16" in ptx
+    if writes:  # the clamp keeps NaN (min/max .NaN: in bf16 from Triton 3.9, in f32 on 3.6), the conversion
+        # rounds to nearest and saturates
+        assert "cvt.rn.satfinite.e4m3x2" in ptx
+        assert re.search(r"min\.NaN\.(bf16|f32)", ptx) and re.search(r"max\.NaN\.(bf16|f32)", ptx)
         plain = _compiled_for_sm90(name, torch.bfloat16)
         assert "e4m3" not in plain and "min.NaN" not in plain and "max.NaN" not in plain

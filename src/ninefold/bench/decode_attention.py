@@ -1,6 +1,7 @@
 """The attention-side kernels of one decode step, timed inside CUDA graphs (as the engine runs them).
 
     OUT=DIR python -m ninefold.bench.decode_attention        # H200, Llama-3-8B heads, bfloat16, < 4 min
+    OUT=DIR python -m ninefold.bench.decode_attention --kv-cache-dtype fp8   # the same over FP8 caches
     TRITON_INTERPRET=1 python -m ninefold.bench.decode_attention --device cpu   # plumbing check (tiny, eager)
 
 1. Correctness on the device first: the one-kernel decode attention (last split merges) and the
@@ -56,10 +57,14 @@ UNSPLIT_CASES = ((256, 600), (256, 1200))
 
 
 
-def _shapes(device: torch.device) -> dict:
+def _shapes(device: torch.device, kv_cache_dtype: str = "auto") -> dict:
+    """Heads, block size, dtypes (``cache``: the KV cache's, float8_e4m3fn codes under ``fp8``) and cases."""
     if device.type == "cuda":
-        return dict(hq=32, hk=8, d=128, block=16, dtype=torch.bfloat16, cases=DECODE_CASES, rope=ROPE_BATCHES)
-    return dict(hq=4, hk=2, d=16, block=8, dtype=torch.float32, cases=((3, 70),), rope=(3,))
+        sh = dict(hq=32, hk=8, d=128, block=16, dtype=torch.bfloat16, cases=DECODE_CASES, rope=ROPE_BATCHES)
+    else:
+        sh = dict(hq=4, hk=2, d=16, block=8, dtype=torch.float32, cases=((3, 70),), rope=(3,))
+    sh["cache"] = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else sh["dtype"]
+    return sh
 
 
 def paged_caches(lengths, width_tokens, hk, d, block, dtype, device, seed):
@@ -149,7 +154,7 @@ def check_decode(sh, device, width) -> list[dict]:
 
     rows = [check_decode_large_batch(sh, device, width)] if device.type == "cuda" else []
     lengths = [1, 17, 1000, 4097, 300, 600] if device.type == "cuda" else [1, 5, 40, 23]
-    k_cache, v_cache, tables = paged_caches(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 1)
+    k_cache, v_cache, tables = paged_caches(lengths, width, sh["hk"], sh["d"], sh["block"], sh["cache"], device, 1)
     q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=torch.Generator().manual_seed(2)).to(device, sh["dtype"])
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     want = decode64(q, k_cache, v_cache, tables, lens)
@@ -196,7 +201,7 @@ def check_decode_large_batch(sh, device, width) -> dict:
 
     g = torch.Generator().manual_seed(4)
     lengths = torch.randint(1, 1500, (264,), generator=g).tolist()
-    k_cache, v_cache, tables = paged_caches(lengths, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 5)
+    k_cache, v_cache, tables = paged_caches(lengths, width, sh["hk"], sh["d"], sh["block"], sh["cache"], device, 5)
     q = torch.randn(len(lengths), sh["hq"], sh["d"], generator=g).to(device, sh["dtype"])
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     splits = decode.plan(len(lengths), sh["hk"], tables.shape[1] * sh["block"], decode._sm_count(device), sh["dtype"],
@@ -216,12 +221,12 @@ def time_decode(sh, device, width, replays) -> list[dict]:
 
     rows = []
     for batch, context in tqdm(sh["cases"], desc="decode", file=sys.stdout, disable=None):
-        item = sh["dtype"].itemsize
+        item = sh["cache"].itemsize
         kv_bytes = 2 * batch * context * sh["hk"] * sh["d"] * item
         n_layers = _layers(kv_bytes, device)
         layers = []
         for i in range(n_layers):
-            k_cache, v_cache, tables = paged_caches([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+            k_cache, v_cache, tables = paged_caches([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["cache"],
                                               device, 10 + i)
             q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -275,14 +280,14 @@ def time_ragged(sh, device, width, replays) -> list[dict]:
     for batch, lo, hi in (RAGGED_CASES if cuda else ((5, 3, 60),)):
         g = torch.Generator().manual_seed(batch)
         lengths = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
-        item = sh["dtype"].itemsize
+        item = sh["cache"].itemsize
         kv_bytes = 2 * sum(lengths) * sh["hk"] * sh["d"] * item
         n_layers = _layers(kv_bytes, device)
         for order in ("random", "longest first"):
             lens_list = sorted(lengths, reverse=True) if order == "longest first" else lengths
             layers = []
             for i in range(n_layers):
-                k_cache, v_cache, tables = paged_caches(lens_list, width, sh["hk"], sh["d"], sh["block"], sh["dtype"],
+                k_cache, v_cache, tables = paged_caches(lens_list, width, sh["hk"], sh["d"], sh["block"], sh["cache"],
                                                   device, 20 + i)
                 q = torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
                 lens = torch.tensor(lens_list, dtype=torch.int32, device=device)
@@ -319,7 +324,7 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
 
     cuda = device.type == "cuda"
     check_lens = [1, 17, 1000, 300, 600] if cuda else [1, 5, 40]
-    kc, vc, tb = paged_caches(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 3)
+    kc, vc, tb = paged_caches(check_lens, width, sh["hk"], sh["d"], sh["block"], sh["cache"], device, 3)
     qc = torch.randn(len(check_lens), sh["hq"], sh["d"], device=device, dtype=sh["dtype"])
     lc = torch.tensor(check_lens, dtype=torch.int32, device=device)
     want = decode64(qc, kc, vc, tb, lc)
@@ -331,9 +336,9 @@ def sweep_decode(sh, device, width, replays, deadline) -> dict:
         stop = time.perf_counter() + 0.5 * (deadline - time.perf_counter()) if name == "split" else deadline
         inputs = {}
         for batch, context in cases:  # as many layers as the timings use (small cases: graph overhead, L2)
-            n_layers = _layers(2 * batch * context * sh["hk"] * sh["d"] * sh["dtype"].itemsize, device)
+            n_layers = _layers(2 * batch * context * sh["hk"] * sh["d"] * sh["cache"].itemsize, device)
             inputs[(batch, context)] = [
-                (*paged_caches([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["dtype"], device, 20 + i),
+                (*paged_caches([context] * batch, width, sh["hk"], sh["d"], sh["block"], sh["cache"], device, 20 + i),
                  torch.randn(batch, sh["hq"], sh["d"], device=device, dtype=sh["dtype"]),
                  torch.full((batch,), context, dtype=torch.int32, device=device)) for i in range(n_layers)]
         rows = []
@@ -386,7 +391,7 @@ def _rope_inputs(batch, sh, device, seed):
     cos_sin = torch.cat((angles.cos(), angles.sin()), -1).float().to(device)
     blocks = batch * 2 + 8
     slots = torch.randperm(blocks * sh["block"], generator=g)[:batch].to(device)
-    k_cache = torch.zeros(blocks, sh["block"], hk, d, device=device, dtype=dt)
+    k_cache = torch.zeros(blocks, sh["block"], hk, d, device=device, dtype=sh["cache"])
     v_cache = torch.zeros_like(k_cache)
     return q, k, v, positions, cos_sin, k_cache, v_cache, slots
 
@@ -405,6 +410,11 @@ def _fused(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
     return rope_cache.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slots, True)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal caches (FP8 codes compared as bytes)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+
+
 def check_rope(sh, device) -> list[dict]:
     rows = []
     for batch in sh["rope"]:
@@ -414,15 +424,15 @@ def check_rope(sh, device) -> list[dict]:
         try:
             q1, k1 = _unfused(*a)
             q2, k2 = _fused(*b)
-            if not (torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(a[5], b[5]) and torch.equal(a[6], b[6])):
+            if not (torch.equal(q1, q2) and torch.equal(k1, k2) and _same(a[5], b[5]) and _same(a[6], b[6])):
                 raise AssertionError("fused results differ from the unfused kernels")
             if device.type == "cuda":
                 c = _rope_inputs(batch, sh, device, 5)
                 qo, ko = torch.empty_like(q1), torch.empty_like(k1)
                 _fused(*c)
                 torch.cuda.synchronize()
-                c[5].zero_()
-                c[6].zero_()
+                c[5].view(torch.uint8).zero_()
+                c[6].view(torch.uint8).zero_()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     q3, k3 = _fused(*c)
@@ -430,8 +440,7 @@ def check_rope(sh, device) -> list[dict]:
                     ko.copy_(k3)
                 graph.replay()
                 torch.cuda.synchronize()
-                if not (torch.equal(qo, q1) and torch.equal(ko, k1) and torch.equal(c[5], a[5])
-                        and torch.equal(c[6], a[6])):
+                if not (torch.equal(qo, q1) and torch.equal(ko, k1) and _same(c[5], a[5]) and _same(c[6], a[6])):
                     raise AssertionError("fused results in a CUDA graph differ")
             row["ok"] = True
         except Exception as error:  # noqa: BLE001
@@ -455,7 +464,7 @@ def time_rope(sh, device, replays) -> list[dict]:
 
 def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sh = _shapes(device)
+    sh = _shapes(device, args.kv_cache_dtype)
     import triton
 
     from ninefold.ops.triton import decode
@@ -463,10 +472,12 @@ def run(args) -> dict:
     start = time.perf_counter()
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "triton": triton.__version__, "dtype": str(sh["dtype"]),
+               "kv_cache_dtype": str(sh["cache"]),
                "heads": [sh["hq"], sh["hk"], sh["d"]], "block_size": sh["block"], "table_tokens": args.width,
                "command": "python -m ninefold.bench.decode_attention " + " ".join(args.argv)}
     print(f"ninefold.bench.decode_attention on {results['device']}, torch {torch.__version__}, triton "
-          f"{triton.__version__}, heads {sh['hq']}/{sh['hk']}x{sh['d']} {sh['dtype']}")
+          f"{triton.__version__}, heads {sh['hq']}/{sh['hk']}x{sh['d']} {sh['dtype']}, "
+          f"KV cache {sh['cache']}")
     if args.ragged_only:
         results["ragged"] = time_ragged(sh, device, args.width, args.replays)
         results["failed_checks"] = sum("error" in r for r in results["ragged"])
@@ -507,6 +518,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=150.0, help="seconds after which the sweep starts no config")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
                         help="sweep one-kernel launch configurations at the largest batch (default: on CUDA)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the caches' dtype: the queries' (auto) or float8_e4m3fn codes (fp8), as the engine's")
     parser.add_argument("--ragged-only", action="store_true", help="only the ragged-length timings")
     args = parser.parse_args(argv)
     args.argv = argv
