@@ -178,8 +178,9 @@ def _compiled_for_sm90(name: str, cache_dtype: torch.dtype) -> str:
 
 @pytest.mark.parametrize("name", ["decode", "rope_fold", "prefill", "cache", "rope_cache"])
 def test_triton_kernels_over_fp8_caches_compile_for_sm90(name):
-    """Every Triton kernel that reads or writes the cache compiles over FP8 codes (widened with cvt from e4m3; writes
-    clamped, then rounded with satfinite), and over a bfloat16 cache stores without any clamp."""
+    """Every Triton kernel that reads or writes the cache compiles over FP8 codes (widened with cvt from e4m3 to the
+    float16 of the dot products; writes clamped, then rounded with satfinite), and over a bfloat16 cache stores
+    without any clamp."""
     pytest.importorskip("triton")
     ptx = _compiled_for_sm90(name, KV_FP8)
     assert ".target sm_90" in ptx and "e4m3" in ptx
@@ -190,3 +191,7 @@ def test_triton_kernels_over_fp8_caches_compile_for_sm90(name):
         assert re.search(r"min\.NaN\.(bf16|f32)", ptx) and re.search(r"max\.NaN\.(bf16|f32)", ptx)
         plain = _compiled_for_sm90(name, torch.bfloat16)
         assert "e4m3" not in plain and "min.NaN" not in plain and "max.NaN" not in plain
+    if name in ("decode", "rope_fold", "prefill"):  # reads: codes widen to float16 in one cvt per pair, the dots
+        # multiply float16 (bfloat16 would take a second conversion per code)
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
+        assert re.search(r"mma\S*\.f32\.f16\.f16", ptx) and not re.search(r"mma\S*\.bf16", ptx)
