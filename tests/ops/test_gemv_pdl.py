@@ -148,6 +148,11 @@ def test_sm90_code_loads_weights_before_waiting(prologue, split_k, dot, depth, f
     assert compiled.metadata.launch_pdl
     if dot:  # Triton pipelines the weight stream of the tl.dot loop (asynchronous copies)
         assert any("cp.async" in line for line in ptx[wait:])
+        # FP8 codes multiply as float16 (one conversion per pair of codes, none to bfloat16), bfloat16 weights as such
+        text = compiled.asm["ptx"]
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == fp8
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text) != fp8
+        assert "cvt.bf16.f16" not in text and ("cvt.rn.f16x2.e4m3x2" in text) == fp8
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

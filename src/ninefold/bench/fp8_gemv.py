@@ -40,10 +40,14 @@ LAYERS = (("qkv", 6144, 4096, "add_rms_norm"), ("o", 4096, 4096, "none"), ("gate
 EPS = 1e-5
 # (block_n, block_k, split_k, num_warps, num_stages, variant) as in ``gemv_pdl_ops.TABLE``: variant 0 the
 # register loop, 1 tl.dot on the row padded to 16, 2 the register loop with two tiles in flight. FP8 tiles
-# hold half the bytes of bfloat16 ones, so longer K steps are tried too.
+# hold half the bytes of bfloat16 ones, so longer K steps are tried too. The tl.dot loop multiplies float16 (the codes
+# widen to it in one conversion per pair: ``fp8_operand``), so it has more candidates.
 CANDIDATES = [(16, 512, 1, 4, 2, 0), (16, 1024, 1, 4, 2, 0), (32, 512, 1, 4, 2, 0), (32, 1024, 1, 8, 2, 0),
               (16, 512, 2, 4, 2, 0), (16, 512, 1, 4, 2, 2), (16, 1024, 1, 4, 2, 2), (32, 512, 1, 4, 2, 2),
-              (32, 512, 1, 4, 3, 1), (64, 256, 1, 4, 3, 1)]
+              (32, 512, 1, 4, 3, 1), (64, 256, 1, 4, 3, 1), (16, 512, 1, 4, 3, 1), (32, 256, 1, 4, 4, 1),
+              (64, 512, 1, 8, 3, 1), (128, 256, 1, 4, 3, 1), (64, 256, 1, 4, 4, 1), (64, 128, 1, 4, 4, 1),
+              (128, 128, 1, 4, 4, 1), (64, 256, 1, 8, 3, 1), (128, 256, 1, 8, 3, 1), (64, 256, 2, 4, 3, 1),
+              (32, 256, 2, 4, 4, 1)]
 # (block_n, block_k, split_k, num_warps, num_stages) of the few-rows GEMV (2..16 rows, tl.dot loop).
 ROWS_CANDIDATES = [(32, 256, 1, 4, 4), (32, 512, 1, 4, 3), (16, 512, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 2, 4, 4)]
 

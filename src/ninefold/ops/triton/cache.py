@@ -19,16 +19,6 @@ def to_cache(x, cache_ptr):
     return x.to(cache_ptr.dtype.element_ty)
 
 
-@triton.jit
-def queries_for_codes(q, cache_ptr):
-    """``q`` in the type the cache's elements are widened to for the dot products: float16 for FP8 codes under
-    bfloat16 queries (one conversion per pair of codes, where bfloat16 takes three; every e4m3 code is exact in
-    float16; queries saturate at float16's +-65504), else ``q`` unchanged."""
-    if (cache_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype == tl.bfloat16):
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    return q
-
-
 def fp8_cache_refusal(k_cache: torch.Tensor) -> str | None:
     """Why the Triton kernels cannot use ``k_cache`` (FP8 codes on a GPU before compute capability 8.9, where
     Triton has no ``fp8e4nv``), or None."""

@@ -47,7 +47,8 @@ import triton.language as tl
 
 from ninefold.ops.triton import gemv_pdl
 from ninefold.ops.triton import launch as launch_module
-from ninefold.ops.triton.cache import fp8_cache_refusal, queries_for_codes, to_cache
+from ninefold.ops.triton.cache import fp8_cache_refusal, to_cache
+from ninefold.ops.triton.fp8_operand import dot_operand
 from ninefold.ops.triton.launch import Launcher, call
 
 LOG2E = 1.4426950408889634
@@ -250,7 +251,7 @@ def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, part_ptr, lse_p
             v_new = tl.load(v_ptr + b * stride_vb + (kvh + h) * stride_vh + e[None, :])
             tl.store(vc_ptr + dst, to_cache(v_new, vc_ptr))
             tl.debug_barrier()  # the program's own reads of that row below see it
-    q = queries_for_codes(q, kc_ptr)
+    q = dot_operand(q, kc_ptr)
     tiles_from = start
     if EARLY_KV:
         tiles_from = start + BLOCK_N

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.fp8_operand import padded_row
 from ninefold.ops.triton.launch import Launcher
 
 PROLOGUES = {"none": 0, "add_rms_norm": 1, "silu_and_mul": 2}
@@ -140,14 +141,14 @@ def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, ws_ptr, cnt_pt
         # The row padded to 16 for tl.dot, so Triton's pipeliner streams the weight tiles (cp.async).
         row0 = tl.arange(0, 16)[:, None] == 0
         x = _x_chunk(x_ptr, r_ptr, g_ptr, k_start + k, rstd, K, PROLOGUE)
-        xp = tl.where(row0, x[None, :], 0.0).to(x_ptr.dtype.element_ty)
-        acc2 = tl.dot(xp, tl.trans(w.to(x_ptr.dtype.element_ty)), input_precision=PRECISION)
+        xp = padded_row(x, row0, x_ptr, w_ptr)
+        acc2 = tl.dot(xp, tl.trans(w.to(xp.dtype)), input_precision=PRECISION)
         w_base = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
         for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
             w = tl.load(w_base + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = _x_chunk(x_ptr, r_ptr, g_ptr, k0 + k, rstd, K, PROLOGUE)
-            xp = tl.where(row0, x[None, :], 0.0).to(x_ptr.dtype.element_ty)
-            acc2 = tl.dot(xp, tl.trans(w.to(x_ptr.dtype.element_ty)), acc2, input_precision=PRECISION)
+            xp = padded_row(x, row0, x_ptr, w_ptr)
+            acc2 = tl.dot(xp, tl.trans(w.to(xp.dtype)), acc2, input_precision=PRECISION)
         out = tl.sum(acc2, 0)
     else:
         # Register double buffering (Triton does not pipeline loads that feed no dot): tile i + 1 is

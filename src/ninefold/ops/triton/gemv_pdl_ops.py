@@ -58,8 +58,11 @@ TABLE: dict[tuple, tuple] = {
 # triton_gemv), in graphs of back-to-back calls over 256 MB of weight copies: H100, 2026-12-07 13:25 UTC,
 # `python -m ninefold.bench.fp8_gemv --rows 1,4` (docs/perf/data/fp8_gemv_h100.json). q/k/v (18.5 vs 18.2 us) and
 # gate_up (50.9 vs 49.1) lost, and at 4 rows the few-rows GEMV lost on every layer, so FP8_ROWS_TABLE lists none.
+# gate_up: the tl.dot loop once it multiplied float16 (``fp8_operand``): H100, 2026-12-07 16:50 UTC, the same bench
+# (docs/perf/data/fp8_gemv_f16_dot_h100.json): 44.2 us against 48.5 for the unfused pair (50.6 with bfloat16 dots).
 FP8_TABLE: dict[tuple, tuple] = {
     (4096, 4096, "none", "fp8"): (16, 512, 1, 4, 2, 0),  # o: 9.6 us (13.0 before)
+    (28672, 4096, "add_rms_norm", "fp8"): (64, 256, 1, 4, 3, 1),  # gate_up: 44.2 us (48.5 before)
     (4096, 14336, "silu_and_mul", "fp8"): (16, 512, 1, 4, 2, 0),  # down: 33.4 us (39.1 before)
 }
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninefold.ops.triton.cache import fp8_cache_refusal, queries_for_codes
+from ninefold.ops.triton.cache import fp8_cache_refusal
+from ninefold.ops.triton.fp8_operand import dot_operand
 from ninefold.ops.triton.launch import call
 
 LOG2E = 1.4426950408889634
@@ -130,7 +131,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, scale
         k_end = tl.minimum(k_len, offset + m0 + BLOCK_M)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + e[None, :],
                     mask=(rows < q_len)[:, None], other=0.0)
-        q = queries_for_codes(q, k_ptr)
+        q = dot_operand(q, k_ptr)
         if STATIC_ITERS > 0:  # Triton's interpreter (3.6) cannot loop to a bound read from memory
             for i in range(STATIC_ITERS):
                 n0 = i * BLOCK_N
