@@ -137,6 +137,48 @@ def test_directly_launched_kernels_are_recorded_and_served(built):
         assert binary is not None and binary.meta["exact"], why
 
 
+def _decode_launches(cache_dtype):
+    from ninefold.ops import workloads
+
+    case = next(workloads.cases("attention_decode", workloads.shapes("smollm2"), "meta", torch.bfloat16,
+                                cache_dtype=cache_dtype))
+    real = decode._sm_count
+    decode._sm_count = lambda device: aot.TARGET_SMS["cuda:90"]
+    try:
+        return _launches(decode.attention_decode, *case.args, None)
+    finally:
+        decode._sm_count = real
+
+
+def test_fp8_cache_kernels_are_built_where_the_manifest_names_them(built, tmp_path):
+    """``kv_cache_dtypes = ["auto", "fp8"]``: the cache operators are built over bfloat16 and FP8 caches alike (an
+    engine with ``kv_cache_dtype="fp8"`` then compiles nothing); by default only over the model's dtype."""
+    (tmp_path / "ops.toml").write_text('kv_cache_dtypes = ["auto", "fp8"]\n' + MANIFEST.format(uncovered="jit")
+                                       + '[ops.reshape_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["kv_cache_dtypes"] == ["auto", "fp8"]
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "b" / "kernels" / "triton").rglob("*.json")]
+    fp8 = {m["function"] for m in metas if ["*fp8e4nv", "D"] in m["spec"]}
+    assert fp8 == {"decode_split_kernel", "reshape_and_cache_kernel"}
+    both, default = _library(tmp_path / "b"), _library(built)
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for call in _decode_launches(cache_dtype):
+            binary, why = both.find(*call)
+            assert binary is not None and binary.meta["exact"], why
+    (call,) = _decode_launches(torch.float8_e4m3fn)
+    binary, why = default.find(*call)
+    assert binary is None and "is *fp8e4nv, built for *bf16" in why
+
+
+@pytest.mark.parametrize("value, match", [
+    ('["auto", "fp16"]', "kv_cache_dtypes lists 'fp16'; accepted: auto, fp8"),
+    ('"fp8"', r"kv_cache_dtypes must be a non-empty list of names like \['auto', 'fp8'\], got 'fp8'")])
+def test_manifest_kv_cache_dtypes_must_be_known(tmp_path, value, match):
+    (tmp_path / "ops.toml").write_text(f"kv_cache_dtypes = {value}\n[ops.rms_norm]\n")
+    with pytest.raises(ValueError, match=match):
+        build.read_manifest(tmp_path / "ops.toml")
+
+
 def test_build_for_another_gpu_is_refused_clearly(built):
     lib = _library(built)
     lib.check_device((9, 0))

@@ -37,3 +37,27 @@ def test_check_flags_a_wrong_result():
     want = ops.rms_norm(x, w)
     assert check("rms_norm", lambda *a: want + 1, (x, w, 1e-6), want).startswith("max relative error")
     assert check("rms_norm", lambda *a: want, (x, w, 1e-6), want) is None
+
+
+@pytest.mark.parametrize("op", workloads.CACHE_OPS)
+def test_fp8_cache_workloads_run_every_cpu_implementation_and_agree(op):
+    """The cache operators' calls over FP8 caches (what ``kv_cache_dtypes = ["fp8"]`` builds): caches of codes,
+    half the KV bytes, labels that say so; every CPU implementation that takes them agrees."""
+    ceiling = {"copy_GBps": 10.0, "mm_TFLOPs": 1.0}
+    tiny = workloads.shapes("tiny")
+    fp8 = list(workloads.cases(op, tiny, "cpu", torch.bfloat16, cache_dtype=torch.float8_e4m3fn))
+    plain = list(workloads.cases(op, tiny, "cpu", torch.bfloat16))
+    assert fp8 and all("float8_e4m3fn cache" in c.label for c in fp8)
+    caches = [a for c in fp8 for a in (*c.args, *c.kwargs.values()) if torch.is_tensor(a) and a.dim() == 4]
+    assert caches and all(t.dtype == torch.float8_e4m3fn for t in caches)
+    if op == "attention_decode":
+        assert [c.bytes * 2 for c in fp8] == [c.bytes for c in plain]
+    for case in fp8:
+        row = bench_case(case, torch.device("cpu"), ceiling)
+        assert row["impls"] and all("error" not in e and "wrong" not in e for e in row["impls"].values()), row
+
+
+def test_a_cache_dtype_for_an_operator_without_a_cache_is_refused():
+    with pytest.raises(ValueError, match="cache_dtype: rms_norm reads no KV cache; only reshape_and_cache"):
+        list(workloads.cases("rms_norm", workloads.shapes("tiny"), "cpu", torch.bfloat16,
+                             cache_dtype=torch.float8_e4m3fn))

@@ -7,6 +7,8 @@ A manifest (``ops.toml``) lists the operators to keep, with their dtypes and imp
     uncovered = "jit"         # or "error": a kept Triton kernel called with a specialisation the
                               # build holds no binary for (other shapes, misaligned views)
     shapes = "llama-8b"       # the shapes whose kernel specialisations are compiled ahead of time
+    kv_cache_dtypes = ["auto", "fp8"]   # the KV caches the cache operators' kernels are built for (default
+                                        # ["auto"]: the model's dtype; "fp8": an engine's kv_cache_dtype="fp8")
 
     [ops.rms_norm]
     dtypes = ["bfloat16"]
@@ -107,6 +109,9 @@ def _manifest_problem(data) -> str | None:
     for key, accepted in (("fallback", FALLBACKS), ("uncovered", UNCOVERED)):
         if key in data and data[key] not in accepted:
             return f"{key} must be one of {accepted}, got {data[key]!r}"
+    caches = data.get("kv_cache_dtypes", ["auto"])
+    if not isinstance(caches, list) or any(c not in KV_CACHE_DTYPES for c in caches):
+        return f"kv_cache_dtypes must be a list of {', '.join(KV_CACHE_DTYPES)}, got {caches!r}"
     if not isinstance(data.get("target", "cpu"), str) or not _TARGET.fullmatch(data.get("target", "cpu")):
         return f"target {data.get('target')!r} is not 'cpu' or a GPU like 'cuda:90'"
     return None
@@ -178,6 +183,10 @@ def read_manifest(path) -> dict:
     shapes = data.get("shapes", "llama-8b")
     if not isinstance(shapes, str) or shapes not in workloads.SHAPES:
         raise ValueError(f"{where}: shapes must be one of {', '.join(workloads.SHAPES)}, got {shapes!r}")
+    kv_cache_dtypes = _names_list(data.get("kv_cache_dtypes", ["auto"]), f"{where}: kv_cache_dtypes", KV_CACHE_DTYPES)
+    bad = [d for d in kv_cache_dtypes if d not in KV_CACHE_DTYPES]
+    if bad:
+        raise ValueError(f"{where}: kv_cache_dtypes lists {bad[0]!r}; accepted: {', '.join(KV_CACHE_DTYPES)}")
     ops = data.get("ops")
     if not isinstance(ops, dict) or not ops:
         raise ValueError(f"{where}: needs at least one [ops.<name>] table")
@@ -204,7 +213,8 @@ def read_manifest(path) -> dict:
         resolved[op] = {"dtypes": list(dict.fromkeys(dtypes)), "impls": list(dict.fromkeys(impls))}
     if fallback != "vendor":
         _keep_called_operators(resolved, where)
-    return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes, "ops": resolved}
+    return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes,
+            "kv_cache_dtypes": list(dict.fromkeys(kv_cache_dtypes)), "ops": resolved}
 
 
 def _keep_called_operators(ops: dict, where: str) -> None:
@@ -240,8 +250,9 @@ def _keep_called_operators(ops: dict, where: str) -> None:
                     todo.append(called)
 
 
-MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "ops")
+MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "kv_cache_dtypes", "ops")
 DTYPES = ("float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8")  # as the engine's kv_cache_dtype ("fp8": float8_e4m3fn codes)
 _TARGET = re.compile(r"cpu|cuda:\d+|hip:gfx\w+")
 
 
@@ -323,8 +334,12 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
     for op, entry in manifest["ops"].items():
         if "triton" not in entry["impls"]:
             continue
-        for dtype_name in entry["dtypes"]:
-            found, notes = aot.launches(op, getattr(torch, dtype_name), shapes, aot.TARGET_SMS.get(target, 132))
+        caches = [None]
+        if op in workloads.CACHE_OPS:  # one pass per KV cache dtype the manifest names
+            caches = [torch.float8_e4m3fn if c == "fp8" else None for c in manifest.get("kv_cache_dtypes", ["auto"])]
+        for dtype_name, cache_dtype in ((d, c) for d in entry["dtypes"] for c in caches):
+            found, notes = aot.launches(op, getattr(torch, dtype_name), shapes, aot.TARGET_SMS.get(target, 132),
+                                        cache_dtype)
             report.notes += notes
             # Per kernel, constexprs, dtypes and launch options: the JIT's exact specialisations, one
             # merged over them (other shapes of the same kind), one relaxed (any integers).

@@ -59,11 +59,19 @@ def shapes(name: str) -> Shapes:
         raise ValueError(f"--shapes: unknown shape set {name!r}; known: {', '.join(SHAPES)}") from None
 
 
-def cases(op: str, s: Shapes, device, dtype: torch.dtype, seed: int = 0) -> Iterator[Case]:
-    """Representative calls of ``op`` at the shapes ``s``."""
+def cases(op: str, s: Shapes, device, dtype: torch.dtype, seed: int = 0,
+          cache_dtype: torch.dtype | None = None) -> Iterator[Case]:
+    """Representative calls of ``op`` at the shapes ``s``; the KV caches of the operators in ``CACHE_OPS`` hold
+    ``cache_dtype`` (default: ``dtype``; ``torch.float8_e4m3fn`` for an engine's ``kv_cache_dtype="fp8"``)."""
     if op not in _BUILDERS:
         raise ValueError(f"op: {op!r} has no workloads; known: {', '.join(_BUILDERS)}")
-    yield from _BUILDERS[op](s, torch.device(device), dtype, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    if op in CACHE_OPS:
+        yield from _BUILDERS[op](s, torch.device(device), dtype, gen, cache_dtype or dtype)
+    elif cache_dtype not in (None, dtype):
+        raise ValueError(f"cache_dtype: {op} reads no KV cache; only {', '.join(CACHE_OPS)} take one")
+    else:
+        yield from _BUILDERS[op](s, torch.device(device), dtype, gen)
 
 
 def _randn(gen, *shape, device, dtype, scale=1.0):
@@ -146,7 +154,7 @@ def _rope(s, dev, dt, g):
 
 
 def paged(s: Shapes, lengths, dev, dt, g, extra_blocks: int = 0):
-    """Caches holding ``lengths`` tokens per sequence in randomly placed blocks, and the tables."""
+    """Caches (of ``dt``) holding ``lengths`` tokens per sequence in randomly placed blocks, and the tables."""
     bs = s.block_size
     per_seq = [-(-n // bs) for n in lengths]
     num_blocks = sum(per_seq) + extra_blocks + 1
@@ -161,27 +169,31 @@ def paged(s: Shapes, lengths, dev, dt, g, extra_blocks: int = 0):
     return k_cache, v_cache, tables.to(dev)
 
 
-def _reshape_and_cache(s, dev, dt, g):
+def _cache_label(dt, cache_dt) -> str:
+    return "" if cache_dt == dt else f" {str(cache_dt).replace('torch.', '')} cache"
+
+
+def _reshape_and_cache(s, dev, dt, g, cache_dt):
     for t in s.tokens:
-        k_cache, v_cache, _ = paged(s, [t], dev, dt, g)
+        k_cache, v_cache, _ = paged(s, [t], dev, cache_dt, g)
         slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=g)[:t].to(dev)
         key = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
         value = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
-        yield Case("reshape_and_cache", f"T={t}", (key, value, k_cache, v_cache, slots),
-                   bytes=4 * t * s.kv_heads * s.head_dim * dt.itemsize)
+        yield Case("reshape_and_cache", f"T={t}{_cache_label(dt, cache_dt)}", (key, value, k_cache, v_cache, slots),
+                   bytes=2 * t * s.kv_heads * s.head_dim * (dt.itemsize + cache_dt.itemsize))
 
 
-def _decode(s, dev, dt, g):
+def _decode(s, dev, dt, g, cache_dt):
     for batch, context in s.decode:
-        k_cache, v_cache, tables = paged(s, [context] * batch, dev, dt, g)
+        k_cache, v_cache, tables = paged(s, [context] * batch, dev, cache_dt, g)
         q = _randn(g, batch, s.heads, s.head_dim, device=dev, dtype=dt)
         lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-        kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * dt.itemsize
-        yield Case("attention_decode", f"B={batch} ctx={context}", (q, k_cache, v_cache, tables, lens),
-                   bytes=kv_bytes, flops=4 * batch * s.heads * context * s.head_dim)
+        kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * cache_dt.itemsize
+        yield Case("attention_decode", f"B={batch} ctx={context}{_cache_label(dt, cache_dt)}",
+                   (q, k_cache, v_cache, tables, lens), bytes=kv_bytes, flops=4 * batch * s.heads * context * s.head_dim)
 
 
-def _prefill(s, dev, dt, g):
+def _prefill(s, dev, dt, g, cache_dt):
     for seqs, new, prefix in s.prefill:
         q = _randn(g, seqs * new, s.heads, s.head_dim, device=dev, dtype=dt)
         cu_q = torch.arange(0, seqs + 1, dtype=torch.int32, device=dev) * new
@@ -189,14 +201,15 @@ def _prefill(s, dev, dt, g):
         # Causal pairs per head: new queries over prefix + a triangle.
         pairs = seqs * (new * prefix + new * (new + 1) // 2)
         flops = 4 * pairs * s.heads * s.head_dim
-        if prefix == 0:
+        if prefix == 0 and cache_dt == dt:
             k = _randn(g, seqs * new, s.kv_heads, s.head_dim, device=dev, dtype=dt)
             v = _randn(g, seqs * new, s.kv_heads, s.head_dim, device=dev, dtype=dt)
             yield Case("attention_prefill", f"B={seqs} L={new}", (q, k, v, cu_q, cu_k), flops=flops)
-        else:
-            k_cache, v_cache, tables = paged(s, [new + prefix] * seqs, dev, dt, g)
-            yield Case("attention_prefill", f"B={seqs} L={new} prefix={prefix}", (q, None, None, cu_q, cu_k),
-                       dict(k_cache=k_cache, v_cache=v_cache, block_tables=tables), flops=flops)
+        elif prefix:  # (an engine with an FP8 cache reads every key from it; here: the cached-prefix calls)
+            k_cache, v_cache, tables = paged(s, [new + prefix] * seqs, dev, cache_dt, g)
+            yield Case("attention_prefill", f"B={seqs} L={new} prefix={prefix}{_cache_label(dt, cache_dt)}",
+                       (q, None, None, cu_q, cu_k), dict(k_cache=k_cache, v_cache=v_cache, block_tables=tables),
+                       flops=flops)
 
 
 def _argmax(s, dev, dt, g):
@@ -225,3 +238,4 @@ _BUILDERS = {
     "argmax": _argmax, "sample": _sample,
 }
 OPS = tuple(_BUILDERS)
+CACHE_OPS = ("reshape_and_cache", "attention_decode", "attention_prefill")  # builders taking the cache's dtype

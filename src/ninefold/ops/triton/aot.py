@@ -93,11 +93,12 @@ def compile_spec(kernel, spec, num_warps: int, num_stages: int, target: GPUTarge
 TARGET_SMS = {"cuda:90": 132, "cuda:80": 108, "cuda:89": 128, "cuda:100": 148}
 
 
-def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132) -> tuple[list, list[str]]:
+def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
+             cache_dtype: torch.dtype | None = None) -> tuple[list, list[str]]:
     """``(launches, notes)``: the distinct ``(kernel, spec, num_warps, num_stages)`` the Triton
     implementation of ``op`` launches for the representative calls at ``shapes``
-    (``ninefold.ops.workloads``), recorded on ``meta`` tensors as if on a GPU with ``sms`` SMs;
-    ``notes`` says which calls the implementation does not support."""
+    (``ninefold.ops.workloads``; KV caches of ``cache_dtype``, default ``dtype``), recorded on ``meta``
+    tensors as if on a GPU with ``sms`` SMs; ``notes`` says which calls the implementation does not support."""
     from ninefold.ops import dispatch, registry, workloads
     from ninefold.ops.triton import launch, prebuilt
 
@@ -108,7 +109,7 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132) -> tuple[list,
     real_sms = decode._sm_count
     decode._sm_count = lambda device: sms  # the split sizing of the target, not of the meta device
     try:
-        for case in workloads.cases(op, shapes, "meta", dtype):
+        for case in workloads.cases(op, shapes, "meta", dtype, cache_dtype=cache_dtype):
             bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
             reason = impl.reason(bound)
             if reason:
@@ -122,7 +123,8 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132) -> tuple[list,
     finally:
         decode._sm_count = real_sms
     if notes:
-        notes = [f"{op} {str(dtype).replace('torch.', '')}: {len(notes)} representative calls are outside the "
+        over = "" if cache_dtype in (None, dtype) else f" ({str(cache_dtype).replace('torch.', '')} caches)"
+        notes = [f"{op} {str(dtype).replace('torch.', '')}{over}: {len(notes)} representative calls are outside the "
                  f"Triton implementation (nothing built for them), e.g. {notes[0]}"]
     return list(found.values()), notes
 
