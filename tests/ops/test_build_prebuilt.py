@@ -371,3 +371,31 @@ print(err < 5e-2, prebuilt.STATS["prebuilt"], prebuilt.STATS["jit"], [b["exact"]
 def test_off_shape_call_runs_the_relaxed_binary_cuda(tmp_path):
     # served by a relaxed binary, nothing compiled
     assert _probe_rms_norm_build(tmp_path, "error", PROBE_RELAXED) == "True 1 0 [False]"
+
+
+PROBE_FP8_CUDA = """
+import torch, ninefold.ops as ops
+from ninefold.ops import references, workloads
+from ninefold.ops.triton import prebuilt
+for case in list(workloads.cases("attention_decode", workloads.shapes("llama-8b"), "cuda", torch.bfloat16,
+                                 cache_dtype=torch.float8_e4m3fn))[:3]:  # (contexts of 4096 and 32768 keys)
+    out = ops.attention_decode(*case.args)
+    err = (out.double().cpu() - references.attention_decode(*case.args)).abs().max().item()
+    assert err < 3e-2, (case.label, err)
+print("ran", prebuilt.STATS["prebuilt"] >= 3, prebuilt.STATS["jit"], prebuilt.MISSES[:1])
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_cache_decode_runs_from_a_build_naming_fp8_compiling_nothing_cuda(tmp_path):
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        pytest.skip("FP8 caches need compute capability 8.9")
+    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "error"\n'
+                                       'kv_cache_dtypes = ["fp8"]\n'
+                                       '[ops.attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", PROBE_FP8_CUDA], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "ran True 0 []"
