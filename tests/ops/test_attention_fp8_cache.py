@@ -12,7 +12,7 @@ from ninefold.llm.config import ModelConfig, rope_cos_sin_cache
 from ninefold.ops import references as ref
 from ninefold.ops.attention import KV_FP8
 
-from .helpers import assert_close, call, impl_params
+from .helpers import assert_close, call, impl_params, run_interpreted
 from .test_attention import ATTENTION_SCALE, cu, packed, paged_cache
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -195,3 +195,32 @@ def test_triton_kernels_over_fp8_caches_compile_for_sm90(name):
         # multiply float16 (bfloat16 would take a second conversion per code)
         assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
         assert re.search(r"mma\S*\.f32\.f16\.f16", ptx) and not re.search(r"mma\S*\.bf16", ptx)
+
+
+# Runs with TRITON_INTERPRET=1: Triton's decode and prefill over FP8 caches, called directly with bfloat16 queries
+# (the float16 dot path; CPU dispatch would give Triton float32 queries only), against float64.
+INTERPRETED_BF16 = r"""
+import torch
+from ninefold.ops import references as ref
+from ninefold.ops.triton import decode, prefill
+g = torch.Generator().manual_seed(0)
+bs, hk, d = 8, 2, 16
+k, v = ((3 * torch.randn(20, bs, hk, d, generator=g)).to(torch.float8_e4m3fn) for _ in range(2))
+tables = torch.randperm(20, generator=g)[:16].view(4, 4).int()
+lens = torch.tensor([5, 17, 1, 32], dtype=torch.int32)
+q = torch.randn(4, 6, d, generator=g).to(torch.bfloat16)
+out = decode.attention_decode(q, k, v, tables, lens, None)
+err = (out.double() - ref.attention_decode(q, k, v, tables, lens)).abs().max().item()
+assert out.dtype == torch.bfloat16 and err < 5e-2, ("decode", err)
+cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 12, 29], dtype=torch.int32)
+qp = torch.randn(7, 6, d, generator=g).to(torch.bfloat16)
+out = prefill.attention_prefill(qp, None, None, cu_q, cu_k, None, k, v, tables[:2], 4, 17)
+want = ref.attention_prefill(qp, None, None, cu_q, cu_k, k_cache=k, v_cache=v, block_tables=tables[:2])
+err = (out.double() - want).abs().max().item()
+assert out.dtype == torch.bfloat16 and err < 5e-2, ("prefill", err)
+print("ok")
+"""
+
+
+def test_triton_attention_over_fp8_caches_with_bfloat16_queries_in_the_interpreter():
+    assert run_interpreted(["-c", INTERPRETED_BF16]).stdout.strip().endswith("ok")

@@ -151,28 +151,61 @@ def _decode_launches(cache_dtype):
 
 
 def test_fp8_cache_kernels_are_built_where_the_manifest_names_them(built, tmp_path):
-    """``kv_cache_dtypes = ["auto", "fp8"]``: the cache operators are built over bfloat16 and FP8 caches alike (an
-    engine with ``kv_cache_dtype="fp8"`` then compiles nothing); by default only over the model's dtype."""
-    (tmp_path / "ops.toml").write_text('kv_cache_dtypes = ["auto", "fp8"]\n' + MANIFEST.format(uncovered="jit")
-                                       + '[ops.reshape_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    """``kv_cache_dtypes = ["fp8"]`` (or its alias "fp8_e4m3"): the cache operators are built over FP8 caches and
+    the model's dtype alike, the prefill attention for the chunks an engine's warm-up runs; by default only over the
+    model's dtype."""
+    (tmp_path / "ops.toml").write_text('kv_cache_dtypes = ["fp8_e4m3"]\n' + MANIFEST.format(uncovered="jit")
+                                       + '[ops.reshape_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n'
+                                       + '[ops.attention_prefill]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
     build.build(tmp_path / "ops.toml", tmp_path / "b")
-    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["kv_cache_dtypes"] == ["auto", "fp8"]
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["kv_cache_dtypes"] == ["fp8"]
     metas = [json.loads(p.read_text()) for p in (tmp_path / "b" / "kernels" / "triton").rglob("*.json")]
     fp8 = {m["function"] for m in metas if ["*fp8e4nv", "D"] in m["spec"]}
-    assert fp8 == {"decode_split_kernel", "reshape_and_cache_kernel"}
+    assert fp8 == {"decode_split_kernel", "reshape_and_cache_kernel", "prefill_kernel"}
     both, default = _library(tmp_path / "b"), _library(built)
-    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):  # the model's dtype is always built too
         for call in _decode_launches(cache_dtype):
             binary, why = both.find(*call)
             assert binary is not None and binary.meta["exact"], why
+        for call in _engine_prefill_launches(cache_dtype):
+            binary, why = both.find(*call)
+            assert binary is not None, why
     (call,) = _decode_launches(torch.float8_e4m3fn)
     binary, why = default.find(*call)
     assert binary is None and "is *fp8e4nv, built for *bf16" in why
 
 
+def _engine_prefill_launches(cache_dtype):
+    """The prefill attention launches an engine's warm-up makes (SmolLM2 heads): chunks of 16, 128 and 2048 new tokens
+    after one cached block, read from paged caches of ``cache_dtype``, and, over bfloat16, a packed prompt."""
+    from ninefold.ops.triton import prefill
+
+    meta, bf16, bs = "meta", torch.bfloat16, 16
+    calls = []
+    for new in (16, 128, 2048):
+        q = torch.empty(new, 9, 64, dtype=bf16, device=meta)
+        caches = torch.empty(200, bs, 3, 64, dtype=cache_dtype, device=meta)
+        cu_q, cu_k = (torch.empty(2, dtype=torch.int32, device=meta) for _ in range(2))
+        tables = torch.empty(1, -(-(bs + new) // bs), dtype=torch.int32, device=meta)
+        calls += _launches(prefill.attention_prefill, q, None, None, cu_q, cu_k, None, caches, caches, tables, new,
+                           bs + new)
+        if cache_dtype == bf16:
+            kv = torch.empty(new, 3, 64, dtype=bf16, device=meta)
+            calls += _launches(prefill.attention_prefill, q, kv, kv, cu_q, cu_q, None, None, None, None, new, new)
+    return calls
+
+
+def test_fp8_caches_in_a_build_for_a_gpu_without_fp8_are_refused(tmp_path):
+    (tmp_path / "ops.toml").write_text('target = "cuda:80"\nkv_cache_dtypes = ["auto", "fp8"]\n'
+                                       '[ops.reshape_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    with pytest.raises(ValueError, match=r"kv_cache_dtypes names 'fp8', which target 'cuda:80' cannot build"):
+        build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert not (tmp_path / "b").exists()  # refused before anything is written
+
+
 @pytest.mark.parametrize("value, match", [
     ('["auto", "fp16"]', "kv_cache_dtypes lists 'fp16'; accepted: auto, fp8"),
-    ('"fp8"', r"kv_cache_dtypes must be a non-empty list of names like \['auto', 'fp8'\], got 'fp8'")])
+    ('"fp8"', r"kv_cache_dtypes must be a non-empty list of names like \['auto', 'fp8', 'fp8_e4m3'\], got 'fp8'")])
 def test_manifest_kv_cache_dtypes_must_be_known(tmp_path, value, match):
     (tmp_path / "ops.toml").write_text(f"kv_cache_dtypes = {value}\n[ops.rms_norm]\n")
     with pytest.raises(ValueError, match=match):

@@ -66,6 +66,19 @@ for dot in (False, True, 2):
                  w @ (torch.nn.functional.silu(a.double()[:k]) * a.double()[k:]))):
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             assert y.dtype == torch.float32 and err < 1e-4, ("fp8", name, dot, n, k, split_k, err)
+# FP8 codes under a bfloat16 x on the tl.dot loop: both meet as float16 (x saturating at +-65504, NaN kept).
+n, k = 40, 256
+scales, codes = torch.rand(n) + 0.01, (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+w = codes.double() * scales.double()[:, None]
+x, r, g = (torch.randn(k).to(torch.bfloat16) for _ in range(3))
+r_out = torch.empty_like(r)
+kw = dict(dot=True, block_n=16, block_k=64, scales=scales)
+y = gemv_pdl(x, codes, prologue="add_rms_norm", residual=r, norm_weight=g, residual_out=r_out, eps=1e-5, **kw)
+ref = w @ rms((x.double() + r.double()).to(torch.bfloat16).double(), g.double(), 1e-5)
+err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+assert y.dtype == torch.bfloat16 and err < 2e-2, ("fp8 bf16 x dot", err)
+x[5] = float("nan")
+assert gemv_pdl(x, codes, **kw).isnan().all(), "a NaN in x must reach every output"
 for ws, cnt in WORKSPACE._bufs.values():
     assert int(cnt.abs().sum()) == 0, "split-K counters left non-zero"
 print("ok")
@@ -153,6 +166,7 @@ def test_sm90_code_loads_weights_before_waiting(prologue, split_k, dot, depth, f
         assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == fp8
         assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text) != fp8
         assert "cvt.bf16.f16" not in text and ("cvt.rn.f16x2.e4m3x2" in text) == fp8
+        assert ("max.NaN.f32" in text) == fp8  # the float16 saturation keeps NaN
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

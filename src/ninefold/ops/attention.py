@@ -6,7 +6,8 @@ in groups (GQA): query head ``h`` reads KV head ``h // (Hq // Hk)``.
 
 The caches hold the model's dtype, or FP8 codes (``KV_FP8``, ``float8_e4m3fn``: vLLM's ``kv_cache_dtype="fp8"``
 without scales): writes round to the nearest code (values beyond +-448 saturate), reads widen the codes to the
-query's dtype. Half the bytes of bfloat16 per token, so twice the tokens in the same memory and half the bytes a
+query's dtype (Triton's kernels under bfloat16 queries: codes and queries both to float16, queries saturating at
++-65504, ``ops/triton/fp8_operand.py``). Half the bytes of bfloat16 per token, so twice the tokens in the same memory and half the bytes a
 decode step reads from the cache.
 """
 

@@ -7,8 +7,9 @@ A manifest (``ops.toml``) lists the operators to keep, with their dtypes and imp
     uncovered = "jit"         # or "error": a kept Triton kernel called with a specialisation the
                               # build holds no binary for (other shapes, misaligned views)
     shapes = "llama-8b"       # the shapes whose kernel specialisations are compiled ahead of time
-    kv_cache_dtypes = ["auto", "fp8"]   # the KV caches the cache operators' kernels are built for (default
-                                        # ["auto"]: the model's dtype; "fp8": an engine's kv_cache_dtype="fp8")
+    kv_cache_dtypes = ["fp8"] # the cache operators' kernels are built over the model's dtype ("auto", the
+                              # default) and, with "fp8", over FP8 codes too (an engine with kv_cache_dtype="fp8"
+                              # also runs model-dtype caches while it profiles its memory)
 
     [ops.rms_norm]
     dtypes = ["bfloat16"]
@@ -213,8 +214,9 @@ def read_manifest(path) -> dict:
         resolved[op] = {"dtypes": list(dict.fromkeys(dtypes)), "impls": list(dict.fromkeys(impls))}
     if fallback != "vendor":
         _keep_called_operators(resolved, where)
+    caches = list(dict.fromkeys("fp8" if c == "fp8_e4m3" else c for c in kv_cache_dtypes))
     return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes,
-            "kv_cache_dtypes": list(dict.fromkeys(kv_cache_dtypes)), "ops": resolved}
+            "kv_cache_dtypes": caches, "ops": resolved}
 
 
 def _keep_called_operators(ops: dict, where: str) -> None:
@@ -252,8 +254,14 @@ def _keep_called_operators(ops: dict, where: str) -> None:
 
 MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "kv_cache_dtypes", "ops")
 DTYPES = ("float16", "bfloat16", "float32")
-KV_CACHE_DTYPES = ("auto", "fp8")  # as the engine's kv_cache_dtype ("fp8": float8_e4m3fn codes)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as the engine's kv_cache_dtype (both fp8 names: float8_e4m3fn)
 _TARGET = re.compile(r"cpu|cuda:\d+|hip:gfx\w+")
+
+
+def _fp8_target(target: str) -> bool:
+    """Whether a build for ``target`` can hold FP8-cache kernels: nothing is compiled for the CPU; Triton compiles
+    FP8 (fp8e4nv) for CUDA of compute capability 8.9 or later."""
+    return target == "cpu" or (target.startswith("cuda:") and int(target[5:]) >= 89)
 
 
 def check_target(target, where: str) -> str:
@@ -300,6 +308,10 @@ def build(manifest_path, out, target: str | None = None) -> Report:
     manifest = read_manifest(manifest_path)
     target = check_target(target, "--target") if target is not None else manifest["target"]
     manifest["target"] = target
+    if "fp8" in manifest["kv_cache_dtypes"] and not _fp8_target(target):
+        raise ValueError(f"manifest {manifest_path}: kv_cache_dtypes names 'fp8', which target {target!r} cannot "
+                         f"build: Triton's FP8 cache kernels need CUDA of compute capability 8.9 or later (cuda:89, "
+                         f"cuda:90, ...); elsewhere the torch implementations read FP8 caches (drop 'fp8')")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = out / BUILD_MARKER  # written before compiling: a failed first build is recognisably ours
@@ -334,9 +346,9 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
     for op, entry in manifest["ops"].items():
         if "triton" not in entry["impls"]:
             continue
-        caches = [None]
-        if op in workloads.CACHE_OPS:  # one pass per KV cache dtype the manifest names
-            caches = [torch.float8_e4m3fn if c == "fp8" else None for c in manifest.get("kv_cache_dtypes", ["auto"])]
+        caches = [None]  # the model's dtype, always; FP8 codes as well where the manifest names them
+        if op in workloads.CACHE_OPS and "fp8" in manifest.get("kv_cache_dtypes", ["auto"]):
+            caches.append(torch.float8_e4m3fn)
         for dtype_name, cache_dtype in ((d, c) for d in entry["dtypes"] for c in caches):
             found, notes = aot.launches(op, getattr(torch, dtype_name), shapes, aot.TARGET_SMS.get(target, 132),
                                         cache_dtype)

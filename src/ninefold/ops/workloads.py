@@ -24,7 +24,8 @@ class Shapes:
     vocab: int
     tokens: tuple[int, ...]
     decode: tuple[tuple[int, int], ...]  # (batch, context)
-    prefill: tuple[tuple[int, int, int], ...]  # (sequences, new tokens each, cached prefix each)
+    prefill: tuple[tuple[int, int, int], ...]  # (sequences, new tokens each, cached prefix each): the prefill
+    # attention's tile classes (up to 64 new tokens, up to 1024 with up to 2048 keys, more) packed and over a cache
     block_size: int = 16
     softmax_width: int = 8192
 
@@ -32,9 +33,11 @@ class Shapes:
 SHAPES = {
     "llama-8b": Shapes(4096, 14336, 32, 8, 128, 128256, tokens=(1, 16, 256, 2048, 16384),
                        decode=((1, 4096), (1, 32768), (16, 4096), (64, 4096), (8, 32768)),
-                       prefill=((1, 4096, 0), (4, 1024, 0), (1, 16384, 0), (32, 512, 0), (2, 512, 3584))),
+                       prefill=((1, 4096, 0), (4, 1024, 0), (1, 16384, 0), (32, 512, 0), (2, 512, 3584),
+                                (8, 16, 1008), (16, 32, 0), (4, 256, 768))),
     "smollm2": Shapes(576, 1536, 9, 3, 64, 49152, tokens=(1, 8, 64, 512),
-                      decode=((1, 512), (8, 512), (8, 2048)), prefill=((1, 512, 0), (4, 64, 256))),
+                      decode=((1, 512), (8, 512), (8, 2048)),
+                      prefill=((1, 512, 0), (4, 64, 256), (8, 32, 0), (2, 256, 256))),
     "tiny": Shapes(64, 96, 4, 2, 16, 512, tokens=(1, 9), decode=((3, 40),), prefill=((2, 5, 7),), softmax_width=300),
 }
 
@@ -201,15 +204,16 @@ def _prefill(s, dev, dt, g, cache_dt):
         # Causal pairs per head: new queries over prefix + a triangle.
         pairs = seqs * (new * prefix + new * (new + 1) // 2)
         flops = 4 * pairs * s.heads * s.head_dim
+        lengths = dict(max_seqlen_q=new, max_seqlen_k=new + prefix)  # as the engine passes them (tile choice)
         if prefix == 0 and cache_dt == dt:
             k = _randn(g, seqs * new, s.kv_heads, s.head_dim, device=dev, dtype=dt)
             v = _randn(g, seqs * new, s.kv_heads, s.head_dim, device=dev, dtype=dt)
-            yield Case("attention_prefill", f"B={seqs} L={new}", (q, k, v, cu_q, cu_k), flops=flops)
-        elif prefix:  # (an engine with an FP8 cache reads every key from it; here: the cached-prefix calls)
+            yield Case("attention_prefill", f"B={seqs} L={new}", (q, k, v, cu_q, cu_k), lengths, flops=flops)
+        else:  # (an engine with an FP8 cache reads every key from it, a prompt's first chunk's too)
             k_cache, v_cache, tables = paged(s, [new + prefix] * seqs, dev, cache_dt, g)
             yield Case("attention_prefill", f"B={seqs} L={new} prefix={prefix}{_cache_label(dt, cache_dt)}",
-                       (q, None, None, cu_q, cu_k), dict(k_cache=k_cache, v_cache=v_cache, block_tables=tables),
-                       flops=flops)
+                       (q, None, None, cu_q, cu_k),
+                       dict(k_cache=k_cache, v_cache=v_cache, block_tables=tables, **lengths), flops=flops)
 
 
 def _argmax(s, dev, dt, g):

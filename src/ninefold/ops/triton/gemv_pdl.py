@@ -22,7 +22,8 @@ Llama-3-8B shape (``docs/perf/ops.md``, ``python -m ninefold.bench.decode_chain`
 
 FP8 weights (``SCALED``): ``w_ptr`` holds ``float8_e4m3fn`` codes, widened in registers as they are used,
 and ``s_ptr`` one float32 scale per output row, applied to each program's sums (``ops.Fp8Weight``; x and y
-keep their dtype: weight-only FP8, half the bytes streamed).
+keep their dtype: weight-only FP8, half the bytes streamed; the ``tl.dot`` loop multiplies a bfloat16 x as
+float16, saturating at +-65504, ``fp8_operand``).
 
 Split-K (``SPLIT_K > 1``): programs write float32 partials, the last to arrive at a column block
 (atomic counter) sums them, writes ``y`` and resets the counter to 0, so the call needs no separate
@@ -271,7 +272,8 @@ def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", r
     """``prologue(x) @ weight.T`` for one row ``x``; returns ``y [N]`` (``out`` when given).
 
     ``weight`` is x's dtype, or ``float8_e4m3fn`` codes with ``scales`` (float32 ``[N]``, one per row:
-    ``y = (prologue(x) @ codes.T) * scales``, the codes widened in registers; x keeps its precision).
+    ``y = (prologue(x) @ codes.T) * scales``, the codes widened in registers; x keeps its precision, but for
+    ``dot=True`` a bfloat16 x meets the codes as float16, saturating at +-65504).
 
     ``prologue="add_rms_norm"`` needs ``residual``, ``norm_weight`` and ``residual_out`` (receives
     ``x + residual``); ``"silu_and_mul"`` takes gate_up's ``[2K]`` output as ``x``. ``pdl=True``
