@@ -195,6 +195,7 @@ def test_triton_kernels_over_fp8_caches_compile_for_sm90(name):
         # multiply float16 (bfloat16 would take a second conversion per code)
         assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
         assert re.search(r"mma\S*\.f32\.f16\.f16", ptx) and not re.search(r"mma\S*\.bf16", ptx)
+        assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx  # the queries' float16 saturation keeps NaN
 
 
 # Runs with TRITON_INTERPRET=1: Triton's decode and prefill over FP8 caches, called directly with bfloat16 queries
