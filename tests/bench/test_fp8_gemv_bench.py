@@ -38,3 +38,15 @@ def test_a_short_k_drops_the_candidates_it_cannot_hold():
 def test_without_an_fp8_gpu_it_refuses(capsys):
     assert bench.main([]) == 2
     assert "needs a CUDA device of compute capability 8.9 or later" in capsys.readouterr().err
+
+
+def test_plot_from_an_earlier_run_draws_every_layer(tmp_path):
+    import json
+
+    rows = [{"layer": name, "rows": 1, "bound_us": 5.0 + i, "before_us": 10.0 + i, "best_us": 8.0 + i}
+            for i, (name, *_shape) in enumerate(bench.LAYERS)]
+    rows[0]["bf16_us"] = 12.0
+    source = tmp_path / "fp8_gemv.json"
+    source.write_text(json.dumps({"device": "a GPU", "copy_bandwidth": 3e12, "pdl": True, "results": rows}))
+    assert bench.main(["--plot-from", str(source)]) == 0
+    assert (tmp_path / "fp8_gemv.png").read_bytes()[:4] == b"\x89PNG"

@@ -14,7 +14,7 @@ with the SwiGLU gate before it; the first layer's bare q/k/v takes the one-row t
 as CUDA graphs of back-to-back calls cycling through copies of the weight so that L2 does not serve it.
 Every configuration is checked against a float32 product of the dequantized weight before it is timed.
 
-Prints a table; writes ``$OUT/fp8_gemv.json`` (every timing), ``$OUT/fp8_gemv_table.json`` (the fastest
+Prints a table; writes ``$OUT/fp8_gemv.json`` (every timing; ``--plot-from`` draws it: ``fp8_gemv.png``), ``$OUT/fp8_gemv_table.json`` (the fastest
 one-row configuration of each layer where it beat ``before``, ``NINEFOLD_GEMV_TABLE`` format with
 ``"weight": "fp8"``) and ``$OUT/fp8_gemv_rows_table.json`` (per layer and row count, the fastest configuration
 or ``[]`` where ``before`` was faster, ``NINEFOLD_GEMV_ROWS_TABLE`` format). FP8 GEMVs run only where such a
@@ -24,9 +24,12 @@ table (or ``gemv_pdl_ops.FP8_TABLE`` / ``FP8_ROWS_TABLE``) lists the call.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -116,11 +119,51 @@ def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: lis
     return row
 
 
+def plot(results: dict, path: str | Path) -> None:
+    """Per layer and row count, microseconds per call of each arm (what FP8 decode ran before, the bfloat16 GEMV,
+    the fastest FP8 GEMV configuration) beside the FP8 bound (weight codes / copy bandwidth)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    rows = results["results"]
+    arms = (("before_us", "before (norm/gate kernel + FP8 GEMV)"), ("bf16_us", "bfloat16 GEMV"),
+            ("best_us", "FP8 GEMV, fastest configuration"))
+    labels = [f"{r['layer']}\n{r['rows']} row{'s' if r['rows'] > 1 else ''}" for r in rows]
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 3.4))
+    width = 0.8 / len(arms)
+    for i, (key, label) in enumerate(arms):
+        points = [(j + (i - 1) * width, r[key]) for j, r in enumerate(rows) if isinstance(r.get(key), float)]
+        if points:
+            ax.bar(*zip(*points), width=width, label=label)
+    ax.scatter(range(len(rows)), [r["bound_us"] for r in rows], marker="_", s=600, color="black", zorder=3,
+               label="FP8 bound (codes / copy bandwidth)")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("us per call")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"FP8 decode GEMVs, Llama-3.1-8B layers, on {results['device']} "
+                 f"(copy {results['copy_bandwidth'] / 1e9:.0f} GB/s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninefold.bench.fp8_gemv", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,4,16", help="row counts to time (1: the one-row GEMV; 2..16: the "
                                                           "few-rows GEMV; default 1,4,16)")
+    parser.add_argument("--plot-from", metavar="JSON", default=None,
+                        help="draw the plot of an earlier run's fp8_gemv.json next to it; measures nothing")
     args = parser.parse_args(argv)
+    if args.plot_from:
+        source = Path(args.plot_from)
+        plot(json.loads(source.read_text()), source.with_suffix(".png"))
+        print(source.with_suffix(".png"))
+        return 0
     rows_list = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= 16 for r in rows_list):
         parser.error(f"--rows: got {args.rows!r}; expected row counts from 1 to 16")
@@ -160,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         del copies, dense
         torch.cuda.empty_cache()
-    write_json("fp8_gemv.json", {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl,
-                                 "results": results})
+    summary = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl, "results": results}
+    write_json("fp8_gemv.json", summary)
+    if os.environ.get("OUT"):
+        plot(summary, Path(os.environ["OUT"]) / "fp8_gemv.png")
     write_json("fp8_gemv_table.json", table)
     write_json("fp8_gemv_rows_table.json", rows_table)
     return 0
