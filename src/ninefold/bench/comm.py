@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from ninefold.bench.results import pyplot
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
@@ -289,12 +291,8 @@ def report(rows: list[dict], ceiling: dict, comm, dev: torch.device) -> None:
 
 def plot(result: dict, path: str) -> None:
     """Bus bandwidth against message size, one panel per op, one line per path."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     rows = result["rows"]
     ops = list(dict.fromkeys(r["op"] for r in rows))

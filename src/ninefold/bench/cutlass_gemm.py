@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ninefold.bench.decode_gemm import BATCHES, SHAPES, bound_us, ceilings, decode_cases, relative_error
+from ninefold.bench.results import pyplot
 
 
 def time_candidate(fn, x, weights, want, device) -> float | str:
@@ -72,13 +73,8 @@ def run(batches, layers) -> dict:
 
 def plot(results: dict, path: str | Path) -> None:
     """Per layer, cuBLAS and the best CUTLASS candidate as a fraction of the bound, against the row count."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     layers = list(dict.fromkeys(row["layer"] for row in results["rows"]))
     fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.2), sharey=True, squeeze=False)

@@ -35,7 +35,7 @@ import torch
 
 from ninefold.bench.decode_chain import _tuning_inputs
 from ninefold.bench.gemv_rows import graph_us, time_configs
-from ninefold.bench.results import write_json
+from ninefold.bench.results import pyplot, write_json
 
 # (name, N, K, prologue) of the Llama-3.1-8B layer matrices an FP8 model stores as FP8.
 LAYERS = (("qkv", 6144, 4096, "add_rms_norm"), ("o", 4096, 4096, "none"), ("gate_up", 28672, 4096, "add_rms_norm"),
@@ -122,13 +122,8 @@ def bench_layer(name: str, n: int, k: int, prologue: str, rows: int, copies: lis
 def plot(results: dict, path: str | Path) -> None:
     """Per layer and row count, microseconds per call of each arm (what FP8 decode ran before, the bfloat16 GEMV,
     the fastest FP8 GEMV configuration) beside the FP8 bound (weight codes / copy bandwidth)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     rows = results["results"]
     arms = (("before_us", "before (norm/gate kernel + FP8 GEMV)"), ("bf16_us", "bfloat16 GEMV"),

@@ -46,7 +46,7 @@ from tqdm import tqdm
 from ninefold import ops
 from ninefold.bench.decode_attention import paged_caches
 from ninefold.bench.decode_layer_pdl import capture, replay_ms
-from ninefold.bench.results import write_json
+from ninefold.bench.results import pyplot, write_json
 
 CASES = ((64, 1500), (128, 1200), (192, 900), (256, 700))  # (sequences, mean context): the offline run's range
 VARIANTS = ("serial", "split_one_stream", "split_two_streams", "o_split_two_streams")
@@ -191,13 +191,8 @@ def check(layers, lanes, side) -> dict:
 
 def plot(run: dict, path: str) -> None:
     """Microseconds per layer of every variant, one group of bars per (sequences, context) case."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in run["results"] if "us_per_layer" in r]
     fig, ax = plt.subplots(figsize=(7, 3.4))

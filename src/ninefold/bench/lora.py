@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ninefold.bench.cpu import best_of, check_systems
+from ninefold.bench.results import pyplot
 from ninefold.llm.lora.adapter import MODULES, part_sizes
 
 SYSTEMS = ("ninefold", "transformers", "llama.cpp")
@@ -316,13 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(result: dict, path: Path) -> None:
     """Grouped bars: decode tokens/s without an adapter, with one, and the mixed batch, per system."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     columns = (("base_tok_s", "no adapter"), ("lora_tok_s", "1 adapter"),
                ("mixed_tok_s", f"{result['adapters']} sequences, {result['adapters']} adapters"))

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,3 +22,16 @@ def write_json(name: str, results: Any, out: str | os.PathLike | None = None, *,
     if announce:
         print(f"wrote {path}")
     return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (said on stderr) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return None
+    return plt
