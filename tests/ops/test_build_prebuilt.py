@@ -432,3 +432,11 @@ def test_fp8_cache_decode_runs_from_a_build_naming_fp8_compiling_nothing_cuda(tm
     run = subprocess.run([sys.executable, "-c", PROBE_FP8_CUDA], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[-2] == "ran True 0 []"
+
+
+def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path):
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "smollm2"\n'
+                                       '[ops.rope_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    report = build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert "rope_and_cache: no representative calls in ninefold.ops.workloads" in report.summary()
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["ops"]["rope_and_cache"]["impls"] == ["triton"]

@@ -61,3 +61,27 @@ def test_a_cache_dtype_for_an_operator_without_a_cache_is_refused():
     with pytest.raises(ValueError, match="cache_dtype: rms_norm reads no KV cache; only reshape_and_cache"):
         list(workloads.cases("rms_norm", workloads.shapes("tiny"), "cpu", torch.bfloat16,
                              cache_dtype=torch.float8_e4m3fn))
+
+
+def test_prefill_workloads_cover_every_tile_class_packed_and_paged():
+    """The Llama-3-8B prefill calls reach each of the Triton prefill attention's tile configurations (up to 64 new
+    tokens per prompt, up to 1024 over at most 2048 keys, more), packed and over a paged cache (over FP8 codes: every
+    class paged), so a trimmed build holds a binary for each chunk an engine runs."""
+    pytest.importorskip("triton")
+    from ninefold.ops.triton import aot, prefill
+
+    shapes = workloads.shapes("llama-8b")
+    configs = {(c["block_m"], c["block_n"], c["num_warps"], c["num_stages"])
+               for c in (prefill.config(torch.bfloat16, 128, mean, keys) for mean, keys in ((16, 64), (512, 1024),
+                                                                                           (4096, 4096)))}
+    assert len(configs) == 3
+    for cache_dtype, modes in ((None, {0, 1}), (torch.float8_e4m3fn, {1})):
+        found, notes = aot.launches("attention_prefill", torch.bfloat16, shapes, 132, cache_dtype)
+        assert not notes
+        reached = {(spec_value(kernel, spec, "BLOCK_M"), spec_value(kernel, spec, "BLOCK_N"), warps, stages,
+                    spec_value(kernel, spec, "PAGED")) for kernel, spec, warps, stages in found}
+        assert reached == {(*c, mode) for c in configs for mode in modes}, cache_dtype
+
+
+def spec_value(kernel, spec, name):
+    return spec[kernel.arg_names.index(name)][1]

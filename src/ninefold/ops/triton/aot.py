@@ -105,6 +105,9 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
     impl = next((i for i in registry.all_implementations(op) if i.name == "triton"), None)
     if impl is None:
         return [], [f"{op}: no Triton implementation"]
+    if op not in workloads.OPS:
+        return [], [f"{op}: no representative calls in ninefold.ops.workloads, so nothing is built ahead of time for "
+                    f"it; its Triton kernels compile on first use (or are refused: uncovered = \"error\")"]
     found, notes = {}, []
     real_sms = decode._sm_count
     decode._sm_count = lambda device: sms  # the split sizing of the target, not of the meta device
