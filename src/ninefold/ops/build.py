@@ -311,7 +311,7 @@ def build(manifest_path, out, target: str | None = None) -> Report:
     if "fp8" in manifest["kv_cache_dtypes"] and not _fp8_target(target):
         raise ValueError(f"manifest {manifest_path}: kv_cache_dtypes names 'fp8', which target {target!r} cannot "
                          f"build: Triton's FP8 cache kernels need CUDA of compute capability 8.9 or later (cuda:89, "
-                         f"cuda:90, ...); elsewhere the torch implementations read FP8 caches (drop 'fp8')")
+                         f"cuda:90, ...); older CUDA GPUs read FP8 caches with the torch implementations (drop 'fp8')")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = out / BUILD_MARKER  # written before compiling: a failed first build is recognisably ours
