@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from ninefold.bench.results import write_json
+from ninefold.runtime.kv_pool import as_bytes
 
 DECODE_CASES = ((1, 256), (1, 4096), (64, 600), (256, 600), (256, 1200))
 ROPE_BATCHES = (1, 256)
@@ -412,7 +413,7 @@ def _fused(q, k, v, positions, cos_sin, k_cache, v_cache, slots):
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-equal caches (FP8 codes compared as bytes)."""
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+    return torch.equal(as_bytes(a), as_bytes(b))
 
 
 def check_rope(sh, device) -> list[dict]:
@@ -431,8 +432,8 @@ def check_rope(sh, device) -> list[dict]:
                 qo, ko = torch.empty_like(q1), torch.empty_like(k1)
                 _fused(*c)
                 torch.cuda.synchronize()
-                c[5].view(torch.uint8).zero_()
-                c[6].view(torch.uint8).zero_()
+                as_bytes(c[5]).zero_()
+                as_bytes(c[6]).zero_()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     q3, k3 = _fused(*c)

@@ -27,6 +27,7 @@ import time
 import torch
 
 from ninefold.bench.results import write_json
+from ninefold.runtime.kv_pool import KV_CACHE_DTYPES
 
 GPT_FAST_TOKS = 193.0  # DESIGN.md: gpt-fast batch-1 decode, Llama-3.1-8B bf16, same H200 (not rerun here)
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
                         help="fp8: the layer matrices in FP8 (W8A8); the bounds still use the bfloat16 matmul rate")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="fp8: the KV cache in FP8 codes (the bounds count its bytes as such)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--offline-time-limit", type=float, default=100.0,

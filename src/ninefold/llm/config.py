@@ -19,6 +19,7 @@ import torch
 from ninefold.llm.pooling import POOLING_TYPES
 from ninefold.llm.scheduler import POLICIES
 from ninefold.llm.speculative import SpeculativeConfig
+from ninefold.runtime.kv_pool import KV_CACHE_DTYPES
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -423,9 +424,6 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 QUANTIZATION_MODES = ("auto", "int4", "none", "fp8")
-
-
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from ninefold.ops.registry import Impl
+from ninefold.runtime.kv_pool import KV_CACHE_DTYPES
 
 _UNSET = object()
 _active = _UNSET
@@ -214,7 +215,7 @@ def read_manifest(path) -> dict:
         resolved[op] = {"dtypes": list(dict.fromkeys(dtypes)), "impls": list(dict.fromkeys(impls))}
     if fallback != "vendor":
         _keep_called_operators(resolved, where)
-    caches = list(dict.fromkeys("fp8" if c == "fp8_e4m3" else c for c in kv_cache_dtypes))
+    caches = list(dict.fromkeys("auto" if KV_CACHE_DTYPES[c] is None else "fp8" for c in kv_cache_dtypes))
     return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes,
             "kv_cache_dtypes": caches, "ops": resolved}
 
@@ -254,7 +255,6 @@ def _keep_called_operators(ops: dict, where: str) -> None:
 
 MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "kv_cache_dtypes", "ops")
 DTYPES = ("float16", "bfloat16", "float32")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as the engine's kv_cache_dtype (both fp8 names: float8_e4m3fn)
 _TARGET = re.compile(r"cpu|cuda:\d+|hip:gfx\w+")
 
 
@@ -347,8 +347,8 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
         if "triton" not in entry["impls"]:
             continue
         caches = [None]  # the model's dtype, always; FP8 codes as well where the manifest names them
-        if op in workloads.CACHE_OPS and "fp8" in manifest.get("kv_cache_dtypes", ["auto"]):
-            caches.append(torch.float8_e4m3fn)
+        if op in workloads.CACHE_OPS and "fp8" in manifest["kv_cache_dtypes"]:
+            caches.append(KV_CACHE_DTYPES["fp8"])
         for dtype_name, cache_dtype in ((d, c) for d in entry["dtypes"] for c in caches):
             found, notes = aot.launches(op, getattr(torch, dtype_name), shapes, aot.TARGET_SMS.get(target, 132),
                                         cache_dtype)

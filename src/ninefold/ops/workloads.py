@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ninefold.ops import spec
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -173,7 +175,7 @@ def paged(s: Shapes, lengths, dev, dt, g, extra_blocks: int = 0):
 
 
 def _cache_label(dt, cache_dt) -> str:
-    return "" if cache_dt == dt else f" {str(cache_dt).replace('torch.', '')} cache"
+    return "" if cache_dt == dt else f" {spec.dtype_name(cache_dt)} cache"
 
 
 def _reshape_and_cache(s, dev, dt, g, cache_dt):

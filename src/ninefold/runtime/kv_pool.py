@@ -30,6 +30,10 @@ POLICIES = ("preempt", "swap")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 
 
+# vLLM's kv_cache_dtype names -> what the cache holds (None: the model's dtype; both fp8 names: e4m3 codes, no scale).
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t`` to index, copy or send: FP8 codes as their bytes (indexing float8 is not implemented on every device,
     nor is float8 carried by every communication backend); other tensors as they are."""

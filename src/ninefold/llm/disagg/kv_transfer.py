@@ -103,7 +103,6 @@ def recv_prefix(comm, src: int, *, device: torch.device | str | None = None, lik
     return PrefixKV(tokens.tolist(), blocks, rope)
 
 
-
 def _check_layout(shape: tuple, dtype: torch.dtype, want: tuple, want_dtype: torch.dtype) -> None:
     names = ("num_layers", "k/v", "block_size", "num_kv_heads", "head_dim")
     if len(shape) != len(want):

@@ -126,8 +126,8 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
     finally:
         decode._sm_count = real_sms
     if notes:
-        over = "" if cache_dtype in (None, dtype) else f" ({str(cache_dtype).replace('torch.', '')} caches)"
-        notes = [f"{op} {str(dtype).replace('torch.', '')}{over}: {len(notes)} representative calls are outside the "
+        over = "" if cache_dtype in (None, dtype) else f" ({spec.dtype_name(cache_dtype)} caches)"
+        notes = [f"{op} {spec.dtype_name(dtype)}{over}: {len(notes)} representative calls are outside the "
                  f"Triton implementation (nothing built for them), e.g. {notes[0]}"]
     return list(found.values()), notes
 

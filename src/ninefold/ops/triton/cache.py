@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton.fp8_operand import saturate
 from ninefold.ops.triton.launch import call
 
 
@@ -14,8 +15,7 @@ def to_cache(x, cache_ptr):
     """``x`` in the element type of ``cache_ptr``; FP8 codes saturate at +-448 (the conversion alone gives NaN), NaN
     stays NaN (as torch's clamp keeps it)."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
-                       propagate_nan=tl.PropagateNan.ALL)
+        x = saturate(x.to(tl.float32), 448.0)
     return x.to(cache_ptr.dtype.element_ty)
 
 
