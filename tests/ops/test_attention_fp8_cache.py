@@ -165,12 +165,8 @@ def _compiled_for_sm90(name: str, cache_dtype: torch.dtype) -> str:
         "cache": lambda: cache.reshape_and_cache(k, k, kc, kc, slots),
         "rope_cache": lambda: rope_cache.rope_and_cache(q, k, k, pos, cos_sin, kc, kc, slots, True),
     }
-    real_sms, decode._sm_count = decode._sm_count, lambda device: 132
-    try:
-        with launch.recording() as recorded:
-            calls[name]()
-    finally:
-        decode._sm_count = real_sms
+    with aot.sized_as(132), launch.recording() as recorded:
+        calls[name]()
     kernel, values, warps, stages = recorded[0]
     spec = prebuilt.specialisation(kernel, values)
     return aot.compile_spec(kernel, spec, warps, stages, aot.parse_target("cuda:90")).asm["ptx"]

@@ -125,12 +125,8 @@ def test_directly_launched_kernels_are_recorded_and_served(built):
 
     lib = _library(built)
     case = next(workloads.cases("attention_decode", workloads.shapes("smollm2"), "meta", torch.bfloat16))
-    real = decode._sm_count
-    decode._sm_count = lambda device: aot.TARGET_SMS["cuda:90"]
-    try:
+    with aot.sized_as(aot.TARGET_SMS["cuda:90"]):
         calls = _launches(decode.attention_decode, *case.args, None)
-    finally:
-        decode._sm_count = real
     assert [c[0].fn.__name__ for c in calls] == ["decode_split_kernel"]
     for call in calls:
         binary, why = lib.find(*call)
@@ -142,12 +138,8 @@ def _decode_launches(cache_dtype):
 
     case = next(workloads.cases("attention_decode", workloads.shapes("smollm2"), "meta", torch.bfloat16,
                                 cache_dtype=cache_dtype))
-    real = decode._sm_count
-    decode._sm_count = lambda device: aot.TARGET_SMS["cuda:90"]
-    try:
+    with aot.sized_as(aot.TARGET_SMS["cuda:90"]):
         return _launches(decode.attention_decode, *case.args, None)
-    finally:
-        decode._sm_count = real
 
 
 def test_fp8_cache_kernels_are_built_where_the_manifest_names_them(built, tmp_path):
@@ -440,3 +432,12 @@ def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_b
     report = build.build(tmp_path / "ops.toml", tmp_path / "b")
     assert "rope_and_cache: no representative calls in ninefold.ops.workloads" in report.summary()
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["ops"]["rope_and_cache"]["impls"] == ["triton"]
+
+
+def test_launches_say_which_representative_calls_the_triton_implementation_leaves_out():
+    from ninefold.ops import workloads
+
+    found, notes = aot.launches("linear", torch.bfloat16, workloads.shapes("smollm2"))
+    assert found  # the GEMV's calls (1 and 8 rows) are recorded; the larger ones are named
+    assert notes == [notes[0]] and notes[0].startswith("linear bfloat16: 8 representative calls are outside the "
+                                                       "Triton implementation (nothing built for them), e.g. linear")

@@ -269,10 +269,8 @@ def dry_run(directory: Path, ops) -> list[dict]:
 
     active = build.Build.load(directory)
     lib = prebuilt.Library(directory, active.target, active.uncovered)
-    real_sms = aot.decode._sm_count
-    aot.decode._sm_count = lambda device: aot.TARGET_SMS.get(active.target, 132)
     rows = []
-    try:
+    with aot.sized_as(aot.TARGET_SMS.get(active.target, 132)):
         for op in ops:
             case = pick_case(op, "meta", getattr(torch, DTYPE))
             impl = next(i for i in registry.all_implementations(op) if i.name == "triton")
@@ -283,8 +281,6 @@ def dry_run(directory: Path, ops) -> list[dict]:
                 rows.append({"op": op, "case": case.label, "kernel": kernel.fn.__name__,
                              "binary": binary.meta["binary"] if binary else None,
                              "exact": binary.meta["exact"] if binary else None, "why": why})
-    finally:
-        aot.decode._sm_count = real_sms
     return rows
 
 

@@ -12,6 +12,7 @@ check that every kernel builds for the H200.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ninefold.ops.spec import dtype_name
 from ninefold.ops.triton import activation, argmax, cache, decode, gemv, norm, prefill, rope, sample, softmax
 
 _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -93,6 +95,18 @@ def compile_spec(kernel, spec, num_warps: int, num_stages: int, target: GPUTarge
 TARGET_SMS = {"cuda:90": 132, "cuda:80": 108, "cuda:89": 128, "cuda:100": 148}
 
 
+@contextlib.contextmanager
+def sized_as(sms: int):
+    """Within it, decode attention sizes its splits as on a GPU with ``sms`` SMs (the target's, not the recording
+    device's: meta tensors have none)."""
+    real = decode._sm_count
+    decode._sm_count = lambda device: sms
+    try:
+        yield
+    finally:
+        decode._sm_count = real
+
+
 def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
              cache_dtype: torch.dtype | None = None) -> tuple[list, list[str]]:
     """``(launches, notes)``: the distinct ``(kernel, spec, num_warps, num_stages)`` the Triton
@@ -109,9 +123,7 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
         return [], [f"{op}: no representative calls in ninefold.ops.workloads, so nothing is built ahead of time for "
                     f"it; its Triton kernels compile on first use (or are refused: uncovered = \"error\")"]
     found, notes = {}, []
-    real_sms = decode._sm_count
-    decode._sm_count = lambda device: sms  # the split sizing of the target, not of the meta device
-    try:
+    with sized_as(sms):
         for case in workloads.cases(op, shapes, "meta", dtype, cache_dtype=cache_dtype):
             bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
             reason = impl.reason(bound)
@@ -123,11 +135,9 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
             for kernel, values, warps, stages in calls:
                 spec = prebuilt.specialisation(kernel, values)
                 found.setdefault((prebuilt.kernel_id(kernel), spec, warps, stages), (kernel, spec, warps, stages))
-    finally:
-        decode._sm_count = real_sms
     if notes:
-        over = "" if cache_dtype in (None, dtype) else f" ({spec.dtype_name(cache_dtype)} caches)"
-        notes = [f"{op} {spec.dtype_name(dtype)}{over}: {len(notes)} representative calls are outside the "
+        over = "" if cache_dtype in (None, dtype) else f" ({dtype_name(cache_dtype)} caches)"
+        notes = [f"{op} {dtype_name(dtype)}{over}: {len(notes)} representative calls are outside the "
                  f"Triton implementation (nothing built for them), e.g. {notes[0]}"]
     return list(found.values()), notes
 
