@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -199,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         del copies, dense
         torch.cuda.empty_cache()
     summary = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "pdl": pdl, "results": results}
-    write_json("fp8_gemv.json", summary)
-    if os.environ.get("OUT"):
-        plot(summary, Path(os.environ["OUT"]) / "fp8_gemv.png")
+    written = write_json("fp8_gemv.json", summary)
+    if written is not None:
+        plot(summary, written.with_suffix(".png"))
     write_json("fp8_gemv_table.json", table)
     write_json("fp8_gemv_rows_table.json", rows_table)
     return 0
