@@ -133,11 +133,13 @@ def test_directly_launched_kernels_are_recorded_and_served(built):
         assert binary is not None and binary.meta["exact"], why
 
 
-def _decode_launches(cache_dtype):
+def _decode_launches(cache_dtype, block_size=16):
+    from dataclasses import replace
+
     from ninefold.ops import workloads
 
-    case = next(workloads.cases("attention_decode", workloads.shapes("smollm2"), "meta", torch.bfloat16,
-                                cache_dtype=cache_dtype))
+    case = next(workloads.cases("attention_decode", replace(workloads.shapes("smollm2"), block_size=block_size),
+                                "meta", torch.bfloat16, cache_dtype=cache_dtype))
     with aot.sized_as(aot.TARGET_SMS["cuda:90"]):
         return _launches(decode.attention_decode, *case.args, None)
 
@@ -185,6 +187,61 @@ def _engine_prefill_launches(cache_dtype):
             kv = torch.empty(new, 3, 64, dtype=bf16, device=meta)
             calls += _launches(prefill.attention_prefill, q, kv, kv, cu_q, cu_q, None, None, None, None, new, new)
     return calls
+
+
+def test_paged_kernels_are_built_for_each_block_size_the_manifest_names(built, tmp_path):
+    """``block_sizes = [16, 32]``: an engine with ``--block-size 32`` finds exact binaries for its paged decode
+    attention and cache writes; the default build (16 only) serves them with none and says the block size differs."""
+    (tmp_path / "ops.toml").write_text('block_sizes = [32, 16]\n' + MANIFEST.format(uncovered="jit")
+                                       + '[ops.reshape_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["block_sizes"] == [16, 32]
+    both, default = _library(tmp_path / "b"), _library(built)
+    for block_size in (16, 32):
+        for call in _decode_launches(torch.bfloat16, block_size):
+            binary, why = both.find(*call)
+            assert binary is not None and binary.meta["exact"], why
+    (call,) = _decode_launches(torch.bfloat16, 32)
+    binary, why = default.find(*call)
+    assert binary is None and "32" in why and "16" in why, why
+    loaded = build.Build.load(tmp_path / "b")
+    assert loaded.block_sizes == (16, 32) and loaded.engine_gap(32, "auto") is None
+    assert loaded.engine_gap(8, "auto") == "block_size 8 (the build's paged kernels are for block_sizes [16, 32])"
+    assert "kv_cache_dtype 'fp8'" in loaded.engine_gap(16, "fp8")
+    assert build.Build.load(built).engine_gap(32, "auto").startswith("block_size 32")
+
+
+@pytest.mark.parametrize("value", ["16", "[]", "[0]", '["16"]', "[true]", "[16.0]"])
+def test_manifest_block_sizes_must_be_positive_integers(tmp_path, value):
+    (tmp_path / "ops.toml").write_text(f"block_sizes = {value}\n[ops.rms_norm]\n")
+    with pytest.raises(ValueError, match=r"block_sizes must be a non-empty list of positive integers .*got"):
+        build.read_manifest(tmp_path / "ops.toml")
+
+
+@pytest.mark.parametrize("uncovered", ["jit", "error"])
+def test_an_engine_whose_block_size_the_build_lacks_is_told_before_loading(built, tmp_path, uncovered):
+    """Under ``NINEFOLD_OPS_BUILD`` a CUDA engine with a block size the build compiled no paged kernels for fails
+    at once (``uncovered = "error"``: every paged call would) or warns that they compile on first use."""
+    from ninefold.llm import engine
+    from ninefold.llm.config import EngineConfig
+
+    directory = tmp_path / "b"
+    shutil.copytree(built, directory)
+    data = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps({**data, "uncovered": uncovered}))
+    build.activate(directory)
+    try:
+        engine._check_ops_build(EngineConfig(block_size=16), torch.device("cuda"))  # covered: silent
+        engine._check_ops_build(EngineConfig(block_size=32), torch.device("cpu"))  # nothing compiled runs on a CPU
+        message = r"holds no paged attention or cache kernels for this engine's block_size 32 .*block_sizes \[16\]"
+        if uncovered == "error":
+            with pytest.raises(ValueError, match=message):
+                engine._check_ops_build(EngineConfig(block_size=32), torch.device("cuda"))
+        else:
+            with pytest.warns(UserWarning, match=message):
+                engine._check_ops_build(EngineConfig(block_size=32), torch.device("cuda"))
+    finally:
+        build.activate(None)
 
 
 def test_fp8_caches_in_a_build_for_a_gpu_without_fp8_are_refused(tmp_path):

@@ -45,7 +45,8 @@ def _list(args: argparse.Namespace) -> int:
 
     active = build.active()
     if active is not None:
-        print(f"trimmed build: {active.path}")
+        print(f"trimmed build: {active.path} (target {active.target}; paged kernels for KV caches "
+              f"{', '.join(active.kv_cache_dtypes)}, block sizes {', '.join(map(str, active.block_sizes))})")
     for op in registry.operators():
         impls = registry.implementations(op)
         if impls:

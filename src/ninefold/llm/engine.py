@@ -45,12 +45,34 @@ from ninefold.runtime.kv_pool import bytes_per_block
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPUs, where "free memory" is shared with everything
 
 
+def _check_ops_build(cfg, device: torch.device) -> None:
+    """Say before loading anything when the trimmed build in ``NINEFOLD_OPS_BUILD`` holds no paged kernels for this
+    engine's block size or KV cache dtype: an error where the build says ``uncovered = "error"`` (every such call
+    would fail), else a warning (they compile on first use)."""
+    from ninefold.ops import build
+
+    active = build.active()
+    if active is None or device.type != "cuda":
+        return
+    gap = active.engine_gap(cfg.block_size, cfg.kv_cache_dtype)
+    if gap is None:
+        return
+    message = (f"NINEFOLD_OPS_BUILD={active.path} holds no paged attention or cache kernels for this engine's {gap}; "
+               f"add it to the manifest's block_sizes / kv_cache_dtypes and rebuild with `ninefold ops build`")
+    if active.uncovered == "error":
+        raise ValueError(message + ", or start the engine with what the build holds")
+    warnings.warn(message + "; until then they compile on first use", stacklevel=3)
+
+
 class LLMEngine:
     """The serving engine for one model on one device. Keyword arguments: ``EngineConfig`` fields."""
 
     def __init__(self, model=None, **engine_args):
         self.config = cfg = split_engine_args(engine_args)
         self.model_name = str(model) if model is not None and not isinstance(model, dict) else "default"
+        self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        _check_ops_build(cfg, self.device)
         # tensor parallelism: rank 0 reads only its slices (a model that cannot be split is refused here)
         ckpt = load_checkpoint(model, cfg.load_format, quantization=cfg.quantization,
                                tensor_parallel=(0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None,
@@ -58,8 +80,6 @@ class LLMEngine:
         if cfg.tokenizer is not None:  # vLLM's --tokenizer: the text side from elsewhere, the weights from the model
             ckpt.tokenizer, ckpt.tokenizer_config = read_tokenizer_dir(cfg.tokenizer)
         self.model_config = mc = ModelConfig.from_dict(ckpt.config)
-        self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(cfg.dtype, default=_default_dtype(ckpt.config, self.device))
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or self.dtype  # what the KV cache holds
         self.tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config) if ckpt.tokenizer is not None else None

@@ -10,6 +10,8 @@ A manifest (``ops.toml``) lists the operators to keep, with their dtypes and imp
     kv_cache_dtypes = ["fp8"] # the cache operators' kernels are built over the model's dtype ("auto", the
                               # default) and, with "fp8", over FP8 codes too (an engine with kv_cache_dtype="fp8"
                               # also runs model-dtype caches while it profiles its memory)
+    block_sizes = [16, 32]    # the KV cache block sizes the paged kernels are built for (default [16], the
+                              # engine's default --block-size)
 
     [ops.rms_norm]
     dtypes = ["bfloat16"]
@@ -62,6 +64,22 @@ class Build:
     fallback: str = "error"
     target: str = "cpu"
     uncovered: str = "jit"
+    kv_cache_dtypes: tuple = ("auto",)
+    block_sizes: tuple = (16,)
+
+    def engine_gap(self, block_size: int, kv_cache_dtype: str) -> str | None:
+        """What an engine with ``block_size`` and ``kv_cache_dtype`` runs that this build compiled no paged kernels
+        for (``None``: nothing); such calls go to the JIT, or fail with ``uncovered = "error"``."""
+        from ninefold.ops.workloads import CACHE_OPS  # (the paged kernels, specialised on the block size)
+
+        if not any(op in self.ops and "triton" in self.ops[op]["impls"] for op in CACHE_OPS):
+            return None
+        if block_size not in self.block_sizes:
+            return (f"block_size {block_size} (the build's paged kernels are for block_sizes "
+                    f"{list(self.block_sizes)})")
+        if KV_CACHE_DTYPES.get(kv_cache_dtype) is not None and "fp8" not in self.kv_cache_dtypes:
+            return f"kv_cache_dtype {kv_cache_dtype!r} (the build's cache kernels are for {list(self.kv_cache_dtypes)})"
+        return None
 
     def restrict(self, impl: Impl) -> Impl | None:
         """``impl`` limited to the build's dtypes, or ``None`` when the build leaves it out."""
@@ -89,7 +107,8 @@ class Build:
             raise ValueError(f"NINEFOLD_OPS_BUILD: {manifest} is not a build manifest: {problem}; "
                              f"rebuild with `ninefold ops build`")
         return cls(path, data["ops"], data.get("fallback", "error"), data.get("target", "cpu"),
-                   data.get("uncovered", "jit"))
+                   data.get("uncovered", "jit"), tuple(data.get("kv_cache_dtypes", ["auto"])),
+                   tuple(data.get("block_sizes", [16])))
 
 
 def _manifest_problem(data) -> str | None:
@@ -114,6 +133,9 @@ def _manifest_problem(data) -> str | None:
     caches = data.get("kv_cache_dtypes", ["auto"])
     if not isinstance(caches, list) or any(c not in KV_CACHE_DTYPES for c in caches):
         return f"kv_cache_dtypes must be a list of {', '.join(KV_CACHE_DTYPES)}, got {caches!r}"
+    sizes = data.get("block_sizes", [16])
+    if not isinstance(sizes, list) or not all(_positive_int(b) for b in sizes):
+        return f"block_sizes must be a list of positive integers, got {sizes!r}"
     if not isinstance(data.get("target", "cpu"), str) or not _TARGET.fullmatch(data.get("target", "cpu")):
         return f"target {data.get('target')!r} is not 'cpu' or a GPU like 'cuda:90'"
     return None
@@ -189,6 +211,10 @@ def read_manifest(path) -> dict:
     bad = [d for d in kv_cache_dtypes if d not in KV_CACHE_DTYPES]
     if bad:
         raise ValueError(f"{where}: kv_cache_dtypes lists {bad[0]!r}; accepted: {', '.join(KV_CACHE_DTYPES)}")
+    block_sizes = data.get("block_sizes", [16])
+    if not isinstance(block_sizes, list) or not block_sizes or not all(_positive_int(b) for b in block_sizes):
+        raise ValueError(f"{where}: block_sizes must be a non-empty list of positive integers (KV cache block sizes "
+                         f"like [16, 32]), got {block_sizes!r}")
     ops = data.get("ops")
     if not isinstance(ops, dict) or not ops:
         raise ValueError(f"{where}: needs at least one [ops.<name>] table")
@@ -217,7 +243,7 @@ def read_manifest(path) -> dict:
         _keep_called_operators(resolved, where)
     caches = list(dict.fromkeys("auto" if KV_CACHE_DTYPES[c] is None else "fp8" for c in kv_cache_dtypes))
     return {"target": target, "fallback": fallback, "uncovered": uncovered, "shapes": shapes,
-            "kv_cache_dtypes": caches, "ops": resolved}
+            "kv_cache_dtypes": caches, "block_sizes": sorted(set(block_sizes)), "ops": resolved}
 
 
 def _keep_called_operators(ops: dict, where: str) -> None:
@@ -253,7 +279,7 @@ def _keep_called_operators(ops: dict, where: str) -> None:
                     todo.append(called)
 
 
-MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "kv_cache_dtypes", "ops")
+MANIFEST_KEYS = ("target", "fallback", "uncovered", "shapes", "kv_cache_dtypes", "block_sizes", "ops")
 DTYPES = ("float16", "bfloat16", "float32")
 _TARGET = re.compile(r"cpu|cuda:\d+|hip:gfx\w+")
 
@@ -262,6 +288,10 @@ def _fp8_target(target: str) -> bool:
     """Whether a build for ``target`` can hold FP8-cache kernels: nothing is compiled for the CPU; Triton compiles
     FP8 (fp8e4nv) for CUDA of compute capability 8.9 or later."""
     return target == "cpu" or (target.startswith("cuda:") and int(target[5:]) >= 89)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def check_target(target, where: str) -> str:
@@ -349,8 +379,9 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
         caches = [None]  # the model's dtype, always; FP8 codes as well where the manifest names them
         if op in workloads.CACHE_OPS and "fp8" in manifest["kv_cache_dtypes"]:
             caches.append(KV_CACHE_DTYPES["fp8"])
-        for dtype_name, cache_dtype in ((d, c) for d in entry["dtypes"] for c in caches):
-            found, notes = aot.launches(op, getattr(torch, dtype_name), shapes, aot.TARGET_SMS.get(target, 132),
+        paged_shapes = [replace(shapes, block_size=b) for b in manifest["block_sizes"]] if op in workloads.CACHE_OPS else [shapes]
+        for dtype_name, cache_dtype, at in ((d, c, a) for d in entry["dtypes"] for c in caches for a in paged_shapes):
+            found, notes = aot.launches(op, getattr(torch, dtype_name), at, aot.TARGET_SMS.get(target, 132),
                                         cache_dtype)
             report.notes += notes
             # Per kernel, constexprs, dtypes and launch options: the JIT's exact specialisations, one
