@@ -208,6 +208,9 @@ def test_paged_kernels_are_built_for_each_block_size_the_manifest_names(built, t
     assert loaded.block_sizes == (16, 32) and loaded.engine_gap(32, "auto") is None
     assert loaded.engine_gap(8, "auto") == "block_size 8 (the build's paged kernels are for block_sizes [16, 32])"
     assert "kv_cache_dtype 'fp8'" in loaded.engine_gap(16, "fp8")
+    from dataclasses import replace
+
+    assert replace(loaded, target="cuda:80").engine_gap(16, "fp8") is None  # no Triton FP8 caches there to build
     assert build.Build.load(built).engine_gap(32, "auto").startswith("block_size 32")
 
 

@@ -77,7 +77,8 @@ class Build:
         if block_size not in self.block_sizes:
             return (f"block_size {block_size} (the build's paged kernels are for block_sizes "
                     f"{list(self.block_sizes)})")
-        if KV_CACHE_DTYPES.get(kv_cache_dtype) is not None and "fp8" not in self.kv_cache_dtypes:
+        fp8 = KV_CACHE_DTYPES.get(kv_cache_dtype) is not None
+        if fp8 and "fp8" not in self.kv_cache_dtypes and _fp8_target(self.target):  # (before sm_89: torch reads them)
             return f"kv_cache_dtype {kv_cache_dtype!r} (the build's cache kernels are for {list(self.kv_cache_dtypes)})"
         return None
 
