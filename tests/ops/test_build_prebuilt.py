@@ -486,12 +486,53 @@ def test_fp8_cache_decode_runs_from_a_build_naming_fp8_compiling_nothing_cuda(tm
     assert run.stdout.split("\n")[-2] == "ran True 0 []"
 
 
-def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path):
+def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path, monkeypatch):
+    from ninefold.ops import workloads
+
+    monkeypatch.setattr(workloads, "OPS", tuple(op for op in workloads.OPS if op != "rope_and_cache"))
     (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "smollm2"\n'
                                        '[ops.rope_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
     report = build.build(tmp_path / "ops.toml", tmp_path / "b")
     assert "rope_and_cache: no representative calls in ninefold.ops.workloads" in report.summary()
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["ops"]["rope_and_cache"]["impls"] == ["triton"]
+
+
+def _engine_rope_launches(op, cache_dtype, batch=5, context=300):
+    """The launches of ``op``'s Triton implementation for a CUDA engine's decode step (SmolLM2 heads, the engine's
+    argument dtypes, a batch and context no workload has)."""
+    from ninefold.ops import dispatch, registry
+
+    meta, bf16, bs = "meta", torch.bfloat16, 16
+    q = torch.empty(batch, 9, 64, dtype=bf16, device=meta)
+    k, v = (torch.empty(batch, 3, 64, dtype=bf16, device=meta) for _ in range(2))
+    positions, slots = (torch.empty(batch, dtype=torch.int64, device=meta) for _ in range(2))
+    cos_sin = torch.empty(8192, 64, dtype=torch.float32, device=meta)
+    caches = torch.empty(400, bs, 3, 64, dtype=cache_dtype, device=meta)
+    args = (q, k, v, positions, cos_sin, caches, caches, slots)
+    if op == "rope_cache_attention_decode":
+        args += (torch.empty(batch, -(-context // bs), dtype=torch.int32, device=meta),
+                 torch.empty(batch, dtype=torch.int32, device=meta))
+    impl = next(i for i in registry.all_implementations(op) if i.name == "triton")
+    with aot.sized_as(aot.TARGET_SMS["cuda:90"]):
+        return _launches(impl.fn, *dispatch.operator(op).bind(*args))
+
+
+def test_rope_cache_operators_are_built_for_the_engines_decode_steps(built, tmp_path):
+    """``rope_and_cache`` and ``rope_cache_attention_decode`` (what a CUDA engine's decode steps call) have
+    workloads: a build keeping them holds binaries for an engine's calls over its caches, FP8 ones too."""
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\nshapes = "smollm2"\nkv_cache_dtypes = ["fp8"]\n'
+                                       '[ops.rope_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n'
+                                       '[ops.rope_cache_attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    report = build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert "no representative calls" not in report.summary()
+    library = _library(tmp_path / "b")
+    for op in ("rope_and_cache", "rope_cache_attention_decode"):
+        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            calls = _engine_rope_launches(op, cache_dtype)
+            assert calls
+            for call in calls:
+                binary, why = library.find(*call)
+                assert binary is not None, (op, cache_dtype, why)
 
 
 def test_launches_say_which_representative_calls_the_triton_implementation_leaves_out():

@@ -320,12 +320,14 @@ class Report:
     notes: list = field(default_factory=list)
 
     def summary(self) -> str:
-        lines = [f"ninefold ops build -> {self.out} (target {self.target})", f"{'operator':20s} {'files':>5s} {'bytes':>10s}"]
+        width = max([20, *map(len, self.sizes)])
+        lines = [f"ninefold ops build -> {self.out} (target {self.target})",
+                 f"{'operator':{width}s} {'files':>5s} {'bytes':>10s}"]
         for op, (files, size) in sorted(self.sizes.items()):
-            lines.append(f"{op:20s} {files:5d} {size:10d}")
+            lines.append(f"{op:{width}s} {files:5d} {size:10d}")
         total_files = sum(f for f, _ in self.sizes.values())
         total = sum(s for _, s in self.sizes.values())
-        lines.append(f"{'total':20s} {total_files:5d} {total:10d}")
+        lines.append(f"{'total':{width}s} {total_files:5d} {total:10d}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 

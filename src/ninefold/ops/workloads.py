@@ -218,6 +218,38 @@ def _prefill(s, dev, dt, g, cache_dt):
                        dict(k_cache=k_cache, v_cache=v_cache, block_tables=tables, **lengths), flops=flops)
 
 
+def _rope_and_cache(s, dev, dt, g, cache_dt):
+    cache = cos_sin_cache(8192, s.head_dim, device=dev)
+    for t in s.tokens:
+        k_cache, v_cache, _ = paged(s, [t], dev, cache_dt, g)
+        slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=g)[:t].to(dev)
+        q = _randn(g, t, s.heads, s.head_dim, device=dev, dtype=dt)
+        k = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        v = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        positions = torch.randint(0, 8192, (t,), generator=g).to(dev)
+        rotated = 2 * t * (s.heads + s.kv_heads) * s.head_dim * dt.itemsize + t * s.head_dim * 4
+        cached = t * s.kv_heads * s.head_dim * (dt.itemsize + 2 * cache_dt.itemsize)  # (v read; k and v written)
+        yield Case("rope_and_cache", f"T={t} H={s.heads}/{s.kv_heads}{_cache_label(dt, cache_dt)}",
+                   (q, k, v, positions, cache, k_cache, v_cache, slots), bytes=rotated + cached)
+
+
+def _rope_cache_attention_decode(s, dev, dt, g, cache_dt):
+    cache = cos_sin_cache(8192, s.head_dim, device=dev)
+    for batch, context in s.decode:
+        k_cache, v_cache, tables = paged(s, [context] * batch, dev, cache_dt, g)
+        last = context - 1  # each row's new token: the last position of its table
+        slots = tables[:, last // s.block_size].long() * s.block_size + last % s.block_size
+        q = _randn(g, batch, s.heads, s.head_dim, device=dev, dtype=dt)
+        k = _randn(g, batch, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        v = _randn(g, batch, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        positions = torch.full((batch,), last, dtype=torch.int64, device=dev)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * cache_dt.itemsize
+        yield Case("rope_cache_attention_decode", f"B={batch} ctx={context}{_cache_label(dt, cache_dt)}",
+                   (q, k, v, positions, cache, k_cache, v_cache, slots, tables, lens), bytes=kv_bytes,
+                   flops=4 * batch * s.heads * context * s.head_dim)
+
+
 def _argmax(s, dev, dt, g):
     for t in (t for t in s.tokens if t <= 256):
         x = _randn(g, t, s.vocab, device=dev, dtype=dt)
@@ -241,7 +273,9 @@ _BUILDERS = {
     "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "silu_and_mul": _gated("silu_and_mul"),
     "gelu_and_mul": _gated("gelu_and_mul"), "softmax": _softmax, "rope": _rope,
     "reshape_and_cache": _reshape_and_cache, "attention_decode": _decode, "attention_prefill": _prefill,
+    "rope_and_cache": _rope_and_cache, "rope_cache_attention_decode": _rope_cache_attention_decode,
     "argmax": _argmax, "sample": _sample,
 }
 OPS = tuple(_BUILDERS)
-CACHE_OPS = ("reshape_and_cache", "attention_decode", "attention_prefill")  # builders taking the cache's dtype
+CACHE_OPS = ("reshape_and_cache", "attention_decode", "attention_prefill", "rope_and_cache",
+             "rope_cache_attention_decode")  # builders taking the cache's dtype (the paged kernels)
