@@ -486,6 +486,43 @@ def test_fp8_cache_decode_runs_from_a_build_naming_fp8_compiling_nothing_cuda(tm
     assert run.stdout.split("\n")[-2] == "ran True 0 []"
 
 
+PROBE_ROPE_CUDA = """
+import torch, ninefold.ops as ops
+from ninefold.ops import references, workloads
+from ninefold.ops.triton import prebuilt
+errors = []
+def error(got, want):  # relative to |want| + 1, as bench.ops checks
+    return ((got.double().cpu() - want).abs() / (want.abs() + 1)).max().item()
+for case in workloads.cases("rope_cache_attention_decode", workloads.shapes("smollm2"), "cuda", torch.bfloat16):
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, lens = case.args
+    before = k_cache.clone(), v_cache.clone()
+    out = ops.rope_cache_attention_decode(*case.args)
+    rq, rk = references.rope(q, k, positions, cos_sin)
+    kc, vc = references.reshape_and_cache(rk, v, *before, slots)
+    errors.append(error(out, references.attention_decode(rq, kc, vc, tables, lens)))
+for case in list(workloads.cases("rope_and_cache", workloads.shapes("smollm2"), "cuda", torch.bfloat16))[:3]:
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots = case.args
+    rotated_q, rotated_k = ops.rope_and_cache(*case.args)
+    rq, rk = references.rope(q, k, positions, cos_sin)
+    cached = k_cache.view(-1, *k_cache.shape[2:])[slots]
+    errors += [error(rotated_q, rq), error(cached, rk)]
+print("ran", max(errors) < 1e-2, prebuilt.STATS["prebuilt"] >= 2, prebuilt.STATS["jit"], prebuilt.MISSES[:1])
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_cache_operators_run_from_a_build_compiling_nothing_cuda(tmp_path):
+    major, minor = torch.cuda.get_device_capability()
+    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "smollm2"\nuncovered = "error"\n'
+                                       '[ops.rope_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n'
+                                       '[ops.rope_cache_attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", PROBE_ROPE_CUDA], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "ran True True 0 []"
+
+
 def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path, monkeypatch):
     from ninefold.ops import workloads
 
