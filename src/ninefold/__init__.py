@@ -5,7 +5,13 @@ Layers (imports point down only): ``ninefold.llm`` -> ``ninefold.ops`` / ``ninef
 lazily here so that ``import ninefold.dsl`` stays light.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# Every ninefold kernel was tuned and checked with Triton fusing multiplies and adds (FMA), its default through
+# 3.9; 3.10 turns that default off (3.9 warns about it). Unless the process chose, it stays on.
+_os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 _LAZY = {
     "LLM": "ninefold.llm.api",

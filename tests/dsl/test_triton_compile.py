@@ -56,3 +56,40 @@ def test_cache_hints_reach_the_ptx_and_bad_hints_are_refused():
     kernel.cache_hints = {"store": ".bogus"}
     with pytest.raises(ValueError, match="cache_hints 'store'"):
         compile_for_target(kernel, (x, x), {}, target="cuda:90")
+
+
+FUSION_PROBE = """
+import warnings
+warnings.simplefilter("error")  # Triton 3.9 warns when its FP-fusion default is left to change in 3.10
+import ninefold  # noqa: F401
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def axpy(x_ptr, y_ptr, a):
+    i = tl.arange(0, 128)
+    tl.store(y_ptr + i, tl.load(x_ptr + i) * a + tl.load(y_ptr + i))
+
+source = ASTSource(axpy, {"x_ptr": "*fp32", "y_ptr": "*fp32", "a": "fp32"}, {}, {})
+print("fma.rn.f32" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("setting, fused", [(None, "True"), ("0", "False")])
+def test_importing_ninefold_keeps_fma_fusion_on_unless_the_process_chose(tmp_path, setting, fused):
+    """Kernels were tuned with multiply-adds fused (Triton's default through 3.9, off by default from 3.10):
+    ``import ninefold`` keeps it on without Triton's warning, and a process's own TRITON_DEFAULT_FP_FUSION wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    if setting is not None:
+        env["TRITON_DEFAULT_FP_FUSION"] = setting
+    (tmp_path / "probe.py").write_text(FUSION_PROBE)  # (Triton reads a kernel's source from its file)
+    run = subprocess.run([sys.executable, str(tmp_path / "probe.py")], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [fused]
