@@ -523,6 +523,95 @@ def test_rope_cache_operators_run_from_a_build_compiling_nothing_cuda(tmp_path):
     assert run.stdout.split("\n")[-2] == "ran True True 0 []"
 
 
+GEMV_MANIFEST = """
+target = "cuda:90"
+shapes = "llama-8b"
+uncovered = "error"
+[ops.linear]
+dtypes = ["bfloat16"]
+impls = ["triton_row", "vendor"]
+[ops.add_rms_norm_linear]
+dtypes = ["bfloat16"]
+impls = ["triton", "vendor"]
+[ops.silu_and_mul_linear]
+dtypes = ["bfloat16"]
+impls = ["triton", "vendor"]
+"""
+
+
+def _engine_gemv_launches():
+    """The one-row GEMV launches of a Llama-3-8B decode step at batch 1 (the fused q/k/v and gate_up with the norm,
+    down with the gate, o and lm_head plain), on meta tensors."""
+    from ninefold.ops import registry
+
+    meta, bf16 = "meta", torch.bfloat16
+    row = torch.empty(1, 4096, dtype=bf16, device=meta)
+    norm_weight = torch.empty(4096, dtype=bf16, device=meta)
+    impl = {op: next(i for i in registry.all_implementations(op) if i.name == name).fn
+            for op, name in (("linear", "triton_row"), ("add_rms_norm_linear", "triton"),
+                             ("silu_and_mul_linear", "triton"))}
+    weights = {(n, k): torch.empty(n, k, dtype=bf16, device=meta) for n, k in ((6144, 4096), (28672, 4096), (4096, 14336),
+                                                                            (4096, 4096), (128256, 4096))}
+    return (_launches(impl["add_rms_norm_linear"], row, row, norm_weight, weights[6144, 4096], 1e-5, None)
+            + _launches(impl["add_rms_norm_linear"], row, row, norm_weight, weights[28672, 4096], 1e-5, None)
+            + _launches(impl["silu_and_mul_linear"], torch.empty(1, 28672, dtype=bf16, device=meta),
+                        weights[4096, 14336], None)
+            + _launches(impl["linear"], row, weights[4096, 4096], None)
+            + _launches(impl["linear"], row, weights[128256, 4096], None))
+
+
+def test_the_decode_gemvs_are_built_on_a_machine_without_a_gpu(tmp_path):
+    """linear's one-row GEMV (triton_row) and the fused add_rms_norm_linear / silu_and_mul_linear register wherever
+    Triton is, so a build made without a GPU holds their kernels: exact binaries for every GEMV of a batch-1 decode
+    step, launched without PDL (under a build every kernel is a plain launch)."""
+    (tmp_path / "ops.toml").write_text(GEMV_MANIFEST)
+    report = build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert {"linear", "add_rms_norm_linear", "silu_and_mul_linear"} <= set(report.sizes)
+    library = _library(tmp_path / "b")
+    calls = _engine_gemv_launches()
+    assert len(calls) == 5 and {c[0].fn.__name__ for c in calls} == {"gemv_pdl_kernel"}
+    for kernel, values, warps, stages in calls:
+        assert values[kernel.arg_names.index("USE_GDC")] is False
+        binary, why = library.find(kernel, values, warps, stages)
+        assert binary is not None and binary.meta["exact"], why
+
+
+PROBE_GEMV_CUDA = """
+import torch, ninefold.ops as ops
+from ninefold.ops import references
+from ninefold.ops.triton import prebuilt
+torch.manual_seed(0)
+x, residual = (torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+errors = []
+def error(got, want):  # relative to |want| + 1
+    return ((got.double().cpu() - want).abs() / (want.abs() + 1)).max().item()
+for n, k in ((4096, 4096), (128256, 4096)):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    assert ops.choose("linear", x, w) == "triton_row"
+    errors.append(error(ops.linear(x, w), references.linear(x, w)))
+w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 4096 ** -0.5
+y, total = ops.add_rms_norm_linear(x, residual, norm, w, 1e-5)
+normed, want_total = references.add_rms_norm(x, residual, norm, 1e-5)
+errors += [error(y, references.linear(normed, w)), error(total, want_total)]
+gate = torch.randn(1, 28672, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) * 14336 ** -0.5
+errors.append(error(ops.silu_and_mul_linear(gate, w), references.linear(references.silu_and_mul(gate), w)))
+print("ran", max(errors) < 2e-2, prebuilt.STATS["prebuilt"] >= 4, prebuilt.STATS["jit"], prebuilt.MISSES[:1])
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_gemvs_run_from_a_build_compiling_nothing_cuda(tmp_path):
+    major, minor = torch.cuda.get_device_capability()
+    (tmp_path / "ops.toml").write_text(GEMV_MANIFEST.replace('"cuda:90"', f'"cuda:{major}{minor}"'))
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", PROBE_GEMV_CUDA], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "ran True True 0 []"
+
+
 def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path, monkeypatch):
     from ninefold.ops import workloads
 
@@ -577,5 +666,10 @@ def test_launches_say_which_representative_calls_the_triton_implementation_leave
 
     found, notes = aot.launches("linear", torch.bfloat16, workloads.shapes("smollm2"))
     assert found  # the GEMV's calls (1 and 8 rows) are recorded; the larger ones are named
-    assert notes == [notes[0]] and notes[0].startswith("linear bfloat16: 8 representative calls are outside the "
-                                                       "Triton implementation (nothing built for them), e.g. linear")
+    assert notes == [notes[0]] and notes[0].startswith("linear bfloat16: 9 representative calls are outside its "
+                                                       "'triton' implementation (nothing built for them), e.g. linear")
+    found, notes = aot.launches("linear", torch.bfloat16, workloads.shapes("llama-8b"), impl_name="triton_gemm")
+    assert not found and "its 'triton_gemm' implementation launched no kernel for 5 representative calls away " \
+                         "from a GPU (e.g. qkv T=256 N=6144 K=4096): it chooses its kernels on the device" in notes[1]
+    found, notes = aot.launches("linear", torch.bfloat16, workloads.shapes("smollm2"), impl_name="cublaslt")
+    assert not found and notes == ["linear: no 'cublaslt' implementation registered here"]

@@ -29,7 +29,7 @@ from ninefold.ops.spec import dtype_name
 
 ORDER = ["attention_decode", "attention_prefill", "rms_norm", "add_rms_norm", "softmax", "silu_and_mul", "rope",
          "reshape_and_cache", "rope_and_cache", "rope_cache_attention_decode", "add", "mul", "gelu_and_mul", "embedding",
-         "argmax", "sample", "linear"]
+         "argmax", "sample", "linear", "add_rms_norm_linear", "silu_and_mul_linear"]
 COMPUTE_BOUND = {"linear", "attention_prefill"}
 
 

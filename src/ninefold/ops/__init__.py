@@ -39,7 +39,6 @@ def _load_triton() -> None:
 
 
 _load_triton()
-fused_linear.register_triton()  # the one-row GEMV behind linear and the *_linear fused operators
 from ninefold.ops.cublaslt import register_cuda as _register_cublaslt  # noqa: E402
 
 _register_cublaslt()  # linear with a measured cuBLASLt algorithm per decode shape

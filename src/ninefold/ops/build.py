@@ -377,22 +377,22 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
     shapes = workloads.shapes(manifest["shapes"])
     jobs = []
     for op, entry in manifest["ops"].items():
-        if "triton" not in entry["impls"]:
-            continue
         caches = [None]  # the model's dtype, always; FP8 codes as well where the manifest names them
         if op in workloads.CACHE_OPS and "fp8" in manifest["kv_cache_dtypes"]:
             caches.append(KV_CACHE_DTYPES["fp8"])
-        paged_shapes = [replace(shapes, block_size=b) for b in manifest["block_sizes"]] if op in workloads.CACHE_OPS else [shapes]
-        for dtype_name, cache_dtype, at in ((d, c, a) for d in entry["dtypes"] for c in caches for a in paged_shapes):
+        paged = op in workloads.CACHE_OPS
+        sized = [replace(shapes, block_size=b) for b in manifest["block_sizes"]] if paged else [shapes]
+        seen = set()
+        for impl, dtype_name, cache_dtype, at in ((i, d, c, a) for i in entry["impls"] if i in aot.TRITON_IMPLS
+                                                  for d in entry["dtypes"] for c in caches for a in sized):
             found, notes = aot.launches(op, getattr(torch, dtype_name), at, aot.TARGET_SMS.get(target, 132),
-                                        cache_dtype)
+                                        cache_dtype, impl)
             report.notes += notes
             # Per kernel, constexprs, dtypes and launch options: the JIT's exact specialisations, one
             # merged over them (other shapes of the same kind), one relaxed (any integers).
             groups: dict = {}
             for kernel, spec, warps, stages in found:
                 groups.setdefault((kernel, prebuilt.family(spec, kernel.params), warps, stages), []).append(spec)
-            seen = set()
             for (kernel, _, warps, stages), specs in groups.items():
                 candidates = [(True, s) for s in specs] + [(False, prebuilt.merged(specs, kernel.params))]
                 candidates.append((False, prebuilt.relaxed(candidates[-1][1], kernel.params)))

@@ -105,15 +105,3 @@ def _add_rms_norm_linear_unfused(x, residual, norm_weight, weight, eps, bias):
 @register("silu_and_mul_linear", "vendor", calls=("silu_and_mul", "linear", "linear_fp8"))
 def _silu_and_mul_linear_unfused(x, weight, bias):
     return _linear_any(silu_and_mul(x), weight, bias)
-
-
-def register_triton() -> None:
-    """Register the Triton implementations where Triton kernels run (CUDA, or the interpreter)."""
-    import os
-
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            from ninefold.ops.triton import gemv_pdl_ops
-        except ImportError:  # no Triton on this machine: vendor implementations only
-            return
-        gemv_pdl_ops.register_all()

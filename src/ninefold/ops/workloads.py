@@ -95,12 +95,35 @@ def _embedding(s, dev, dt, g):
 def _linear(s, dev, dt, g):
     qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
     for n, k, what in ((qkv, s.hidden, "qkv"), (s.hidden, s.heads * s.head_dim, "o"),
-                       (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down")):
+                       (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down"),
+                       (s.vocab, s.hidden, "lm_head")):
         weight = _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5)
-        for t in s.tokens:
+        for t in s.tokens if what != "lm_head" else (t for t in s.tokens if t <= 256):  # (logits of last positions)
             x = _randn(g, t, k, device=dev, dtype=dt)
             yield Case("linear", f"{what} T={t} N={n} K={k}", (x, weight),
                        bytes=(t * k + n * k + t * n) * dt.itemsize, flops=2 * t * n * k)
+
+
+FUSED_ROWS = 32  # the engine fuses the norms and the gate into its GEMVs for decode steps of up to 32 rows
+
+
+def _add_rms_norm_linear(s, dev, dt, g):
+    norm = _randn(g, s.hidden, device=dev, dtype=dt)
+    for n, what in (((s.heads + 2 * s.kv_heads) * s.head_dim, "qkv"), (2 * s.intermediate, "gate_up")):
+        weight = _randn(g, n, s.hidden, device=dev, dtype=dt, scale=s.hidden**-0.5)
+        for t in (t for t in s.tokens if t <= FUSED_ROWS):
+            x, r = _randn(g, t, s.hidden, device=dev, dtype=dt), _randn(g, t, s.hidden, device=dev, dtype=dt)
+            yield Case("add_rms_norm_linear", f"{what} T={t} N={n} K={s.hidden}", (x, r, norm, weight, 1e-5),
+                       bytes=(3 * t * s.hidden + n * s.hidden + t * n) * dt.itemsize, flops=2 * t * n * s.hidden)
+
+
+def _silu_and_mul_linear(s, dev, dt, g):
+    n, k = s.hidden, s.intermediate
+    weight = _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5)
+    for t in (t for t in s.tokens if t <= FUSED_ROWS):
+        x = _randn(g, t, 2 * k, device=dev, dtype=dt)
+        yield Case("silu_and_mul_linear", f"down T={t} N={n} K={k}", (x, weight),
+                   bytes=(2 * t * k + n * k + t * n) * dt.itemsize, flops=2 * t * n * k)
 
 
 def _binary(op):
@@ -269,7 +292,8 @@ def _sample(s, dev, dt, g):
 
 
 _BUILDERS = {
-    "embedding": _embedding, "linear": _linear, "add": _binary("add"), "mul": _binary("mul"),
+    "embedding": _embedding, "linear": _linear, "add_rms_norm_linear": _add_rms_norm_linear,
+    "silu_and_mul_linear": _silu_and_mul_linear, "add": _binary("add"), "mul": _binary("mul"),
     "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "silu_and_mul": _gated("silu_and_mul"),
     "gelu_and_mul": _gated("gelu_and_mul"), "softmax": _softmax, "rope": _rope,
     "reshape_and_cache": _reshape_and_cache, "attention_decode": _decode, "attention_prefill": _prefill,

@@ -19,6 +19,7 @@ from ninefold.ops.triton import (
     decode,
     gemm,
     gemv,
+    gemv_pdl_ops,
     norm,
     prefill,
     rope,
@@ -58,3 +59,4 @@ register("linear", "triton", devices=DEVICES, dtypes=DTYPES, supports=gemv.suppo
 # (NINEFOLD_OPS=linear=triton_gemm) or a tuning table picks it, with its own per-shape configuration.
 register("linear", "triton_gemm", devices=DEVICES, dtypes=DTYPES, supports=gemm.supports,
          priority={"cuda": -5, "cpu": -10})(gemm.linear)
+gemv_pdl_ops.register_all()  # the one-row GEMV behind linear (triton_row), the *_linear fused operators, linear_fp8

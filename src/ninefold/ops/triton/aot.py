@@ -107,22 +107,26 @@ def sized_as(sms: int):
         decode._sm_count = real
 
 
-def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
-             cache_dtype: torch.dtype | None = None) -> tuple[list, list[str]]:
+TRITON_IMPLS = ("triton", "triton_gemm", "triton_row", "triton_pdl", "triton_gemv")  # implementations that run
+# Triton kernels (a build compiles them); the other CUDA-only ones (cublaslt, cutlass) call vendor libraries
+
+
+def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132, cache_dtype: torch.dtype | None = None,
+             impl_name: str = "triton") -> tuple[list, list[str]]:
     """``(launches, notes)``: the distinct ``(kernel, spec, num_warps, num_stages)`` the Triton
-    implementation of ``op`` launches for the representative calls at ``shapes``
+    implementation ``impl_name`` of ``op`` launches for the representative calls at ``shapes``
     (``ninefold.ops.workloads``; KV caches of ``cache_dtype``, default ``dtype``), recorded on ``meta``
     tensors as if on a GPU with ``sms`` SMs; ``notes`` says which calls the implementation does not support."""
     from ninefold.ops import dispatch, registry, workloads
     from ninefold.ops.triton import launch, prebuilt
 
-    impl = next((i for i in registry.all_implementations(op) if i.name == "triton"), None)
+    impl = next((i for i in registry.all_implementations(op) if i.name == impl_name), None)
     if impl is None:
-        return [], [f"{op}: no Triton implementation"]
+        return [], [f"{op}: no {impl_name!r} implementation registered here"]
     if op not in workloads.OPS:
         return [], [f"{op}: no representative calls in ninefold.ops.workloads, so nothing is built ahead of time for "
                     f"it; its Triton kernels compile on first use (or are refused: uncovered = \"error\")"]
-    found, notes = {}, []
+    found, notes, unrecorded = {}, [], []
     with sized_as(sms):
         for case in workloads.cases(op, shapes, "meta", dtype, cache_dtype=cache_dtype):
             bound = dispatch.operator(op).bind(*case.args, **case.kwargs)
@@ -132,13 +136,19 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132,
                 continue
             with launch.recording() as calls:
                 impl.fn(*bound)
+            if not calls:
+                unrecorded.append(case.label)
             for kernel, values, warps, stages in calls:
                 spec = prebuilt.specialisation(kernel, values)
                 found.setdefault((prebuilt.kernel_id(kernel), spec, warps, stages), (kernel, spec, warps, stages))
     if notes:
         over = "" if cache_dtype in (None, dtype) else f" ({dtype_name(cache_dtype)} caches)"
-        notes = [f"{op} {dtype_name(dtype)}{over}: {len(notes)} representative calls are outside the "
-                 f"Triton implementation (nothing built for them), e.g. {notes[0]}"]
+        notes = [f"{op} {dtype_name(dtype)}{over}: {len(notes)} representative calls are outside its "
+                 f"{impl_name!r} implementation (nothing built for them), e.g. {notes[0]}"]
+    if unrecorded:  # (triton_gemm measures its tile configuration on the device before it launches anything)
+        notes.append(f"{op} {dtype_name(dtype)}: its {impl_name!r} implementation launched no kernel for "
+                     f"{len(unrecorded)} representative calls away from a GPU (e.g. {unrecorded[0]}): it chooses its "
+                     f"kernels on the device, where they compile on first use (or are refused: uncovered = \"error\")")
     return list(found.values()), notes
 
 

@@ -459,8 +459,8 @@ def pdl_wanted(device: torch.device) -> bool:
     CUDA-graph capture."""
     if device.type != "cuda" or os.environ.get("NINEFOLD_GEMV_PDL", "1") == "0":
         return False
-    if launch_module._recorded is not None or launch_module.library() is not None:
-        return False  # a trimmed build (or one being recorded) serves these kernels: it holds no PDL binaries
+    if launch_module.plain_only():
+        return False
     return os.environ.get("NINEFOLD_DECODE_PDL", "1") != "0" and gemv_pdl.pdl_available(device)
 
 

@@ -18,7 +18,8 @@ CUDA graphs, run 2 at 16:21 UTC): the GEMV beats cuBLAS on every shape (q/k/v 12
 vs 13.1, down 29.3 vs 31.9; gate_up and lm_head by 2-5%), and the decode step through these
 operators took 4.290 ms per token without PDL and 4.157 ms with it (85% of the copy-bandwidth
 roofline), against 4.653 ms with cuBLAS and the separate norm/activation kernels. PDL is on where
-Triton and the GPU support it (sm_90+); ``NINEFOLD_GEMV_PDL=0`` turns it off.
+Triton and the GPU support it (sm_90+) and no trimmed build is active (its binaries are plain launches);
+``NINEFOLD_GEMV_PDL=0`` turns it off.
 The 2..32-row path runs only for calls that ``ROWS_TABLE`` or the ``NINEFOLD_GEMV_ROWS_TABLE`` file lists
 with a configuration (the others, and all of them under ``NINEFOLD_GEMV_ROWS=0``, go to cuBLAS and the
 unfused pairs). The shipped table lists none: on the H200 the kernel lost to cuBLAS with its fused
@@ -36,7 +37,7 @@ import os
 import torch
 
 from ninefold.ops.fp8 import Fp8Weight
-from ninefold.ops.triton import gemv_pdl, gemv_rows
+from ninefold.ops.triton import gemv_pdl, gemv_rows, launch
 
 # (N, K[, prologue]) -> (block_n, block_k, split_k, num_warps, num_stages, variant): the H200 sweep's
 # picks (variant 0: register loop, 1: tl.dot loop, 2: register loop with two tiles in flight).
@@ -175,7 +176,7 @@ def _kernel_reason(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, k: int, pr
     rows = _rows(x)
     if rows > gemv_rows.MAX_ROWS:
         return f"{rows} rows: at most {gemv_rows.MAX_ROWS}"
-    if x.device.type == "cuda":
+    if x.device.type in ("cuda", "meta"):  # (meta: a trimmed build recording the launches for a GPU)
         if x.dtype not in _DTYPES:
             return f"dtype {x.dtype}: bfloat16 or float16 only"
     elif not (_INTERPRETED and x.device.type == "cpu"):
@@ -234,7 +235,7 @@ def pdl_enabled() -> bool:
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
     """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous; 1..16 for an ``Fp8Weight``);
     returns ``[rows, N]`` or ``[N]``."""
-    pdl = x.device.type == "cuda" and pdl_enabled() and gemv_pdl.pdl_available(x.device)
+    pdl = x.device.type == "cuda" and pdl_enabled() and not launch.plain_only() and gemv_pdl.pdl_available(x.device)
     fp8 = type(weight) is Fp8Weight
     if fp8:
         weight, kw["scales"] = weight.codes, weight.scales

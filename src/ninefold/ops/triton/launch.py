@@ -129,6 +129,12 @@ def library():
     return _library
 
 
+def plain_only() -> bool:
+    """Whether kernels launch without PDL: a trimmed build is active or being recorded (it holds plain binaries, and
+    a PDL launch would go to the JIT). Read at every call, so at CUDA-graph capture."""
+    return _recorded is not None or library() is not None
+
+
 def reset() -> None:
     """Forget loaded binaries and cached specialisations (the active build changed)."""
     global _library
