@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -215,10 +216,15 @@ def test_paged_kernels_are_built_for_each_block_size_the_manifest_names(built, t
 
 
 @pytest.mark.parametrize("value", ["16", "[]", "[0]", '["16"]', "[true]", "[16.0]"])
-def test_manifest_block_sizes_must_be_positive_integers(tmp_path, value):
+def test_manifest_block_sizes_must_be_positive_integers(tmp_path, built, value):
     (tmp_path / "ops.toml").write_text(f"block_sizes = {value}\n[ops.rms_norm]\n")
     with pytest.raises(ValueError, match=r"block_sizes must be a non-empty list of positive integers .*got"):
         build.read_manifest(tmp_path / "ops.toml")
+    shutil.copytree(built, tmp_path / "b")  # a built manifest.json edited by hand is refused alike
+    data = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps({**data, "block_sizes": json.loads(value.lower())}))
+    with pytest.raises(ValueError, match=r"block_sizes must be a non-empty list of positive integers, got"):
+        build.Build.load(tmp_path / "b")
 
 
 @pytest.mark.parametrize("uncovered", ["jit", "error"])
@@ -234,8 +240,10 @@ def test_an_engine_whose_block_size_the_build_lacks_is_told_before_loading(built
     (directory / "manifest.json").write_text(json.dumps({**data, "uncovered": uncovered}))
     build.activate(directory)
     try:
-        engine._check_ops_build(EngineConfig(block_size=16), torch.device("cuda"))  # covered: silent
-        engine._check_ops_build(EngineConfig(block_size=32), torch.device("cpu"))  # nothing compiled runs on a CPU
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine._check_ops_build(EngineConfig(block_size=16), torch.device("cuda"))  # covered: silent
+            engine._check_ops_build(EngineConfig(block_size=32), torch.device("cpu"))  # nothing compiled runs on a CPU
         message = r"holds no paged attention or cache kernels for this engine's block_size 32 .*block_sizes \[16\]"
         if uncovered == "error":
             with pytest.raises(ValueError, match=message):
@@ -563,7 +571,7 @@ def _engine_gemv_launches():
 def test_the_decode_gemvs_are_built_on_a_machine_without_a_gpu(tmp_path):
     """linear's one-row GEMV (triton_row) and the fused add_rms_norm_linear / silu_and_mul_linear register wherever
     Triton is, so a build made without a GPU holds their kernels: exact binaries for every GEMV of a batch-1 decode
-    step, launched without PDL (under a build every kernel is a plain launch)."""
+    step."""
     (tmp_path / "ops.toml").write_text(GEMV_MANIFEST)
     report = build.build(tmp_path / "ops.toml", tmp_path / "b")
     assert {"linear", "add_rms_norm_linear", "silu_and_mul_linear"} <= set(report.sizes)
@@ -571,7 +579,6 @@ def test_the_decode_gemvs_are_built_on_a_machine_without_a_gpu(tmp_path):
     calls = _engine_gemv_launches()
     assert len(calls) == 5 and {c[0].fn.__name__ for c in calls} == {"gemv_pdl_kernel"}
     for kernel, values, warps, stages in calls:
-        assert values[kernel.arg_names.index("USE_GDC")] is False
         binary, why = library.find(kernel, values, warps, stages)
         assert binary is not None and binary.meta["exact"], why
 
@@ -671,5 +678,21 @@ def test_launches_say_which_representative_calls_the_triton_implementation_leave
     found, notes = aot.launches("linear", torch.bfloat16, workloads.shapes("llama-8b"), impl_name="triton_gemm")
     assert not found and "its 'triton_gemm' implementation launched no kernel for 5 representative calls away " \
                          "from a GPU (e.g. qkv T=256 N=6144 K=4096): it chooses its kernels on the device" in notes[1]
-    found, notes = aot.launches("linear", torch.bfloat16, workloads.shapes("smollm2"), impl_name="cublaslt")
-    assert not found and notes == ["linear: no 'cublaslt' implementation registered here"]
+    with pytest.raises(ValueError, match="impl_name: 'cublaslt' runs no Triton kernels to build; accepted: triton, "):
+        aot.launches("linear", torch.bfloat16, workloads.shapes("smollm2"), impl_name="cublaslt")
+
+
+def test_under_a_build_the_decode_kernels_launch_without_pdl(monkeypatch, built):
+    """Where PDL would be on (stubbed: no GPU here), an active build turns it off for the GEMVs and the attention
+    side (their binaries are plain launches), and a launch that still asks for PDL counts as uncovered."""
+    from ninefold.ops.triton import gemv_pdl, gemv_pdl_ops
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(gemv_pdl, "pdl_available", lambda device=None: True)
+    monkeypatch.setattr(launch, "_library", None)
+    assert gemv_pdl_ops.use_pdl(cuda) and decode.pdl_wanted(cuda)
+    monkeypatch.setattr(launch, "_library", prebuilt.Library(built, "cuda:90", "error"))
+    assert not gemv_pdl_ops.use_pdl(cuda) and not decode.pdl_wanted(cuda)
+    with pytest.raises(prebuilt.BuildError, match=r"gemv_pdl_kernel: launched with PDL \(pdl=True\), and the build "
+                                                  r"holds plain launches only; .* uncovered = \"error\""):
+        gemv_pdl._LAUNCH((1,), (torch.empty(1),), (), launch_pdl=True)

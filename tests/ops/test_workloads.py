@@ -85,3 +85,12 @@ def test_prefill_workloads_cover_every_tile_class_packed_and_paged():
 
 def spec_value(kernel, spec, name):
     return spec[kernel.arg_names.index(name)][1]
+
+
+@pytest.mark.parametrize("shape_set", ["llama-8b", "smollm2", "tiny"])
+def test_decode_positions_stay_inside_the_rotary_table(shape_set):
+    """Each decode row's new token sits at position context - 1: the cos/sin table must hold it (the CUDA kernels
+    do not check, so a short table would be read out of bounds)."""
+    for case in workloads.cases("rope_cache_attention_decode", workloads.shapes(shape_set), "meta", torch.bfloat16):
+        context = int(case.label.split("ctx=")[1].split()[0])
+        assert case.args[4].shape[0] >= context, case.label

@@ -135,8 +135,8 @@ def _manifest_problem(data) -> str | None:
     if not isinstance(caches, list) or any(c not in KV_CACHE_DTYPES for c in caches):
         return f"kv_cache_dtypes must be a list of {', '.join(KV_CACHE_DTYPES)}, got {caches!r}"
     sizes = data.get("block_sizes", [16])
-    if not isinstance(sizes, list) or not all(_positive_int(b) for b in sizes):
-        return f"block_sizes must be a list of positive integers, got {sizes!r}"
+    if not isinstance(sizes, list) or not sizes or not all(_positive_int(b) for b in sizes):
+        return f"block_sizes must be a non-empty list of positive integers, got {sizes!r}"
     if not isinstance(data.get("target", "cpu"), str) or not _TARGET.fullmatch(data.get("target", "cpu")):
         return f"target {data.get('target')!r} is not 'cpu' or a GPU like 'cuda:90'"
     return None

@@ -257,7 +257,7 @@ def _rope_and_cache(s, dev, dt, g, cache_dt):
 
 
 def _rope_cache_attention_decode(s, dev, dt, g, cache_dt):
-    cache = cos_sin_cache(8192, s.head_dim, device=dev)
+    cache = cos_sin_cache(max(8192, *(context for _, context in s.decode)), s.head_dim, device=dev)
     for batch, context in s.decode:
         k_cache, v_cache, tables = paged(s, [context] * batch, dev, cache_dt, g)
         last = context - 1  # each row's new token: the last position of its table

@@ -120,6 +120,8 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132, cache_dtype: t
     from ninefold.ops import dispatch, registry, workloads
     from ninefold.ops.triton import launch, prebuilt
 
+    if impl_name not in TRITON_IMPLS:
+        raise ValueError(f"impl_name: {impl_name!r} runs no Triton kernels to build; accepted: {', '.join(TRITON_IMPLS)}")
     impl = next((i for i in registry.all_implementations(op) if i.name == impl_name), None)
     if impl is None:
         return [], [f"{op}: no {impl_name!r} implementation registered here"]

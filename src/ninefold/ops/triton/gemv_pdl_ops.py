@@ -232,10 +232,16 @@ def pdl_enabled() -> bool:
     return os.environ.get("NINEFOLD_GEMV_PDL", "1") != "0"
 
 
+def use_pdl(device: torch.device) -> bool:
+    """Whether the GEMVs launch with PDL on ``device``: where :func:`pdl_enabled` and Triton and the GPU support it,
+    not while a trimmed build is active or recorded (its binaries are plain launches)."""
+    return device.type == "cuda" and pdl_enabled() and not launch.plain_only() and gemv_pdl.pdl_available(device)
+
+
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:
     """One kernel for ``x`` of 1..32 rows (``[..., width]``, contiguous; 1..16 for an ``Fp8Weight``);
     returns ``[rows, N]`` or ``[N]``."""
-    pdl = x.device.type == "cuda" and pdl_enabled() and not launch.plain_only() and gemv_pdl.pdl_available(x.device)
+    pdl = use_pdl(x.device)
     fp8 = type(weight) is Fp8Weight
     if fp8:
         weight, kw["scales"] = weight.codes, weight.scales

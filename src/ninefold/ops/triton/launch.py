@@ -241,9 +241,12 @@ class Launcher:
             self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **extra)
             return
         key = (device_index, *self.key(args, consts, num_warps, num_stages))  # loaded modules are per device
-        if launch_pdl:
+        if launch_pdl:  # (the library's own launches are plain: plain_only() keeps PDL off under a build)
             key = ("pdl", *key)
-            lib = None  # builds hold no PDL binaries: the JIT compiles these
+            if lib is not None and key not in self.uncovered:
+                lib.uncovered_call(self.kernel, "launched with PDL (pdl=True), and the build holds plain launches only")
+                self.uncovered.add(key)
+            lib = None
         compiled = self.compiled.get(key)
         if compiled is None and lib is not None and key not in self.uncovered:
             compiled = _from_build(lib, self.kernel, (*args, *consts), num_warps, num_stages, device_index)

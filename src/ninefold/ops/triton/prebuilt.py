@@ -300,13 +300,18 @@ class Library:
             LOADED.append({"kernel": binary.meta["kernel"], "binary": binary.meta["binary"],
                            "exact": binary.spec == specialisation(kernel, values)})
             return binary
+        self.uncovered_call(kernel, why)
+        return None
+
+    def uncovered_call(self, kernel, why: str) -> None:
+        """A call of ``kernel`` no binary serves, for reason ``why``: ``BuildError`` when the build refuses uncovered
+        calls, else counted (``STATS["jit"]``, ``MISSES``) before the JIT compiles it."""
         if self.uncovered == "error":
             raise BuildError(f"{kernel.fn.__name__}: {why}; the trimmed build at {self.directory} says "
                              f'uncovered = "error" (build for these shapes, or set uncovered = "jit")')
         STATS["jit"] += 1
         MISSES.append(f"{kernel.fn.__name__}: {why}")
         del MISSES[:-100]
-        return None
 
 
 # ------------------------------------------------------------------ launching
