@@ -409,9 +409,15 @@ def test_uncovered_calls_follow_the_manifest_cuda(tmp_path, uncovered, expected)
 def _probe_rms_norm_build(tmp_path, uncovered: str, probe: str) -> str:
     """Build rms_norm (Triton, bfloat16) for this GPU with ``uncovered``, run ``probe`` in a fresh
     process under that build; returns the probe's last line."""
+    return _probe_build(tmp_path, f'shapes = "llama-8b"\nuncovered = "{uncovered}"\n'
+                                  '[ops.rms_norm]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n', probe)
+
+
+def _probe_build(tmp_path, manifest: str, probe: str) -> str:
+    """Build ``manifest`` (an ``ops.toml`` without its target) for this GPU, run ``probe`` in a fresh process under
+    that build with an empty Triton cache; returns the probe's last line."""
     major, minor = torch.cuda.get_device_capability()
-    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "{uncovered}"\n'
-                                       '[ops.rms_norm]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\n' + manifest)
     build.build(tmp_path / "ops.toml", tmp_path / "b")
     env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
@@ -484,23 +490,21 @@ def test_fp8_cache_decode_runs_from_a_build_naming_fp8_compiling_nothing_cuda(tm
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         pytest.skip("FP8 caches need compute capability 8.9")
-    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "llama-8b"\nuncovered = "error"\n'
-                                       'kv_cache_dtypes = ["fp8"]\n'
-                                       '[ops.attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
-    build.build(tmp_path / "ops.toml", tmp_path / "b")
-    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-c", PROBE_FP8_CUDA], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "ran True 0 []"
+    manifest = ('shapes = "llama-8b"\nuncovered = "error"\nkv_cache_dtypes = ["fp8"]\n'
+                '[ops.attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    assert _probe_build(tmp_path, manifest, PROBE_FP8_CUDA) == "ran True 0 []"
 
 
+PROBE_ERROR = """
+def error(got, want):  # relative to |want| + 1, as bench.ops checks
+    return ((got.double().cpu() - want).abs() / (want.abs() + 1)).max().item()
+"""
 PROBE_ROPE_CUDA = """
 import torch, ninefold.ops as ops
 from ninefold.ops import references, workloads
 from ninefold.ops.triton import prebuilt
 errors = []
-def error(got, want):  # relative to |want| + 1, as bench.ops checks
-    return ((got.double().cpu() - want).abs() / (want.abs() + 1)).max().item()
+""" + PROBE_ERROR + """
 for case in workloads.cases("rope_cache_attention_decode", workloads.shapes("smollm2"), "cuda", torch.bfloat16):
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, lens = case.args
     before = k_cache.clone(), v_cache.clone()
@@ -520,19 +524,13 @@ print("ran", max(errors) < 1e-2, prebuilt.STATS["prebuilt"] >= 2, prebuilt.STATS
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rope_cache_operators_run_from_a_build_compiling_nothing_cuda(tmp_path):
-    major, minor = torch.cuda.get_device_capability()
-    (tmp_path / "ops.toml").write_text(f'target = "cuda:{major}{minor}"\nshapes = "smollm2"\nuncovered = "error"\n'
-                                       '[ops.rope_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n'
-                                       '[ops.rope_cache_attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
-    build.build(tmp_path / "ops.toml", tmp_path / "b")
-    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-c", PROBE_ROPE_CUDA], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "ran True True 0 []"
+    manifest = ('shapes = "smollm2"\nuncovered = "error"\n'
+                '[ops.rope_and_cache]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n'
+                '[ops.rope_cache_attention_decode]\ndtypes = ["bfloat16"]\nimpls = ["triton"]\n')
+    assert _probe_build(tmp_path, manifest, PROBE_ROPE_CUDA) == "ran True True 0 []"
 
 
 GEMV_MANIFEST = """
-target = "cuda:90"
 shapes = "llama-8b"
 uncovered = "error"
 [ops.linear]
@@ -572,7 +570,7 @@ def test_the_decode_gemvs_are_built_on_a_machine_without_a_gpu(tmp_path):
     """linear's one-row GEMV (triton_row) and the fused add_rms_norm_linear / silu_and_mul_linear register wherever
     Triton is, so a build made without a GPU holds their kernels: exact binaries for every GEMV of a batch-1 decode
     step."""
-    (tmp_path / "ops.toml").write_text(GEMV_MANIFEST)
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\n' + GEMV_MANIFEST)
     report = build.build(tmp_path / "ops.toml", tmp_path / "b")
     assert {"linear", "add_rms_norm_linear", "silu_and_mul_linear"} <= set(report.sizes)
     library = _library(tmp_path / "b")
@@ -591,8 +589,7 @@ torch.manual_seed(0)
 x, residual = (torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
 errors = []
-def error(got, want):  # relative to |want| + 1
-    return ((got.double().cpu() - want).abs() / (want.abs() + 1)).max().item()
+""" + PROBE_ERROR + """
 for n, k in ((4096, 4096), (128256, 4096)):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     assert ops.choose("linear", x, w) == "triton_row"
@@ -610,13 +607,7 @@ print("ran", max(errors) < 2e-2, prebuilt.STATS["prebuilt"] >= 4, prebuilt.STATS
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_gemvs_run_from_a_build_compiling_nothing_cuda(tmp_path):
-    major, minor = torch.cuda.get_device_capability()
-    (tmp_path / "ops.toml").write_text(GEMV_MANIFEST.replace('"cuda:90"', f'"cuda:{major}{minor}"'))
-    build.build(tmp_path / "ops.toml", tmp_path / "b")
-    env = {**os.environ, "NINEFOLD_OPS_BUILD": str(tmp_path / "b"), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-c", PROBE_GEMV_CUDA], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "ran True True 0 []"
+    assert _probe_build(tmp_path, GEMV_MANIFEST, PROBE_GEMV_CUDA) == "ran True True 0 []"
 
 
 def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path, monkeypatch):

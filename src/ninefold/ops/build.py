@@ -135,7 +135,7 @@ def _manifest_problem(data) -> str | None:
     if not isinstance(caches, list) or any(c not in KV_CACHE_DTYPES for c in caches):
         return f"kv_cache_dtypes must be a list of {', '.join(KV_CACHE_DTYPES)}, got {caches!r}"
     sizes = data.get("block_sizes", [16])
-    if not isinstance(sizes, list) or not sizes or not all(_positive_int(b) for b in sizes):
+    if not _block_sizes_ok(sizes):
         return f"block_sizes must be a non-empty list of positive integers, got {sizes!r}"
     if not isinstance(data.get("target", "cpu"), str) or not _TARGET.fullmatch(data.get("target", "cpu")):
         return f"target {data.get('target')!r} is not 'cpu' or a GPU like 'cuda:90'"
@@ -213,7 +213,7 @@ def read_manifest(path) -> dict:
     if bad:
         raise ValueError(f"{where}: kv_cache_dtypes lists {bad[0]!r}; accepted: {', '.join(KV_CACHE_DTYPES)}")
     block_sizes = data.get("block_sizes", [16])
-    if not isinstance(block_sizes, list) or not block_sizes or not all(_positive_int(b) for b in block_sizes):
+    if not _block_sizes_ok(block_sizes):
         raise ValueError(f"{where}: block_sizes must be a non-empty list of positive integers (KV cache block sizes "
                          f"like [16, 32]), got {block_sizes!r}")
     ops = data.get("ops")
@@ -291,8 +291,10 @@ def _fp8_target(target: str) -> bool:
     return target == "cpu" or (target.startswith("cuda:") and int(target[5:]) >= 89)
 
 
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _block_sizes_ok(value) -> bool:
+    """A non-empty list of positive integers (booleans are not integers here)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)
 
 
 def check_target(target, where: str) -> str:
@@ -377,10 +379,10 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
     shapes = workloads.shapes(manifest["shapes"])
     jobs = []
     for op, entry in manifest["ops"].items():
+        paged = op in workloads.CACHE_OPS  # (over the cache's dtype and block size)
         caches = [None]  # the model's dtype, always; FP8 codes as well where the manifest names them
-        if op in workloads.CACHE_OPS and "fp8" in manifest["kv_cache_dtypes"]:
+        if paged and "fp8" in manifest["kv_cache_dtypes"]:
             caches.append(KV_CACHE_DTYPES["fp8"])
-        paged = op in workloads.CACHE_OPS
         sized = [replace(shapes, block_size=b) for b in manifest["block_sizes"]] if paged else [shapes]
         seen = set()
         for impl, dtype_name, cache_dtype, at in ((i, d, c, a) for i in entry["impls"] if i in aot.TRITON_IMPLS

@@ -171,14 +171,21 @@ def cos_sin_cache(max_pos: int, rotary: int, base: float = 500000.0, device="cpu
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device)
 
 
+ROPE_POSITIONS = 8192  # the cos/sin table of the rope workloads; their tokens sit at random positions in it
+
+
+def _rope_bytes(s, t: int, dt) -> int:
+    """What rotating q and k of ``t`` tokens moves: both read and written, one float32 table row per token."""
+    return 2 * t * (s.heads + s.kv_heads) * s.head_dim * dt.itemsize + t * s.head_dim * 4
+
+
 def _rope(s, dev, dt, g):
-    cache = cos_sin_cache(8192, s.head_dim, device=dev)
+    cache = cos_sin_cache(ROPE_POSITIONS, s.head_dim, device=dev)
     for t in s.tokens:
         q = _randn(g, t, s.heads, s.head_dim, device=dev, dtype=dt)
         k = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
-        positions = torch.randint(0, 8192, (t,), generator=g).to(dev)
-        moved = 2 * t * (s.heads + s.kv_heads) * s.head_dim * dt.itemsize + t * s.head_dim * 4
-        yield Case("rope", f"T={t} H={s.heads}/{s.kv_heads}", (q, k, positions, cache), bytes=moved)
+        positions = torch.randint(0, ROPE_POSITIONS, (t,), generator=g).to(dev)
+        yield Case("rope", f"T={t} H={s.heads}/{s.kv_heads}", (q, k, positions, cache), bytes=_rope_bytes(s, t, dt))
 
 
 def paged(s: Shapes, lengths, dev, dt, g, extra_blocks: int = 0):
@@ -201,12 +208,19 @@ def _cache_label(dt, cache_dt) -> str:
     return "" if cache_dt == dt else f" {spec.dtype_name(cache_dt)} cache"
 
 
+def _cache_write(s, t: int, dev, dt, g, cache_dt) -> tuple:
+    """``(key, value, k_cache, v_cache, slots)``: ``t`` tokens' keys and values of ``dt``, caches of ``cache_dt``
+    with room for them, and ``t`` distinct random slots."""
+    k_cache, v_cache, _ = paged(s, [t], dev, cache_dt, g)
+    slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=g)[:t].to(dev)
+    key = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+    value = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+    return key, value, k_cache, v_cache, slots
+
+
 def _reshape_and_cache(s, dev, dt, g, cache_dt):
     for t in s.tokens:
-        k_cache, v_cache, _ = paged(s, [t], dev, cache_dt, g)
-        slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=g)[:t].to(dev)
-        key = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
-        value = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
+        key, value, k_cache, v_cache, slots = _cache_write(s, t, dev, dt, g, cache_dt)
         yield Case("reshape_and_cache", f"T={t}{_cache_label(dt, cache_dt)}", (key, value, k_cache, v_cache, slots),
                    bytes=2 * t * s.kv_heads * s.head_dim * (dt.itemsize + cache_dt.itemsize))
 
@@ -242,22 +256,18 @@ def _prefill(s, dev, dt, g, cache_dt):
 
 
 def _rope_and_cache(s, dev, dt, g, cache_dt):
-    cache = cos_sin_cache(8192, s.head_dim, device=dev)
+    cache = cos_sin_cache(ROPE_POSITIONS, s.head_dim, device=dev)
     for t in s.tokens:
-        k_cache, v_cache, _ = paged(s, [t], dev, cache_dt, g)
-        slots = torch.randperm(k_cache.shape[0] * s.block_size, generator=g)[:t].to(dev)
+        k, v, k_cache, v_cache, slots = _cache_write(s, t, dev, dt, g, cache_dt)
         q = _randn(g, t, s.heads, s.head_dim, device=dev, dtype=dt)
-        k = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
-        v = _randn(g, t, s.kv_heads, s.head_dim, device=dev, dtype=dt)
-        positions = torch.randint(0, 8192, (t,), generator=g).to(dev)
-        rotated = 2 * t * (s.heads + s.kv_heads) * s.head_dim * dt.itemsize + t * s.head_dim * 4
+        positions = torch.randint(0, ROPE_POSITIONS, (t,), generator=g).to(dev)
         cached = t * s.kv_heads * s.head_dim * (dt.itemsize + 2 * cache_dt.itemsize)  # (v read; k and v written)
         yield Case("rope_and_cache", f"T={t} H={s.heads}/{s.kv_heads}{_cache_label(dt, cache_dt)}",
-                   (q, k, v, positions, cache, k_cache, v_cache, slots), bytes=rotated + cached)
+                   (q, k, v, positions, cache, k_cache, v_cache, slots), bytes=_rope_bytes(s, t, dt) + cached)
 
 
 def _rope_cache_attention_decode(s, dev, dt, g, cache_dt):
-    cache = cos_sin_cache(max(8192, *(context for _, context in s.decode)), s.head_dim, device=dev)
+    cache = cos_sin_cache(max(ROPE_POSITIONS, *(context for _, context in s.decode)), s.head_dim, device=dev)
     for batch, context in s.decode:
         k_cache, v_cache, tables = paged(s, [context] * batch, dev, cache_dt, g)
         last = context - 1  # each row's new token: the last position of its table
