@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import ninefold.ops as ops
 from ninefold.cli.main import main
 from ninefold.ops import build
 
@@ -100,6 +101,36 @@ def test_vendor_fallback_serves_calls_outside_the_build(tmp_path):
                                        'impls = ["vendor"]\n')
     assert main(["ops", "build", "--manifest", str(tmp_path / "ops.toml"), "--out", str(tmp_path / "b")]) == 0
     assert _probe(tmp_path / "b") == ["8.0", "ran", "ran"]
+
+
+@pytest.mark.parametrize("fallback", ["error", "vendor"])
+def test_an_fp8_engine_is_refused_before_loading_under_a_build_without_linear_fp8(tmp_path, fallback):
+    """``quantization="fp8"`` runs every projection on ``ops.linear_fp8``: a build that keeps none of its
+    implementations is refused before the model loads; ``fallback = "vendor"`` keeps its portable one
+    (``dequantize``: it has no vendor implementation), which then serves the call."""
+    from ninefold.llm import engine
+    from ninefold.llm.config import EngineConfig
+
+    (tmp_path / "ops.toml").write_text(f'target = "cpu"\nfallback = "{fallback}"\n[ops.rms_norm]\n'
+                                       'dtypes = ["float32"]\nimpls = ["vendor"]\n')
+    build.build(tmp_path / "ops.toml", tmp_path / "b")
+    build.activate(tmp_path / "b")
+    try:
+        engine._check_ops_build(EngineConfig(), torch.device("cpu"))  # unquantized: nothing missing
+        weight = ops.Fp8Weight.quantize(torch.randn(8, 16))
+        x = torch.randn(3, 16)
+        if fallback == "error":
+            with pytest.raises(ValueError, match=r"quantization: 'fp8' runs ops.linear_fp8, which NINEFOLD_OPS_BUILD="
+                                                 r".* does not keep; add \[ops.linear_fp8\] to the manifest"):
+                engine._check_ops_build(EngineConfig(quantization="fp8"), torch.device("cpu"))
+            with pytest.raises(ops.UnsupportedError, match="linear_fp8: not part of the trimmed build"):
+                ops.linear_fp8(x, weight)
+        else:
+            engine._check_ops_build(EngineConfig(quantization="fp8"), torch.device("cpu"))
+            assert ops.choose("linear_fp8", x, weight) == "dequantize"
+            torch.testing.assert_close(ops.linear_fp8(x, weight), x @ weight.dequantize().T)
+    finally:
+        build.activate(None)
 
 
 @pytest.mark.parametrize("text,message", [

@@ -530,12 +530,7 @@ def test_rope_cache_operators_run_from_a_build_compiling_nothing_cuda(tmp_path):
     assert _probe_build(tmp_path, manifest, PROBE_ROPE_CUDA) == "ran True True 0 []"
 
 
-GEMV_MANIFEST = """
-shapes = "llama-8b"
-uncovered = "error"
-[ops.linear]
-dtypes = ["bfloat16"]
-impls = ["triton_row", "vendor"]
+FUSED_GEMVS = """
 [ops.add_rms_norm_linear]
 dtypes = ["bfloat16"]
 impls = ["triton", "vendor"]
@@ -543,6 +538,13 @@ impls = ["triton", "vendor"]
 dtypes = ["bfloat16"]
 impls = ["triton", "vendor"]
 """
+GEMV_MANIFEST = """
+shapes = "llama-8b"
+uncovered = "error"
+[ops.linear]
+dtypes = ["bfloat16"]
+impls = ["triton_row", "vendor"]
+""" + FUSED_GEMVS
 
 
 def _engine_gemv_launches():
@@ -687,3 +689,86 @@ def test_under_a_build_the_decode_kernels_launch_without_pdl(monkeypatch, built)
     with pytest.raises(prebuilt.BuildError, match=r"gemv_pdl_kernel: launched with PDL \(pdl=True\), and the build "
                                                   r"holds plain launches only; .* uncovered = \"error\""):
         gemv_pdl._LAUNCH((1,), (torch.empty(1),), (), launch_pdl=True)
+
+
+FP8_MANIFEST = """
+shapes = "llama-8b"
+uncovered = "error"
+[ops.linear_fp8]
+dtypes = ["bfloat16"]
+impls = ["triton_pdl", "triton_gemv", "scaled_mm", "dequantize"]
+""" + FUSED_GEMVS
+
+
+def _fp8_decode_launches():
+    """The FP8-weight launches of a Llama-3-8B engine with quantization="fp8" on meta tensors: the few-rows GEMV
+    (16 rows of down), the activation quantizer before scaled_mm (256 rows of o) and the fused one-row gate_up GEMV."""
+    from ninefold.ops import registry
+    from ninefold.ops.fp8 import FP8, Fp8Weight
+
+    def impl(op, name):
+        return next(i for i in registry.all_implementations(op) if i.name == name).fn
+
+    def weight(n, k):
+        return Fp8Weight(torch.empty(n, k, dtype=FP8, device="meta"), torch.empty(n, device="meta"))
+
+    def rows(m, k):
+        return torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+
+    row = rows(1, 4096)
+    return (_launches(impl("linear_fp8", "triton_gemv"), rows(16, 14336), weight(4096, 14336), None)
+            + _launches(impl("linear_fp8", "scaled_mm"), rows(256, 4096), weight(4096, 4096), None)
+            + _launches(impl("add_rms_norm_linear", "triton"), row, row, torch.empty(4096, dtype=torch.bfloat16,
+                                                                                      device="meta"),
+                        weight(28672, 4096), 1e-5, None))
+
+
+def test_the_fp8_linears_are_built_on_a_machine_without_a_gpu(tmp_path):
+    """linear_fp8's Triton kernels (its few-rows GEMV, the quantizer of scaled_mm's input) and the fused GEMVs over
+    FP8 weights register wherever Triton is and have workloads, so a build made without a GPU holds exact binaries
+    for an FP8 engine's decode launches."""
+    (tmp_path / "ops.toml").write_text('target = "cuda:90"\n' + FP8_MANIFEST)
+    report = build.build(tmp_path / "ops.toml", tmp_path / "b")
+    assert {"linear_fp8", "add_rms_norm_linear", "silu_and_mul_linear"} <= set(report.sizes)
+    library = _library(tmp_path / "b")
+    calls = _fp8_decode_launches()
+    assert [c[0].fn.__name__ for c in calls] == ["fp8_gemv_kernel", "quantize_rows_kernel", "gemv_pdl_kernel"]
+    for kernel, values, warps, stages in calls:
+        binary, why = library.find(kernel, values, warps, stages)
+        assert binary is not None and binary.meta["exact"], why
+
+
+PROBE_FP8_LINEAR_CUDA = """
+import torch, ninefold.ops as ops
+from ninefold.ops import references
+from ninefold.ops.fp8 import quantize_rows
+from ninefold.ops.triton import prebuilt
+torch.manual_seed(0)
+errors = []
+""" + PROBE_ERROR + """
+def weight(n, k):
+    return ops.Fp8Weight.quantize(torch.randn(n, k, device="cuda") * k ** -0.5)
+for impl, rows, n, k in (("triton_gemv", 16, 4096, 14336), ("triton_gemv", 3, 6144, 4096),
+                         ("scaled_mm", 256, 4096, 4096), ("scaled_mm", 2048, 28672, 4096)):
+    x, w = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), weight(n, k)
+    codes, scales = quantize_rows(x)  # scaled_mm multiplies x as FP8 codes, the GEMV x itself
+    xq = codes.float() * scales[:, None] if impl == "scaled_mm" else x
+    errors.append(error(ops.run("linear_fp8", impl, x, w), references.linear(xq, w.dequantize())))
+x, residual = (torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+w = weight(28672, 4096)
+y, total = ops.add_rms_norm_linear(x, residual, norm, w, 1e-5)
+normed, _ = references.add_rms_norm(x, residual, norm, 1e-5)
+errors.append(error(y, references.linear(normed, w.dequantize())))
+gate, w = torch.randn(1, 28672, device="cuda", dtype=torch.bfloat16), weight(4096, 14336)
+want = references.linear(references.silu_and_mul(gate), w.dequantize())
+errors.append(error(ops.silu_and_mul_linear(gate, w), want))
+print("ran", max(errors) < 5e-2, prebuilt.STATS["prebuilt"] >= 4, prebuilt.STATS["jit"], prebuilt.MISSES[:1])
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_linears_run_from_a_build_compiling_nothing_cuda(tmp_path):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 weights' Triton kernels need compute capability 8.9")
+    assert _probe_build(tmp_path, FP8_MANIFEST, PROBE_FP8_LINEAR_CUDA) == "ran True True 0 []"

@@ -46,13 +46,21 @@ CPU_KV_BYTES = 1 << 30  # default KV budget on CPUs, where "free memory" is shar
 
 
 def _check_ops_build(cfg, device: torch.device) -> None:
-    """Say before loading anything when the trimmed build in ``NINEFOLD_OPS_BUILD`` holds no paged kernels for this
-    engine's block size or KV cache dtype: an error where the build says ``uncovered = "error"`` (every such call
-    would fail), else a warning (they compile on first use)."""
+    """Say before loading anything when the trimmed build in ``NINEFOLD_OPS_BUILD`` keeps no implementation of an
+    operator this engine's quantization calls (an error), or holds no paged kernels for its block size or KV cache
+    dtype: an error where the build says ``uncovered = "error"`` (every such call would fail), else a warning (they
+    compile on first use)."""
     from ninefold.ops import build
 
     active = build.active()
-    if active is None or device.type != "cuda":
+    if active is None:
+        return
+    missing = active.missing_for(cfg.quantization)
+    if missing is not None:
+        raise ValueError(f"quantization: {cfg.quantization!r} runs ops.{missing}, which NINEFOLD_OPS_BUILD="
+                         f"{active.path} does not keep; add [ops.{missing}] to the manifest and rebuild with "
+                         f"`ninefold ops build`")
+    if device.type != "cuda":
         return
     gap = active.engine_gap(cfg.block_size, cfg.kv_cache_dtype)
     if gap is None:

@@ -3,7 +3,8 @@
 A manifest (``ops.toml``) lists the operators to keep, with their dtypes and implementations::
 
     target = "cuda:90"        # what to compile for ("cpu": nothing to compile)
-    fallback = "error"        # or "vendor": calls outside the build use the vendor implementation
+    fallback = "error"        # or "vendor": calls outside the build use the vendor implementation (an
+                              # operator with none, linear_fp8, its dequantize one)
     uncovered = "jit"         # or "error": a kept Triton kernel called with a specialisation the
                               # build holds no binary for (other shapes, misaligned views)
     shapes = "llama-8b"       # the shapes whose kernel specialisations are compiled ahead of time
@@ -33,7 +34,7 @@ divisible by 16 assumed, as the JIT specialises) and registered with it under
 A kept implementation that calls other operators through dispatch (``register(..., calls=...)``: the
 vendor ``rope_and_cache`` runs ``rope`` and ``reshape_and_cache``) brings them into the build, for its
 dtypes, with their vendor implementation (``dequantize`` for ``linear_fp8``, which has no vendor one); where the manifest lists such an operator itself, its
-dtypes must cover the caller's. (With ``fallback = "vendor"`` every vendor implementation is there.)
+dtypes must cover the caller's. (With ``fallback = "vendor"`` every such portable implementation is there.)
 """
 
 from __future__ import annotations
@@ -82,9 +83,16 @@ class Build:
             return f"kv_cache_dtype {kv_cache_dtype!r} (the build's cache kernels are for {list(self.kv_cache_dtypes)})"
         return None
 
+    def missing_for(self, quantization: str) -> str | None:
+        """The operator an engine run with ``quantization`` calls that this build keeps no implementation of
+        (``None``: nothing missing): ``linear_fp8`` for ``"fp8"``."""
+        if quantization == "fp8" and "linear_fp8" not in self.ops and self.fallback != "vendor":
+            return "linear_fp8"
+        return None
+
     def restrict(self, impl: Impl) -> Impl | None:
         """``impl`` limited to the build's dtypes, or ``None`` when the build leaves it out."""
-        if self.fallback == "vendor" and impl.name == "vendor":
+        if self.fallback == "vendor" and impl.name == portable(impl.op):
             return impl
         entry = self.ops.get(impl.op)
         if entry is None or impl.name not in entry["impls"]:
@@ -247,15 +255,19 @@ def read_manifest(path) -> dict:
             "kv_cache_dtypes": caches, "block_sizes": sorted(set(block_sizes)), "ops": resolved}
 
 
-def _keep_called_operators(ops: dict, where: str) -> None:
-    """Add to ``ops`` (operator -> entry) the operators its kept implementations call through dispatch, for the
-    callers' dtypes, with their portable implementation (``vendor``; ``dequantize`` for the quantized linears,
-    which have no vendor one); an operator listed in the manifest must cover them."""
+def portable(op: str) -> str:
+    """The implementation of ``op`` that runs anywhere: ``vendor``; ``dequantize`` for a quantized linear that has no
+    vendor one (``linear_fp8``)."""
     from ninefold.ops import registry
 
-    def portable(op: str) -> str:
-        names = {i.name for i in registry.all_implementations(op)}
-        return "vendor" if "vendor" in names or "dequantize" not in names else "dequantize"
+    names = {i.name for i in registry.all_implementations(op)}
+    return "vendor" if "vendor" in names or "dequantize" not in names else "dequantize"
+
+
+def _keep_called_operators(ops: dict, where: str) -> None:
+    """Add to ``ops`` (operator -> entry) the operators its kept implementations call through dispatch, for the
+    callers' dtypes, with their ``portable`` implementation; an operator listed in the manifest must cover them."""
+    from ninefold.ops import registry
 
     added: set[str] = set()
     todo = list(ops)

@@ -116,7 +116,7 @@ _LINEAR_FP8 = Operator("linear_fp8", linear_fp8, _linear_fp8_key)
 def _scaled_mm_supported(x, weight, bias):
     if not hasattr(torch, "_scaled_mm"):
         return "this torch has no torch._scaled_mm"
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):  # (meta: a build recording)
         return "FP8 tensor cores need compute capability 8.9 or later"
     n, k = weight.shape
     if n % 16 or k % 16:
@@ -140,33 +140,6 @@ def _linear_fp8_scaled_mm(x, weight, bias):
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
-
-
-def _gemv_supported(x, weight, bias):
-    from ninefold.ops.triton.fp8_gemv import supports
-
-    return supports(x, weight, bias)
-
-
-def _linear_fp8_gemv(x, weight, bias):
-    from ninefold.ops.triton.fp8_gemv import linear_fp8 as gemv
-
-    return gemv(x, weight, bias)
-
-
-def _register_gemv() -> None:
-    """The Triton GEMV for decode steps of 1..16 rows, above ``scaled_mm`` (where CUDA and Triton are)."""
-    if not torch.cuda.is_available():
-        return
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    register("linear_fp8", "triton_gemv", devices=("cuda",), dtypes=(torch.bfloat16, torch.float16),
-             supports=_gemv_supported, priority={"cuda": 20})(_linear_fp8_gemv)
-
-
-_register_gemv()
 
 
 @register("linear_fp8", "dequantize", devices=("cpu", "cuda", "mps", "xpu"))

@@ -92,11 +92,14 @@ def _embedding(s, dev, dt, g):
         yield Case("embedding", f"T={t} D={s.hidden}", (ids, weight), bytes=2 * t * s.hidden * dt.itemsize)
 
 
+def _layers(s) -> tuple:
+    """``(N, K, name)`` of a decoder layer's projections (q/k/v, o, gate/up, down)."""
+    return (((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, "qkv"), (s.hidden, s.heads * s.head_dim, "o"),
+            (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down"))
+
+
 def _linear(s, dev, dt, g):
-    qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
-    for n, k, what in ((qkv, s.hidden, "qkv"), (s.hidden, s.heads * s.head_dim, "o"),
-                       (2 * s.intermediate, s.hidden, "gate_up"), (s.hidden, s.intermediate, "down"),
-                       (s.vocab, s.hidden, "lm_head")):
+    for n, k, what in (*_layers(s), (s.vocab, s.hidden, "lm_head")):
         weight = _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5)
         for t in s.tokens if what != "lm_head" else (t for t in s.tokens if t <= 256):  # (logits of last positions)
             x = _randn(g, t, k, device=dev, dtype=dt)
@@ -104,26 +107,58 @@ def _linear(s, dev, dt, g):
                        bytes=(t * k + n * k + t * n) * dt.itemsize, flops=2 * t * n * k)
 
 
+def _fp8_weight(g, n: int, k: int, dev):
+    """A random ``[N, K]`` ``Fp8Weight`` (on ``meta``: its shapes only)."""
+    from ninefold.ops.fp8 import FP8, Fp8Weight
+
+    if dev.type == "meta":
+        return Fp8Weight(torch.empty(n, k, device=dev, dtype=FP8), torch.empty(n, device=dev, dtype=torch.float32))
+    return Fp8Weight.quantize(_randn(g, n, k, device=dev, dtype=torch.float32, scale=k**-0.5))
+
+
+def _weight_bytes(weight, dt) -> int:
+    """The bytes a call streams for ``weight``: an ``Fp8Weight``'s codes and scales, else ``numel`` of ``dt``."""
+    return weight.nbytes if not isinstance(weight, torch.Tensor) else weight.numel() * dt.itemsize
+
+
+def _linear_fp8(s, dev, dt, g):
+    """The projection layers of an engine run with ``quantization="fp8"`` (the head stays in the model's dtype)."""
+    for n, k, what in _layers(s):
+        weight = _fp8_weight(g, n, k, dev)
+        for t in s.tokens:
+            x = _randn(g, t, k, device=dev, dtype=dt)
+            yield Case("linear_fp8", f"{what} T={t} N={n} K={k}", (x, weight),
+                       bytes=(t * k + t * n) * dt.itemsize + weight.nbytes, flops=2 * t * n * k)
+
+
 FUSED_ROWS = 32  # the engine fuses the norms and the gate into its GEMVs for decode steps of up to 32 rows
+FP8_FUSED_ROWS = 16  # and with FP8 weights for steps of up to 16 rows (more: linear_fp8's scaled_mm)
+
+
+def _fused_weights(n: int, k: int, dev, dt, g):
+    """``(weight, label suffix, most rows)``: the layer's weight in ``dt``, then as an ``Fp8Weight``."""
+    yield _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5), "", FUSED_ROWS
+    yield _fp8_weight(g, n, k, dev), " fp8", FP8_FUSED_ROWS
 
 
 def _add_rms_norm_linear(s, dev, dt, g):
     norm = _randn(g, s.hidden, device=dev, dtype=dt)
     for n, what in (((s.heads + 2 * s.kv_heads) * s.head_dim, "qkv"), (2 * s.intermediate, "gate_up")):
-        weight = _randn(g, n, s.hidden, device=dev, dtype=dt, scale=s.hidden**-0.5)
-        for t in (t for t in s.tokens if t <= FUSED_ROWS):
-            x, r = _randn(g, t, s.hidden, device=dev, dtype=dt), _randn(g, t, s.hidden, device=dev, dtype=dt)
-            yield Case("add_rms_norm_linear", f"{what} T={t} N={n} K={s.hidden}", (x, r, norm, weight, 1e-5),
-                       bytes=(3 * t * s.hidden + n * s.hidden + t * n) * dt.itemsize, flops=2 * t * n * s.hidden)
+        for weight, fp8, most in _fused_weights(n, s.hidden, dev, dt, g):
+            for t in (t for t in s.tokens if t <= most):
+                x, r = _randn(g, t, s.hidden, device=dev, dtype=dt), _randn(g, t, s.hidden, device=dev, dtype=dt)
+                yield Case("add_rms_norm_linear", f"{what}{fp8} T={t} N={n} K={s.hidden}", (x, r, norm, weight, 1e-5),
+                           bytes=(3 * t * s.hidden + t * n) * dt.itemsize + _weight_bytes(weight, dt),
+                           flops=2 * t * n * s.hidden)
 
 
 def _silu_and_mul_linear(s, dev, dt, g):
     n, k = s.hidden, s.intermediate
-    weight = _randn(g, n, k, device=dev, dtype=dt, scale=k**-0.5)
-    for t in (t for t in s.tokens if t <= FUSED_ROWS):
-        x = _randn(g, t, 2 * k, device=dev, dtype=dt)
-        yield Case("silu_and_mul_linear", f"down T={t} N={n} K={k}", (x, weight),
-                   bytes=(2 * t * k + n * k + t * n) * dt.itemsize, flops=2 * t * n * k)
+    for weight, fp8, most in _fused_weights(n, k, dev, dt, g):
+        for t in (t for t in s.tokens if t <= most):
+            x = _randn(g, t, 2 * k, device=dev, dtype=dt)
+            yield Case("silu_and_mul_linear", f"down{fp8} T={t} N={n} K={k}", (x, weight),
+                       bytes=(2 * t * k + t * n) * dt.itemsize + _weight_bytes(weight, dt), flops=2 * t * n * k)
 
 
 def _binary(op):
@@ -302,7 +337,7 @@ def _sample(s, dev, dt, g):
 
 
 _BUILDERS = {
-    "embedding": _embedding, "linear": _linear, "add_rms_norm_linear": _add_rms_norm_linear,
+    "embedding": _embedding, "linear": _linear, "linear_fp8": _linear_fp8, "add_rms_norm_linear": _add_rms_norm_linear,
     "silu_and_mul_linear": _silu_and_mul_linear, "add": _binary("add"), "mul": _binary("mul"),
     "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "silu_and_mul": _gated("silu_and_mul"),
     "gelu_and_mul": _gated("gelu_and_mul"), "softmax": _softmax, "rope": _rope,

@@ -17,6 +17,7 @@ from ninefold.ops.triton import (
     argmax,
     cache,
     decode,
+    fp8_gemv,
     gemm,
     gemv,
     gemv_pdl_ops,
@@ -60,3 +61,6 @@ register("linear", "triton", devices=DEVICES, dtypes=DTYPES, supports=gemv.suppo
 register("linear", "triton_gemm", devices=DEVICES, dtypes=DTYPES, supports=gemm.supports,
          priority={"cuda": -5, "cpu": -10})(gemm.linear)
 gemv_pdl_ops.register_all()  # the one-row GEMV behind linear (triton_row), the *_linear fused operators, linear_fp8
+# Weight-only FP8 decode steps of 1..16 rows, above scaled_mm (10) and below the one-row PDL GEMV (30).
+register("linear_fp8", "triton_gemv", devices=("cuda",), dtypes=(torch.bfloat16, torch.float16),
+         supports=fp8_gemv.supports, priority={"cuda": 20})(fp8_gemv.linear_fp8)

@@ -107,8 +107,9 @@ def sized_as(sms: int):
         decode._sm_count = real
 
 
-TRITON_IMPLS = ("triton", "triton_gemm", "triton_row", "triton_pdl", "triton_gemv")  # implementations that run
-# Triton kernels (a build compiles them); the other CUDA-only ones (cublaslt, cutlass) call vendor libraries
+TRITON_IMPLS = ("triton", "triton_gemm", "triton_row", "triton_pdl", "triton_gemv", "scaled_mm")  # implementations
+# that run Triton kernels (a build compiles them; linear_fp8's scaled_mm quantizes x with one before cuBLASLt's FP8
+# GEMM); the other CUDA-only ones (cublaslt, cutlass) call vendor libraries
 
 
 def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132, cache_dtype: torch.dtype | None = None,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ninefold.ops.fp8 import GEMV_MAX_ROWS as MAX_M
+from ninefold.ops.triton import launch
 from ninefold.ops.triton.gemv import gemv_rows
 
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4
@@ -36,7 +37,7 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, strid
 
 def supports(x, weight, bias=None) -> str | None:
     """A reason this kernel does not apply, or None."""
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):  # (meta: a build recording)
         return "Triton converts FP8 (fp8e4nv) only on compute capability 8.9 or later"
     m = x.numel() // max(weight.shape[1], 1)
     if not 1 <= m <= MAX_M:
@@ -54,9 +55,9 @@ def linear_fp8(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> tor
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     long_k = k >= 8192
     block_k = LONG_K["block_k"] if long_k else BLOCK_K
-    fp8_gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
-        x2, weight.codes, weight.scales, bias if bias is not None else weight.scales, y, m, n, k, x2.stride(0),
-        weight.codes.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=NUM_WARPS,
-        num_stages=LONG_K["num_stages"] if long_k else NUM_STAGES)
+    launch.call(fp8_gemv_kernel, (triton.cdiv(n, BLOCK_N),),
+                x2, weight.codes, weight.scales, bias if bias is not None else weight.scales, y, m, n, k, x2.stride(0),
+                weight.codes.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=BLOCK_N,
+                BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=NUM_WARPS,
+                num_stages=LONG_K["num_stages"] if long_k else NUM_STAGES)
     return y.reshape(*x.shape[:-1], n)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton import launch
+
 FP8_MAX = 448.0
 MAX_BLOCK = 4096
 
@@ -49,6 +51,6 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(max(k, 16)), MAX_BLOCK)
-    quantize_rows_kernel[(m,)](x, codes, scales, k, x.stride(0), codes.stride(0), FP8_LIMIT=FP8_MAX,
-                               BLOCK=block, ONE_BLOCK=block >= k, num_warps=8 if block >= 2048 else 4)
+    launch.call(quantize_rows_kernel, (m,), x, codes, scales, k, x.stride(0), codes.stride(0), FP8_LIMIT=FP8_MAX,
+                BLOCK=block, ONE_BLOCK=block >= k, num_warps=8 if block >= 2048 else 4, num_stages=3)
     return codes, scales
