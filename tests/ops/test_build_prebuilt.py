@@ -46,11 +46,11 @@ def built(tmp_path_factory):
 
 def _library(directory, uncovered=None):
     active = build.Build.load(directory)
-    return prebuilt.Library(directory, active.target, uncovered or active.uncovered)
+    return prebuilt.Library(directory, active.target, uncovered or active.uncovered, active.pdl)
 
 
-def _launches(fn, *args):
-    with launch.recording() as calls:
+def _launches(fn, *args, pdl=False):
+    with launch.recording(pdl) as calls:
         fn(*args)
     return calls
 
@@ -603,13 +603,27 @@ errors += [error(y, references.linear(normed, w)), error(total, want_total)]
 gate = torch.randn(1, 28672, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) * 14336 ** -0.5
 errors.append(error(ops.silu_and_mul_linear(gate, w), references.linear(references.silu_and_mul(gate), w)))
-print("ran", max(errors) < 2e-2, prebuilt.STATS["prebuilt"] >= 4, prebuilt.STATS["jit"], prebuilt.MISSES[:1])
+# A chain of dependent GEMVs in a CUDA graph (on Hopper each waits for the one before through PDL), replayed.
+chain = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 4096 ** -0.5 for _ in range(3)]
+def run_chain(h):
+    for w in chain:
+        h = ops.linear(h, w)
+    return h
+eager = run_chain(x)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    replayed = run_chain(x)
+graph.replay()
+torch.cuda.synchronize()
+hopper = torch.cuda.get_device_capability()[0] >= 9
+print("ran", max(errors) < 2e-2 and torch.equal(replayed, eager), prebuilt.STATS["prebuilt"] >= 4,
+      (prebuilt.STATS["prebuilt_pdl"] > 0) == hopper, prebuilt.STATS["jit"], prebuilt.MISSES[:1])
 """
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_gemvs_run_from_a_build_compiling_nothing_cuda(tmp_path):
-    assert _probe_build(tmp_path, GEMV_MANIFEST, PROBE_GEMV_CUDA) == "ran True True 0 []"
+    assert _probe_build(tmp_path, GEMV_MANIFEST, PROBE_GEMV_CUDA) == "ran True True True 0 []"
 
 
 def test_an_operator_without_workloads_is_kept_and_its_report_says_nothing_was_built(tmp_path, monkeypatch):
@@ -675,20 +689,45 @@ def test_launches_say_which_representative_calls_the_triton_implementation_leave
         aot.launches("linear", torch.bfloat16, workloads.shapes("smollm2"), impl_name="cublaslt")
 
 
-def test_under_a_build_the_decode_kernels_launch_without_pdl(monkeypatch, built):
-    """Where PDL would be on (stubbed: no GPU here), an active build turns it off for the GEMVs and the attention
-    side (their binaries are plain launches), and a launch that still asks for PDL counts as uncovered."""
+def test_the_decode_kernels_keep_pdl_under_a_build_that_recorded_it(monkeypatch, built):
+    """Where PDL would be on (stubbed: no GPU here), a build whose manifest says it recorded the PDL launches keeps it
+    on for the GEMVs and the attention side; under one made before builds did (plain launches only) it is off, and a
+    launch that still asks for PDL counts as uncovered."""
     from ninefold.ops.triton import gemv_pdl, gemv_pdl_ops
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(gemv_pdl, "pdl_available", lambda device=None: True)
     monkeypatch.setattr(launch, "_library", None)
     assert gemv_pdl_ops.use_pdl(cuda) and decode.pdl_wanted(cuda)
-    monkeypatch.setattr(launch, "_library", prebuilt.Library(built, "cuda:90", "error"))
+    assert build.Build.load(built).pdl  # (a cuda:90 build)
+    monkeypatch.setattr(launch, "_library", _library(built))
+    assert launch.library().pdl and gemv_pdl_ops.use_pdl(cuda) and decode.pdl_wanted(cuda)
+    monkeypatch.setattr(launch, "_library", prebuilt.Library(built, "cuda:90", "error", pdl=False))
     assert not gemv_pdl_ops.use_pdl(cuda) and not decode.pdl_wanted(cuda)
     with pytest.raises(prebuilt.BuildError, match=r"gemv_pdl_kernel: launched with PDL \(pdl=True\), and the build "
                                                   r"holds plain launches only; .* uncovered = \"error\""):
         gemv_pdl._LAUNCH((1,), (torch.empty(1),), (), launch_pdl=True)
+
+
+def test_a_build_for_hopper_holds_the_pdl_launches_of_the_decode_kernels(built):
+    """A cuda:90 build records every representative call twice, as launched without PDL and with it (the kernels
+    that use PDL then wait on the kernel before with other constexprs), so both launches find exact binaries; the
+    manifest says so. Targets before sm_90 record plain launches only."""
+    from ninefold.ops import workloads
+
+    assert json.loads((built / "manifest.json").read_text())["pdl"] is True
+    assert build._pdl_target("cuda:90") and not build._pdl_target("cuda:80") and not build._pdl_target("cpu")
+    library = _library(built)
+    case = next(workloads.cases("attention_decode", workloads.shapes("smollm2"), "meta", torch.bfloat16))
+    x = torch.empty(8, 576, dtype=torch.bfloat16, device="meta")
+    for pdl in (False, True):
+        with aot.sized_as(aot.TARGET_SMS["cuda:90"]):
+            calls = _launches(decode.attention_decode, *case.args, None, pdl=pdl)
+        calls += _launches(norm.rms_norm, x, torch.empty(576, dtype=torch.bfloat16, device="meta"), 1e-5, pdl=pdl)
+        assert len(calls) == 2 and all(dict(zip(c[0].arg_names, c[1]))["USE_GDC"] is pdl for c in calls)
+        for kernel, values, warps, stages in calls:
+            binary, why = library.find(kernel, values, warps, stages)
+            assert binary is not None and binary.meta["exact"], why
 
 
 FP8_MANIFEST = """

@@ -24,7 +24,9 @@ of every kernel specialisation its launchers use at the manifest's shapes
 ``ninefold.ops.triton.prebuilt``): the JIT's exact specialisation (16-byte aligned pointers,
 integers divisible by 16 where the shapes make them so) and a relaxed one that serves any integer
 values. It needs no GPU: the launch parameters are recorded on ``meta`` tensors and compiled for
-the target. With ``NINEFOLD_OPS_BUILD=DIR`` only that subset is registered and the Triton launchers
+the target; for sm_90 and later each call is recorded a second time as launched with programmatic
+dependent launch (PDL: the kernels that use it take other constexprs), ``manifest.json`` says
+``"pdl": true``, and those binaries are launched with PDL. With ``NINEFOLD_OPS_BUILD=DIR`` only that subset is registered and the Triton launchers
 run the build's binaries through the CUDA driver, compiling nothing (whatever Triton version is
 installed there). DSL kernels of kept "dsl" implementations are compiled to
 ``DIR/kernels/dsl/<op>/<dtype>`` by ``ninefold.dsl.aot`` (aligned pointers, unit strides, strides
@@ -67,6 +69,7 @@ class Build:
     uncovered: str = "jit"
     kv_cache_dtypes: tuple = ("auto",)
     block_sizes: tuple = (16,)
+    pdl: bool = False  # its binaries include the launches that use PDL on the target (builds of sm_90+)
 
     def engine_gap(self, block_size: int, kv_cache_dtype: str) -> str | None:
         """What an engine with ``block_size`` and ``kv_cache_dtype`` runs that this build compiled no paged kernels
@@ -117,7 +120,7 @@ class Build:
                              f"rebuild with `ninefold ops build`")
         return cls(path, data["ops"], data.get("fallback", "error"), data.get("target", "cpu"),
                    data.get("uncovered", "jit"), tuple(data.get("kv_cache_dtypes", ["auto"])),
-                   tuple(data.get("block_sizes", [16])))
+                   tuple(data.get("block_sizes", [16])), data.get("pdl") is True)
 
 
 def _manifest_problem(data) -> str | None:
@@ -142,6 +145,8 @@ def _manifest_problem(data) -> str | None:
     caches = data.get("kv_cache_dtypes", ["auto"])
     if not isinstance(caches, list) or any(c not in KV_CACHE_DTYPES for c in caches):
         return f"kv_cache_dtypes must be a list of {', '.join(KV_CACHE_DTYPES)}, got {caches!r}"
+    if not isinstance(data.get("pdl", False), bool):
+        return f"pdl must be true or false, got {data['pdl']!r}"
     sizes = data.get("block_sizes", [16])
     if not _block_sizes_ok(sizes):
         return f"block_sizes must be a non-empty list of positive integers, got {sizes!r}"
@@ -303,6 +308,16 @@ def _fp8_target(target: str) -> bool:
     return target == "cpu" or (target.startswith("cuda:") and int(target[5:]) >= 89)
 
 
+def _pdl_target(target: str) -> bool:
+    """Whether a build for ``target`` records the launches that use programmatic dependent launch as well: CUDA of
+    compute capability 9.0 or later, with a Triton that has the API (``gemv_pdl.pdl_api``)."""
+    if not (target.startswith("cuda:") and int(target[5:]) >= 90):
+        return False
+    from ninefold.ops.triton import gemv_pdl
+
+    return gemv_pdl.pdl_api()
+
+
 def _block_sizes_ok(value) -> bool:
     """A non-empty list of positive integers (booleans are not integers here)."""
     return isinstance(value, list) and bool(value) and all(
@@ -370,16 +385,18 @@ def build(manifest_path, out, target: str | None = None) -> Report:
             shutil.rmtree(out / "kernels")
     started.write_text("ninefold ops build output; a rebuild replaces kernels/ and manifest.json\n")
     report = Report(out, target)
+    pdl = _pdl_target(target)
     if target != "cpu":
-        _compile_triton(manifest, target, out, report)
+        _compile_triton(manifest, target, out, report, pdl)
         _compile_dsl(manifest, target, out, report)
-    (out / "manifest.json").write_text(json.dumps({**manifest, "versions": tuning.versions()}, indent=1))
+    (out / "manifest.json").write_text(json.dumps({**manifest, "pdl": pdl, "versions": tuning.versions()}, indent=1))
     report.sizes["(manifest)"] = (1, (out / "manifest.json").stat().st_size)
     return report
 
 
-def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> None:
-    """Compile every specialisation the kept Triton implementations launch at the manifest's shapes."""
+def _compile_triton(manifest: dict, target: str, out: Path, report: Report, pdl: bool = False) -> None:
+    """Compile every specialisation the kept Triton implementations launch at the manifest's shapes (with ``pdl``,
+    also those they launch with programmatic dependent launch)."""
     import hashlib
 
     from tqdm import tqdm
@@ -400,7 +417,7 @@ def _compile_triton(manifest: dict, target: str, out: Path, report: Report) -> N
         for impl, dtype_name, cache_dtype, at in ((i, d, c, a) for i in entry["impls"] if i in aot.TRITON_IMPLS
                                                   for d in entry["dtypes"] for c in caches for a in sized):
             found, notes = aot.launches(op, getattr(torch, dtype_name), at, aot.TARGET_SMS.get(target, 132),
-                                        cache_dtype, impl)
+                                        cache_dtype, impl, pdl)
             report.notes += notes
             # Per kernel, constexprs, dtypes and launch options: the JIT's exact specialisations, one
             # merged over them (other shapes of the same kind), one relaxed (any integers).

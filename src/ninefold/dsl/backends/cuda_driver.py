@@ -21,6 +21,34 @@ _CTYPES = {
     "f64": ctypes.c_double,
 }
 _DRIVER = {}
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, then a 64-byte value union (72 bytes)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (56 bytes): the grid and block shape, dynamic shared memory, stream and attributes."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+def pdl_config(threads: int, shared: int) -> LaunchConfig:
+    """A launch configuration of ``threads`` per block and ``shared`` bytes that lets the kernel start while the one
+    before it in the stream finishes (programmatic dependent launch: the kernel waits for it with
+    ``griddepcontrol.wait``, Triton's ``gdc_wait``); set its grid and stream per launch."""
+    attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = LaunchConfig(block_x=threads, block_y=1, block_z=1, shared=shared, attrs=ctypes.pointer(attribute),
+                          num_attrs=1)
+    config._attribute = attribute  # kept alive with the configuration
+    return config
 
 
 def driver():

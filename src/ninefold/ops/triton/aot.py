@@ -113,11 +113,13 @@ TRITON_IMPLS = ("triton", "triton_gemm", "triton_row", "triton_pdl", "triton_gem
 
 
 def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132, cache_dtype: torch.dtype | None = None,
-             impl_name: str = "triton") -> tuple[list, list[str]]:
+             impl_name: str = "triton", pdl: bool = False) -> tuple[list, list[str]]:
     """``(launches, notes)``: the distinct ``(kernel, spec, num_warps, num_stages)`` the Triton
     implementation ``impl_name`` of ``op`` launches for the representative calls at ``shapes``
     (``ninefold.ops.workloads``; KV caches of ``cache_dtype``, default ``dtype``), recorded on ``meta``
-    tensors as if on a GPU with ``sms`` SMs; ``notes`` says which calls the implementation does not support."""
+    tensors as if on a GPU with ``sms`` SMs, without programmatic dependent launch and, with ``pdl``, with it
+    (kernels that use it then take other constexprs); ``notes`` says which calls the implementation does not
+    support."""
     from ninefold.ops import dispatch, registry, workloads
     from ninefold.ops.triton import launch, prebuilt
 
@@ -137,8 +139,11 @@ def launches(op: str, dtype: torch.dtype, shapes, sms: int = 132, cache_dtype: t
             if reason:
                 notes.append(f"{op} {case.label}: {reason}")
                 continue
-            with launch.recording() as calls:
-                impl.fn(*bound)
+            calls = []
+            for with_pdl in (False, True) if pdl else (False,):
+                with launch.recording(with_pdl) as recorded:
+                    impl.fn(*bound)
+                calls += recorded
             if not calls:
                 unrecorded.append(case.label)
             for kernel, values, warps, stages in calls:

@@ -452,16 +452,14 @@ def plan(batch: int, kv_heads: int, capacity: int, sms: int, dtype: torch.dtype,
 
 def pdl_wanted(device: torch.device) -> bool:
     """Whether the attention-side decode kernels (``rope_and_cache``, the split kernel) launch with
-    programmatic dependent launch on ``device``: a CUDA device where
-    :func:`ninefold.ops.triton.gemv_pdl.pdl_available` holds, unless ``NINEFOLD_GEMV_PDL=0`` (PDL
-    off everywhere) or ``NINEFOLD_DECODE_PDL=0`` (off for these kernels only), and not while a
-    trimmed build is active or recorded (its binaries are plain launches). Read at every call, so at
-    CUDA-graph capture."""
-    if device.type != "cuda" or os.environ.get("NINEFOLD_GEMV_PDL", "1") == "0":
+    programmatic dependent launch on ``device``: where ``launch.pdl_allowed`` (a CUDA device where
+    :func:`ninefold.ops.triton.gemv_pdl.pdl_available` holds; under a trimmed build, one holding PDL
+    launches; while a build is recorded, as its recording says), unless ``NINEFOLD_GEMV_PDL=0`` (PDL
+    off everywhere) or ``NINEFOLD_DECODE_PDL=0`` (off for these kernels only). Read at every call, so
+    at CUDA-graph capture."""
+    if os.environ.get("NINEFOLD_GEMV_PDL", "1") == "0" or os.environ.get("NINEFOLD_DECODE_PDL", "1") == "0":
         return False
-    if launch_module.plain_only():
-        return False
-    return os.environ.get("NINEFOLD_DECODE_PDL", "1") != "0" and gemv_pdl.pdl_available(device)
+    return launch_module.pdl_allowed(device)
 
 
 def check_pdl(pdl, device: torch.device, op: str) -> bool:
@@ -568,7 +566,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, scale, config: dict,
                   EARLY_KV=bool(pdl and early_kv_wanted()) if early_kv is None else bool(early_kv),
                   ROPE=rope is not None, HALF=1 if rope is None else rope.cos_sin_cache.shape[1] // 2,
                   IS_NEOX=True if rope is None else bool(rope.is_neox))
-    if pdl:  # a direct launch (builds hold no PDL binaries)
+    if pdl:
         _SPLIT_PDL((b * hk // heads, splits), args, tuple(consts[n] for n in _SPLIT_CONSTEXPRS),
                    num_warps=config["num_warps"], num_stages=config["num_stages"], device_index=q.get_device(),
                    launch_pdl=True)

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninefold.ops.triton import launch
 from ninefold.ops.triton.fp8_operand import padded_row
 from ninefold.ops.triton.launch import Launcher
 
@@ -60,7 +61,10 @@ def pdl_api() -> bool:
 
 
 def pdl_available(device: torch.device | None = None) -> bool:
-    """PDL usable here: the Triton API, a CUDA device of compute capability >= 9, no interpreter."""
+    """PDL usable here: the Triton API, a CUDA device of compute capability >= 9, no interpreter (on ``meta``
+    tensors: while a build records the PDL launches of its target GPU)."""
+    if device is not None and device.type == "meta":
+        return launch.recording_pdl()
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
     index = (device.index if device is not None and device.index is not None else torch.cuda.current_device())

@@ -233,9 +233,10 @@ def pdl_enabled() -> bool:
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether the GEMVs launch with PDL on ``device``: where :func:`pdl_enabled` and Triton and the GPU support it,
-    not while a trimmed build is active or recorded (its binaries are plain launches)."""
-    return device.type == "cuda" and pdl_enabled() and not launch.plain_only() and gemv_pdl.pdl_available(device)
+    """Whether the GEMVs launch with PDL on ``device``: where :func:`pdl_enabled` and ``launch.pdl_allowed`` (Triton
+    and the GPU support it; under a trimmed build, one that holds PDL launches; while a build is recorded, as its
+    recording says)."""
+    return pdl_enabled() and launch.pdl_allowed(device)
 
 
 def _launch(x, weight, prologue: str = "none", **kw) -> torch.Tensor:

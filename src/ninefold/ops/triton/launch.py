@@ -15,7 +15,8 @@ Disabled under ``TRITON_INTERPRET=1``, when launch hooks are installed (profiler
 With a trimmed build active (``NINEFOLD_OPS_BUILD``), a specialisation seen for the first time is
 looked up among the build's prebuilt binaries (``ninefold.ops.triton.prebuilt``) before anything is
 compiled; kernels launched without a ``Launcher`` go through :func:`call` for the same lookup.
-``recording()`` collects the launches instead of running them (how a build learns what to compile).
+``recording()`` collects the launches instead of running them (how a build learns what to compile;
+``recording(pdl=True)`` as the decode kernels launch on a GPU with programmatic dependent launch).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ _library = _UNSET
 _direct: dict = {}
 _launchers: list = []
 _recorded: list | None = None
+_recorded_pdl = False
 
 
 def library():
@@ -124,15 +126,27 @@ def library():
         active = build.active()
         _library = None
         if active is not None and not INTERPRETED:
-            found = prebuilt.Library(active.path, active.target, active.uncovered)
+            found = prebuilt.Library(active.path, active.target, active.uncovered, active.pdl)
             _library = found if len(found) else None
     return _library
 
 
-def plain_only() -> bool:
-    """Whether kernels launch without PDL: a trimmed build is active or being recorded (it holds plain binaries, and
-    a PDL launch would go to the JIT). Read at every call, so at CUDA-graph capture."""
-    return _recorded is not None or library() is not None
+def pdl_allowed(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may launch with programmatic dependent launch (their own switches aside): while
+    a build is recorded, as the recording says (its ``meta`` tensors stand for the target GPU); elsewhere on a CUDA
+    device where Triton and the GPU support it (``gemv_pdl.pdl_available``), and, while a trimmed build with Triton
+    binaries is active, where that build recorded the PDL launches too (``Library.pdl``: builds made before it did
+    hold plain launches only). Read at every call, so at CUDA-graph capture."""
+    if _recorded is not None:
+        return _recorded_pdl
+    if device.type != "cuda":
+        return False
+    lib = library()
+    if lib is not None and not lib.pdl:
+        return False
+    from ninefold.ops.triton import gemv_pdl
+
+    return gemv_pdl.pdl_available(device)
 
 
 def reset() -> None:
@@ -145,27 +159,36 @@ def reset() -> None:
         launcher.uncovered.clear()
 
 
+def recording_pdl() -> bool:
+    """Whether a build is being recorded with the launches that use PDL on its target GPU (``recording(pdl=True)``)."""
+    return _recorded is not None and _recorded_pdl
+
+
 class recording:
     """``with recording() as calls:`` launches append ``(kernel, values, num_warps, num_stages)`` to
-    ``calls`` (``values``: every parameter in order) instead of running."""
+    ``calls`` (``values``: every parameter in order) instead of running; with ``recording(pdl=True)`` the
+    kernels that launch with PDL on a GPU supporting it do so (:func:`pdl_allowed`)."""
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def __enter__(self) -> list:
-        global _recorded
-        _recorded = []
+        global _recorded, _recorded_pdl
+        _recorded, _recorded_pdl = [], self.pdl
         return _recorded
 
     def __exit__(self, *exc) -> None:
-        global _recorded
-        _recorded = None
+        global _recorded, _recorded_pdl
+        _recorded, _recorded_pdl = None, False
 
 
-def _from_build(lib, kernel, values, num_warps: int, num_stages: int, device_index: int):
-    """The build's binary for this call, loaded (``None``: the JIT compiles it)."""
+def _from_build(lib, kernel, values, num_warps: int, num_stages: int, device_index: int, pdl: bool = False):
+    """The build's binary for this call, loaded to launch with PDL or without (``None``: the JIT compiles it)."""
     from ninefold.ops.triton import prebuilt
 
     lib.check_device(torch.cuda.get_device_capability(device_index))
     binary = lib.select(kernel, values, num_warps, num_stages)
-    return None if binary is None else prebuilt.Kernel(binary, device_index)
+    return None if binary is None else prebuilt.Kernel(binary, device_index, pdl)
 
 
 def _bind(kernel, args: tuple, constexprs: dict) -> tuple:
@@ -241,15 +264,17 @@ class Launcher:
             self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **extra)
             return
         key = (device_index, *self.key(args, consts, num_warps, num_stages))  # loaded modules are per device
-        if launch_pdl:  # (the library's own launches are plain: plain_only() keeps PDL off under a build)
+        if launch_pdl:
             key = ("pdl", *key)
-            if lib is not None and key not in self.uncovered:
-                lib.uncovered_call(self.kernel, "launched with PDL (pdl=True), and the build holds plain launches only")
-                self.uncovered.add(key)
-            lib = None
+            if lib is not None and not lib.pdl:  # (pdl_allowed() keeps the library's own launches plain there)
+                if key not in self.uncovered:
+                    lib.uncovered_call(self.kernel, "launched with PDL (pdl=True), and the build holds plain "
+                                                    "launches only")
+                    self.uncovered.add(key)
+                lib = None
         compiled = self.compiled.get(key)
         if compiled is None and lib is not None and key not in self.uncovered:
-            compiled = _from_build(lib, self.kernel, (*args, *consts), num_warps, num_stages, device_index)
+            compiled = _from_build(lib, self.kernel, (*args, *consts), num_warps, num_stages, device_index, launch_pdl)
             if compiled is not None:
                 self.compiled[key] = compiled
             else:

@@ -39,7 +39,7 @@ _CTYPES = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64
            "b32": ctypes.c_uint32, "s32": ctypes.c_int32, "u16": ctypes.c_uint16, "b16": ctypes.c_uint16,
            "u8": ctypes.c_uint8, "b8": ctypes.c_uint8, "f32": ctypes.c_float, "f64": ctypes.c_double}
 # Launches through prebuilt binaries / calls handed to the JIT while a build is active.
-STATS = {"prebuilt": 0, "jit": 0}
+STATS = {"prebuilt": 0, "prebuilt_pdl": 0, "jit": 0}  # launches of prebuilt binaries (those with PDL), JIT compiles
 MISSES: list[str] = []  # why each call handed to the JIT was not covered
 LOADED: list[dict] = []  # every binary selected: kernel, file, exact (the call's own JIT specialisation) or not
 
@@ -231,12 +231,13 @@ def write(out: Path, stem: str, kernel, spec: tuple, num_warps: int, num_stages:
 class Library:
     """Every binary of a build directory, by kernel; ``find`` picks the one for a call."""
 
-    def __init__(self, directory, target: str, uncovered: str = "jit"):
+    def __init__(self, directory, target: str, uncovered: str = "jit", pdl: bool = False):
         if uncovered not in UNCOVERED:
             raise ValueError(f"uncovered must be one of {UNCOVERED}, got {uncovered!r}")
         self.directory = Path(directory)
         self.target = target
         self.uncovered = uncovered
+        self.pdl = pdl  # the build recorded the launches that use PDL too (their binaries launch with it)
         self.by_kernel: dict[str, list[Binary]] = {}
         self._checked_devices: set = set()
         self._sources: dict[str, str] = {}
@@ -350,8 +351,8 @@ class Kernel:
     function = None
     packed_metadata = None
 
-    def __init__(self, binary: Binary, device_index: int):
-        from ninefold.dsl.backends.cuda_driver import driver
+    def __init__(self, binary: Binary, device_index: int, pdl: bool = False):
+        from ninefold.dsl.backends.cuda_driver import driver, pdl_config
 
         self.binary = binary
         self.meta = binary.meta
@@ -360,6 +361,8 @@ class Kernel:
         self.binary.image()  # missing or corrupt: a BuildError naming the file, before the driver sees it
         self.handle = self.driver.function(binary.path.parent / self.meta["binary"], self.meta, self.device)
         self.arguments = Arguments(binary)
+        # ``pdl``: launched with programmatic dependent launch (the binary is the same; only the launch differs)
+        self.pdl_config = pdl_config(32 * self.meta["num_warps"], self.meta["shared"]) if pdl else None
 
     def run(self, g0, g1, g2, stream, _function, _metadata, _hook, _enter, _exit, *values):
         """Launch a ``g0 x g1 x g2`` grid on ``stream`` with every parameter's value, in order."""
@@ -371,8 +374,16 @@ class Kernel:
             else:
                 self._launch(g0, g1, g2, stream)
         STATS["prebuilt"] += 1
+        if self.pdl_config is not None:
+            STATS["prebuilt_pdl"] += 1
 
     def _launch(self, g0, g1, g2, stream) -> None:
-        self.driver.check(self.driver.lib.cuLaunchKernel(
-            self.handle, g0, g1, g2, 32 * self.meta["num_warps"], 1, 1, self.meta["shared"], ctypes.c_void_p(stream),
-            self.arguments.array, None), "cuLaunchKernel")
+        config = self.pdl_config
+        if config is None:
+            self.driver.check(self.driver.lib.cuLaunchKernel(
+                self.handle, g0, g1, g2, 32 * self.meta["num_warps"], 1, 1, self.meta["shared"],
+                ctypes.c_void_p(stream), self.arguments.array, None), "cuLaunchKernel")
+            return
+        config.grid_x, config.grid_y, config.grid_z, config.stream = g0, g1, g2, stream
+        self.driver.check(self.driver.lib.cuLaunchKernelEx(ctypes.byref(config), self.handle, self.arguments.array,
+                                                           None), "cuLaunchKernelEx")
