@@ -65,7 +65,8 @@ def test_build_for_sm90_holds_only_its_manifest(tmp_path, capsys):
     # silu_and_mul is triton-only: listed only where CUDA registers the Triton kernels.
     expected = ["rms_norm", "silu_and_mul"] if torch.cuda.is_available() else ["rms_norm"]
     assert [line.split()[0] for line in listed[1:]] == expected
-    assert listed[0] == f"trimmed build: {out} (target cuda:90; paged kernels for KV caches auto, block sizes 16)"
+    assert listed[0] == (f"trimmed build: {out} (target cuda:90; paged kernels for KV caches auto, block sizes 16; "
+                         f"launches with and without PDL)")
     first, half, softmax = _probe(out)
     assert first == "8.0"
     assert half.startswith("rms_norm: float16 is not supported on cpu in the trimmed build at ")

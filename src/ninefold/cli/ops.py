@@ -46,7 +46,8 @@ def _list(args: argparse.Namespace) -> int:
     active = build.active()
     if active is not None:
         print(f"trimmed build: {active.path} (target {active.target}; paged kernels for KV caches "
-              f"{', '.join(active.kv_cache_dtypes)}, block sizes {', '.join(map(str, active.block_sizes))})")
+              f"{', '.join(active.kv_cache_dtypes)}, block sizes {', '.join(map(str, active.block_sizes))}; "
+              f"{'launches with and without PDL' if active.pdl else 'plain launches only'})")
     for op in registry.operators():
         impls = registry.implementations(op)
         if impls:
