@@ -302,16 +302,21 @@ DTYPES = ("float16", "bfloat16", "float32")
 _TARGET = re.compile(r"cpu|cuda:\d+|hip:gfx\w+")
 
 
+def _cuda_sm(target: str) -> int:
+    """The compute capability a ``cuda:NN`` target names, as ``NN`` (0 for other targets)."""
+    return int(target[5:]) if target.startswith("cuda:") else 0
+
+
 def _fp8_target(target: str) -> bool:
     """Whether a build for ``target`` can hold FP8-cache kernels: nothing is compiled for the CPU; Triton compiles
     FP8 (fp8e4nv) for CUDA of compute capability 8.9 or later."""
-    return target == "cpu" or (target.startswith("cuda:") and int(target[5:]) >= 89)
+    return target == "cpu" or _cuda_sm(target) >= 89
 
 
 def _pdl_target(target: str) -> bool:
     """Whether a build for ``target`` records the launches that use programmatic dependent launch as well: CUDA of
     compute capability 9.0 or later, with a Triton that has the API (``gemv_pdl.pdl_api``)."""
-    if not (target.startswith("cuda:") and int(target[5:]) >= 90):
+    if _cuda_sm(target) < 90:
         return False
     from ninefold.ops.triton import gemv_pdl
 

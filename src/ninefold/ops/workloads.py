@@ -143,7 +143,7 @@ def _fused_weights(n: int, k: int, dev, dt, g):
 
 def _add_rms_norm_linear(s, dev, dt, g):
     norm = _randn(g, s.hidden, device=dev, dtype=dt)
-    for n, what in (((s.heads + 2 * s.kv_heads) * s.head_dim, "qkv"), (2 * s.intermediate, "gate_up")):
+    for n, _, what in (layer for layer in _layers(s) if layer[2] in ("qkv", "gate_up")):  # (the normed ones)
         for weight, fp8, most in _fused_weights(n, s.hidden, dev, dt, g):
             for t in (t for t in s.tokens if t <= most):
                 x, r = _randn(g, t, s.hidden, device=dev, dtype=dt), _randn(g, t, s.hidden, device=dev, dtype=dt)
