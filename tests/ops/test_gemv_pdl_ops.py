@@ -229,7 +229,8 @@ def test_fp8_entries_are_kept_apart_from_dense_ones_and_nothing_else_runs_fp8(tm
 
     monkeypatch.delenv("NINEFOLD_GEMV_TABLE", raising=False)
     monkeypatch.delenv("NINEFOLD_GEMV_ROWS_TABLE", raising=False)
-    assert go.config(6144, 4096, "add_rms_norm", fp8=True) is None  # (a dense TABLE entry exists for it)
+    assert go.config(128256, 4096, "add_rms_norm", fp8=True) is None  # (a dense TABLE entry exists for it)
+    assert go.config(128256, 4096, "add_rms_norm") is not None
     assert go.rows_config(6144, 4096, "add_rms_norm", 4, fp8=True) == ()
     one, rows = tmp_path / "one.json", tmp_path / "rows.json"
     one.write_text(json.dumps([{"n": 6144, "k": 4096, "prologue": "add_rms_norm", "weight": "fp8",
@@ -240,9 +241,10 @@ def test_fp8_entries_are_kept_apart_from_dense_ones_and_nothing_else_runs_fp8(tm
                                 {"n": 6144, "k": 4096, "prologue": "none", "rows": 16, "weight": "fp8", "config": []}]))
     monkeypatch.setenv("NINEFOLD_GEMV_TABLE", str(one))
     monkeypatch.setenv("NINEFOLD_GEMV_ROWS_TABLE", str(rows))
-    assert go.config(6144, 4096, "add_rms_norm", fp8=True) == (16, 1024, 1, 4, 2, 2)
+    assert go.config(6144, 4096, "add_rms_norm", fp8=True) == (16, 1024, 1, 4, 2, 2)  # the file before FP8_TABLE
     assert go.config(6144, 4096, "add_rms_norm") == (64, 128, 2, 8, 3, 1)
-    assert go.config(6144, 4096, "none", fp8=True) is None
+    assert go.config(6144, 4096, "none", fp8=True) == go.FP8_TABLE[(6144, 4096, "none", "fp8")]  # not in the file
+    assert go.config(4096, 4096, "add_rms_norm", fp8=True) is None
     assert go.rows_config(6144, 4096, "none", 3, fp8=True) == (32, 512, 1, 4, 3)
     assert go.rows_config(6144, 4096, "none", 3) == ()  # the dense call is not listed
     assert go.rows_config(6144, 4096, "none", 16, fp8=True) == ()  # listed as declined

@@ -169,7 +169,9 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
     """Last-position logits from a plain float32 torch forward of the engine's weights (FP8 layers: their
     dequantized weights, and in a pass of more than 16 tokens their inputs rounded to FP8 per row, as
     ``linear_fp8`` rounds a step of that many rows; the engine's one-row decode step after a prefill is
-    weight-only, so there the reference only approximates it)."""
+    weight-only, so there the reference only approximates it). With an FP8 KV cache every key and value is
+    rounded to its FP8 code before attention, as the engine's prefill and decode read them back from the cache."""
+    from ninefold.ops.attention import FP8_MAX, KV_FP8
     from ninefold.ops.fp8 import GEMV_MAX_ROWS as FP8_GEMV_ROWS
     from ninefold.ops.fp8 import Fp8Weight, quantize_rows
 
@@ -210,6 +212,8 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
         if w.get(f"{i}.q_norm") is not None:
             q, k = norm(q, w[f"{i}.q_norm"]), norm(k, w[f"{i}.k_norm"])
         q, k = rope(q), rope(k)
+        if engine.kv_dtype == KV_FP8:
+            k, v = (t.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).float() for t in (k, v))
         rep = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

@@ -61,10 +61,15 @@ TABLE: dict[tuple, tuple] = {
 # gate_up (50.9 vs 49.1) lost, and at 4 rows the few-rows GEMV lost on every layer, so FP8_ROWS_TABLE lists none.
 # gate_up: the tl.dot loop once it multiplied float16 (``fp8_operand``): H100, 2026-12-07 16:50 UTC, the same bench
 # (docs/perf/data/fp8_gemv_f16_dot_h100.json): 44.2 us against 48.5 for the unfused pair (50.6 with bfloat16 dots).
+# q/k/v and gate_up from the wider sweep (split-K and 8 warps for the tl.dot loop): H100, 2026-12-07 23:17 UTC, the
+# same bench (docs/perf/data/fp8_gemv_sweep_h100.json); FP8 batch-1 decode 255.6 -> 265.5 tok/s with these entries.
+# The first layer's bare q/k/v takes the q/k/v entry (the bench writes it so).
 FP8_TABLE: dict[tuple, tuple] = {
-    (4096, 4096, "none", "fp8"): (16, 512, 1, 4, 2, 0),  # o: 9.6 us (13.0 before)
-    (28672, 4096, "add_rms_norm", "fp8"): (64, 256, 1, 4, 3, 1),  # gate_up: 44.2 us (48.5 before)
-    (4096, 14336, "silu_and_mul", "fp8"): (16, 512, 1, 4, 2, 0),  # down: 33.4 us (39.1 before)
+    (6144, 4096, "add_rms_norm", "fp8"): (64, 256, 2, 4, 3, 1),  # q/k/v: 13.7 us (18.2 before)
+    (6144, 4096, "none", "fp8"): (64, 256, 2, 4, 3, 1),
+    (4096, 4096, "none", "fp8"): (16, 512, 1, 4, 2, 0),  # o: 9.4 us (13.0 before)
+    (28672, 4096, "add_rms_norm", "fp8"): (128, 256, 1, 8, 3, 1),  # gate_up: 43.6 us (48.4 before)
+    (4096, 14336, "silu_and_mul", "fp8"): (16, 512, 1, 4, 2, 0),  # down: 33.1 us (39.8 before)
 }
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16)
