@@ -2,8 +2,9 @@
 
 Each new token decodes a short window of recent ids twice (with and without the new ones) and
 appends the difference, so the cost per token is constant. Text ending in an incomplete UTF-8
-character (decoded as U+FFFD) is held back until the character completes, bounded by
-``MAX_HELD_TOKENS`` so a model that emits invalid bytes cannot make the window grow. Stop
+character (decoded as U+FFFD) is held back until the character completes; after ``MAX_HELD_TOKENS`` ids
+(invalid bytes, or tokens that each end inside a character) the text up to the latest cut that splits no
+character goes out, and ``MAX_WINDOW_TOKENS`` bounds how far the window grows while there is none. Stop
 strings are searched only in the tail the new text can reach; while running, the last
 ``len(longest stop) - 1`` characters are held back so a stop string is never streamed out.
 
@@ -21,6 +22,9 @@ from ninefold.llm.tokenizer import Tokenizer
 PREFIX_WINDOW = 5
 # A UTF-8 character spans at most 4 bytes, hence at most 4 byte-level tokens.
 MAX_HELD_TOKENS = 8
+# Ids held while no cut between them is clean (byte-level tokens that each end inside a character) before the
+# oldest are released anyway: bounds the window a model emitting such runs (or invalid bytes) makes us decode.
+MAX_WINDOW_TOKENS = 32
 
 
 class IncrementalDetokenizer:
@@ -40,7 +44,7 @@ class IncrementalDetokenizer:
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self._ids = list(prompt_ids[-PREFIX_WINDOW:])
+        self._ids = list(prompt_ids[self._clean_start(prompt_ids, 0, len(prompt_ids) - PREFIX_WINDOW):])
         self._prefix = 0
         self._read = len(self._ids)
         self._text = ""
@@ -102,7 +106,8 @@ class IncrementalDetokenizer:
             new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
                 self._text += new_text[len(prefix_text) :]
-                self._prefix, self._read = max(self._read, end - PREFIX_WINDOW), end
+                self._prefix = self._clean_start(self._ids, self._read, end - PREFIX_WINDOW)
+                self._read = end
                 self._drop_unreachable_ids()
                 return True
         del self._ids[base:]
@@ -119,20 +124,49 @@ class IncrementalDetokenizer:
         prefix_text = decode(self._ids[self._prefix : self._read], self.skip_special_tokens)
         new_text = decode(self._ids[self._prefix :], self.skip_special_tokens)
         if new_text == prefix_text:  # no text (a skipped special token): nothing to hold it for
-            self._prefix, self._read = self._read, len(self._ids)
+            # The window keeps its start: one starting at the special token would decode the next word alone,
+            # and SentencePiece decoders strip a leading space there. A long run of such ids moves it anyway.
+            self._read = len(self._ids)
+            if self._read - self._prefix > PREFIX_WINDOW + MAX_HELD_TOKENS:
+                self._prefix = self._read - PREFIX_WINDOW
             return ""
         end = len(self._ids)
         if new_text.endswith("\ufffd"):
             if end - self._read < MAX_HELD_TOKENS:
                 return ""
-            # Held too long (bytes that are no character): release them, but not the last three ids, which may
-            # still begin one.
-            for end in range(len(self._ids) - 1, len(self._ids) - 4, -1):
-                new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
-                if not new_text.endswith("\ufffd"):
-                    break
+            # Held long: release up to the latest cut that splits no character (invalid bytes are no character,
+            # so a run of them has such cuts); with none, hold on, up to MAX_WINDOW_TOKENS, then cut before the
+            # last three ids, which may still begin one.
+            end = self._clean_cut(new_text)
+            if end is None:
+                if len(self._ids) - self._read < MAX_WINDOW_TOKENS:
+                    return ""
+                end = len(self._ids) - 3
+            new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
         self._prefix, self._read = self._read, end
         return new_text[len(prefix_text) :]
+
+    def _clean_cut(self, window_text: str) -> int | None:
+        """The latest id index after ``_read`` where the window splits into two decodes that join to
+        ``window_text`` (the whole window's), or None."""
+        decode = self.tokenizer.decode
+        for end in range(len(self._ids) - 1, self._read, -1):
+            head = decode(self._ids[self._prefix : end], self.skip_special_tokens)
+            if head + decode(self._ids[end:], self.skip_special_tokens) == window_text:
+                return end
+        return None
+
+    def _clean_start(self, ids: list[int], lowest: int, start: int) -> int:
+        """``start`` (at least ``lowest``), moved back over the ids that decode alone to U+FFFD first (at most
+        ``MAX_WINDOW_TOKENS``): a decode window starting inside a character's bytes garbles it, and byte-fallback
+        decoders turn a whole run of byte tokens with an invalid start into U+FFFD, so the window starts before
+        such a run."""
+        start = max(start, lowest)
+        for _ in range(MAX_WINDOW_TOKENS):
+            if start <= lowest or not self.tokenizer.decode(ids[start : start + 1], self.skip_special_tokens).startswith("\ufffd"):
+                break
+            start -= 1
+        return start
 
     def _find_stop(self, before: int) -> str | None:
         best = None
