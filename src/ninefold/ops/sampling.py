@@ -93,7 +93,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, top_k: torch.Tens
     renormalised after top-k, reaches p; 1 = off), then ``min_p`` (drop tokens whose probability
     is below ``min_p`` times the largest; 0 = off). ``generators[i]`` makes row ``i`` reproducible.
     Tokens tied with the k-th largest, or with the last token of the top-p set, are kept with it (as
-    transformers and vLLM keep them), so which tokens a filter keeps never depends on an order of ties.
+    transformers and vLLM keep top-k's ties; vLLM cuts top-p's by sorted position), so which tokens a filter
+    keeps never depends on an order of ties. vLLM's V1 sampler applies min-p before top-k/top-p; this order
+    is its V0 sampler's.
     """
     return _SAMPLE.call(logits, temperature, top_k, top_p, min_p, generators)
 
