@@ -98,6 +98,8 @@ class Sampler:
 
         Without logprobs nothing waits for the device here: on CUDA the tokens are copied to
         page-locked memory behind the step's work, so the host can prepare the next step meanwhile.
+        float32 ``logits`` may be changed in place (logit_bias, allowed or banned tokens, guides, when no row
+        asks for logprobs or penalties): the engine hands over fresh logits each step and saves the copy.
         """
         params = [s.params for s in seqs]
         logits = logits[:, : self.vocab_size]
