@@ -171,7 +171,7 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
     ``linear_fp8`` rounds a step of that many rows; the engine's one-row decode step after a prefill is
     weight-only, so there the reference only approximates it). With an FP8 KV cache every key and value is
     rounded to its FP8 code before attention, as the engine's prefill and decode read them back from the cache."""
-    from ninefold.ops.attention import FP8_MAX, KV_FP8
+    from ninefold.ops.attention import KV_FP8, fp8_codes
     from ninefold.ops.fp8 import GEMV_MAX_ROWS as FP8_GEMV_ROWS
     from ninefold.ops.fp8 import Fp8Weight, quantize_rows
 
@@ -213,7 +213,7 @@ def reference_logits(engine, ids: list[int]) -> torch.Tensor:
             q, k = norm(q, w[f"{i}.q_norm"]), norm(k, w[f"{i}.k_norm"])
         q, k = rope(q), rope(k)
         if engine.kv_dtype == KV_FP8:
-            k, v = (t.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).float() for t in (k, v))
+            k, v = fp8_codes(k).float(), fp8_codes(v).float()
         rep = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -234,9 +234,11 @@ def _agreement_bounds(engine) -> tuple[float, float]:
     at these shapes to bfloat16 rounding: tests/ops/test_fp8.py). An FP8 KV cache flips codes the same way (the
     engine rounds bfloat16 keys, the reference float32 ones): prefill cos 0.9956, rel 0.094 and decode rel 0.099 on
     an H100 with the reference's rounding (float32 on the CPU: 2e-7). A broken layer still lands far outside."""
+    from ninefold.ops.attention import KV_FP8
+
     if engine.config.quantization == "fp8":
         return 0.95, 0.35
-    return (0.99, 0.2) if engine.kv_dtype == torch.float8_e4m3fn else (0.995, 0.1)
+    return (0.99, 0.2) if engine.kv_dtype == KV_FP8 else (0.995, 0.1)
 
 
 @torch.inference_mode()

@@ -137,23 +137,25 @@ class IncrementalDetokenizer:
             # Held long: release up to the latest cut that splits no character (invalid bytes are no character,
             # so a run of them has such cuts); with none, hold on, up to MAX_WINDOW_TOKENS, then cut before the
             # last three ids, which may still begin one.
-            end = self._clean_cut(new_text)
-            if end is None:
+            cut = self._clean_cut(new_text)
+            if cut is None:
                 if len(self._ids) - self._read < MAX_WINDOW_TOKENS:
                     return ""
                 end = len(self._ids) - 3
-            new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
+                new_text = decode(self._ids[self._prefix : end], self.skip_special_tokens)
+            else:
+                end, new_text = cut
         self._prefix, self._read = self._read, end
         return new_text[len(prefix_text) :]
 
-    def _clean_cut(self, window_text: str) -> int | None:
-        """The latest id index after ``_read`` where the window splits into two decodes that join to
-        ``window_text`` (the whole window's), or None."""
+    def _clean_cut(self, window_text: str) -> tuple[int, str] | None:
+        """``(end, text of the window up to end)`` for the latest id index ``end`` after ``_read`` where the
+        window splits into two decodes that join to ``window_text`` (the whole window's), or None."""
         decode = self.tokenizer.decode
         for end in range(len(self._ids) - 1, self._read, -1):
             head = decode(self._ids[self._prefix : end], self.skip_special_tokens)
             if head + decode(self._ids[end:], self.skip_special_tokens) == window_text:
-                return end
+                return end, head
         return None
 
     def _clean_start(self, ids: list[int], lowest: int, start: int) -> int:

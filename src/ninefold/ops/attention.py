@@ -51,10 +51,15 @@ def _cache_checks(op: str, ref_name: str, ref, k_cache, v_cache) -> None:
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` as ``as_bytes(cache)`` holds them (FP8: rounded, saturating at +-448, as bytes; the clamp
+def fp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an FP8 cache stores it: rounded to the nearest ``KV_FP8`` code, saturating at +-448 (the clamp
     first: CUDA's conversion turns values beyond the range into NaN where the CPU's saturates)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8) if cache.dtype == KV_FP8 else x
+    return x.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` as ``as_bytes(cache)`` holds them (FP8: ``fp8_codes`` as bytes)."""
+    return fp8_codes(x).view(torch.uint8) if cache.dtype == KV_FP8 else x
 
 
 def _scale(op: str, scale) -> None:
